@@ -1,0 +1,1 @@
+"""quantgate pipeline: one module per DVC stage (prepare, quantize, evaluate, gate, register) and the CLI."""

@@ -1,0 +1,79 @@
+"""The `quantgate` command: parses arguments, calls pipeline/, evals/ or registry/, prints.
+
+    quantgate report                 the gate table of the last `dvc repro`
+    quantgate status [MODEL]         registered versions, verdicts and aliases
+    quantgate evals validate [PATH]  check team eval sets without running a model
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline.errors import QuantgateError
+
+
+def _fail(exc: QuantgateError) -> None:
+    raise click.ClickException(str(exc))
+
+
+@click.group()
+def cli() -> None:
+    """quantgate: quantize a shared model, gate each build per team, register, promote."""
+
+
+@cli.command()
+@click.option("--gate-json", type=click.Path(path_type=Path), default=Path("results/gate.json"), show_default=True)
+def report(gate_json: Path) -> None:
+    """Print the gate table of the last pipeline run."""
+    from pipeline.gate import table
+
+    if not gate_json.is_file():
+        raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
+    result = json.loads(gate_json.read_text())
+    click.echo(table(result))
+    for build, b in result["builds"].items():
+        click.echo(f"{build}: {b['verdict']}")
+
+
+@cli.command()
+@click.argument("model", required=False)
+def status(model: str | None) -> None:
+    """Registered versions with verdicts and aliases (MODEL defaults to params register.model_name)."""
+    from registry import store
+    from registry.status import status_lines
+
+    try:
+        if model is None:
+            from pipeline.params import load_block
+            from pipeline.register import RegisterParams
+
+            model = load_block("register", RegisterParams).model_name
+        for line in status_lines(store.client(), model):
+            click.echo(line)
+    except QuantgateError as exc:
+        _fail(exc)
+
+
+@cli.group()
+def evals() -> None:
+    """Team eval sets."""
+
+
+@evals.command()
+@click.argument("path", type=click.Path(path_type=Path), default=Path("evals"))
+def validate(path: Path) -> None:
+    """Check the team eval sets under PATH (or one team folder) without running a model."""
+    from evals.teams import POLICY_FILE, load_team, load_teams
+
+    try:
+        teams = [load_team(path)] if (path / POLICY_FILE).is_file() else load_teams(path)
+    except QuantgateError as exc:
+        _fail(exc)
+    for t in teams:
+        click.echo(f"ok: {t.name} ({', '.join(x.name for x in t.tasks)}), owner {t.policy.owner}")
+
+
+def main() -> None:
+    cli()

@@ -1,0 +1,29 @@
+"""User-facing errors and the wrapper that turns them into one clear line and an exit code.
+
+Every stage's `main()` runs under `run_main`, so what a user sees on bad input is
+`quantgate: error: <what is wrong and what to do>` and never a traceback.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+class QuantgateError(Exception):
+    """An error the user can act on; its message names the file/field and the fix."""
+
+
+def run_main(fn: Callable[[], None]) -> None:
+    """Run a stage entry point; print QuantgateError as one line and exit 2.
+
+    Raises SystemExit(2) on QuantgateError, SystemExit(130) on Ctrl-C. Other exceptions
+    propagate (they are bugs, and the traceback is what a developer needs).
+    """
+    try:
+        fn()
+    except QuantgateError as exc:
+        print(f"quantgate: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("quantgate: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -1,0 +1,223 @@
+"""Stage `evaluate@<build>`: score one build on every team's tasks through a vLLM server.
+
+Run by DVC: `python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR` (params block `evaluate`).
+
+One server per build serves all teams. lm-eval talks to it with `local-completions` on
+token ids (`tokenized_requests=True`) so the chat template, tokenizer and BOS handling are
+the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per-sample
+scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log).
+
+Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
+digest, team folder digest, harness config, serving config): a changed eval set re-runs
+that team only, a changed build that build only. lm-eval's own request cache is never used
+(it is keyed by request, not by model). A team whose run errors, or a server that does not
+start, is recorded as status "error" with a one-line reason (never cached); the gate fails
+it closed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import Field
+
+from evals.teams import Team, load_teams
+from pipeline.errors import QuantgateError, run_main
+from pipeline.hashing import digest_json
+from pipeline.manifest import verify_weights
+from pipeline.params import Frozen, load_block
+from pipeline.serving import ServeParams, ServerStartError, serving_versions, vllm_server
+
+CACHE_DIR = Path(".quantgate/cache/eval")
+SCORES = "scores.json"
+SAMPLES = "samples.jsonl"
+
+
+class HarnessParams(Frozen):
+    num_concurrent: int = Field(default=2, ge=1)   # parallel HTTP requests to the server
+    max_retries: int = Field(default=3, ge=0)
+    limit: int | None = Field(default=None, gt=0)  # cap docs per task for every team (smoke runs)
+    add_bos_token: bool = False                    # SmolLM2's tokenizer adds no BOS; set per model
+    seed: int = 1234
+
+
+class EvaluateParams(Frozen):
+    serve: ServeParams = ServeParams()
+    harness: HarnessParams = HarnessParams()
+
+
+def effective_limit(team: Team, harness: HarnessParams) -> int | None:
+    """The doc cap for a team: the smaller of the team's own limit and the harness limit."""
+    limits = [x for x in (team.policy.limit, harness.limit) if x is not None]
+    return min(limits) if limits else None
+
+
+def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_config: dict) -> str:
+    """Content key of one (build, team) evaluation.
+
+    Inputs that change scores are in it: weights, every byte of the team folder, the
+    lm-eval version and harness settings (limit, BOS, chat template), the serving engine
+    versions and flags. Concurrency and retries are not: they do not change scores.
+    """
+    return digest_json({
+        "weights": weights_digest,
+        "team": team.digest,
+        "harness": {"lm_eval": metadata.version("lm_eval"), "limit": effective_limit(team, harness),
+                    "add_bos_token": harness.add_bos_token, "seed": harness.seed,
+                    "chat_template": team.policy.chat_template, "tokenized_requests": True},
+        "serving": serve_config,
+    })
+
+
+def selected_filter(task_config: dict) -> str:
+    """The filter whose output is scored: the task's first `filter_list` entry, else "none"."""
+    filters = task_config.get("filter_list") or []
+    return filters[0]["name"] if filters else "none"
+
+
+def per_sample_scores(team: Team, results: dict) -> tuple[dict, list[dict]]:
+    """Extract ({task: summary}, [per-sample rows]) for the team metric from lm-eval output.
+
+    Raises QuantgateError if a task has no samples or a score is missing/non-numeric, and
+    if the mean of the per-sample scores disagrees with lm-eval's aggregate (a broken log).
+    """
+    metric = team.policy.metric
+    tasks, rows = {}, []
+    for task in team.tasks:
+        flt = selected_filter(task.config)
+        samples = [s for s in results.get("samples", {}).get(task.name, []) if s.get("filter", "none") == flt]
+        if not samples:
+            raise QuantgateError(f"task {task.name}: lm-eval returned no samples for filter {flt!r}")
+        scores = []
+        for s in samples:
+            value = s.get(metric)
+            if not isinstance(value, (int, float)) or value != value:
+                raise QuantgateError(f"task {task.name} doc {s.get('doc_id')}: metric {metric!r} is {value!r}, not a number")
+            scores.append(float(value))
+            rows.append({"task": task.name, "doc_id": s["doc_id"], "doc_hash": s.get("doc_hash"), "score": float(value)})
+        mean = sum(scores) / len(scores)
+        reported = results["results"][task.name].get(f"{metric},{flt}")
+        if isinstance(reported, (int, float)) and abs(reported - mean) > 1e-9:
+            raise QuantgateError(f"task {task.name}: per-sample mean {mean} != lm-eval aggregate {reported}")
+        tasks[task.name] = {"filter": flt, "n": len(scores), "score": mean}
+    return tasks, rows
+
+
+def make_lm(server, model_dir: Path, harness: HarnessParams):
+    """lm-eval's local-completions client for `server`, tokenizing with the build's tokenizer."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(
+        base_url=f"{server.base_url}/completions", model=server.name, tokenizer=str(model_dir),
+        tokenizer_backend="huggingface", tokenized_requests=True, add_bos_token=harness.add_bos_token,
+        num_concurrent=harness.num_concurrent, max_retries=harness.max_retries,
+    )
+
+
+def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
+    """Run lm-eval on one team's tasks; return (scores document, raw samples)."""
+    from lm_eval import simple_evaluate
+
+    started = time.monotonic()
+    results = simple_evaluate(
+        model=lm, tasks=[t.config for t in team.tasks], limit=effective_limit(team, harness),
+        log_samples=True, apply_chat_template=team.policy.chat_template, cache_requests=False,
+        random_seed=harness.seed, numpy_random_seed=harness.seed, torch_random_seed=harness.seed,
+        fewshot_random_seed=harness.seed,
+    )
+    if results is None:
+        raise QuantgateError("lm-eval returned no results")
+    tasks, rows = per_sample_scores(team, results)
+    raw = [dict(s, task=name) for name, samples in results["samples"].items() for s in samples]
+    doc = {"status": "ok", "metric": team.policy.metric, "tasks": tasks, "samples": rows,
+           "elapsed_s": round(time.monotonic() - started, 1)}
+    return doc, raw
+
+
+def write_team(out: Path, doc: dict, raw: list[dict] | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SCORES).write_text(json.dumps(doc, indent=1) + "\n")
+    if raw is not None:
+        with open(out / SAMPLES, "w") as f:
+            for s in raw:
+                f.write(json.dumps(s, default=str) + "\n")
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and first line of message."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return msg if isinstance(exc, QuantgateError) else f"{type(exc).__name__}: {msg}"
+
+
+def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params: EvaluateParams) -> dict[str, dict]:
+    """Evaluate `build` on every team; write OUT_DIR/<team>/; return {team: scores document}.
+
+    Raises QuantgateError on bad input (missing build, bad team folder). Server start
+    failures and per-team errors are recorded in the documents, not raised.
+    """
+    manifest = verify_weights(model_dir)
+    teams = load_teams(evals_dir)
+    serve_config = {"versions": serving_versions(params.serve.python), "dtype": params.serve.dtype,
+                    "max_model_len": params.serve.max_model_len, "extra_args": params.serve.extra_args}
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    docs, pending = {}, []
+    for team in teams:
+        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config)
+        cached = CACHE_DIR / key
+        if (cached / SCORES).is_file():
+            shutil.copytree(cached, out_dir / team.name)
+            docs[team.name] = json.loads((cached / SCORES).read_text())
+            print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
+        else:
+            pending.append((team, key))
+    if pending:
+        try:
+            with vllm_server(params.serve, model_dir.resolve(), build, out_dir / "server.log") as server:
+                print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
+                lm = make_lm(server, model_dir.resolve(), params.harness)
+                for team, key in pending:
+                    base = {"team": team.name, "build": build, "cache_key": key,
+                            "weights_digest": manifest["weights_digest"], "team_digest": team.digest,
+                            "serving": serve_config}
+                    try:
+                        doc, raw = run_team(lm, team, params.harness)
+                    except Exception as exc:  # one team's failure must not lose the others
+                        doc, raw = {"status": "error", "reason": one_line(exc)}, None
+                    docs[team.name] = doc = {**base, **doc}
+                    write_team(out_dir / team.name, doc, raw)
+                    if doc["status"] == "ok":
+                        shutil.copytree(out_dir / team.name, CACHE_DIR / key, dirs_exist_ok=True)
+                    print(f"evaluate[{build}]: {team.name}: {doc['status']} {doc.get('reason', '')}", flush=True)
+        except ServerStartError as exc:
+            for team, key in pending:
+                if team.name not in docs:
+                    docs[team.name] = doc = {"team": team.name, "build": build, "cache_key": key,
+                                             "status": "error", "reason": str(exc)}
+                    write_team(out_dir / team.name, doc, None)
+            print(f"evaluate[{build}]: server failed: {exc}", file=sys.stderr, flush=True)
+    return docs
+
+
+def main() -> None:
+    if len(sys.argv) != 5:
+        raise QuantgateError("usage: python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR")
+    build, model_dir, evals_dir, out_dir = sys.argv[1], *map(Path, sys.argv[2:])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    docs = evaluate(build, model_dir, evals_dir, out_dir, load_block("evaluate", EvaluateParams))
+    for team, doc in sorted(docs.items()):
+        if doc["status"] == "ok":
+            summary = ", ".join(f"{t}={v['score']:.3f} (n={v['n']})" for t, v in doc["tasks"].items())
+        else:
+            summary = f"ERROR: {doc['reason']}"
+        print(f"evaluate[{build}]: {team:<12} {summary}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,181 @@
+"""Stage `gate`: a verdict per (build, team) and per build from paired per-sample scores.
+
+Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD` (params block `gate`).
+
+For every candidate build and every team under evals/, the candidate's per-document scores
+are paired with the baseline (16-bit) build's on the same documents and judged against the
+team's non-inferiority margin (pipeline/stats.py). It fails closed: a missing result file,
+an evaluation error, a different document set, or a NaN score is a FAIL with the reason.
+A build is shippable only if every team PASSes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from evals.teams import Team, load_teams
+from pipeline.errors import QuantgateError, run_main
+from pipeline.evaluate import SCORES
+from pipeline.params import Frozen, load_block
+from pipeline.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
+
+SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
+
+
+class GateParams(Frozen):
+    baseline: str = "fp16"
+    candidates: list[str] = ["fp8", "int4"]
+    bootstrap_resamples: int = Field(default=10000, ge=1000)
+    seed: int = 0
+
+
+def read_scores(eval_dir: Path, build: str, team: str) -> dict:
+    """The scores document of (build, team); raises QuantgateError (the FAIL reason) if unusable."""
+    path = eval_dir / build / team / SCORES
+    if not path.is_file():
+        raise QuantgateError(f"no results for build {build} (missing {path}); run `dvc repro evaluate@{build}`")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuantgateError(f"{path}:{exc.lineno}: invalid JSON") from None
+    if doc.get("status") != "ok":
+        raise QuantgateError(f"build {build} evaluation error: {doc.get('reason', 'unknown')}")
+    return doc
+
+
+def paired_arrays(base: dict, cand: dict, base_build: str, cand_build: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-document scores of both builds in the same order, shape (n,) each.
+
+    Raises QuantgateError if the document sets differ (ids, count or content hash) or a
+    score is missing, NaN or not a number.
+    """
+    def index(doc: dict, build: str) -> dict:
+        out = {}
+        for s in doc.get("samples", []):
+            key = (s["task"], s["doc_id"])
+            score = s.get("score")
+            if not isinstance(score, (int, float)) or math.isnan(score):
+                raise QuantgateError(f"build {build}: score of {key[0]} doc {key[1]} is {score!r}")
+            if key in out:
+                raise QuantgateError(f"build {build}: {key[0]} doc {key[1]} scored twice")
+            out[key] = s
+        if not out:
+            raise QuantgateError(f"build {build}: no per-sample scores")
+        return out
+
+    b, c = index(base, base_build), index(cand, cand_build)
+    if b.keys() != c.keys():
+        only_b, only_c = sorted(b.keys() - c.keys())[:3], sorted(c.keys() - b.keys())[:3]
+        raise QuantgateError(f"document sets differ: {len(b)} docs on {base_build} vs {len(c)} on {cand_build}"
+                             f" (only {base_build}: {only_b}; only {cand_build}: {only_c})")
+    keys = sorted(b)
+    for k in keys:
+        if b[k].get("doc_hash") != c[k].get("doc_hash"):
+            raise QuantgateError(f"{k[0]} doc {k[1]}: document content differs between {base_build} and {cand_build}")
+    return np.array([b[k]["score"] for k in keys], float), np.array([c[k]["score"] for k in keys], float)
+
+
+def judge(team: Team, base_doc: dict, cand_doc: dict, params: GateParams, cand_build: str) -> dict:
+    """The gate row for one (candidate build, team)."""
+    base, cand = paired_arrays(base_doc, cand_doc, params.baseline, cand_build)
+    pol = team.policy
+    base_mean, cand_mean = float(base.mean()), float(cand.mean())
+    margin = pol.margin.points(base_mean)
+    drops = base - cand if pol.higher_is_better else cand - base
+    if is_binary(base, cand):
+        cmp = compare_binary(base, cand, margin, pol.confidence) if pol.higher_is_better else \
+            compare_binary(cand, base, margin, pol.confidence)
+    else:
+        cmp = compare_continuous(drops, margin, pol.confidence, params.bootstrap_resamples, params.seed)
+    v = verdict(cmp, margin)
+    if pol.higher_is_better:
+        recovery = 100.0 * cand_mean / base_mean if base_mean else None
+    else:
+        recovery = 100.0 * base_mean / cand_mean if cand_mean else None
+    row = {"verdict": v.value, "metric": pol.metric, "n": cmp.n, "baseline": base_mean, "candidate": cand_mean,
+           "delta": cand_mean - base_mean, "margin": margin, "recovery_pct": recovery, "confidence": pol.confidence,
+           **{k: val for k, val in cmp.as_dict().items() if k != "n"}}
+    row["reason"] = reason(v, cmp, margin)
+    return row
+
+
+def reason(v: Verdict, cmp, margin: float) -> str:
+    """One line explaining a verdict in metric units."""
+    if v is Verdict.PASS:
+        return f"upper bound of drop {cmp.upper:+.3f} <= margin {margin:.3f}"
+    if v is Verdict.FAIL:
+        return f"drop {cmp.drop:+.3f} exceeds margin {margin:.3f} with confidence (lower bound {cmp.lower:+.3f})"
+    if v is Verdict.ANOMALOUS:
+        return f"candidate better by {-cmp.drop:.3f}, beyond the margin with confidence: check the comparison"
+    need = f"about {cmp.n_required} docs would decide it" if cmp.n_required else "more docs will not make it pass"
+    return f"upper bound of drop {cmp.upper:+.3f} > margin {margin:.3f}; n={cmp.n} is too small to tell ({need})"
+
+
+def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> dict:
+    """Verdicts for every candidate: {"baseline", "builds": {build: {"verdict", "teams": {team: row}}}}."""
+    builds = {}
+    for build in params.candidates:
+        rows = {}
+        for team in teams:
+            try:
+                base_doc = read_scores(eval_dir, params.baseline, team.name)
+                cand_doc = read_scores(eval_dir, build, team.name)
+                rows[team.name] = judge(team, base_doc, cand_doc, params, build)
+            except QuantgateError as exc:
+                rows[team.name] = {"verdict": Verdict.FAIL.value, "metric": team.policy.metric, "reason": str(exc)}
+        worst = max((Verdict(r["verdict"]) for r in rows.values()), key=SEVERITY.index)
+        builds[build] = {"verdict": worst.value, "shippable": worst is Verdict.PASS, "teams": rows}
+    return {"baseline": params.baseline, "builds": builds}
+
+
+def fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(result: dict) -> str:
+    """The gate result as a markdown table (one row per build and team)."""
+    lines = ["| build | team | metric | n | fp16 | candidate | delta | drop CI | margin | recovery % | p (NI) | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for build, b in result["builds"].items():
+        for team, r in b["teams"].items():
+            ci = f"[{r['lower']:+.3f}, {r['upper']:+.3f}]" if "upper" in r else "-"
+            lines.append(f"| {build} | {team} | {r['metric']} | {r.get('n', '-')} | {fmt(r.get('baseline'))} | "
+                         f"{fmt(r.get('candidate'))} | {fmt(r.get('delta'), '+.3f')} | {ci} | {fmt(r.get('margin'))} | "
+                         f"{fmt(r.get('recovery_pct'), '.1f')} | {fmt(r.get('p_value'), '.3g')} | {r['verdict']} |")
+    return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """The markdown gate report: summary per build, the table, and every non-PASS reason."""
+    out = ["# quantgate gate report", "",
+           f"Baseline: `{result['baseline']}`. Drop = baseline - candidate (positive = worse); the CI is the "
+           "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.", ""]
+    for build, b in result["builds"].items():
+        out.append(f"- **{build}**: {b['verdict']} ({'shippable' if b['shippable'] else 'not shippable'})")
+    out += ["", table(result), "", "## Reasons", ""]
+    for build, b in result["builds"].items():
+        for team, r in b["teams"].items():
+            out.append(f"- {build} / {team}: {r['verdict']}: {r['reason']}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) != 5:
+        raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD")
+    eval_dir, evals_dir, metrics_path, report_path = map(Path, sys.argv[1:])
+    result = gate(eval_dir, load_teams(evals_dir), load_block("gate", GateParams))
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path.write_text(json.dumps(result, indent=2) + "\n")
+    report_path.write_text(report(result))
+    print(table(result))
+    for build, b in result["builds"].items():
+        print(f"gate: {build}: {b['verdict']}")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,69 @@
+"""The build manifest: `build.json` inside every build directory (models/<build>/).
+
+It records what the build is (build name, scheme, dtype), what it came from (base model id
+and sha256), the sha256 of every weight file and one digest over them. The evaluate cache,
+the gate report and the registry tags all read their identity from here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.errors import QuantgateError
+from pipeline.hashing import digest_of, sha256_file
+
+MANIFEST = "build.json"
+
+
+def weight_digests(model_dir: Path) -> dict[str, str]:
+    """{file name: sha256} of every *.safetensors file in `model_dir`.
+
+    Raises QuantgateError when there is none (not a safetensors checkpoint).
+    """
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise QuantgateError(f"{model_dir}: no *.safetensors weight files")
+    return {p.name: sha256_file(p) for p in files}
+
+
+def write_manifest(model_dir: Path, *, build: str, scheme: str, dtype: str, base_model: dict, recipe: dict) -> dict:
+    """Hash the weights in `model_dir` and write `model_dir/build.json`; return its content."""
+    weights = weight_digests(model_dir)
+    manifest = {
+        "build": build,
+        "scheme": scheme,
+        "dtype": dtype,
+        "base_model": base_model,
+        "recipe": recipe,
+        "weights": weights,
+        "weights_digest": digest_of(weights),
+    }
+    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(model_dir: Path) -> dict:
+    """Read `model_dir/build.json`; raise QuantgateError if missing or unreadable."""
+    path = model_dir / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise QuantgateError(f"{path}: missing; the build was not made by `dvc repro` (run it)") from None
+    except json.JSONDecodeError as exc:
+        raise QuantgateError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg}); re-run `dvc repro`") from None
+
+
+def verify_weights(model_dir: Path) -> dict:
+    """Re-hash the weights and compare with the manifest; return the manifest.
+
+    Raises QuantgateError naming the first file whose sha256 differs or that is missing.
+    """
+    manifest = read_manifest(model_dir)
+    actual = weight_digests(model_dir)
+    for name, expected in manifest["weights"].items():
+        if actual.get(name) != expected:
+            raise QuantgateError(f"{model_dir / name}: sha256 does not match {MANIFEST}; the weights changed after the build")
+    if set(actual) != set(manifest["weights"]):
+        extra = sorted(set(actual) - set(manifest["weights"]))
+        raise QuantgateError(f"{model_dir}: weight files not in {MANIFEST}: {extra}")
+    return manifest

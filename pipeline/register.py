@@ -1,0 +1,139 @@
+"""Stage `register`: every build into the MLflow registry with its lineage and evidence.
+
+Run by DVC: `python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD EVAL_DIR OUT_JSON`
+(params block `register`).
+
+The baseline (16-bit) build and every candidate whose gate verdict is PASS become versions
+of one registered model; the baseline carries alias `fallback`. A candidate that did not
+pass is logged as a run with its evidence and report, and is not registered. Nothing is
+promoted here. Re-running with the same weights and evidence reuses the existing version.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from pipeline.errors import QuantgateError, run_main
+from pipeline.hashing import sha256_file
+from pipeline.manifest import verify_weights
+from pipeline.params import PARAMS_FILE, Frozen, load_block
+from registry import store, versions
+
+PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
+
+
+class RegisterParams(Frozen):
+    model_name: str = "smollm2-135m-instruct"
+    experiment: str = "quantgate-builds"
+
+
+def git_commit() -> str:
+    """HEAD commit, with "-dirty" when the work tree has uncommitted changes; "unknown" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
+    """Build identity and provenance as flat string tags."""
+    tags = {"build": manifest["build"], "scheme": manifest["scheme"], "dtype": manifest["dtype"],
+            "weights_sha256": manifest["weights_digest"], "base_model.id": manifest["base_model"]["id"],
+            "base_model.sha256": manifest["base_model"]["sha256"], "recipe": json.dumps(manifest["recipe"], sort_keys=True),
+            "git_commit": git_commit(), "params_sha256": sha256_file(PARAMS_FILE)}
+    tags.update({f"weights_sha256.{name}": digest for name, digest in manifest["weights"].items()})
+    if Path("dvc.lock").is_file():
+        tags["dvc_lock_sha256"] = sha256_file(Path("dvc.lock"))
+    for lib in PIPELINE_LIBS:
+        try:
+            tags[f"version.{lib}"] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            pass
+    tags.update({f"version.serving.{k}": str(v) for k, v in serving.items() if v})
+    return tags
+
+
+def gate_tags(build_gate: dict | None) -> dict[str, str]:
+    """Per-team evidence as tags; the baseline has no gate rows and is tagged BASELINE."""
+    if build_gate is None:
+        return {"gate.verdict": "BASELINE"}
+    tags = {"gate.verdict": build_gate["verdict"]}
+    for team, r in build_gate["teams"].items():
+        tags[f"gate.{team}.verdict"] = r["verdict"]
+        tags[f"gate.{team}.metric"] = r["metric"]
+        if "delta" in r:
+            tags[f"gate.{team}.delta"] = f"{r['delta']:+.4f}"
+            tags[f"gate.{team}.ci"] = f"[{r['lower']:+.4f}, {r['upper']:+.4f}]"
+            tags[f"gate.{team}.recovery_pct"] = f"{r['recovery_pct']:.2f}" if r["recovery_pct"] is not None else "-"
+        else:
+            tags[f"gate.{team}.reason"] = r["reason"][:500]
+    return tags
+
+
+def serving_of(eval_dir: Path, build: str) -> dict:
+    """Serving-stack versions recorded by the evaluate stage for `build` (empty if none)."""
+    for scores in sorted((eval_dir / build).glob("*/scores.json")):
+        doc = json.loads(scores.read_text())
+        if doc.get("serving"):
+            return doc["serving"]["versions"]
+    return {}
+
+
+def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path, params: RegisterParams) -> dict:
+    """Log every build, register the baseline and the PASS builds, alias the baseline `fallback`.
+
+    Returns {"model_name", "tracking_uri", "builds": {build: {"run_id", "version" or None, ...}}}.
+    Raises QuantgateError if a build's weights no longer match its manifest.
+    """
+    baseline = gate_result["baseline"]
+    builds = [baseline, *gate_result["builds"]]
+    manifests = {b: verify_weights(models_dir / b) for b in builds}  # check all before writing anything
+    client = store.client()
+    exp_id = store.experiment_id(client, params.experiment)
+    versions.ensure_registered_model(client, params.model_name,
+                                     f"Builds of {manifests[baseline]['base_model']['id']} made by quantgate")
+    out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}}
+    for build in builds:
+        build_gate = gate_result["builds"].get(build)
+        tags = {**lineage_tags(manifests[build], serving_of(eval_dir, build)), **gate_tags(build_gate)}
+        tags["evidence_sha256"] = versions.evidence_digest(build_gate["teams"] if build_gate else {"baseline": build})
+        registrable = build == baseline or build_gate["verdict"] == "PASS"
+        existing = versions.find_version(client, params.model_name, tags["weights_sha256"], tags["evidence_sha256"])
+        if registrable and existing is not None:
+            out["builds"][build] = {"version": existing.version, "run_id": existing.run_id, "reused": True}
+            print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")
+            continue
+        metrics = {f"{team}.{k}": r[k] for team, r in (build_gate or {"teams": {}})["teams"].items()
+                   for k in ("baseline", "candidate", "delta") if isinstance(r.get(k), (int, float))}
+        run_id, source = versions.log_build_run(client, exp_id, models_dir / build, {**tags, "registered": str(registrable)},
+                                                metrics, report_md, eval_dir / build)
+        if not registrable:
+            out["builds"][build] = {"version": None, "run_id": run_id, "verdict": build_gate["verdict"]}
+            print(f"register: {build}: gate {build_gate['verdict']}: logged as run {run_id}, not registered")
+            continue
+        mv = versions.register_version(client, params.model_name, run_id, source, tags, report_md)
+        out["builds"][build] = {"version": mv.version, "run_id": run_id, "reused": False}
+        print(f"register: {build}: version {mv.version} of {params.model_name}")
+    fallback = out["builds"][baseline]["version"]
+    client.set_registered_model_alias(params.model_name, versions.FALLBACK, fallback)
+    print(f"register: alias {versions.FALLBACK} -> version {fallback}")
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) != 6:
+        raise QuantgateError("usage: python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD EVAL_DIR OUT_JSON")
+    models_dir, gate_json, report_md, eval_dir, out_json = map(Path, sys.argv[1:])
+    result = register(models_dir, json.loads(gate_json.read_text()), report_md.read_text(), eval_dir,
+                      load_block("register", RegisterParams))
+    out_json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    run_main(main)

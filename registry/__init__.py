@@ -1,0 +1,1 @@
+"""The MLflow registry contract: model versions with lineage and evidence, aliases, approvals."""

@@ -1,0 +1,69 @@
+"""Register a build as an MLflow model version with its lineage and gate evidence.
+
+Tags written on every version (searchable in the UI and with `search_model_versions`):
+  build, scheme, dtype, weights_sha256 (one digest over all weight files),
+  weights_sha256.<file>, base_model.id, base_model.sha256, git_commit, dvc_lock_sha256,
+  params_sha256, version.<library> for the pipeline and serving stacks,
+  gate.verdict, gate.<team>.{metric,verdict,delta,ci,recovery_pct,team_sha256}, evidence_sha256.
+The version is created in one call with all its tags after every artifact is logged, so a
+failure part-way leaves a FAILED run and no version: never a half-written version.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from pipeline.hashing import digest_json
+
+# aliases quantgate moves; MLflow reserves "latest" and "v<digits>"
+FALLBACK = "fallback"
+
+
+def find_version(mlflow_client, model_name: str, weights_digest: str, evidence_digest: str):
+    """The existing version of `model_name` with the same weights and evidence, or None."""
+    for mv in mlflow_client.search_model_versions(f"name='{model_name}'"):
+        if mv.tags.get("weights_sha256") == weights_digest and mv.tags.get("evidence_sha256") == evidence_digest:
+            return mv
+    return None
+
+
+def ensure_registered_model(mlflow_client, model_name: str, description: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow_client.get_registered_model(model_name)
+    except MlflowException:
+        mlflow_client.create_registered_model(model_name, description=description)
+
+
+def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metrics: dict, report_md: str,
+                  evidence_dir: Path | None) -> tuple[str, str]:
+    """Create a run holding the build's weights (artifact path `model`), the gate report and
+    the per-team scores; return (run_id, model artifact URI). The run ends FAILED on error."""
+    run = mlflow_client.create_run(exp_id, tags=tags, run_name=f"build-{tags['build']}")
+    run_id = run.info.run_id
+    try:
+        for key, value in metrics.items():
+            mlflow_client.log_metric(run_id, key, value)
+        mlflow_client.log_artifacts(run_id, str(model_dir), artifact_path="model")
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "gate_report.md").write_text(report_md)
+            mlflow_client.log_artifact(run_id, str(Path(tmp) / "gate_report.md"))
+        if evidence_dir is not None and evidence_dir.is_dir():
+            mlflow_client.log_artifacts(run_id, str(evidence_dir), artifact_path="evidence")
+    except BaseException:
+        mlflow_client.set_terminated(run_id, status="FAILED")
+        raise
+    mlflow_client.set_terminated(run_id, status="FINISHED")
+    return run_id, f"{mlflow_client.get_run(run_id).info.artifact_uri}/model"
+
+
+def register_version(mlflow_client, model_name: str, run_id: str, source: str, tags: dict, description: str):
+    """Create the model version (all tags at once) and return it."""
+    return mlflow_client.create_model_version(model_name, source=source, run_id=run_id, tags=tags,
+                                              description=description[:4900])
+
+
+def evidence_digest(gate_rows: dict) -> str:
+    """Digest of the gate evidence for a build (team rows without run-specific noise)."""
+    return digest_json(gate_rows)

@@ -1,0 +1,112 @@
+"""Write the three example team eval sets under evals/ (deterministic, no downloads).
+
+Run: python scripts/make_example_evals.py   (rewrites evals/*/data.jsonl)
+
+The data are written by the repo so that a fresh clone needs nothing from a hub:
+- search:  capital-city multiple choice (knowledge), 4 choices, target = index.
+- billing: short arithmetic questions answered in free text, exact match on the number.
+- support: customer-message sentiment, 2-way classification scored by loglikelihood.
+"""
+import json
+import random
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "evals"
+
+CAPITALS = [
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"), ("United Kingdom", "London"), ("Ireland", "Dublin"),
+    ("Netherlands", "Amsterdam"), ("Belgium", "Brussels"), ("Austria", "Vienna"),
+    ("Switzerland", "Bern"), ("Poland", "Warsaw"), ("Czech Republic", "Prague"),
+    ("Hungary", "Budapest"), ("Greece", "Athens"), ("Sweden", "Stockholm"),
+    ("Norway", "Oslo"), ("Denmark", "Copenhagen"), ("Finland", "Helsinki"),
+    ("Iceland", "Reykjavik"), ("Russia", "Moscow"), ("Ukraine", "Kyiv"),
+    ("Romania", "Bucharest"), ("Bulgaria", "Sofia"), ("Serbia", "Belgrade"),
+    ("Croatia", "Zagreb"), ("Slovakia", "Bratislava"), ("Slovenia", "Ljubljana"),
+    ("Estonia", "Tallinn"), ("Latvia", "Riga"), ("Lithuania", "Vilnius"),
+    ("Turkey", "Ankara"), ("Egypt", "Cairo"), ("Morocco", "Rabat"), ("Kenya", "Nairobi"),
+    ("Nigeria", "Abuja"), ("Ethiopia", "Addis Ababa"), ("Ghana", "Accra"),
+    ("South Africa", "Pretoria"), ("Algeria", "Algiers"), ("Tunisia", "Tunis"),
+    ("Senegal", "Dakar"), ("Uganda", "Kampala"), ("Tanzania", "Dodoma"),
+    ("Zimbabwe", "Harare"), ("Angola", "Luanda"), ("Sudan", "Khartoum"),
+    ("Libya", "Tripoli"), ("Japan", "Tokyo"), ("China", "Beijing"),
+    ("South Korea", "Seoul"), ("North Korea", "Pyongyang"), ("India", "New Delhi"),
+    ("Pakistan", "Islamabad"), ("Bangladesh", "Dhaka"), ("Nepal", "Kathmandu"),
+    ("Sri Lanka", "Colombo"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"),
+    ("Cambodia", "Phnom Penh"), ("Laos", "Vientiane"), ("Malaysia", "Kuala Lumpur"),
+    ("Singapore", "Singapore"), ("Indonesia", "Jakarta"), ("Philippines", "Manila"),
+    ("Mongolia", "Ulaanbaatar"), ("Afghanistan", "Kabul"), ("Iran", "Tehran"),
+    ("Iraq", "Baghdad"), ("Syria", "Damascus"), ("Lebanon", "Beirut"),
+    ("Jordan", "Amman"), ("Saudi Arabia", "Riyadh"), ("Qatar", "Doha"),
+    ("Kuwait", "Kuwait City"), ("Oman", "Muscat"), ("Yemen", "Sanaa"),
+    ("Israel", "Jerusalem"), ("Kazakhstan", "Astana"), ("Uzbekistan", "Tashkent"),
+    ("United States", "Washington, D.C."), ("Canada", "Ottawa"), ("Mexico", "Mexico City"),
+    ("Cuba", "Havana"), ("Jamaica", "Kingston"), ("Guatemala", "Guatemala City"),
+    ("Panama", "Panama City"), ("Costa Rica", "San Jose"), ("Colombia", "Bogota"),
+    ("Venezuela", "Caracas"), ("Ecuador", "Quito"), ("Peru", "Lima"),
+    ("Bolivia", "Sucre"), ("Chile", "Santiago"), ("Argentina", "Buenos Aires"),
+    ("Uruguay", "Montevideo"), ("Paraguay", "Asuncion"), ("Brazil", "Brasilia"),
+    ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Fiji", "Suva"),
+    ("Papua New Guinea", "Port Moresby"), ("Luxembourg", "Luxembourg"),
+    ("Malta", "Valletta"), ("Cyprus", "Nicosia"), ("Albania", "Tirana"),
+    ("Georgia", "Tbilisi"), ("Armenia", "Yerevan"), ("Azerbaijan", "Baku"),
+]
+
+PRODUCTS = ["headphones", "blender", "backpack", "phone case", "desk lamp", "coffee maker",
+            "running shoes", "keyboard", "water bottle", "tent", "monitor", "jacket"]
+POSITIVE = ["works perfectly and I love it", "arrived early and the quality is excellent",
+            "is the best purchase I made this year", "exceeded my expectations, thank you",
+            "is great value and my whole family enjoys it"]
+NEGATIVE = ["broke after two days and I want a refund", "arrived damaged and support never replied",
+            "is the worst purchase I have ever made", "stopped working and I am very disappointed",
+            "is cheaply made and a complete waste of money"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+
+
+def search_rows(rng: random.Random) -> list[dict]:
+    rows = []
+    cities = sorted({c for _, c in CAPITALS})
+    for i, (country, capital) in enumerate(CAPITALS):
+        wrong = rng.sample([c for c in cities if c != capital], 3)
+        choices = wrong + [capital]
+        rng.shuffle(choices)
+        rows.append({"id": f"cap-{i:03d}", "question": f"What is the capital of {country}?",
+                     "choices": choices, "answer": choices.index(capital)})
+    return rows
+
+
+def billing_rows(rng: random.Random) -> list[dict]:
+    rows = []
+    for i in range(120):
+        a, b = (rng.randint(1, 9), rng.randint(1, 9)) if i < 60 else (rng.randint(10, 60), rng.randint(1, 30))
+        op = "+" if i % 3 else "-"
+        if op == "-" and b > a:
+            a, b = b, a
+        result = a + b if op == "+" else a - b
+        rows.append({"id": f"arith-{i:03d}", "question": f"What is {a} {op} {b}?", "answer": str(result)})
+    return rows
+
+
+def support_rows(rng: random.Random) -> list[dict]:
+    rows = []
+    for i, product in enumerate(PRODUCTS):
+        for j, phrase in enumerate(POSITIVE + NEGATIVE):
+            label = 0 if j < len(POSITIVE) else 1
+            rows.append({"id": f"msg-{i:02d}-{j}", "message": f"The {product} I ordered {phrase}.",
+                         "label": label})
+    rng.shuffle(rows)
+    return rows
+
+
+def main() -> None:
+    rng = random.Random(1234)
+    write_jsonl(ROOT / "search" / "data.jsonl", search_rows(rng))
+    write_jsonl(ROOT / "billing" / "data.jsonl", billing_rows(rng))
+    write_jsonl(ROOT / "support" / "data.jsonl", support_rows(rng))
+
+
+if __name__ == "__main__":
+    main()

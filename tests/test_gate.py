@@ -1,0 +1,84 @@
+"""The gate on scores documents written in the test: verdicts and failing closed."""
+import json
+
+import pytest
+
+from evals.teams import load_teams
+from pipeline.gate import GateParams, gate, report
+from tests.conftest import write_scores
+
+PARAMS = GateParams(baseline="fp16", candidates=["int4"], bootstrap_resamples=1000)
+
+
+@pytest.fixture
+def teams(example_evals):
+    return [t for t in load_teams(example_evals) if t.name == "search"]  # acc, absolute margin 0.05
+
+
+def row(result, build="int4", team="search"):
+    return result["builds"][build]["teams"][team]
+
+
+def test_identical_large_set_passes(tmp_path, teams):
+    scores = [1.0, 0.0] * 100
+    write_scores(tmp_path, "fp16", "search", scores)
+    write_scores(tmp_path, "int4", "search", scores)
+    r = row(gate(tmp_path, teams, PARAMS))
+    assert r["verdict"] == "PASS"
+    assert r["n"] == 200 and r["delta"] == 0.0 and r["recovery_pct"] == 100.0
+    assert r["upper"] == pytest.approx(2.7055 / (200 + 2.7055), rel=1e-3)
+
+
+def test_clear_drop_fails(tmp_path, teams):
+    write_scores(tmp_path, "fp16", "search", [1.0] * 100)
+    write_scores(tmp_path, "int4", "search", [1.0] * 70 + [0.0] * 30)
+    result = gate(tmp_path, teams, PARAMS)
+    assert row(result)["verdict"] == "FAIL"
+    assert row(result)["delta"] == pytest.approx(-0.30)
+    assert result["builds"]["int4"]["shippable"] is False
+
+
+def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
+    write_scores(tmp_path, "fp16", "search", [1.0, 0.0] * 5)
+    write_scores(tmp_path, "int4", "search", [1.0, 0.0] * 5)
+    r = row(gate(tmp_path, teams, PARAMS))
+    assert r["verdict"] == "INCONCLUSIVE"
+    assert r["n_required"] == 52  # z^2 (1 - m) / m for b = c = 0, m = 0.05
+    assert "52 docs" in r["reason"]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "no results for build int4"),
+    ("error", "evaluation error: vLLM server exited"),
+    ("fewer_docs", "document sets differ: 10 docs on fp16 vs 9 on int4"),
+    ("other_docs", "document content differs"),
+    ("nan", "is nan"),
+])
+def test_fails_closed_with_reason(tmp_path, teams, case, expected):
+    write_scores(tmp_path, "fp16", "search", [1.0] * 10)
+    if case == "error":
+        write_scores(tmp_path, "int4", "search", [], status="error", reason="vLLM server exited with code 1")
+    elif case == "fewer_docs":
+        write_scores(tmp_path, "int4", "search", [1.0] * 9)
+    elif case == "other_docs":
+        write_scores(tmp_path, "int4", "search", [1.0] * 10, hashes={3: "changed"})
+    elif case == "nan":
+        write_scores(tmp_path, "int4", "search", [1.0] * 9 + [float("nan")])
+    r = row(gate(tmp_path, teams, PARAMS))
+    assert r["verdict"] == "FAIL"
+    assert expected in r["reason"]
+
+
+def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_evals):
+    teams = load_teams(example_evals)
+    for t in teams:
+        write_scores(tmp_path, "fp16", t.name, [1.0, 0.0] * 100)
+        write_scores(tmp_path, "int4", t.name, [1.0, 0.0] * 100 if t.name != "billing" else [0.0] * 200)
+    result = gate(tmp_path, teams, PARAMS)
+    assert {k: v["verdict"] for k, v in result["builds"]["int4"]["teams"].items()} == \
+        {"billing": "FAIL", "search": "PASS", "support": "PASS"}
+    assert result["builds"]["int4"]["verdict"] == "FAIL"
+    md = report(result)
+    assert "| int4 | billing | exact_match | 200 |" in md
+    assert "int4 / billing: FAIL" in md
+    json.dumps(result)  # the metrics file must serialise

@@ -1,0 +1,62 @@
+"""Quantize a tiny Llama built in the test with llm-compressor: real recipes, seconds."""
+import json
+
+import pytest
+from safetensors import safe_open
+
+from pipeline.errors import QuantgateError
+from pipeline.manifest import read_manifest, verify_weights
+from pipeline.quantize import QuantizeParams, quantize
+from tests.tiny import tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return tiny_llama_dir(tmp_path_factory.mktemp("fp16"))
+
+
+def quant_config(out):
+    return json.loads((out / "config.json").read_text())["quantization_config"]
+
+
+def test_fp8_dynamic(src, tmp_path):
+    out = tmp_path / "fp8"
+    manifest = quantize("fp8", src, out, QuantizeParams(scheme="FP8_DYNAMIC"))
+    qc = quant_config(out)
+    group = next(iter(qc["config_groups"].values()))
+    assert group["weights"]["type"] == "float" and group["weights"]["num_bits"] == 8
+    assert group["input_activations"]["dynamic"] is True
+    assert "lm_head" in qc["ignore"]
+    assert manifest == read_manifest(out) and verify_weights(out)["build"] == "fp8"
+    assert manifest["base_model"]["id"] == "tiny-llama"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert str(f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype) == "torch.float8_e4m3fn"
+
+
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def test_w4a16_groups(src, tmp_path, algorithm):
+    out = tmp_path / algorithm
+    quantize("int4", src, out, QuantizeParams(scheme="W4A16", algorithm=algorithm, group_size=32,
+                                              calibration_samples=4, calibration_seq_len=32))
+    group = next(iter(quant_config(out)["config_groups"].values()))
+    assert group["weights"] == {**group["weights"], "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        # packed int4: 8 values per int32, one scale per group of 32 inputs (64 -> 2 groups)
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_packed").shape == (64, 64 // 8)
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").shape == (64, 2)
+    assert "lm_head.weight_packed" not in keys
+
+
+def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
+    src = tiny_llama_dir(tmp_path / "src", hidden=96, intermediate=192)  # 96 is not a multiple of 64
+    with pytest.raises(QuantgateError, match=r"group_size=64 does not divide the input width 96 of layer .*use one of \[16, 32\]"):
+        quantize("int4", src, tmp_path / "out", QuantizeParams(scheme="W4A16", group_size=64))
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_param_is_refused():
+    from pipeline.params import parse
+
+    with pytest.raises(QuantgateError, match=r"quantize.int4.groupsize: Extra inputs are not permitted"):
+        parse(QuantizeParams, {"scheme": "W4A16", "groupsize": 64}, "quantize.int4")

@@ -1,0 +1,58 @@
+"""Loading team eval sets: the shipped examples, and clear errors on bad input."""
+import pytest
+
+from evals.teams import load_team, load_teams
+from pipeline.errors import QuantgateError
+
+
+def test_examples_load(example_evals):
+    teams = {t.name: t for t in load_teams(example_evals)}
+    assert sorted(teams) == ["billing", "search", "support"]
+    assert teams["support"].policy.margin.points(0.8) == pytest.approx(0.08)  # relative 10 %
+    assert teams["search"].policy.margin.points(0.3) == 0.05
+    task = teams["search"].tasks[0]
+    assert task.name == "search_capitals"
+    assert task.config["dataset_kwargs"]["data_files"]["test"].endswith("evals/search/data.jsonl")
+
+
+def test_digest_changes_with_data_only_for_that_team(example_evals):
+    before = {t.name: t.digest for t in load_teams(example_evals)}
+    with open(example_evals / "billing" / "data.jsonl", "a") as f:
+        f.write('{"id": "x", "question": "What is 1 + 1?", "answer": "2"}\n')
+    after = {t.name: t.digest for t in load_teams(example_evals)}
+    assert after["billing"] != before["billing"]
+    assert after["search"] == before["search"] and after["support"] == before["support"]
+
+
+def test_missing_margin_names_file_and_field(example_evals):
+    p = example_evals / "search" / "team.yaml"
+    p.write_text(p.read_text().replace("margin:\n  absolute: 0.05", ""))
+    with pytest.raises(QuantgateError, match=r"search/team.yaml\.margin: Field required"):
+        load_team(example_evals / "search")
+
+
+def test_both_margins_refused(example_evals):
+    p = example_evals / "search" / "team.yaml"
+    p.write_text(p.read_text().replace("absolute: 0.05", "absolute: 0.05\n  relative: 5"))
+    with pytest.raises(QuantgateError, match="exactly one of margin.absolute"):
+        load_team(example_evals / "search")
+
+
+def test_unknown_metric_named(example_evals):
+    p = example_evals / "search" / "team.yaml"
+    p.write_text(p.read_text().replace("metric: acc", "metric: accuracy"))
+    with pytest.raises(QuantgateError, match="metric 'accuracy' is not in metric_list"):
+        load_team(example_evals / "search")
+
+
+def test_invalid_yaml_has_line(example_evals):
+    (example_evals / "search" / "team.yaml").write_text("owner: a\nmargin: [unclosed\n")
+    with pytest.raises(QuantgateError, match=r"team.yaml:\d+: invalid YAML"):
+        load_team(example_evals / "search")
+
+
+def test_duplicate_task_names_across_teams(example_evals):
+    p = example_evals / "support" / "sentiment.yaml"
+    p.write_text(p.read_text().replace("task: support_sentiment", "task: search_capitals"))
+    with pytest.raises(QuantgateError, match="task name 'search_capitals' already used"):
+        load_teams(example_evals)
