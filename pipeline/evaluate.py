@@ -40,6 +40,7 @@ SAMPLES = "samples.jsonl"
 
 class HarnessParams(Frozen):
     num_concurrent: int = Field(default=2, ge=1)   # parallel HTTP requests to the server
+    batch_size: int = Field(default=8, ge=1)       # prompts per request (loglikelihood tasks)
     max_retries: int = Field(default=3, ge=0)
     limit: int | None = Field(default=None, gt=0)  # cap docs per task for every team (smoke runs)
     add_bos_token: bool = False                    # SmolLM2's tokenizer adds no BOS; set per model
@@ -115,7 +116,8 @@ def make_lm(server, model_dir: Path, harness: HarnessParams):
     return LocalCompletionsAPI(
         base_url=f"{server.base_url}/completions", model=server.name, tokenizer=str(model_dir),
         tokenizer_backend="huggingface", tokenized_requests=True, add_bos_token=harness.add_bos_token,
-        num_concurrent=harness.num_concurrent, max_retries=harness.max_retries,
+        num_concurrent=harness.num_concurrent, max_retries=harness.max_retries, batch_size=harness.batch_size,
+        seed=harness.seed,
     )
 
 

@@ -31,6 +31,7 @@ class QuantizeParams(Frozen):
     dampening_frac: float = Field(default=0.01, gt=0, lt=1)
     calibration_samples: int = Field(default=32, gt=0)
     calibration_seq_len: int = Field(default=256, gt=0)  # tokens
+    calibration_pipeline: Literal["basic", "sequential"] = "basic"
     ignore: list[str] = ["lm_head"]
 
 
@@ -99,7 +100,8 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
         oneshot(model=model, recipe=recipe(p))
     else:
         oneshot(model=model, recipe=recipe(p), dataset=calibration_dataset(tokenizer, p),
-                max_seq_length=p.calibration_seq_len, num_calibration_samples=p.calibration_samples)
+                max_seq_length=p.calibration_seq_len, num_calibration_samples=p.calibration_samples,
+                pipeline=p.calibration_pipeline)
     print(f"quantize[{build}]: {p.scheme}/{p.algorithm} in {time.monotonic() - started:.1f} s", flush=True)
     # smoke generation: a broken build shows here first
     print(f"quantize[{build}]: smoke answer: {smoke_generate(model, tokenizer)!r}", flush=True)

@@ -127,9 +127,38 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
                 raise ServerStartError(f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
                                        f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})")
             time.sleep(HEALTH_POLL_S)
+        smoke_request(proc, base, name, model_dir, log_path)
         yield Server(base_url=f"{base}/v1", name=name, log_path=log_path)
     finally:
         stop(proc)
+
+
+# Known serving failures and what they mean, matched against the server log.
+HINTS = {
+    "cpu_gemm_wna16": "this vLLM CPU build has no W4A16 kernel for this processor (the AVX2 build lacks it; "
+                      "AVX512 machines and GPUs have one)",
+}
+
+
+def smoke_request(proc: subprocess.Popen, base: str, name: str, model_dir: Path, log_path: Path) -> None:
+    """One greedy token through /v1/completions, so a build that loads but cannot run fails
+    here with its reason instead of as a wall of failed eval requests.
+
+    Raises ServerStartError naming the error line of the log (and a hint for known cases).
+    """
+    try:
+        r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 1,
+                                                       "temperature": 0}, timeout=300)
+        if r.status_code == 200:
+            return
+        detail = f"HTTP {r.status_code}"
+    except httpx.HTTPError as exc:
+        detail = type(exc).__name__
+    time.sleep(1)  # let the log catch up with the crash
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    hint = next((h for key, h in HINTS.items() if key in log), None)
+    raise ServerStartError(f"vLLM server for {model_dir} failed its first request ({detail}): "
+                           f"{hint or last_error_line(log_path)} (log: {log_path})")
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

@@ -1,0 +1,163 @@
+"""End to end on the real default model: `dvc repro` in a fresh copy of the repo, real vLLM
+servers, a real MLflow registry (sqlite). Minutes, not seconds: marked e2e.
+
+One pipeline run (eval limit reduced) is shared by every test here; the failure tests then
+run single stages in the same copy.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+LIMIT = 20  # docs per task: enough for real numbers, small enough for CI
+
+
+def run(cmd, cwd, check=True, timeout=3600):
+    env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", MLFLOW_TRACKING_URI="")
+    env.pop("MLFLOW_TRACKING_URI")
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
+    if check and p.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+@pytest.fixture(scope="session")
+def project(tmp_path_factory):
+    """A fresh git copy of the working tree with the two envs linked in, after one `dvc repro`."""
+    root = tmp_path_factory.mktemp("e2e") / "quantgate"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, root / f)
+    for env in (".venv", ".venv-serve"):
+        (root / env).symlink_to(REPO / env)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["evaluate"]["harness"]["limit"] = LIMIT
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run("git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm e2e", root)
+    started = time.monotonic()
+    out = run(["dvc", "repro"], root)
+    print(f"\ne2e: dvc repro took {time.monotonic() - started:.0f} s")
+    (root / "repro.log").write_text(out.stdout + out.stderr)
+    return root
+
+
+def test_builds_are_compressed_tensors_with_manifests(project):
+    for build, scheme in [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int4", "W4A16")]:
+        manifest = json.loads((project / "models" / build / "build.json").read_text())
+        assert manifest["scheme"] == scheme
+        assert len(manifest["weights_digest"]) == 64
+    qc = json.loads((project / "models" / "int4" / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and "lm_head" in qc["ignore"]
+    assert next(iter(qc["config_groups"].values()))["weights"]["group_size"] == 64
+
+
+def test_every_build_scored_through_vllm(project):
+    for build in ("fp16", "fp8", "int4"):
+        assert "Application startup complete" in (project / "results/eval" / build / "server.log").read_text()
+        for team in ("billing", "search", "support"):
+            doc = json.loads((project / "results/eval" / build / team / "scores.json").read_text())
+            assert doc["status"] == "ok", doc.get("reason")
+            for task in doc["tasks"].values():
+                assert task["n"] == LIMIT and 0.0 <= task["score"] <= 1.0
+            assert doc["serving"]["versions"]["vllm"]
+    fp16 = {t: json.loads((project / f"results/eval/fp16/{t}/scores.json").read_text()) for t in ("search", "support")}
+    # real signal: the 16-bit model is neither always right nor always wrong on the examples
+    assert 0.0 < sum(s["score"] for d in fp16.values() for s in d["samples"]) < 2 * LIMIT
+
+
+def test_gate_table_and_metrics(project):
+    gate = json.loads((project / "results/gate.json").read_text())
+    assert set(gate["builds"]) == {"fp8", "int4"}
+    for b in gate["builds"].values():
+        assert b["verdict"] in {"PASS", "FAIL", "INCONCLUSIVE", "ANOMALOUS"}
+        for row in b["teams"].values():
+            assert row["n"] == LIMIT and 0.0 <= row["baseline"] <= 1.0 and 0.0 <= row["candidate"] <= 1.0
+            assert row["lower"] <= row["drop"] <= row["upper"]
+    report = (project / "results/gate_report.md").read_text()
+    assert "| fp8 | search | acc | 20 |" in report
+    out = run(["quantgate", "report"], project).stdout
+    assert "| int4 | billing | exact_match |" in out
+
+
+def test_registry_holds_versions_with_lineage_and_fallback(project):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    reg = json.loads((project / "results/registry.json").read_text())
+    name = reg["model_name"]
+    versions = {mv.tags["build"]: mv for mv in client.search_model_versions(f"name='{name}'")}
+    gate = json.loads((project / "results/gate.json").read_text())
+    passing = {b for b, v in gate["builds"].items() if v["verdict"] == "PASS"}
+    assert set(versions) == {"fp16", *passing}
+    fp16 = versions["fp16"]
+    manifest = json.loads((project / "models/fp16/build.json").read_text())
+    assert fp16.tags["weights_sha256"] == manifest["weights_digest"]
+    assert fp16.tags["gate.verdict"] == "BASELINE" and fp16.tags["dtype"] == "bfloat16"
+    assert len(fp16.tags["git_commit"]) >= 40 and fp16.tags["version.lm_eval"]
+    assert client.get_model_version_by_alias(name, "fallback").version == fp16.version
+    for build in {"fp8", "int4"} - passing:  # logged with evidence, never registered
+        run_id = reg["builds"][build]["run_id"]
+        assert client.get_run(run_id).data.tags["registered"] == "False"
+        assert reg["builds"][build]["version"] is None
+    status = run(["quantgate", "status"], project).stdout
+    assert "[fallback]" in status
+
+
+def test_second_repro_does_nothing(project):
+    started = time.monotonic()
+    out = run(["dvc", "repro"], project).stdout
+    elapsed = time.monotonic() - started
+    print(f"\ne2e: no-op dvc repro took {elapsed:.1f} s")
+    assert "Running stage" not in out
+    assert elapsed < 60
+
+
+def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_path):
+    broken = tmp_path / "int4-broken"
+    shutil.copytree(project / "models/int4", broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    out_dir = tmp_path / "eval"
+    shutil.copytree(project / "results/eval", out_dir)
+    shutil.rmtree(out_dir / "int4")
+    p = run([sys.executable, "-m", "pipeline.evaluate", "int4", str(broken), "evals", str(out_dir / "int4")], project)
+    doc = json.loads((out_dir / "int4/search/scores.json").read_text())
+    assert doc["status"] == "error" and "vLLM server" in doc["reason"] and "\n" not in doc["reason"]
+    assert "Traceback" not in p.stdout.splitlines()[-1]
+    run([sys.executable, "-m", "pipeline.gate", str(out_dir), "evals", str(tmp_path / "g.json"), str(tmp_path / "g.md")], project)
+    gate = json.loads((tmp_path / "g.json").read_text())
+    original = json.loads((project / "results/gate.json").read_text())
+    assert gate["builds"]["int4"]["verdict"] == "FAIL"
+    assert all("vLLM server" in r["reason"] for r in gate["builds"]["int4"]["teams"].values())
+    assert gate["builds"]["fp8"] == original["builds"]["fp8"]  # the other build's results are kept
+
+
+def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project, tmp_path):
+    evals = tmp_path / "evals"
+    shutil.copytree(project / "evals", evals)
+    bad = evals / "zz-broken"
+    shutil.copytree(evals / "billing", bad)
+    task = (bad / "arithmetic.yaml").read_text().replace("task: billing_arithmetic", "task: broken_arithmetic")
+    # more new tokens than the server's context: every request is refused by vLLM (HTTP 400)
+    (bad / "arithmetic.yaml").write_text(task.replace("max_gen_toks: 24", "max_gen_toks: 4096"))
+    p = run([sys.executable, "-m", "pipeline.evaluate", "fp16", "models/fp16", str(evals), str(tmp_path / "fp16")], project)
+    for team in ("billing", "search", "support"):
+        assert f"evaluate[fp16]: {team}: from cache" in p.stdout
+        assert json.loads((tmp_path / "fp16" / team / "scores.json").read_text())["status"] == "ok"
+    doc = json.loads((tmp_path / "fp16/zz-broken/scores.json").read_text())
+    assert doc["status"] == "error" and "\n" not in doc["reason"]
+    print(f"\ne2e: broken team reason: {doc['reason']}")
