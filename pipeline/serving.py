@@ -127,7 +127,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
                 raise ServerStartError(f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
                                        f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})")
             time.sleep(HEALTH_POLL_S)
-        smoke_request(proc, base, name, model_dir, log_path)
+        smoke_request(base, name, model_dir, log_path)
         yield Server(base_url=f"{base}/v1", name=name, log_path=log_path)
     finally:
         stop(proc)
@@ -140,7 +140,7 @@ HINTS = {
 }
 
 
-def smoke_request(proc: subprocess.Popen, base: str, name: str, model_dir: Path, log_path: Path) -> None:
+def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None:
     """One greedy token through /v1/completions, so a build that loads but cannot run fails
     here with its reason instead of as a wall of failed eval requests.
 

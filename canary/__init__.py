@@ -1,0 +1,1 @@
+"""The vLLM canary fleet (not built yet; see canary/README.md)."""
