@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import sha256_file
+from pipeline.hashing import digest_of, sha256_file
 from pipeline.manifest import write_manifest
 from pipeline.params import Frozen, load_block
 
@@ -73,8 +73,6 @@ def load_local(path: Path, dtype: str):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     weights = {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))}
-    from pipeline.hashing import digest_of
-
     info = {"id": str(path.resolve()), "source": str(path.resolve()), "sha256": digest_of(weights)}
     return model, tokenizer, info
 

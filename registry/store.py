@@ -9,13 +9,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-DEFAULT_URI = "sqlite:///mlflow.db"
+DEFAULT_DB = Path("mlflow.db")
 DEFAULT_ARTIFACTS = Path("mlartifacts")
 
 
 def tracking_uri() -> str:
-    """The tracking/registry URI: $MLFLOW_TRACKING_URI or the embedded sqlite default."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+    """The tracking/registry URI: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db.
+
+    The default is made absolute because MLflow caches one database engine per URI string
+    in a process: a relative URI would keep pointing at the first working directory's file.
+    """
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DB.resolve()}"
 
 
 def client(uri: str | None = None):
@@ -26,7 +30,7 @@ def client(uri: str | None = None):
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-def experiment_id(mlflow_client, name: str) -> str:
+def experiment_id(mlflow_client, name: str, uri: str | None = None) -> str:
     """Id of experiment `name`, created if missing.
 
     With the embedded sqlite store its artifacts go to ./mlartifacts (absolute file URI),
@@ -35,9 +39,6 @@ def experiment_id(mlflow_client, name: str) -> str:
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = DEFAULT_ARTIFACTS.resolve().as_uri() if tracking_uri_is_local(mlflow_client) else None
+    local = (uri or tracking_uri()).startswith(("sqlite:", "file:", "/"))
+    location = DEFAULT_ARTIFACTS.resolve().as_uri() if local else None
     return mlflow_client.create_experiment(name, artifact_location=location)
-
-
-def tracking_uri_is_local(mlflow_client) -> bool:
-    return str(mlflow_client._tracking_client.tracking_uri).startswith(("sqlite:", "file:", "/"))

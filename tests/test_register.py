@@ -1,0 +1,59 @@
+"""The register stage against a real MLflow sqlite store in a temp dir, with tiny builds."""
+import json
+
+import pytest
+
+from pipeline.errors import QuantgateError
+from pipeline.register import RegisterParams, register
+from registry import store
+from tests.tiny import tiny_llama_dir
+
+
+def gate_result(verdicts: dict[str, str]) -> dict:
+    rows = {"search": {"verdict": "PASS", "metric": "acc", "delta": 0.0, "lower": -0.01, "upper": 0.02,
+                       "recovery_pct": 100.0, "baseline": 0.9, "candidate": 0.9}}
+    return {"baseline": "fp16", "builds": {b: {"verdict": v, "shippable": v == "PASS",
+                                               "teams": {"search": {**rows["search"], "verdict": v}}}
+                                           for b, v in verdicts.items()}}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "params.yaml").write_text("register: {}\n")
+    models = tmp_path / "models"
+    for seed, build in enumerate(("fp16", "int4", "fp8")):
+        tiny_llama_dir(models / build, seed=seed)
+        m = json.loads((models / build / "build.json").read_text())
+        (models / build / "build.json").write_text(json.dumps({**m, "build": build}))
+    (tmp_path / "results/eval").mkdir(parents=True)
+    return tmp_path
+
+
+def test_registers_baseline_and_passing_builds_only(workdir):
+    params = RegisterParams(model_name="tiny", experiment="e")
+    out = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval", params)
+    client = store.client()
+    versions = {mv.tags["build"]: mv for mv in client.search_model_versions("name='tiny'")}
+    assert set(versions) == {"fp16", "int4"}
+    assert versions["int4"].tags["gate.verdict"] == "PASS" and versions["int4"].tags["gate.search.verdict"] == "PASS"
+    assert versions["fp16"].tags["gate.verdict"] == "BASELINE"
+    assert client.get_model_version_by_alias("tiny", "fallback").version == versions["fp16"].version
+    assert out["builds"]["fp8"]["version"] is None
+    assert client.get_run(out["builds"]["fp8"]["run_id"]).data.tags["registered"] == "False"
+    # same weights and evidence again: no duplicate versions
+    again = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval", params)
+    assert again["builds"]["int4"] == {**out["builds"]["int4"], "reused": True}
+    assert len(client.search_model_versions("name='tiny'")) == 2
+
+
+def test_tampered_weights_refused_before_anything_is_written(workdir):
+    with open(workdir / "models/int4/model.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x00" * 8)
+    with pytest.raises(QuantgateError, match="int4/model.safetensors: sha256 does not match build.json"):
+        register(workdir / "models", gate_result({"int4": "PASS"}), "# r", workdir / "results/eval",
+                 RegisterParams(model_name="tiny", experiment="e"))
+    client = store.client()
+    assert client.search_registered_models() == []
