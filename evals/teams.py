@@ -7,6 +7,7 @@ files relative to the folder. Files starting with "_" are shared templates, not 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,76 @@ class Team:
     digest: str
 
 
+MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
+
+
+def _field(template) -> str | None:
+    """The document field a template is exactly `{{field}}` or `field` of, else None."""
+    if not isinstance(template, str):
+        return None
+    t = template.strip()
+    if t.startswith("{{") and t.endswith("}}"):
+        t = t[2:-2].strip()
+    return t if t.isidentifier() else None
+
+
+def check_data(task_path: Path, config: dict, data_path: Path) -> list[str]:
+    """Problems in one JSONL data file, each as "file:line: what is wrong; the fix".
+
+    Checks: size limit, UTF-8, blank lines, invalid JSON, non-object lines, and for
+    multiple_choice tasks a target that is not a valid index into the choices (or is the
+    answer text instead of the index), and empty or duplicate choices.
+    """
+    raw = data_path.read_bytes()
+    if len(raw) > MAX_DATA_BYTES:
+        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"]
+    problems = []
+    mc = config.get("output_type") == "multiple_choice"
+    target_field, choice_field = _field(config.get("doc_to_target")), _field(config.get("doc_to_choice"))
+    fixed_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            if n < len(text.split("\n")):  # a final newline is fine
+                problems.append(f"{data_path}:{n}: blank line; remove it")
+            continue
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{data_path}:{n}: invalid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if not isinstance(doc, dict):
+            problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
+            continue
+        if not mc or target_field is None:
+            continue
+        choices = fixed_choices if fixed_choices is not None else doc.get(choice_field) if choice_field else None
+        if choices is None:
+            if choice_field:
+                problems.append(f"{data_path}:{n}: field {choice_field!r} (doc_to_choice) is missing")
+            continue
+        if not isinstance(choices, list) or not choices or any(not str(c).strip() for c in choices):
+            problems.append(f"{data_path}:{n}: choices must be a non-empty list of non-empty strings")
+            continue
+        if len(set(map(str, choices))) != len(choices):
+            problems.append(f"{data_path}:{n}: duplicate choices {choices}; make them distinct")
+        if target_field not in doc:
+            problems.append(f"{data_path}:{n}: field {target_field!r} (doc_to_target) is missing")
+            continue
+        target = doc[target_field]
+        if isinstance(target, str) and target in map(str, choices):
+            problems.append(f"{data_path}:{n}: {target_field} is the answer text {target!r}; "
+                            f"use its index {list(map(str, choices)).index(target)} into the choices")
+        elif not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
+            problems.append(f"{data_path}:{n}: {target_field}={target!r} is not an index into "
+                            f"{len(choices)} choices (0..{len(choices) - 1})")
+    return problems
+
+
 def _load_task(path: Path) -> Task | None:
     config = read_yaml(path)
     if not isinstance(config, dict) or "task" not in config:
@@ -84,6 +155,10 @@ def _load_task(path: Path) -> Task | None:
                 raise QuantgateError(f"{path}: dataset_kwargs.data_files.{split}: {rel} not found next to the task file")
             resolved[split] = str(p)
         config["dataset_kwargs"]["data_files"] = resolved
+        problems = [msg for f in resolved.values() for msg in check_data(path, config, Path(f))]
+        if problems:
+            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+            raise QuantgateError(f"{path.parent.name}: {len(problems)} problem(s) in the data:\n  " + "\n  ".join(shown))
     return Task(name=str(config["task"]), path=path, config=config)
 
 

@@ -56,3 +56,30 @@ def test_duplicate_task_names_across_teams(example_evals):
     p.write_text(p.read_text().replace("task: support_sentiment", "task: search_capitals"))
     with pytest.raises(QuantgateError, match="task name 'search_capitals' already used"):
         load_teams(example_evals)
+
+
+BAD_LINES = [
+    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1}\n{"id": "b", ', "data.jsonl:2: invalid JSON"),
+    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1}\n\n{"id": "c", "question": "Q?", "choices": ["x", "y"], "answer": 0}\n',
+     "data.jsonl:2: blank line"),
+    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 2}\n', "data.jsonl:1: answer=2 is not an index into 2 choices"),
+    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": "y"}\n', "answer is the answer text 'y'; use its index 1"),
+    ('{"id": "a", "question": "Q?", "choices": ["x", "x"], "answer": 0}\n', "data.jsonl:1: duplicate choices"),
+    ('{"id": "a", "question": "Q?", "choices": [], "answer": 0}\n', "choices must be a non-empty list"),
+    ('{"id": "a", "question": "Q?", "answer": 0}\n', "field 'choices' (doc_to_choice) is missing"),
+]
+
+
+@pytest.mark.parametrize("content, expected", BAD_LINES)
+def test_bad_data_lines_named_with_file_and_line(example_evals, content, expected):
+    (example_evals / "search" / "data.jsonl").write_text(content)
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "search")
+    assert expected in str(err.value)
+
+
+def test_non_utf8_named_with_line(example_evals):
+    (example_evals / "search" / "data.jsonl").write_bytes(
+        b'{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1}\n{"id": "caf\xe9"}\n')
+    with pytest.raises(QuantgateError, match=r"data.jsonl:2: not UTF-8 \(byte 0xe9\)"):
+        load_team(example_evals / "search")
