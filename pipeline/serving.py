@@ -161,15 +161,36 @@ def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None
                            f"{hint or last_error_line(log_path)} (log: {log_path})")
 
 
+def _group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of process group `pgid` is alive."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return False
+
+
 def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, SIGKILL it if still alive after `grace_s`."""
-    if proc.poll() is not None:
-        return
+    """SIGTERM the server's process group and wait until every process in it is gone
+    (SIGKILL after `grace_s`), so no engine worker writes the log after the stage ends
+    (DVC hashes the stage's outputs, the log among them, right after it)."""
+    pgid = proc.pid
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        if proc.returncode is not None and not _group_alive(pgid):
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
