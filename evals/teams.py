@@ -7,12 +7,12 @@ files relative to the folder. Files starting with "_" are shared templates, not 
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from evals.checks import BINARY_METRICS, check_data, check_metrics, min_docs_to_pass
 from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_tree
 from pipeline.params import Frozen, parse, read_yaml
@@ -58,6 +58,7 @@ class Task:
     name: str
     path: Path
     config: dict
+    n_docs: int  # documents the gate will see (test split, after the team's limit)
 
 
 @dataclass(frozen=True)
@@ -71,124 +72,107 @@ class Team:
     digest: str
 
 
-MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
-
-
-def _field(template) -> str | None:
-    """The document field a template is exactly `{{field}}` or `field` of, else None."""
-    if not isinstance(template, str):
-        return None
-    t = template.strip()
-    if t.startswith("{{") and t.endswith("}}"):
-        t = t[2:-2].strip()
-    return t if t.isidentifier() else None
-
-
-def check_data(task_path: Path, config: dict, data_path: Path) -> list[str]:
-    """Problems in one JSONL data file, each as "file:line: what is wrong; the fix".
-
-    Checks: size limit, UTF-8, blank lines, invalid JSON, non-object lines, and for
-    multiple_choice tasks a target that is not a valid index into the choices (or is the
-    answer text instead of the index), and empty or duplicate choices.
-    """
-    raw = data_path.read_bytes()
-    if len(raw) > MAX_DATA_BYTES:
-        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"]
+def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Task | None:
+    """One task YAML, data paths made absolute; appends every problem found to `problems`."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"]
-    problems = []
-    mc = config.get("output_type") == "multiple_choice"
-    target_field, choice_field = _field(config.get("doc_to_target")), _field(config.get("doc_to_choice"))
-    fixed_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            if n < len(text.split("\n")):  # a final newline is fine
-                problems.append(f"{data_path}:{n}: blank line; remove it")
-            continue
-        try:
-            doc = json.loads(line)
-        except json.JSONDecodeError as exc:
-            problems.append(f"{data_path}:{n}: invalid JSON ({exc.msg} at column {exc.colno})")
-            continue
-        if not isinstance(doc, dict):
-            problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
-            continue
-        if not mc or target_field is None:
-            continue
-        choices = fixed_choices if fixed_choices is not None else doc.get(choice_field) if choice_field else None
-        if choices is None:
-            if choice_field:
-                problems.append(f"{data_path}:{n}: field {choice_field!r} (doc_to_choice) is missing")
-            continue
-        if not isinstance(choices, list) or not choices or any(not str(c).strip() for c in choices):
-            problems.append(f"{data_path}:{n}: choices must be a non-empty list of non-empty strings")
-            continue
-        if len(set(map(str, choices))) != len(choices):
-            problems.append(f"{data_path}:{n}: duplicate choices {choices}; make them distinct")
-        if target_field not in doc:
-            problems.append(f"{data_path}:{n}: field {target_field!r} (doc_to_target) is missing")
-            continue
-        target = doc[target_field]
-        if isinstance(target, str) and target in map(str, choices):
-            problems.append(f"{data_path}:{n}: {target_field} is the answer text {target!r}; "
-                            f"use its index {list(map(str, choices)).index(target)} into the choices")
-        elif not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
-            problems.append(f"{data_path}:{n}: {target_field}={target!r} is not an index into "
-                            f"{len(choices)} choices (0..{len(choices) - 1})")
-    return problems
-
-
-def _load_task(path: Path) -> Task | None:
-    config = read_yaml(path)
+        config = read_yaml(path)
+    except QuantgateError as exc:
+        problems.append(str(exc))
+        return None
     if not isinstance(config, dict) or "task" not in config:
         return None
     config = copy.deepcopy(config)
+    if policy is not None:
+        problems += check_metrics(path, config, policy.metric)
     files = (config.get("dataset_kwargs") or {}).get("data_files")
-    if isinstance(files, dict):
-        resolved = {}
-        for split, rel in files.items():
-            p = (path.parent / rel).resolve()
-            if not p.is_file():
-                raise QuantgateError(f"{path}: dataset_kwargs.data_files.{split}: {rel} not found next to the task file")
-            resolved[split] = str(p)
-        config["dataset_kwargs"]["data_files"] = resolved
-        problems = [msg for f in resolved.values() for msg in check_data(path, config, Path(f))]
-        if problems:
-            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-            raise QuantgateError(f"{path.parent.name}: {len(problems)} problem(s) in the data:\n  " + "\n  ".join(shown))
-    return Task(name=str(config["task"]), path=path, config=config)
+    if not isinstance(files, dict) or not files:
+        problems.append(f"{path}: dataset_kwargs.data_files must map a split to a JSONL file in this folder, "
+                        "e.g. {test: data.jsonl}")
+        return None
+    split = config.get("test_split") or config.get("validation_split")
+    if split not in files:
+        problems.append(f"{path}: test_split {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
+    resolved, n_docs = {}, 0
+    for name, rel in files.items():
+        p = (path.parent / str(rel)).resolve()
+        if not p.is_file():
+            problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel} not found next to the task file")
+            continue
+        resolved[name] = str(p)
+        found, n = check_data(config, p)
+        problems += found[:20] + ([f"{p}: ... and {len(found) - 20} more"] if len(found) > 20 else [])
+        n_docs += n if name == split else 0
+    config["dataset_kwargs"]["data_files"] = resolved
+    if policy is not None and policy.limit:
+        n_docs = min(n_docs, policy.limit)
+    return Task(name=str(config["task"]), path=path, config=config, n_docs=n_docs)
+
+
+def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
+    """Load one team folder and collect every problem; the Team is None if it cannot be built."""
+    policy_path = path / POLICY_FILE
+    problems: list[str] = []
+    policy = None
+    try:
+        policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path))
+    except QuantgateError as exc:
+        problems.append(str(exc))
+    tasks = [t for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith("_")
+             if (t := _load_task(p, policy, problems)) is not None]
+    if not tasks and not problems:
+        problems.append(f"{path}: no lm-eval task YAML (a *.yaml with `task:`); see evals/README.md")
+    if policy is None or problems:
+        return None, problems
+    n = sum(t.n_docs for t in tasks)
+    if policy.metric in BINARY_METRICS:
+        # the widest margin a relative policy can give is relative% of a perfect score of 1
+        margin = policy.margin.absolute if policy.margin.absolute is not None else policy.margin.relative / 100.0
+        need = min_docs_to_pass(margin, policy.confidence)
+        if n < need:
+            problems.append(f"{policy_path}: {n} documents can never PASS: at margin {margin:g} and confidence "
+                            f"{policy.confidence:g} even identical builds need at least {need}; "
+                            "add documents or widen the margin")
+            return None, problems
+    return Team(name=path.name, path=path, policy=policy, tasks=tuple(tasks), digest=digest_tree(path)), []
 
 
 def load_team(path: Path) -> Team:
-    """Load one team folder. Raises QuantgateError naming the file and field on bad input."""
-    policy_path = path / POLICY_FILE
-    policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path))
-    tasks = [t for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith("_")
-             if (t := _load_task(p)) is not None]
-    if not tasks:
-        raise QuantgateError(f"{path}: no lm-eval task YAML (a *.yaml with `task:`); see evals/README.md")
-    for t in tasks:
-        metrics = [m.get("metric") for m in t.config.get("metric_list", [])]
-        if policy.metric not in metrics:
-            raise QuantgateError(f"{policy_path}: metric {policy.metric!r} is not in metric_list of {t.path} ({metrics})")
-    return Team(name=path.name, path=path, policy=policy, tasks=tuple(tasks), digest=digest_tree(path))
+    """Load one team folder. Raises QuantgateError listing every problem with file:line."""
+    team, problems = inspect_team(path)
+    if team is None:
+        raise QuantgateError(_listing(path.name, problems))
+    return team
+
+
+def _listing(team: str, problems: list[str]) -> str:
+    return f"team {team}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
 
 
 def load_teams(root: Path) -> list[Team]:
     """Every team under `root` (folders with a team.yaml), sorted by name.
 
-    Raises QuantgateError if there is none, or if two teams declare the same task name.
+    Raises QuantgateError listing every problem of every team (each named), if there is no
+    team, or if two teams declare the same task name.
     """
-    teams = [load_team(p) for p in sorted(root.iterdir()) if (p / POLICY_FILE).is_file()]
-    if not teams:
+    if not root.is_dir():
+        raise QuantgateError(f"{root}: not a folder of team eval sets; see evals/README.md")
+    folders = [p for p in sorted(root.iterdir()) if (p / POLICY_FILE).is_file()]
+    if not folders:
         raise QuantgateError(f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md")
+    teams, errors = [], []
+    for folder in folders:
+        team, problems = inspect_team(folder)
+        if team is None:
+            errors.append(_listing(folder.name, problems))
+        else:
+            teams.append(team)
     seen: dict[str, Path] = {}
     for team in teams:
         for task in team.tasks:
             if task.name in seen:
-                raise QuantgateError(f"{task.path}: task name {task.name!r} already used by {seen[task.name]}; rename one")
+                errors.append(_listing(team.name, [f"{task.path}: task name {task.name!r} already used by "
+                                                   f"{seen[task.name]}; rename one"]))
             seen[task.name] = task.path
+    if errors:
+        raise QuantgateError("\n".join(errors))
     return teams

@@ -2,6 +2,7 @@
 
     quantgate report                 the gate table of the last `dvc repro`
     quantgate status [MODEL]         registered versions, verdicts and aliases
+    quantgate evals new TEAM         scaffold a valid team folder under evals/
     quantgate evals validate [PATH]  check team eval sets without running a model
 """
 from __future__ import annotations
@@ -61,6 +62,27 @@ def evals() -> None:
     """Team eval sets."""
 
 
+@evals.command("new")
+@click.argument("team")
+@click.option("--owner", prompt=True, help="The team that owns the set.")
+@click.option("--contact", prompt=True, help="Who to tell when the gate fails (e-mail, channel).")
+@click.option("--root", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
+def new(team: str, owner: str, contact: str, root: Path) -> None:
+    """Scaffold a valid team folder evals/TEAM with example documents to replace."""
+    from evals.scaffold import new_team
+    from evals.teams import load_team
+
+    try:
+        folder = new_team(root, team, owner, contact)
+        t = load_team(folder)
+    except QuantgateError as exc:
+        _fail(exc)
+    click.echo(f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} "
+               f"({t.tasks[0].n_docs} example docs)")
+    click.echo(f"next: replace {folder / 'data.jsonl'} with your documents, then "
+               f"`quantgate evals validate {folder}` and `dvc repro`")
+
+
 @evals.command()
 @click.argument("path", type=click.Path(path_type=Path), default=Path("evals"))
 def validate(path: Path) -> None:
@@ -72,7 +94,8 @@ def validate(path: Path) -> None:
     except QuantgateError as exc:
         _fail(exc)
     for t in teams:
-        click.echo(f"ok: {t.name} ({', '.join(x.name for x in t.tasks)}), owner {t.policy.owner}")
+        tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
+        click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Stage `gate`: a verdict per (build, team) and per build from paired per-sample scores.
 
-Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD` (params block `gate`).
+Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG` (params block `gate`).
 
 For every candidate build and every team under evals/, the candidate's per-document scores
 are paired with the baseline (16-bit) build's on the same documents and judged against the
@@ -22,6 +22,7 @@ from evals.teams import Team, load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import SCORES
 from pipeline.params import Frozen, load_block
+from pipeline.plot import recovery_plot
 from pipeline.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
 
 SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
@@ -97,7 +98,7 @@ def judge(team: Team, base_doc: dict, cand_doc: dict, params: GateParams, cand_b
         recovery = 100.0 * cand_mean / base_mean if base_mean else None
     else:
         recovery = 100.0 * base_mean / cand_mean if cand_mean else None
-    row = {"verdict": v.value, "metric": pol.metric, "n": cmp.n, "baseline": base_mean, "candidate": cand_mean,
+    row = {"verdict": v.value, "metric": pol.metric, "higher_is_better": pol.higher_is_better, "n": cmp.n, "baseline": base_mean, "candidate": cand_mean,
            "delta": cand_mean - base_mean, "margin": margin, "recovery_pct": recovery, "confidence": pol.confidence,
            **{k: val for k, val in cmp.as_dict().items() if k != "n"}}
     row["reason"] = reason(v, cmp, margin)
@@ -150,14 +151,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def report(result: dict) -> str:
-    """The markdown gate report: summary per build, the table, and every non-PASS reason."""
+def report(result: dict, plot_name: str | None = None) -> str:
+    """The markdown gate report: summary per build, the table, the plot link, every reason."""
     out = ["# quantgate gate report", "",
            f"Baseline: `{result['baseline']}`. Drop = baseline - candidate (positive = worse); the CI is the "
            "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.", ""]
     for build, b in result["builds"].items():
         out.append(f"- **{build}**: {b['verdict']} ({'shippable' if b['shippable'] else 'not shippable'})")
-    out += ["", table(result), "", "## Reasons", ""]
+    out += ["", table(result), ""]
+    if plot_name:
+        out += [f"![recovery per team and build]({plot_name})", ""]
+    out += ["## Reasons", ""]
     for build, b in result["builds"].items():
         for team, r in b["teams"].items():
             out.append(f"- {build} / {team}: {r['verdict']}: {r['reason']}")
@@ -165,13 +169,14 @@ def report(result: dict) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) != 5:
-        raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD")
-    eval_dir, evals_dir, metrics_path, report_path = map(Path, sys.argv[1:])
+    if len(sys.argv) != 6:
+        raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG")
+    eval_dir, evals_dir, metrics_path, report_path, plot_path = map(Path, sys.argv[1:])
     result = gate(eval_dir, load_teams(evals_dir), load_block("gate", GateParams))
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     metrics_path.write_text(json.dumps(result, indent=2) + "\n")
-    report_path.write_text(report(result))
+    report_path.write_text(report(result, plot_path.name))
+    recovery_plot(result, plot_path)
     print(table(result))
     for build, b in result["builds"].items():
         print(f"gate: {build}: {b['verdict']}")

@@ -102,6 +102,9 @@ def test_gate_table_and_metrics(project):
             assert row["lower"] <= row["drop"] <= row["upper"]
     report = (project / "results/gate_report.md").read_text()
     assert "| fp8 | search | acc | 20 |" in report
+    assert (project / "results/gate_recovery.png").read_bytes()[:4] == b"\x89PNG"
+    teams = json.loads((project / "results/teams.json").read_text())
+    assert teams["search"]["n_docs"] == 109 and teams["search"]["min_docs"] == 52
     out = run(["quantgate", "report"], project).stdout
     assert "| fp8 | billing | exact_match | 20 |" in out and "int4: " in out
 
@@ -153,7 +156,8 @@ def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_pat
     doc = json.loads((out_dir / "int4/search/scores.json").read_text())
     assert doc["status"] == "error" and "vLLM server" in doc["reason"] and "\n" not in doc["reason"]
     assert "Traceback" not in p.stdout.splitlines()[-1]
-    run([sys.executable, "-m", "pipeline.gate", str(out_dir), "evals", str(tmp_path / "g.json"), str(tmp_path / "g.md")], project)
+    run([sys.executable, "-m", "pipeline.gate", str(out_dir), "evals", str(tmp_path / "g.json"), str(tmp_path / "g.md"),
+         str(tmp_path / "g.png")], project)
     gate = json.loads((tmp_path / "g.json").read_text())
     original = json.loads((project / "results/gate.json").read_text())
     assert gate["builds"]["int4"]["verdict"] == "FAIL"
@@ -176,3 +180,24 @@ def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project
     doc = json.loads((tmp_path / "fp16/zz-broken/scores.json").read_text())
     assert doc["status"] == "error" and "\n" not in doc["reason"]
     print(f"\ne2e: broken team reason: {doc['reason']}")
+
+
+def test_bad_team_set_stops_repro_before_any_stage_touches_results(project):
+    data = project / "evals/support/data.jsonl"
+    good = data.read_bytes()
+    watched = [project / "mlflow.db", *sorted((project / "results/eval").rglob("scores.json"))]
+    before = {p: p.stat().st_mtime_ns for p in watched}
+    try:
+        data.write_bytes(good + b"\n" + b'{"id": "x", "message": "ok", "label": 7}\n')
+        p = run(["dvc", "repro"], project, check=False)
+        out = p.stdout + p.stderr
+        assert p.returncode != 0
+        assert "Running stage 'validate'" in out and "Running stage" not in out.split("Running stage 'validate'")[1]
+        assert "team support:" in out and "support/data.jsonl:121: blank line" in out
+        assert "support/data.jsonl:122: label=7 is not an index into 2 choices" in out
+        assert "Traceback" not in out
+        assert {p: p.stat().st_mtime_ns for p in watched} == before
+    finally:
+        data.write_bytes(good)
+    again = run(["dvc", "repro"], project).stdout
+    assert [line for line in again.splitlines() if line.startswith("Running stage")] == ["Running stage 'validate':"]

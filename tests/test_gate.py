@@ -82,3 +82,26 @@ def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_
     assert "| int4 | billing | exact_match | 200 |" in md
     assert "int4 / billing: FAIL" in md
     json.dumps(result)  # the metrics file must serialise
+
+
+def test_recovery_interval_maps_drop_bounds():
+    from pipeline.plot import recovery_interval
+
+    row_ = {"baseline": 0.8, "lower": -0.02, "upper": 0.04}
+    assert recovery_interval(row_) == pytest.approx((95.0, 102.5))
+    assert recovery_interval({**row_, "baseline": 2.0}, higher_is_better=False) == pytest.approx((100 * 2 / 2.04, 100 * 2 / 1.98))
+    assert recovery_interval({"verdict": "FAIL", "reason": "no results"}) is None
+
+
+def test_plot_and_report_written_for_pass_and_missing_build(tmp_path, teams):
+    from pipeline.plot import recovery_plot
+
+    write_scores(tmp_path, "fp16", "search", [1.0, 0.0] * 100)
+    write_scores(tmp_path, "int4", "search", [1.0, 0.0] * 100)
+    result = gate(tmp_path, teams, GateParams(baseline="fp16", candidates=["int4", "fp8"], bootstrap_resamples=1000))
+    assert row(result, "fp8")["verdict"] == "FAIL" and "missing" in row(result, "fp8")["reason"]
+    png = tmp_path / "out" / "gate_recovery.png"
+    recovery_plot(result, png)
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert "![recovery per team and build](gate_recovery.png)" in report(result, png.name)

@@ -1,8 +1,14 @@
 """Loading team eval sets: the shipped examples, and clear errors on bad input."""
+import shutil
+from pathlib import Path
+
 import pytest
 
+from evals import checks
 from evals.teams import load_team, load_teams
 from pipeline.errors import QuantgateError
+from pipeline.stats import tango_bounds
+from tests.conftest import REPO
 
 
 def test_examples_load(example_evals):
@@ -13,6 +19,7 @@ def test_examples_load(example_evals):
     task = teams["search"].tasks[0]
     assert task.name == "search_capitals"
     assert task.config["dataset_kwargs"]["data_files"]["test"].endswith("evals/search/data.jsonl")
+    assert {n: t.tasks[0].n_docs for n, t in teams.items()} == {"billing": 120, "search": 109, "support": 120}
 
 
 def test_digest_changes_with_data_only_for_that_team(example_evals):
@@ -24,62 +31,71 @@ def test_digest_changes_with_data_only_for_that_team(example_evals):
     assert after["search"] == before["search"] and after["support"] == before["support"]
 
 
-def test_missing_margin_names_file_and_field(example_evals):
-    p = example_evals / "search" / "team.yaml"
-    p.write_text(p.read_text().replace("margin:\n  absolute: 0.05", ""))
-    with pytest.raises(QuantgateError, match=r"search/team.yaml\.margin: Field required"):
-        load_team(example_evals / "search")
+BAD = sorted(p.name for p in (REPO / "tests" / "bad_evals").iterdir())
 
 
-def test_both_margins_refused(example_evals):
-    p = example_evals / "search" / "team.yaml"
-    p.write_text(p.read_text().replace("absolute: 0.05", "absolute: 0.05\n  relative: 5"))
-    with pytest.raises(QuantgateError, match="exactly one of margin.absolute"):
-        load_team(example_evals / "search")
+def overlay(evals: Path, case: str) -> str:
+    """Copy tests/bad_evals/<case>/<team>/* over the example sets; return the expected message."""
+    src = REPO / "tests" / "bad_evals" / case
+    for f in src.rglob("*"):
+        if f.is_file() and f.name != "EXPECTED":
+            shutil.copyfile(f, evals / f.relative_to(src))
+    return (src / "EXPECTED").read_text().strip()
 
 
-def test_unknown_metric_named(example_evals):
-    p = example_evals / "search" / "team.yaml"
-    p.write_text(p.read_text().replace("metric: acc", "metric: accuracy"))
-    with pytest.raises(QuantgateError, match="metric 'accuracy' is not in metric_list"):
-        load_team(example_evals / "search")
-
-
-def test_invalid_yaml_has_line(example_evals):
-    (example_evals / "search" / "team.yaml").write_text("owner: a\nmargin: [unclosed\n")
-    with pytest.raises(QuantgateError, match=r"team.yaml:\d+: invalid YAML"):
-        load_team(example_evals / "search")
-
-
-def test_duplicate_task_names_across_teams(example_evals):
-    p = example_evals / "support" / "sentiment.yaml"
-    p.write_text(p.read_text().replace("task: support_sentiment", "task: search_capitals"))
-    with pytest.raises(QuantgateError, match="task name 'search_capitals' already used"):
-        load_teams(example_evals)
-
-
-BAD_LINES = [
-    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1}\n{"id": "b", ', "data.jsonl:2: invalid JSON"),
-    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1}\n\n{"id": "c", "question": "Q?", "choices": ["x", "y"], "answer": 0}\n',
-     "data.jsonl:2: blank line"),
-    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 2}\n', "data.jsonl:1: answer=2 is not an index into 2 choices"),
-    ('{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": "y"}\n', "answer is the answer text 'y'; use its index 1"),
-    ('{"id": "a", "question": "Q?", "choices": ["x", "x"], "answer": 0}\n', "data.jsonl:1: duplicate choices"),
-    ('{"id": "a", "question": "Q?", "choices": [], "answer": 0}\n', "choices must be a non-empty list"),
-    ('{"id": "a", "question": "Q?", "answer": 0}\n', "field 'choices' (doc_to_choice) is missing"),
-]
-
-
-@pytest.mark.parametrize("content, expected", BAD_LINES)
-def test_bad_data_lines_named_with_file_and_line(example_evals, content, expected):
-    (example_evals / "search" / "data.jsonl").write_text(content)
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_named_with_file_line_and_fix(example_evals, case):
+    expected = overlay(example_evals, case)
     with pytest.raises(QuantgateError) as err:
-        load_team(example_evals / "search")
+        load_teams(example_evals)
     assert expected in str(err.value)
+    team = next(p.name for p in (REPO / "tests" / "bad_evals" / case).iterdir() if p.is_dir())
+    assert f"team {team}:" in str(err.value)
 
 
-def test_non_utf8_named_with_line(example_evals):
-    (example_evals / "search" / "data.jsonl").write_bytes(
-        b'{"id": "a", "question": "Q?", "choices": ["x", "y"], "answer": 1}\n{"id": "caf\xe9"}\n')
-    with pytest.raises(QuantgateError, match=r"data.jsonl:2: not UTF-8 \(byte 0xe9\)"):
+def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    expected = [overlay(example_evals, "blank_line"), overlay(example_evals, "negative_margin")]
+    res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals)])
+    assert res.exit_code == 1
+    assert all(e in res.output for e in expected) and "Traceback" not in res.output
+    ok = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
+    assert ok.exit_code == 0 and "ok: billing (billing_arithmetic, 120 docs)" in ok.output
+
+
+def test_oversize_file_refused(example_evals, monkeypatch):
+    monkeypatch.setattr(checks, "MAX_DATA_BYTES", 1000)
+    with pytest.raises(QuantgateError, match=r"search/data.jsonl: \d+ bytes is over the 1000 byte limit"):
         load_team(example_evals / "search")
+
+
+def test_min_docs_matches_the_gate_statistics():
+    for margin, conf in [(0.05, 0.95), (0.08, 0.95), (0.02, 0.9), (0.1, 0.99)]:
+        n = checks.min_docs_to_pass(margin, conf)
+        assert tango_bounds(0, 0, n, conf)[1] <= margin < tango_bounds(0, 0, n - 1, conf)[1]
+    assert checks.min_docs_to_pass(0.05, 0.95) == 52
+
+
+def test_template_fields():
+    assert checks.template_fields({"doc_to_text": "Q: {{ q }} {{ ctx | upper }}", "doc_to_target": "answer",
+                                   "doc_to_choice": ["a", "b"]}) == {"doc_to_text": {"q", "ctx"}, "doc_to_target": {"answer"}}
+
+
+def test_new_team_scaffold_validates_with_the_others(example_evals):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    res = CliRunner().invoke(cli, ["evals", "new", "ranking", "--owner", "Ranking", "--contact", "r@x",
+                                   "--root", str(example_evals)])
+    assert res.exit_code == 0, res.output
+    teams = {t.name: t for t in load_teams(example_evals)}
+    assert teams["ranking"].tasks[0].n_docs == checks.min_docs_to_pass(0.05, 0.95) + 8
+    assert teams["ranking"].policy.owner == "Ranking"
+    again = CliRunner().invoke(cli, ["evals", "new", "ranking", "--owner", "a", "--contact", "b", "--root", str(example_evals)])
+    assert again.exit_code == 1 and "already exists" in again.output
+    bad = CliRunner().invoke(cli, ["evals", "new", "Bad-Name", "--owner", "a", "--contact", "b", "--root", str(example_evals)])
+    assert bad.exit_code == 1 and "lower_snake_case" in bad.output

@@ -1,0 +1,155 @@
+"""Checks on a team's task YAML and JSONL data, run without a model.
+
+Every check returns a list of problems, each one line "file[:line]: what is wrong; the fix",
+so `quantgate evals validate` can print all of them at once.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from scipy import stats
+
+MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
+TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
+# lm-eval per-document metrics that score each document 0 or 1 (lm_eval/api/metrics.py)
+BINARY_METRICS = {"acc", "acc_norm", "acc_mutual_info", "exact_match", "acc_all"}
+
+
+def _field(template) -> str | None:
+    """The document field a template is exactly `{{field}}` or `field` of, else None."""
+    if not isinstance(template, str):
+        return None
+    t = template.strip()
+    if t.startswith("{{") and t.endswith("}}"):
+        t = t[2:-2].strip()
+    return t if t.isidentifier() else None
+
+
+def template_fields(config: dict) -> dict[str, set[str]]:
+    """Top-level document fields each template of a task references, {template key: fields}.
+
+    A bare identifier (`doc_to_target: answer`) is a field name, as lm-eval reads it; a string
+    with `{{ }}` is a Jinja template whose undeclared variables are fields. Lists (fixed
+    choices) and non-strings reference nothing. Raises ValueError on a Jinja syntax error.
+    """
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment()
+    out = {}
+    for key in TEMPLATE_KEYS:
+        t = config.get(key)
+        if not isinstance(t, str):
+            continue
+        if t.strip().isidentifier():
+            out[key] = {t.strip()}
+        elif "{{" in t or "{%" in t:
+            try:
+                out[key] = set(meta.find_undeclared_variables(env.parse(t)))
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"{key}: template syntax error: {exc.message}") from None
+    return out
+
+
+def check_metrics(task_path: Path, config: dict, gated_metric: str) -> list[str]:
+    """Problems in a task's `metric_list`: unknown metric or aggregation, gated metric absent or not a mean."""
+    import lm_eval.api.metrics  # noqa: F401  registers the built-in metrics and aggregations
+    from lm_eval.api.registry import AGGREGATION_REGISTRY, METRIC_REGISTRY
+
+    entries = config.get("metric_list")
+    if not isinstance(entries, list) or not entries:
+        return [f"{task_path}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
+    problems, names = [], []
+    for i, m in enumerate(entries):
+        if not isinstance(m, dict) or not isinstance(m.get("metric"), str):
+            problems.append(f"{task_path}: metric_list[{i}] needs a `metric:` name")
+            continue
+        names.append(m["metric"])
+        if m["metric"] not in METRIC_REGISTRY:
+            problems.append(f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; "
+                            f"use one of {sorted(METRIC_REGISTRY)}")
+        agg = m.get("aggregation", "mean")
+        if not isinstance(agg, str) or agg not in AGGREGATION_REGISTRY:
+            problems.append(f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; "
+                            f"use one of {sorted(AGGREGATION_REGISTRY)}")
+        elif m["metric"] == gated_metric and agg != "mean":
+            problems.append(f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
+                            f"with `mean` (the gate pairs per-document scores), not {agg!r}")
+    if gated_metric not in names:
+        problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
+    return problems
+
+
+def check_data(config: dict, data_path: Path) -> tuple[list[str], int]:
+    """Problems in one JSONL data file, and its number of documents.
+
+    Checks: size limit, UTF-8, blank lines, invalid JSON, non-object lines, fields the
+    templates reference that a document lacks, and for multiple_choice tasks a target that
+    is not a valid index into the choices (or is the answer text instead of the index), and
+    empty or duplicate choices.
+    """
+    raw = data_path.read_bytes()
+    if len(raw) > MAX_DATA_BYTES:
+        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"], 0
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"], 0
+    try:
+        fields = template_fields(config)
+    except ValueError as exc:
+        return [f"{data_path}: {exc}"], 0
+    problems, n_docs = [], 0
+    mc = config.get("output_type") == "multiple_choice"
+    target_field, choice_field = _field(config.get("doc_to_target")), _field(config.get("doc_to_choice"))
+    fixed_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
+    lines = text.split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            if n < len(lines):  # a final newline is fine
+                problems.append(f"{data_path}:{n}: blank line; remove it")
+            continue
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{data_path}:{n}: invalid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        if not isinstance(doc, dict):
+            problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
+            continue
+        n_docs += 1
+        missing = sorted({(f, key) for key, fs in fields.items() for f in fs if f not in doc})
+        for f, key in missing:
+            problems.append(f"{data_path}:{n}: field {f!r} used by {key} is missing; add it or fix the template")
+        if not mc or target_field is None or missing:
+            continue
+        choices = fixed_choices if fixed_choices is not None else doc.get(choice_field) if choice_field else None
+        if choices is None:
+            continue
+        if not isinstance(choices, list) or not choices or any(not str(c).strip() for c in choices):
+            problems.append(f"{data_path}:{n}: choices must be a non-empty list of non-empty strings")
+            continue
+        if len(set(map(str, choices))) != len(choices):
+            problems.append(f"{data_path}:{n}: duplicate choices {choices}; make them distinct")
+        target = doc[target_field]
+        if isinstance(target, str) and target in map(str, choices):
+            problems.append(f"{data_path}:{n}: {target_field} is the answer text {target!r}; "
+                            f"use its index {list(map(str, choices)).index(target)} into the choices")
+        elif not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
+            problems.append(f"{data_path}:{n}: {target_field}={target!r} is not an index into "
+                            f"{len(choices)} choices (0..{len(choices) - 1})")
+    return problems, n_docs
+
+
+def min_docs_to_pass(margin: float, confidence: float) -> int:
+    """Fewest paired 0/1 documents with which even two identical builds can PASS.
+
+    With no discordant pairs the Tango score upper bound of the drop is z^2 / (n + z^2)
+    (z = one-sided normal quantile at `confidence`; Tango 1998, b = c = 0), so PASS needs
+    n >= z^2 (1 - margin) / margin. margin in metric units (0.05 = 5 points), 0 < margin < 1.
+    """
+    z = stats.norm.ppf(confidence)
+    return math.ceil(z * z * (1.0 - margin) / margin - 1e-9)

@@ -1,0 +1,69 @@
+"""The gate's recovery plot: recovery % per team per build, with confidence intervals.
+
+Recovery = candidate score / 16-bit score x 100 (inverted for lower-is-better metrics); its
+interval maps the drop's confidence bounds through the same formula. The dashed mark per team
+is the recovery at the team's margin: a build PASSes when its whole interval lies right of it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def recovery_interval(row: dict, higher_is_better: bool = True) -> tuple[float, float] | None:
+    """(low, high) recovery % from a gate row's baseline and drop bounds; None if not computable."""
+    base, lower, upper = row.get("baseline"), row.get("lower"), row.get("upper")
+    if base is None or lower is None or not base:
+        return None
+    if higher_is_better:
+        return 100.0 * (base - upper) / base, 100.0 * (base - lower) / base
+    hi_cand, lo_cand = base + upper, base + lower
+    if hi_cand <= 0 or lo_cand <= 0:
+        return None
+    return 100.0 * base / hi_cand, 100.0 * base / lo_cand
+
+
+def recovery_plot(result: dict, path: Path) -> None:
+    """Write the PNG for a gate result (pipeline/gate.py `gate()` output) to `path`.
+
+    Rows that could not be compared (evaluation errors) are drawn as a red cross at 0 with
+    the verdict, so a failed build is visible rather than missing.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    builds = list(result["builds"])
+    teams = sorted({t for b in result["builds"].values() for t in b["teams"]})
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.9 * len(teams)), dpi=110)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    step = 0.8 / max(len(builds), 1)
+    for bi, build in enumerate(builds):
+        for ti, team in enumerate(teams):
+            row = result["builds"][build]["teams"].get(team, {})
+            y = ti - 0.4 + step * (bi + 0.5)
+            hib = row.get("higher_is_better", True)
+            ci = recovery_interval(row, hib)
+            if row.get("recovery_pct") is None or ci is None:
+                ax.plot([0], [y], "x", color="tab:red")
+                ax.annotate(f"{build}: {row.get('verdict', '?')} (no scores)", (0, y), xytext=(6, -3),
+                            textcoords="offset points", fontsize=8, color="tab:red")
+                continue
+            rec = row["recovery_pct"]
+            ax.errorbar([rec], [y], xerr=[[rec - ci[0]], [ci[1] - rec]], fmt="o", capsize=3, color=colors[bi % len(colors)],
+                        label=build if ti == 0 else None)
+            ax.annotate(row["verdict"], (ci[1], y), xytext=(4, -3), textcoords="offset points", fontsize=8)
+            base, margin = row["baseline"], row["margin"]
+            if base:
+                edge = 100.0 * (base - margin) / base if hib else 100.0 * base / (base + margin)
+                ax.plot([edge, edge], [ti - 0.45, ti + 0.45], "--", color="grey", linewidth=1)
+    ax.axvline(100.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(teams)), teams)
+    ax.set_xlabel("recovery vs 16-bit build (%), one-sided confidence bounds; dashed = team margin")
+    ax.set_title("quantgate: recovery per team and build")
+    if builds:
+        ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,51 @@
+"""Stage `validate`: check every team eval set before anything else runs.
+
+Run by DVC: `python -m pipeline.validate EVALS_DIR OUT_JSON` (first stage in dvc.yaml).
+
+A bad eval set stops `dvc repro` here, with every problem named (team, file:line, fix),
+before any build is prepared, evaluated or registered, so no team's results and no registry
+entry are touched. On success it writes a summary of the teams (policy, tasks, document
+counts, folder digests) that the report and the registry read.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from evals.checks import BINARY_METRICS, min_docs_to_pass
+from evals.teams import Team, load_teams
+from pipeline.errors import QuantgateError, run_main
+
+
+def summary(teams: list[Team]) -> dict:
+    """{team: {owner, contact, metric, margin, confidence, n_docs, min_docs, tasks, sha256}}.
+
+    min_docs is the fewest documents with which identical builds can PASS (0/1 metrics,
+    evals/checks.py), None for continuous metrics.
+    """
+    out = {}
+    for t in teams:
+        p = t.policy
+        widest = p.margin.absolute if p.margin.absolute is not None else p.margin.relative / 100.0
+        out[t.name] = {"owner": p.owner, "contact": p.contact, "metric": p.metric,
+                       "higher_is_better": p.higher_is_better, "margin": p.margin.model_dump(exclude_none=True),
+                       "confidence": p.confidence, "n_docs": sum(x.n_docs for x in t.tasks),
+                       "min_docs": min_docs_to_pass(widest, p.confidence) if p.metric in BINARY_METRICS else None,
+                       "tasks": {x.name: x.n_docs for x in t.tasks}, "sha256": t.digest}
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) != 3:
+        raise QuantgateError("usage: python -m pipeline.validate EVALS_DIR OUT_JSON")
+    evals_dir, out_json = map(Path, sys.argv[1:])
+    teams = summary(load_teams(evals_dir))
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(teams, indent=2) + "\n")
+    for name, t in teams.items():
+        print(f"validate: {name}: ok, {t['n_docs']} docs, metric {t['metric']}, owner {t['owner']}")
+
+
+if __name__ == "__main__":
+    run_main(main)
