@@ -1,7 +1,7 @@
 """Load team eval sets from evals/<team>/ into typed objects.
 
 A team folder holds `team.yaml` (the gate policy) and one or more standard lm-eval task
-YAMLs (any other *.yaml with a `task:` key) whose `dataset_kwargs.data_files` name JSONL
+YAMLs (every other *.yaml must be one) whose `dataset_kwargs.data_files` name JSONL
 files relative to the folder. Files starting with "_" are shared templates, not tasks.
 """
 from __future__ import annotations
@@ -79,7 +79,8 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     except QuantgateError as exc:
         problems.append(str(exc))
         return None
-    if not isinstance(config, dict) or "task" not in config:
+    if not isinstance(config, dict) or not isinstance(config.get("task"), str):
+        problems.append(f"{path}: not an lm-eval task (no `task:` name); name shared templates with a leading _")
         return None
     config = copy.deepcopy(config)
     if policy is not None:
