@@ -1,12 +1,14 @@
 """Stage `register`: every build into the MLflow registry with its lineage and evidence.
 
-Run by DVC: `python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD EVAL_DIR OUT_JSON`
+Run by DVC: `python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG TEAMS_JSON EVAL_DIR OUT_JSON`
 (params block `register`).
 
-The baseline (16-bit) build and every candidate whose gate verdict is PASS become versions
-of one registered model; the baseline carries alias `fallback`. A candidate that did not
-pass is logged as a run with its evidence and report, and is not registered. Nothing is
-promoted here. Re-running with the same weights and evidence reuses the existing version.
+Every build (the 16-bit baseline and each candidate, whatever its verdict) becomes a version
+of one registered model, tagged with its lineage and gate evidence; the baseline carries
+alias `fallback`. Registering is not approving: a release manager approves a version
+(registry/approval.py), and a version whose verdict is not PASS can only be approved with a
+recorded override. Nothing is promoted here. Re-running with the same weights and evidence
+reuses the existing version.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pipeline.errors import QuantgateError, run_main
 from pipeline.hashing import sha256_file
 from pipeline.manifest import verify_weights
 from pipeline.params import PARAMS_FILE, Frozen, load_block
-from registry import store, versions
+from registry import aliases, audit, store, versions
 
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
 
@@ -59,11 +61,16 @@ def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
     return tags
 
 
-def gate_tags(build_gate: dict | None) -> dict[str, str]:
-    """Per-team evidence as tags; the baseline has no gate rows and is tagged BASELINE."""
+def gate_tags(build_gate: dict | None, teams: dict) -> dict[str, str]:
+    """Per-team evidence as tags; the baseline has no gate rows and is tagged BASELINE.
+
+    `teams` is the validate stage's summary (results/teams.json): each team's eval-set
+    digest is recorded on every version, so a verdict names the exact set it was made on.
+    """
+    tags = {f"gate.{team}.team_sha256": t["sha256"] for team, t in teams.items()}
     if build_gate is None:
-        return {"gate.verdict": "BASELINE"}
-    tags = {"gate.verdict": build_gate["verdict"]}
+        return {**tags, "gate.verdict": "BASELINE"}
+    tags["gate.verdict"] = build_gate["verdict"]
     for team, r in build_gate["teams"].items():
         tags[f"gate.{team}.verdict"] = r["verdict"]
         tags[f"gate.{team}.metric"] = r["metric"]
@@ -85,11 +92,15 @@ def serving_of(eval_dir: Path, build: str) -> dict:
     return {}
 
 
-def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path, params: RegisterParams) -> dict:
-    """Log every build, register the baseline and the PASS builds, alias the baseline `fallback`.
+def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path, params: RegisterParams,
+             teams: dict, evidence_files: list[Path] = ()) -> dict:
+    """Register every build as a version with lineage and evidence; alias the baseline `fallback`.
 
-    Returns {"model_name", "tracking_uri", "builds": {build: {"run_id", "version" or None, ...}}}.
-    Raises QuantgateError if a build's weights no longer match its manifest.
+    `teams` is results/teams.json (per-team eval-set digests); `evidence_files` (the gate
+    plot, the team summary) are logged as artifacts of every build's run beside the report.
+    Returns {"model_name", "tracking_uri", "builds": {build: {"version", "run_id", "verdict", "reused"}}}.
+    Raises QuantgateError if a build's weights no longer match its manifest (checked for
+    every build before anything is written).
     """
     baseline = gate_result["baseline"]
     builds = [baseline, *gate_result["builds"]]
@@ -101,37 +112,41 @@ def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path
     out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}}
     for build in builds:
         build_gate = gate_result["builds"].get(build)
-        tags = {**lineage_tags(manifests[build], serving_of(eval_dir, build)), **gate_tags(build_gate)}
-        tags["evidence_sha256"] = versions.evidence_digest(build_gate["teams"] if build_gate else {"baseline": build})
-        registrable = build == baseline or build_gate["verdict"] == "PASS"
+        tags = {**lineage_tags(manifests[build], serving_of(eval_dir, build)), **gate_tags(build_gate, teams)}
+        tags["evidence_sha256"] = versions.evidence_digest(
+            {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams})
+        verdict = tags["gate.verdict"]
         existing = versions.find_version(client, params.model_name, tags["weights_sha256"], tags["evidence_sha256"])
-        if registrable and existing is not None:
-            out["builds"][build] = {"version": existing.version, "run_id": existing.run_id, "reused": True}
+        if existing is not None:
+            out["builds"][build] = {"version": str(existing.version), "run_id": existing.run_id, "verdict": verdict,
+                                    "reused": True}
             print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")
             continue
         metrics = {f"{team}.{k}": r[k] for team, r in (build_gate or {"teams": {}})["teams"].items()
                    for k in ("baseline", "candidate", "delta") if isinstance(r.get(k), (int, float))}
-        run_id, source = versions.log_build_run(client, exp_id, models_dir / build, {**tags, "registered": str(registrable)},
-                                                metrics, report_md, eval_dir / build)
-        if not registrable:
-            out["builds"][build] = {"version": None, "run_id": run_id, "verdict": build_gate["verdict"]}
-            print(f"register: {build}: gate {build_gate['verdict']}: logged as run {run_id}, not registered")
-            continue
+        run_id, source = versions.log_build_run(client, exp_id, models_dir / build, tags, metrics, report_md,
+                                                eval_dir / build, evidence_files)
         mv = versions.register_version(client, params.model_name, run_id, source, tags, report_md)
-        out["builds"][build] = {"version": mv.version, "run_id": run_id, "reused": False}
-        print(f"register: {build}: version {mv.version} of {params.model_name}")
+        out["builds"][build] = {"version": str(mv.version), "run_id": run_id, "verdict": verdict, "reused": False}
+        print(f"register: {build}: version {mv.version} of {params.model_name}, gate {verdict}"
+              + ("" if verdict in ("PASS", "BASELINE") else " (approval needs a recorded --override)"))
     fallback = out["builds"][baseline]["version"]
-    client.set_registered_model_alias(params.model_name, versions.FALLBACK, fallback)
-    print(f"register: alias {versions.FALLBACK} -> version {fallback}")
+    changed = aliases.set_fallback(client, params.model_name, fallback, by=audit.default_user(),
+                                   reason=f"register: baseline build {baseline}")
+    print(f"register: alias {aliases.FALLBACK} -> version {fallback}" + ("" if changed else " (unchanged)"))
     return out
 
 
+USAGE = "python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG TEAMS_JSON EVAL_DIR OUT_JSON"
+
+
 def main() -> None:
-    if len(sys.argv) != 6:
-        raise QuantgateError("usage: python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD EVAL_DIR OUT_JSON")
-    models_dir, gate_json, report_md, eval_dir, out_json = map(Path, sys.argv[1:])
+    if len(sys.argv) != 8:
+        raise QuantgateError(f"usage: {USAGE}")
+    models_dir, gate_json, report_md, plot_png, teams_json, eval_dir, out_json = map(Path, sys.argv[1:])
     result = register(models_dir, json.loads(gate_json.read_text()), report_md.read_text(), eval_dir,
-                      load_block("register", RegisterParams))
+                      load_block("register", RegisterParams), json.loads(teams_json.read_text()),
+                      [plot_png, teams_json])
     out_json.write_text(json.dumps(result, indent=2) + "\n")
 
 

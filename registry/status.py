@@ -2,15 +2,31 @@
 from __future__ import annotations
 
 from pipeline.errors import QuantgateError
+from registry import lock
+from registry.approval import read_approval
+
+
+def _approval_cell(tags: dict) -> tuple[str, str | None]:
+    """(short cell, explanation line or None) for a version's approval."""
+    a = read_approval(tags)
+    if a.approved:
+        return (f"approved:{a.by}" + ("(override)" if a.override else "")), None
+    if a.state == "revoked":
+        return f"revoked:{a.by or '?'}", None
+    if a.state == "none":
+        return "unapproved", None
+    return "NOT-APPROVED", a.why
 
 
 def status_lines(mlflow_client, model_name: str) -> list[str]:
-    """Lines describing every version of `model_name`, newest first.
+    """Lines describing every version of `model_name`, newest first, and a held lock if any.
 
-    Raises QuantgateError if the model is not registered.
+    Raises QuantgateError if the model is not registered (or is one of quantgate's locks).
     """
     from mlflow.exceptions import MlflowException
 
+    if lock.is_lock(model_name):
+        raise QuantgateError(f"{model_name!r} is quantgate's registry lock, not a model")
     try:
         rm = mlflow_client.get_registered_model(model_name)
     except MlflowException:
@@ -19,12 +35,19 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
     for alias, version in (rm.aliases or {}).items():
         by_version.setdefault(str(version), []).append(alias)
     lines = [f"{model_name}: aliases " + (", ".join(f"{a}=v{v}" for a, v in sorted((rm.aliases or {}).items())) or "none")]
+    held = lock.holder_of(mlflow_client, model_name)
+    if held is not None:
+        lines.append(f"  lock: held by {held.get('lock.holder', '?')} (pid {held.get('lock.pid', '?')} on "
+                     f"{held.get('lock.host', '?')}) for {held['age_s']:.0f} s")
     versions = sorted(mlflow_client.search_model_versions(f"name='{model_name}'"), key=lambda m: -int(m.version))
     for mv in versions:
         t = mv.tags
         teams = sorted({k.split(".")[1] for k in t if k.startswith("gate.") and k.endswith(".verdict") and k.count(".") == 2})
         per_team = " ".join(f"{team}={t[f'gate.{team}.verdict']}" for team in teams)
         aliases = ",".join(sorted(by_version.get(str(mv.version), [])))
+        cell, why = _approval_cell(t)
         lines.append(f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<9}"
-                     f" {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip())
+                     f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip())
+        if why:
+            lines.append(f"        {why}")
     return lines

@@ -11,12 +11,43 @@ failure part-way leaves a FAILED run and no version: never a half-written versio
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
+from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_json
 
-# aliases quantgate moves; MLflow reserves "latest" and "v<digits>"
+# the alias of the 16-bit build; all aliases and how they move: registry/aliases.py
 FALLBACK = "fallback"
+
+
+def version_number(version) -> str:
+    """"3", 3 or "v3" -> "3"; raise QuantgateError for anything else."""
+    text = str(version).strip().lower().removeprefix("v")
+    if not text.isdigit():
+        raise QuantgateError(f"{version!r} is not a model version number (e.g. 3 or v3)")
+    return str(int(text))
+
+
+def require_version(mlflow_client, model_name: str, version):
+    """The model version, which must exist and be READY.
+
+    Raises QuantgateError when it was never registered, was deleted, or is not READY, so
+    nothing (an alias, an approval) is ever made to point at it.
+    """
+    from mlflow.exceptions import MlflowException
+
+    number = version_number(version)
+    try:
+        mv = mlflow_client.get_model_version(model_name, number)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise QuantgateError(f"{model_name} v{number} does not exist (never registered, or deleted); "
+                             f"see `quantgate status {model_name}`") from None
+    if mv.status != "READY":
+        raise QuantgateError(f"{model_name} v{number} is {mv.status}, not READY; it cannot be approved or aliased")
+    return mv
 
 
 def find_version(mlflow_client, model_name: str, weights_digest: str, evidence_digest: str):
@@ -37,9 +68,10 @@ def ensure_registered_model(mlflow_client, model_name: str, description: str) ->
 
 
 def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metrics: dict, report_md: str,
-                  evidence_dir: Path | None) -> tuple[str, str]:
-    """Create a run holding the build's weights (artifact path `model`), the gate report and
-    the per-team scores; return (run_id, model artifact URI). The run ends FAILED on error."""
+                  evidence_dir: Path | None, extra_files: Iterable[Path] = ()) -> tuple[str, str]:
+    """Create a run holding the build's weights (artifact path `model`), the gate report,
+    `extra_files` (e.g. the recovery plot) at the root, and the per-team scores under
+    `evidence/`; return (run_id, model artifact URI). The run ends FAILED on error."""
     run = mlflow_client.create_run(exp_id, tags=tags, run_name=f"build-{tags['build']}")
     run_id = run.info.run_id
     try:
@@ -49,6 +81,9 @@ def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metri
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "gate_report.md").write_text(report_md)
             mlflow_client.log_artifact(run_id, str(Path(tmp) / "gate_report.md"))
+        for f in extra_files:
+            if Path(f).is_file():
+                mlflow_client.log_artifact(run_id, str(f))
         if evidence_dir is not None and evidence_dir.is_dir():
             mlflow_client.log_artifacts(run_id, str(evidence_dir), artifact_path="evidence")
     except BaseException:

@@ -31,21 +31,32 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_registers_baseline_and_passing_builds_only(workdir):
+TEAMS = {"search": {"sha256": "ab" * 32}}
+
+
+def test_registers_every_build_with_its_verdict_and_evidence(workdir):
     params = RegisterParams(model_name="tiny", experiment="e")
-    out = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval", params)
+    plot = workdir / "results/gate_recovery.png"
+    plot.write_bytes(b"\x89PNG fake")
+    (workdir / "results/eval/fp8/search").mkdir(parents=True)
+    (workdir / "results/eval/fp8/search/scores.json").write_text('{"status": "ok"}')
+    out = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval",
+                   params, TEAMS, [plot])
     client = store.client()
     versions = {mv.tags["build"]: mv for mv in client.search_model_versions("name='tiny'")}
-    assert set(versions) == {"fp16", "int4"}
+    assert set(versions) == {"fp16", "int4", "fp8"}
+    assert versions["fp8"].tags["gate.verdict"] == "FAIL" and out["builds"]["fp8"]["verdict"] == "FAIL"
+    assert versions["fp8"].tags["gate.search.team_sha256"] == "ab" * 32
+    artifacts = {f.path for f in client.list_artifacts(out["builds"]["fp8"]["run_id"])}
+    assert {"gate_report.md", "gate_recovery.png", "model", "evidence"} <= artifacts
     assert versions["int4"].tags["gate.verdict"] == "PASS" and versions["int4"].tags["gate.search.verdict"] == "PASS"
     assert versions["fp16"].tags["gate.verdict"] == "BASELINE"
     assert client.get_model_version_by_alias("tiny", "fallback").version == versions["fp16"].version
-    assert out["builds"]["fp8"]["version"] is None
-    assert client.get_run(out["builds"]["fp8"]["run_id"]).data.tags["registered"] == "False"
     # same weights and evidence again: no duplicate versions
-    again = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval", params)
+    again = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval",
+                     params, TEAMS)
     assert again["builds"]["int4"] == {**out["builds"]["int4"], "reused": True}
-    assert len(client.search_model_versions("name='tiny'")) == 2
+    assert len(client.search_model_versions("name='tiny'")) == 3
 
 
 def test_tampered_weights_refused_before_anything_is_written(workdir):
@@ -54,6 +65,6 @@ def test_tampered_weights_refused_before_anything_is_written(workdir):
         f.write(b"\x00" * 8)
     with pytest.raises(QuantgateError, match="int4/model.safetensors: sha256 does not match build.json"):
         register(workdir / "models", gate_result({"int4": "PASS"}), "# r", workdir / "results/eval",
-                 RegisterParams(model_name="tiny", experiment="e"))
+                 RegisterParams(model_name="tiny", experiment="e"), TEAMS)
     client = store.client()
     assert client.search_registered_models() == []

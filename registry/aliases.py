@@ -1,0 +1,283 @@
+"""Moving the serving aliases: promote, rollback, candidate, fallback; each change audited.
+
+Aliases (the only ones quantgate sets; MLflow reserves `latest` and `v<digits>`):
+  production  what serves traffic
+  previous    the production before the current one, while it is still a known-good
+              build to return to (cleared when it becomes production again)
+  candidate   the build in canary
+  fallback    the 16-bit baseline build (gate.verdict=BASELINE), set by `dvc repro`
+Every change runs under the model's registry lock (registry/lock.py) and re-reads the
+aliases there, so a caller's view is checked and applied in one step: two concurrent
+promotions cannot both win. Each alias change is an audit run (registry/audit.py), and an
+alias is only ever pointed at an existing READY version.
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from pipeline.errors import QuantgateError
+from registry import approval, audit, lock, versions
+from registry.verify import verify_version
+
+PRODUCTION, PREVIOUS, CANDIDATE, FALLBACK = "production", "previous", "candidate", versions.FALLBACK
+ALIASES = (PRODUCTION, PREVIOUS, CANDIDATE, FALLBACK)
+
+
+class AliasConflict(QuantgateError):
+    """The aliases are not what the caller expected (someone else changed them first)."""
+
+
+def check_alias(name: str) -> str:
+    """`name` if it is one of ALIASES; QuantgateError otherwise (reserved names say so)."""
+    if name in ALIASES:
+        return name
+    if name.lower() == "latest" or re.fullmatch(r"v\d+", name, flags=re.IGNORECASE):
+        raise QuantgateError(f"alias {name!r} is reserved by MLflow; quantgate sets only {', '.join(ALIASES)}")
+    raise QuantgateError(f"unknown alias {name!r}; quantgate sets only {', '.join(ALIASES)}")
+
+
+@dataclass(frozen=True)
+class Change:
+    alias: str
+    from_version: str | None
+    to_version: str | None  # None: the alias is removed
+
+    def __str__(self) -> str:
+        return f"{self.alias}: {_v(self.from_version)} -> {_v(self.to_version)}"
+
+
+def _v(version: str | None) -> str:
+    return f"v{version}" if version else "none"
+
+
+def current(mlflow_client, model_name: str) -> dict[str, str]:
+    """{alias: version} of quantgate's aliases on `model_name` (QuantgateError if not registered)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        rm = mlflow_client.get_registered_model(model_name)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise QuantgateError(f"model {model_name!r} is not registered at this tracking URI") from None
+    return {a: str(v) for a, v in (rm.aliases or {}).items() if a in ALIASES}
+
+
+def _apply(mlflow_client, model_name: str, held: lock.Lock, changes: list[Change], *, action: str, by: str,
+           reason: str, canary_run_id: str | None = None, **extra: str | None) -> list[Change]:
+    """Write `changes` (under `held`) with one audit run each; on failure restore what was written."""
+    at, op = audit.utc_now(), uuid.uuid4().hex
+    for c in changes:
+        check_alias(c.alias)
+        if c.to_version is not None:
+            versions.require_version(mlflow_client, model_name, c.to_version)
+    runs = [audit.begin(mlflow_client, model_name, action=action, by=by, reason=reason, at=at, op=op, step=i,
+                        alias=c.alias, from_version=c.from_version, to_version=c.to_version,
+                        canary_run_id=canary_run_id, **(extra if c.alias == PRODUCTION else {}))
+            for i, c in enumerate(changes)]
+    done: list[Change] = []
+    try:
+        held.check()
+        for c in changes:
+            _set(mlflow_client, model_name, c.alias, c.to_version)
+            done.append(c)
+    except BaseException:
+        for c in reversed(done):
+            try:
+                _set(mlflow_client, model_name, c.alias, c.from_version)
+            except Exception:  # noqa: BLE001 - best effort; the original error is what matters
+                pass
+        for run_id in runs:
+            audit.end(mlflow_client, run_id, ok=False)
+        raise
+    for run_id in runs:
+        audit.end(mlflow_client, run_id, ok=True)
+    return changes
+
+
+def _set(mlflow_client, model_name: str, alias: str, version: str | None) -> None:
+    if version is None:
+        mlflow_client.delete_registered_model_alias(model_name, alias)
+    else:
+        mlflow_client.set_registered_model_alias(model_name, alias, version)
+
+
+def _require_text(**values: str | None) -> None:
+    for name, value in values.items():
+        if not (value or "").strip():
+            raise QuantgateError(f"{name} must not be empty")
+
+
+def _require_servable(mlflow_client, model_name: str, version: str) -> approval.Approval:
+    """Existing, READY and approved (gate PASS/BASELINE or a recorded override)."""
+    a = approval.approval_of(mlflow_client, model_name, version)
+    if not a.approved:
+        raise QuantgateError(f"{model_name} v{version} is not approved for serving: {a.why}; "
+                             f"`quantgate approve {model_name} {version} --reason ...` first")
+    return a
+
+
+def _verified(mlflow_client, model_name: str, version: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="quantgate-verify-") as tmp:
+        verify_version(mlflow_client, model_name, version, Path(tmp))
+
+
+def _require_run(mlflow_client, run_id: str | None) -> None:
+    from mlflow.exceptions import MlflowException
+
+    if run_id is None:
+        return
+    try:
+        mlflow_client.get_run(run_id)
+    except MlflowException:
+        raise QuantgateError(f"canary run {run_id!r} does not exist at this tracking URI") from None
+
+
+def promote(mlflow_client, model_name: str, version, expected_production, by: str, reason: str,
+            canary_run_id: str | None = None, verify: bool = True) -> list[Change]:
+    """Make `version` production if production is still `expected_production` (a version or None).
+
+    The old production becomes `previous`; `candidate` is cleared if it was `version`.
+    `version` must be approved and (verify=True) its artifacts must match its weight tags.
+    Raises AliasConflict when production is not `expected_production` (nothing changes),
+    QuantgateError when `version` is missing, not approved or its weights do not verify.
+    Returns the alias changes made (empty when `version` already is production).
+    """
+    _require_text(by=by, reason=reason)
+    version = versions.version_number(version)
+    expected = None if expected_production is None else versions.version_number(expected_production)
+    _require_servable(mlflow_client, model_name, version)
+    _require_run(mlflow_client, canary_run_id)
+    if verify:
+        _verified(mlflow_client, model_name, version)  # slow (download): before taking the lock
+    with lock.held(mlflow_client, model_name, f"promote v{version} by {by}") as held:
+        now = current(mlflow_client, model_name)
+        prod = now.get(PRODUCTION)
+        if prod != expected:
+            raise AliasConflict(f"{model_name}: production is {_v(prod)}, not {_v(expected)} as expected; someone else "
+                                f"changed it first (see `quantgate history {model_name}`); nothing was changed")
+        if prod == version:
+            return []
+        a = _require_servable(mlflow_client, model_name, version)  # again: a revoke may have just landed
+        changes = [Change(PRODUCTION, prod, version)]
+        if prod is not None and now.get(PREVIOUS) != prod:
+            changes.append(Change(PREVIOUS, now.get(PREVIOUS), prod))
+        if now.get(CANDIDATE) == version:
+            changes.append(Change(CANDIDATE, version, None))
+        return _apply(mlflow_client, model_name, held, changes, action="promote", by=by, reason=reason,
+                      canary_run_id=canary_run_id, approved_by=a.by, override_reason=a.override_reason)
+
+
+def rollback(mlflow_client, model_name: str, by: str, reason: str, to: str = PREVIOUS, verify: bool = True) -> list[Change]:
+    """Point production back at `previous` (default) or `fallback`.
+
+    The version rolled away from is not kept in an alias (the audit trail names it; roll
+    forward with `promote` once it is fixed and approved). After a rollback to `previous`,
+    `previous` is cleared, so a second rollback cannot flip back to the bad build; after a
+    rollback to `fallback`, `previous` is kept (unless it is the fallback itself).
+    The target must exist, be READY, not be revoked, and (verify=True) match its weight tags;
+    approval is not required (the previous build was approved when promoted, the fallback is
+    the baseline). Raises QuantgateError if there is no production or nothing to go back to.
+    """
+    _require_text(by=by, reason=reason)
+    if to not in (PREVIOUS, FALLBACK):
+        raise QuantgateError(f"rollback goes to {PREVIOUS!r} or {FALLBACK!r}, not {to!r}")
+    target = current(mlflow_client, model_name).get(to)
+    if verify and target is not None:
+        _verified(mlflow_client, model_name, target)
+    with lock.held(mlflow_client, model_name, f"rollback to {to} by {by}") as held:
+        now = current(mlflow_client, model_name)
+        prod = now.get(PRODUCTION)
+        if prod is None:
+            raise QuantgateError(f"{model_name} has no production alias: nothing to roll back")
+        if now.get(to) is None:
+            hint = f"; `--to {FALLBACK}` goes to the 16-bit build" if to == PREVIOUS else ""
+            raise QuantgateError(f"{model_name} has no {to!r} alias: nothing to roll back to{hint}")
+        if now.get(to) != target:
+            raise AliasConflict(f"{model_name}: {to} moved from {_v(target)} to {_v(now.get(to))} during the rollback; "
+                                f"nothing was changed; retry")
+        if target == prod:
+            raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production")
+        if approval.approval_of(mlflow_client, model_name, target).state == approval.REVOKED:
+            raise QuantgateError(f"{model_name} v{target} ({to}) has its approval revoked; roll back to another version")
+        changes = [Change(PRODUCTION, prod, target)]
+        if now.get(PREVIOUS) == target:
+            changes.append(Change(PREVIOUS, target, None))
+        return _apply(mlflow_client, model_name, held, changes, action="rollback", by=by, reason=reason)
+
+
+def set_candidate(mlflow_client, model_name: str, version, by: str, reason: str, canary_run_id: str | None = None,
+                  verify: bool = True) -> list[Change]:
+    """Point `candidate` (the canary) at an approved `version` whose weights verify."""
+    _require_text(by=by, reason=reason)
+    version = versions.version_number(version)
+    _require_servable(mlflow_client, model_name, version)
+    _require_run(mlflow_client, canary_run_id)
+    if verify:
+        _verified(mlflow_client, model_name, version)
+    with lock.held(mlflow_client, model_name, f"candidate v{version} by {by}") as held:
+        now = current(mlflow_client, model_name)
+        if now.get(CANDIDATE) == version:
+            return []
+        _require_servable(mlflow_client, model_name, version)
+        return _apply(mlflow_client, model_name, held, [Change(CANDIDATE, now.get(CANDIDATE), version)],
+                      action="set_candidate", by=by, reason=reason, canary_run_id=canary_run_id)
+
+
+def clear_candidate(mlflow_client, model_name: str, by: str, reason: str, canary_run_id: str | None = None) -> list[Change]:
+    """Remove `candidate` (canary aborted or done); no-op when it is not set."""
+    _require_text(by=by, reason=reason)
+    with lock.held(mlflow_client, model_name, f"clear candidate by {by}") as held:
+        old = current(mlflow_client, model_name).get(CANDIDATE)
+        if old is None:
+            return []
+        return _apply(mlflow_client, model_name, held, [Change(CANDIDATE, old, None)],
+                      action="clear_candidate", by=by, reason=reason, canary_run_id=canary_run_id)
+
+
+def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) -> list[Change]:
+    """Point `fallback` at the 16-bit baseline `version` (gate.verdict=BASELINE).
+
+    No lock, no audit run when it already points there (every `dvc repro` calls this).
+    """
+    _require_text(by=by, reason=reason)
+    version = versions.version_number(version)
+    if current(mlflow_client, model_name).get(FALLBACK) == version:
+        return []
+    mv = versions.require_version(mlflow_client, model_name, version)
+    if mv.tags.get("gate.verdict") != "BASELINE":
+        raise QuantgateError(f"{model_name} v{version} is not the baseline build (gate.verdict="
+                             f"{mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build")
+    with lock.held(mlflow_client, model_name, f"fallback v{version} by {by}") as held:
+        old = current(mlflow_client, model_name).get(FALLBACK)
+        if old == version:
+            return []
+        return _apply(mlflow_client, model_name, held, [Change(FALLBACK, old, version)],
+                      action="set_fallback", by=by, reason=reason)
+
+
+def aliases_at(mlflow_client, model_name: str, when: datetime) -> dict[str, str | None]:
+    """{alias: version or None} for every alias at `when` (naive = UTC), per the audit trail.
+
+    None before an alias's first audited change or while it was unset. Changes made outside
+    quantgate (by hand in the UI) are not in the trail.
+    """
+    when = audit.as_utc(when)
+    state: dict[str, str | None] = dict.fromkeys(ALIASES)
+    for e in audit.history(mlflow_client, model_name):
+        if e.at > when:
+            break
+        if e.alias in state:
+            state[e.alias] = e.to_version
+    return state
+
+
+def alias_at(mlflow_client, model_name: str, alias: str, when: datetime) -> str | None:
+    """The version `alias` pointed to at `when` (naive = UTC); see `aliases_at`."""
+    check_alias(alias)
+    return aliases_at(mlflow_client, model_name, when)[alias]

@@ -1,0 +1,141 @@
+"""Release approval of a model version: tags on the version, read fail-closed.
+
+Tags (set by `quantgate approve/revoke`, or by a release manager in the MLflow UI):
+  approval                  "approved" or "revoked"
+  approval.by               who decided (required for an approval to count)
+  approval.reason           why (required for an approval to count)
+  approval.at               when, UTC ISO (written by the CLI; optional in the UI)
+  approval.override_reason  required when the version's gate.verdict is not PASS/BASELINE
+A version counts as approved only when approval=approved, by and reason are filled in, and
+gate.verdict is PASS or BASELINE or an override reason is recorded. Anything else (missing,
+revoked, an unknown value, an override missing) reads as NOT approved, with the reason why.
+The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pipeline.errors import QuantgateError
+from registry import audit, lock, versions
+
+TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
+APPROVED, REVOKED = "approved", "revoked"
+PASSING = ("PASS", "BASELINE")  # gate verdicts that need no override; BASELINE = the 16-bit build
+
+
+@dataclass(frozen=True)
+class Approval:
+    """What the tags say. `approved` is the only field that gates anything."""
+    approved: bool
+    state: str  # approved | revoked | none | invalid
+    why: str
+    by: str | None = None
+    at: str | None = None
+    reason: str | None = None
+    override_reason: str | None = None
+
+    @property
+    def override(self) -> bool:
+        return self.approved and self.override_reason is not None
+
+
+def read_approval(tags: dict[str, str]) -> Approval:
+    """Approval state of a version from its tags (fail closed; see the module docstring)."""
+    def text(key: str) -> str | None:
+        return (tags.get(key) or "").strip() or None
+
+    raw, by, at, reason, override = text(TAG), text(BY), text(AT), text(REASON), text(OVERRIDE)
+    verdict = tags.get("gate.verdict", "missing")
+    who = dict(by=by, at=at, reason=reason)
+    if raw is None:
+        return Approval(False, "none", "not approved (no `approval` tag)", **who)
+    state = raw.lower()
+    if state == REVOKED:
+        return Approval(False, "revoked", f"revoked by {by or '?'} at {at or '?'}: {reason or 'no reason given'}", **who)
+    if state != APPROVED:
+        return Approval(False, "invalid", f"not approved: tag approval={raw!r} is neither {APPROVED!r} nor {REVOKED!r}", **who)
+    if by is None or reason is None:
+        missing = [k for k, v in ((BY, by), (REASON, reason)) if v is None]
+        return Approval(False, "invalid", f"not approved: approval={APPROVED} but {' and '.join(missing)} "
+                                          f"{'are' if len(missing) > 1 else 'is'} empty "
+                                          f"(an approval must say who and why)", **who)
+    if verdict in PASSING:
+        return Approval(True, "approved", f"approved by {by} at {at or '?'}: {reason}", **who)
+    if override is None:
+        return Approval(False, "invalid", f"not approved: approval={APPROVED} by {by} but gate.verdict={verdict} and no "
+                                          f"{OVERRIDE} (a build that did not pass its gate needs a recorded override)", **who)
+    return Approval(True, "approved", f"approved by {by} at {at or '?'} OVERRIDING gate.verdict={verdict}: {override}",
+                    override_reason=override, **who)
+
+
+def approval_of(mlflow_client, model_name: str, version) -> Approval:
+    """Approval state of an existing READY version (QuantgateError if it is missing)."""
+    return read_approval(versions.require_version(mlflow_client, model_name, version).tags)
+
+
+def _require_text(**values: str | None) -> None:
+    for name, value in values.items():
+        if not (value or "").strip():
+            raise QuantgateError(f"--{name} must not be empty")
+
+
+def approve(mlflow_client, model_name: str, version, by: str, reason: str, override_reason: str | None = None) -> Approval:
+    """Approve `version` for serving; return the approval as read back.
+
+    A version whose gate.verdict is not PASS/BASELINE needs `override_reason`, which is
+    recorded (tag and audit run); for a passing version it is not needed and not recorded.
+    Raises QuantgateError when the version is missing or the override is missing.
+    """
+    _require_text(by=by, reason=reason)
+    with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
+        mv = versions.require_version(mlflow_client, model_name, version)
+        verdict = mv.tags.get("gate.verdict", "missing")
+        if verdict in PASSING:
+            override_reason = None
+        elif not (override_reason or "").strip():
+            raise QuantgateError(f"{model_name} v{mv.version}: gate.verdict is {verdict}, not PASS; approving it "
+                                 f"needs --override REASON, which is recorded")
+        at = audit.utc_now()
+        run_id = audit.begin(mlflow_client, model_name, action="approve", by=by, reason=reason, at=at,
+                             op=uuid.uuid4().hex, version=mv.version, override_reason=override_reason)
+        try:
+            lk.check()
+            for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
+                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
+            if override_reason:
+                mlflow_client.set_model_version_tag(model_name, mv.version, OVERRIDE, override_reason)
+            elif OVERRIDE in mv.tags:
+                mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
+            mlflow_client.set_model_version_tag(model_name, mv.version, TAG, APPROVED)  # last: counts only when complete
+        except BaseException:
+            audit.end(mlflow_client, run_id, ok=False)
+            raise
+        audit.end(mlflow_client, run_id, ok=True)
+    return approval_of(mlflow_client, model_name, mv.version)
+
+
+def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> Approval:
+    """Revoke the approval of `version` (also a veto on a version never approved).
+
+    Aliases are not moved: revoking the production version leaves it serving until a
+    rollback (`quantgate rollback`), but it can no longer be promoted or made candidate.
+    """
+    _require_text(by=by, reason=reason)
+    with lock.held(mlflow_client, model_name, f"revoke by {by}") as lk:
+        mv = versions.require_version(mlflow_client, model_name, version)
+        at = audit.utc_now()
+        run_id = audit.begin(mlflow_client, model_name, action="revoke", by=by, reason=reason, at=at,
+                             op=uuid.uuid4().hex, version=mv.version)
+        try:
+            lk.check()
+            mlflow_client.set_model_version_tag(model_name, mv.version, TAG, REVOKED)  # first: fail closed
+            for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
+                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
+            if OVERRIDE in mv.tags:
+                mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
+        except BaseException:
+            audit.end(mlflow_client, run_id, ok=False)
+            raise
+        audit.end(mlflow_client, run_id, ok=True)
+    return approval_of(mlflow_client, model_name, mv.version)

@@ -1,0 +1,155 @@
+"""Release-manager commands: approve, revoke, promote, rollback, history (wired into `quantgate`).
+
+    quantgate approve MODEL VERSION --reason TEXT [--by NAME] [--override REASON]
+    quantgate revoke MODEL VERSION --reason TEXT [--by NAME]
+    quantgate promote MODEL VERSION --expect-production VERSION|none --reason TEXT [--by NAME] [--canary-run-id ID]
+    quantgate rollback MODEL --reason TEXT [--by NAME] [--to previous|fallback]
+    quantgate history MODEL [--at ISO-TIME]
+
+Each parses, calls registry/, prints; a QuantgateError or an MLflow error is one line, no traceback.
+`--by` defaults to $USER. The registry is `MLFLOW_TRACKING_URI` (default ./mlflow.db).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+
+import click
+
+from pipeline.errors import QuantgateError
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    from mlflow.exceptions import MlflowException
+
+    from registry import store
+
+    try:
+        yield
+    except QuantgateError as exc:
+        raise click.ClickException(str(exc)) from None
+    except MlflowException as exc:
+        raise click.ClickException(f"MLflow at {store.tracking_uri()}: {exc.message}") from None
+
+
+def _client():
+    from registry import store
+
+    return store.client()
+
+
+_by = click.option("--by", default=lambda: os.environ.get("USER"), required=True, show_default="$USER",
+                   help="Who is acting (recorded).")
+_reason = click.option("--reason", required=True, help="Why (recorded).")
+
+
+@click.command()
+@click.argument("model")
+@click.argument("version")
+@_by
+@_reason
+@click.option("--override", "override_reason", metavar="REASON",
+              help="Approve although gate.verdict is not PASS; REASON is recorded.")
+def approve(model: str, version: str, by: str, reason: str, override_reason: str | None) -> None:
+    """Approve MODEL VERSION for serving (needed before promote and candidate)."""
+    from registry import approval
+
+    with _errors():
+        a = approval.approve(_client(), model, version, by, reason, override_reason)
+    click.echo(f"{model} v{version}: {a.why}")
+    if override_reason and not a.override:
+        click.echo("note: the version passes its gate; --override was not needed and is not recorded")
+
+
+@click.command()
+@click.argument("model")
+@click.argument("version")
+@_by
+@_reason
+def revoke(model: str, version: str, by: str, reason: str) -> None:
+    """Revoke the approval of MODEL VERSION (it can no longer be promoted)."""
+    from registry import aliases, approval, versions
+
+    with _errors():
+        client = _client()
+        a = approval.revoke(client, model, version, by, reason)
+        serving = sorted(al for al, v in aliases.current(client, model).items()
+                         if v == versions.version_number(version) and al in (aliases.PRODUCTION, aliases.CANDIDATE))
+    click.echo(f"{model} v{version}: {a.why}")
+    for al in serving:
+        click.echo(f"warning: v{version} is still {al!r}; "
+                   + (f"run `quantgate rollback {model} --reason ...`" if al == aliases.PRODUCTION else "the canary must drop it"))
+
+
+def _version_or_none(ctx, param, value: str) -> str | None:
+    return None if value.strip().lower() == "none" else value
+
+
+@click.command()
+@click.argument("model")
+@click.argument("version")
+@click.option("--expect-production", required=True, callback=_version_or_none, metavar="VERSION|none",
+              help="The version you believe is production now (none if there is none); if it is not, nothing changes.")
+@_by
+@_reason
+@click.option("--canary-run-id", help="The MLflow run of the canary that supports this promotion (recorded).")
+def promote(model: str, version: str, expect_production: str | None, by: str, reason: str, canary_run_id: str | None) -> None:
+    """Make MODEL VERSION production (it must be approved; its weights are verified first)."""
+    from registry import aliases
+
+    with _errors():
+        changes = aliases.promote(_client(), model, version, expect_production, by, reason, canary_run_id)
+    for c in changes:
+        click.echo(f"{model}: {c}")
+    if not changes:
+        click.echo(f"{model}: v{version} already is production; nothing changed")
+
+
+@click.command()
+@click.argument("model")
+@_by
+@_reason
+@click.option("--to", "to", type=click.Choice(["previous", "fallback"]), default="previous", show_default=True)
+def rollback(model: str, by: str, reason: str, to: str) -> None:
+    """Point MODEL's production alias back at `previous` (or the 16-bit `fallback`)."""
+    from registry import aliases
+
+    with _errors():
+        changes = aliases.rollback(_client(), model, by, reason, to)
+    for c in changes:
+        click.echo(f"{model}: {c}")
+
+
+def _when(ctx, param, value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO time (e.g. 2025-06-01T12:00:00Z; no zone = UTC)") from None
+
+
+@click.command()
+@click.argument("model")
+@click.option("--at", "at", callback=_when, metavar="ISO-TIME", help="Show the aliases as they were at this time (no zone = UTC).")
+def history(model: str, at: datetime | None) -> None:
+    """The audited alias and approval changes of MODEL, oldest first."""
+    from registry import aliases, audit
+
+    with _errors():
+        client = _client()
+        if at is not None:
+            for alias, version in aliases.aliases_at(client, model, at).items():
+                click.echo(f"{alias}={'v' + version if version else 'none'}")
+            return
+        events = audit.history(client, model)
+    for e in events:
+        click.echo(e.line())
+    if not events:
+        click.echo(f"{model}: no audited changes")
+
+
+COMMANDS = [approve, revoke, promote, rollback, history]

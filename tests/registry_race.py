@@ -1,0 +1,24 @@
+"""Child-process side of the concurrent-promotion test (tests/test_registry_contract.py).
+
+Imported once by a multiprocessing fork server (preload), so each racing process starts in
+milliseconds instead of importing MLflow again; each still opens its own connection.
+"""
+import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401  (preloaded by the fork server,
+import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  with what a client of either store imports)
+from mlflow import MlflowClient  # noqa: F401
+
+from registry import aliases, store
+
+
+def promote_at_barrier(uri: str, model: str, version: str, barrier, results) -> None:
+    """Connect, wait for the other racer, promote `version` expecting no production; report."""
+    client = store.client(uri)
+    client.get_registered_model(model)  # connection and store set up before the race
+    barrier.wait(timeout=60)
+    try:
+        changes = aliases.promote(client, model, version, None, f"proc-{version}", "race")
+        results.put({"version": version, "won": [str(c) for c in changes]})
+    except aliases.AliasConflict as exc:
+        results.put({"version": version, "conflict": str(exc)})
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+        results.put({"version": version, "error": repr(exc)})

@@ -1,0 +1,461 @@
+"""The registry contract against real MLflow: an embedded sqlite store and an `mlflow server`
+on loopback (sqlite backend, local artifacts). Real versions come from pipeline.register on
+small safetensors builds (no torch: the registry only hashes and moves files); each test
+registers its own model name, so the tests share one store per backend."""
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from importlib import metadata
+from pathlib import Path
+
+import mlflow.version
+import pytest
+
+from pipeline.errors import QuantgateError
+from pipeline.hashing import digest_of, sha256_file
+from pipeline.register import RegisterParams, register
+from registry import aliases, approval, audit, lock, store
+from registry.status import status_lines
+from registry.verify import verify_version
+from tests import registry_race
+from tests.test_register import gate_result
+
+SERVER_START_S = 180  # a cold `mlflow server` takes ~20 s on a busy 2-core machine
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    uri: str
+    artifacts: Path
+    log: Path
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SERVER_START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        pytest.fail(f"mlflow server not healthy after {SERVER_START_S} s:\n{self.log.read_text()[-3000:]}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on 127.0.0.1, launched at once (it starts while the sqlite tests run)."""
+    root = tmp_path_factory.mktemp("server")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no background job runner processes
+    log = root / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server",
+                                 "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+                                 "--artifacts-destination", str(root / "artifacts"),
+                                 "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    yield Server(proc, f"http://127.0.0.1:{port}", root / "artifacts", log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
+    """A build directory as the quantize stage leaves it, without torch: `shards` real
+    safetensors weight files (small random tensors), a config and build.json."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from pipeline.manifest import write_manifest
+
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for i in range(shards):
+        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"layers.{i}.weight": rng.standard_normal((64, 64)).astype(np.float16)}, str(path / name))
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    write_manifest(path, build=build, scheme=build.upper(), dtype="float16",
+                   base_model={"id": "tiny-llama", "sha256": "0" * 64}, recipe={"source": "test"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> Path:
+    """models/{fp16,int4,fp8} (shared, never modified); int4 has two weight shards."""
+    models = tmp_path_factory.mktemp("builds")
+    for seed, (build, shards) in enumerate((("fp16", 1), ("int4", 2), ("fp8", 1))):
+        safetensors_build(models / build, build, seed, shards)
+    return models
+
+
+@dataclass
+class Backend:
+    name: str
+    uri: str
+    root: Path  # working directory of the pipeline (params.yaml, dvc.lock, results/)
+    artifacts: Path  # where the server keeps artifacts (sqlite: ./mlartifacts under root)
+
+    def artifact_file(self, client, mv, name: str) -> Path:
+        """The file in the artifact store behind `model/<name>` of version `mv`."""
+        uri = client.get_run(mv.run_id).info.artifact_uri
+        rel = re.sub(r"^(mlflow-artifacts:|file://)", "", uri).lstrip("/")
+        base = Path("/" + rel) if uri.startswith("file:") else self.artifacts / rel
+        return base / "model" / name
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    """A multiprocessing fork server with MLflow and registry/ imported, started early (in the
+    background) so the racing processes of the concurrency test start without re-importing."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([registry_race.__name__])
+    multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+@pytest.fixture(scope="module", params=["sqlite", "server"])
+def backend(request, mlflow_server, forkserver, tmp_path_factory) -> Backend:
+    root = tmp_path_factory.mktemp(request.param)
+    (root / "params.yaml").write_text("register: {}\n")
+    (root / "dvc.lock").write_text("schema: '2.0'\n")
+    (root / "results/eval").mkdir(parents=True)
+    if request.param == "sqlite":
+        return Backend("sqlite", f"sqlite:///{root}/mlflow.db", root, root / "mlartifacts")
+    mlflow_server.wait_ready()
+    return Backend("server", mlflow_server.uri, root, mlflow_server.artifacts)
+
+
+TEAMS = {"search": {"sha256": "5e" * 32}}
+
+
+@dataclass
+class Registered:
+    backend: Backend
+    client: object
+    model: str
+    out: dict
+
+    def version(self, build: str) -> str:
+        return str(self.out["builds"][build]["version"])
+
+
+@pytest.fixture
+def reg(backend, builds, monkeypatch, request):
+    """A function registering the tiny builds under a model name unique to the test."""
+    monkeypatch.chdir(backend.root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", backend.uri)
+    client = store.client()
+    model = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
+
+    def run(verdicts: dict[str, str]) -> Registered:
+        out = register(builds, gate_result(verdicts), "# report", backend.root / "results/eval",
+                       RegisterParams(model_name=model, experiment="builds"), TEAMS)
+        return Registered(backend, client, model, out)
+
+    return run
+
+
+def events(r: Registered, **match) -> list[audit.Event]:
+    return [e for e in audit.history(r.client, r.model) if all(getattr(e, k) == v for k, v in match.items())]
+
+
+def test_lineage_tags_and_fallback(reg, builds):
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    mvs = {mv.tags["build"]: mv for mv in r.client.search_model_versions(f"name='{r.model}'")}
+    assert set(mvs) == {"fp16", "int4", "fp8"}  # every build is a version; approval decides
+    assert mvs["fp8"].tags["gate.verdict"] == "FAIL"
+    assert all(mv.tags["gate.search.team_sha256"] == TEAMS["search"]["sha256"] for mv in mvs.values())
+    for build, mv in mvs.items():
+        t = mv.tags
+        files = {p.name: sha256_file(p) for p in (builds / build).glob("*.safetensors")}
+        assert files and {k: v for k, v in t.items() if k.startswith("weights_sha256.")} == \
+            {f"weights_sha256.{n}": d for n, d in files.items()}
+        assert len(files) == (2 if build == "int4" else 1) and t["weights_sha256"] == digest_of(files)
+        assert (t["build"], t["scheme"], t["dtype"], t["base_model.id"], t["base_model.sha256"]) == \
+            (build, build.upper(), "float16", "tiny-llama", "0" * 64)
+        assert t["params_sha256"] == sha256_file(r.backend.root / "params.yaml")
+        assert t["dvc_lock_sha256"] == sha256_file(r.backend.root / "dvc.lock")
+        assert (t["version.torch"], t["version.mlflow"]) == (metadata.version("torch"), mlflow.version.VERSION)
+        assert t["git_commit"]
+    assert mvs["fp16"].tags["gate.verdict"] == "BASELINE" and mvs["int4"].tags["gate.verdict"] == "PASS"
+    base = r.version("fp16")
+    assert str(mvs["fp16"].version) == base and aliases.current(r.client, r.model) == {"fallback": base}
+    # set_fallback is audited once; setting it again changes nothing and writes nothing
+    assert aliases.set_fallback(r.client, r.model, base, by="ci", reason="again") == []
+    [e] = events(r, alias="fallback")
+    assert (e.action, e.from_version, e.to_version) == ("set_fallback", None, base)
+    with pytest.raises(QuantgateError, match=rf"v{r.version('int4')} is not the baseline build \(gate.verdict=PASS\)"):
+        aliases.set_fallback(r.client, r.model, r.version("int4"), by="ci", reason="wrong")
+    assert all(not m.name.endswith(".quantgate-lock") for m in r.client.search_registered_models())
+
+
+def test_approval_refused_for_fail_then_override_recorded(reg):
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    v = r.version("fp8")
+    with pytest.raises(QuantgateError, match=rf"{r.model} v{v}: gate.verdict is FAIL, not PASS; approving it needs --override"):
+        approval.approve(r.client, r.model, v, "alice", "ship it")
+    assert "approval" not in r.client.get_model_version(r.model, v).tags and events(r, action="approve") == []
+    a = approval.approve(r.client, r.model, v, "alice", "ship it", override_reason="search team accepts the drop")
+    assert a.approved and a.override and a.by == "alice"
+    t = r.client.get_model_version(r.model, v).tags
+    assert (t["approval"], t["approval.by"], t["approval.reason"], t["approval.override_reason"]) == \
+        ("approved", "alice", "ship it", "search team accepts the drop")
+    assert datetime.fromisoformat(t["approval.at"]).tzinfo is not None
+    [e] = events(r, action="approve")
+    assert (e.version, e.by, e.reason, e.override_reason) == (v, "alice", "ship it", "search team accepts the drop")
+    assert any(f"v{v} " in line and "approved:alice(override)" in line for line in status_lines(r.client, r.model))
+    # revoke: not approved any more, audited, promotion refused
+    assert approval.revoke(r.client, r.model, v, "bob", "bad outputs").state == "revoked"
+    assert "approval.override_reason" not in r.client.get_model_version(r.model, v).tags
+    assert [e.action for e in events(r, version=v)] == ["approve", "revoke"]
+    with pytest.raises(QuantgateError, match=rf"v{v} is not approved for serving: revoked by bob"):
+        aliases.promote(r.client, r.model, v, None, "alice", "go")
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
+def test_ui_approval_of_fail_version_without_override_reads_not_approved(reg):
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    v = r.version("fp8")
+    for key, value in {"approval": "approved", "approval.by": "carol", "approval.reason": "looks fine"}.items():
+        r.client.set_model_version_tag(r.model, v, key, value)  # what a release manager does in the UI
+    a = approval.approval_of(r.client, r.model, v)
+    assert not a.approved and a.state == "invalid"
+    assert "gate.verdict=FAIL and no approval.override_reason" in a.why
+    with pytest.raises(QuantgateError, match="not approved for serving: not approved: approval=approved by carol but gate.verdict=FAIL"):
+        aliases.promote(r.client, r.model, v, None, "carol", "go", verify=False)
+    assert any("NOT-APPROVED" in line for line in status_lines(r.client, r.model))
+    # the same in the UI on a PASS build counts, once who and why are filled in
+    p = r.version("int4")
+    r.client.set_model_version_tag(r.model, p, "approval", "Approved")
+    assert "approval.by and approval.reason are empty" in approval.approval_of(r.client, r.model, p).why
+    r.client.set_model_version_tag(r.model, p, "approval.by", "carol")
+    r.client.set_model_version_tag(r.model, p, "approval.reason", "canary clean")
+    assert approval.approval_of(r.client, r.model, p).approved
+
+
+def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
+    r = reg({"int4": "PASS", "fp8": "PASS"})
+    a, b = r.version("int4"), r.version("fp8")
+    for v in (a, b):
+        approval.approve(r.client, r.model, v, "rm", "gate PASS")
+    barrier, queue = forkserver.Barrier(2), forkserver.Queue()
+    procs = [forkserver.Process(target=registry_race.promote_at_barrier, args=(r.backend.uri, r.model, v, barrier, queue))
+             for v in (a, b)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    won = [x for x in results if "won" in x]
+    lost = [x for x in results if "conflict" in x]
+    assert len(won) == 1 and len(lost) == 1, results
+    winner = won[0]["version"]
+    assert won[0]["won"] == [f"production: none -> v{winner}"]
+    assert re.search(rf"production is v{winner}, not none as expected; someone else changed it first.*nothing was changed",
+                     lost[0]["conflict"])
+    assert aliases.current(r.client, r.model)[aliases.PRODUCTION] == winner
+    assert [(e.by, e.to_version) for e in events(r, alias="production")] == [(f"proc-{winner}", winner)]
+    assert aliases.PREVIOUS not in aliases.current(r.client, r.model)
+    assert all(not m.name.endswith(".quantgate-lock") for m in r.client.search_registered_models())
+
+
+def test_promote_rollback_and_history_point_in_time(reg):
+    r = reg({"int4": "PASS", "fp8": "PASS"})
+    base, a, b = r.version("fp16"), r.version("int4"), r.version("fp8")
+    for v in (a, b):
+        approval.approve(r.client, r.model, v, "rm", "gate PASS")
+    with pytest.raises(QuantgateError, match=rf"v{base} is not approved for serving: not approved \(no `approval` tag\)"):
+        aliases.promote(r.client, r.model, base, None, "rm", "no", verify=False)
+    canary = r.client.create_run(audit.experiment_id(r.client), run_name="canary").info.run_id
+    aliases.set_candidate(r.client, r.model, a, "canary-bot", "canary start", canary_run_id=canary, verify=False)
+    assert [str(c) for c in aliases.promote(r.client, r.model, a, None, "rm", "canary clean", canary_run_id=canary)] == \
+        [f"production: none -> v{a}", f"candidate: v{a} -> none"]
+    with pytest.raises(aliases.AliasConflict, match=rf"production is v{a}, not none as expected"):
+        aliases.promote(r.client, r.model, b, None, "rm", "stale view", verify=False)
+    aliases.promote(r.client, r.model, b, a, "rm", "next", verify=False)
+    assert aliases.current(r.client, r.model) == {"fallback": base, "production": b, "previous": a}
+    # rollback restores previous and clears it: a second rollback cannot flip back to the bad build
+    assert [str(c) for c in aliases.rollback(r.client, r.model, "oncall", "p99 latency", verify=False)] == \
+        [f"production: v{b} -> v{a}", f"previous: v{a} -> none"]
+    assert aliases.current(r.client, r.model) == {"fallback": base, "production": a}
+    with pytest.raises(QuantgateError, match="has no 'previous' alias: nothing to roll back to; `--to fallback`"):
+        aliases.rollback(r.client, r.model, "oncall", "again", verify=False)
+    aliases.rollback(r.client, r.model, "oncall", "still bad", to="fallback")
+    assert aliases.current(r.client, r.model) == {"fallback": base, "production": base}
+    # the audit trail answers "what was production at time T"
+    prod = events(r, alias="production")
+    assert [(e.action, e.from_version, e.to_version) for e in prod] == \
+        [("promote", None, a), ("promote", a, b), ("rollback", b, a), ("rollback", a, base)]
+    assert prod[0].canary_run_id == canary and prod[0].by == "rm" and prod[2].reason == "p99 latency"
+    ms = timedelta(milliseconds=1)
+    assert aliases.alias_at(r.client, r.model, "production", prod[0].at - ms) is None
+    assert aliases.alias_at(r.client, r.model, "production", prod[0].at) == a
+    assert aliases.alias_at(r.client, r.model, "production", prod[1].at) == b
+    assert aliases.alias_at(r.client, r.model, "production", prod[2].at - ms) == b
+    assert aliases.alias_at(r.client, r.model, "previous", prod[1].at) == a
+    assert aliases.alias_at(r.client, r.model, "previous", prod[2].at) is None
+    assert aliases.alias_at(r.client, r.model, "candidate", prod[0].at - ms) == a
+    assert aliases.alias_at(r.client, r.model, "production", prod[3].at.replace(tzinfo=None)) == base
+    lines = status_lines(r.client, r.model)
+    assert any(f"v{base} " in line and "[fallback,production]" in line for line in lines)
+    assert any(f"v{a} " in line and "approved:rm" in line for line in lines)
+
+
+def _promote_refused(r: Registered, v: str, match: str) -> None:
+    with pytest.raises(QuantgateError, match=match):
+        aliases.promote(r.client, r.model, v, None, "rm", "go")
+    assert aliases.PRODUCTION not in aliases.current(r.client, r.model)
+
+
+def test_tampered_weights_refused_for_serving(reg, tmp_path):
+    r = reg({"int4": "PASS"})
+    v = r.version("int4")
+    approval.approve(r.client, r.model, v, "rm", "gate PASS")
+    mv = r.client.get_model_version(r.model, v)
+    local = verify_version(r.client, r.model, v, tmp_path / "ok")
+    assert {p.name: sha256_file(p) for p in local.glob("*.safetensors")} == \
+        {k.removeprefix("weights_sha256."): d for k, d in mv.tags.items() if k.startswith("weights_sha256.")}
+    stored = r.backend.artifact_file(r.client, mv, SHARD2)
+    with open(stored, "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\x01" * 8)
+    with pytest.raises(QuantgateError, match=rf"{r.model} v{v}: model/{SHARD2} in the artifact store has sha256 .* "
+                                             rf"but tag weights_sha256.{SHARD2} says .*refusing to serve it"):
+        verify_version(r.client, r.model, v, tmp_path / "bad")
+    _promote_refused(r, v, f"model/{SHARD2} in the artifact store has sha256")
+    with pytest.raises(QuantgateError, match="not empty"):
+        verify_version(r.client, r.model, v, tmp_path / "bad")
+
+
+SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
+def test_missing_and_extra_weight_files_refused(reg, tmp_path):
+    r = reg({"int4": "PASS"})
+    v = r.version("int4")
+    stored = r.backend.artifact_file(r.client, r.client.get_model_version(r.model, v), SHARD1)
+    extra = stored.with_name("extra.safetensors")
+    extra.write_bytes(b"not registered")
+    with pytest.raises(QuantgateError, match="weight files in the artifact store that were not registered: model/extra.safetensors"):
+        verify_version(r.client, r.model, v, tmp_path / "a")
+    extra.unlink()
+    stored.unlink()
+    with pytest.raises(QuantgateError, match=f"model/{SHARD1} is missing from the artifact store"):
+        verify_version(r.client, r.model, v, tmp_path / "b")
+    # the tags are checked against each other too: an edited per-file tag is caught
+    r.client.set_model_version_tag(r.model, v, f"weights_sha256.{SHARD2}", "0" * 64)
+    with pytest.raises(QuantgateError, match="tags do not add up to tag weights_sha256"):
+        verify_version(r.client, r.model, v, tmp_path / "c")
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
+def test_alias_to_missing_or_deleted_version_refused(reg):
+    r = reg({"int4": "PASS", "fp8": "PASS"})
+    a, b = r.version("int4"), r.version("fp8")
+    with pytest.raises(QuantgateError, match=rf"{r.model} v99 does not exist \(never registered, or deleted\)"):
+        aliases.set_candidate(r.client, r.model, "v99", "rm", "typo")
+    approval.approve(r.client, r.model, b, "rm", "gate PASS")
+    r.client.delete_model_version(r.model, b)
+    with pytest.raises(QuantgateError, match=rf"v{b} does not exist"):
+        aliases.promote(r.client, r.model, b, None, "rm", "go")
+    with pytest.raises(QuantgateError, match=rf"v{b} does not exist"):
+        aliases.set_fallback(r.client, r.model, b, "rm", "go")
+    with pytest.raises(QuantgateError, match="'three' is not a model version number"):
+        aliases.promote(r.client, r.model, "three", None, "rm", "go")
+    with pytest.raises(QuantgateError, match=rf"v{b} does not exist"):
+        approval.approve(r.client, r.model, b, "rm", "again")
+    assert set(aliases.current(r.client, r.model)) == {"fallback"} and events(r, action="promote") == []
+    assert a not in aliases.current(r.client, r.model).values()
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_lock_busy_names_holder_and_stale_lock_is_broken(reg):
+    r = reg({})
+    first = lock.acquire(r.client, r.model, "promote v2 by alice")
+    assert any(line.startswith("  lock: held by promote v2 by alice") for line in status_lines(r.client, r.model))
+    with pytest.raises(QuantgateError, match=r"is quantgate's registry lock, not a model"):
+        status_lines(r.client, lock.lock_name(r.model))
+    with pytest.raises(lock.LockBusy, match=r"holds the registry lock: promote v2 by alice \(pid \d+ on .*retry later"):
+        lock.acquire(r.client, r.model, "bob", wait_s=0.3)
+    second = lock.acquire(r.client, r.model, "carol", stale_after_s=-1)  # judged stale: broken, then taken
+    with pytest.raises(QuantgateError, match="lost the registry lock"):
+        first.check()
+    first.release()  # not ours any more: left alone
+    assert lock.holder_of(r.client, r.model)["lock.holder"] == "carol"
+    second.release()
+    assert lock.holder_of(r.client, r.model) is None
+    assert [m.name for m in r.client.search_registered_models() if r.model in m.name] == [r.model]
+
+
+@pytest.mark.parametrize("name, message", [("latest", "reserved by MLflow"), ("v3", "reserved by MLflow"),
+                                           ("V12", "reserved by MLflow"), ("prod", "unknown alias 'prod'"),
+                                           ("Production", "unknown alias")])
+def test_reserved_and_unknown_alias_names_refused(name, message):
+    with pytest.raises(QuantgateError, match=message):
+        aliases.check_alias(name)
+    with pytest.raises(QuantgateError, match=message):
+        aliases.alias_at(None, "m", name, audit.utc_now())  # refused before the registry is read
+    for ok in ("production", "previous", "candidate", "fallback"):
+        assert aliases.check_alias(ok) == ok
+
+
+def test_rollback_target_must_be_previous_or_fallback():
+    with pytest.raises(QuantgateError, match="rollback goes to 'previous' or 'fallback', not 'candidate'"):
+        aliases.rollback(None, "m", "rm", "x", to="candidate")
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
+def test_commands_print_errors_without_traceback(reg):
+    from click.testing import CliRunner
+
+    from registry.commands import COMMANDS, approve, history, promote, revoke, rollback
+
+    assert [c.name for c in COMMANDS] == ["approve", "revoke", "promote", "rollback", "history"]
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    bad, good = r.version("fp8"), r.version("int4")
+    runner = CliRunner()
+    res = runner.invoke(approve, [r.model, bad, "--by", "alice", "--reason", "x"])
+    assert res.exit_code == 1 and "Error: " in res.output and "needs --override REASON" in res.output
+    assert "Traceback" not in res.output and res.exception.__class__ is SystemExit
+    res = runner.invoke(approve, [r.model, f"v{good}", "--reason", "gate PASS"], env={"USER": "dora"})
+    assert res.exit_code == 0 and "approved by dora" in res.output
+    res = runner.invoke(promote, [r.model, good, "--expect-production", good, "--by", "dora", "--reason", "go"])
+    assert res.exit_code == 1 and "production is none, not v" in res.output
+    res = runner.invoke(promote, [r.model, good, "--expect-production", "none", "--by", "dora", "--reason", "go"])
+    assert res.exit_code == 0 and f"production: none -> v{good}" in res.output
+    res = runner.invoke(rollback, [r.model, "--by", "oncall", "--reason", "bad"])
+    assert res.exit_code == 1 and "has no 'previous' alias: nothing to roll back to" in res.output
+    res = runner.invoke(revoke, [r.model, good, "--by", "erin", "--reason", "bad outputs"])
+    assert res.exit_code == 0 and "revoked by erin" in res.output
+    assert f"warning: v{good} is still 'production'; run `quantgate rollback {r.model}" in res.output
+    res = runner.invoke(history, [r.model])
+    assert res.exit_code == 0 and "promote production none -> v" in res.output and "approve v" in res.output
+    res = runner.invoke(history, [r.model, "--at", "2000-01-01T00:00:00Z"])
+    assert res.exit_code == 0 and "production=none" in res.output
+    res = runner.invoke(history, [r.model, "--at", "yesterday"])
+    assert res.exit_code == 2 and "is not an ISO time" in res.output
