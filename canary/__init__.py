@@ -1,1 +1,1 @@
-"""The vLLM canary fleet (not built yet; see canary/README.md)."""
+"""The vLLM canary fleet: weighted router, policy, step analysis and load (see canary/README.md)."""

@@ -4,6 +4,9 @@
     quantgate status [MODEL]         registered versions, verdicts and aliases
     quantgate evals new TEAM         scaffold a valid team folder under evals/
     quantgate evals validate [PATH]  check team eval sets without running a model
+    quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
+    quantgate promote|rollback|history MODEL   aliases and their audit trail
+    quantgate canary load --url URL            replay eval prompts through the router
 """
 from __future__ import annotations
 
@@ -96,6 +99,25 @@ def validate(path: Path) -> None:
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")
+
+
+@cli.group()
+def canary() -> None:
+    """The vLLM canary fleet: weighted router, live analysis, promotion or abort."""
+
+
+def _wire() -> None:
+    """Commands that live beside their logic (registry/commands.py, canary/commands.py)."""
+    from canary.commands import COMMANDS as CANARY
+    from registry.commands import COMMANDS as REGISTRY
+
+    for command in REGISTRY:
+        cli.add_command(command)
+    for command in CANARY:
+        canary.add_command(command)
+
+
+_wire()
 
 
 def main() -> None:

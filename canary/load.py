@@ -1,0 +1,189 @@
+"""Open-loop load through the router, with prompts rendered from the team eval sets.
+
+`replay` sends requests at scheduled times whatever is still in flight (open loop, so a
+slow backend shows up as latency, not as a lower request rate). Arrivals are Poisson
+(exponential gaps with mean 1/rps, seeded) or a fixed 1/rps interval. Requests rotate
+through completions / completions streaming / chat / chat streaming, all greedy
+(temperature 0) with short max_tokens, so the router's shadow comparison applies to them.
+End-to-end latency = request sent to last byte; TTFT (streaming only) = to the first SSE event.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import jinja2
+import numpy as np
+from httpx_sse import aconnect_sse
+
+from evals.teams import load_teams
+from pipeline.errors import QuantgateError
+
+KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One request: status 0 = no HTTP response; error names what went wrong, None if ok."""
+
+    kind: str
+    stream: bool
+    status: int
+    latency_s: float
+    ttft_s: float | None
+    error: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    results: tuple[Result, ...]
+    duration_s: float      # from the first request sent to the last answer
+    rps: float             # offered
+    arrivals: str
+
+    @property
+    def ok(self) -> int:
+        return sum(r.ok for r in self.results)
+
+    @property
+    def success_rate(self) -> float:
+        return self.ok / len(self.results) if self.results else 0.0
+
+    def percentiles(self, what: str) -> dict[int, float]:
+        """{50: p50, 95: p95, 99: p99} in seconds of "latency" or "ttft" over successful requests ({} if none)."""
+        values = [v for r in self.results if r.ok and (v := getattr(r, f"{what}_s")) is not None]
+        return {q: float(np.percentile(values, q)) for q in PERCENTILES} if values else {}
+
+    def outcomes(self) -> dict[str, int]:
+        """Count per outcome: "ok" or the error, e.g. {"ok": 118, "HTTP 502": 1, "timeout": 1}."""
+        return dict(Counter("ok" if r.ok else r.error for r in self.results))
+
+    def lines(self) -> list[str]:
+        n = len(self.results)
+        out = [f"sent {n} in {self.duration_s:.1f} s ({self.rps:g} rps offered, {self.arrivals} arrivals): "
+               f"{self.ok} ok, {n - self.ok} failed (success {100 * self.success_rate:.1f} %)",
+               "outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(self.outcomes().items()))]
+        for what, title in (("latency", "end-to-end"), ("ttft", "TTFT (streaming)")):
+            p = self.percentiles(what)
+            n_ok = sum(r.ok and getattr(r, f"{what}_s") is not None for r in self.results)
+            values = " ".join(f"p{q} {v:.3f}" for q, v in p.items()) if p else "-"
+            out.append(f"{title} s: {values} (n={n_ok})")
+        return out
+
+
+def render(template, doc: dict) -> str:
+    """lm-eval's doc_to_text: a bare field name reads that field, anything else is a Jinja template."""
+    if not isinstance(template, str):
+        raise QuantgateError(f"doc_to_text {template!r} is not a string; only field names and Jinja templates "
+                             "can be rendered")
+    t = template.strip()
+    if t.isidentifier() and t in doc:
+        return str(doc[t])
+    return jinja2.Template(template, undefined=jinja2.StrictUndefined).render(**doc)
+
+
+def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[str]:
+    """doc_to_text of every task's test documents under `evals_dir` (at most `limit` per task), in
+    team and file order. Raises QuantgateError if the eval sets do not load (evals.teams.load_teams)."""
+    prompts = []
+    for team in load_teams(evals_dir):
+        for task in team.tasks:
+            split = task.config.get("test_split") or task.config.get("validation_split")
+            path = Path(task.config["dataset_kwargs"]["data_files"][split])
+            docs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            try:
+                prompts += [render(task.config.get("doc_to_text"), d) for d in docs[:limit]]
+            except jinja2.TemplateError as exc:
+                raise QuantgateError(f"{task.path}: doc_to_text does not render: {exc}") from None
+    if not prompts:
+        raise QuantgateError(f"{evals_dir}: no documents to make prompts from")
+    return prompts
+
+
+def base_url(url: str) -> str:
+    """http://host:port from a URL given with or without /v1."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def request_body(kind: str, stream: bool, prompt: str, model: str, max_tokens: int) -> dict:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if kind == "chat":
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+    return {**body, "prompt": prompt}
+
+
+async def _one(client: httpx.AsyncClient, url: str, kind: str, stream: bool, body: dict, timeout_s: float) -> Result:
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    t0, ttft, status = time.perf_counter(), None, 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            if not stream:
+                r = await client.post(url + path, json=body)
+                status = r.status_code
+                err = None if status == 200 and "choices" in r.json() else f"HTTP {status}"
+            else:
+                async with aconnect_sse(client, "POST", url + path, json=body) as source:
+                    status = source.response.status_code
+                    err = f"HTTP {status}" if status != 200 else "no [DONE]"
+                    if status == 200:
+                        async for ev in source.aiter_sse():
+                            ttft = ttft if ttft is not None else time.perf_counter() - t0
+                            if ev.event == "error":
+                                err = "stream error event"
+                                break
+                            if ev.data == "[DONE]":
+                                err = None
+    except TimeoutError:
+        err = "timeout"
+    except (httpx.HTTPError, ValueError) as exc:
+        err = type(exc).__name__
+    return Result(kind, stream, status, time.perf_counter() - t0, ttft, err)
+
+
+async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, *, max_tokens: int = 16,
+                       timeout_s: float = 60.0, arrivals: str = "poisson", seed: int = 0) -> LoadReport:
+    """Send requests at `rps` for `duration_s` seconds, then wait (up to timeout_s) for the last answers.
+
+    Raises QuantgateError on bad arguments or if `url` does not answer GET /v1/models.
+    """
+    if rps <= 0 or duration_s <= 0 or not prompts or max_tokens < 1:
+        raise QuantgateError(f"need rps > 0, duration > 0, max_tokens >= 1 and prompts (got rps={rps}, "
+                             f"duration={duration_s}, max_tokens={max_tokens}, {len(prompts)} prompts)")
+    if arrivals not in ("poisson", "fixed"):
+        raise QuantgateError(f"arrivals must be poisson or fixed, got {arrivals!r}")
+    url, rng = base_url(url), random.Random(seed)
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+        try:
+            r = await client.get(f"{url}/v1/models")
+            model = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise QuantgateError(f"{url}/v1/models did not answer with a model ({type(exc).__name__}); "
+                                 "is the router running there?") from None
+        tasks, start, at, i = [], time.perf_counter(), 0.0, 0
+        while at < duration_s:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            kind, stream = KINDS[i % len(KINDS)]
+            body = request_body(kind, stream, rng.choice(prompts), model, max_tokens)
+            tasks.append(asyncio.create_task(_one(client, url, kind, stream, body, timeout_s)))
+            at += rng.expovariate(rps) if arrivals == "poisson" else 1.0 / rps
+            i += 1
+        results = await asyncio.gather(*tasks)
+    return LoadReport(tuple(results), time.perf_counter() - start, rps, arrivals)
+
+
+def replay(url: str, prompts: Sequence[str], rps: float, duration_s: float, **kwargs) -> LoadReport:
+    """Blocking replay_async (same arguments)."""
+    return asyncio.run(replay_async(url, prompts, rps, duration_s, **kwargs))

@@ -1,0 +1,84 @@
+"""The canary policy: frozen data from params.yaml block `canary`, applied by router/analysis.
+
+Units: percent of traffic (steps), seconds (*_s), fractions in [0, 1] (rates, agreement).
+Errors name the field, e.g. "params.yaml:canary.steps: ..." (pipeline.params.parse).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from pipeline.params import PARAMS_FILE, Frozen, load_block
+from pipeline.serving import ServeParams
+
+
+class ServerOverride(Frozen):
+    """Per-role changes to `evaluate.serve` for a canary vLLM server."""
+
+    port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
+    extra_args: list[str] = []                    # appended to evaluate.serve.extra_args
+
+
+class Servers(Frozen):
+    stable: ServerOverride = ServerOverride()
+    candidate: ServerOverride = ServerOverride()
+    shadow: ServerOverride = ServerOverride()     # the fp16 `fallback` build
+
+
+class RouterAddress(Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)  # 0 = a free port
+
+
+class CanaryPolicy(Frozen):
+    """How a candidate build is moved through the fleet and judged at each step."""
+
+    steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)  # % of traffic to the candidate
+    min_requests_per_step: int = Field(default=100, ge=1)  # candidate requests before a step may end
+    min_step_s: float = Field(default=60, gt=0)
+    max_step_s: float = Field(default=900, gt=0)
+    max_error_rate: float = Field(default=0.01, ge=0, lt=1)        # candidate 5xx/timeout/refused share
+    max_ttft_p95_ratio: float = Field(default=1.5, gt=0)           # candidate p95 / stable p95
+    max_tpot_p95_ratio: float = Field(default=1.5, gt=0)
+    min_shadow_agreement: float = Field(default=0.7, gt=0, le=1)   # vs the fp16 build, greedy requests
+    min_samples: int = Field(default=20, ge=2)   # per role and check; fewer -> INCONCLUSIVE
+    alpha: float = Field(default=0.05, gt=0, lt=0.5)  # per check and per look
+    failure_limit: int = Field(default=2, ge=1)  # FAIL step verdicts within one step before abort
+    inconclusive: Literal["abort", "hold"] = "hold"  # at min time: abort, or collect until max_step_s
+    shadow_fraction: float = Field(default=0.2, ge=0, le=1)  # of greedy candidate requests
+    shadow_compare_words: int = Field(default=8, ge=1)
+    request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt; see canary/router.py
+    connect_timeout_s: float = Field(default=5, gt=0)
+    router: RouterAddress = RouterAddress()
+    servers: Servers = Servers()
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing_percentages(cls, steps: list[float]) -> list[float]:
+        if any(not 0 < s <= 100 for s in steps):
+            raise ValueError(f"each step is a percent of traffic in (0, 100], got {steps}")
+        if any(a >= b for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"steps must increase strictly, got {steps}")
+        return steps
+
+    @field_validator("max_step_s")
+    @classmethod
+    def _not_below_min(cls, v: float, info: ValidationInfo) -> float:
+        low = info.data.get("min_step_s")
+        if low is not None and v < low:
+            raise ValueError(f"must be >= min_step_s ({low:g}), got {v:g}")
+        return v
+
+
+def load_policy(path: Path = PARAMS_FILE) -> CanaryPolicy:
+    """Block `canary` of params.yaml. Raises QuantgateError naming params.yaml:canary.<field>."""
+    return load_block("canary", CanaryPolicy, path)
+
+
+def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:
+    """`evaluate.serve` with a role's port and extra vLLM args (appended) applied."""
+    data = base.model_dump()
+    data.update(port=override.port, extra_args=[*base.extra_args, *override.extra_args])
+    return ServeParams.model_validate(data)

@@ -1,0 +1,409 @@
+"""The canary router: one OpenAI-compatible endpoint in front of a stable and a candidate build.
+
+Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models,
+/health and /metrics (Prometheus text, this router's own registry).
+
+- Split: each request goes to the candidate with probability weight/100 (`set_weight`,
+  0-100), else to stable; with no candidate resolved, everything goes to stable. The
+  request's "model" is rewritten to the chosen backend's served model name; responses are
+  passed through unchanged, so they name the build that answered. Client headers are not
+  forwarded (backends are internal); the response headers x-canary-role/-backend/-retried
+  say who answered.
+- Retry: a candidate attempt that fails (connection error, timeout, HTTP 5xx, or a stream
+  that ends before its first chunk) is retried once on stable, so the client sees stable's
+  answer. A stream can only be retried before its first byte reached the client: the router
+  waits for the candidate's first chunk before answering, and a stream that breaks after
+  that ends with an SSE `error` event (outcome "cut"), without a retry. 4xx are the
+  request's fault: passed through, not retried, counted as ok.
+- Timeouts (policy): connect_timeout_s to connect; request_timeout_s for a whole
+  non-streaming answer, for a stream's first chunk, and between later chunks.
+- Shadow: a `shadow_fraction` sample of greedy requests (canary.payloads.is_greedy:
+  temperature given and 0, n = 1) answered successfully by the candidate is sent again,
+  non-streaming, to the shadow (fp16 `fallback`) backend in a background task after the
+  client got its answer; agreement = canary.payloads.same_words on the first
+  `shadow_compare_words` words. At most SHADOW_MAX_INFLIGHT run at once (more are skipped).
+- Resolve: `resolve()` (a blocking callable, run in a worker thread) returns
+  {"stable": Backend, "candidate": Backend | None, "shadow": Backend | None}; it is called
+  at startup (failure = the router does not start) and then every RESOLVE_INTERVAL_S, so a
+  registry alias flip moves traffic within interval + resolve time. A failing resolve keeps
+  the last answer and is reported in /health.
+- Samples (canary.metrics.Sample): one per backend attempt. Streaming TTFT = first SSE
+  chunk from the backend; TPOT = (total - TTFT) / (completion_tokens - 1), tokens from the
+  usage chunk: the router adds stream_options.include_usage and drops the usage-only chunk
+  again if the client did not ask for it; without usage, chunks with text are counted.
+  Non-streaming answers arrive whole, so they have no TTFT/TPOT (total_s only).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+from httpx_sse import EventSource, ServerSentEvent, SSEError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
+from canary.payloads import chunk_text, completion_tokens, is_greedy, response_text, same_words
+from canary.policy import CanaryPolicy
+from pipeline.errors import QuantgateError
+
+log = logging.getLogger("quantgate.canary")
+
+RESOLVE_INTERVAL_S = 0.5
+SHADOW_MAX_INFLIGHT = 16
+ROLES = ("stable", "candidate", "shadow")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A served build: `url` is its OpenAI base URL ending in /v1 (pipeline.serving.Server.base_url),
+    `model` its served model name, `label` what samples and metrics call it (e.g. "v3")."""
+
+    url: str
+    model: str
+    label: str
+
+
+@dataclass(frozen=True)
+class Fleet:
+    stable: Backend
+    candidate: Backend | None = None
+    shadow: Backend | None = None
+
+
+def fleet_of(backends: Mapping[str, Backend | None]) -> Fleet:
+    """Check a resolve() answer. Raises QuantgateError on unknown roles, no stable, or non-Backends."""
+    unknown = set(backends) - set(ROLES)
+    if unknown:
+        raise QuantgateError(f"resolve() returned unknown roles {sorted(unknown)}; expected {list(ROLES)}")
+    if not isinstance(backends.get("stable"), Backend):
+        raise QuantgateError(f"resolve() returned no stable Backend: {backends.get('stable')!r}")
+    for role in ("candidate", "shadow"):
+        if backends.get(role) is not None and not isinstance(backends[role], Backend):
+            raise QuantgateError(f"resolve() returned a {type(backends[role]).__name__} for {role}, not a Backend")
+    return Fleet(backends["stable"], backends.get("candidate"), backends.get("shadow"))
+
+
+def error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+def encode_sse(ev: ServerSentEvent) -> bytes:
+    """One event back in SSE wire form (vLLM sends `data: ...` only, so bytes are unchanged)."""
+    lines = [f"event: {ev.event}"] if ev.event != "message" else []
+    lines += [f"id: {ev.id}"] if ev.id else []
+    lines += [f"retry: {ev.retry}"] if ev.retry is not None else []
+    lines += [f"data: {line}" for line in ev.data.split("\n")]
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+@dataclass
+class _Stream:
+    """What a relayed stream has shown so far."""
+
+    wants_usage: bool
+    failed: bool = False            # the backend sent an error object in the stream
+    text: list[str] = field(default_factory=list)
+    chunks: int = 0                 # chunks that carried text
+    tokens: int | None = None       # usage.completion_tokens
+
+    def observe(self, ev: ServerSentEvent) -> bytes | None:
+        """The bytes to send on for `ev`, None to drop it (the usage chunk the client did not ask for)."""
+        try:
+            chunk = json.loads(ev.data)
+        except ValueError:  # "[DONE]" and anything else that is not JSON pass through untouched
+            return encode_sse(ev)
+        if not isinstance(chunk, dict):
+            return encode_sse(ev)
+        self.failed = self.failed or bool(chunk.get("error"))  # vLLM reports engine errors in-stream
+        if text := chunk_text(chunk):
+            self.text.append(text)
+            self.chunks += 1
+        if (n := completion_tokens(chunk)) is not None:
+            self.tokens = n
+        if chunk.get("choices") == [] and chunk.get("usage") and not self.wants_usage:
+            return None
+        return encode_sse(ev)
+
+
+class Router:
+    """State and ASGI app of one canary router; serve `router.app` (canary.server.RouterServer).
+
+    `resolve` is called from a worker thread; `set_weight` and the sample accessors are
+    safe to call from any thread.
+    """
+
+    def __init__(self, resolve: Callable[[], Mapping[str, Backend | None]], policy: CanaryPolicy, *,
+                 model_name: str = "quantgate", seed: int | None = None,
+                 resolve_interval_s: float = RESOLVE_INTERVAL_S):
+        self.policy = policy
+        self.model_name = model_name  # the name /v1/models shows; clients may send any
+        self.recorder = Recorder()
+        self.resolve_error: str | None = None  # the last resolve() failure, None after a success
+        self._resolve = resolve
+        self._interval = resolve_interval_s
+        self._rng = random.Random(seed)
+        self._weight = 0.0
+        self._fleet: Fleet | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._shadow_tasks: set[asyncio.Task] = set()
+        self.recorder.set_weight(0.0)
+        self.app = Starlette(lifespan=self._lifespan, routes=[
+            Route("/v1/completions", self._proxy, methods=["POST"]),
+            Route("/v1/chat/completions", self._proxy, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/health", self._health, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+        ])
+
+    # --- controller API -------------------------------------------------------------
+    @property
+    def weight(self) -> float:
+        """Percent of requests routed to the candidate."""
+        return self._weight
+
+    def set_weight(self, percent: float) -> None:
+        """Route `percent` (0-100) of requests to the candidate from now on. Raises QuantgateError if out of range."""
+        if not 0 <= percent <= 100:
+            raise QuantgateError(f"candidate weight must be 0-100 percent, got {percent}")
+        self._weight = float(percent)
+        self.recorder.set_weight(self._weight)
+
+    @property
+    def fleet(self) -> Fleet | None:
+        """The backends of the last successful resolve (None before the router started)."""
+        return self._fleet
+
+    def samples_since(self, t: float) -> list[Sample]:
+        """Backend attempts that started at or after `t` (time.time() seconds)."""
+        return self.recorder.samples_since(t)
+
+    def shadows_since(self, t: float) -> list[ShadowSample]:
+        return self.recorder.shadows_since(t)
+
+    # --- lifecycle ------------------------------------------------------------------
+    @asynccontextmanager
+    async def _lifespan(self, app):
+        p = self.policy
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(p.request_timeout_s, connect=p.connect_timeout_s), trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        try:
+            self._fleet = fleet_of(await asyncio.to_thread(self._resolve))
+        except Exception as exc:
+            self.resolve_error = f"{type(exc).__name__}: {exc}"
+            await self._client.aclose()
+            raise
+        refresher = asyncio.create_task(self._refresh_forever())
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            for task in list(self._shadow_tasks):
+                task.cancel()
+            await asyncio.gather(refresher, *self._shadow_tasks, return_exceptions=True)
+            await self._client.aclose()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                fleet = fleet_of(await asyncio.to_thread(self._resolve))
+            except Exception as exc:  # resolve() is the controller's code (e.g. a registry call):
+                # a transient failure must not stop routing, so keep the last answer
+                if self.resolve_error is None:
+                    log.warning("canary router: resolve() failed, keeping %s: %s", self._fleet, exc)
+                self.resolve_error = f"{type(exc).__name__}: {exc}"
+                continue
+            if fleet != self._fleet:
+                log.info("canary router: backends now %s", fleet)
+            self._fleet, self.resolve_error = fleet, None
+
+    # --- routes ---------------------------------------------------------------------
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quantgate"}]})
+
+    async def _health(self, request: Request) -> Response:
+        f = self._fleet
+        doc = {"status": "ok" if f else "unavailable", "weight": self._weight,
+               "stable": f and f.stable.label, "candidate": f and f.candidate and f.candidate.label,
+               "shadow": f and f.shadow and f.shadow.label, "resolve_error": self.resolve_error}
+        return JSONResponse(doc, 200 if f else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        body, content_type = self.recorder.exposition()
+        return Response(body, headers={"content-type": content_type})
+
+    async def _proxy(self, request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error(400, "request body must be a JSON object")
+        fleet = self._fleet
+        if fleet is None:
+            return error(503, "no backends resolved yet")
+        path = request.url.path.removeprefix("/v1")
+        attempt = self._stream if body.get("stream") is True else self._unary
+        if fleet.candidate is not None and self._rng.random() * 100 < self._weight:
+            response, failed = await attempt(fleet, "candidate", path, body, retried=False)
+            if not failed:
+                return response
+            return (await attempt(fleet, "stable", path, body, retried=True))[0]
+        return (await attempt(fleet, "stable", path, body, retried=False))[0]
+
+    # --- one backend attempt; returns (response for the client, failed = retry it) ---
+    def _record(self, backend: Backend, role: str, t: float, t0: float, outcome: str, status: int, *,
+                stream: bool, retried: bool, ttft: float | None = None, tokens: int | None = None) -> None:
+        total = time.perf_counter() - t0
+        tpot = (total - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
+        self.recorder.add(Sample(t=t, role=role, label=backend.label, ok=outcome in OK_OUTCOMES, status=status,
+                                 ttft_s=ttft, tpot_s=tpot, retried=retried, total_s=total, stream=stream,
+                                 outcome=outcome))
+
+    async def _post(self, backend: Backend, role: str, path: str, body: dict, retried: bool):
+        """POST a non-streaming request and record the sample.
+
+        Returns (httpx response or None, outcome, the body as a dict or None if it is not a JSON object).
+        """
+        t, t0 = time.time(), time.perf_counter()
+        payload = {**body, "model": backend.model}
+        try:
+            async with asyncio.timeout(self.policy.request_timeout_s):
+                r = await self._client.post(backend.url + path, json=payload)
+        except (TimeoutError, httpx.TimeoutException):
+            self._record(backend, role, t, t0, "timeout", 0, stream=False, retried=retried)
+            return None, "timeout", None
+        except httpx.HTTPError:
+            self._record(backend, role, t, t0, "connection_error", 0, stream=False, retried=retried)
+            return None, "connection_error", None
+        outcome = "ok" if r.status_code < 400 else "client_error" if r.status_code < 500 else "server_error"
+        doc = _json_object(r)
+        tokens = completion_tokens(doc) if outcome == "ok" and doc else None
+        self._record(backend, role, t, t0, outcome, r.status_code, stream=False, retried=retried, tokens=tokens)
+        return r, outcome, doc
+
+    async def _unary(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+        backend = fleet.candidate if role == "candidate" else fleet.stable
+        headers = _who(role, backend, retried)
+        r, outcome, doc = await self._post(backend, role, path, body, retried)
+        if r is None:
+            status, what = (504, "timed out") if outcome == "timeout" else (502, "is unreachable")
+            return error(status, f"{role} backend {what}", headers), True
+        if role == "candidate" and outcome == "ok" and doc:
+            self._maybe_shadow(fleet, path, body, response_text(doc))
+        ctype = r.headers.get("content-type", "application/json")
+        return Response(r.content, r.status_code, headers={**headers, "content-type": ctype}), r.status_code >= 500
+
+    async def _stream(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+        backend = fleet.candidate if role == "candidate" else fleet.stable
+        headers = _who(role, backend, retried)
+        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        state = _Stream(wants_usage=bool(options.get("include_usage")))
+        payload = {**body, "model": backend.model, "stream_options": {**options, "include_usage": True}}
+        t, t0 = time.time(), time.perf_counter()
+        upstream = None
+        try:
+            async with asyncio.timeout(self.policy.request_timeout_s):
+                upstream = await self._client.send(
+                    self._client.build_request("POST", backend.url + path, json=payload), stream=True)
+                if upstream.status_code != 200:
+                    content = await upstream.aread()
+                    await upstream.aclose()
+                    outcome = "client_error" if upstream.status_code < 500 else "server_error"
+                    self._record(backend, role, t, t0, outcome, upstream.status_code, stream=True, retried=retried)
+                    ctype = upstream.headers.get("content-type", "application/json")
+                    return (Response(content, upstream.status_code, headers={**headers, "content-type": ctype}),
+                            upstream.status_code >= 500)
+                events = EventSource(upstream).aiter_sse()
+                first = state.observe(await anext(events))
+        except (TimeoutError, httpx.TimeoutException):
+            outcome, status, what = "timeout", 504, "timed out before its first chunk"
+        except (httpx.HTTPError, SSEError, StopAsyncIteration) as exc:
+            outcome, status, what = "connection_error", 502, f"failed before its first chunk ({type(exc).__name__})"
+        else:
+            if state.failed:
+                outcome, status, what = "server_error", 502, "sent an error as its first chunk"
+            else:
+                ttft = time.perf_counter() - t0
+                relay = self._relay(fleet, role, backend, path, body, upstream, events, first, state,
+                                    t=t, t0=t0, ttft=ttft, retried=retried)
+                ctype = upstream.headers.get("content-type", "text/event-stream")
+                return StreamingResponse(relay, headers={**headers, "content-type": ctype}), False
+        if upstream is not None:
+            await upstream.aclose()
+        self._record(backend, role, t, t0, outcome, upstream.status_code if upstream is not None else 0,
+                     stream=True, retried=retried)
+        return error(status, f"{role} backend {what}", headers), True
+
+    async def _relay(self, fleet: Fleet, role: str, backend: Backend, path: str, body: dict,
+                     upstream: httpx.Response, events: AsyncIterator[ServerSentEvent], first: bytes | None,
+                     state: _Stream, *, t: float, t0: float, ttft: float, retried: bool) -> AsyncIterator[bytes]:
+        """Send the stream on (`first` = the first event's bytes, already observed) and record it."""
+        outcome = "cancelled"  # stays so if the client goes away mid-stream
+        try:
+            if first is not None:
+                yield first
+            async for ev in events:
+                if (out := state.observe(ev)) is not None:
+                    yield out
+            outcome = "server_error" if state.failed else "ok"
+        except (httpx.HTTPError, SSEError):
+            outcome = "cut"  # too late to retry: the client already has the first chunk
+            yield encode_sse(ServerSentEvent(event="error", data=json.dumps(
+                {"error": {"message": f"{role} backend stream broke", "type": "server_error", "code": 502}})))
+        finally:
+            await upstream.aclose()
+            tokens = state.tokens if state.tokens is not None else state.chunks
+            self._record(backend, role, t, t0, outcome, 200, stream=True, retried=retried, ttft=ttft, tokens=tokens)
+        if role == "candidate" and outcome == "ok":
+            self._maybe_shadow(fleet, path, body, "".join(state.text))
+
+    # --- shadow ---------------------------------------------------------------------
+    def _maybe_shadow(self, fleet: Fleet, path: str, body: dict, text: str) -> None:
+        """Mirror a sampled greedy candidate request to the shadow backend, in the background."""
+        if fleet.shadow is None or not is_greedy(body) or self._rng.random() >= self.policy.shadow_fraction:
+            return
+        if len(self._shadow_tasks) >= SHADOW_MAX_INFLIGHT:
+            self.recorder.shadow_not_compared("skipped")
+            return
+        task = asyncio.create_task(self._shadow(fleet, path, body, text))
+        self._shadow_tasks.add(task)
+        task.add_done_callback(self._shadow_tasks.discard)
+
+    async def _shadow(self, fleet: Fleet, path: str, body: dict, candidate_text: str) -> None:
+        t = time.time()
+        plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        _, outcome, doc = await self._post(fleet.shadow, "shadow", path, plain, retried=False)
+        if outcome != "ok" or not doc:
+            self.recorder.shadow_not_compared("error")
+            return
+        agree = same_words(candidate_text, response_text(doc), self.policy.shadow_compare_words)
+        self.recorder.add_shadow(ShadowSample(t=t, agree=agree, candidate=fleet.candidate.label,
+                                              shadow=fleet.shadow.label))
+
+
+def _who(role: str, backend: Backend, retried: bool) -> dict[str, str]:
+    return {"x-canary-role": role, "x-canary-backend": backend.label, "x-canary-retried": str(int(retried))}
+
+
+def _json_object(r: httpx.Response) -> dict | None:
+    """The body as a JSON object, None if it is not one (a 200 with garbage is no answer to compare)."""
+    try:
+        doc = r.json()
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -1,0 +1,449 @@
+"""The canary router against tiny fake OpenAI backends (starlette on 127.0.0.1, no vLLM).
+
+Each fake answers /v1/completions and /v1/chat/completions, streaming or not, with its
+text split into one chunk per word, after a configurable delay, or fails (HTTP status,
+too slow, cut mid-stream). A backend that refuses connections is a free port nobody serves.
+"""
+import asyncio
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from httpx_sse import connect_sse
+from prometheus_client.parser import text_string_to_metric_families
+from scipy import stats
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from canary.commands import COMMANDS, load
+from canary.load import KINDS, prompts_from_evals, render, replay
+from canary.policy import CanaryPolicy
+from canary.router import Backend, Router
+from canary.server import AppServer, RouterServer
+from evals.teams import load_teams
+from pipeline.errors import QuantgateError
+from pipeline.serving import free_port
+
+TIMEOUT_S = 5.0  # the router's request timeout in these tests: generous, the machine may be busy
+SHORT_TIMEOUT_S = 1.0  # in the timeout test
+
+
+@dataclass
+class Behaviour:
+    text: str
+    delay_s: float = 0.0        # before the answer / first chunk
+    token_delay_s: float = 0.0  # before each chunk
+    status: int = 200           # != 200: answer this error instead
+    cut_after: int | None = None  # chunks sent before the stream breaks
+    error_chunk: bool = False   # stream an error object first, as vLLM does on engine errors
+
+
+def sse(doc) -> bytes:
+    return f"data: {json.dumps(doc)}\n\n".encode()
+
+
+class Fake:
+    """A fake vLLM OpenAI server; `seen` holds the request bodies it received."""
+
+    def __init__(self, name: str, text: str):
+        self.name, self.default_text, self.seen = name, text, []
+        self.behaviour = Behaviour(text)
+        app = Starlette(routes=[Route("/v1/completions", self.answer, methods=["POST"]),
+                                Route("/v1/chat/completions", self.answer, methods=["POST"])])
+        self.server = AppServer(app, grace_s=1)
+
+    @property
+    def backend(self) -> Backend:
+        return Backend(f"{self.server.url}/v1", f"{self.name}-served", f"{self.name}-label")
+
+    def reset(self, **behaviour):
+        self.behaviour = Behaviour(**{"text": self.default_text, **behaviour})
+        self.seen.clear()
+
+    async def answer(self, request):
+        body, b = await request.json(), self.behaviour
+        self.seen.append(body)
+        if b.status != 200:
+            return JSONResponse({"error": {"message": "boom", "code": b.status}}, b.status)
+        await asyncio.sleep(b.delay_s)
+        chat = request.url.path.endswith("/chat/completions")
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(b.text.split(" "))]
+        usage = {"prompt_tokens": 3, "completion_tokens": len(pieces), "total_tokens": 3 + len(pieces)}
+        head = {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
+                "model": body["model"]}
+        if not body.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": b.text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": b.text, "finish_reason": "length"})
+            return JSONResponse({**head, "choices": [choice], "usage": usage})
+
+        async def chunks():
+            if b.error_chunk:
+                yield sse({"error": {"message": "engine dead", "code": 500}})
+                yield b"data: [DONE]\n\n"
+                return
+            if chat:
+                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            for i, piece in enumerate(pieces):
+                if b.cut_after is not None and i >= b.cut_after:
+                    raise RuntimeError("fake backend dies mid-stream")
+                await asyncio.sleep(b.token_delay_s)
+                yield sse({**head, "choices": [{"index": 0, "delta": {"content": piece}} if chat else
+                                               {"index": 0, "text": piece}]})
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield sse({**head, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def fakes():
+    fs = {name: Fake(name, text) for name, text in [
+        ("stable", "the stable answer is four"), ("candidate", "the candidate answer is five"),
+        ("shadow", "the candidate answer is five"), ("other", "another candidate answers")]}
+    for f in fs.values():
+        f.server.start()
+    yield fs
+    for f in fs.values():
+        f.server.stop()
+
+
+@pytest.fixture(autouse=True)
+def reset(fakes):
+    for f in fakes.values():
+        f.reset()
+
+
+def dead_backend() -> Backend:
+    """A backend whose port nobody listens on (connection refused)."""
+    return Backend(f"http://127.0.0.1:{free_port()}/v1", "dead-served", "dead-label")
+
+
+@contextmanager
+def running(resolve, weight=0.0, resolve_interval_s=0.5, **policy):
+    """A started router; yields (router, http client with the router's base URL)."""
+    router = Router(resolve, CanaryPolicy(**{"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S,
+                                            "shadow_fraction": 0.0, **policy}), model_name="smollm", seed=7,
+                    resolve_interval_s=resolve_interval_s)
+    router.set_weight(weight)
+    server = RouterServer(router).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10, trust_env=False) as client:
+            yield router, client
+    finally:
+        server.stop()
+
+
+def fleet(fakes, candidate="candidate", shadow=None):
+    return lambda: {"stable": fakes["stable"].backend,
+                    "candidate": fakes[candidate].backend if isinstance(candidate, str) else candidate,
+                    "shadow": fakes[shadow].backend if shadow else None}
+
+
+def complete(client, stream=False, chat=False, **extra):
+    body = {"model": "whatever-the-client-says", "max_tokens": 8, "temperature": 0, "stream": stream, **extra}
+    body.update({"messages": [{"role": "user", "content": "2+2?"}]} if chat else {"prompt": "2+2?"})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if not stream:
+        r = client.post(path, json=body)
+        doc = r.json()
+        text = (doc["choices"][0].get("message", {}).get("content") or doc["choices"][0].get("text")
+                if r.status_code == 200 else None)
+        return r, text, None
+    with connect_sse(client, "POST", path, json=body) as source:
+        events = list(source.iter_sse())
+        r = source.response
+    chunks = [e for e in events if e.event == "message" and e.data != "[DONE]"]
+    text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
+                   for c in map(json.loads, (e.data for e in chunks)) if c["choices"])
+    return r, text, events
+
+
+def served_by(r) -> str:
+    return r.headers["x-canary-role"]
+
+
+# --- split and model rewrite ------------------------------------------------------------
+@pytest.mark.parametrize("weight,expected", [(0, "stable"), (100, "candidate")])
+def test_weight_0_and_100_send_everything_one_way_and_rewrite_model(fakes, weight, expected):
+    with running(fleet(fakes), weight=weight) as (router, client):
+        for i in range(20):
+            r, text, _ = complete(client, stream=i % 2 == 1, chat=i % 4 >= 2)
+            assert r.status_code == 200 and served_by(r) == expected
+            assert text == fakes[expected].default_text
+    seen = fakes[expected].seen
+    assert len(seen) == 20 and {b["model"] for b in seen} == {f"{expected}-served"}
+    assert fakes["candidate" if expected == "stable" else "stable"].seen == []
+    samples = router.samples_since(0)
+    assert [s.role for s in samples] == [expected] * 20 and all(s.ok and not s.retried for s in samples)
+
+
+def test_weight_50_splits_within_binomial_bounds(fakes):
+    n = 200
+    with running(fleet(fakes), weight=50) as (router, client):
+        roles = [served_by(complete(client)[0]) for _ in range(n)]
+    k = roles.count("candidate")
+    lo, hi = stats.binom.ppf(0.0005, n, 0.5), stats.binom.isf(0.0005, n, 0.5)  # 99.9 % two-sided
+    assert lo <= k <= hi, (k, lo, hi)
+    assert len(fakes["candidate"].seen) == k and len(fakes["stable"].seen) == n - k
+    assert sum(s.role == "candidate" for s in router.samples_since(0)) == k
+
+
+def test_no_candidate_means_all_stable(fakes):
+    with running(fleet(fakes, candidate=None), weight=100) as (router, client):
+        assert all(served_by(complete(client)[0]) == "stable" for _ in range(10))
+
+
+def test_set_weight_rejects_out_of_range(fakes):
+    router = Router(fleet(fakes), CanaryPolicy())
+    with pytest.raises(QuantgateError, match="0-100"):
+        router.set_weight(101)
+
+
+# --- retry on stable --------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("failure", ["http500", "timeout", "refused"])
+def test_failed_candidate_is_retried_on_stable(fakes, failure, stream):
+    if failure == "http500":
+        fakes["candidate"].reset(status=500)
+    if failure == "timeout":
+        fakes["candidate"].reset(delay_s=3 * SHORT_TIMEOUT_S)
+    candidate = dead_backend() if failure == "refused" else "candidate"
+    with running(fleet(fakes, candidate=candidate), weight=100, request_timeout_s=SHORT_TIMEOUT_S) as (router, client):
+        t0 = time.monotonic()
+        r, text, _ = complete(client, stream=stream)
+        elapsed = time.monotonic() - t0
+    assert r.status_code == 200 and text == fakes["stable"].default_text
+    assert served_by(r) == "stable" and r.headers["x-canary-retried"] == "1"
+    cand, stab = router.samples_since(0)
+    outcome, status = {"http500": ("server_error", 500), "timeout": ("timeout", 0),
+                       "refused": ("connection_error", 0)}[failure]
+    assert (cand.role, cand.ok, cand.outcome, cand.status, cand.retried) == ("candidate", False, outcome, status, False)
+    assert (stab.role, stab.ok, stab.retried) == ("stable", True, True)
+    if failure == "timeout":
+        assert SHORT_TIMEOUT_S <= cand.total_s < 2 * SHORT_TIMEOUT_S and elapsed < 3 * SHORT_TIMEOUT_S
+
+
+def test_stream_whose_first_chunk_is_an_error_is_retried(fakes):
+    fakes["candidate"].reset(error_chunk=True)
+    with running(fleet(fakes), weight=100) as (router, client):
+        r, text, _ = complete(client, stream=True, chat=True)
+    assert text == fakes["stable"].default_text and r.headers["x-canary-retried"] == "1"
+    assert [(s.role, s.outcome, s.status) for s in router.samples_since(0)] == [
+        ("candidate", "server_error", 200), ("stable", "ok", 200)]
+
+
+def test_failed_stable_is_an_error_for_the_client(fakes):
+    fakes["stable"].reset(status=503)
+    with running(fleet(fakes)) as (router, client):
+        r, _, _ = complete(client)
+    assert r.status_code == 503 and router.samples_since(0)[0].outcome == "server_error"
+    with running(lambda: {"stable": dead_backend()}) as (router, client):
+        r, _, _ = complete(client)
+    assert r.status_code == 502 and r.json()["error"]["type"] == "server_error"
+
+
+def test_client_errors_pass_through_without_retry(fakes):
+    fakes["candidate"].reset(status=400)
+    with running(fleet(fakes), weight=100) as (router, client):
+        r, _, _ = complete(client)
+    assert r.status_code == 400 and served_by(r) == "candidate" and fakes["stable"].seen == []
+    (s,) = router.samples_since(0)
+    assert s.ok and s.outcome == "client_error"
+
+
+def test_stream_cut_after_first_chunk_is_not_retried(fakes):
+    fakes["candidate"].reset(cut_after=2)
+    with running(fleet(fakes), weight=100) as (router, client):
+        r, text, events = complete(client, stream=True)
+    assert r.status_code == 200 and text == "the candidate"  # what was sent before the cut
+    assert events[-1].event == "error" and json.loads(events[-1].data)["error"]["code"] == 502
+    (s,) = router.samples_since(0)
+    assert (s.role, s.ok, s.outcome) == ("candidate", False, "cut") and fakes["stable"].seen == []
+
+
+# --- streaming pass-through and latency samples -------------------------------------------
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_passes_through_the_same_chunks(fakes, chat):
+    direct = httpx.Client(base_url=fakes["stable"].server.url, trust_env=False)
+    _, _, expected = complete(direct, stream=True, chat=chat, model="stable-served")
+    with running(fleet(fakes)) as (router, client):
+        r, text, got = complete(client, stream=True, chat=chat)
+        # asked for usage: the usage chunk arrives; not asked: the router's own request for it is hidden
+        _, _, with_usage = complete(client, stream=True, chat=chat, stream_options={"include_usage": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert [(e.event, e.data) for e in got] == [(e.event, e.data) for e in expected]
+    assert json.loads(with_usage[-2].data)["usage"]["completion_tokens"] == 5
+    assert all(b["stream_options"] == {"include_usage": True} for b in fakes["stable"].seen[1:])
+
+
+def test_ttft_and_tpot_are_measured_on_streams(fakes):
+    fakes["stable"].reset(delay_s=0.2, token_delay_s=0.05)  # 5 words: TTFT >= 0.25, TPOT ~ 0.05
+    with running(fleet(fakes)) as (router, client):
+        complete(client, stream=True)
+        complete(client, stream=False)
+    s, u = router.samples_since(0)
+    assert s.stream and 0.25 <= s.ttft_s < 1.5 and 0.05 <= s.tpot_s < 0.5  # upper bounds loose: busy CI
+    assert s.total_s == pytest.approx(s.ttft_s + 4 * s.tpot_s)
+    assert not u.stream and u.ttft_s is None and u.tpot_s is None and u.total_s >= 0.2
+
+
+# --- resolve ------------------------------------------------------------------------------
+def test_resolve_change_moves_traffic_within_one_second(fakes):
+    answer = {"fleet": fleet(fakes)()}
+    with running(lambda: answer["fleet"], weight=100) as (router, client):
+        assert r_label(complete(client)[0]) == "candidate-label"
+        answer["fleet"] = fleet(fakes, candidate="other")()
+        t0 = time.monotonic()
+        while r_label(complete(client)[0]) != "other-label":
+            assert time.monotonic() - t0 < 2, "traffic did not move"
+        moved_s = time.monotonic() - t0
+    assert moved_s < 1.0
+    assert router.fleet.candidate.label == "other-label"
+
+
+def r_label(r) -> str:
+    return r.headers["x-canary-backend"]
+
+
+def test_resolve_failing_at_start_stops_the_router_and_later_keeps_the_last_answer(fakes):
+    def broken():
+        raise RuntimeError("registry down")
+
+    with pytest.raises(QuantgateError, match="registry down"):
+        RouterServer(Router(broken, CanaryPolicy())).start()
+    answer = {"fn": fleet(fakes)}
+    with running(lambda: answer["fn"](), weight=100, resolve_interval_s=0.05) as (router, client):
+        answer["fn"] = broken
+        time.sleep(0.5)
+        r = client.get("/health").json()
+        assert "registry down" in r["resolve_error"] and r["candidate"] == "candidate-label"
+        assert complete(client)[0].status_code == 200
+
+
+# --- shadow -------------------------------------------------------------------------------
+def wait_for(fn, n, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while len(got := fn()) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
+def test_shadow_agreement_is_recorded_for_greedy_candidate_requests(fakes):
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0) as (router, client):
+        for i in range(4):
+            complete(client, stream=i % 2 == 1, chat=i >= 2)
+        agree = wait_for(lambda: router.shadows_since(0), 4)
+        fakes["shadow"].reset(text="the candidate answer was five")  # differs at word 4
+        t = time.time()
+        complete(client, stream=True)
+        disagree = wait_for(lambda: router.shadows_since(t), 1)
+        complete(client, temperature=0.7)  # sampled, not greedy: never mirrored
+        time.sleep(0.3)
+    assert [s.agree for s in agree] == [True] * 4
+    assert [(s.agree, s.candidate, s.shadow) for s in disagree] == [(False, "candidate-label", "shadow-label")]
+    assert len(router.shadows_since(0)) == 5 and len(fakes["shadow"].seen) == 1  # seen since the reset
+    assert all(b["model"] == "shadow-served" and "stream" not in b for b in fakes["shadow"].seen)
+
+
+def test_shadow_compares_only_the_first_words(fakes):
+    fakes["shadow"].reset(text="the candidate answer is six")  # equal on the first 4 words
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0,
+                 shadow_compare_words=4) as (router, client):
+        complete(client)
+        assert [s.agree for s in wait_for(lambda: router.shadows_since(0), 1)] == [True]
+
+
+def test_shadow_skips_stable_and_non_greedy_requests(fakes):
+    with running(fleet(fakes, shadow="shadow"), weight=0, shadow_fraction=1.0) as (router, client):
+        complete(client)  # went to stable
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0) as (router, client):
+        body = {"model": "m", "prompt": "x", "max_tokens": 4}  # no temperature: sampled by default
+        assert client.post("/v1/completions", json=body).status_code == 200
+        time.sleep(0.3)
+    assert fakes["shadow"].seen == [] and router.shadows_since(0) == []
+
+
+def test_slow_shadow_never_delays_the_client(fakes):
+    fakes["shadow"].reset(delay_s=1.5)
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0) as (router, client):
+        t0 = time.monotonic()
+        complete(client)
+        answered_s = time.monotonic() - t0
+        # the shadow got the request and is still answering: mirrored, not waited for
+        assert len(wait_for(lambda: fakes["shadow"].seen, 1)) == 1 and router.shadows_since(0) == []
+        assert len(wait_for(lambda: router.shadows_since(0), 1)) == 1
+    assert answered_s < 1.5
+
+
+# --- models, health, metrics ----------------------------------------------------------------
+def test_models_and_health(fakes):
+    with running(fleet(fakes, shadow="shadow"), weight=25) as (router, client):
+        models = client.get("/v1/models").json()
+        health = client.get("/health")
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["smollm"]
+    assert health.status_code == 200 and health.json() == {
+        "status": "ok", "weight": 25.0, "stable": "stable-label", "candidate": "candidate-label",
+        "shadow": "shadow-label", "resolve_error": None}
+
+
+def metric_values(text: str) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_show_counters_histograms_weight_and_shadow(fakes):
+    fakes["candidate"].reset(status=500)
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0) as (router, client):
+        for _ in range(3):
+            complete(client, stream=True)
+        fakes["candidate"].reset()
+        complete(client, stream=True)
+        wait_for(lambda: router.shadows_since(0), 1)
+        router.set_weight(40)
+        m = metric_values(client.get("/metrics").text)
+    assert m[("canary_requests_total", (("outcome", "server_error"), ("role", "candidate")))] == 3
+    assert m[("canary_requests_total", (("outcome", "ok"), ("role", "candidate")))] == 1
+    assert m[("canary_requests_total", (("outcome", "ok"), ("role", "stable")))] == 3
+    assert m[("canary_retries_total", ())] == 3
+    assert m[("canary_ttft_seconds_count", (("role", "stable"),))] == 3
+    assert m[("canary_tpot_seconds_count", (("role", "candidate"),))] == 1
+    assert m[("canary_candidate_weight_percent", ())] == 40
+    assert m[("canary_shadow_comparisons_total", (("result", "agree"),))] == 1
+    assert ("canary_requests_total", (("outcome", "ok"), ("role", "stable"))) not in metric_values(
+        Router(fleet(fakes), CanaryPolicy()).recorder.exposition()[0].decode())  # per-router registry
+
+
+# --- load generator -------------------------------------------------------------------------
+def test_replay_through_the_router_mixes_kinds_and_reports(fakes):
+    fakes["candidate"].reset(status=500)  # retried on stable: the client never sees it
+    with running(fleet(fakes), weight=50) as (router, client):
+        report = replay(str(client.base_url), ["2+2?", "3+3?"], rps=40, duration_s=0.5, arrivals="fixed")
+    assert len(report.results) == 20 and report.success_rate == 1.0 and report.outcomes() == {"ok": 20}
+    assert {(r.kind, r.stream) for r in report.results} == set(KINDS)
+    assert all((r.ttft_s is not None) == r.stream for r in report.results)
+    assert set(report.percentiles("latency")) == {50, 95, 99} and report.percentiles("ttft")[50] > 0
+    lines = report.lines()
+    assert lines[0].startswith("sent 20 in ") and "20 ok, 0 failed (success 100.0 %)" in lines[0]
+    assert lines[2].startswith("end-to-end s: p50 ") and lines[3].endswith("(n=10)")
+    bodies = fakes["stable"].seen + fakes["candidate"].seen
+    assert all(b["temperature"] == 0 and b["max_tokens"] == 16 for b in bodies)
+
+
+def test_prompts_from_evals_render_doc_to_text(example_evals):
+    prompts = prompts_from_evals(example_evals, limit=1)
+    n_tasks = sum(len(t.tasks) for t in load_teams(example_evals))
+    assert len(prompts) == n_tasks and all(p.strip() and "{{" not in p for p in prompts)
+    assert render("{{question}} Reply.", {"question": "2+2?"}) == "2+2? Reply."
+    assert render("question", {"question": "2+2?"}) == "2+2?"  # a bare field name, as lm-eval reads it
+
+
+def test_load_command_reports_errors_in_one_line(example_evals):
+    result = CliRunner().invoke(load, ["--url", f"http://127.0.0.1:{free_port()}", "--rps", "1", "--duration", "1",
+                                       "--evals", str(example_evals)])
+    assert result.exit_code == 1 and "/v1/models did not answer" in result.output
+    assert "Traceback" not in result.output and load in COMMANDS
