@@ -5,6 +5,8 @@ exit 1), never a traceback.
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -40,4 +42,69 @@ def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | No
         click.echo(line)
 
 
-COMMANDS = [load]
+def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        version, sep, url = v.partition("=")
+        if not sep or not version.strip() or not url.startswith("http"):
+            raise click.BadParameter(f"{v!r}: give VERSION=URL, e.g. 1=http://127.0.0.1:8001/v1")
+        out[version.strip()] = url
+    return out
+
+
+@click.command("run")
+@click.argument("model")
+@click.argument("version")
+@click.option("--by", default=lambda: os.environ.get("USER"), required=True, show_default="$USER",
+              help="Who runs the canary (recorded in the audit).")
+@click.option("--reuse", multiple=True, callback=_reuse, metavar="VERSION=URL",
+              help="Use a running vLLM server for VERSION instead of starting one (repeatable; not verified).")
+@click.option("--load-rps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Also replay eval-set prompts through the router at this rate (demos, tests).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request.")
+@click.option("--evals", "evals_dir", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
+@click.option("--work-dir", type=click.Path(path_type=Path), default=Path(".quantgate/canary"), show_default=True,
+              help="Verified artifacts and server logs, one folder per canary run.")
+def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: float | None, max_tokens: int,
+        evals_dir: Path, work_dir: Path) -> None:
+    """Canary MODEL VERSION through the policy steps (params.yaml `canary`); promote or abort.
+
+    Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
+    """
+    import threading
+
+    from canary.controller import run_canary
+    from canary.load import prompts_from_evals, replay
+    from canary.policy import load_policy
+    from pipeline.params import load_block
+    from pipeline.serving import ServeParams
+    from registry import store
+
+    stop_load = threading.Event()
+
+    def start_load(url: str):
+        prompts = prompts_from_evals(evals_dir)
+        t = threading.Thread(target=replay, args=(url, prompts, load_rps, 24 * 3600.0),
+                             kwargs={"stop": stop_load, "max_tokens": max_tokens}, daemon=True)
+        t.start()
+
+        def stop() -> None:  # before the router stops: let in-flight requests finish
+            stop_load.set()
+            t.join(timeout=120)
+        return stop
+
+    try:
+        outcome = run_canary(store.client(), model, version, load_policy(), load_block("evaluate.serve", ServeParams),
+                             by, work_dir, reuse=reuse, on_router=start_load if load_rps else None, log=click.echo)
+    except QuantgateError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException(f"canary of {model} v{version} interrupted: aborted, candidate alias cleared") from None
+    finally:
+        stop_load.set()
+    click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")
+    if outcome.decision != "promoted":
+        sys.exit(3)
+
+
+COMMANDS = [load, run]

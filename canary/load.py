@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -153,8 +154,10 @@ async def _one(client: httpx.AsyncClient, url: str, kind: str, stream: bool, bod
 
 
 async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, *, max_tokens: int = 16,
-                       timeout_s: float = 60.0, arrivals: str = "poisson", seed: int = 0) -> LoadReport:
-    """Send requests at `rps` for `duration_s` seconds, then wait (up to timeout_s) for the last answers.
+                       timeout_s: float = 60.0, arrivals: str = "poisson", seed: int = 0,
+                       stop: threading.Event | None = None) -> LoadReport:
+    """Send requests at `rps` for `duration_s` seconds (or until `stop` is set), then wait (up to
+    timeout_s) for the last answers.
 
     Raises QuantgateError on bad arguments or if `url` does not answer GET /v1/models.
     """
@@ -173,7 +176,7 @@ async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s:
             raise QuantgateError(f"{url}/v1/models did not answer with a model ({type(exc).__name__}); "
                                  "is the router running there?") from None
         tasks, start, at, i = [], time.perf_counter(), 0.0, 0
-        while at < duration_s:
+        while at < duration_s and not (stop is not None and stop.is_set()):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             kind, stream = KINDS[i % len(KINDS)]
             body = request_body(kind, stream, rng.choice(prompts), model, max_tokens)

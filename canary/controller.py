@@ -1,0 +1,206 @@
+"""One canary, from the registry check to promote or abort (`quantgate canary run MODEL VERSION`).
+
+1. Refuse unless VERSION is approved (gate PASS, or an override recorded: registry/approval.py),
+   is not already stable, and a `fallback` exists. Stable = `production`, else `fallback`.
+2. Serve stable, the fp16 `fallback` (the shadow; shared when it is stable) and the candidate
+   from their verified registry artifacts (canary/fleet.py); point alias `candidate` at VERSION.
+3. Route through canary/router.py; for each policy step set the weight, look at the step's
+   samples every check_interval_s (canary/analysis.py, one live line per check), and end the
+   step when it has lasted min_step_s with min_requests_per_step candidate requests and PASSes.
+   Abort on failure_limit FAIL looks in a step, a candidate server that exits, an INCONCLUSIVE
+   step under `inconclusive: abort` or past max_step_s, or Ctrl-C.
+4. Promote (registry/aliases.promote: production -> VERSION, old production -> previous,
+   compare-and-set against the production seen in step 1) or abort (weight 0, `candidate`
+   cleared, other aliases unchanged). Both are audit runs that name this canary's MLflow run
+   (experiment `quantgate-canary`), which holds the policy and every step's metrics.
+Every server started here is stopped on every exit path.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from canary.analysis import analyze, live_line
+from canary.fleet import ServingFleet
+from canary.policy import CanaryPolicy
+from canary.router import Router
+from canary.server import RouterServer
+from pipeline.errors import QuantgateError
+from pipeline.serving import ServeParams
+from pipeline.stats import Verdict
+from registry import aliases, approval, store, versions
+
+EXPERIMENT = "quantgate-canary"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a canary ended: decision "promoted" or "aborted" at `step` (1-based; 0 = before traffic)."""
+
+    decision: str
+    step: int
+    percent: float
+    reason: str
+    run_id: str
+    changes: tuple[str, ...] = ()
+
+
+class Aborted(Exception):
+    """Internal: stop the step loop with a reason."""
+
+
+def preflight(mlflow_client, model_name: str, version: str) -> tuple[str, str | None, str]:
+    """(stable version, production version or None, fallback version) for a canary of `version`.
+
+    Raises QuantgateError if `version` is missing, not approved, already stable, or there is
+    no `fallback` (the 16-bit build, set by `dvc repro`).
+    """
+    mv = versions.require_version(mlflow_client, model_name, version)
+    a = approval.read_approval(mv.tags)
+    if not a.approved:
+        raise QuantgateError(f"{model_name} v{version}: {a.why}; a release manager approves with "
+                             f"`quantgate approve {model_name} {version} --reason ...`")
+    now = aliases.current(mlflow_client, model_name)
+    fallback, production = now.get(aliases.FALLBACK), now.get(aliases.PRODUCTION)
+    if fallback is None:
+        raise QuantgateError(f"{model_name} has no `fallback` alias (the 16-bit build); run `dvc repro` first")
+    stable = production or fallback
+    if stable == version:
+        raise QuantgateError(f"{model_name} v{version} already is the stable build "
+                             f"({'production' if production else 'fallback'}); nothing to canary")
+    return stable, production, fallback
+
+
+def _step_metrics(result, router: Router, t0: float, percent: float) -> dict[str, float]:
+    samples = router.samples_since(t0)
+    out = {"weight_pct": percent, "n_candidate": sum(s.role == "candidate" for s in samples),
+           "n_stable": sum(s.role == "stable" for s in samples),
+           "verdict": {Verdict.PASS: 1.0, Verdict.INCONCLUSIVE: 0.0, Verdict.FAIL: -1.0}[result.verdict]}
+    out.update({c.name: c.value for c in result.checks if c.value is not None and c.value != float("inf")})
+    return out
+
+
+def _run_steps(router: Router, fleet: ServingFleet, policy: CanaryPolicy, version: str, log, stop: threading.Event,
+               record: Callable[[int, dict], None]) -> int:
+    """Walk the policy steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
+    for i, percent in enumerate(policy.steps, 1):
+        router.set_weight(percent)
+        t0, fails = time.time(), 0
+        log(f"canary: step {i}/{len(policy.steps)}: {percent:g}% of traffic to v{version}")
+        while True:
+            if stop.wait(policy.check_interval_s):
+                raise Aborted("stopped by the operator (Ctrl-C)", i, percent)
+            if not fleet.alive(version):
+                raise Aborted(f"the candidate's vLLM server (v{version}) exited", i, percent)
+            result = analyze(router.samples_since(t0), router.shadows_since(t0), policy)
+            for check in result.checks:
+                log(live_line(i, percent, check))
+            elapsed = time.time() - t0
+            n_cand = sum(s.role == "candidate" for s in router.samples_since(t0))
+            if result.verdict is Verdict.FAIL:
+                fails += 1
+                if fails >= policy.failure_limit:
+                    record(i, _step_metrics(result, router, t0, percent))
+                    failed = "; ".join(c.text for c in result.checks if c.verdict is Verdict.FAIL)
+                    raise Aborted(f"step {i} FAILed {fails} looks (failure_limit {policy.failure_limit}): {failed}", i, percent)
+                continue
+            ready = elapsed >= policy.min_step_s and n_cand >= policy.min_requests_per_step
+            if ready and result.verdict is Verdict.PASS:
+                record(i, _step_metrics(result, router, t0, percent))
+                log(f"canary: step {i} PASS after {elapsed:.0f} s, {n_cand} candidate requests")
+                break
+            if ready and policy.inconclusive == "abort":
+                record(i, _step_metrics(result, router, t0, percent))
+                raise Aborted(f"step {i} INCONCLUSIVE at its end (inconclusive: abort)", i, percent)
+            if elapsed >= policy.max_step_s:
+                record(i, _step_metrics(result, router, t0, percent))
+                raise Aborted(f"step {i} still {result.verdict.value} after max_step_s={policy.max_step_s:g} s "
+                              f"({n_cand} candidate requests)", i, percent)
+    return len(policy.steps)
+
+
+def run_canary(mlflow_client, model_name: str, version, policy: CanaryPolicy, serve: ServeParams, by: str,
+               work_dir: Path, *, reuse: dict[str, str] | None = None, log=print,
+               stop: threading.Event | None = None,
+               on_router: Callable[[str], Callable[[], None] | None] | None = None) -> Outcome:
+    """Run one canary of `version` of `model_name` (see the module docstring).
+
+    `reuse` maps versions to URLs of servers already running (not verified, not stopped);
+    `on_router(url)` is called once the router answers (e.g. to start load) and may return a
+    callable run before the router stops (e.g. to stop that load); setting `stop` aborts
+    like Ctrl-C. Raises QuantgateError before any alias or server changes when the
+    preflight fails; afterwards every failure is an abort recorded in the registry.
+    """
+    version = versions.version_number(version)
+    stable, production, fallback = preflight(mlflow_client, model_name, version)
+    stop = stop or threading.Event()
+    exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
+    run_id = mlflow_client.create_run(exp_id, run_name=f"canary-{model_name}-v{version}", tags={
+        "model": model_name, "candidate_version": version, "stable_version": stable,
+        "fallback_version": fallback, "by": by}).info.run_id
+    for key, value in policy.model_dump(exclude={"router", "servers"}).items():
+        mlflow_client.log_param(run_id, key, str(value))
+
+    def record(step: int, metrics: dict) -> None:
+        for key, value in metrics.items():
+            mlflow_client.log_metric(run_id, key, float(value), step=step)
+
+    log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
+    outcome, status = None, "FAILED"
+    candidate_set = False
+    try:
+        with ServingFleet(mlflow_client, model_name, serve, policy, Path(work_dir) / run_id) as fleet:
+            for v, url in (reuse or {}).items():
+                fleet.reuse(versions.version_number(v), url)
+            fleet.start(stable, "stable", log)
+            fleet.start(fallback, "shadow", log)
+            fleet.start(version, "candidate", log)
+            aliases.set_candidate(mlflow_client, model_name, version, by, f"canary run {run_id}", canary_run_id=run_id)
+            candidate_set = True
+            router = Router(fleet.resolver(stable), policy, model_name=model_name)
+            with RouterServer(router, policy.router.host, policy.router.port) as server:
+                log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
+                before_stop = on_router(server.url) if on_router else None
+                try:
+                    step = _run_steps(router, fleet, policy, version, log, stop, record)
+                    changes = aliases.promote(mlflow_client, model_name, version, production, by,
+                                              f"canary run {run_id} passed {step} steps", canary_run_id=run_id)
+                    candidate_set = False
+                    outcome = Outcome("promoted", step, policy.steps[-1], "passed every step", run_id,
+                                      tuple(map(str, changes)))
+                except Aborted as exc:
+                    reason, step, percent = exc.args
+                    outcome = Outcome("aborted", step, percent, reason, run_id)
+                except aliases.AliasConflict as exc:
+                    outcome = Outcome("aborted", len(policy.steps), policy.steps[-1], str(exc), run_id)
+                finally:
+                    router.set_weight(0)
+                    if before_stop:
+                        before_stop()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        outcome = Outcome("aborted", 0, 0.0, "interrupted (Ctrl-C)", run_id)
+        status = "KILLED"
+        raise
+    except QuantgateError as exc:
+        outcome = Outcome("aborted", 0, 0.0, str(exc), run_id)
+        raise
+    finally:
+        if candidate_set:
+            cleared = aliases.clear_candidate(mlflow_client, model_name, by, f"canary run {run_id} aborted: "
+                                              f"{outcome.reason if outcome else 'error'}", canary_run_id=run_id)
+            if outcome is not None:
+                outcome = Outcome(outcome.decision, outcome.step, outcome.percent, outcome.reason, run_id,
+                                  tuple(map(str, cleared)))
+        if outcome is not None:
+            mlflow_client.set_tag(run_id, "outcome", outcome.decision)
+            mlflow_client.set_tag(run_id, "outcome.reason", outcome.reason[:500])
+            mlflow_client.log_metric(run_id, "stopped_at_step", outcome.step)
+        mlflow_client.set_terminated(run_id, status=status)
+    log(f"canary: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%): {outcome.reason}")
+    for change in outcome.changes:
+        log(f"canary: alias {change}")
+    return outcome

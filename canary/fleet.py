@@ -1,0 +1,107 @@
+"""The vLLM servers of one canary run, one per registry version, and the router's resolver.
+
+Each server is started from the version's registered artifacts after they are downloaded and
+verified against the version's weight digests (registry/verify.py), or reused from a URL the
+operator gives (then only its /v1/models is checked: quantgate did not load it). Servers it
+started are stopped on close, on every exit path.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import httpx
+
+from canary.policy import CanaryPolicy, serve_params
+from canary.router import Backend
+from pipeline.errors import QuantgateError
+from pipeline.serving import ServeParams, vllm_server
+from registry import aliases
+from registry.verify import verify_version
+
+
+class ServingFleet:
+    """Servers by version ("3" -> Backend); use as a context manager."""
+
+    def __init__(self, mlflow_client, model_name: str, serve: ServeParams, policy: CanaryPolicy, work_dir: Path):
+        self.client, self.model, self.serve, self.policy = mlflow_client, model_name, serve, policy
+        self.work_dir = Path(work_dir)
+        self.backends: dict[str, Backend] = {}
+        self.pids: dict[str, int] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "ServingFleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every server this fleet started (waits for their process groups), then delete
+        the downloaded artifacts (server logs stay)."""
+        try:
+            self._stack.close()
+        finally:
+            for d in self.work_dir.glob("v*/artifacts"):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def start(self, version: str, role: str, log=print) -> Backend:
+        """Verify `version`'s artifacts and serve them with the `role` server settings
+        (policy.servers.<role>); returns its Backend. Reuses a server already in the fleet.
+
+        Raises QuantgateError if the weights do not verify or the server does not start.
+        """
+        if version in self.backends:
+            return self.backends[version]
+        vdir = self.work_dir / f"v{version}"
+        model_dir = verify_version(self.client, self.model, version, vdir / "artifacts")
+        log(f"canary: v{version} weights verified against the registry; starting its vLLM server ({role})")
+        params = serve_params(self.serve, getattr(self.policy.servers, role))
+        name = f"{self.model}-v{version}"
+        server = self._stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
+        self.pids[version] = server.pid
+        self.backends[version] = Backend(url=server.base_url, model=name, label=f"v{version}")
+        log(f"canary: v{version} serving at {server.base_url}")
+        return self.backends[version]
+
+    def reuse(self, version: str, url: str) -> Backend:
+        """Use a running OpenAI server at `url` (…/v1) for `version`; raises QuantgateError if it does not answer."""
+        url = url.rstrip("/")
+        try:
+            r = httpx.get(f"{url}/models", timeout=10)
+            r.raise_for_status()
+            name = r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            raise QuantgateError(f"--reuse v{version}={url}: no OpenAI server answers /models there ({exc})") from None
+        self.backends[version] = Backend(url=url, model=name, label=f"v{version}")
+        return self.backends[version]
+
+    def alive(self, version: str) -> bool:
+        """False when a server this fleet started for `version` has exited (reused ones: True)."""
+        pid = self.pids.get(version)
+        if pid is None:
+            return True
+        import psutil
+
+        try:  # a dead child stays a zombie until its Popen reaps it on stop()
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def resolver(self, stable_default: str) -> Callable[[], Mapping[str, Backend | None]]:
+        """resolve() for the router: backends from the registry aliases at each call.
+
+        stable = production (else fallback), candidate = `candidate`, shadow = `fallback`, each
+        only when this fleet serves that version; stable falls back to `stable_default`'s server,
+        so an alias flip to a version with a server moves traffic, and a flip to one without
+        never leaves the router without a backend.
+        """
+        def resolve() -> dict[str, Backend | None]:
+            now = aliases.current(self.client, self.model)
+            served = self.backends.get
+            stable = served(now.get(aliases.PRODUCTION) or now.get(aliases.FALLBACK) or "") or served(stable_default)
+            return {"stable": stable, "candidate": served(now.get(aliases.CANDIDATE) or ""),
+                    "shadow": served(now.get(aliases.FALLBACK) or "")}
+        return resolve
