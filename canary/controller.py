@@ -7,6 +7,7 @@
 3. Route through canary/router.py; for each policy step set the weight, look at the step's
    samples every check_interval_s (canary/analysis.py, one live line per check), and end the
    step when it has lasted min_step_s with min_requests_per_step candidate requests and PASSes.
+   At 100 % stable gets no traffic: its latencies from the earlier steps are the reference.
    Abort on failure_limit FAIL looks in a step, a candidate server that exits, an INCONCLUSIVE
    step under `inconclusive: abort` or past max_step_s, or Ctrl-C.
 4. Promote (registry/aliases.promote: production -> VERSION, old production -> previous,
@@ -61,8 +62,10 @@ def preflight(mlflow_client, model_name: str, version: str) -> tuple[str, str | 
     mv = versions.require_version(mlflow_client, model_name, version)
     a = approval.read_approval(mv.tags)
     if not a.approved:
+        override = "" if mv.tags.get("gate.verdict") in approval.PASSING else \
+            f" --override REASON (gate.verdict={mv.tags.get('gate.verdict')})"
         raise QuantgateError(f"{model_name} v{version}: {a.why}; a release manager approves with "
-                             f"`quantgate approve {model_name} {version} --reason ...`")
+                             f"`quantgate approve {model_name} {version} --reason ...{override}`")
     now = aliases.current(mlflow_client, model_name)
     fallback, production = now.get(aliases.FALLBACK), now.get(aliases.PRODUCTION)
     if fallback is None:
@@ -83,9 +86,20 @@ def _step_metrics(result, router: Router, t0: float, percent: float) -> dict[str
     return out
 
 
+def step_samples(router: Router, t0: float, run_t0: float, min_samples: int) -> list:
+    """The samples of the step that began at `t0`; when it has fewer than `min_samples` stable
+    streaming answers (at 100 % stable gets no traffic), stable's samples from the earlier
+    steps of this run are added as the latency reference."""
+    samples = router.samples_since(t0)
+    if sum(s.role == "stable" and s.ttft_s is not None for s in samples) < min_samples:
+        samples += [s for s in router.samples_since(run_t0) if s.role == "stable" and s.t < t0]
+    return samples
+
+
 def _run_steps(router: Router, fleet: ServingFleet, policy: CanaryPolicy, version: str, log, stop: threading.Event,
                record: Callable[[int, dict], None]) -> int:
     """Walk the policy steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
+    run_t0 = time.time()
     for i, percent in enumerate(policy.steps, 1):
         router.set_weight(percent)
         t0, fails = time.time(), 0
@@ -95,7 +109,7 @@ def _run_steps(router: Router, fleet: ServingFleet, policy: CanaryPolicy, versio
                 raise Aborted("stopped by the operator (Ctrl-C)", i, percent)
             if not fleet.alive(version):
                 raise Aborted(f"the candidate's vLLM server (v{version}) exited", i, percent)
-            result = analyze(router.samples_since(t0), router.shadows_since(t0), policy)
+            result = analyze(step_samples(router, t0, run_t0, policy.min_samples), router.shadows_since(t0), policy)
             for check in result.checks:
                 log(live_line(i, percent, check))
             elapsed = time.time() - t0

@@ -53,14 +53,18 @@ def template_fields(config: dict) -> dict[str, set[str]]:
     return out
 
 
-def check_metrics(task_path: Path, config: dict, gated_metric: str) -> list[str]:
-    """Problems in a task's `metric_list`: unknown metric or aggregation, gated metric absent or not a mean."""
+def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_better: bool) -> list[str]:
+    """Problems in a task's `metric_list`: unknown metric or aggregation, gated metric absent,
+    not a mean, or with a direction (higher_is_better) that contradicts team.yaml."""
     import lm_eval.api.metrics  # noqa: F401  registers the built-in metrics and aggregations
     from lm_eval.api.registry import AGGREGATION_REGISTRY, METRIC_REGISTRY
 
     entries = config.get("metric_list")
-    if not isinstance(entries, list) or not entries:
+    if entries is None or entries == []:
         return [f"{task_path}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
+    if not isinstance(entries, list):
+        return [f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
+                f"got a {type(entries).__name__}"]
     problems, names = [], []
     for i, m in enumerate(entries):
         if not isinstance(m, dict) or not isinstance(m.get("metric"), str):
@@ -77,8 +81,51 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str) -> list[str]
         elif m["metric"] == gated_metric and agg != "mean":
             problems.append(f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
                             f"with `mean` (the gate pairs per-document scores), not {agg!r}")
+        if m["metric"] == gated_metric and "higher_is_better" in m and m["higher_is_better"] != higher_is_better:
+            problems.append(f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
+                            f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)")
     if gated_metric not in names:
         problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
+    return problems
+
+
+OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikelihood_rolling")
+SPLIT_KEYS = ("test_split", "validation_split", "train_split", "fewshot_split")
+
+
+def check_task(task_path: Path, config: dict) -> list[str]:
+    """Problems in a task YAML lm-eval would only hit at run time: unknown keys, output type,
+    a hub dataset, splits without a data file, sampled generation, a bad task name."""
+    import dataclasses
+    import re
+
+    from lm_eval.api.task import TaskConfig
+
+    problems = []
+    known = {f.name for f in dataclasses.fields(TaskConfig)}
+    for key in sorted(set(config) - known):
+        problems.append(f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
+                        + ("; `include` is not supported: write the task out in full" if key == "include" else ""))
+    if config.get("output_type", "generate_until") not in OUTPUT_TYPES:
+        problems.append(f"{task_path}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}")
+    if config.get("dataset_path") != "json":
+        problems.append(f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
+                        f"got {config.get('dataset_path')!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_\-.]+", str(config.get("task", ""))):
+        problems.append(f"{task_path}: task name {config.get('task')!r}: use letters, digits, _ - . only")
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    for key in SPLIT_KEYS:
+        split = config.get(key)
+        if split is not None and isinstance(files, dict) and split not in files:
+            problems.append(f"{task_path}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
+    gen = config.get("generation_kwargs") or {}
+    if config.get("output_type") == "generate_until" and (gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0)):
+        problems.append(f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
+                        "sampled outputs would compare builds by chance")
+    for key in TEMPLATE_KEYS:
+        if key in config and not isinstance(config[key], (str, list)):
+            problems.append(f"{task_path}: {key} must be a template string (or a list for doc_to_choice), "
+                            f"got {type(config[key]).__name__}")
     return problems
 
 

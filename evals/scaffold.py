@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 from evals.checks import min_docs_to_pass
+from evals.teams import TEAM_NAME
 from pipeline.errors import QuantgateError
 
-NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 
 POLICY = """\
@@ -68,8 +67,12 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Path:
 
     Raises QuantgateError if the name is not lower_snake_case (2-40 chars) or the folder exists.
     """
-    if not NAME.match(name):
+    if not TEAM_NAME.match(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
+    if not owner.strip() or not contact.strip():
+        raise QuantgateError("--owner and --contact must not be empty: they say whom the gate reports to")
+    if not root.is_dir():
+        raise QuantgateError(f"{root}: not a folder; --root is the folder that holds the team folders (evals/)")
     folder = root / name
     if folder.exists():
         raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")

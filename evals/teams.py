@@ -7,12 +7,13 @@ files relative to the folder. Files starting with "_" are shared templates, not 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from evals.checks import BINARY_METRICS, check_data, check_metrics, min_docs_to_pass
+from evals.checks import BINARY_METRICS, check_data, check_metrics, check_task, min_docs_to_pass
 from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_tree
 from pipeline.params import Frozen, parse, read_yaml
@@ -79,12 +80,18 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     except QuantgateError as exc:
         problems.append(str(exc))
         return None
-    if not isinstance(config, dict) or not isinstance(config.get("task"), str):
-        problems.append(f"{path}: not an lm-eval task (no `task:` name); name shared templates with a leading _")
+    if not isinstance(config, dict):
+        problems.append(f"{path}: a task YAML must be a mapping (task:, dataset_path:, ...), got a "
+                        f"{type(config).__name__}; name shared templates with a leading _")
+        return None
+    if not isinstance(config.get("task"), str):
+        problems.append(f"{path}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
+                        "name shared templates with a leading _")
         return None
     config = copy.deepcopy(config)
+    problems += check_task(path, config)
     if policy is not None:
-        problems += check_metrics(path, config, policy.metric)
+        problems += check_metrics(path, config, policy.metric, policy.higher_is_better)
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     if not isinstance(files, dict) or not files:
         problems.append(f"{path}: dataset_kwargs.data_files must map a split to a JSONL file in this folder, "
@@ -96,11 +103,17 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     resolved, n_docs = {}, 0
     for name, rel in files.items():
         p = (path.parent / str(rel)).resolve()
+        if not isinstance(rel, str) or not p.is_relative_to(path.parent.resolve()):
+            problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel!r} must be one file inside the team "
+                            "folder (its digest and the evaluation cache cover only that folder)")
+            continue
         if not p.is_file():
             problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel} not found next to the task file")
             continue
         resolved[name] = str(p)
         found, n = check_data(config, p)
+        if n == 0 and not found:
+            found = [f"{p}: no documents; add one JSON object per line"]
         problems += found[:20] + ([f"{p}: ... and {len(found) - 20} more"] if len(found) > 20 else [])
         n_docs += n if name == split else 0
     config["dataset_kwargs"]["data_files"] = resolved
@@ -109,10 +122,16 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     return Task(name=str(config["task"]), path=path, config=config, n_docs=n_docs)
 
 
+TEAM_NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")  # also an MLflow tag key part (gate.<team>.verdict)
+
+
 def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
     """Load one team folder and collect every problem; the Team is None if it cannot be built."""
     policy_path = path / POLICY_FILE
     problems: list[str] = []
+    if not TEAM_NAME.match(path.name):
+        problems.append(f"{path}: team folder name {path.name!r}: use lower_snake_case, 2-40 characters, "
+                        "starting with a letter (it names the team in tags and reports)")
     policy = None
     try:
         policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path))

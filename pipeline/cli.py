@@ -35,10 +35,13 @@ def report(gate_json: Path) -> None:
 
     if not gate_json.is_file():
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
-    result = json.loads(gate_json.read_text())
-    click.echo(table(result))
-    for build, b in result["builds"].items():
-        click.echo(f"{build}: {b['verdict']}")
+    try:
+        result = json.loads(gate_json.read_text(encoding="utf-8"))
+        lines = [table(result)] + [f"{build}: {b['verdict']}" for build, b in result["builds"].items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise click.ClickException(f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); "
+                                   "re-run `dvc repro gate`") from None
+    click.echo("\n".join(lines))
 
 
 @cli.command()
@@ -58,6 +61,8 @@ def status(model: str | None) -> None:
             click.echo(line)
     except QuantgateError as exc:
         _fail(exc)
+    except Exception as exc:  # MlflowException and friends: a bad URI or an unreachable server
+        raise click.ClickException(f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}") from None
 
 
 @cli.group()

@@ -144,9 +144,15 @@ def main() -> None:
     if len(sys.argv) != 8:
         raise QuantgateError(f"usage: {USAGE}")
     models_dir, gate_json, report_md, plot_png, teams_json, eval_dir, out_json = map(Path, sys.argv[1:])
-    result = register(models_dir, json.loads(gate_json.read_text()), report_md.read_text(), eval_dir,
-                      load_block("register", RegisterParams), json.loads(teams_json.read_text()),
-                      [plot_png, teams_json])
+    for f in (gate_json, report_md, plot_png, teams_json):
+        if not f.is_file():
+            raise QuantgateError(f"{f} not found: run `dvc repro` (the gate and validate stages write it)")
+    try:
+        gate_result, teams = json.loads(gate_json.read_text()), json.loads(teams_json.read_text())
+    except ValueError as exc:
+        raise QuantgateError(f"{gate_json} or {teams_json} is not valid JSON ({exc}); re-run `dvc repro`") from None
+    result = register(models_dir, gate_result, report_md.read_text(), eval_dir, load_block("register", RegisterParams),
+                      teams, [plot_png, teams_json])
     out_json.write_text(json.dumps(result, indent=2) + "\n")
 
 

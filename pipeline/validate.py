@@ -40,6 +40,8 @@ def main() -> None:
     if len(sys.argv) != 3:
         raise QuantgateError("usage: python -m pipeline.validate EVALS_DIR OUT_JSON")
     evals_dir, out_json = map(Path, sys.argv[1:])
+    if out_json.is_dir():
+        raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     teams = summary(load_teams(evals_dir))
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(teams, indent=2) + "\n")

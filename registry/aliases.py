@@ -142,7 +142,8 @@ def promote(mlflow_client, model_name: str, version, expected_production, by: st
             canary_run_id: str | None = None, verify: bool = True) -> list[Change]:
     """Make `version` production if production is still `expected_production` (a version or None).
 
-    The old production becomes `previous`; `candidate` is cleared if it was `version`.
+    The old production (or, when there was none, the `fallback` build that served) becomes
+    `previous`; `candidate` is cleared if it was `version`.
     `version` must be approved and (verify=True) its artifacts must match its weight tags.
     Raises AliasConflict when production is not `expected_production` (nothing changes),
     QuantgateError when `version` is missing, not approved or its weights do not verify.
@@ -165,8 +166,9 @@ def promote(mlflow_client, model_name: str, version, expected_production, by: st
             return []
         a = _require_servable(mlflow_client, model_name, version)  # again: a revoke may have just landed
         changes = [Change(PRODUCTION, prod, version)]
-        if prod is not None and now.get(PREVIOUS) != prod:
-            changes.append(Change(PREVIOUS, now.get(PREVIOUS), prod))
+        served = prod or now.get(FALLBACK)  # with no production, the fallback build was serving
+        if served is not None and served != version and now.get(PREVIOUS) != served:
+            changes.append(Change(PREVIOUS, now.get(PREVIOUS), served))
         if now.get(CANDIDATE) == version:
             changes.append(Change(CANDIDATE, version, None))
         return _apply(mlflow_client, model_name, held, changes, action="promote", by=by, reason=reason,

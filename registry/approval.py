@@ -50,7 +50,7 @@ def read_approval(tags: dict[str, str]) -> Approval:
     who = dict(by=by, at=at, reason=reason)
     if raw is None:
         return Approval(False, "none", "not approved (no `approval` tag)", **who)
-    state = raw.lower()
+    state = raw  # exact: a near-miss like "Approved" is not an approval (fail closed)
     if state == REVOKED:
         return Approval(False, "revoked", f"revoked by {by or '?'} at {at or '?'}: {reason or 'no reason given'}", **who)
     if state != APPROVED:

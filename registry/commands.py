@@ -141,6 +141,7 @@ def history(model: str, at: datetime | None) -> None:
 
     with _errors():
         client = _client()
+        aliases.current(client, model)  # QuantgateError if the model is not registered here
         if at is not None:
             for alias, version in aliases.aliases_at(client, model, at).items():
                 click.echo(f"{alias}={'v' + version if version else 'none'}")

@@ -54,12 +54,12 @@ def test_gate_table_and_metrics(project):
             assert row["n"] == LIMIT and 0.0 <= row["baseline"] <= 1.0 and 0.0 <= row["candidate"] <= 1.0
             assert row["lower"] <= row["drop"] <= row["upper"]
     report = (project / "results/gate_report.md").read_text()
-    assert "| fp8 | search | acc | 20 |" in report
+    assert f"| fp8 | search | acc | {LIMIT} |" in report
     assert (project / "results/gate_recovery.png").read_bytes()[:4] == b"\x89PNG"
     teams = json.loads((project / "results/teams.json").read_text())
     assert teams["search"]["n_docs"] == 109 and teams["search"]["min_docs"] == 52
     out = run(["quantgate", "report"], project).stdout
-    assert "| fp8 | billing | exact_match | 20 |" in out and "int4: " in out
+    assert f"| fp8 | billing | exact_match | {LIMIT} |" in out and "int4: " in out
 
 
 def test_registry_holds_versions_with_lineage_and_fallback(project):

@@ -249,7 +249,9 @@ def test_ui_approval_of_fail_version_without_override_reads_not_approved(reg):
     assert any("NOT-APPROVED" in line for line in status_lines(r.client, r.model))
     # the same in the UI on a PASS build counts, once who and why are filled in
     p = r.version("int4")
-    r.client.set_model_version_tag(r.model, p, "approval", "Approved")
+    r.client.set_model_version_tag(r.model, p, "approval", "Approved")  # a near-miss value does not count
+    assert "tag approval='Approved' is neither 'approved' nor 'revoked'" in approval.approval_of(r.client, r.model, p).why
+    r.client.set_model_version_tag(r.model, p, "approval", "approved")
     assert "approval.by and approval.reason are empty" in approval.approval_of(r.client, r.model, p).why
     r.client.set_model_version_tag(r.model, p, "approval.by", "carol")
     r.client.set_model_version_tag(r.model, p, "approval.reason", "canary clean")
@@ -274,12 +276,12 @@ def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
     lost = [x for x in results if "conflict" in x]
     assert len(won) == 1 and len(lost) == 1, results
     winner = won[0]["version"]
-    assert won[0]["won"] == [f"production: none -> v{winner}"]
+    assert won[0]["won"] == [f"production: none -> v{winner}", f"previous: none -> v{r.version('fp16')}"]
     assert re.search(rf"production is v{winner}, not none as expected; someone else changed it first.*nothing was changed",
                      lost[0]["conflict"])
     assert aliases.current(r.client, r.model)[aliases.PRODUCTION] == winner
     assert [(e.by, e.to_version) for e in events(r, alias="production")] == [(f"proc-{winner}", winner)]
-    assert aliases.PREVIOUS not in aliases.current(r.client, r.model)
+    assert aliases.current(r.client, r.model)[aliases.PREVIOUS] == r.version("fp16")  # the serving fallback
     assert all(not m.name.endswith(".quantgate-lock") for m in r.client.search_registered_models())
 
 
@@ -293,7 +295,7 @@ def test_promote_rollback_and_history_point_in_time(reg):
     canary = r.client.create_run(audit.experiment_id(r.client), run_name="canary").info.run_id
     aliases.set_candidate(r.client, r.model, a, "canary-bot", "canary start", canary_run_id=canary, verify=False)
     assert [str(c) for c in aliases.promote(r.client, r.model, a, None, "rm", "canary clean", canary_run_id=canary)] == \
-        [f"production: none -> v{a}", f"candidate: v{a} -> none"]
+        [f"production: none -> v{a}", f"previous: none -> v{base}", f"candidate: v{a} -> none"]  # fallback served
     with pytest.raises(aliases.AliasConflict, match=rf"production is v{a}, not none as expected"):
         aliases.promote(r.client, r.model, b, None, "rm", "stale view", verify=False)
     aliases.promote(r.client, r.model, b, a, "rm", "next", verify=False)
@@ -448,11 +450,14 @@ def test_commands_print_errors_without_traceback(reg):
     assert res.exit_code == 1 and "production is none, not v" in res.output
     res = runner.invoke(promote, [r.model, good, "--expect-production", "none", "--by", "dora", "--reason", "go"])
     assert res.exit_code == 0 and f"production: none -> v{good}" in res.output
-    res = runner.invoke(rollback, [r.model, "--by", "oncall", "--reason", "bad"])
-    assert res.exit_code == 1 and "has no 'previous' alias: nothing to roll back to" in res.output
     res = runner.invoke(revoke, [r.model, good, "--by", "erin", "--reason", "bad outputs"])
     assert res.exit_code == 0 and "revoked by erin" in res.output
     assert f"warning: v{good} is still 'production'; run `quantgate rollback {r.model}" in res.output
+    base = r.version("fp16")  # the first promotion made the serving fallback `previous`
+    res = runner.invoke(rollback, [r.model, "--by", "oncall", "--reason", "bad"])
+    assert res.exit_code == 0 and f"production: v{good} -> v{base}" in res.output
+    res = runner.invoke(rollback, [r.model, "--by", "oncall", "--reason", "again"])
+    assert res.exit_code == 1 and "has no 'previous' alias: nothing to roll back to" in res.output
     res = runner.invoke(history, [r.model])
     assert res.exit_code == 0 and "promote production none -> v" in res.output and "approve v" in res.output
     res = runner.invoke(history, [r.model, "--at", "2000-01-01T00:00:00Z"])

@@ -39,6 +39,7 @@ def overlay(evals: Path, case: str) -> str:
     src = REPO / "tests" / "bad_evals" / case
     for f in src.rglob("*"):
         if f.is_file() and f.name != "EXPECTED":
+            (evals / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, evals / f.relative_to(src))
     return (src / "EXPECTED").read_text().strip()
 

@@ -1,0 +1,269 @@
+"""The canary fleet end to end: real vLLM servers on loopback, the default model's builds from
+the shared `dvc repro` (tests/conftest.py `project`), the real MLflow registry of that run.
+
+Servers are started once (from verified registry artifacts) and reused by every canary here:
+the stable fp16 build, the good candidate (int4 where vLLM can serve W4A16, else fp8), and a
+deliberately broken build (embedding rows permuted: it loads and answers, with garbage).
+Tests run in order: promote the good build, roll back under load, abort the broken build on
+shadow agreement, abort a good build whose server is killed mid-canary.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import REPO, run, w4a16_servable
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m-instruct"
+GOOD = "int4" if w4a16_servable() else "fp8"
+LOAD_RPS, MAX_TOKENS = 1.5, 3
+
+
+def fast_policy(**over):
+    """The canary policy of params.yaml with CI-sized steps: same steps, smaller minimums."""
+    from canary.policy import load_policy
+
+    p = load_policy(REPO / "params.yaml").model_dump()
+    p.update(min_requests_per_step=2, min_step_s=3, max_step_s=240, min_samples=2, check_interval_s=2,
+             shadow_fraction=1.0, shadow_compare_words=2, min_shadow_agreement=0.5, request_timeout_s=120)
+    if GOOD == "fp8":  # vLLM's CPU FP8 path decodes ~12x slower than fp16 on AVX2 (benchmarks/):
+        p.update(max_ttft_p95_ratio=50, max_tpot_p95_ratio=50)  # judge quality and errors here, not speed
+    p["router"]["port"] = 0
+    p.update(over)
+    from canary.policy import CanaryPolicy
+
+    return CanaryPolicy.model_validate(p)
+
+
+def permute_embeddings(src: Path, dst: Path) -> None:
+    """Copy build `src` to `dst` with the token embedding rows shuffled (tied lm_head follows)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.manifest import read_manifest, write_manifest
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if name.endswith("embed_tokens.weight"):
+                tensors[name] = t[torch.randperm(t.shape[0], generator=torch.Generator().manual_seed(0))].contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    m = read_manifest(src)
+    write_manifest(dst, build="broken", scheme=m["scheme"], dtype=m["dtype"], base_model=m["base_model"],
+                   recipe={"corruption": "embedding rows permuted (test build)"})
+
+
+class Load:
+    """Open-loop greedy load through a router in a thread, prompts from the team eval sets;
+    records (sent, done, ok, backend label) per request."""
+
+    def __init__(self, url: str, rps: float = LOAD_RPS):
+        from canary.load import prompts_from_evals
+
+        self.url, self.rps, self.results, self._stop = url, rps, [], threading.Event()
+        self.prompts = prompts_from_evals(REPO / "evals", limit=10)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._workers: list[threading.Thread] = []
+
+    def _one(self, i: int) -> None:
+        sent = time.time()
+        stream = i % 2 == 1  # chat, as the teams' users send it (the model is an instruct model)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": self.prompts[i % len(self.prompts)]}],
+                "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=300) as r:
+                text = r.read().decode()
+                ok = r.status_code == 200 and ("[DONE]" in text if stream else "choices" in text) and "error" not in text
+                label = r.headers.get("x-canary-backend")
+        except httpx.HTTPError as exc:
+            ok, label, text = False, None, type(exc).__name__
+        self.results.append({"sent": sent, "done": time.time(), "ok": ok, "backend": label,
+                             "detail": "" if ok else text[:200]})
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.wait(1.0 / self.rps):
+            w = threading.Thread(target=self._one, args=(i,), daemon=True)
+            w.start()
+            self._workers.append(w)
+            i += 1
+
+    def __enter__(self) -> "Load":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        for w in self._workers:
+            w.join(timeout=300)
+
+    @property
+    def failed(self) -> list[dict]:
+        return [r for r in self.results if not r["ok"]]
+
+
+@pytest.fixture(scope="module")
+def fleet(project, tmp_path_factory):
+    """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
+    from canary.fleet import ServingFleet
+    from pipeline.params import load_block
+    from pipeline.register import RegisterParams, register
+    from pipeline.serving import ServeParams
+    from registry import approval, store
+
+    cwd = os.getcwd()
+    os.chdir(project)  # register() and lineage read params.yaml / git of the project
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = store.client(uri)
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    permute_embeddings(project / "models/fp16", project / "models/broken")
+    gate_row = {"verdict": "FAIL", "metric": "acc", "reason": "deliberately broken test build, never evaluated"}
+    out = register(project / "models", {"baseline": "fp16", "builds": {"broken": {"verdict": "FAIL", "teams": {
+        "search": gate_row}}}}, "# broken test build", project / "results/eval", load_block("register", RegisterParams),
+        json.loads((project / "results/teams.json").read_text()))
+    reg = json.loads((project / "results/registry.json").read_text())["builds"]
+    v = {"fp16": str(reg["fp16"]["version"]), GOOD: str(reg[GOOD]["version"]), "broken": str(out["builds"]["broken"]["version"])}
+    assert out["builds"]["fp16"]["reused"] and v["broken"] not in (v["fp16"], v[GOOD])
+    for build in (GOOD, "broken"):
+        if not approval.approval_of(client, MODEL, v[build]).approved:
+            approval.approve(client, MODEL, v[build], "e2e-test", "canary end-to-end test",
+                             override_reason=f"test: {build} did not PASS on {json.loads((project / 'results/teams.json').read_text())['search']['n_docs']}-doc sets (CI limit)")
+    serve = load_block("evaluate.serve", ServeParams)
+    started = time.monotonic()
+    with ServingFleet(client, MODEL, serve, fast_policy(), tmp_path_factory.mktemp("fleet")) as f:
+        for build, role in (("fp16", "stable"), (GOOD, "candidate"), ("broken", "candidate")):
+            f.start(v[build], role)
+        print(f"\nfleet: 3 vLLM servers verified and started in {time.monotonic() - started:.0f} s")
+        yield {"client": client, "v": v, "fleet": f, "reuse": {ver: f.backends[ver].url for ver in v.values()},
+               "serve": serve}
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    os.chdir(cwd)
+
+
+def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = None):
+    """run_canary for `build` with the fleet's servers, under Load; returns (outcome, load, log lines)."""
+    from canary.controller import run_canary
+
+    lines, load = [], []
+
+    def on_router(url: str):
+        load.append(Load(url).__enter__())
+        if kill_after_s is not None:
+            pid = fleet["fleet"].pids[fleet["v"][build]]
+            threading.Timer(kill_after_s, lambda: os.killpg(pid, signal.SIGKILL)).start()
+        return lambda: load[0].__exit__(None, None, None)
+
+    def log(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    outcome = run_canary(fleet["client"], MODEL, fleet["v"][build], policy, fleet["serve"], "e2e-test", tmp_path,
+                         reuse=fleet["reuse"], log=log, on_router=on_router)
+    return outcome, load[0], lines
+
+
+def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
+    from registry import aliases, audit
+
+    client, v = fleet["client"], fleet["v"]
+    policy = fast_policy()
+    started = time.monotonic()
+    outcome, load, lines = canary(fleet, GOOD, policy, tmp_path)
+    print(f"\ncanary {GOOD}: {outcome.decision} after {time.monotonic() - started:.0f} s, {len(load.results)} requests, "
+          f"{len(load.failed)} failed")
+    assert outcome.decision == "promoted", outcome.reason
+    assert outcome.step == len(policy.steps) == 4
+    assert not load.failed, load.failed[:3]
+    now = aliases.current(client, MODEL)
+    assert now["production"] == v[GOOD] and now["previous"] == v["fp16"] and "candidate" not in now
+    history = client.get_metric_history(outcome.run_id, "weight_pct")
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == policy.steps
+    assert any(l.startswith("step 4 (100%): shadow_agreement") for l in lines)
+    promoted = [e for e in audit.history(client, MODEL) if e.action == "promote" and e.alias == "production"]
+    assert promoted[-1].canary_run_id == outcome.run_id and promoted[-1].to_version == v[GOOD]
+
+
+def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
+    from canary.router import Router
+    from canary.server import RouterServer
+    from registry import aliases, audit
+
+    client, v = fleet["client"], fleet["v"]
+    assert aliases.current(client, MODEL)["production"] == v[GOOD]
+    router = Router(fleet["fleet"].resolver(v["fp16"]), fast_policy(), model_name=MODEL)
+    with RouterServer(router) as server, Load(server.url) as load:
+        time.sleep(6)
+        p = run(["quantgate", "rollback", MODEL, "--by", "e2e-test", "--reason", "e2e: rollback under load"], project)
+        assert f"production: v{v[GOOD]} -> v{v['fp16']}" in p.stdout
+        time.sleep(6)
+    flip = [e for e in audit.history(client, MODEL) if e.action == "rollback" and e.alias == "production"][-1].at.timestamp()
+    after = sorted((r for r in load.results if r["sent"] >= flip), key=lambda r: r["sent"])
+    first_prev = next(r["sent"] for r in after if r["backend"] == f"v{v['fp16']}")
+    last_old = max((r["sent"] for r in after if r["backend"] == f"v{v[GOOD]}"), default=flip)
+    print(f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; traffic on the previous version "
+          f"{first_prev - flip:.2f} s after the alias flip; last request routed to the old version "
+          f"{last_old - flip:.2f} s after it")
+    assert not load.failed, load.failed[:3]
+    assert last_old - flip < 1.0
+    assert aliases.current(client, MODEL)["production"] == v["fp16"]
+
+
+def test_broken_build_is_aborted_by_shadow_agreement_without_client_errors(fleet, tmp_path):
+    from registry import aliases, audit
+
+    client, v = fleet["client"], fleet["v"]
+    before = aliases.current(client, MODEL)
+    outcome, load, lines = canary(fleet, "broken", fast_policy(), tmp_path)
+    print(f"\nbroken build: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%): {outcome.reason}; "
+          f"{len(load.results)} requests, {len(load.failed)} failed")
+    assert outcome.decision == "aborted" and outcome.step < 4
+    assert "shadow_agreement" in outcome.reason and "FAIL" in outcome.reason
+    assert not load.failed, load.failed[:3]
+    assert aliases.current(client, MODEL) == before  # production, previous, fallback untouched; no candidate
+    cleared = [e for e in audit.history(client, MODEL) if e.action == "clear_candidate"][-1]
+    assert cleared.canary_run_id == outcome.run_id and cleared.from_version == v["broken"]
+
+
+def test_killed_candidate_server_aborts_and_clients_see_no_error(fleet, tmp_path):
+    from registry import aliases
+
+    client = fleet["client"]
+    outcome, load, lines = canary(fleet, GOOD, fast_policy(), tmp_path, kill_after_s=8)
+    print(f"\nkilled candidate: {outcome.decision} at step {outcome.step}: {outcome.reason}; "
+          f"{len(load.results)} requests, {len(load.failed)} failed")
+    assert outcome.decision == "aborted" and "error_rate" in outcome.reason
+    assert not load.failed, load.failed[:3]
+    assert "candidate" not in aliases.current(client, MODEL)
+
+
+def test_memory_of_two_servers_and_router(fleet):
+    """Report memory (not a timed target): RSS of the stable and candidate vLLM process groups."""
+    total = 0
+    for build in ("fp16", "broken"):
+        pid = fleet["fleet"].pids[fleet["v"][build]]
+        procs = [p for p in psutil.process_iter() if _pgid(p.pid) == pid]
+        rss = sum(p.memory_info().rss for p in procs if p.is_running())
+        total += rss
+        print(f"\nmemory: {build} vLLM server: {rss / 2**30:.2f} GiB RSS in {len(procs)} processes")
+    me = psutil.Process().memory_info().rss
+    print(f"memory: two servers {total / 2**30:.2f} GiB + router/test process {me / 2**30:.2f} GiB; "
+          f"machine {psutil.virtual_memory().total / 2**30:.0f} GiB")
+    assert 0 < total + me < psutil.virtual_memory().total
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
