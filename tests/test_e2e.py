@@ -123,7 +123,7 @@ def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_pat
 def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project, tmp_path):
     evals = tmp_path / "evals"
     shutil.copytree(project / "evals", evals)
-    bad = evals / "zz-broken"
+    bad = evals / "zz_broken"
     shutil.copytree(evals / "billing", bad)
     task = (bad / "arithmetic.yaml").read_text().replace("task: billing_arithmetic", "task: broken_arithmetic")
     # more new tokens than the server's context: every request is refused by vLLM (HTTP 400)
@@ -132,7 +132,7 @@ def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project
     for team in ("billing", "search", "support"):
         assert f"evaluate[fp16]: {team}: from cache" in p.stdout
         assert json.loads((tmp_path / "fp16" / team / "scores.json").read_text())["status"] == "ok"
-    doc = json.loads((tmp_path / "fp16/zz-broken/scores.json").read_text())
+    doc = json.loads((tmp_path / "fp16/zz_broken/scores.json").read_text())
     assert doc["status"] == "error" and "\n" not in doc["reason"]
     print(f"\ne2e: broken team reason: {doc['reason']}")
 
