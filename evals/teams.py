@@ -122,6 +122,14 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     return Task(name=str(config["task"]), path=path, config=config, n_docs=n_docs)
 
 
+def min_docs(policy: TeamPolicy) -> int | None:
+    """Fewest documents with which identical builds can PASS under `policy` (0/1 metrics;
+    None for continuous ones). A relative margin is taken at its widest, on a perfect score of 1."""
+    if policy.metric not in BINARY_METRICS:
+        return None
+    return min_docs_to_pass(policy.margin.points(1.0), policy.confidence)
+
+
 TEAM_NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")  # also an MLflow tag key part (gate.<team>.verdict)
 
 
@@ -144,10 +152,9 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
     if policy is None or problems:
         return None, problems
     n = sum(t.n_docs for t in tasks)
-    if policy.metric in BINARY_METRICS:
-        # the widest margin a relative policy can give is relative% of a perfect score of 1
-        margin = policy.margin.absolute if policy.margin.absolute is not None else policy.margin.relative / 100.0
-        need = min_docs_to_pass(margin, policy.confidence)
+    need = min_docs(policy)
+    if need is not None:
+        margin = policy.margin.points(1.0)
         if n < need:
             problems.append(f"{policy_path}: {n} documents can never PASS: at margin {margin:g} and confidence "
                             f"{policy.confidence:g} even identical builds need at least {need}; "

@@ -13,8 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from evals.checks import BINARY_METRICS, min_docs_to_pass
-from evals.teams import Team, load_teams
+from evals.teams import Team, load_teams, min_docs
 from pipeline.errors import QuantgateError, run_main
 
 
@@ -27,11 +26,10 @@ def summary(teams: list[Team]) -> dict:
     out = {}
     for t in teams:
         p = t.policy
-        widest = p.margin.absolute if p.margin.absolute is not None else p.margin.relative / 100.0
         out[t.name] = {"owner": p.owner, "contact": p.contact, "metric": p.metric,
                        "higher_is_better": p.higher_is_better, "margin": p.margin.model_dump(exclude_none=True),
                        "confidence": p.confidence, "n_docs": sum(x.n_docs for x in t.tasks),
-                       "min_docs": min_docs_to_pass(widest, p.confidence) if p.metric in BINARY_METRICS else None,
+                       "min_docs": min_docs(p),
                        "tasks": {x.name: x.n_docs for x in t.tasks}, "sha256": t.digest}
     return out
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from pipeline.errors import QuantgateError
 from registry import approval, audit, lock, versions
+from registry.approval import require_text as _require_text
+from registry.audit import version_label
 from registry.verify import verify_version
 
 PRODUCTION, PREVIOUS, CANDIDATE, FALLBACK = "production", "previous", "candidate", versions.FALLBACK
@@ -48,11 +50,7 @@ class Change:
     to_version: str | None  # None: the alias is removed
 
     def __str__(self) -> str:
-        return f"{self.alias}: {_v(self.from_version)} -> {_v(self.to_version)}"
-
-
-def _v(version: str | None) -> str:
-    return f"v{version}" if version else "none"
+        return f"{self.alias}: {version_label(self.from_version)} -> {version_label(self.to_version)}"
 
 
 def current(mlflow_client, model_name: str) -> dict[str, str]:
@@ -107,12 +105,6 @@ def _set(mlflow_client, model_name: str, alias: str, version: str | None) -> Non
         mlflow_client.set_registered_model_alias(model_name, alias, version)
 
 
-def _require_text(**values: str | None) -> None:
-    for name, value in values.items():
-        if not (value or "").strip():
-            raise QuantgateError(f"{name} must not be empty")
-
-
 def _require_servable(mlflow_client, model_name: str, version: str) -> approval.Approval:
     """Existing, READY and approved (gate PASS/BASELINE or a recorded override)."""
     a = approval.approval_of(mlflow_client, model_name, version)
@@ -160,7 +152,7 @@ def promote(mlflow_client, model_name: str, version, expected_production, by: st
         now = current(mlflow_client, model_name)
         prod = now.get(PRODUCTION)
         if prod != expected:
-            raise AliasConflict(f"{model_name}: production is {_v(prod)}, not {_v(expected)} as expected; someone else "
+            raise AliasConflict(f"{model_name}: production is {version_label(prod)}, not {version_label(expected)} as expected; someone else "
                                 f"changed it first (see `quantgate history {model_name}`); nothing was changed")
         if prod == version:
             return []
@@ -201,7 +193,7 @@ def rollback(mlflow_client, model_name: str, by: str, reason: str, to: str = PRE
             hint = f"; `--to {FALLBACK}` goes to the 16-bit build" if to == PREVIOUS else ""
             raise QuantgateError(f"{model_name} has no {to!r} alias: nothing to roll back to{hint}")
         if now.get(to) != target:
-            raise AliasConflict(f"{model_name}: {to} moved from {_v(target)} to {_v(now.get(to))} during the rollback; "
+            raise AliasConflict(f"{model_name}: {to} moved from {version_label(target)} to {version_label(now.get(to))} during the rollback; "
                                 f"nothing was changed; retry")
         if target == prod:
             raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production")

@@ -74,7 +74,8 @@ def approval_of(mlflow_client, model_name: str, version) -> Approval:
     return read_approval(versions.require_version(mlflow_client, model_name, version).tags)
 
 
-def _require_text(**values: str | None) -> None:
+def require_text(**values: str | None) -> None:
+    """QuantgateError naming the first option (--by, --reason, ...) that is empty or blank."""
     for name, value in values.items():
         if not (value or "").strip():
             raise QuantgateError(f"--{name} must not be empty")
@@ -87,7 +88,7 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
     recorded (tag and audit run); for a passing version it is not needed and not recorded.
     Raises QuantgateError when the version is missing or the override is missing.
     """
-    _require_text(by=by, reason=reason)
+    require_text(by=by, reason=reason)
     with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         verdict = mv.tags.get("gate.verdict", "missing")
@@ -121,7 +122,7 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     Aliases are not moved: revoking the production version leaves it serving until a
     rollback (`quantgate rollback`), but it can no longer be promoted or made candidate.
     """
-    _require_text(by=by, reason=reason)
+    require_text(by=by, reason=reason)
     with lock.held(mlflow_client, model_name, f"revoke by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         at = audit.utc_now()

@@ -59,14 +59,15 @@ class Event:
 
     def line(self) -> str:
         """One human line: `2025-01-01T10:00:00.000+00:00 promote production v1 -> v2 by alice: reason`."""
-        what = (f"{self.alias} {_v(self.from_version)} -> {_v(self.to_version)}" if self.alias
+        what = (f"{self.alias} {version_label(self.from_version)} -> {version_label(self.to_version)}" if self.alias
                 else f"v{self.version}")
         extra = "".join([f" [override: {self.override_reason}]" if self.override_reason else "",
                          f" [canary run {self.canary_run_id}]" if self.canary_run_id else ""])
         return f"{self.at.isoformat(timespec='milliseconds')} {self.action} {what} by {self.by}: {self.reason}{extra}"
 
 
-def _v(version: str | None) -> str:
+def version_label(version: str | None) -> str:
+    """A version as people read it: v3, or none for an unset alias."""
     return f"v{version}" if version else UNSET
 
 
@@ -100,7 +101,7 @@ def begin(mlflow_client, model: str, *, action: str, by: str, reason: str, at: d
             value = UNSET
         if value is not None:
             params[key] = str(value)[:MAX_TEXT]
-    summary = (f"{action} {fields['alias']} {_v(fields.get('from_version'))} -> {_v(fields.get('to_version'))}"
+    summary = (f"{action} {fields['alias']} {version_label(fields.get('from_version'))} -> {version_label(fields.get('to_version'))}"
                if fields.get("alias") else f"{action} v{fields.get('version')}")
     run = mlflow_client.create_run(experiment_id(mlflow_client), start_time=int(at.timestamp() * 1000),
                                    tags={"mlflow.user": by, "quantgate.action": action, "quantgate.model": model},
