@@ -5,7 +5,8 @@ Run by DVC: `python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR` (par
 One server per build serves all teams. lm-eval talks to it with `local-completions` on
 token ids (`tokenized_requests=True`) so the chat template, tokenizer and BOS handling are
 the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per-sample
-scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log).
+scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log); and
+OUT_DIR/timing.json: seconds spent starting the server vs scoring each team.
 
 Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
 digest, team folder digest, harness config, serving config): a changed eval set re-runs
@@ -36,6 +37,7 @@ from pipeline.serving import ServeParams, ServerStartError, serving_versions, vl
 CACHE_DIR = Path(".quantgate/cache/eval")
 SCORES = "scores.json"
 SAMPLES = "samples.jsonl"
+TIMING = "timing.json"  # per build: server start vs scoring seconds (benchmarks/pipeline_cost.py reads it)
 
 
 class HarnessParams(Frozen):
@@ -169,28 +171,34 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     docs, pending = {}, []
+    timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
     for team in teams:
         key = cache_key(manifest["weights_digest"], team, params.harness, serve_config)
         cached = CACHE_DIR / key
         if (cached / SCORES).is_file():
             shutil.copytree(cached, out_dir / team.name)
             docs[team.name] = json.loads((cached / SCORES).read_text())
+            timing["cached"].append(team.name)
             print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
         else:
             pending.append((team, key))
     if pending:
+        started = time.monotonic()
         try:
             with vllm_server(params.serve, model_dir.resolve(), build, out_dir / "server.log") as server:
+                timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness)
                 for team, key in pending:
                     base = {"team": team.name, "build": build, "cache_key": key,
                             "weights_digest": manifest["weights_digest"], "team_digest": team.digest,
                             "serving": serve_config}
+                    scoring = time.monotonic()
                     try:
                         doc, raw = run_team(lm, team, params.harness)
                     except Exception as exc:  # one team's failure must not lose the others
                         doc, raw = {"status": "error", "reason": one_line(exc)}, None
+                    timing["scoring_s"][team.name] = round(time.monotonic() - scoring, 1)
                     docs[team.name] = doc = {**base, **doc}
                     write_team(out_dir / team.name, doc, raw)
                     if doc["status"] == "ok":
@@ -202,7 +210,9 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
                     docs[team.name] = doc = {"team": team.name, "build": build, "cache_key": key,
                                              "status": "error", "reason": str(exc)}
                     write_team(out_dir / team.name, doc, None)
+            timing["server_start_s"] = round(time.monotonic() - started, 1)
             print(f"evaluate[{build}]: server failed: {exc}", file=sys.stderr, flush=True)
+    (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
     return docs
 
 

@@ -3,12 +3,14 @@ end-to-end project (one real `dvc repro`) shared by tests/test_e2e.py and tests/
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import yaml
+
+from benchmarks.common import project_env, scratch_project
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,6 +35,15 @@ def write_scores(root: Path, build: str, team: str, scores: list[float], *, stat
     return d
 
 
+def pytest_configure(config):
+    """SIGTERM (a CI timeout, `kill`) becomes KeyboardInterrupt, so pytest still runs fixture
+    teardown and stops the vLLM servers the e2e fixtures started instead of orphaning them."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 LIMIT = 12  # docs per task: real numbers through every stage, small enough for CI
 
 
@@ -44,9 +55,7 @@ def w4a16_servable() -> bool:
 
 # e2e helpers (used by tests/test_e2e.py and tests/test_fleet_e2e.py)
 def run(cmd, cwd, check=True, timeout=3600):
-    env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", MLFLOW_TRACKING_URI="")
-    env.pop("MLFLOW_TRACKING_URI")
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
+    p = subprocess.run(cmd, cwd=cwd, env=project_env(), capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
@@ -61,19 +70,7 @@ def project(tmp_path_factory):
     """
     if os.environ.get("QUANTGATE_E2E_PROJECT"):
         return Path(os.environ["QUANTGATE_E2E_PROJECT"])
-    root = tmp_path_factory.mktemp("e2e") / "quantgate"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (root / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, root / f)
-    for env in (".venv", ".venv-serve"):
-        (root / env).symlink_to(REPO / env)
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    params["evaluate"]["harness"]["limit"] = LIMIT
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run("git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm e2e", root)
+    root = scratch_project(tmp_path_factory.mktemp("e2e") / "quantgate", limit=LIMIT)
     started = time.monotonic()
     out = run(["dvc", "repro"], root)
     print(f"\ne2e: dvc repro took {time.monotonic() - started:.0f} s")

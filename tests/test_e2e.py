@@ -34,6 +34,9 @@ def test_every_build_scored_through_vllm(project):
             for task in doc["tasks"].values():
                 assert task["n"] == LIMIT and 0.0 <= task["score"] <= 1.0
             assert doc["serving"]["versions"]["vllm"]
+        timing = json.loads((project / "results/eval" / build / "timing.json").read_text())
+        assert 5 < timing["server_start_s"] < 600 and timing["cached"] == []
+        assert set(timing["scoring_s"]) == {"billing", "search", "support"} and min(timing["scoring_s"].values()) > 0
     if "int4" not in SCORED:  # fails closed with the reason, never scored as passing
         doc = json.loads((project / "results/eval/int4/search/scores.json").read_text())
         assert doc["status"] == "error" and "no W4A16 kernel for this processor" in doc["reason"]
@@ -134,6 +137,8 @@ def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project
         assert json.loads((tmp_path / "fp16" / team / "scores.json").read_text())["status"] == "ok"
     doc = json.loads((tmp_path / "fp16/zz_broken/scores.json").read_text())
     assert doc["status"] == "error" and "\n" not in doc["reason"]
+    timing = json.loads((tmp_path / "fp16/timing.json").read_text())  # cached teams cost no scoring time
+    assert timing["cached"] == ["billing", "search", "support"] and list(timing["scoring_s"]) == ["zz_broken"]
     print(f"\ne2e: broken team reason: {doc['reason']}")
 
 

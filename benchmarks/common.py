@@ -1,0 +1,163 @@
+"""Helpers shared by the benchmark scripts: scratch projects, measured commands, machine
+facts, and one output format (a printed table plus benchmarks/results/<name>.json).
+
+Every script runs from the repository root after `make setup`:
+`.venv/bin/python -m benchmarks.<script> [options]`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import psutil
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+ENVS = (".venv", ".venv-serve")
+
+
+def project_env() -> dict[str, str]:
+    """Environment for commands run in a scratch project: the pipeline env first on PATH and
+    no MLFLOW_TRACKING_URI, so each project uses its own sqlite registry."""
+    env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def scratch_project(root: Path, *, limit: int | None = None, params: dict | None = None) -> Path:
+    """Copy the working tree (tracked and untracked, not ignored files) to `root`, link the two
+    environments in, set `evaluate.harness.limit` (docs per task; None keeps params.yaml's)
+    and merge `params` ({block: {key: value}}, one level deep) into params.yaml, then commit
+    it as a fresh git repository so `dvc repro` runs there as in a clone.
+
+    Raises FileExistsError if `root` exists, CalledProcessError if git fails.
+    """
+    root.mkdir(parents=True)
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (root / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, root / f)
+    for env in ENVS:
+        (root / env).symlink_to(REPO / env)
+    doc = yaml.safe_load((root / "params.yaml").read_text())
+    if limit is not None:
+        doc["evaluate"]["harness"]["limit"] = limit
+    for block, values in (params or {}).items():
+        doc[block].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    commit(root, "scratch project")
+    return root
+
+
+def commit(root: Path, message: str) -> None:
+    """Commit everything in `root` (git needs no identity configured)."""
+    subprocess.run(f"git init -q && git add -A && git -c user.name=bench -c user.email=bench@localhost "
+                   f"commit -qm '{message}' --allow-empty", cwd=root, shell=True, check=True, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One command: wall seconds, peak resident memory of its whole process tree (GiB, the
+    sum over processes, sampled every `interval` s), exit status and output."""
+
+    wall_s: float
+    peak_rss_gib: float
+    rc: int
+    output: str
+
+
+def measure(cmd: list[str] | str, cwd: Path, *, interval: float = 0.2, timeout: float = 7200) -> Measured:
+    """Run `cmd` in `cwd` with project_env() and measure it (see Measured).
+
+    Peak RSS is sampled, so a spike shorter than `interval` can be missed; the vLLM server,
+    a child of the stage, is included while it runs. Raises subprocess.TimeoutExpired.
+    """
+    started = time.monotonic()
+    log = (cwd / ".bench-cmd.log").open("w+")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=project_env(), stdout=log, stderr=subprocess.STDOUT,
+                            shell=isinstance(cmd, str), start_new_session=True)
+    ps, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        if time.monotonic() - started > timeout:
+            os.killpg(proc.pid, 9)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        try:
+            procs = [ps, *ps.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+        except psutil.Error:
+            pass  # a process ended between listing and reading it
+        time.sleep(interval)
+    wall = time.monotonic() - started
+    log.seek(0)
+    return Measured(round(wall, 1), round(peak / 2**30, 2), proc.returncode, log.read())
+
+
+def machine() -> dict:
+    """What the numbers were measured on: CPU, cores, ISA level, memory, GPU, versions."""
+    cpu = ""
+    flags = ""
+    if Path("/proc/cpuinfo").exists():
+        info = Path("/proc/cpuinfo").read_text()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+        flags = info
+    gpu = ""
+    if shutil.which("nvidia-smi"):
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    from pipeline.serving import serving_versions
+
+    try:
+        versions = serving_versions(str(REPO / ".venv-serve" / "bin" / "python"))
+    except Exception as exc:  # the serving env is optional for some scripts
+        versions = {"error": str(exc)}
+    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+            "isa": "avx512" if " avx512f" in flags else ("avx2" if " avx2" in flags else "other"),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpu": gpu or None,
+            "python": platform.python_version(), "serving": versions}
+
+
+def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None, notes: list[str] = ()) -> Path:
+    """Print `rows` (dicts with the same keys, in order) as a table under `title`, then write
+    benchmarks/results/<name>.json with the rows, the machine, the command line, `meta`
+    (settings of the run) and `notes`. Returns the JSON path."""
+    table = Table(title=title)
+    columns = list(rows[0]) if rows else []
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("stage", "build", "team", "scenario", "engine") else "right")
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    console = Console(width=160)
+    console.print(table)
+    for note in notes:
+        console.print(f"  {note}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}.json"
+    out.write_text(json.dumps({
+        "benchmark": name, "title": title, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m", f"benchmarks.{name}", *sys.argv[1:]]), "machine": machine(),
+        "settings": meta or {}, "rows": rows, "notes": list(notes)}, indent=1) + "\n")
+    console.print(f"  written {out.relative_to(REPO)}")
+    return out
+
+
+def stages(root: Path) -> list[str]:
+    """The DVC stage names of dvc.yaml in file order, `foreach` expanded (`evaluate@fp8`)."""
+    doc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    names = []
+    for name, stage in doc.items():
+        items = stage.get("foreach")
+        names.extend([f"{name}@{item}" for item in items] if items else [name])
+    return names

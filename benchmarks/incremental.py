@@ -1,0 +1,154 @@
+"""Question 2: what does a re-run cost after a small change, with 3 and with 12 teams?
+
+    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR]
+
+In a scratch copy of this working tree (benchmarks.common.scratch_project) it runs
+`dvc repro` once, then measures `dvc repro` after each change:
+  (a) no change;
+  (b) one team's data changed (the search team's first question reworded);
+  (c) one new team added (a synthetic team, then removed again, unmeasured);
+  (d) one quantization parameter changed (quantize.int4.dampening_frac 0.01 -> 0.02),
+  (d') and changed back: DVC restores the earlier outputs from its run-cache.
+The extra teams for 12 are synthetic copies of the search team (own task name, its
+documents rotated so each team scores different ones), committed like a real submission.
+
+"one team's eval" is what evaluating that team alone costs: on every build, starting its
+server plus scoring that team (from results/eval/<build>/timing.json of the run that
+scored it). The target (issue 6): (a) under 10 s; (b) and (c) under 1.5x one team's eval,
+i.e. the other teams come from the evaluation cache and validate/gate/register are cheap.
+Columns: wall s of `dvc repro`, stages DVC ran, teams scored (not from the cache), and the
+ratio to one team's eval.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from benchmarks.common import commit, measure, report, scratch_project
+from pipeline.errors import QuantgateError, run_main
+
+TEMPLATE = "search"          # team copied for synthetic teams
+BUILDS = ("fp16", "fp8", "int4")
+
+
+def repro(project: Path) -> dict:
+    """Run `dvc repro`; return {wall_s, stages run, teams scored, per-team eval cost (s)}.
+
+    Raises QuantgateError with the log's last lines if it fails.
+    """
+    for build in BUILDS:  # timing.json of a stage that does not run must not count
+        (project / "results" / "eval" / build / "timing.json").unlink(missing_ok=True)
+    m = measure(["dvc", "repro"], project)
+    if m.rc != 0:
+        tail = "\n".join(m.output.strip().splitlines()[-15:])
+        raise QuantgateError(f"dvc repro failed ({m.rc}) in {project}:\n{tail}")
+    ran = re.findall(r"Running stage '([^']+)'", m.output)
+    start, scoring = 0.0, {}
+    for build in BUILDS:
+        path = project / "results" / "eval" / build / "timing.json"
+        if path.is_file():
+            timing = json.loads(path.read_text())
+            start += timing["server_start_s"]
+            for team, s in timing["scoring_s"].items():
+                scoring[team] = scoring.get(team, 0.0) + s
+    one_team = {team: round(start + s, 1) for team, s in scoring.items()}
+    return {"wall_s": m.wall_s, "stages": ran, "scored": sorted(scoring), "one_team_eval_s": one_team}
+
+
+def add_team(project: Path, name: str, rotate: int) -> None:
+    """Copy the template team to evals/<name> with its own task name and rotated documents."""
+    src, dst = project / "evals" / TEMPLATE, project / "evals" / name
+    shutil.copytree(src, dst)
+    for task in dst.glob("*.yaml"):
+        if task.name != "team.yaml":
+            task.write_text(task.read_text().replace(f"task: {TEMPLATE}_", f"task: {name}_"))
+    lines = (dst / "data.jsonl").read_text().splitlines()
+    k = rotate % len(lines)
+    (dst / "data.jsonl").write_text("\n".join(lines[k:] + lines[:k]) + "\n")
+
+
+def set_param(project: Path, block: str, key: str, value) -> None:
+    doc = yaml.safe_load((project / "params.yaml").read_text())
+    node = doc
+    for part in block.split("."):
+        node = node[part]
+    node[key] = value
+    (project / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def scenario(project: Path, label: str, teams: int, change, measured: list[dict], team: str | None = None) -> None:
+    """Apply `change` (a function of the project), commit, measure `dvc repro`, add a row."""
+    change(project)
+    commit(project, label)
+    r = repro(project)
+    base = r["one_team_eval_s"].get(team) if team else None
+    measured.append({"teams": teams, "scenario": label, "wall s": r["wall_s"],
+                     "stages run": len(r["stages"]), "teams scored": ",".join(r["scored"]) or "-",
+                     "one team's eval s": base,
+                     "ratio": round(r["wall_s"] / base, 2) if base else None})
+    print(f"{teams} teams, {label}: {r['wall_s']} s; ran {', '.join(r['stages']) or 'nothing'}", flush=True)
+
+
+def reword(project: Path) -> None:
+    path = project / "evals" / "search" / "data.jsonl"
+    lines = path.read_text().splitlines()
+    doc = json.loads(lines[0])
+    doc["question"] = doc["question"].replace("What is", "Which city is")
+    path.write_text("\n".join([json.dumps(doc), *lines[1:]]) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--teams", default="3,12", help="team counts, comma-separated, each >= 3 (the example teams)")
+    ap.add_argument("--limit", type=int, default=12, help="docs per task (evaluate.harness.limit)")
+    ap.add_argument("--work", type=Path, default=None, help="folder for the scratch project (default: a temp dir)")
+    args = ap.parse_args()
+    try:
+        counts = sorted(int(x) for x in args.teams.split(","))
+    except ValueError:
+        raise QuantgateError(f"--teams {args.teams!r}: give team counts like 3,12") from None
+    if not counts or counts[0] < 3:
+        raise QuantgateError(f"--teams {args.teams!r}: every count must be >= 3 (the three example teams)")
+    work = args.work or Path(tempfile.mkdtemp(prefix="quantgate-bench-"))
+    project = scratch_project(work / "incremental", limit=args.limit)
+    first = repro(project)
+    print(f"initial dvc repro (3 teams): {first['wall_s']} s", flush=True)
+    rows, have = [], 3
+    for n in counts:
+        if n > have:  # grow with synthetic teams (not a measured scenario)
+            for i in range(have + 1, n + 1):
+                add_team(project, f"synth_{i:02d}", rotate=7 * i)
+            commit(project, f"{n} teams")
+            print(f"grown to {n} teams: {repro(project)['wall_s']} s", flush=True)
+            have = n
+        scenario(project, "(a) no change", n, lambda p: None, rows)
+        scenario(project, "(b) one team's data changed", n, reword, rows, team="search")
+        scenario(project, "(c) one new team added", n, lambda p: add_team(p, "new_team", rotate=3), rows, team="new_team")
+        shutil.rmtree(project / "evals" / "new_team")
+        commit(project, "drop new_team")
+        repro(project)
+        scenario(project, "(d) quantize.int4.dampening_frac 0.01 -> 0.02", n,
+                 lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.02), rows)
+        scenario(project, "(d') changed back (DVC run-cache)", n,
+                 lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01), rows)
+        set_param(project, "quantize.int4", "dampening_frac", 0.01)
+        # undo (b) so the next team count starts from the same data
+        reword_back = (project / "evals" / "search" / "data.jsonl")
+        reword_back.write_text(reword_back.read_text().replace("Which city is", "What is", 1))
+        commit(project, "undo")
+        repro(project)
+    notes = [f"initial dvc repro with 3 teams: {first['wall_s']} s (limit {args.limit} docs per task)",
+             "ratio = wall s / one team's eval (that team alone on every build: server starts + its scoring)",
+             "target: (a) < 10 s; (b), (c) < 1.5", f"project in {project}"]
+    report("incremental", "dvc repro after one change (wall s)", rows,
+           meta={"teams": counts, "limit": args.limit, "project": str(project)}, notes=notes)
+
+
+if __name__ == "__main__":
+    run_main(main)

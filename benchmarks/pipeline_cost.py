@@ -1,0 +1,84 @@
+"""Question 1: what does `dvc repro` cost on the default model, per stage, cold and warm?
+
+    .venv/bin/python -m benchmarks.pipeline_cost [--limit 12] [--work DIR]
+
+Runs the pipeline of this working tree in a scratch copy (benchmarks.common.scratch_project),
+stage by stage (`dvc repro --single-item STAGE`, in dvc.yaml order), twice:
+- cold: a fresh project, empty DVC cache and empty evaluation cache;
+- warm: the same project again with `--force`: every stage re-runs its command, but the
+  evaluation cache (.quantgate/cache/eval) already holds every (build, team) result, so
+  evaluate starts no server, and the OS file cache and Python bytecode are warm.
+Same script on a GPU machine (set-up picks the CUDA vLLM; set evaluate.serve.dtype).
+
+Columns: wall s (the stage's `dvc repro` command, DVC's own start-up of ~1-2 s included),
+peak RSS GiB (sum over the stage's process tree, vLLM server included, sampled every 0.2 s),
+and for evaluate stages the seconds starting the vLLM server vs scoring teams, read from
+results/eval/<build>/timing.json. `--limit` caps docs per task (params evaluate.harness.limit);
+the share of evaluate time spent starting servers grows as it shrinks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import measure, report, scratch_project, stages
+from pipeline.errors import QuantgateError, run_main
+
+
+def run_stage(project: Path, stage: str, force: bool) -> dict:
+    """Run one stage in `project`; return {wall_s, peak_rss_gib, server_start_s, scoring_s}.
+
+    Raises QuantgateError naming the stage and the log's last lines if it fails.
+    """
+    cmd = ["dvc", "repro", "--single-item", *(["--force"] if force else []), stage]
+    m = measure(cmd, project)
+    if m.rc != 0:
+        tail = "\n".join(m.output.strip().splitlines()[-15:])
+        raise QuantgateError(f"stage {stage} failed ({m.rc}) in {project}:\n{tail}")
+    row = {"wall_s": m.wall_s, "peak_rss_gib": m.peak_rss_gib, "server_start_s": None, "scoring_s": None}
+    if stage.startswith("evaluate@"):
+        timing = json.loads((project / "results" / "eval" / stage.split("@")[1] / "timing.json").read_text())
+        row["server_start_s"] = timing["server_start_s"]
+        row["scoring_s"] = round(sum(timing["scoring_s"].values()), 1)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=12, help="docs per task (evaluate.harness.limit); 0 = all")
+    ap.add_argument("--work", type=Path, default=None, help="folder for the scratch project (default: a temp dir)")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="quantgate-bench-"))
+    project = scratch_project(work / "pipeline_cost", limit=args.limit or None)
+    names = stages(project)
+    runs = {}
+    for phase, force in (("cold", False), ("warm", True)):
+        for stage in names:
+            runs[phase, stage] = run_stage(project, stage, force)
+            print(f"{phase} {stage}: {runs[phase, stage]['wall_s']} s", flush=True)
+    rows = []
+    for stage in names:
+        c, w = runs["cold", stage], runs["warm", stage]
+        rows.append({"stage": stage, "cold s": c["wall_s"], "cold GiB": c["peak_rss_gib"],
+                     "cold server start s": c["server_start_s"], "cold scoring s": c["scoring_s"],
+                     "warm s": w["wall_s"], "warm GiB": w["peak_rss_gib"]})
+    total = {p: round(sum(runs[p, s]["wall_s"] for s in names), 1) for p in ("cold", "warm")}
+    rows.append({"stage": "total", "cold s": total["cold"], "cold GiB": max(r["cold GiB"] for r in rows),
+                 "cold server start s": None, "cold scoring s": None, "warm s": total["warm"],
+                 "warm GiB": max(r["warm GiB"] for r in rows)})
+    start = sum(runs["cold", s]["server_start_s"] or 0 for s in names)
+    scoring = sum(runs["cold", s]["scoring_s"] or 0 for s in names)
+    evaluate = start + scoring
+    notes = [f"cold evaluate: {start:.0f} s starting servers, {scoring:.0f} s scoring "
+             f"({100 * start / evaluate:.0f} % of evaluate time is server start)" if evaluate else
+             "no evaluate stage started a server",
+             "warm evaluate reads every result from the evaluation cache: no server is started",
+             f"limit = {args.limit or 'all'} docs per task; project in {project}"]
+    report("pipeline_cost", "dvc repro per stage, default model (wall s, peak RSS GiB of the stage's process tree)",
+           rows, meta={"limit": args.limit or None, "project": str(project)}, notes=notes)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,63 @@
+"""Unit tests of the benchmark helpers (the benchmarks themselves print figures; see benchmarks/)."""
+import shutil
+import sys
+from pathlib import Path
+
+from benchmarks.common import measure, stages
+from benchmarks.incremental import add_team, reword, set_param
+from benchmarks.numbers import markdown
+from evals.teams import inspect_team, load_teams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_measure_sees_the_peak_memory_of_a_child_process(tmp_path):
+    code = "import time; b = bytearray(300 * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.0); print('done')"
+    m = measure([sys.executable, "-c", code], tmp_path)
+    assert m.rc == 0 and m.output.strip() == "done"
+    assert 0.29 < m.peak_rss_gib < 1.0 and 1.0 <= m.wall_s < 10
+
+
+def test_measure_reports_the_exit_code(tmp_path):
+    assert measure([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path).rc == 3
+
+
+def test_stages_expand_foreach_in_file_order():
+    names = stages(REPO)
+    assert names[0] == "validate" and names[-1] == "register"
+    assert [n for n in names if n.startswith("evaluate@")] == ["evaluate@fp16", "evaluate@fp8", "evaluate@int4"]
+    assert names.index("quantize@int4") < names.index("evaluate@fp16") < names.index("gate")
+
+
+def test_synthetic_and_changed_teams_stay_valid(tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
+    before = {t.name: t.digest for t in load_teams(root / "evals")}
+    add_team(root, "synth_04", rotate=28)
+    reword(root)
+    team, problems = inspect_team(root / "evals" / "synth_04")
+    assert problems == [] and team.tasks[0].name == "synth_04_capitals"
+    teams = {t.name: t.digest for t in load_teams(root / "evals")}
+    assert set(teams) == set(before) | {"synth_04"}
+    assert teams["search"] != before["search"] and teams["billing"] == before["billing"]
+    first = (root / "evals" / "synth_04" / "data.jsonl").read_text().splitlines()[0]
+    assert first == (REPO / "evals" / "search" / "data.jsonl").read_text().splitlines()[28]
+
+
+def test_set_param_changes_one_nested_value(tmp_path):
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    set_param(tmp_path, "quantize.int4", "dampening_frac", 0.02)
+    import yaml
+
+    doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    assert doc["quantize"]["int4"]["dampening_frac"] == 0.02 and doc["quantize"]["int4"]["group_size"] == 64
+
+
+def test_markdown_renders_title_command_machine_and_rows():
+    doc = {"title": "T", "command": "python -m benchmarks.x --limit 2", "measured_at": "2026-11-29T10:00:00+00:00",
+           "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0, "gpu": None,
+                       "serving": {"vllm": "0.32.0"}},
+           "rows": [{"stage": "prepare", "cold s": 12.5, "note": None}], "notes": ["n1"]}
+    text = markdown(doc)
+    assert "`python -m benchmarks.x --limit 2` — 2026-11-29, CPU X (2 cores, avx2), 24.0 GiB, no GPU, vLLM 0.32.0" in text
+    assert "| stage | cold s | note |" in text and "| prepare | 12.5 |  |" in text and text.rstrip().endswith("- n1")
