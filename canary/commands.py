@@ -1,7 +1,7 @@
 """Click commands of `quantgate canary` (wired into the CLI's `canary` group by pipeline/cli.py).
 
 Thin: parse, call canary/, print; a QuantgateError becomes a click.ClickException (one line,
-exit 1), never a traceback.
+exit 1), never a traceback. `canary load` exits 1 when any request failed; `canary run` 3 on abort.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 import click
 
 from pipeline.errors import QuantgateError
+from canary.load import APIS
+from registry.commands import version_arg
 
 
 @click.command("load")
@@ -26,20 +28,24 @@ from pipeline.errors import QuantgateError
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds per request.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--api", type=click.Choice(list(APIS)), default="both", show_default=True,
+              help="Endpoints: /v1/chat/completions, /v1/completions or both in turn.")
 def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | None, max_tokens: int, arrivals: str,
-         timeout_s: float, seed: int) -> None:
+         timeout_s: float, seed: int, api: str) -> None:
     """Open-loop load (greedy completions and chat, streaming and not) through the router; prints
-    success rate, outcomes and latency percentiles."""
+    success rate, outcomes and latency percentiles. Exits 1 if any request failed."""
     from canary.load import prompts_from_evals, replay
 
     try:
         prompts = prompts_from_evals(evals_dir, limit)
         report = replay(url, prompts, rps, duration, max_tokens=max_tokens, timeout_s=timeout_s,
-                        arrivals=arrivals, seed=seed)
+                        arrivals=arrivals, seed=seed, api=api)
     except QuantgateError as exc:
         raise click.ClickException(str(exc)) from None
     for line in report.lines():
         click.echo(line)
+    if report.ok < len(report.results):
+        sys.exit(1)
 
 
 def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
@@ -54,7 +60,7 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 
 @click.command("run")
 @click.argument("model")
-@click.argument("version")
+@click.argument("version", callback=version_arg)
 @click.option("--by", default=lambda: os.environ.get("USER"), required=True, show_default="$USER",
               help="Who runs the canary (recorded in the audit).")
 @click.option("--reuse", multiple=True, callback=_reuse, metavar="VERSION=URL",
@@ -62,11 +68,13 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 @click.option("--load-rps", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Also replay eval-set prompts through the router at this rate (demos, tests).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request.")
+@click.option("--load-api", type=click.Choice(list(APIS)), default="chat", show_default=True,
+              help="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).")
 @click.option("--evals", "evals_dir", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
 @click.option("--work-dir", type=click.Path(path_type=Path), default=Path(".quantgate/canary"), show_default=True,
               help="Verified artifacts and server logs, one folder per canary run.")
 def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: float | None, max_tokens: int,
-        evals_dir: Path, work_dir: Path) -> None:
+        load_api: str, evals_dir: Path, work_dir: Path) -> None:
     """Canary MODEL VERSION through the policy steps (params.yaml `canary`); promote or abort.
 
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
@@ -85,7 +93,7 @@ def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: floa
     def start_load(url: str):
         prompts = prompts_from_evals(evals_dir)
         t = threading.Thread(target=replay, args=(url, prompts, load_rps, 24 * 3600.0),
-                             kwargs={"stop": stop_load, "max_tokens": max_tokens}, daemon=True)
+                             kwargs={"stop": stop_load, "max_tokens": max_tokens, "api": load_api}, daemon=True)
         t.start()
 
         def stop() -> None:  # before the router stops: let in-flight requests finish

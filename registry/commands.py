@@ -41,6 +41,16 @@ def _client():
     return store.client()
 
 
+def version_arg(ctx, param, value: str) -> str:
+    """A model version as MLflow numbers it: "3" and "v3" both give "3"."""
+    v = value.strip()
+    v = v[1:] if v[:1] in ("v", "V") else v
+    if not v.isdigit():
+        extra = " or none" if param.name == "expect_production" else ""
+        raise click.BadParameter(f"{value!r} is not a model version; give its number, e.g. 3 or v3{extra}")
+    return v
+
+
 _by = click.option("--by", default=lambda: os.environ.get("USER"), required=True, show_default="$USER",
                    help="Who is acting (recorded).")
 _reason = click.option("--reason", required=True, help="Why (recorded).")
@@ -48,7 +58,7 @@ _reason = click.option("--reason", required=True, help="Why (recorded).")
 
 @click.command()
 @click.argument("model")
-@click.argument("version")
+@click.argument("version", callback=version_arg)
 @_by
 @_reason
 @click.option("--override", "override_reason", metavar="REASON",
@@ -66,7 +76,7 @@ def approve(model: str, version: str, by: str, reason: str, override_reason: str
 
 @click.command()
 @click.argument("model")
-@click.argument("version")
+@click.argument("version", callback=version_arg)
 @_by
 @_reason
 def revoke(model: str, version: str, by: str, reason: str) -> None:
@@ -85,12 +95,12 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
 
 
 def _version_or_none(ctx, param, value: str) -> str | None:
-    return None if value.strip().lower() == "none" else value
+    return None if value.strip().lower() == "none" else version_arg(ctx, param, value)
 
 
 @click.command()
 @click.argument("model")
-@click.argument("version")
+@click.argument("version", callback=version_arg)
 @click.option("--expect-production", required=True, callback=_version_or_none, metavar="VERSION|none",
               help="The version you believe is production now (none if there is none); if it is not, nothing changes.")
 @_by

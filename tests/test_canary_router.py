@@ -447,3 +447,28 @@ def test_load_command_reports_errors_in_one_line(example_evals):
                                        "--evals", str(example_evals)])
     assert result.exit_code == 1 and "/v1/models did not answer" in result.output
     assert "Traceback" not in result.output and load in COMMANDS
+
+
+@pytest.mark.parametrize("stable_status, exit_code", [(200, 0), (500, 1)])
+def test_load_command_exits_1_when_any_request_failed(fakes, example_evals, stable_status, exit_code):
+    fakes["stable"].reset(status=stable_status)
+    with running(fleet(fakes), weight=0) as (router, client):
+        result = CliRunner().invoke(load, ["--url", str(client.base_url), "--rps", "20", "--duration", "0.3",
+                                           "--arrivals", "fixed", "--evals", str(example_evals)])
+    assert result.exit_code == exit_code, result.output
+    assert ("0 failed" in result.output) == (exit_code == 0) and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("api, kinds", [("chat", {("chat", False), ("chat", True)}),
+                                        ("completions", {("completions", False), ("completions", True)})])
+def test_replay_api_picks_the_endpoints(fakes, api, kinds):
+    with running(fleet(fakes), weight=0) as (router, client):
+        report = replay(str(client.base_url), ["2+2?"], rps=40, duration_s=0.2, arrivals="fixed", api=api)
+    assert {(r.kind, r.stream) for r in report.results} == kinds and report.success_rate == 1.0
+    bodies = fakes["stable"].seen
+    assert all(("messages" in b) == (api == "chat") for b in bodies) and len(bodies) == len(report.results)
+
+
+def test_replay_rejects_an_unknown_api():
+    with pytest.raises(QuantgateError, match="api must be one of both, chat, completions, got 'grpc'"):
+        replay("http://127.0.0.1:9", ["x"], rps=1, duration_s=1, api="grpc")

@@ -464,3 +464,26 @@ def test_commands_print_errors_without_traceback(reg):
     assert res.exit_code == 0 and "production=none" in res.output
     res = runner.invoke(history, [r.model, "--at", "yesterday"])
     assert res.exit_code == 2 and "is not an ISO time" in res.output
+
+
+@pytest.mark.parametrize("given, shown", [("v1", "v1"), ("1", "v1")])
+def test_version_argument_accepts_v_prefix(given, shown, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from registry.commands import approve
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/m.db")
+    result = CliRunner().invoke(approve, ["m", given, "--by", "ann", "--reason", "r"])
+    # no such model: the error names the version as MLflow numbers it, never "vv1"
+    assert result.exit_code == 1 and "vv1" not in result.output and "Traceback" not in result.output
+
+
+def test_version_argument_rejects_non_numbers():
+    from click.testing import CliRunner
+
+    from registry.commands import promote
+
+    result = CliRunner().invoke(promote, ["m", "latest", "--expect-production", "none", "--reason", "r", "--by", "a"])
+    assert result.exit_code == 2 and "'latest' is not a model version; give its number, e.g. 3 or v3" in result.output
+    result = CliRunner().invoke(promote, ["m", "2", "--expect-production", "garbage", "--reason", "r", "--by", "a"])
+    assert result.exit_code == 2 and "e.g. 3 or v3 or none" in result.output
