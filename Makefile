@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv/bin
 export PATH := $(VENV):$(PATH)
 
-.PHONY: setup demo test test-unit
+.PHONY: setup demo test test-unit bench
 
 setup:
 	@scripts/setup.sh
@@ -19,3 +19,13 @@ test: setup
 
 test-unit: setup
 	python -m pytest tests -m "not e2e"
+
+# Every benchmark in turn (benchmarks/, README "Numbers"); incremental reuses pipeline_cost's project.
+bench: setup
+	rm -rf .bench
+	python -m benchmarks.pipeline_cost --work .bench
+	python -m benchmarks.incremental --project .bench/pipeline_cost
+	python -m benchmarks.eval_engine --models .bench/pipeline_cost/models
+	python -m benchmarks.serving --models .bench/pipeline_cost/models
+	python -m benchmarks.quality --models .bench/pipeline_cost/models --work .bench/quality
+	python -m benchmarks.numbers > benchmarks/results/numbers.md

@@ -136,7 +136,7 @@ def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None,
     table = Table(title=title)
     columns = list(rows[0]) if rows else []
     for col in columns:
-        table.add_column(col, justify="left" if col in ("stage", "build", "team", "scenario", "engine") else "right")
+        table.add_column(col, justify="left" if col in ("stage", "build", "team", "scenario", "engine", "note", "notes", "reason") else "right")
     for row in rows:
         table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
     console = Console(width=160)
@@ -161,3 +161,15 @@ def stages(root: Path) -> list[str]:
         items = stage.get("foreach")
         names.extend([f"{name}@{item}" for item in items] if items else [name])
     return names
+
+
+def hf_lm(model_dir: Path, params, batch_size: int | None = None):
+    """lm-eval's in-process `hf` model for a build folder, with the evaluate stage's dtype,
+    batch size and BOS setting (`params`: pipeline.evaluate.EvaluateParams), on CUDA if there
+    is one, else CPU (HFLM's default device is cuda). transformers loads compressed-tensors
+    fp8 and W4A16 checkpoints and decompresses them; fp8 activations stay quantized per token."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(model_dir), dtype=params.serve.dtype, batch_size=batch_size or params.harness.batch_size,
+                device="cuda" if torch.cuda.is_available() else "cpu", add_bos_token=params.harness.add_bos_token)

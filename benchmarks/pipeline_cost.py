@@ -5,9 +5,10 @@
 Runs the pipeline of this working tree in a scratch copy (benchmarks.common.scratch_project),
 stage by stage (`dvc repro --single-item STAGE`, in dvc.yaml order), twice:
 - cold: a fresh project, empty DVC cache and empty evaluation cache;
-- warm: the same project again with `--force`: every stage re-runs its command, but the
-  evaluation cache (.quantgate/cache/eval) already holds every (build, team) result, so
-  evaluate starts no server, and the OS file cache and Python bytecode are warm.
+- warm: the same project with every output deleted (models/, results/), as a new clone
+  that shares the DVC cache and the evaluation cache sees it: prepare and quantize are
+  restored from DVC's run-cache, evaluate scores nothing (every (build, team) result is in
+  .quantgate/cache/eval, so no server starts), validate, gate and register re-run.
 Same script on a GPU machine (set-up picks the CUDA vLLM; set evaluate.serve.dtype).
 
 Columns: wall s (the stage's `dvc repro` command, DVC's own start-up of ~1-2 s included),
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -27,13 +29,12 @@ from benchmarks.common import measure, report, scratch_project, stages
 from pipeline.errors import QuantgateError, run_main
 
 
-def run_stage(project: Path, stage: str, force: bool) -> dict:
+def run_stage(project: Path, stage: str) -> dict:
     """Run one stage in `project`; return {wall_s, peak_rss_gib, server_start_s, scoring_s}.
 
     Raises QuantgateError naming the stage and the log's last lines if it fails.
     """
-    cmd = ["dvc", "repro", "--single-item", *(["--force"] if force else []), stage]
-    m = measure(cmd, project)
+    m = measure(["dvc", "repro", "--single-item", stage], project)
     if m.rc != 0:
         tail = "\n".join(m.output.strip().splitlines()[-15:])
         raise QuantgateError(f"stage {stage} failed ({m.rc}) in {project}:\n{tail}")
@@ -54,9 +55,12 @@ def main() -> None:
     project = scratch_project(work / "pipeline_cost", limit=args.limit or None)
     names = stages(project)
     runs = {}
-    for phase, force in (("cold", False), ("warm", True)):
+    for phase in ("cold", "warm"):
+        if phase == "warm":
+            for out in ("models", "results"):
+                shutil.rmtree(project / out)
         for stage in names:
-            runs[phase, stage] = run_stage(project, stage, force)
+            runs[phase, stage] = run_stage(project, stage)
             print(f"{phase} {stage}: {runs[phase, stage]['wall_s']} s", flush=True)
     rows = []
     for stage in names:
@@ -74,7 +78,8 @@ def main() -> None:
     notes = [f"cold evaluate: {start:.0f} s starting servers, {scoring:.0f} s scoring "
              f"({100 * start / evaluate:.0f} % of evaluate time is server start)" if evaluate else
              "no evaluate stage started a server",
-             "warm evaluate reads every result from the evaluation cache: no server is started",
+             "warm: outputs deleted; prepare/quantize restored from the DVC run-cache, evaluate from the "
+             "evaluation cache (no server started)",
              f"limit = {args.limit or 'all'} docs per task; project in {project}"]
     report("pipeline_cost", "dvc repro per stage, default model (wall s, peak RSS GiB of the stage's process tree)",
            rows, meta={"limit": args.limit or None, "project": str(project)}, notes=notes)

@@ -79,6 +79,12 @@ def calibration_dataset(tokenizer, p: QuantizeParams):
                                       add_special_tokens=False), remove_columns=["text"])
 
 
+def recipe_record(p: QuantizeParams, source_digest: str) -> dict:
+    """The `recipe` of a build's manifest (build.json): every parameter but the scheme, and the
+    sha256 digest of the 16-bit weights it was made from. Equal records = the same build recipe."""
+    return {"algorithm": p.algorithm, **p.model_dump(exclude={"algorithm", "scheme"}), "source_weights_sha256": source_digest}
+
+
 def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
     """Quantize the build in `src` into `out`; return the new manifest."""
     import torch
@@ -110,8 +116,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     return write_manifest(out, build=build, scheme=p.scheme, dtype=base["dtype"], base_model=base["base_model"],
-                          recipe={"algorithm": p.algorithm, **p.model_dump(exclude={"algorithm", "scheme"}),
-                                  "source_weights_sha256": base["weights_digest"]})
+                          recipe=recipe_record(p, base["weights_digest"]))
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
 """Unit tests of the benchmark helpers (the benchmarks themselves print figures; see benchmarks/)."""
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -34,12 +35,14 @@ def test_synthetic_and_changed_teams_stay_valid(tmp_path):
     shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
     before = {t.name: t.digest for t in load_teams(root / "evals")}
     add_team(root, "synth_04", rotate=28)
-    reword(root)
+    reword(root, 2)
     team, problems = inspect_team(root / "evals" / "synth_04")
     assert problems == [] and team.tasks[0].name == "synth_04_capitals"
     teams = {t.name: t.digest for t in load_teams(root / "evals")}
     assert set(teams) == set(before) | {"synth_04"}
     assert teams["search"] != before["search"] and teams["billing"] == before["billing"]
+    lines = (root / "evals" / "search" / "data.jsonl").read_text().splitlines()
+    assert json.loads(lines[2])["question"].startswith("Which city is") and lines[3].find("What is") > 0
     first = (root / "evals" / "synth_04" / "data.jsonl").read_text().splitlines()[0]
     assert first == (REPO / "evals" / "search" / "data.jsonl").read_text().splitlines()[28]
 

