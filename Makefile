@@ -25,7 +25,7 @@ bench: setup
 	rm -rf .bench
 	python -m benchmarks.pipeline_cost --work .bench
 	python -m benchmarks.incremental --project .bench/pipeline_cost
-	python -m benchmarks.eval_engine --models .bench/pipeline_cost/models
+	python -m benchmarks.eval_engine --models .bench/pipeline_cost/models --work .bench/eval_engine
 	python -m benchmarks.serving --models .bench/pipeline_cost/models
 	python -m benchmarks.quality --models .bench/pipeline_cost/models --work .bench/quality
-	python -m benchmarks.numbers > benchmarks/results/numbers.md
+	python -m benchmarks.numbers --out benchmarks/results/numbers.md

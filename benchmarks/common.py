@@ -22,9 +22,12 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.errors import QuantgateError
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 ENVS = (".venv", ".venv-serve")
+SCRATCH_COMMIT = "scratch project"
 
 
 def project_env() -> dict[str, str]:
@@ -41,9 +44,14 @@ def scratch_project(root: Path, *, limit: int | None = None, params: dict | None
     and merge `params` ({block: {key: value}}, one level deep) into params.yaml, then commit
     it as a fresh git repository so `dvc repro` runs there as in a clone.
 
-    Raises FileExistsError if `root` exists, CalledProcessError if git fails.
+    Raises QuantgateError if `root` exists or cannot be created.
     """
-    root.mkdir(parents=True)
+    if root.exists():
+        raise QuantgateError(f"{root} already exists; give another --work folder or delete it")
+    try:
+        root.mkdir(parents=True)
+    except OSError as exc:
+        raise QuantgateError(f"cannot create {root}: {exc.strerror}; give another --work folder") from None
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.split()
     for f in files:
@@ -58,14 +66,24 @@ def scratch_project(root: Path, *, limit: int | None = None, params: dict | None
     for block, values in (params or {}).items():
         doc[block].update(values)
     (root / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    commit(root, "scratch project")
+    commit(root, SCRATCH_COMMIT)
     return root
+
+
+def is_scratch_project(root: Path) -> bool:
+    """True if `root` was made by scratch_project (its first commit says so): benchmarks that
+    change params.yaml and commit must never run in a real checkout."""
+    if root.resolve() == REPO or not (root / "dvc.yaml").is_file() or not (root / ".git").is_dir():
+        return False
+    log = subprocess.run(["git", "log", "--reverse", "--format=%s"], cwd=root, capture_output=True, text=True)
+    return log.returncode == 0 and log.stdout.splitlines()[:1] == [SCRATCH_COMMIT]
 
 
 def commit(root: Path, message: str) -> None:
     """Commit everything in `root` (git needs no identity configured)."""
-    subprocess.run(f"git init -q && git add -A && git -c user.name=bench -c user.email=bench@localhost "
-                   f"commit -qm '{message}' --allow-empty", cwd=root, shell=True, check=True, capture_output=True)
+    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=bench", "-c", "user.email=bench@localhost",
+                                                "commit", "-qm", message, "--allow-empty"]):
+        subprocess.run(["git", *cmd], cwd=root, check=True, capture_output=True)
 
 
 @dataclass(frozen=True)

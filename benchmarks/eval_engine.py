@@ -6,8 +6,8 @@ on one build twice: (a) through a vLLM OpenAI server exactly as the evaluate sta
 `hf` backend (transformers, same dtype as the server, same `simple_evaluate` arguments).
 
 Run (CPU or GPU, same script; on a GPU set evaluate.serve.dtype to bfloat16 in params.yaml):
-    .venv/bin/python -m benchmarks.eval_engine [--build fp16] [--models models] [--limit 12]
-        [--cpu-cores 0] [--batch-size 16]
+    .venv/bin/python -m benchmarks.eval_engine [--build fp16] [--models models] [--evals evals]
+        [--limit 12] [--cpu-cores 0] [--batch-size 16] [--work DIR]
 `--cpu-cores` pins the vLLM worker (VLLM_CPU_OMP_THREADS_BIND) so it does not share a core
 with another server on a CPU machine; it is ignored on a GPU.
 
@@ -75,10 +75,10 @@ def score_all(lm, teams, harness) -> dict:
     return out
 
 
-def run_vllm(model_dir: Path, build: str, teams, params: EvaluateParams) -> tuple[float, dict]:
+def run_vllm(model_dir: Path, build: str, teams, params: EvaluateParams, work: Path) -> tuple[float, dict]:
     """(server start s, per-team results) through a vLLM server, as the evaluate stage runs it."""
     started = time.monotonic()
-    with vllm_server(params.serve, model_dir, build, WORK / "server.log") as server:
+    with vllm_server(params.serve, model_dir, build, work / "server.log") as server:
         setup = time.monotonic() - started
         return setup, score_all(make_lm(server, model_dir, params.harness), teams, params.harness)
 
@@ -106,7 +106,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.eval_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="fp16", help="build folder name under --models (default fp16)")
     ap.add_argument("--models", type=Path, default=Path("models"))
-    ap.add_argument("--evals", type=Path, default=Path("evals"))
+    ap.add_argument("--evals", type=Path, default=Path("evals"), help="team eval sets (default evals)")
+    ap.add_argument("--work", type=Path, default=WORK, help="folder for the server log (default .quantgate/bench/eval_engine)")
     ap.add_argument("--limit", type=int, default=12, help="docs per task (default 12)")
     ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
     ap.add_argument("--batch-size", type=int, default=None, help="hf batch size (default evaluate.harness.batch_size)")
@@ -115,6 +116,10 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if args.limit is not None and args.limit < 1:
         raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise QuantgateError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not args.build.replace("_", "").replace("-", "").isalnum():
+        raise QuantgateError(f"--build {args.build!r}: give a build folder name under --models, e.g. fp16")
     model_dir = (args.models / args.build).resolve()
     if not (model_dir / "config.json").is_file():
         raise QuantgateError(f"no build {args.build!r}: {model_dir}/config.json not found (builds are folders "
@@ -125,7 +130,7 @@ def main() -> None:
                                        "harness": params.harness.model_copy(update={"limit": args.limit})})
     vllm_setup, vllm, vllm_error = None, {}, None
     try:
-        vllm_setup, vllm = run_vllm(model_dir, args.build, teams, params)
+        vllm_setup, vllm = run_vllm(model_dir, args.build, teams, params, args.work)
     except QuantgateError as exc:  # e.g. a build this vLLM cannot serve: still measure hf
         vllm_error = str(exc)
         print(f"eval_engine: vLLM failed: {exc}", flush=True)

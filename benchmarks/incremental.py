@@ -16,8 +16,9 @@ documents rotated so each team scores different ones), committed like a real sub
 server plus scoring that team (from results/eval/<build>/timing.json of the run that
 scored it). The target (issue 6): (a) under 10 s; (b) and (c) under 1.5x one team's eval,
 i.e. the other teams come from the evaluation cache and validate/gate/register are cheap.
-Columns: wall s of `dvc repro`, stages DVC ran, teams scored (not from the cache), and the
-ratio to one team's eval.
+Columns: teams in the project, the scenario, wall s of `dvc repro`, how many stages DVC
+ran, the teams scored (not from the evaluation cache), one team's eval (s, see above) and
+the ratio of the two.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import commit, measure, report, scratch_project
+from benchmarks.common import REPO, commit, is_scratch_project, measure, report, scratch_project
 from pipeline.errors import QuantgateError, run_main
 
 TEMPLATE = "search"          # team copied for synthetic teams
@@ -110,27 +111,33 @@ def n_teams(project: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--teams", default="3,12", help="team counts, comma-separated, each >= 3 (the example teams)")
-    ap.add_argument("--limit", type=int, default=12, help="docs per task (evaluate.harness.limit) of a new project")
-    ap.add_argument("--work", type=Path, default=None, help="folder for the scratch project (default: a temp dir)")
-    ap.add_argument("--project", type=Path, default=None,
-                    help="reuse a scratch project (e.g. the one benchmarks.pipeline_cost printed) instead of a new one")
+    ap = argparse.ArgumentParser(prog="benchmarks.incremental", description=__doc__.splitlines()[0])
+    ap.add_argument("--teams", default="3,12", help="team counts, comma-separated, each >= the project's teams")
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--work", type=Path, default=None, help="folder for a new scratch project (default: a temp dir)")
+    where.add_argument("--project", type=Path, default=None,
+                       help="reuse a scratch project (e.g. the one benchmarks.pipeline_cost made) instead of a new one")
+    ap.add_argument("--limit", type=int, default=None, help="docs per task of a new project (default 12)")
     args = ap.parse_args()
     try:
-        counts = sorted(int(x) for x in args.teams.split(","))
+        counts = sorted({int(x) for x in args.teams.split(",")})
     except ValueError:
         raise QuantgateError(f"--teams {args.teams!r}: give team counts like 3,12") from None
+    if args.project and args.limit is not None:
+        raise QuantgateError("--limit applies to a new project only; --project keeps its own params.yaml")
+    if args.limit is not None and args.limit < 1:
+        raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
+    if args.project and not is_scratch_project(args.project):
+        raise QuantgateError(f"--project {args.project}: not a scratch project made by benchmarks.pipeline_cost or "
+                             "this script (this benchmark commits changes there); omit --project to make one")
+    have = n_teams(args.project or REPO)
+    if counts[0] < have:
+        raise QuantgateError(f"--teams {args.teams!r}: every count must be >= {have} (the teams already there)")
     if args.project:
-        if not (args.project / "dvc.yaml").is_file() or not (args.project / ".git").is_dir():
-            raise QuantgateError(f"--project {args.project}: not a scratch project (no dvc.yaml or .git there)")
         project = args.project
     else:
         work = args.work or Path(tempfile.mkdtemp(prefix="quantgate-bench-"))
-        project = scratch_project(work / "incremental", limit=args.limit)
-    if not counts or counts[0] < n_teams(project):
-        raise QuantgateError(f"--teams {args.teams!r}: every count must be >= {n_teams(project)} (the teams in "
-                             f"{project / 'evals'})")
+        project = scratch_project(work / "incremental", limit=args.limit or 12)
     first = repro(project)
     print(f"initial dvc repro ({n_teams(project)} teams): {first['wall_s']} s", flush=True)
     rows = []

