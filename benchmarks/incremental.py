@@ -43,18 +43,15 @@ def repro(project: Path) -> dict:
 
     Raises QuantgateError with the log's last lines if it fails.
     """
-    for build in BUILDS:  # timing.json of a stage that does not run must not count
-        (project / "results" / "eval" / build / "timing.json").unlink(missing_ok=True)
     m = measure(["dvc", "repro"], project)
     if m.rc != 0:
         tail = "\n".join(m.output.strip().splitlines()[-15:])
         raise QuantgateError(f"dvc repro failed ({m.rc}) in {project}:\n{tail}")
     ran = re.findall(r"Running stage '([^']+)'", m.output)
     start, scoring = 0.0, {}
-    for build in BUILDS:
-        path = project / "results" / "eval" / build / "timing.json"
-        if path.is_file():
-            timing = json.loads(path.read_text())
+    for build in BUILDS:  # timing.json of an evaluate stage DVC did not run is from an earlier run
+        if f"evaluate@{build}" in ran:
+            timing = json.loads((project / "results" / "eval" / build / "timing.json").read_text())
             start += timing["server_start_s"]
             for team, s in timing["scoring_s"].items():
                 scoring[team] = scoring.get(team, 0.0) + s
@@ -97,11 +94,14 @@ def scenario(project: Path, label: str, teams: int, change, measured: list[dict]
 
 
 def reword(project: Path, i: int) -> None:
-    """Reword the question of document `i` of the search team (a change of one team's data)."""
+    """Reword the question of document `i` of the search team (a change of one team's data;
+    applied again it rewords it back, which is a change too)."""
     path = project / "evals" / "search" / "data.jsonl"
     lines = path.read_text().splitlines()
     doc = json.loads(lines[i])
-    doc["question"] = doc["question"].replace("What is", "Which city is")
+    q = doc["question"]
+    doc["question"] = q.replace("Which city is", "What is") if q.startswith("Which city is") else \
+        q.replace("What is", "Which city is")
     lines[i] = json.dumps(doc)
     path.write_text("\n".join(lines) + "\n")
 

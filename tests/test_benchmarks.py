@@ -99,3 +99,14 @@ def test_numbers_names_a_malformed_result_in_one_line(tmp_path, monkeypatch):
         numbers.render(["serving"])
     with pytest.raises(QuantgateError, match="no such result; run python -m benchmarks.quality first"):
         numbers.render(["quality"])
+
+
+def test_reword_changes_the_data_every_time(tmp_path):
+    shutil.copytree(REPO / "evals" / "search", tmp_path / "evals" / "search")
+    path = tmp_path / "evals" / "search" / "data.jsonl"
+    states = [path.read_text()]
+    for _ in range(3):
+        reword(tmp_path, 0)
+        states.append(path.read_text())
+    assert all(a != b for a, b in zip(states, states[1:]))  # a re-run on the same project still changes it
+    assert states[2] == states[0] and "Which city is the capital of France?" in states[1]
