@@ -5,9 +5,9 @@
 In a scratch copy of this working tree (benchmarks.common.scratch_project) it runs
 `dvc repro` once, then measures `dvc repro` after each change:
   (a) no change;
-  (b) one team's data changed (one question of the search team reworded);
+  (b) one team's data changed (one question of the search team gets a new revision mark);
   (c) one new team added (a synthetic team; it stays, so (d) runs with one team more);
-  (d) one quantization parameter changed (quantize.int4.dampening_frac 0.01 -> 0.02),
+  (d) one quantization parameter changed (quantize.int4.dampening_frac, to a value new here),
   (d') and changed back: DVC restores the earlier outputs from its run-cache.
 The extra teams for 12 are synthetic copies of the search team (own task name, its
 documents rotated so each team scores different ones), committed like a real submission.
@@ -26,6 +26,7 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -93,15 +94,19 @@ def scenario(project: Path, label: str, teams: int, change, measured: list[dict]
     print(f"{teams} teams, {label}: {r['wall_s']} s; ran {', '.join(r['stages']) or 'nothing'}", flush=True)
 
 
+def revision(project: Path) -> int:
+    """Commits in the project so far: a number no earlier change of this project used."""
+    out = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=project, capture_output=True, text=True)
+    return int(out.stdout.strip() or 0)
+
+
 def reword(project: Path, i: int) -> None:
-    """Reword the question of document `i` of the search team (a change of one team's data;
-    applied again it rewords it back, which is a change too)."""
+    """Change document `i` of the search team (one team's data changed): its question gets a
+    revision mark never used before in this project, so no cache can hold its results."""
     path = project / "evals" / "search" / "data.jsonl"
     lines = path.read_text().splitlines()
     doc = json.loads(lines[i])
-    q = doc["question"]
-    doc["question"] = q.replace("Which city is", "What is") if q.startswith("Which city is") else \
-        q.replace("What is", "Which city is")
+    doc["question"] = f"{doc['question'].split(' (rev ')[0]} (rev {revision(project)})"
     lines[i] = json.dumps(doc)
     path.write_text("\n".join(lines) + "\n")
 
@@ -153,8 +158,10 @@ def main() -> None:
         # the new team stays: the next count grows from n + 1 teams
         scenario(project, "(c) one new team added", n, lambda p: add_team(p, f"new_{n:02d}", rotate=3 + i),
                  rows, team=f"new_{n:02d}")
-        scenario(project, "(d) quantize.int4.dampening_frac 0.01 -> 0.02", n + 1,
-                 lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.02), rows)
+        # a value this project never used, so DVC's run-cache cannot hold it
+        damp = round(0.01 + 0.001 * revision(project), 4)
+        scenario(project, f"(d) quantize.int4.dampening_frac 0.01 -> {damp}", n + 1,
+                 lambda p: set_param(p, "quantize.int4", "dampening_frac", damp), rows)
         scenario(project, "(d') changed back (DVC run-cache)", n + 1,
                  lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01), rows)
     notes = [f"initial dvc repro: {first['wall_s']} s; project in {project}",

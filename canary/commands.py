@@ -11,8 +11,8 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import QuantgateError
 from canary.load import APIS
+from pipeline.errors import QuantgateError
 from registry.commands import version_arg
 
 
