@@ -123,6 +123,11 @@ def measure(cmd: list[str] | str, cwd: Path, *, interval: float = 0.2, timeout: 
     return Measured(round(wall, 1), round(peak / 2**30, 2), proc.returncode, log.read())
 
 
+def rounded(x: float | None, nd: int) -> float | None:
+    """`x` rounded to `nd` decimals; None (a figure that could not be measured) stays None."""
+    return None if x is None else round(x, nd)
+
+
 def machine() -> dict:
     """What the numbers were measured on: CPU, cores, ISA level, memory, GPU, versions."""
     cpu = ""

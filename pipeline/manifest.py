@@ -26,6 +26,15 @@ def weight_digests(model_dir: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in files}
 
 
+def config_digest(model_dir: Path) -> str:
+    """One sha256 over every file of `model_dir` besides the weights and build.json (config,
+    generation config, tokenizer, chat template, recipe): they change what a server computes
+    from the same weights, so the evaluation cache keys on them too."""
+    files = sorted(p for p in model_dir.iterdir()
+                   if p.is_file() and p.suffix != ".safetensors" and p.name != MANIFEST)
+    return digest_of({p.name: sha256_file(p) for p in files})
+
+
 def write_manifest(model_dir: Path, *, build: str, scheme: str, dtype: str, base_model: dict, recipe: dict) -> dict:
     """Hash the weights in `model_dir` and write `model_dir/build.json`; return its content."""
     weights = weight_digests(model_dir)

