@@ -1,10 +1,12 @@
-"""Render benchmarks/results/*.json as the Markdown of the README's "Numbers" section.
+"""Render benchmarks/results/*.json as Markdown: every table whole, and the README's "Numbers" section.
 
-    .venv/bin/python -m benchmarks.numbers [NAME ...] [--out FILE]   # default: every result there is
+    .venv/bin/python -m benchmarks.numbers [NAME ...] [--out FILE] [--readme README.md]
 
 Renders, per result: its title, the command that produced it, the machine and date, the
 table and its notes; to stdout, or to FILE (written whole or not at all). A missing result is
-named on stderr and skipped. Paste the output into README.md (nothing is rewritten in place).
+named on stderr and skipped. --readme FILE replaces the text between `<!-- numbers:start -->`
+and `<!-- numbers:end -->` in FILE with a shorter view of every result (README_VIEW: the
+columns and notes a reader needs), written whole or not at all.
 """
 from __future__ import annotations
 
@@ -19,6 +21,17 @@ from benchmarks.common import RESULTS
 from pipeline.errors import QuantgateError, run_main
 
 ORDER = ("pipeline_cost", "incremental", "eval_engine", "serving", "quality")
+START, END = "<!-- numbers:start -->", "<!-- numbers:end -->"
+# README view per result: (columns kept, indices of the notes kept); the full tables are in --out
+README_VIEW = {
+    "pipeline_cost": (["stage", "cold s", "cold GiB", "cold server start s", "cold scoring s", "warm s"], [0, 1]),
+    "incremental": (["teams", "scenario", "wall s", "stages run", "one team's eval s", "ratio"], [1, 2]),
+    "eval_engine": (["team", "docs", "requests", "vllm_score", "hf_score", "agree_pct", "vllm_s", "hf_s",
+                     "vllm_rps", "hf_rps"], [0, 1]),
+    "serving": (["build", "C", "disk MiB", "mem GiB", "KV tokens", "tok/s", "TTFT ms p50/90/99",
+                 "TPOT ms p50/90/99", "size×", "tok/s×", "TPOT×", "note"], [0]),
+    "quality": (["team", "build", "n", "fp16", "candidate", "recovery_pct", "ci_low", "ci_high", "verdict"], [0, 1]),
+}
 
 
 def machine_line(m: dict) -> str:
@@ -29,61 +42,110 @@ def machine_line(m: dict) -> str:
         (f", vLLM {vllm}" if vllm else "")
 
 
-def markdown(doc: dict) -> str:
-    """A result document (benchmarks.common.report's JSON) as a Markdown block.
+def markdown(doc: dict, columns: list[str] | None = None, notes: list[int] | None = None,
+             heading: str | None = None) -> str:
+    """A result document (benchmarks.common.report's JSON) as a Markdown block: `columns` of
+    its rows (default all), the notes at indices `notes` (default all), under `heading`
+    (default its title).
 
     Raises KeyError/TypeError on a document that is not such a result."""
     rows = doc["rows"]
-    cols = list(rows[0]) if rows else []
+    cols = columns or (list(rows[0]) if rows else [])
     cell = lambda v: "" if v is None else str(v)  # noqa: E731
-    lines = [f"**{doc['title']}**", "",
+    lines = [f"**{heading or doc['title']}**", "",
              f"`{doc['command']}` — {doc['measured_at'][:10]}, {machine_line(doc['machine'])}", ""]
     if rows:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
     else:
         lines.append("(no rows)")
-    lines += [""] + [f"- {n}" for n in doc.get("notes", [])]
+    kept = doc.get("notes", []) if notes is None else [doc.get("notes", [])[i] for i in notes
+                                                        if i < len(doc.get("notes", []))]
+    lines += [""] + [f"- {n}" for n in kept]
     return "\n".join(lines) + "\n"
 
 
-def render(names: list[str]) -> str:
-    """Markdown of the named results (default: every one in ORDER that exists)."""
+def load(name: str, required: bool) -> dict | None:
+    """The result document `name` from RESULTS; None (named on stderr) if missing and not `required`.
+
+    Raises QuantgateError when required and missing, or when the file is not a result."""
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        if required:
+            raise QuantgateError(f"{path}: no such result; run python -m benchmarks.{name} first")
+        print(f"numbers: {path.name} missing (python -m benchmarks.{name} makes it); skipped", file=sys.stderr)
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        markdown(doc)  # a document that cannot be rendered is not a result
+        return doc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise QuantgateError(f"{path}: not a benchmark result ({type(exc).__name__}: {exc}); re-run "
+                             f"python -m benchmarks.{name}") from None
+
+
+def render(names: list[str], readme: bool = False) -> str:
+    """Markdown of the named results (default: every one in ORDER that exists); the README
+    view (README_VIEW, numbered headings) if `readme`."""
     blocks = []
     for name in names or ORDER:
-        path = RESULTS / f"{name}.json"
-        if not path.is_file():
-            if names:
-                raise QuantgateError(f"{path}: no such result; run python -m benchmarks.{name} first")
-            print(f"numbers: {path.name} missing (python -m benchmarks.{name} makes it); skipped", file=sys.stderr)
+        doc = load(name, required=bool(names))
+        if doc is None:
             continue
-        try:
-            blocks.append(markdown(json.loads(path.read_text())))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise QuantgateError(f"{path}: not a benchmark result ({type(exc).__name__}: {exc}); re-run "
-                                 f"python -m benchmarks.{name}") from None
+        if readme:
+            columns, notes = README_VIEW[name]
+            blocks.append(markdown(doc, columns, notes, f"{ORDER.index(name) + 1}. {doc['title']}"))
+        else:
+            blocks.append(markdown(doc))
     if not blocks:
         raise QuantgateError(f"no results in {RESULTS}; run a benchmark first, e.g. python -m benchmarks.pipeline_cost")
     return "\n".join(blocks)
+
+
+def replace_section(readme: Path, text: str) -> str:
+    """`readme`'s content with the text between START and END replaced by `text`.
+
+    Raises QuantgateError naming the file when it or either marker is missing, or they are out of order."""
+    try:
+        content = readme.read_text()
+    except OSError as exc:
+        raise QuantgateError(f"{readme}: cannot read ({exc.strerror})") from None
+    a, b = content.find(START), content.find(END)
+    if a < 0 or b < 0 or b < a:
+        raise QuantgateError(f"{readme}: needs the lines {START} and {END} (in that order) around the Numbers tables")
+    return content[:a + len(START)] + "\n" + text + "\n" + content[b:]
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder, so `path` is whole or untouched.
+
+    Raises QuantgateError when the folder does not exist."""
+    if not path.parent.is_dir():
+        raise QuantgateError(f"{path}: folder {path.parent} does not exist; create it or give another path")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".md")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.numbers", description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(ORDER)} (default: all)")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown to this file instead of stdout")
+    ap.add_argument("--readme", type=Path, default=None, help="replace the Numbers section of this README")
     args = ap.parse_args()
     unknown = [n for n in args.names if n not in ORDER]
     if unknown:
         raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(ORDER)}")
+    if args.readme is not None:
+        write_whole(args.readme, replace_section(args.readme, render(args.names, readme=True)))
+        print(f"numbers: updated the Numbers section of {args.readme}")
     text = render(args.names)
-    if args.out is None:
+    if args.out is not None:
+        write_whole(args.out, text)
+        print(f"numbers: wrote {args.out}")
+    elif args.readme is None:
         print(text, end="")
-        return
-    fd, tmp = tempfile.mkstemp(dir=args.out.parent if args.out.parent.is_dir() else None, suffix=".md")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, args.out)
-    print(f"numbers: wrote {args.out}")
 
 
 if __name__ == "__main__":

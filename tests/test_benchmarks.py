@@ -117,3 +117,25 @@ def test_reword_changes_the_data_every_time(tmp_path):
     assert len(set(states)) == 4  # never back to an earlier state: no cache can hold its results
     first = json.loads(states[3].splitlines()[0])
     assert first["question"] == "What is the capital of France? (rev 3)"
+
+
+def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypatch):
+    import pytest
+
+    import benchmarks.numbers as numbers
+    from pipeline.errors import QuantgateError
+
+    doc = {"title": "T", "command": "python -m benchmarks.serving", "measured_at": "2026-11-29T10:00:00+00:00",
+           "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0},
+           "rows": [{"build": "fp8", "C": 1, "n": 2, "tok/s": 0.59, "note": None}], "notes": ["ratios", "extra"]}
+    monkeypatch.setattr(numbers, "RESULTS", tmp_path)
+    (tmp_path / "serving.json").write_text(json.dumps(doc))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# P\n\n{numbers.START}\nold table\n{numbers.END}\n\nkept\n")
+    new = numbers.replace_section(readme, numbers.render([], readme=True))
+    assert new.startswith(f"# P\n\n{numbers.START}\n**4. T**") and new.endswith(f"{numbers.END}\n\nkept\n")
+    assert "old table" not in new and "| build | C | disk MiB | mem GiB | KV tokens | tok/s |" in new  # README_VIEW
+    assert "| fp8 | 1 |  |  |  | 0.59 |  |" in new and "- ratios" in new and "- extra" not in new
+    readme.write_text(f"{numbers.END}\n{numbers.START}\n")
+    with pytest.raises(QuantgateError, match=r"README.md: needs the lines <!-- numbers:start --> and <!-- numbers:end -->"):
+        numbers.replace_section(readme, "x")
