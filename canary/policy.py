@@ -1,7 +1,7 @@
 """The canary policy: frozen data from params.yaml block `canary`, applied by router/analysis.
 
 Units: percent of traffic (steps), seconds (*_s), fractions in [0, 1] (rates, agreement).
-Errors name the field, e.g. "params.yaml:canary.steps: ..." (pipeline.params.parse).
+Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (pipeline.params.parse).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ class CanaryPolicy(Frozen):
 
 
 def load_policy(path: Path = PARAMS_FILE) -> CanaryPolicy:
-    """Block `canary` of params.yaml. Raises QuantgateError naming params.yaml:canary.<field>."""
+    """Block `canary` of params.yaml. Raises QuantgateError naming params.yaml:<line>: canary.<field>."""
     return load_block("canary", CanaryPolicy, path)
 
 

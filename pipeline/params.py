@@ -1,7 +1,8 @@
 """Load one block of params.yaml into a frozen, strict pydantic model.
 
-Each stage reads only its own block (`load_block("quantize", QuantizeParams)`); unknown keys
-and wrong types fail with the dotted field path, so a typo never silently takes a default.
+Each stage reads only its own block (`load_block("quantize", QuantizeParams)`); unknown keys,
+wrong types and duplicate keys fail with the file, line and dotted field path
+("params.yaml:57: canary.alpha: ..."), so a typo never silently takes a default.
 """
 from __future__ import annotations
 
@@ -25,32 +26,82 @@ class Frozen(BaseModel):
 T = TypeVar("T", bound=BaseModel)
 
 
-def read_yaml(path: Path) -> object:
-    """Parse a YAML file; raise QuantgateError naming the file and line on any problem."""
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one", key_node.start_mark)
+            seen.setdefault(key, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise QuantgateError(f"{path}: file not found") from None
     except UnicodeDecodeError as exc:
         raise QuantgateError(f"{path}: not UTF-8 (byte {exc.start}); save it as UTF-8") from None
+
+
+def read_yaml(path: Path) -> object:
+    """Parse a YAML file; raise QuantgateError naming the file and line on any problem,
+    a key given twice in one mapping included."""
+    text = _read_text(path)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise QuantgateError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
 
 
-def parse(model: type[T], data: object, where: str) -> T:
-    """Validate `data` into `model`; errors name `where` plus the dotted field path."""
+def key_lines(path: Path) -> dict[tuple, int]:
+    """{key path: 1-based line} of every mapping key and sequence item in a YAML file,
+    e.g. {("canary", "alpha"): 57}; empty if the file cannot be read or parsed (read_yaml says why)."""
+    try:
+        root = yaml.compose(_read_text(path), Loader=yaml.SafeLoader)
+    except (QuantgateError, yaml.YAMLError):
+        return {}
+    lines: dict[tuple, int] = {}
+
+    def walk(node, at: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                lines[at + (k.value,)] = k.start_mark.line + 1
+                walk(v, at + (k.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                lines[at + (i,)] = v.start_mark.line + 1
+                walk(v, at + (i,))
+
+    walk(root, ())
+    return lines
+
+
+def parse(model: type[T], data: object, where: str, lines: dict[tuple, int] | None = None, at: tuple = ()) -> T:
+    """Validate `data` (found at key path `at` of file `where`) into `model`.
+
+    Raises QuantgateError with one "where:line: dotted.field: message" per problem; the line
+    (from `lines`, see key_lines) is that of the field, or of its nearest enclosing key when
+    the field is missing.
+    """
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{where}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else f"{where}: {e['msg']}"
-            for e in exc.errors()
-        )
-        raise QuantgateError(problems) from None
+        problems = []
+        for e in exc.errors():
+            loc = at + tuple(str(p) if not isinstance(p, int) else p for p in e["loc"])
+            line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in (lines or {})), None)
+            place = f"{where}:{line}" if line else where
+            field = ".".join(str(p) for p in loc)
+            problems.append(f"{place}: {field}: {e['msg']}" if field else f"{place}: {e['msg']}")
+        raise QuantgateError("; ".join(problems)) from None
 
 
 def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
@@ -63,4 +114,4 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
         if not isinstance(data, dict) or part not in data:
             raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")
         data = data[part]
-    return parse(model, data, f"{path}:{key}")
+    return parse(model, data, str(path), key_lines(path), tuple(key.split(".")))

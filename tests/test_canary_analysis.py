@@ -1,5 +1,6 @@
 """Canary step analysis (known-answer statistics, boundaries, live lines) and the canary policy."""
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -180,7 +181,7 @@ def write_params(tmp_path, **changes) -> Path:
 def test_bad_policy_values_name_the_field(tmp_path, changes, field):
     with pytest.raises(QuantgateError) as exc:
         load_policy(write_params(tmp_path, **changes))
-    assert f"params.yaml:{field}" in str(exc.value)
+    assert re.search(rf"params.yaml:\d+: {re.escape(field)}: ", str(exc.value))  # file, line, field
 
 
 def test_missing_canary_block_is_named(tmp_path):

@@ -56,11 +56,16 @@ def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_unknown_param_is_refused():
-    from pipeline.params import parse
+def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
+    from pipeline.params import load_block
 
-    with pytest.raises(QuantgateError, match=r"quantize.int4.groupsize: Extra inputs are not permitted"):
-        parse(QuantizeParams, {"scheme": "W4A16", "groupsize": 64}, "quantize.int4")
+    params = tmp_path / "params.yaml"
+    params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    groupsize: 64\n")
+    with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.int4.groupsize: Extra inputs are not permitted"):
+        load_block("quantize.int4", QuantizeParams, params)
+    params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    group_size: 64\n    group_size: 128\n")
+    with pytest.raises(QuantgateError, match=r"params.yaml:5: invalid YAML: duplicate key 'group_size' \(first on line 4\)"):
+        load_block("quantize.int4", QuantizeParams, params)
 
 
 def test_is_w4a16_recognises_the_builds_quantize_writes(src, tmp_path):
