@@ -14,7 +14,7 @@ The CLI also records each approve/revoke as an audit run; a UI edit is not audit
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.errors import QuantgateError
 from registry import audit, lock, versions
@@ -34,6 +34,7 @@ class Approval:
     at: str | None = None
     reason: str | None = None
     override_reason: str | None = None
+    unchanged: bool = False  # approve() found this very approval already recorded and wrote nothing
 
     @property
     def override(self) -> bool:
@@ -86,6 +87,8 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
 
     A version whose gate.verdict is not PASS/BASELINE needs `override_reason`, which is
     recorded (tag and audit run); for a passing version it is not needed and not recorded.
+    Idempotent: the same approval (by, reason, override) of an approved version writes
+    nothing and returns it with `unchanged=True`, so a retried command leaves one audit event.
     Raises QuantgateError when the version is missing or the override is missing.
     """
     require_text(by=by, reason=reason)
@@ -97,6 +100,10 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
         elif not (override_reason or "").strip():
             raise QuantgateError(f"{model_name} v{mv.version}: gate.verdict is {verdict}, not PASS; approving it "
                                  f"needs --override REASON, which is recorded")
+        current = read_approval(mv.tags)
+        if current.approved and (current.by, current.reason, current.override_reason) == \
+                (by.strip(), reason.strip(), (override_reason or "").strip() or None):
+            return replace(current, unchanged=True)
         at = audit.utc_now()
         run_id = audit.begin(mlflow_client, model_name, action="approve", by=by, reason=reason, at=at,
                              op=uuid.uuid4().hex, version=mv.version, override_reason=override_reason)

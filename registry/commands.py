@@ -69,7 +69,8 @@ def approve(model: str, version: str, by: str, reason: str, override_reason: str
 
     with _errors():
         a = approval.approve(_client(), model, version, by, reason, override_reason)
-    click.echo(f"{model} v{version}: {a.why}")
+    click.echo(f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
+               + (" (the same approval; nothing recorded)" if a.unchanged else ""))
     if override_reason and not a.override:
         click.echo("note: the version passes its gate; --override was not needed and is not recorded")
 

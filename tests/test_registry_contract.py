@@ -226,11 +226,17 @@ def test_approval_refused_for_fail_then_override_recorded(reg):
     assert datetime.fromisoformat(t["approval.at"]).tzinfo is not None
     [e] = events(r, action="approve")
     assert (e.version, e.by, e.reason, e.override_reason) == (v, "alice", "ship it", "search team accepts the drop")
+    # the same command again (a retry) records nothing; another reason is a new approval
+    again = approval.approve(r.client, r.model, v, "alice", "ship it", override_reason="search team accepts the drop")
+    assert again.unchanged and again.at == a.at and len(events(r, action="approve")) == 1
+    assert not approval.approve(r.client, r.model, v, "alice", "ship it, canary clean",
+                                override_reason="search team accepts the drop").unchanged
+    assert len(events(r, action="approve")) == 2
     assert any(f"v{v} " in line and "approved:alice(override)" in line for line in status_lines(r.client, r.model))
     # revoke: not approved any more, audited, promotion refused
     assert approval.revoke(r.client, r.model, v, "bob", "bad outputs").state == "revoked"
     assert "approval.override_reason" not in r.client.get_model_version(r.model, v).tags
-    assert [e.action for e in events(r, version=v)] == ["approve", "revoke"]
+    assert [e.action for e in events(r, version=v)] == ["approve", "approve", "revoke"]
     with pytest.raises(QuantgateError, match=rf"v{v} is not approved for serving: revoked by bob"):
         aliases.promote(r.client, r.model, v, None, "alice", "go")
 
