@@ -102,7 +102,7 @@ def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: floa
         return stop
 
     try:
-        outcome = run_canary(store.client(), model, version, load_policy(), load_block("evaluate.serve", ServeParams),
+        outcome = run_canary(store.client(existing=True), model, version, load_policy(), load_block("evaluate.serve", ServeParams),
                              by, work_dir, reuse=reuse, on_router=start_load if load_rps else None, log=click.echo)
     except QuantgateError as exc:
         raise click.ClickException(str(exc)) from None

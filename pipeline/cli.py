@@ -57,7 +57,7 @@ def status(model: str | None) -> None:
             from pipeline.register import RegisterParams
 
             model = load_block("register", RegisterParams).model_name
-        for line in status_lines(store.client(), model):
+        for line in status_lines(store.client(existing=True), model):
             click.echo(line)
     except QuantgateError as exc:
         _fail(exc)

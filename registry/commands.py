@@ -38,7 +38,7 @@ def _errors() -> Iterator[None]:
 def _client():
     from registry import store
 
-    return store.client()
+    return store.client(existing=True)
 
 
 def version_arg(ctx, param, value: str) -> str:

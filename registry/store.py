@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pipeline.errors import QuantgateError
+
 DEFAULT_DB = Path("mlflow.db")
 DEFAULT_ARTIFACTS = Path("mlartifacts")
 
@@ -22,11 +24,19 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DB.resolve()}"
 
 
-def client(uri: str | None = None):
-    """An MlflowClient for `uri` (default: `tracking_uri()`), used for tracking and registry."""
+def client(uri: str | None = None, existing: bool = False):
+    """An MlflowClient for `uri` (default: `tracking_uri()`), used for tracking and registry.
+
+    existing=True (commands that act on a registry `dvc repro` made): raises QuantgateError
+    when the URI is a sqlite file that does not exist, instead of MLflow creating an empty
+    registry there (the usual cause: running from another folder than the project).
+    """
     from mlflow import MlflowClient
 
     uri = uri or tracking_uri()
+    if existing and uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise QuantgateError(f"no registry at {uri.removeprefix('sqlite:///')}: run from the project folder after "
+                             "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI")
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

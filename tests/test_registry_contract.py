@@ -452,6 +452,8 @@ def test_commands_print_errors_without_traceback(reg):
     assert "Traceback" not in res.output and res.exception.__class__ is SystemExit
     res = runner.invoke(approve, [r.model, f"v{good}", "--reason", "gate PASS"], env={"USER": "dora"})
     assert res.exit_code == 0 and "approved by dora" in res.output
+    res = runner.invoke(approve, [r.model, good, "--by", "dora", "--reason", "gate PASS"])
+    assert res.exit_code == 0 and "already approved by dora" in res.output and "nothing recorded" in res.output
     res = runner.invoke(promote, [r.model, good, "--expect-production", good, "--by", "dora", "--reason", "go"])
     assert res.exit_code == 1 and "production is none, not v" in res.output
     res = runner.invoke(promote, [r.model, good, "--expect-production", "none", "--by", "dora", "--reason", "go"])
@@ -470,6 +472,19 @@ def test_commands_print_errors_without_traceback(reg):
     assert res.exit_code == 0 and "production=none" in res.output
     res = runner.invoke(history, [r.model, "--at", "yesterday"])
     assert res.exit_code == 2 and "is not an ISO time" in res.output
+
+
+def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for args in (["history", "m"], ["status", "m"], ["approve", "m", "1", "--by", "a", "--reason", "r"]):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 1 and f"no registry at {tmp_path / 'mlflow.db'}: run from the project folder" in res.output
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("given, shown", [("v1", "v1"), ("1", "v1")])
