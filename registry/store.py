@@ -24,16 +24,31 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DB.resolve()}"
 
 
+def reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise QuantgateError in seconds when no server answers at `uri` (any HTTP answer counts);
+    MLflow's own client would retry with backoff for minutes before saying so."""
+    import httpx
+
+    try:
+        httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise QuantgateError(f"MLflow server at {uri} is not reachable ({type(exc).__name__}); start it or fix "
+                             "MLFLOW_TRACKING_URI") from None
+
+
 def client(uri: str | None = None, existing: bool = False):
     """An MlflowClient for `uri` (default: `tracking_uri()`), used for tracking and registry.
 
-    existing=True (commands that act on a registry `dvc repro` made): raises QuantgateError
-    when the URI is a sqlite file that does not exist, instead of MLflow creating an empty
-    registry there (the usual cause: running from another folder than the project).
+    An http(s) URI must answer first (`reachable`). existing=True (commands that act on a
+    registry `dvc repro` made): raises QuantgateError when the URI is a sqlite file that does
+    not exist, instead of MLflow creating an empty registry there (the usual cause: running
+    from another folder than the project).
     """
     from mlflow import MlflowClient
 
     uri = uri or tracking_uri()
+    if uri.startswith(("http://", "https://")):
+        reachable(uri)
     if existing and uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise QuantgateError(f"no registry at {uri.removeprefix('sqlite:///')}: run from the project folder after "
                              "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI")

@@ -485,6 +485,9 @@ def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, mo
         res = CliRunner().invoke(cli, args)
         assert res.exit_code == 1 and f"no registry at {tmp_path / 'mlflow.db'}: run from the project folder" in res.output
     assert list(tmp_path.iterdir()) == []
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens: one line in seconds, not MLflow's minutes of retries
+    res = CliRunner().invoke(cli, ["history", "m"], env={"MLFLOW_TRACKING_URI": dead})
+    assert res.exit_code == 1 and f"MLflow server at {dead} is not reachable (ConnectError)" in res.output
 
 
 @pytest.mark.parametrize("given, shown", [("v1", "v1"), ("1", "v1")])
