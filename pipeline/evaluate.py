@@ -127,12 +127,18 @@ def make_lm(server, model_dir: Path, harness: HarnessParams):
 
 
 def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
-    """Run lm-eval on one team's tasks; return (scores document, raw samples)."""
+    """Run lm-eval on one team's tasks; return (scores document, raw samples).
+
+    Team tasks are whole inline configs (no `include:`, evals/checks.py), so lm-eval's index
+    of its ~14,700 built-in tasks is not built: that index costs ~14 s per call on a 2-core CPU.
+    """
     from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
 
     started = time.monotonic()
     results = simple_evaluate(
-        model=lm, tasks=[t.config for t in team.tasks], limit=effective_limit(team, harness),
+        model=lm, tasks=[t.config for t in team.tasks], task_manager=TaskManager(include_defaults=False),
+        limit=effective_limit(team, harness),
         log_samples=True, apply_chat_template=team.policy.chat_template, cache_requests=False,
         random_seed=harness.seed, numpy_random_seed=harness.seed, torch_random_seed=harness.seed,
         fewshot_random_seed=harness.seed,
