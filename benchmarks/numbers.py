@@ -111,21 +111,32 @@ def replace_section(readme: Path, text: str) -> str:
     except OSError as exc:
         raise QuantgateError(f"{readme}: cannot read ({exc.strerror})") from None
     a, b = content.find(START), content.find(END)
-    if a < 0 or b < 0 or b < a:
-        raise QuantgateError(f"{readme}: needs the lines {START} and {END} (in that order) around the Numbers tables")
+    if a < 0 or b < 0 or b < a or content.count(START) > 1 or content.count(END) > 1:
+        raise QuantgateError(f"{readme}: needs the lines {START} and {END} once each (in that order) around the "
+                             "Numbers tables")
     return content[:a + len(START)] + "\n" + text + "\n" + content[b:]
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder, so `path` is whole or untouched.
+    """Write `text` to `path` through a temporary file in the same folder, so `path` is whole or
+    untouched; an existing file keeps its permissions, and a symlink its target.
 
-    Raises QuantgateError when the folder does not exist."""
+    Raises QuantgateError when the folder does not exist or `path` is a folder."""
+    path = path.resolve() if path.is_symlink() else path
     if not path.parent.is_dir():
         raise QuantgateError(f"{path}: folder {path.parent} does not exist; create it or give another path")
+    if path.is_dir():
+        raise QuantgateError(f"{path}: is a folder; give a file path")
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".md")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def main() -> None:
@@ -137,14 +148,17 @@ def main() -> None:
     unknown = [n for n in args.names if n not in ORDER]
     if unknown:
         raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(ORDER)}")
-    if args.readme is not None:
-        write_whole(args.readme, replace_section(args.readme, render(args.names, readme=True)))
-        print(f"numbers: updated the Numbers section of {args.readme}")
+    if args.readme is not None and args.names:
+        raise QuantgateError("--readme renders every result (the README section is replaced whole); name no results")
     text = render(args.names)
+    section = replace_section(args.readme, render([], readme=True)) if args.readme is not None else None
     if args.out is not None:
         write_whole(args.out, text)
         print(f"numbers: wrote {args.out}")
-    elif args.readme is None:
+    if section is not None:
+        write_whole(args.readme, section)
+        print(f"numbers: updated the Numbers section of {args.readme}")
+    if args.out is None and args.readme is None:
         print(text, end="")
 
 

@@ -187,6 +187,10 @@ def load_teams(root: Path) -> list[Team]:
     if not folders:
         raise QuantgateError(f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md")
     teams, errors = [], []
+    for p in sorted(root.iterdir()):  # task files without a policy would silently drop a team from the gate
+        if p.is_dir() and not (p / POLICY_FILE).is_file() and any(p.glob("*.yaml")):
+            errors.append(_listing(p.name, [f"{p}: has task YAMLs but no {POLICY_FILE}; add one (see "
+                                            "`quantgate evals new`) or move the folder out of the eval sets"]))
     for folder in folders:
         team, problems = inspect_team(folder)
         if team is None:

@@ -18,25 +18,32 @@ PARAMS_FILE = Path("params.yaml")
 
 
 class Frozen(BaseModel):
-    """Base for every params/policy block: immutable, no unknown keys."""
+    """Base for every params/policy block: immutable, no unknown keys, strict types (YAML
+    `true` or `"64"` for an int field is refused, not read as 1 or 64)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 T = TypeVar("T", bound=BaseModel)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently).
+
+    Only the mapping's own scalar keys are compared: merge keys (`<<: *base`) and the keys
+    they bring in are PyYAML's to resolve (an explicit key overrides a merged one), and a
+    non-scalar key is left to PyYAML, which refuses it as unhashable."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict[object, int] = {}
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one", key_node.start_mark)
-            seen.setdefault(key, key_node.start_mark.line + 1)
+            seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
 

@@ -66,6 +66,13 @@ def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
     params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    group_size: 64\n    group_size: 128\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:5: invalid YAML: duplicate key 'group_size' \(first on line 4\)"):
         load_block("quantize.int4", QuantizeParams, params)
+    for wrong in ("true", '"64"'):  # strict: no silent coercion to group_size 1 or 64
+        params.write_text(f"quantize:\n  int4:\n    scheme: W4A16\n    group_size: {wrong}\n")
+        with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.int4.group_size: Input should be a valid integer"):
+            load_block("quantize.int4", QuantizeParams, params)
+    # a merge key is not a duplicate, and an explicit key overrides the merged one
+    params.write_text("base: &b {scheme: W4A16, group_size: 64}\nquantize:\n  int4:\n    <<: *b\n    group_size: 128\n")
+    assert load_block("quantize.int4", QuantizeParams, params).group_size == 128
 
 
 def test_is_w4a16_recognises_the_builds_quantize_writes(src, tmp_path):

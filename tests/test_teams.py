@@ -100,3 +100,9 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
     assert again.exit_code == 1 and "already exists" in again.output
     bad = CliRunner().invoke(cli, ["evals", "new", "Bad-Name", "--owner", "a", "--contact", "b", "--root", str(example_evals)])
     assert bad.exit_code == 1 and "lower_snake_case" in bad.output
+
+
+def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
+    (example_evals / "search" / "team.yaml").unlink()
+    with pytest.raises(QuantgateError, match=r"team search: 1 problem\(s\):\n  .*search: has task YAMLs but no team.yaml"):
+        load_teams(example_evals)
