@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from evals.checks import BINARY_METRICS, check_data, check_metrics, check_task, min_docs_to_pass
 from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_tree
-from pipeline.params import Frozen, key_lines, parse, read_yaml
+from pipeline.params import Frozen, parse, read_yaml
 
 POLICY_FILE = "team.yaml"
 
@@ -142,7 +142,7 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
                         "starting with a letter (it names the team in tags and reports)")
     policy = None
     try:
-        policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path), key_lines(policy_path))
+        policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path), policy_path)
     except QuantgateError as exc:
         problems.append(str(exc))
     tasks = [t for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith("_")

@@ -91,20 +91,21 @@ def key_lines(path: Path) -> dict[tuple, int]:
     return lines
 
 
-def parse(model: type[T], data: object, where: str, lines: dict[tuple, int] | None = None, at: tuple = ()) -> T:
+def parse(model: type[T], data: object, where: str, source: Path | None = None, at: tuple = ()) -> T:
     """Validate `data` (found at key path `at` of file `where`) into `model`.
 
     Raises QuantgateError with one "where:line: dotted.field: message" per problem; the line
-    (from `lines`, see key_lines) is that of the field, or of its nearest enclosing key when
-    the field is missing.
+    is that of the field, or of its nearest enclosing key when the field is missing, read
+    from the YAML file `source` (key_lines) only when there is a problem to report.
     """
     try:
         return model.model_validate(data)
     except ValidationError as exc:
+        lines = key_lines(source) if source is not None else {}
         problems = []
         for e in exc.errors():
             loc = at + tuple(str(p) if not isinstance(p, int) else p for p in e["loc"])
-            line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in (lines or {})), None)
+            line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
             place = f"{where}:{line}" if line else where
             field = ".".join(str(p) for p in loc)
             problems.append(f"{place}: {field}: {e['msg']}" if field else f"{place}: {e['msg']}")
@@ -121,4 +122,4 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
         if not isinstance(data, dict) or part not in data:
             raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")
         data = data[part]
-    return parse(model, data, str(path), key_lines(path), tuple(key.split(".")))
+    return parse(model, data, str(path), path, tuple(key.split(".")))
