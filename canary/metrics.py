@@ -17,7 +17,7 @@ MAX_KEPT = 200_000  # samples (and comparisons) kept in memory, oldest dropped f
 # Outcomes of one backend attempt. ok: "ok", "client_error" (4xx: the request's fault, not
 # the backend's), "cancelled" (the client went away mid-stream). Failed: "server_error" (5xx,
 # or an error object in the stream), "timeout", "connection_error", "cut" (the stream broke
-# after its first byte reached the client).
+# after its first byte reached the client; a candidate's is then finished on stable).
 OK_OUTCOMES = {"ok", "client_error", "cancelled"}
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

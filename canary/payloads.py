@@ -49,3 +49,51 @@ def same_words(a: str, b: str, n_words: int) -> bool:
     """Agreement rule for shadow comparison: equal first `n_words` whitespace-separated words
     after strip (a shorter text must match in full, so "4" vs "4 apples" disagree)."""
     return a.strip().split()[:n_words] == b.strip().split()[:n_words]
+
+
+def continuation(body: dict, sent_text: str, sent_tokens: int, chat: bool) -> dict | None:
+    """The request that continues a stream from where it broke, on another build of the same model.
+
+    `body` is the client's request, `sent_text` the text of the first choice already sent to the
+    client, `sent_tokens` the text chunks already sent (vLLM streams one token per chunk unless
+    started with --stream-interval, so this is the token count the client has seen).
+    - completions: `prompt` + `sent_text`, `echo` off (the client has the prompt already);
+    - chat: `sent_text` as the final assistant message (appended to it if the client already
+      asked to continue one), with vLLM's `continue_final_message: true` and
+      `add_generation_prompt: false` (vLLM chat template options, not OpenAI's API);
+    - `max_tokens` / `max_completion_tokens` / `min_tokens` lowered by `sent_tokens`.
+    Returns None when the request cannot be continued: n > 1 or best_of (choices interleave),
+    a completions prompt that is not one string (token ids, a batch), chat messages that are
+    not a list of dicts, or a final assistant message whose content is not a string. Check
+    `tokens_left` first: with none left there is nothing to continue.
+    """
+    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
+        return None
+    out = dict(body)
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if isinstance(out.get(key), int) and not isinstance(out[key], bool):
+            out[key] = max(out[key] - sent_tokens, 0)
+    if not chat:
+        if not isinstance(body.get("prompt"), str):
+            return None
+        out["prompt"], out["echo"] = body["prompt"] + sent_text, False
+        return out
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return None
+    last = messages[-1]
+    if body.get("continue_final_message") and last.get("role") == "assistant":
+        if not isinstance(last.get("content"), str):
+            return None
+        messages = [*messages[:-1], {**last, "content": last["content"] + sent_text}]
+    else:
+        messages = [*messages, {"role": "assistant", "content": sent_text}]
+    out.update(messages=messages, continue_final_message=True, add_generation_prompt=False)
+    return out
+
+
+def tokens_left(body: dict, sent_tokens: int) -> int | None:
+    """Tokens the request may still generate after `sent_tokens` (None: no limit given)."""
+    limits = [body[k] for k in ("max_tokens", "max_completion_tokens")
+              if isinstance(body.get(k), int) and not isinstance(body[k], bool)]
+    return max(min(limits) - sent_tokens, 0) if limits else None

@@ -10,11 +10,14 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   forwarded (backends are internal); the response headers x-canary-role/-backend/-retried
   say who answered.
 - Retry: a candidate attempt that fails (connection error, timeout, HTTP 5xx, or a stream
-  that ends before its first chunk) is retried once on stable, so the client sees stable's
-  answer. A stream can only be retried before its first byte reached the client: the router
-  waits for the candidate's first chunk before answering, and a stream that breaks after
-  that ends with an SSE `error` event (outcome "cut"), without a retry. 4xx are the
-  request's fault: passed through, not retried, counted as ok.
+  that ends or reports an error before its first chunk) is retried once on stable, so the
+  client sees stable's answer. The router waits for the candidate's first chunk before
+  answering; a candidate stream that breaks (outcome "cut") or reports an engine error after
+  that is resumed on stable: stable continues the text already sent (canary.payloads.
+  continuation) and its chunks follow in the same response, so the client sees one whole
+  answer. A stable stream that breaks, or a stream that cannot be continued (n > 1, a token-id
+  or batch prompt), ends with an SSE `error` event. 4xx are the request's fault: passed
+  through, not retried, counted as ok.
 - Timeouts (policy): connect_timeout_s to connect; request_timeout_s for a whole
   non-streaming answer, for a stream's first chunk, and between later chunks.
 - Shadow: a `shadow_fraction` sample of greedy requests (canary.payloads.is_greedy:
@@ -52,7 +55,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
-from canary.payloads import chunk_text, completion_tokens, is_greedy, response_text, same_words
+from canary.payloads import (chunk_text, completion_tokens, continuation, first_choice, is_greedy, response_text,
+                             same_words, tokens_left)
 from canary.policy import CanaryPolicy
 from pipeline.errors import QuantgateError
 
@@ -109,10 +113,30 @@ def encode_sse(ev: ServerSentEvent) -> bytes:
 
 
 @dataclass
+class _Opened:
+    """A streaming request after its first event (or its failure); see Router._open."""
+
+    outcome: str                    # "ok" or a failed/client_error outcome (canary.metrics)
+    status: int                     # for the client: the backend's status, or 502/504
+    what: str                       # why it failed, for the client's error message
+    status_seen: int = 0            # the backend's HTTP status for the sample (0 = no response)
+    content: bytes | None = None    # a non-200 answer's body, passed on
+    ctype: str = "application/json"
+    upstream: httpx.Response | None = None
+    events: AsyncIterator[ServerSentEvent] | None = None
+    first: ServerSentEvent | None = None
+
+    def __post_init__(self):
+        if self.content is not None or self.first is not None:
+            self.status_seen = self.status
+
+
+@dataclass
 class _Stream:
     """What a relayed stream has shown so far."""
 
     wants_usage: bool
+    resumed_from: int = 0           # > 0: continues a broken stream that sent this many chunks
     failed: bool = False            # the backend sent an error object in the stream
     text: list[str] = field(default_factory=list)
     chunks: int = 0                 # chunks that carried text
@@ -134,6 +158,16 @@ class _Stream:
             self.tokens = n
         if chunk.get("choices") == [] and chunk.get("usage") and not self.wants_usage:
             return None
+        if self.resumed_from:
+            delta = first_choice(chunk).get("delta")
+            if isinstance(delta, dict) and delta.get("role") and not delta.get("content"):
+                return None  # the client had the role chunk already, from the broken stream
+            if isinstance(usage := chunk.get("usage"), dict) and isinstance(usage.get("completion_tokens"), int):
+                # the sent text was prompt to stable, but completion to the client
+                n = self.resumed_from
+                chunk["usage"] = {**usage, "completion_tokens": usage["completion_tokens"] + n,
+                                  "prompt_tokens": max(usage.get("prompt_tokens", 0) - n, 0)}
+                return encode_sse(ServerSentEvent(data=json.dumps(chunk)))
         return encode_sse(ev)
 
 
@@ -308,13 +342,13 @@ class Router:
         ctype = r.headers.get("content-type", "application/json")
         return Response(r.content, r.status_code, headers={**headers, "content-type": ctype}), r.status_code >= 500
 
-    async def _stream(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
-        backend = fleet.candidate if role == "candidate" else fleet.stable
-        headers = _who(role, backend, retried)
-        options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-        state = _Stream(wants_usage=bool(options.get("include_usage")))
-        payload = {**body, "model": backend.model, "stream_options": {**options, "include_usage": True}}
-        t, t0 = time.time(), time.perf_counter()
+    async def _open(self, backend: Backend, path: str, payload: dict) -> _Opened:
+        """POST a streaming request and wait for its first event, within request_timeout_s.
+
+        Returns an _Opened with `first` set (the event, not yet observed; the caller owns
+        `upstream`), or with `first` None and the failure: a non-200 answer in `content`, or
+        no answer (timeout, connection error, a stream without events).
+        """
         upstream = None
         try:
             async with asyncio.timeout(self.policy.request_timeout_s):
@@ -324,53 +358,109 @@ class Router:
                     content = await upstream.aread()
                     await upstream.aclose()
                     outcome = "client_error" if upstream.status_code < 500 else "server_error"
-                    self._record(backend, role, t, t0, outcome, upstream.status_code, stream=True, retried=retried)
-                    ctype = upstream.headers.get("content-type", "application/json")
-                    return (Response(content, upstream.status_code, headers={**headers, "content-type": ctype}),
-                            upstream.status_code >= 500)
+                    return _Opened(outcome, upstream.status_code, f"answered HTTP {upstream.status_code}",
+                                   content=content, ctype=upstream.headers.get("content-type", "application/json"))
                 events = EventSource(upstream).aiter_sse()
-                first = state.observe(await anext(events))
+                return _Opened("ok", 200, "", upstream=upstream, events=events, first=await anext(events))
         except (TimeoutError, httpx.TimeoutException):
-            outcome, status, what = "timeout", 504, "timed out before its first chunk"
+            opened = _Opened("timeout", 504, "timed out before its first chunk")
         except (httpx.HTTPError, SSEError, StopAsyncIteration) as exc:
-            outcome, status, what = "connection_error", 502, f"failed before its first chunk ({type(exc).__name__})"
-        else:
-            if state.failed:
-                outcome, status, what = "server_error", 502, "sent an error as its first chunk"
-            else:
-                ttft = time.perf_counter() - t0
-                relay = self._relay(fleet, role, backend, path, body, upstream, events, first, state,
-                                    t=t, t0=t0, ttft=ttft, retried=retried)
-                ctype = upstream.headers.get("content-type", "text/event-stream")
-                return StreamingResponse(relay, headers={**headers, "content-type": ctype}), False
+            opened = _Opened("connection_error", 502, f"failed before its first chunk ({type(exc).__name__})")
         if upstream is not None:
+            opened.status_seen = upstream.status_code
             await upstream.aclose()
-        self._record(backend, role, t, t0, outcome, upstream.status_code if upstream is not None else 0,
-                     stream=True, retried=retried)
-        return error(status, f"{role} backend {what}", headers), True
+        return opened
 
-    async def _relay(self, fleet: Fleet, role: str, backend: Backend, path: str, body: dict,
-                     upstream: httpx.Response, events: AsyncIterator[ServerSentEvent], first: bytes | None,
-                     state: _Stream, *, t: float, t0: float, ttft: float, retried: bool) -> AsyncIterator[bytes]:
-        """Send the stream on (`first` = the first event's bytes, already observed) and record it."""
+    async def _stream(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+        backend = fleet.candidate if role == "candidate" else fleet.stable
+        headers = _who(role, backend, retried)
+        options = _stream_options(body)
+        state = _Stream(wants_usage=bool(options.get("include_usage")))
+        payload = {**body, "model": backend.model, "stream_options": {**options, "include_usage": True}}
+        t, t0 = time.time(), time.perf_counter()
+        o = await self._open(backend, path, payload)
+        if o.first is not None:
+            first = state.observe(o.first)
+            if not state.failed:
+                relay = self._relay(fleet, role, backend, path, body, o, first, state,
+                                    t=t, t0=t0, ttft=time.perf_counter() - t0, retried=retried)
+                ctype = o.upstream.headers.get("content-type", "text/event-stream")
+                return StreamingResponse(relay, headers={**headers, "content-type": ctype}), False
+            await o.upstream.aclose()
+            o = _Opened("server_error", 502, "sent an error as its first chunk", status_seen=200)
+        self._record(backend, role, t, t0, o.outcome, o.status_seen, stream=True, retried=retried)
+        if o.content is not None:  # the backend's own answer (4xx passes through; 5xx is retried)
+            return (Response(o.content, o.status, headers={**headers, "content-type": o.ctype}),
+                    o.status >= 500)
+        return error(o.status, f"{role} backend {o.what}", headers), True
+
+    async def _relay(self, fleet: Fleet, role: str, backend: Backend, path: str, body: dict, opened: _Opened,
+                     first: bytes | None, state: _Stream, *, t: float, t0: float, ttft: float | None,
+                     retried: bool) -> AsyncIterator[bytes]:
+        """Send the stream on (`first` = the first event's bytes, already observed) and record it.
+
+        A candidate stream that breaks, or reports an engine error, after its first chunk is
+        finished on stable (`_resume`); a stable stream that does ends with an SSE `error` event.
+        """
         outcome = "cancelled"  # stays so if the client goes away mid-stream
+        resumable = role == "candidate"
         try:
             if first is not None:
                 yield first
-            async for ev in events:
-                if (out := state.observe(ev)) is not None:
+            async for ev in opened.events:
+                out = state.observe(ev)
+                if state.failed and resumable:
+                    break  # do not pass the candidate's error on: stable finishes the answer
+                if out is not None:
                     yield out
             outcome = "server_error" if state.failed else "ok"
         except (httpx.HTTPError, SSEError):
-            outcome = "cut"  # too late to retry: the client already has the first chunk
-            yield encode_sse(ServerSentEvent(event="error", data=json.dumps(
-                {"error": {"message": f"{role} backend stream broke", "type": "server_error", "code": 502}})))
+            outcome = "cut"
+            if not resumable:
+                yield _broke(f"{role} backend stream broke")
         finally:
-            await upstream.aclose()
+            await opened.upstream.aclose()
             tokens = state.tokens if state.tokens is not None else state.chunks
             self._record(backend, role, t, t0, outcome, 200, stream=True, retried=retried, ttft=ttft, tokens=tokens)
-        if role == "candidate" and outcome == "ok":
+        if resumable and outcome in ("cut", "server_error"):
+            async for out in self._resume(fleet, path, body, state):
+                yield out
+        elif role == "candidate" and outcome == "ok":
             self._maybe_shadow(fleet, path, body, "".join(state.text))
+
+    async def _resume(self, fleet: Fleet, path: str, body: dict, broken: _Stream) -> AsyncIterator[bytes]:
+        """Finish on stable a candidate stream that broke after its first chunk reached the client.
+
+        Stable gets canary.payloads.continuation of the request (the text sent so far as prompt
+        suffix or final assistant message, token limits lowered by the chunks sent) and its chunks
+        follow the candidate's in the same response; its usage chunk counts the candidate's tokens
+        as completion tokens. Recorded as a retried stable attempt without TTFT/TPOT (its first
+        token is not the client's). A request that cannot be continued, or a stable that fails
+        too, ends the stream with an SSE `error` event; one with no tokens left ends with [DONE].
+        """
+        if tokens_left(body, broken.chunks) == 0:
+            yield b"data: [DONE]\n\n"  # the client has every token it asked for
+            return
+        cont = continuation(body, "".join(broken.text), broken.chunks, chat=path == "/chat/completions")
+        if cont is None:
+            yield _broke("candidate backend stream broke and the request cannot be continued on stable")
+            return
+        stable, options = fleet.stable, _stream_options(body)
+        state = _Stream(wants_usage=broken.wants_usage, resumed_from=broken.chunks)
+        payload = {**cont, "model": stable.model, "stream": True, "stream_options": {**options, "include_usage": True}}
+        t, t0 = time.time(), time.perf_counter()
+        o = await self._open(stable, path, payload)
+        first = state.observe(o.first) if o.first is not None else None
+        if o.first is None or state.failed:
+            if o.upstream is not None:
+                await o.upstream.aclose()
+            outcome = "server_error" if o.first is not None else o.outcome
+            self._record(stable, "stable", t, t0, outcome, o.status_seen, stream=True, retried=True)
+            yield _broke("candidate backend stream broke and stable could not continue it")
+            return
+        async for out in self._relay(fleet, "stable", stable, path, cont, o, first, state,
+                                     t=t, t0=t0, ttft=None, retried=True):
+            yield out
 
     # --- shadow ---------------------------------------------------------------------
     def _maybe_shadow(self, fleet: Fleet, path: str, body: dict, text: str) -> None:
@@ -394,6 +484,16 @@ class Router:
         agree = same_words(candidate_text, response_text(doc), self.policy.shadow_compare_words)
         self.recorder.add_shadow(ShadowSample(t=t, agree=agree, candidate=fleet.candidate.label,
                                               shadow=fleet.shadow.label))
+
+
+def _broke(message: str) -> bytes:
+    """The SSE `error` event that ends a stream which broke after its first chunk."""
+    return encode_sse(ServerSentEvent(event="error", data=json.dumps(
+        {"error": {"message": message, "type": "server_error", "code": 502}})))
+
+
+def _stream_options(body: dict) -> dict:
+    return body["stream_options"] if isinstance(body.get("stream_options"), dict) else {}
 
 
 def _who(role: str, backend: Backend, retried: bool) -> dict[str, str]:

@@ -41,6 +41,7 @@ class Behaviour:
     status: int = 200           # != 200: answer this error instead
     cut_after: int | None = None  # chunks sent before the stream breaks
     error_chunk: bool = False   # stream an error object first, as vLLM does on engine errors
+    error_after: int | None = None  # chunks sent before an error object in the stream
 
 
 def sse(doc) -> bytes:
@@ -91,6 +92,10 @@ class Fake:
             for i, piece in enumerate(pieces):
                 if b.cut_after is not None and i >= b.cut_after:
                     raise RuntimeError("fake backend dies mid-stream")
+                if b.error_after is not None and i >= b.error_after:
+                    yield sse({"error": {"message": "engine dead", "code": 500}})
+                    yield b"data: [DONE]\n\n"
+                    return
                 await asyncio.sleep(b.token_delay_s)
                 yield sse({**head, "choices": [{"index": 0, "delta": {"content": piece}} if chat else
                                                {"index": 0, "text": piece}]})
@@ -146,7 +151,7 @@ def fleet(fakes, candidate="candidate", shadow=None):
 
 def complete(client, stream=False, chat=False, **extra):
     body = {"model": "whatever-the-client-says", "max_tokens": 8, "temperature": 0, "stream": stream, **extra}
-    body.update({"messages": [{"role": "user", "content": "2+2?"}]} if chat else {"prompt": "2+2?"})
+    body.setdefault(*(("messages", [{"role": "user", "content": "2+2?"}]) if chat else ("prompt", "2+2?")))
     path = "/v1/chat/completions" if chat else "/v1/completions"
     if not stream:
         r = client.post(path, json=body)
@@ -256,14 +261,92 @@ def test_client_errors_pass_through_without_retry(fakes):
     assert s.ok and s.outcome == "client_error"
 
 
-def test_stream_cut_after_first_chunk_is_not_retried(fakes):
+def resumed_samples(router):
+    cand, stab = sorted(router.samples_since(0), key=lambda s: s.role)
+    return cand, stab
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_cut_after_first_chunk_is_finished_on_stable(fakes, chat):
     fakes["candidate"].reset(cut_after=2)
     with running(fleet(fakes), weight=100) as (router, client):
+        r, text, events = complete(client, stream=True, chat=chat)
+    assert r.status_code == 200 and r.headers["x-canary-role"] == "candidate"
+    assert text == "the candidate" + "the stable answer is four"  # the fakes ignore the prompt: no join to check
+    assert events[-1].data == "[DONE]" and not any(e.event == "error" for e in events)
+    if chat:  # one role chunk, the candidate's
+        roles = [c["choices"][0]["delta"].get("role") for c in (json.loads(e.data) for e in events[:-1])]
+        assert roles.count("assistant") == 1
+    (asked,) = fakes["stable"].seen
+    assert asked["model"] == "stable-served" and asked["max_tokens"] == 8 - 2 and asked["stream"] is True
+    if chat:
+        assert asked["messages"] == [{"role": "user", "content": "2+2?"},
+                                     {"role": "assistant", "content": "the candidate"}]
+        assert asked["continue_final_message"] is True and asked["add_generation_prompt"] is False
+    else:
+        assert asked["prompt"] == "2+2?the candidate" and asked["echo"] is False
+    cand, stab = resumed_samples(router)
+    assert (cand.role, cand.ok, cand.outcome) == ("candidate", False, "cut")
+    assert (stab.role, stab.ok, stab.outcome, stab.retried) == ("stable", True, "ok", True)
+    assert stab.ttft_s is None and stab.tpot_s is None  # stable's first token is not the client's
+
+
+def test_engine_error_mid_stream_is_not_passed_on_but_finished_on_stable(fakes):
+    fakes["candidate"].reset(error_after=3)
+    with running(fleet(fakes), weight=100) as (router, client):
         r, text, events = complete(client, stream=True)
-    assert r.status_code == 200 and text == "the candidate"  # what was sent before the cut
+    assert text == "the candidate answer" + "the stable answer is four"
+    assert not any("engine dead" in e.data for e in events) and events[-1].data == "[DONE]"
+    assert fakes["stable"].seen[0]["max_tokens"] == 8 - 3
+    cand, stab = resumed_samples(router)
+    assert (cand.outcome, stab.outcome, stab.retried) == ("server_error", "ok", True)
+
+
+def test_resumed_usage_counts_the_candidates_tokens_as_completion(fakes):
+    fakes["candidate"].reset(cut_after=2)
+    with running(fleet(fakes), weight=100) as (router, client):
+        _, _, events = complete(client, stream=True, stream_options={"include_usage": True})
+    usage = json.loads(events[-2].data)["usage"]  # the fake's: prompt 3, completion 5 (its 5 words)
+    assert (usage["completion_tokens"], usage["prompt_tokens"]) == (5 + 2, 3 - 2)
+
+
+def test_stream_cut_with_no_tokens_left_just_ends(fakes):
+    fakes["candidate"].reset(cut_after=2)
+    with running(fleet(fakes), weight=100) as (router, client):
+        _, text, events = complete(client, stream=True, max_tokens=2)
+    assert text == "the candidate" and events[-1].data == "[DONE]" and fakes["stable"].seen == []
+
+
+@pytest.mark.parametrize("extra", [{"prompt": ["2+2?"]}, {"n": 2}], ids=["batch-prompt", "n=2"])
+def test_stream_that_cannot_be_continued_ends_with_an_error_event(fakes, extra):
+    fakes["candidate"].reset(cut_after=2)
+    with running(fleet(fakes), weight=100) as (router, client):
+        r, text, events = complete(client, stream=True, **extra)
+    assert r.status_code == 200 and text.startswith("the candidate")
     assert events[-1].event == "error" and json.loads(events[-1].data)["error"]["code"] == 502
+    assert "cannot be continued" in events[-1].data and fakes["stable"].seen == []
     (s,) = router.samples_since(0)
-    assert (s.role, s.ok, s.outcome) == ("candidate", False, "cut") and fakes["stable"].seen == []
+    assert (s.role, s.ok, s.outcome) == ("candidate", False, "cut")
+
+
+def test_stream_cut_when_stable_cannot_continue_ends_with_an_error_event(fakes):
+    fakes["candidate"].reset(cut_after=2)
+    fakes["stable"].reset(status=500)
+    with running(fleet(fakes), weight=100) as (router, client):
+        _, text, events = complete(client, stream=True)
+    assert text == "the candidate" and events[-1].event == "error"
+    assert "stable could not continue" in events[-1].data
+    cand, stab = resumed_samples(router)
+    assert (cand.outcome, stab.outcome, stab.status, stab.retried) == ("cut", "server_error", 500, True)
+
+
+def test_stable_stream_cut_ends_with_an_error_event(fakes):
+    fakes["stable"].reset(cut_after=2)
+    with running(fleet(fakes), weight=0) as (router, client):
+        _, text, events = complete(client, stream=True)
+    assert text == "the stable" and events[-1].event == "error"
+    (s,) = router.samples_since(0)
+    assert (s.role, s.outcome) == ("stable", "cut")
 
 
 # --- streaming pass-through and latency samples -------------------------------------------

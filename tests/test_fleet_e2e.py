@@ -235,6 +235,72 @@ def test_broken_build_is_aborted_by_shadow_agreement_without_client_errors(fleet
     assert cleared.canary_run_id == outcome.run_id and cleared.from_version == v["broken"]
 
 
+def cutting_proxy(url: str, after: int):
+    """A relay to the OpenAI server at `url` (…/v1) whose streams break after `after` text chunks,
+    as a candidate server killed mid-answer does (the connection drops mid-response)."""
+    from httpx_sse import aconnect_sse
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from canary.payloads import chunk_text
+
+    async def relay(request):
+        body = await request.json()
+
+        async def events():
+            async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+                async with aconnect_sse(client, "POST", url + request.url.path.removeprefix("/v1"), json=body) as src:
+                    sent = 0
+                    async for ev in src.aiter_sse():
+                        if sent >= after:
+                            raise RuntimeError("cut by the test proxy")
+                        yield f"data: {ev.data}\n\n".encode()
+                        sent += ev.data != "[DONE]" and bool(chunk_text(json.loads(ev.data)))
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", relay, methods=["POST"]),
+                             Route("/v1/chat/completions", relay, methods=["POST"])])
+
+
+def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
+    """The text of a streamed answer and its SSE events."""
+    from httpx_sse import connect_sse
+
+    from canary.payloads import chunk_text
+
+    with httpx.Client(timeout=300, trust_env=False) as client, \
+            connect_sse(client, "POST", base_url + path, json=body) as src:
+        events = list(src.iter_sse())
+    return "".join(chunk_text(json.loads(e.data)) for e in events if e.event == "message" and e.data != "[DONE]"), events
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, chat):
+    """Real vLLM on both sides: fp16 behind a proxy that cuts its streams after 3 chunks is the
+    candidate, fp16 is stable; greedy, so the resumed answer must equal fp16's own."""
+    from canary.router import Backend, Router
+    from canary.server import AppServer, RouterServer
+
+    fp16 = fleet["fleet"].backends[fleet["v"]["fp16"]]
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True}
+    body.update({"messages": [{"role": "user", "content": "What is the capital of France?"}]} if chat
+                else {"prompt": "The three primary colours are"})
+    path = "/chat/completions" if chat else "/completions"
+    direct, _ = streamed_text(fp16.url, path, {**body, "model": fp16.model})
+    with AppServer(cutting_proxy(fp16.url, after=3), grace_s=1) as proxy:
+        cut = Backend(f"{proxy.url}/v1", fp16.model, "cut-fp16")
+        router = Router(lambda: {"stable": fp16, "candidate": cut, "shadow": None}, fast_policy(), model_name=MODEL)
+        router.set_weight(100)
+        with RouterServer(router) as server:
+            via, events = streamed_text(f"{server.url}/v1", path, body)
+    print(f"\nresumed {path}: {via!r} (fp16 alone: {direct!r})")
+    assert via == direct and len(direct.split()) >= 4
+    assert events[-1].data == "[DONE]" and not any(e.event == "error" for e in events)
+    outcomes = sorted((s.role, s.outcome, s.retried) for s in router.samples_since(0))
+    assert outcomes == [("candidate", "cut", False), ("stable", "ok", True)]
+
+
 def test_killed_candidate_server_aborts_and_clients_see_no_error(fleet, tmp_path):
     from registry import aliases
 

@@ -1,0 +1,53 @@
+"""canary.payloads: reading and continuing OpenAI request/response bodies (pure functions)."""
+import pytest
+
+from canary.payloads import continuation, is_greedy, same_words, tokens_left
+
+CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10, "temperature": 0, "stream": True}
+
+
+def test_completion_continues_the_prompt_without_echo_and_with_fewer_tokens():
+    body = {"prompt": "Q: 2+2? A:", "max_tokens": 10, "min_tokens": 3, "echo": True, "stream": True}
+    out = continuation(body, " four and", 2, chat=False)
+    assert out == {**body, "prompt": "Q: 2+2? A: four and", "echo": False, "max_tokens": 8, "min_tokens": 1}
+    assert body["prompt"] == "Q: 2+2? A:" and body["max_tokens"] == 10  # the client's body is not changed
+
+
+def test_chat_continues_as_final_assistant_message():
+    out = continuation({**CHAT, "max_completion_tokens": 6}, "It is", 2, chat=True)
+    assert out["messages"] == [*CHAT["messages"], {"role": "assistant", "content": "It is"}]
+    assert (out["continue_final_message"], out["add_generation_prompt"]) == (True, False)
+    assert (out["max_tokens"], out["max_completion_tokens"]) == (8, 4)
+
+
+def test_chat_that_already_continues_an_assistant_message_appends_to_it():
+    body = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "The answer:"}],
+            "continue_final_message": True, "add_generation_prompt": False}
+    out = continuation(body, " 4", 1, chat=True)
+    assert out["messages"][-1] == {"role": "assistant", "content": "The answer: 4"} and len(out["messages"]) == 2
+
+
+@pytest.mark.parametrize("body, chat", [
+    ({"prompt": ["a", "b"], "max_tokens": 5}, False),           # a batch of prompts
+    ({"prompt": [1, 2, 3], "max_tokens": 5}, False),            # token ids
+    ({"prompt": "a", "n": 2}, False),                           # choices interleave
+    ({"prompt": "a", "best_of": 3}, False),
+    ({"messages": "hi"}, True),
+    ({"messages": []}, True),
+    ({"messages": [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}],
+      "continue_final_message": True}, True),                   # content parts: no string to extend
+])
+def test_requests_that_cannot_be_continued(body, chat):
+    assert continuation(body, "x", 1, chat=chat) is None
+
+
+def test_tokens_left_takes_the_smaller_limit_and_none_without_one():
+    assert tokens_left({"max_tokens": 10, "max_completion_tokens": 4}, 3) == 1
+    assert tokens_left({"max_tokens": 2}, 5) == 0
+    assert tokens_left({"max_tokens": True}, 0) is None and tokens_left({}, 7) is None
+
+
+def test_greedy_and_same_words():
+    assert is_greedy({"temperature": 0}) and not is_greedy({}) and not is_greedy({"temperature": 0, "n": 2})
+    assert not is_greedy({"temperature": False})
+    assert same_words(" four apples", "four apples and", 2) and not same_words("4", "4 apples", 2)
