@@ -60,7 +60,7 @@ def preflight(mlflow_client, model_name: str, version: str) -> tuple[str, str | 
     no `fallback` (the 16-bit build, set by `dvc repro`).
     """
     mv = versions.require_version(mlflow_client, model_name, version)
-    a = approval.read_approval(mv.tags)
+    a = approval.read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv))
     if not a.approved:
         override = "" if mv.tags.get("gate.verdict") in approval.PASSING else \
             f" --override REASON (gate.verdict={mv.tags.get('gate.verdict')})"

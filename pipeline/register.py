@@ -118,6 +118,7 @@ def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path
         verdict = tags["gate.verdict"]
         existing = versions.find_version(client, params.model_name, tags["weights_sha256"], tags["evidence_sha256"])
         if existing is not None:
+            versions.record_verdict(client, existing.run_id, verdict)  # back-fills older runs
             out["builds"][build] = {"version": str(existing.version), "run_id": existing.run_id, "verdict": verdict,
                                     "reused": True}
             print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")

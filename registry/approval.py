@@ -7,7 +7,9 @@ Tags (set by `quantgate approve/revoke`, or by a release manager in the MLflow U
   approval.at               when, UTC ISO (written by the CLI; optional in the UI)
   approval.override_reason  required when the version's gate.verdict is not PASS/BASELINE
 A version counts as approved only when approval=approved, by and reason are filled in, and
-gate.verdict is PASS or BASELINE or an override reason is recorded. Anything else (missing,
+gate.verdict is PASS or BASELINE or an override reason is recorded. The verdict is the one
+recorded as a param of the build's run at registration (registry.versions.recorded_verdict);
+a gate.verdict tag that differs from it (edited in the UI) makes the version NOT approved. Anything else (missing,
 revoked, an unknown value, an override missing) reads as NOT approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
 """
@@ -41,8 +43,10 @@ class Approval:
         return self.approved and self.override_reason is not None
 
 
-def read_approval(tags: dict[str, str]) -> Approval:
-    """Approval state of a version from its tags (fail closed; see the module docstring)."""
+def read_approval(tags: dict[str, str], recorded: str | None) -> Approval:
+    """Approval state of a version from its tags and `recorded`, the gate verdict its run
+    recorded at registration (registry.versions.recorded_verdict; None if none): fail closed,
+    see the module docstring."""
     def text(key: str) -> str | None:
         return (tags.get(key) or "").strip() or None
 
@@ -61,6 +65,8 @@ def read_approval(tags: dict[str, str]) -> Approval:
         return Approval(False, "invalid", f"not approved: approval={APPROVED} but {' and '.join(missing)} "
                                           f"{'are' if len(missing) > 1 else 'is'} empty "
                                           f"(an approval must say who and why)", **who)
+    if (problem := verdict_problem(verdict, recorded)) is not None:
+        return Approval(False, "invalid", f"not approved: {problem}", **who)
     if verdict in PASSING:
         return Approval(True, "approved", f"approved by {by} at {at or '?'}: {reason}", **who)
     if override is None:
@@ -70,9 +76,21 @@ def read_approval(tags: dict[str, str]) -> Approval:
                     override_reason=override, **who)
 
 
+def verdict_problem(tag: str, recorded: str | None) -> str | None:
+    """Why the version's gate.verdict `tag` cannot be trusted, or None when it is the recorded one."""
+    if recorded is None:
+        return ("the build's run records no gate verdict (registered before quantgate recorded it, or the run "
+                "is gone); run `dvc repro` to record it")
+    if tag != recorded:
+        return (f"tag gate.verdict={tag} but the build's run recorded gate.verdict={recorded} at registration "
+                f"(the tag was changed after registration and does not count; set it back to {recorded})")
+    return None
+
+
 def approval_of(mlflow_client, model_name: str, version) -> Approval:
     """Approval state of an existing READY version (QuantgateError if it is missing)."""
-    return read_approval(versions.require_version(mlflow_client, model_name, version).tags)
+    mv = versions.require_version(mlflow_client, model_name, version)
+    return read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv))
 
 
 def require_text(**values: str | None) -> None:
@@ -94,13 +112,15 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
     require_text(by=by, reason=reason)
     with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
-        verdict = mv.tags.get("gate.verdict", "missing")
+        verdict, recorded = mv.tags.get("gate.verdict", "missing"), versions.recorded_verdict(mlflow_client, mv)
+        if (problem := verdict_problem(verdict, recorded)) is not None:
+            raise QuantgateError(f"{model_name} v{mv.version}: {problem}")
         if verdict in PASSING:
             override_reason = None
         elif not (override_reason or "").strip():
             raise QuantgateError(f"{model_name} v{mv.version}: gate.verdict is {verdict}, not PASS; approving it "
                                  f"needs --override REASON, which is recorded")
-        current = read_approval(mv.tags)
+        current = read_approval(mv.tags, recorded)
         if current.approved and (current.by, current.reason, current.override_reason) == \
                 (by.strip(), reason.strip(), (override_reason or "").strip() or None):
             return replace(current, unchanged=True)

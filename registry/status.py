@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from pipeline.errors import QuantgateError
-from registry import lock
+from registry import lock, versions
 from registry.approval import read_approval
 
 
-def _approval_cell(tags: dict) -> tuple[str, str | None]:
+def _approval_cell(mlflow_client, mv) -> tuple[str, str | None]:
     """(short cell, explanation line or None) for a version's approval."""
-    a = read_approval(tags)
+    a = read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv))
     if a.approved:
         return (f"approved:{a.by}" + ("(override)" if a.override else "")), None
     if a.state == "revoked":
@@ -39,13 +39,13 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
     if held is not None:
         lines.append(f"  lock: held by {held.get('lock.holder', '?')} (pid {held.get('lock.pid', '?')} on "
                      f"{held.get('lock.host', '?')}) for {held['age_s']:.0f} s")
-    versions = sorted(mlflow_client.search_model_versions(f"name='{model_name}'"), key=lambda m: -int(m.version))
-    for mv in versions:
+    found = sorted(mlflow_client.search_model_versions(f"name='{model_name}'"), key=lambda m: -int(m.version))
+    for mv in found:
         t = mv.tags
         teams = sorted({k.split(".")[1] for k in t if k.startswith("gate.") and k.endswith(".verdict") and k.count(".") == 2})
         per_team = " ".join(f"{team}={t[f'gate.{team}.verdict']}" for team in teams)
         aliases = ",".join(sorted(by_version.get(str(mv.version), [])))
-        cell, why = _approval_cell(t)
+        cell, why = _approval_cell(mlflow_client, mv)
         lines.append(f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<12}"
                      f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip())
         if why:

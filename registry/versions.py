@@ -5,6 +5,9 @@ Tags written on every version (searchable in the UI and with `search_model_versi
   weights_sha256.<file>, base_model.id, base_model.sha256, git_commit, dvc_lock_sha256,
   params_sha256, version.<library> for the pipeline and serving stacks,
   gate.verdict, gate.<team>.{metric,verdict,delta,ci,recovery_pct,team_sha256}, evidence_sha256.
+The build's run also holds gate.verdict as a param: MLflow refuses to change a logged param,
+so that is the verdict of record (`recorded_verdict`); the version tag is the UI's copy and
+an edit of it does not count (registry/approval.py).
 The version is created in one call with all its tags after every artifact is logged, so a
 failure part-way leaves a FAILED run and no version: never a half-written version.
 """
@@ -16,6 +19,8 @@ from pathlib import Path
 
 from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_json
+
+VERDICT = "gate.verdict"  # version tag and run param
 
 # the alias of the 16-bit build; all aliases and how they move: registry/aliases.py
 FALLBACK = "fallback"
@@ -75,6 +80,7 @@ def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metri
     run = mlflow_client.create_run(exp_id, tags=tags, run_name=f"build-{tags['build']}")
     run_id = run.info.run_id
     try:
+        record_verdict(mlflow_client, run_id, tags[VERDICT])
         for key, value in metrics.items():
             mlflow_client.log_metric(run_id, key, value)
         mlflow_client.log_artifacts(run_id, str(model_dir), artifact_path="model")
@@ -91,6 +97,31 @@ def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metri
         raise
     mlflow_client.set_terminated(run_id, status="FINISHED")
     return run_id, f"{mlflow_client.get_run(run_id).info.artifact_uri}/model"
+
+
+def recorded_verdict(mlflow_client, mv) -> str | None:
+    """The gate verdict logged as a param of version `mv`'s run at registration; None when
+    there is none (a run registered before quantgate recorded it, or the run is gone)."""
+    from mlflow.exceptions import MlflowException
+
+    if not mv.run_id:
+        return None
+    try:
+        return mlflow_client.get_run(mv.run_id).data.params.get(VERDICT)
+    except MlflowException:
+        return None
+
+
+def record_verdict(mlflow_client, run_id: str, verdict: str) -> None:
+    """Log `verdict` as the run's gate.verdict param, unless it is there already (this
+    back-fills runs registered before it was recorded). Raises QuantgateError if the run
+    recorded another verdict (params cannot change: the evidence no longer matches the run)."""
+    have = mlflow_client.get_run(run_id).data.params.get(VERDICT)
+    if have is None:
+        mlflow_client.log_param(run_id, VERDICT, verdict)
+    elif have != verdict:
+        raise QuantgateError(f"run {run_id} recorded gate.verdict={have} but the gate now says {verdict} for the "
+                             f"same weights and evidence; register cannot reuse it")
 
 
 def register_version(mlflow_client, model_name: str, run_id: str, source: str, tags: dict, description: str):

@@ -264,6 +264,45 @@ def test_ui_approval_of_fail_version_without_override_reads_not_approved(reg):
     assert approval.approval_of(r.client, r.model, p).approved
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_gate_verdict_tag_edited_in_the_ui_does_not_count(reg):
+    from registry import versions
+
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    v = r.version("fp8")
+    mv = r.client.get_model_version(r.model, v)
+    assert versions.recorded_verdict(r.client, mv) == "FAIL"  # the run's param, written at registration
+    r.client.set_model_version_tag(r.model, v, "gate.verdict", "PASS")  # someone "fixes" the verdict in the UI
+    for key, value in {"approval": "approved", "approval.by": "carol", "approval.reason": "looks fine"}.items():
+        r.client.set_model_version_tag(r.model, v, key, value)
+    a = approval.approval_of(r.client, r.model, v)
+    assert not a.approved and a.state == "invalid"
+    assert "tag gate.verdict=PASS but the build's run recorded gate.verdict=FAIL" in a.why
+    with pytest.raises(QuantgateError, match="set it back to FAIL"):
+        approval.approve(r.client, r.model, v, "carol", "go", override_reason="accepted risk")
+    with pytest.raises(QuantgateError, match="not approved for serving"):
+        aliases.promote(r.client, r.model, v, None, "carol", "go", verify=False)
+    assert any("recorded gate.verdict=FAIL" in line for line in status_lines(r.client, r.model))
+    r.client.set_model_version_tag(r.model, v, "gate.verdict", "FAIL")  # set back: the override path works again
+    assert approval.approve(r.client, r.model, v, "carol", "go", override_reason="accepted risk").override
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_register_back_fills_and_never_changes_the_recorded_verdict(reg):
+    from registry import versions
+
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    exp = r.client.get_experiment_by_name("builds").experiment_id
+    legacy = r.client.create_run(exp).info.run_id  # a run registered before the verdict was recorded
+    versions.record_verdict(r.client, legacy, "PASS")
+    versions.record_verdict(r.client, legacy, "PASS")  # the same again: nothing to do
+    assert r.client.get_run(legacy).data.params == {"gate.verdict": "PASS"}
+    with pytest.raises(QuantgateError, match="recorded gate.verdict=PASS but the gate now says FAIL"):
+        versions.record_verdict(r.client, legacy, "FAIL")
+    again = reg({"int4": "PASS", "fp8": "FAIL"})  # dvc repro again: versions reused, verdicts unchanged
+    assert again.out["builds"]["fp8"]["reused"] and again.version("fp8") == r.version("fp8")
+
+
 def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
     r = reg({"int4": "PASS", "fp8": "PASS"})
     a, b = r.version("int4"), r.version("fp8")
