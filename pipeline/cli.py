@@ -53,9 +53,12 @@ def status(model: str | None) -> None:
 
     try:
         if model is None:
-            from pipeline.params import load_block
+            from pipeline.params import PARAMS_FILE, load_block
             from pipeline.register import RegisterParams
 
+            if not PARAMS_FILE.is_file():
+                raise QuantgateError(f"no {PARAMS_FILE} in {Path.cwd()}: run from the project folder, or name the "
+                                     f"model: quantgate status MODEL")
             model = load_block("register", RegisterParams).model_name
         for line in status_lines(store.client(existing=True), model):
             click.echo(line)

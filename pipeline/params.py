@@ -98,6 +98,12 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
     is that of the field, or of its nearest enclosing key when the field is missing, read
     from the YAML file `source` (key_lines) only when there is a problem to report.
     """
+    if not isinstance(data, dict):  # pydantic would say "valid dictionary or instance of <Model>"
+        line = key_lines(source).get(at) if source is not None and at else None
+        what = ".".join(map(str, at)) or "the file"
+        got = "nothing (empty)" if data is None else f"{type(data).__name__} {str(data)[:40]}"
+        raise QuantgateError(f"{where}{f':{line}' if line else ''}: {what} must be a mapping of fields "
+                             f"({', '.join(model.model_fields)}); got {got}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -73,6 +73,13 @@ def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
     # a merge key is not a duplicate, and an explicit key overrides the merged one
     params.write_text("base: &b {scheme: W4A16, group_size: 64}\nquantize:\n  int4:\n    <<: *b\n    group_size: 128\n")
     assert load_block("quantize.int4", QuantizeParams, params).group_size == 128
+    params.write_text("quantize:\n  int4:\n")  # a block left empty, or a scalar where a block goes
+    with pytest.raises(QuantgateError, match=r"params.yaml:2: quantize.int4 must be a mapping of fields \(scheme, "
+                                             r".*\); got nothing \(empty\)"):
+        load_block("quantize.int4", QuantizeParams, params)
+    params.write_text("quantize:\n  int4: 4\n")
+    with pytest.raises(QuantgateError, match=r"params.yaml:2: quantize.int4 must be .*; got int 4"):
+        load_block("quantize.int4", QuantizeParams, params)
 
 
 def test_is_w4a16_recognises_the_builds_quantize_writes(src, tmp_path):

@@ -523,6 +523,9 @@ def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, mo
     for args in (["history", "m"], ["status", "m"], ["approve", "m", "1", "--by", "a", "--reason", "r"]):
         res = CliRunner().invoke(cli, args)
         assert res.exit_code == 1 and f"no registry at {tmp_path / 'mlflow.db'}: run from the project folder" in res.output
+    res = CliRunner().invoke(cli, ["status"])  # no MODEL and no params.yaml to take the default from
+    assert res.exit_code == 1 and f"no params.yaml in {tmp_path}: run from the project folder, or name the model" \
+        in res.output
     assert list(tmp_path.iterdir()) == []
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens: one line in seconds, not MLflow's minutes of retries
     res = CliRunner().invoke(cli, ["history", "m"], env={"MLFLOW_TRACKING_URI": dead})
