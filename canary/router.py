@@ -44,7 +44,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -423,8 +423,9 @@ class Router:
             tokens = state.tokens if state.tokens is not None else state.chunks
             self._record(backend, role, t, t0, outcome, 200, stream=True, retried=retried, ttft=ttft, tokens=tokens)
         if resumable and outcome in ("cut", "server_error"):
-            async for out in self._resume(fleet, path, body, state):
-                yield out
+            async with aclosing(self._resume(fleet, path, body, state)) as rest:  # closed if the client leaves
+                async for out in rest:
+                    yield out
         elif role == "candidate" and outcome == "ok":
             self._maybe_shadow(fleet, path, body, "".join(state.text))
 
@@ -458,9 +459,10 @@ class Router:
             self._record(stable, "stable", t, t0, outcome, o.status_seen, stream=True, retried=True)
             yield _broke("candidate backend stream broke and stable could not continue it")
             return
-        async for out in self._relay(fleet, "stable", stable, path, cont, o, first, state,
-                                     t=t, t0=t0, ttft=None, retried=True):
-            yield out
+        async with aclosing(self._relay(fleet, "stable", stable, path, cont, o, first, state,
+                                        t=t, t0=t0, ttft=None, retried=True)) as rest:
+            async for out in rest:
+                yield out
 
     # --- shadow ---------------------------------------------------------------------
     def _maybe_shadow(self, fleet: Fleet, path: str, body: dict, text: str) -> None:

@@ -340,6 +340,20 @@ def test_stream_cut_when_stable_cannot_continue_ends_with_an_error_event(fakes):
     assert (cand.outcome, stab.outcome, stab.status, stab.retried) == ("cut", "server_error", 500, True)
 
 
+def test_client_leaving_during_the_resume_is_recorded_as_cancelled(fakes):
+    fakes["candidate"].reset(cut_after=1)
+    fakes["stable"].reset(token_delay_s=0.5)  # 5 words: ~2.5 s to finish
+    body = {"model": "m", "prompt": "2+2?", "max_tokens": 8, "temperature": 0, "stream": True}
+    with running(fleet(fakes), weight=100) as (router, client):
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            for raw in r.iter_raw():  # the candidate's chunk, then stable's first: hang up mid-resume
+                if b"stable-served" in raw:
+                    break
+        wait_for(lambda: [s for s in router.samples_since(0) if s.role == "stable"], 1)
+    cand, stab = resumed_samples(router)
+    assert (cand.outcome, stab.outcome, stab.retried, stab.ok) == ("cut", "cancelled", True, True)
+
+
 def test_stable_stream_cut_ends_with_an_error_event(fakes):
     fakes["stable"].reset(cut_after=2)
     with running(fleet(fakes), weight=0) as (router, client):
