@@ -7,7 +7,8 @@ Runs live in experiment `quantgate-audit`. Each run's params (immutable once log
   version (approve/revoke), override_reason, canary_run_id, approved_by (promote).
 Tags: mlflow.user = by, mlflow.runName = a one-line summary, quantgate.action, quantgate.model.
 
-A run is created RUNNING before the registry is changed and ends FINISHED after the change,
+A run is created RUNNING before the registry is changed and ends FINISHED after the change
+(its end time = Event.done_at, when the change took effect; `at` is when it was asked for),
 or FAILED if the change did not happen. Only FINISHED runs count in `history`; a run still
 RUNNING marks a change whose process died mid-way (check the aliases in the UI).
 """
@@ -56,6 +57,12 @@ class Event:
     canary_run_id: str | None = None
     step: int = 0
     run_id: str = ""
+    done_at: datetime | None = None  # when the run ended FINISHED, right after the registry write
+
+    @property
+    def took_s(self) -> float | None:
+        """Seconds from the request (`at`) to the change being written (`done_at`)."""
+        return (self.done_at - self.at).total_seconds() if self.done_at else None
 
     def line(self) -> str:
         """One human line: `2025-01-01T10:00:00.000+00:00 promote production v1 -> v2 by alice: reason`."""
@@ -126,7 +133,8 @@ def _event(run) -> Event:
     return Event(at=datetime.fromisoformat(p["at"]), action=p["action"], model=p["model"], by=p["by"],
                  reason=p.get("reason", ""), alias=opt("alias"), from_version=opt("from_version"),
                  to_version=opt("to_version"), version=opt("version"), override_reason=opt("override_reason"),
-                 canary_run_id=opt("canary_run_id"), step=int(p.get("step", 0)), run_id=run.info.run_id)
+                 canary_run_id=opt("canary_run_id"), step=int(p.get("step", 0)), run_id=run.info.run_id,
+                 done_at=datetime.fromtimestamp(run.info.end_time / 1000, timezone.utc) if run.info.end_time else None)
 
 
 def history(mlflow_client, model: str) -> list[Event]:

@@ -207,13 +207,14 @@ def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
         p = run(["quantgate", "rollback", MODEL, "--by", "e2e-test", "--reason", "e2e: rollback under load"], project)
         assert f"production: v{v[GOOD]} -> v{v['fp16']}" in p.stdout
         time.sleep(6)
-    flip = [e for e in audit.history(client, MODEL) if e.action == "rollback" and e.alias == "production"][-1].at.timestamp()
+    event = [e for e in audit.history(client, MODEL) if e.action == "rollback" and e.alias == "production"][-1]
+    flip = event.done_at.timestamp()  # the aliases are written (audit run ended); `at` is the request
     after = sorted((r for r in load.results if r["sent"] >= flip), key=lambda r: r["sent"])
     first_prev = next(r["sent"] for r in after if r["backend"] == f"v{v['fp16']}")
     last_old = max((r["sent"] for r in after if r["backend"] == f"v{v[GOOD]}"), default=flip)
-    print(f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; traffic on the previous version "
-          f"{first_prev - flip:.2f} s after the alias flip; last request routed to the old version "
-          f"{last_old - flip:.2f} s after it")
+    print(f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; registry written {event.took_s:.2f} s "
+          f"after the request; traffic on the previous version {first_prev - flip:.2f} s after the alias flip; "
+          f"last request routed to the old version {last_old - flip:.2f} s after it")
     assert not load.failed, load.failed[:3]
     assert last_old - flip < 1.0
     assert aliases.current(client, MODEL)["production"] == v["fp16"]

@@ -358,6 +358,8 @@ def test_promote_rollback_and_history_point_in_time(reg):
     assert [(e.action, e.from_version, e.to_version) for e in prod] == \
         [("promote", None, a), ("promote", a, b), ("rollback", b, a), ("rollback", a, base)]
     assert prod[0].canary_run_id == canary and prod[0].by == "rm" and prod[2].reason == "p99 latency"
+    # done_at: when the change was written (the audit run ended), after it was asked for and before the next
+    assert all(e.at <= e.done_at <= later.at and 0 <= e.took_s < 60 for e, later in zip(prod, prod[1:]))
     ms = timedelta(milliseconds=1)
     assert aliases.alias_at(r.client, r.model, "production", prod[0].at - ms) is None
     assert aliases.alias_at(r.client, r.model, "production", prod[0].at) == a
