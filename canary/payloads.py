@@ -19,30 +19,51 @@ def is_greedy(body: dict) -> bool:
 
 
 def first_choice(body: dict) -> dict:
-    choices = body.get("choices") or []
-    return choices[0] if choices and isinstance(choices[0], dict) else {}
+    """choices[0] of a body or chunk, {} when there is none or it is malformed."""
+    choices = body.get("choices")
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+
+
+def one_choice(body: dict) -> bool:
+    """True when a request asks for one choice (n and best_of absent or 1): its stream is one answer."""
+    return body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
 
 
 def response_text(body: dict) -> str:
     """Text of the first choice of a non-streaming completion or chat response ("" if none)."""
     c = first_choice(body)
     if "message" in c:
-        return (c.get("message") or {}).get("content") or ""
-    return c.get("text") or ""
+        message = c.get("message")
+        text = message.get("content") if isinstance(message, dict) else None
+    else:
+        text = c.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def chunk_text(chunk: dict) -> str:
-    """Text a stream chunk adds to the first choice ("" for role/usage-only/finish chunks)."""
+    """Text a stream chunk adds to the first choice ("" for role/usage-only/finish chunks, and for
+    fields of the wrong type: a malformed chunk adds nothing)."""
     c = first_choice(chunk)
     if "delta" in c:
-        return (c.get("delta") or {}).get("content") or ""
-    return c.get("text") or ""
+        delta = c.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        text = c.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def other_delta(chunk: dict) -> bool:
+    """True when a chat chunk's delta carries more than role and text (tool calls, reasoning):
+    a stream with such deltas cannot be continued as plain text."""
+    delta = first_choice(chunk).get("delta")
+    return isinstance(delta, dict) and any(v for k, v in delta.items() if k not in ("role", "content"))
 
 
 def completion_tokens(body: dict) -> int | None:
     """usage.completion_tokens of a response or final stream chunk, None when absent."""
-    n = (body.get("usage") or {}).get("completion_tokens")
-    return n if isinstance(n, int) else None
+    usage = body.get("usage")
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def same_words(a: str, b: str, n_words: int) -> bool:
@@ -57,26 +78,30 @@ def continuation(body: dict, sent_text: str, sent_tokens: int, chat: bool) -> di
     `body` is the client's request, `sent_text` the text of the first choice already sent to the
     client, `sent_tokens` the text chunks already sent (vLLM streams one token per chunk unless
     started with --stream-interval, so this is the token count the client has seen).
-    - completions: `prompt` + `sent_text`, `echo` off (the client has the prompt already);
+    - completions: `prompt` + `sent_text`;
     - chat: `sent_text` as the final assistant message (appended to it if the client already
       asked to continue one), with vLLM's `continue_final_message: true` and
       `add_generation_prompt: false` (vLLM chat template options, not OpenAI's API);
     - `max_tokens` / `max_completion_tokens` / `min_tokens` lowered by `sent_tokens`.
     Returns None when the request cannot be continued: n > 1 or best_of (choices interleave),
-    a completions prompt that is not one string (token ids, a batch), chat messages that are
-    not a list of dicts, or a final assistant message whose content is not a string. Check
-    `tokens_left` first: with none left there is nothing to continue.
+    a token limit that is not an integer (it could not be lowered), `echo` (the sent text
+    holds the prompt), a completions prompt that is not one string (token ids, a batch), chat
+    messages that are not a list of dicts, or a final assistant message whose content is not
+    a string. Check `tokens_left` too: with none left there is nothing to continue.
     """
-    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
+    if not one_choice(body) or body.get("echo"):
         return None
     out = dict(body)
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
-        if isinstance(out.get(key), int) and not isinstance(out[key], bool):
-            out[key] = max(out[key] - sent_tokens, 0)
+        if out.get(key) is None:
+            continue
+        if not isinstance(out[key], int) or isinstance(out[key], bool):
+            return None
+        out[key] = max(out[key] - sent_tokens, 0)
     if not chat:
         if not isinstance(body.get("prompt"), str):
             return None
-        out["prompt"], out["echo"] = body["prompt"] + sent_text, False
+        out["prompt"] = body["prompt"] + sent_text
         return out
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 from httpx_sse import EventSource, ServerSentEvent, SSEError
 from starlette.applications import Starlette
@@ -55,8 +56,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
-from canary.payloads import (chunk_text, completion_tokens, continuation, first_choice, is_greedy, response_text,
-                             same_words, tokens_left)
+from canary.payloads import (chunk_text, completion_tokens, continuation, first_choice, is_greedy, one_choice,
+                             other_delta, response_text, same_words, tokens_left)
 from canary.policy import CanaryPolicy
 from pipeline.errors import QuantgateError
 
@@ -136,14 +137,19 @@ class _Stream:
     """What a relayed stream has shown so far."""
 
     wants_usage: bool
-    resumed_from: int = 0           # > 0: continues a broken stream that sent this many chunks
+    resumed: bool = False           # continues a broken stream (drop its role chunk, recount usage)
+    resumed_from: int = 0           # chunks the broken stream had sent
     failed: bool = False            # the backend sent an error object in the stream
     text: list[str] = field(default_factory=list)
     chunks: int = 0                 # chunks that carried text
     tokens: int | None = None       # usage.completion_tokens
+    finished: bool = False          # a finish_reason or the usage chunk went by: the answer is whole
+    done: bool = False              # [DONE] went by
+    plain: bool = True              # only text so far (no tool calls or reasoning deltas): continuable
 
     def observe(self, ev: ServerSentEvent) -> bytes | None:
         """The bytes to send on for `ev`, None to drop it (the usage chunk the client did not ask for)."""
+        self.done = self.done or ev.data.strip() == "[DONE]"
         try:
             chunk = json.loads(ev.data)
         except ValueError:  # "[DONE]" and anything else that is not JSON pass through untouched
@@ -154,19 +160,22 @@ class _Stream:
         if text := chunk_text(chunk):
             self.text.append(text)
             self.chunks += 1
+        self.plain = self.plain and not other_delta(chunk)
+        self.finished = self.finished or bool(first_choice(chunk).get("finish_reason"))
         if (n := completion_tokens(chunk)) is not None:
-            self.tokens = n
+            self.tokens, self.finished = n, True
         if chunk.get("choices") == [] and chunk.get("usage") and not self.wants_usage:
             return None
-        if self.resumed_from:
+        if self.resumed:
             delta = first_choice(chunk).get("delta")
-            if isinstance(delta, dict) and delta.get("role") and not delta.get("content"):
+            if isinstance(delta, dict) and delta.get("role") and not delta.get("content") and not other_delta(chunk):
                 return None  # the client had the role chunk already, from the broken stream
-            if isinstance(usage := chunk.get("usage"), dict) and isinstance(usage.get("completion_tokens"), int):
+            usage = chunk.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                 # the sent text was prompt to stable, but completion to the client
-                n = self.resumed_from
+                n, prompt = self.resumed_from, usage.get("prompt_tokens")
                 chunk["usage"] = {**usage, "completion_tokens": usage["completion_tokens"] + n,
-                                  "prompt_tokens": max(usage.get("prompt_tokens", 0) - n, 0)}
+                                  "prompt_tokens": max(prompt - n, 0) if isinstance(prompt, int) else prompt}
                 return encode_sse(ServerSentEvent(data=json.dumps(chunk)))
         return encode_sse(ev)
 
@@ -366,6 +375,11 @@ class Router:
             opened = _Opened("timeout", 504, "timed out before its first chunk")
         except (httpx.HTTPError, SSEError, StopAsyncIteration) as exc:
             opened = _Opened("connection_error", 502, f"failed before its first chunk ({type(exc).__name__})")
+        except BaseException:  # cancelled (the client went away): do not leave the connection open
+            if upstream is not None:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+            raise
         if upstream is not None:
             opened.status_seen = upstream.status_code
             await upstream.aclose()
@@ -413,7 +427,14 @@ class Router:
                     break  # do not pass the candidate's error on: stable finishes the answer
                 if out is not None:
                     yield out
-            outcome = "server_error" if state.failed else "ok"
+            if state.failed:
+                outcome = "server_error"
+            elif state.done:
+                outcome = "ok"
+            else:  # the body ended without [DONE]: the server went away between chunks
+                outcome = "cut"
+                if not resumable:
+                    yield _broke(f"{role} backend stream ended without [DONE]")
         except (httpx.HTTPError, SSEError):
             outcome = "cut"
             if not resumable:
@@ -436,28 +457,41 @@ class Router:
         suffix or final assistant message, token limits lowered by the chunks sent) and its chunks
         follow the candidate's in the same response; its usage chunk counts the candidate's tokens
         as completion tokens. Recorded as a retried stable attempt without TTFT/TPOT (its first
-        token is not the client's). A request that cannot be continued, or a stable that fails
-        too, ends the stream with an SSE `error` event; one with no tokens left ends with [DONE].
+        token is not the client's). A stream whose answer was already whole (a finish_reason, the
+        usage chunk or [DONE] went by) or that has no tokens left just ends with [DONE]. A request
+        that cannot be continued (see continuation; also tool-call or reasoning deltas sent), or a
+        stable that fails too (a 4xx to the continuation included: it is the router's request),
+        ends the stream with an SSE `error` event.
         """
-        if tokens_left(body, broken.chunks) == 0:
-            yield b"data: [DONE]\n\n"  # the client has every token it asked for
+        if broken.done:
+            return  # the stream was whole; only the connection's end was lost
+        if not one_choice(body):  # chunks of several choices interleave: "finished" says nothing of the others
+            yield _broke("candidate backend stream broke and the request cannot be continued on stable")
+            return
+        if broken.finished or tokens_left(body, broken.chunks) == 0:
+            yield b"data: [DONE]\n\n"  # the client has every token of the answer
             return
         cont = continuation(body, "".join(broken.text), broken.chunks, chat=path == "/chat/completions")
-        if cont is None:
+        if cont is None or not broken.plain:
             yield _broke("candidate backend stream broke and the request cannot be continued on stable")
             return
         stable, options = fleet.stable, _stream_options(body)
-        state = _Stream(wants_usage=broken.wants_usage, resumed_from=broken.chunks)
+        state = _Stream(wants_usage=broken.wants_usage, resumed=True, resumed_from=broken.chunks)
         payload = {**cont, "model": stable.model, "stream": True, "stream_options": {**options, "include_usage": True}}
         t, t0 = time.time(), time.perf_counter()
-        o = await self._open(stable, path, payload)
+        try:
+            o = await self._open(stable, path, payload)
+        except BaseException:  # the client went away while stable was asked
+            self._record(stable, "stable", t, t0, "cancelled", 0, stream=True, retried=True)
+            raise
         first = state.observe(o.first) if o.first is not None else None
         if o.first is None or state.failed:
             if o.upstream is not None:
                 await o.upstream.aclose()
-            outcome = "server_error" if o.first is not None else o.outcome
+            outcome = "server_error" if o.first is not None or o.outcome == "client_error" else o.outcome
             self._record(stable, "stable", t, t0, outcome, o.status_seen, stream=True, retried=True)
-            yield _broke("candidate backend stream broke and stable could not continue it")
+            why = _error_message(o.content) or o.what or "sent an error as its first chunk"
+            yield _broke(f"candidate backend stream broke and stable could not continue it: {why}")
             return
         async with aclosing(self._relay(fleet, "stable", stable, path, cont, o, first, state,
                                         t=t, t0=t0, ttft=None, retried=True)) as rest:
@@ -492,6 +526,17 @@ def _broke(message: str) -> bytes:
     """The SSE `error` event that ends a stream which broke after its first chunk."""
     return encode_sse(ServerSentEvent(event="error", data=json.dumps(
         {"error": {"message": message, "type": "server_error", "code": 502}})))
+
+
+def _error_message(content: bytes | None) -> str | None:
+    """The message of an OpenAI-style error body (first 200 characters), None if there is none."""
+    try:
+        doc = json.loads(content or b"")
+    except ValueError:
+        return None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+    return str(msg)[:200] if msg else None
 
 
 def _stream_options(body: dict) -> dict:

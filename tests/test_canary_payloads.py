@@ -6,10 +6,10 @@ from canary.payloads import continuation, is_greedy, same_words, tokens_left
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10, "temperature": 0, "stream": True}
 
 
-def test_completion_continues_the_prompt_without_echo_and_with_fewer_tokens():
-    body = {"prompt": "Q: 2+2? A:", "max_tokens": 10, "min_tokens": 3, "echo": True, "stream": True}
+def test_completion_continues_the_prompt_with_fewer_tokens():
+    body = {"prompt": "Q: 2+2? A:", "max_tokens": 10, "min_tokens": 3, "n": None, "stream": True}
     out = continuation(body, " four and", 2, chat=False)
-    assert out == {**body, "prompt": "Q: 2+2? A: four and", "echo": False, "max_tokens": 8, "min_tokens": 1}
+    assert out == {**body, "prompt": "Q: 2+2? A: four and", "max_tokens": 8, "min_tokens": 1}
     assert body["prompt"] == "Q: 2+2? A:" and body["max_tokens"] == 10  # the client's body is not changed
 
 
@@ -32,6 +32,9 @@ def test_chat_that_already_continues_an_assistant_message_appends_to_it():
     ({"prompt": [1, 2, 3], "max_tokens": 5}, False),            # token ids
     ({"prompt": "a", "n": 2}, False),                           # choices interleave
     ({"prompt": "a", "best_of": 3}, False),
+    ({"prompt": "a", "echo": True}, False),                     # the sent text starts with the prompt
+    ({"prompt": "a", "max_tokens": 3.0}, False),                # a limit that cannot be lowered exactly
+    ({"prompt": "a", "max_tokens": "3"}, False),
     ({"messages": "hi"}, True),
     ({"messages": []}, True),
     ({"messages": [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}],
@@ -45,6 +48,17 @@ def test_tokens_left_takes_the_smaller_limit_and_none_without_one():
     assert tokens_left({"max_tokens": 10, "max_completion_tokens": 4}, 3) == 1
     assert tokens_left({"max_tokens": 2}, 5) == 0
     assert tokens_left({"max_tokens": True}, 0) is None and tokens_left({}, 7) is None
+
+
+def test_malformed_chunks_read_as_no_text_and_no_usage():
+    from canary.payloads import chunk_text, completion_tokens, other_delta, response_text
+
+    for chunk in ({"choices": [{"delta": "oops"}]}, {"choices": [{"text": 5}]}, {"choices": "abc"},
+                  {"choices": {"0": {"text": "x"}}}, {"choices": [None]}, {}):
+        assert chunk_text(chunk) == "" and response_text(chunk) == "" and not other_delta(chunk)
+    assert completion_tokens({"usage": "bad"}) is None and completion_tokens({"usage": {"completion_tokens": True}}) is None
+    assert other_delta({"choices": [{"delta": {"role": "assistant", "tool_calls": [{"id": "1"}]}}]})
+    assert not other_delta({"choices": [{"delta": {"role": "assistant", "content": "", "tool_calls": []}}]})
 
 
 def test_greedy_and_same_words():

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from canary.commands import COMMANDS, load
 from canary.load import KINDS, prompts_from_evals, render, replay
+from canary.payloads import chunk_text
 from canary.policy import CanaryPolicy
 from canary.router import Backend, Router
 from canary.server import AppServer, RouterServer
@@ -42,6 +43,7 @@ class Behaviour:
     cut_after: int | None = None  # chunks sent before the stream breaks
     error_chunk: bool = False   # stream an error object first, as vLLM does on engine errors
     error_after: int | None = None  # chunks sent before an error object in the stream
+    script: list | None = None  # stream exactly these: dicts (chunks), "DONE", "CUT" (die), "END" (close)
 
 
 def sse(doc) -> bytes:
@@ -82,7 +84,20 @@ class Fake:
                       if chat else {"index": 0, "text": b.text, "finish_reason": "length"})
             return JSONResponse({**head, "choices": [choice], "usage": usage})
 
+        async def scripted():
+            for step in b.script:
+                await asyncio.sleep(b.token_delay_s)
+                if step == "CUT":
+                    raise RuntimeError("fake backend dies mid-stream")
+                if step == "END":
+                    return
+                yield b"data: [DONE]\n\n" if step == "DONE" else sse(step)
+
         async def chunks():
+            if b.script is not None:
+                async for piece in scripted():
+                    yield piece
+                return
             if b.error_chunk:
                 yield sse({"error": {"message": "engine dead", "code": 500}})
                 yield b"data: [DONE]\n\n"
@@ -163,8 +178,7 @@ def complete(client, stream=False, chat=False, **extra):
         events = list(source.iter_sse())
         r = source.response
     chunks = [e for e in events if e.event == "message" and e.data != "[DONE]"]
-    text = "".join(c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or ""
-                   for c in map(json.loads, (e.data for e in chunks)) if c["choices"])
+    text = "".join(chunk_text(json.loads(e.data)) for e in chunks)
     return r, text, events
 
 
@@ -284,7 +298,7 @@ def test_stream_cut_after_first_chunk_is_finished_on_stable(fakes, chat):
                                      {"role": "assistant", "content": "the candidate"}]
         assert asked["continue_final_message"] is True and asked["add_generation_prompt"] is False
     else:
-        assert asked["prompt"] == "2+2?the candidate" and asked["echo"] is False
+        assert asked["prompt"] == "2+2?the candidate" and "echo" not in asked
     cand, stab = resumed_samples(router)
     assert (cand.role, cand.ok, cand.outcome) == ("candidate", False, "cut")
     assert (stab.role, stab.ok, stab.outcome, stab.retried) == ("stable", True, "ok", True)
@@ -352,6 +366,102 @@ def test_client_leaving_during_the_resume_is_recorded_as_cancelled(fakes):
         wait_for(lambda: [s for s in router.samples_since(0) if s.role == "stable"], 1)
     cand, stab = resumed_samples(router)
     assert (cand.outcome, stab.outcome, stab.retried, stab.ok) == ("cut", "cancelled", True, True)
+
+
+def tc(text, finish=None, **choice):
+    """A completions stream chunk."""
+    return {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                                                 **choice}]}
+
+
+def stream_events(client, **extra):
+    r, text, events = complete(client, stream=True, **extra)
+    return text, [e.data if e.event == "message" else f"{e.event}: {e.data}" for e in events]
+
+
+@pytest.mark.parametrize("script", [
+    [tc("A"), tc(" B", finish="length"), "CUT"],
+    [tc("A"), tc(" B", finish="length"), {"id": "c", "choices": [], "usage": {"completion_tokens": 2}}, "CUT"],
+    [tc("A"), tc(" B", finish="length"), "DONE", "CUT"],
+], ids=["after-finish", "after-usage", "after-done"])
+def test_stream_cut_after_a_whole_answer_just_ends(fakes, script):
+    fakes["candidate"].reset(script=script)
+    with running(fleet(fakes), weight=100) as (router, client):
+        text, events = stream_events(client)
+    assert text == "A B" and events.count("[DONE]") == 1 and events[-1] == "[DONE]" and fakes["stable"].seen == []
+
+
+def test_stream_that_ends_without_done_is_finished_on_stable(fakes):
+    fakes["candidate"].reset(script=[tc("A"), tc(" B"), "END"])
+    with running(fleet(fakes), weight=100) as (router, client):
+        text, events = stream_events(client)
+    assert text == "A B" + "the stable answer is four" and events[-1] == "[DONE]"
+    assert fakes["stable"].seen[0]["prompt"] == "2+2?A B"
+    cand, stab = resumed_samples(router)
+    assert (cand.outcome, stab.outcome) == ("cut", "ok")
+
+
+def test_stable_stream_that_ends_without_done_gets_an_error_event(fakes):
+    fakes["stable"].reset(script=[tc("A"), "END"])
+    with running(fleet(fakes), weight=0) as (router, client):
+        _, events = stream_events(client)
+    assert events[-1].startswith("error: ") and "ended without [DONE]" in events[-1]
+    assert router.samples_since(0)[0].outcome == "cut"
+
+
+def test_several_choices_cut_is_an_error_even_when_the_first_looks_whole(fakes):
+    fakes["candidate"].reset(script=[tc("A"), tc("X", index=1), tc(" B", finish="length"), "CUT"])
+    with running(fleet(fakes), weight=100) as (router, client):
+        _, events = stream_events(client, n=2, max_tokens=2)
+    assert events[-1].startswith("error: ") and "cannot be continued" in events[-1] and fakes["stable"].seen == []
+
+
+def test_chat_cut_after_the_role_chunk_sends_one_role_chunk(fakes):
+    role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    fakes["candidate"].reset(script=[role, "CUT"])
+    with running(fleet(fakes), weight=100) as (router, client):
+        text, events = stream_events(client, chat=True)
+    assert text == "the stable answer is four" and events[-1] == "[DONE]"
+    assert sum('"role": "assistant"' in e for e in events) == 1
+
+
+def test_chat_cut_mid_tool_call_is_not_continued_as_text(fakes):
+    call = {"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}
+    fakes["candidate"].reset(script=[call, "CUT"])
+    with running(fleet(fakes), weight=100) as (router, client):
+        _, events = stream_events(client, chat=True)
+    assert events[-1].startswith("error: ") and "cannot be continued" in events[-1] and fakes["stable"].seen == []
+
+
+def test_stable_refusing_the_continuation_is_a_failed_attempt_with_its_reason(fakes):
+    fakes["candidate"].reset(cut_after=2)
+    fakes["stable"].reset(status=400)
+    with running(fleet(fakes), weight=100) as (router, client):
+        _, events = stream_events(client)
+    assert events[-1].startswith("error: ") and "stable could not continue it: boom" in events[-1]
+    cand, stab = resumed_samples(router)
+    assert (stab.outcome, stab.ok, stab.status, stab.retried) == ("server_error", False, 400, True)
+
+
+def test_client_leaving_while_stable_is_asked_to_continue_is_recorded(fakes):
+    fakes["candidate"].reset(cut_after=1)
+    fakes["stable"].reset(delay_s=1.5)
+    body = {"model": "m", "prompt": "2+2?", "max_tokens": 8, "temperature": 0, "stream": True}
+    with running(fleet(fakes), weight=100) as (router, client):
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            next(r.iter_raw())
+            wait_for(lambda: fakes["stable"].seen, 1)  # stable is asked; hang up before its first chunk
+        wait_for(lambda: [s for s in router.samples_since(0) if s.role == "stable"], 1)
+    cand, stab = resumed_samples(router)
+    assert (cand.outcome, stab.outcome, stab.retried) == ("cut", "cancelled", True)
+
+
+def test_malformed_chunks_never_break_the_stream(fakes):
+    fakes["candidate"].reset(script=[tc("A"), {"choices": [{"text": 5}]}, {"choices": [{"delta": "oops"}]},
+                                     {"choices": [], "usage": "bad"}, "CUT"])
+    with running(fleet(fakes), weight=100) as (router, client):
+        text, events = stream_events(client)
+    assert text.startswith("A") and events[-1] == "[DONE]" and fakes["stable"].seen[0]["prompt"] == "2+2?A"
 
 
 def test_stable_stream_cut_ends_with_an_error_event(fakes):
