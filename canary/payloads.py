@@ -29,27 +29,26 @@ def one_choice(body: dict) -> bool:
     return body.get("n") in (None, 1) and body.get("best_of") in (None, 1)
 
 
-def response_text(body: dict) -> str:
-    """Text of the first choice of a non-streaming completion or chat response ("" if none)."""
+def _choice_text(body: dict, part: str) -> str:
+    """choices[0][part].content for chat ("message" or "delta"), else choices[0].text; "" when
+    absent or of the wrong type (a malformed body or chunk has no text)."""
     c = first_choice(body)
-    if "message" in c:
-        message = c.get("message")
-        text = message.get("content") if isinstance(message, dict) else None
+    if part in c:
+        inner = c.get(part)
+        text = inner.get("content") if isinstance(inner, dict) else None
     else:
         text = c.get("text")
     return text if isinstance(text, str) else ""
+
+
+def response_text(body: dict) -> str:
+    """Text of the first choice of a non-streaming completion or chat response ("" if none)."""
+    return _choice_text(body, "message")
 
 
 def chunk_text(chunk: dict) -> str:
-    """Text a stream chunk adds to the first choice ("" for role/usage-only/finish chunks, and for
-    fields of the wrong type: a malformed chunk adds nothing)."""
-    c = first_choice(chunk)
-    if "delta" in c:
-        delta = c.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else None
-    else:
-        text = c.get("text")
-    return text if isinstance(text, str) else ""
+    """Text a stream chunk adds to the first choice ("" for role/usage-only/finish chunks)."""
+    return _choice_text(chunk, "delta")
 
 
 def other_delta(chunk: dict) -> bool:
