@@ -244,9 +244,10 @@ def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) 
     if current(mlflow_client, model_name).get(FALLBACK) == version:
         return []
     mv = versions.require_version(mlflow_client, model_name, version)
-    if mv.tags.get("gate.verdict") != "BASELINE":
+    recorded = versions.recorded_verdict(mlflow_client, mv)
+    if mv.tags.get("gate.verdict") != "BASELINE" or recorded not in (None, "BASELINE"):
         raise QuantgateError(f"{model_name} v{version} is not the baseline build (gate.verdict="
-                             f"{mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build")
+                             f"{recorded or mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build")
     with lock.held(mlflow_client, model_name, f"fallback v{version} by {by}") as held:
         old = current(mlflow_client, model_name).get(FALLBACK)
         if old == version:

@@ -9,7 +9,8 @@ Tags (set by `quantgate approve/revoke`, or by a release manager in the MLflow U
 A version counts as approved only when approval=approved, by and reason are filled in, and
 gate.verdict is PASS or BASELINE or an override reason is recorded. The verdict is the one
 recorded as a param of the build's run at registration (registry.versions.recorded_verdict);
-a gate.verdict tag that differs from it (edited in the UI) makes the version NOT approved. Anything else (missing,
+a gate.verdict tag that differs from it (edited in the UI) makes the version NOT approved.
+Versions registered before the param existed have only the tag, which is read as before. Anything else (missing,
 revoked, an unknown value, an override missing) reads as NOT approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
 """
@@ -65,7 +66,7 @@ def read_approval(tags: dict[str, str], recorded: str | None) -> Approval:
         return Approval(False, "invalid", f"not approved: approval={APPROVED} but {' and '.join(missing)} "
                                           f"{'are' if len(missing) > 1 else 'is'} empty "
                                           f"(an approval must say who and why)", **who)
-    if (problem := verdict_problem(verdict, recorded)) is not None:
+    if (problem := verdict_problem(tags.get("gate.verdict"), recorded)) is not None:
         return Approval(False, "invalid", f"not approved: {problem}", **who)
     if verdict in PASSING:
         return Approval(True, "approved", f"approved by {by} at {at or '?'}: {reason}", **who)
@@ -76,15 +77,15 @@ def read_approval(tags: dict[str, str], recorded: str | None) -> Approval:
                     override_reason=override, **who)
 
 
-def verdict_problem(tag: str, recorded: str | None) -> str | None:
-    """Why the version's gate.verdict `tag` cannot be trusted, or None when it is the recorded one."""
-    if recorded is None:
-        return ("the build's run records no gate verdict (registered before quantgate recorded it, or the run "
-                "is gone); run `dvc repro` to record it")
-    if tag != recorded:
-        return (f"tag gate.verdict={tag} but the build's run recorded gate.verdict={recorded} at registration "
-                f"(the tag was changed after registration and does not count; set it back to {recorded})")
-    return None
+def verdict_problem(tag: str | None, recorded: str | None) -> str | None:
+    """Why a version's gate.verdict `tag` cannot be trusted, or None when it is the verdict its
+    run recorded at registration, or when there is no record (a version registered before
+    quantgate recorded it: its tag is all there is, and is read as before)."""
+    if recorded is None or tag == recorded:
+        return None
+    shown = "missing" if tag is None else repr(tag)
+    return (f"tag gate.verdict is {shown} but the build's run recorded {recorded!r} at registration (the tag was "
+            f"changed after registration and does not count; set it back to {recorded})")
 
 
 def approval_of(mlflow_client, model_name: str, version) -> Approval:
@@ -113,7 +114,7 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
     with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         verdict, recorded = mv.tags.get("gate.verdict", "missing"), versions.recorded_verdict(mlflow_client, mv)
-        if (problem := verdict_problem(verdict, recorded)) is not None:
+        if (problem := verdict_problem(mv.tags.get("gate.verdict"), recorded)) is not None:
             raise QuantgateError(f"{model_name} v{mv.version}: {problem}")
         if verdict in PASSING:
             override_reason = None

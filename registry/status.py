@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from pipeline.errors import QuantgateError
 from registry import lock, versions
-from registry.approval import read_approval
+from registry.approval import read_approval, verdict_problem
 
 
-def _approval_cell(mlflow_client, mv) -> tuple[str, str | None]:
+def _approval_cell(mv, recorded: str | None) -> tuple[str, str | None]:
     """(short cell, explanation line or None) for a version's approval."""
-    a = read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv))
+    a = read_approval(mv.tags, recorded)
     if a.approved:
         return (f"approved:{a.by}" + ("(override)" if a.override else "")), None
     if a.state == "revoked":
@@ -45,7 +45,9 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         teams = sorted({k.split(".")[1] for k in t if k.startswith("gate.") and k.endswith(".verdict") and k.count(".") == 2})
         per_team = " ".join(f"{team}={t[f'gate.{team}.verdict']}" for team in teams)
         aliases = ",".join(sorted(by_version.get(str(mv.version), [])))
-        cell, why = _approval_cell(mlflow_client, mv)
+        recorded = versions.recorded_verdict(mlflow_client, mv)
+        cell, why = _approval_cell(mv, recorded)
+        why = why or verdict_problem(t.get("gate.verdict"), recorded)  # also on rows nobody approved
         lines.append(f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<12}"
                      f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip())
         if why:

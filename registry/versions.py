@@ -101,7 +101,8 @@ def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metri
 
 def recorded_verdict(mlflow_client, mv) -> str | None:
     """The gate verdict logged as a param of version `mv`'s run at registration; None when
-    there is none (a run registered before quantgate recorded it, or the run is gone)."""
+    there is none (a run registered before quantgate recorded it, or the run is gone).
+    Raises nothing: a registry that cannot answer reads as "no record"."""
     from mlflow.exceptions import MlflowException
 
     if not mv.run_id:

@@ -277,12 +277,19 @@ def test_gate_verdict_tag_edited_in_the_ui_does_not_count(reg):
         r.client.set_model_version_tag(r.model, v, key, value)
     a = approval.approval_of(r.client, r.model, v)
     assert not a.approved and a.state == "invalid"
-    assert "tag gate.verdict=PASS but the build's run recorded gate.verdict=FAIL" in a.why
+    assert "tag gate.verdict is 'PASS' but the build's run recorded 'FAIL' at registration" in a.why
     with pytest.raises(QuantgateError, match="set it back to FAIL"):
         approval.approve(r.client, r.model, v, "carol", "go", override_reason="accepted risk")
     with pytest.raises(QuantgateError, match="not approved for serving"):
         aliases.promote(r.client, r.model, v, None, "carol", "go", verify=False)
-    assert any("recorded gate.verdict=FAIL" in line for line in status_lines(r.client, r.model))
+    assert any("recorded 'FAIL'" in line for line in status_lines(r.client, r.model))
+    with pytest.raises(QuantgateError, match="is not the baseline build"):  # nor can the tag make it the fallback
+        r.client.set_model_version_tag(r.model, v, "gate.verdict", "BASELINE")
+        aliases.set_fallback(r.client, r.model, v, "carol", "edited")
+    u = r.version("int4")  # nobody approved it: status still says the tag is not the recorded verdict
+    r.client.delete_model_version_tag(r.model, u, "gate.verdict")
+    assert any("tag gate.verdict is missing but the build's run recorded 'PASS'" in line
+               for line in status_lines(r.client, r.model))
     r.client.set_model_version_tag(r.model, v, "gate.verdict", "FAIL")  # set back: the override path works again
     assert approval.approve(r.client, r.model, v, "carol", "go", override_reason="accepted risk").override
 
@@ -299,6 +306,9 @@ def test_register_back_fills_and_never_changes_the_recorded_verdict(reg):
     assert r.client.get_run(legacy).data.params == {"gate.verdict": "PASS"}
     with pytest.raises(QuantgateError, match="recorded gate.verdict=PASS but the gate now says FAIL"):
         versions.record_verdict(r.client, legacy, "FAIL")
+    # a version registered before the param existed has only its tag, read as before
+    tags = {"gate.verdict": "PASS", "approval": "approved", "approval.by": "a", "approval.reason": "r"}
+    assert approval.read_approval(tags, None).approved and not approval.read_approval(tags, "FAIL").approved
     again = reg({"int4": "PASS", "fp8": "FAIL"})  # dvc repro again: versions reused, verdicts unchanged
     assert again.out["builds"]["fp8"]["reused"] and again.version("fp8") == r.version("fp8")
 
