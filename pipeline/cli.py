@@ -133,3 +133,7 @@ def main() -> None:
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download, not a bar
     cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -101,9 +101,7 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
     if not isinstance(data, dict):  # pydantic would say "valid dictionary or instance of <Model>"
         line = key_lines(source).get(at) if source is not None and at else None
         what = ".".join(map(str, at)) or "the file"
-        got = "nothing (empty)" if data is None else f"{type(data).__name__} {str(data)[:40]}"
-        raise QuantgateError(f"{where}{f':{line}' if line else ''}: {what} must be a mapping of fields "
-                             f"({', '.join(model.model_fields)}); got {got}")
+        raise QuantgateError(f"{where}{f':{line}' if line else ''}: {what} {_not_a_mapping(model, data)}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -114,8 +112,27 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
             line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
             place = f"{where}:{line}" if line else where
             field = ".".join(str(p) for p in loc)
-            problems.append(f"{place}: {field}: {e['msg']}" if field else f"{place}: {e['msg']}")
+            nested = _model_at(model, e["loc"]) if e["type"] in ("model_type", "dict_type") else None
+            msg = _not_a_mapping(nested, e.get("input")) if nested else e["msg"]
+            problems.append(f"{place}: {field}: {msg}" if field else f"{place}: {msg}")
         raise QuantgateError("; ".join(problems)) from None
+
+
+def _not_a_mapping(model: type[BaseModel], data: object) -> str:
+    """'must be a mapping of fields (a, b); got float 0.05' for a block that is not a mapping."""
+    got = "nothing (empty)" if data is None else f"{type(data).__name__} {data!r}"[:60]
+    return f"must be a mapping of fields ({', '.join(model.model_fields)}); got {got}"
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model of the field at `loc` inside `model` (None when it is not a model)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
 
 
 def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
@@ -124,6 +141,9 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
     Raises QuantgateError if the file, the block or a field is missing or wrong.
     """
     data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise QuantgateError(f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got "
+                             + ("nothing (empty)" if data is None else f"{type(data).__name__} {data!r}"[:60]))
     for part in key.split("."):
         if not isinstance(data, dict) or part not in data:
             raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")

@@ -1,5 +1,6 @@
 """Quantize a tiny Llama built in the test with llm-compressor: real recipes, seconds."""
 import json
+import re
 
 import pytest
 from safetensors import safe_open
@@ -77,6 +78,11 @@ def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
     with pytest.raises(QuantgateError, match=r"params.yaml:2: quantize.int4 must be a mapping of fields \(scheme, "
                                              r".*\); got nothing \(empty\)"):
         load_block("quantize.int4", QuantizeParams, params)
+    for text, got in (("", "nothing (empty)"), ("- quantize\n", "list ['quantize']")):  # the file itself
+        params.write_text(text)
+        with pytest.raises(QuantgateError, match=re.escape(f"params.yaml: must be a mapping of blocks (prepare, "
+                                                           f"quantize, evaluate, ...); got {got}")):
+            load_block("quantize.int4", QuantizeParams, params)
     params.write_text("quantize:\n  int4: 4\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:2: quantize.int4 must be .*; got int 4"):
         load_block("quantize.int4", QuantizeParams, params)
