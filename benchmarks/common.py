@@ -195,4 +195,5 @@ def hf_lm(model_dir: Path, params, batch_size: int | None = None):
     from lm_eval.models.huggingface import HFLM
 
     return HFLM(pretrained=str(model_dir), dtype=params.serve.dtype, batch_size=batch_size or params.harness.batch_size,
-                device="cuda" if torch.cuda.is_available() else "cpu", add_bos_token=params.harness.add_bos_token)
+                device="cuda" if torch.cuda.is_available() else "cpu", add_bos_token=params.harness.add_bos_token,
+                max_length=params.serve.max_model_len)  # the context the vLLM engine gets

@@ -80,7 +80,8 @@ def run_vllm(model_dir: Path, build: str, teams, params: EvaluateParams, work: P
     started = time.monotonic()
     with vllm_server(params.serve, model_dir, build, work / "server.log") as server:
         setup = time.monotonic() - started
-        return setup, score_all(make_lm(server, model_dir, params.harness), teams, params.harness)
+        return setup, score_all(make_lm(server, model_dir, params.harness, params.serve.max_model_len), teams,
+                                params.harness)
 
 
 def run_hf(model_dir: Path, teams, params: EvaluateParams, batch_size: int) -> tuple[float, dict]:

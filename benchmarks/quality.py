@@ -109,7 +109,7 @@ def score_build(engine: str, build: str, model_dir: Path, teams, params: Evaluat
 
     if engine == "vllm":
         with vllm_server(params.serve, model_dir.resolve(), build, out / build / "server.log") as server:
-            run(make_lm(server, model_dir.resolve(), params.harness))
+            run(make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len))
     else:
         run(hf_lm(model_dir.resolve(), params))
     return time.monotonic() - started

@@ -114,16 +114,53 @@ def per_sample_scores(team: Team, results: dict) -> tuple[dict, list[dict]]:
     return tasks, rows
 
 
-def make_lm(server, model_dir: Path, harness: HarnessParams):
-    """lm-eval's local-completions client for `server`, tokenizing with the build's tokenizer."""
+def make_lm(server, model_dir: Path, harness: HarnessParams, max_length: int):
+    """lm-eval's local-completions client for `server`, tokenizing with the build's tokenizer.
+
+    `max_length` (tokens) is the server's max_model_len: lm-eval cuts prompts to it (its own
+    default is 2048 whatever the server takes), and run_team refuses prompts that get cut.
+    """
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     return LocalCompletionsAPI(
         base_url=f"{server.base_url}/completions", model=server.name, tokenizer=str(model_dir),
         tokenizer_backend="huggingface", tokenized_requests=True, add_bos_token=harness.add_bos_token,
         num_concurrent=harness.num_concurrent, max_retries=harness.max_retries, batch_size=harness.batch_size,
-        seed=harness.seed,
+        seed=harness.seed, max_length=max_length,
     )
+
+
+def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int = 256) -> list[str]:
+    """Requests lm-eval would left-truncate, one line each ("task doc N: ...").
+
+    `raw` are lm-eval's logged samples (with `task`); `encode` the client's tokenizer (str ->
+    token ids); `max_length` the client's context length in tokens. A loglikelihood request
+    (context, continuation) needs len(context) + len(continuation) <= max_length; a generation
+    request (context, gen_kwargs) needs len(context) + max_gen_toks <= max_length
+    (lm_eval/models/api_models.py and huggingface.py cut the context's start otherwise, silently
+    for generation). default_gen_toks = lm-eval's default max_gen_toks (256).
+    """
+    lines = []
+    for s in raw:
+        for args in s.get("arguments") or []:
+            if len(args) < 2 or not isinstance(args[0], str):
+                continue  # loglikelihood_rolling windows long documents by design
+            context, other = args[0], args[1]
+            if isinstance(other, dict):
+                gen = other.get("max_gen_toks") or default_gen_toks
+                n, need, what = len(encode(context)), gen, "to generate"
+            elif isinstance(other, str):
+                n, need, what = len(encode(context)), len(encode(other)), "of an answer choice"
+            else:
+                continue
+            if n + need > max_length:
+                lines.append(f"{s.get('task')} doc {s.get('doc_id')}: prompt is {n} tokens + {need} {what} > "
+                             f"{max_length}")
+                break
+    return lines
+
+
+
 
 
 def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
@@ -147,6 +184,12 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
         raise QuantgateError("lm-eval returned no results")
     tasks, rows = per_sample_scores(team, results)
     raw = [dict(s, task=name) for name, samples in results["samples"].items() for s in samples]
+    gen_toks = getattr(lm, "max_gen_toks", None) or getattr(lm, "_max_gen_toks", 256)
+    if over := over_length(raw, lm.tok_encode, lm.max_length, gen_toks):  # scores of cut prompts measure
+        raise QuantgateError(                                            # something the team did not write
+            f"{len(over)} prompt(s) longer than the model's context, which lm-eval would cut: {over[0]}"
+            f"{f' (and {len(over) - 1} more)' if len(over) > 1 else ''}; shorten those documents or raise "
+            f"evaluate.serve.max_model_len")
     doc = {"status": "ok", "metric": team.policy.metric, "tasks": tasks, "samples": rows,
            "elapsed_s": round(time.monotonic() - started, 1)}
     return doc, raw
@@ -198,7 +241,7 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
             with vllm_server(params.serve, model_dir.resolve(), build, out_dir / "server.log") as server:
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
-                lm = make_lm(server, model_dir.resolve(), params.harness)
+                lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
                 for team, key in pending:
                     base = {"team": team.name, "build": build, "cache_key": key,
                             "weights_digest": manifest["weights_digest"], "team_digest": team.digest,

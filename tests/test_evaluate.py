@@ -31,3 +31,33 @@ def test_run_team_scores_every_document_of_every_task(lm, example_evals, team, m
     assert [s["doc_id"] for s in doc["samples"]] == [0, 1, 2] and set(scores) <= {0.0, 1.0}
     assert summary["score"] == pytest.approx(sum(scores) / 3) and doc["metric"] == t.policy.metric
     assert len(raw) >= 3 and all(r["task"] == task for r in raw)
+
+
+@pytest.mark.parametrize("team", ["search", "billing"])  # loglikelihood (choices), generation (max_gen_toks)
+def test_prompts_longer_than_the_context_are_refused_not_cut(lm, example_evals, team):
+    import json
+
+    from pipeline.errors import QuantgateError
+
+    data = example_evals / team / "data.jsonl"
+    docs = [json.loads(line) for line in data.read_text().splitlines()]
+    docs[1]["question"] = "Please answer carefully. " * 40 + docs[1]["question"]  # ~160 words: over 128 tokens
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    t = next(t for t in load_teams(example_evals) if t.name == team)
+    with pytest.raises(QuantgateError) as err:
+        run_team(lm, t, HarnessParams(limit=3))
+    msg = str(err.value)
+    assert msg.startswith("1 prompt(s) longer than the model's context, which lm-eval would cut: ")
+    assert f"{t.tasks[0].name} doc 1: prompt is " in msg and "> 128; shorten those documents" in msg
+
+
+def test_over_length_counts_context_plus_what_follows():
+    from pipeline.evaluate import over_length
+
+    words = str.split  # one token per word
+    raw = [{"task": "t", "doc_id": 0, "arguments": [("a b c", " d"), ("a b c", " d e")]},         # 3+1 ok, 3+2 over
+           {"task": "t", "doc_id": 1, "arguments": [("a b", {"max_gen_toks": 2})]},                 # 2+2 ok
+           {"task": "t", "doc_id": 2, "arguments": [("a b c", {"until": ["\n"]})]},                 # 3+default 2 over
+           {"task": "t", "doc_id": 3, "arguments": [("a b c d e f",)]}]                             # rolling: skipped
+    assert over_length(raw, words, 4, default_gen_toks=2) == [
+        "t doc 0: prompt is 3 tokens + 2 of an answer choice > 4", "t doc 2: prompt is 3 tokens + 2 to generate > 4"]
