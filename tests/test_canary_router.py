@@ -449,8 +449,9 @@ def test_client_leaving_while_stable_is_asked_to_continue_is_recorded(fakes):
     body = {"model": "m", "prompt": "2+2?", "max_tokens": 8, "temperature": 0, "stream": True}
     with running(fleet(fakes), weight=100) as (router, client):
         with client.stream("POST", "/v1/completions", json=body) as r:
-            next(r.iter_raw())
-            wait_for(lambda: fakes["stable"].seen, 1)  # stable is asked; hang up before its first chunk
+            chunks = r.iter_raw()  # kept: a dropped iterator closes the connection at once
+            next(chunks)
+            assert wait_for(lambda: fakes["stable"].seen, 1)  # stable is asked; hang up before its first chunk
         wait_for(lambda: [s for s in router.samples_since(0) if s.role == "stable"], 1)
     cand, stab = resumed_samples(router)
     assert (cand.outcome, stab.outcome, stab.retried) == ("cut", "cancelled", True)
