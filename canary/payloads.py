@@ -62,7 +62,7 @@ def completion_tokens(body: dict) -> int | None:
     """usage.completion_tokens of a response or final stream chunk, None when absent."""
     usage = body.get("usage")
     n = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+    return n if _is_int(n) else None
 
 
 def same_words(a: str, b: str, n_words: int) -> bool:
@@ -94,7 +94,7 @@ def continuation(body: dict, sent_text: str, sent_tokens: int, chat: bool) -> di
     for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
         if out.get(key) is None:
             continue
-        if not isinstance(out[key], int) or isinstance(out[key], bool):
+        if not _is_int(out[key]):
             return None
         out[key] = max(out[key] - sent_tokens, 0)
     if not chat:
@@ -118,6 +118,10 @@ def continuation(body: dict, sent_text: str, sent_tokens: int, chat: bool) -> di
 
 def tokens_left(body: dict, sent_tokens: int) -> int | None:
     """Tokens the request may still generate after `sent_tokens` (None: no limit given)."""
-    limits = [body[k] for k in ("max_tokens", "max_completion_tokens")
-              if isinstance(body.get(k), int) and not isinstance(body[k], bool)]
+    limits = [body[k] for k in ("max_tokens", "max_completion_tokens") if _is_int(body.get(k))]
     return max(min(limits) - sent_tokens, 0) if limits else None
+
+
+def _is_int(value) -> bool:
+    """An integer JSON number (bool is an int to Python, not to JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)

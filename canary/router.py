@@ -15,8 +15,8 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   answering; a candidate stream that breaks (outcome "cut") or reports an engine error after
   that is resumed on stable: stable continues the text already sent (canary.payloads.
   continuation) and its chunks follow in the same response, so the client sees one whole
-  answer. A stable stream that breaks, or a stream that cannot be continued (n > 1, a token-id
-  or batch prompt), ends with an SSE `error` event. 4xx are the request's fault: passed
+  answer. A stable stream that breaks, or a stream that cannot be continued (Router._resume),
+  ends with an SSE `error` event. 4xx are the request's fault: passed
   through, not retried, counted as ok.
 - Timeouts (policy): connect_timeout_s to connect; request_timeout_s for a whole
   non-streaming answer, for a stream's first chunk, and between later chunks.
@@ -388,9 +388,8 @@ class Router:
     async def _stream(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
         backend = fleet.candidate if role == "candidate" else fleet.stable
         headers = _who(role, backend, retried)
-        options = _stream_options(body)
-        state = _Stream(wants_usage=bool(options.get("include_usage")))
-        payload = {**body, "model": backend.model, "stream_options": {**options, "include_usage": True}}
+        state = _Stream(wants_usage=bool(_stream_options(body).get("include_usage")))
+        payload = _upstream_payload(body, backend.model)
         t, t0 = time.time(), time.perf_counter()
         o = await self._open(backend, path, payload)
         if o.first is not None:
@@ -465,19 +464,18 @@ class Router:
         """
         if broken.done:
             return  # the stream was whole; only the connection's end was lost
-        if not one_choice(body):  # chunks of several choices interleave: "finished" says nothing of the others
-            yield _broke("candidate backend stream broke and the request cannot be continued on stable")
-            return
-        if broken.finished or tokens_left(body, broken.chunks) == 0:
+        # with several choices the chunks interleave: choice 0's finish says nothing of the others
+        if one_choice(body) and (broken.finished or tokens_left(body, broken.chunks) == 0):
             yield b"data: [DONE]\n\n"  # the client has every token of the answer
             return
-        cont = continuation(body, "".join(broken.text), broken.chunks, chat=path == "/chat/completions")
-        if cont is None or not broken.plain:
+        chat = path == "/chat/completions"
+        cont = continuation(body, "".join(broken.text), broken.chunks, chat=chat) if broken.plain else None
+        if cont is None:  # several choices included (continuation refuses them)
             yield _broke("candidate backend stream broke and the request cannot be continued on stable")
             return
-        stable, options = fleet.stable, _stream_options(body)
+        stable = fleet.stable
         state = _Stream(wants_usage=broken.wants_usage, resumed=True, resumed_from=broken.chunks)
-        payload = {**cont, "model": stable.model, "stream": True, "stream_options": {**options, "include_usage": True}}
+        payload = _upstream_payload(cont, stable.model)
         t, t0 = time.time(), time.perf_counter()
         try:
             o = await self._open(stable, path, payload)
@@ -541,6 +539,13 @@ def _error_message(content: bytes | None) -> str | None:
 
 def _stream_options(body: dict) -> dict:
     return body["stream_options"] if isinstance(body.get("stream_options"), dict) else {}
+
+
+def _upstream_payload(body: dict, model: str) -> dict:
+    """A streaming request for a backend: its served model name, and usage asked for (TPOT needs
+    the token count; _Stream drops the usage chunk again if the client did not ask for it)."""
+    return {**body, "model": model, "stream": True,
+            "stream_options": {**_stream_options(body), "include_usage": True}}
 
 
 def _who(role: str, backend: Backend, retried: bool) -> dict[str, str]:

@@ -147,13 +147,12 @@ def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int 
                 continue  # loglikelihood_rolling windows long documents by design
             context, other = args[0], args[1]
             if isinstance(other, dict):
-                gen = other.get("max_gen_toks") or default_gen_toks
-                n, need, what = len(encode(context)), gen, "to generate"
+                need, what = other.get("max_gen_toks") or default_gen_toks, "to generate"
             elif isinstance(other, str):
-                n, need, what = len(encode(context)), len(encode(other)), "of an answer choice"
+                need, what = len(encode(other)), "of an answer choice"
             else:
                 continue
-            if n + need > max_length:
+            if (n := len(encode(context))) + need > max_length:
                 lines.append(f"{s.get('task')} doc {s.get('doc_id')}: prompt is {n} tokens + {need} {what} > "
                              f"{max_length}")
                 break

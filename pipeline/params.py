@@ -118,10 +118,14 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
         raise QuantgateError("; ".join(problems)) from None
 
 
+def _got(data: object) -> str:
+    """What a YAML value is, for an error: "nothing (empty)", "float 0.05", "list ['a']" (60 chars)."""
+    return "nothing (empty)" if data is None else f"{type(data).__name__} {data!r}"[:60]
+
+
 def _not_a_mapping(model: type[BaseModel], data: object) -> str:
     """'must be a mapping of fields (a, b); got float 0.05' for a block that is not a mapping."""
-    got = "nothing (empty)" if data is None else f"{type(data).__name__} {data!r}"[:60]
-    return f"must be a mapping of fields ({', '.join(model.model_fields)}); got {got}"
+    return f"must be a mapping of fields ({', '.join(model.model_fields)}); got {_got(data)}"
 
 
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -142,8 +146,7 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
     """
     data = read_yaml(path)
     if not isinstance(data, dict):
-        raise QuantgateError(f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got "
-                             + ("nothing (empty)" if data is None else f"{type(data).__name__} {data!r}"[:60]))
+        raise QuantgateError(f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {_got(data)}")
     for part in key.split("."):
         if not isinstance(data, dict) or part not in data:
             raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")

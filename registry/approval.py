@@ -10,8 +10,9 @@ A version counts as approved only when approval=approved, by and reason are fill
 gate.verdict is PASS or BASELINE or an override reason is recorded. The verdict is the one
 recorded as a param of the build's run at registration (registry.versions.recorded_verdict);
 a gate.verdict tag that differs from it (edited in the UI) makes the version NOT approved.
-Versions registered before the param existed have only the tag, which is read as before. Anything else (missing,
-revoked, an unknown value, an override missing) reads as NOT approved, with the reason why.
+Versions registered before the param existed have only the tag, which is read as before.
+Anything else (missing, revoked, an unknown value, an override missing) reads as NOT
+approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
 """
 from __future__ import annotations
