@@ -15,6 +15,9 @@ that team only, a changed build that build only. lm-eval's own request cache is 
 (it is keyed by request, not by model). A team whose run errors, or a server that does not
 start, is recorded as status "error" with a one-line reason (never cached); the gate fails
 it closed.
+
+Team files are input from outside the pipeline: lm-eval renders their templates in the
+sandbox of evals/sandbox.py.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from evals.sandbox import lm_eval_sandboxed
 from evals.teams import Team, load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.hashing import digest_json
@@ -167,18 +171,20 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
 
     Team tasks are whole inline configs (no `include:`, evals/checks.py), so lm-eval's index
     of its ~14,700 built-in tasks is not built: that index costs ~14 s per call on a 2-core CPU.
+    lm-eval renders the team's templates in the sandbox (evals/sandbox.py lm_eval_sandboxed).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     started = time.monotonic()
-    results = simple_evaluate(
-        model=lm, tasks=[t.config for t in team.tasks], task_manager=TaskManager(include_defaults=False),
-        limit=effective_limit(team, harness),
-        log_samples=True, apply_chat_template=team.policy.chat_template, cache_requests=False,
-        random_seed=harness.seed, numpy_random_seed=harness.seed, torch_random_seed=harness.seed,
-        fewshot_random_seed=harness.seed,
-    )
+    with lm_eval_sandboxed():  # the team's templates are rendered in the sandbox (evals/sandbox.py)
+        results = simple_evaluate(
+            model=lm, tasks=[t.config for t in team.tasks], task_manager=TaskManager(include_defaults=False),
+            limit=effective_limit(team, harness),
+            log_samples=True, apply_chat_template=team.policy.chat_template, cache_requests=False,
+            random_seed=harness.seed, numpy_random_seed=harness.seed, torch_random_seed=harness.seed,
+            fewshot_random_seed=harness.seed,
+        )
     if results is None:
         raise QuantgateError("lm-eval returned no results")
     tasks, rows = per_sample_scores(team, results)

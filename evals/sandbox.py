@@ -1,0 +1,292 @@
+"""The sandbox every team template is rendered in, at validation and at evaluation alike.
+
+A team's task YAML carries Jinja templates (doc_to_text, doc_to_target, doc_to_choice,
+description, gen_prefix). lm-eval renders them with `lm_eval.utils.apply_template`, which
+compiles them in the plain module-level `jinja2.Environment` `lm_eval.utils.env`: there a
+template reaches Python itself (`{{ cycler.__init__.__globals__.os.popen('id').read() }}`).
+
+- `ENV`: Jinja's ImmutableSandboxedEnvironment with lm-eval's settings (StrictUndefined,
+  trailing newline kept, its `regex_replace` filter) and only the globals a prompt needs
+  (`range`, at most MAX_RANGE items, and `dict`). Attributes starting with `_`, functions'
+  internals and mutating methods raise jinja2.sandbox.SecurityError; so do `*` and `**`
+  results over the size limits. `render` is lm-eval's `apply_template` in it.
+- `lm_eval_sandboxed()`: lm-eval's own rendering uses `ENV` inside it (the evaluate stage
+  runs lm-eval there). tests/test_sandbox.py pins the lm-eval internals this relies on.
+- `unsafe_parts`: what a template's syntax tree reaches, found even when no document takes
+  that branch (validation reports both this and the sandbox's verdict on every document).
+- `time_limit`: bounds a render in wall time (validation renders every document in it).
+- `slow_regex`: times a team's regular expression on inputs built to make backtracking blow
+  up, in a child process that is killed at the limit.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+from jinja2 import StrictUndefined, Template, nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+MAX_RANGE = 1000           # items a template's range() may make (Jinja's own sandbox allows 100000)
+MAX_SIZE = 1_000_000       # characters (or items) a `*` may make, and a rendered template may have
+MAX_EXPONENT = 100         # largest exponent of `**`
+RENDER_SECONDS = 2.0       # wall time validation gives one document's templates
+REGEX_SECONDS = 2.0        # wall time a regular expression gets on all the probe inputs
+PROBE_LENGTH = 1000        # characters of the longest probe input (a long model answer)
+
+# Names a template could use to reach Jinja's or a web framework's objects rather than the
+# document's fields: Jinja's default globals, the template itself, Flask's context objects.
+FORBIDDEN_NAMES = frozenset({"cycler", "joiner", "namespace", "lipsum", "self", "config", "request",
+                             "session", "g", "url_for", "get_flashed_messages", "caller", "varargs", "kwargs"})
+
+
+class RenderTimeout(Exception):
+    """A template took longer than its time limit to render."""
+
+
+_deadline = threading.local()
+
+
+def _tick() -> None:
+    at = getattr(_deadline, "at", None)
+    if at is not None and time.monotonic() > at:
+        raise RenderTimeout(f"over {_deadline.seconds:g} s")
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """ImmutableSandboxedEnvironment that also bounds sizes and checks the render deadline."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        _tick()
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+            raise SecurityError(f"exponent {right} is over the sandbox's {MAX_EXPONENT}")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_SIZE:
+                    raise SecurityError(f"`*` would make {len(seq) * n} items, over the sandbox's {MAX_SIZE}")
+        return super().call_binop(context, operator, left, right)
+
+    def getattr(self, obj, attribute):
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _tick()
+        return super().getitem(obj, argument)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+        _tick()
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def regex_replace(string, pattern, repl, count: int = 0):
+    """lm-eval's `regex_replace` template filter (lm_eval/utils.py): `re.sub` as a filter."""
+    return re.sub(pattern, repl, string, count=count)
+
+
+def _range(*args) -> range:
+    r = range(*args)
+    if len(r) > MAX_RANGE:
+        raise SecurityError(f"range of {len(r)} items is over the sandbox's {MAX_RANGE}")
+    return r
+
+
+ENV = _Sandbox(undefined=StrictUndefined, keep_trailing_newline=True)
+ENV.filters["regex_replace"] = regex_replace
+ENV.globals.clear()
+ENV.globals.update(range=_range, dict=dict)
+
+
+@lru_cache(maxsize=512)
+def compile_template(source: str) -> Template:
+    """`source` compiled in the sandbox (cached: validation renders one template per document)."""
+    return ENV.from_string(source)
+
+
+def render(source: str, doc: dict) -> str:
+    """lm-eval's `apply_template(source, doc)` in the sandbox.
+
+    Raises jinja2.sandbox.SecurityError on anything the sandbox refuses (a rendered text over
+    MAX_SIZE characters included), RenderTimeout past a `time_limit`, and whatever the template
+    raises on this document (jinja2.UndefinedError for a missing field, ValueError, ...).
+    """
+    text = compile_template(source).render(**doc)
+    if len(text) > MAX_SIZE:
+        raise SecurityError(f"renders {len(text)} characters, over the sandbox's {MAX_SIZE}")
+    return text
+
+
+@contextmanager
+def time_limit(seconds: float | None = None) -> Iterator[None]:
+    """Raise RenderTimeout in the block once `seconds` (default RENDER_SECONDS) have passed.
+
+    The sandbox checks the deadline on every attribute, item, call and `*`/`**`; in the main
+    thread a SIGALRM timer also interrupts loops that do none of these.
+    """
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    _deadline.at, _deadline.seconds = time.monotonic() + seconds, seconds
+    timer = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if timer:
+        def expired(signum, frame):
+            raise RenderTimeout(f"over {seconds:g} s")
+
+        previous = signal.signal(signal.SIGALRM, expired)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        _deadline.at = None
+        if timer:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+@contextmanager
+def lm_eval_sandboxed() -> Iterator[None]:
+    """Make lm-eval render every template with `ENV` inside the block.
+
+    `lm_eval.utils.apply_template` compiles with the module attribute `lm_eval.utils.env`, and
+    lm-eval's tasks call it through the module (`utils.apply_template`) for doc_to_text,
+    doc_to_target, doc_to_choice, description and gen_prefix: swapping that one attribute
+    sandboxes them all. tests/test_sandbox.py fails if a new lm-eval stops working this way.
+    """
+    import lm_eval.utils
+
+    plain = lm_eval.utils.env
+    lm_eval.utils.env = ENV
+    try:
+        yield
+    finally:
+        lm_eval.utils.env = plain
+
+
+def _findings(tree: nodes.Template) -> list[tuple[str, str]]:
+    """What a parsed template reaches past the document, as (kind, item) in reading order:
+    ("name", a FORBIDDEN_NAMES name), ("internal", an attribute or key), ("other", a reason)."""
+    found = []
+    for node in reversed(list(tree.find_all(nodes.Node))):  # find_all visits an expression outside-in
+        if isinstance(node, nodes.Getattr) and node.attr.startswith("_"):
+            found.append(("internal", node.attr))
+        elif (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+              and isinstance(node.arg.value, str) and node.arg.value.startswith("_")):
+            found.append(("internal", node.arg.value))
+        elif isinstance(node, nodes.Name) and node.name in FORBIDDEN_NAMES:
+            found.append(("name", node.name))
+        elif isinstance(node, (nodes.Filter, nodes.Test)) and node.name == "attr":
+            found.append(("other", "the `attr` filter reads attributes by name (write `x.name`)"))
+        elif isinstance(node, (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)):
+            word = type(node).__name__.lower().replace("fromimport", "from")
+            found.append(("other", f"`{word}` loads other templates (write the template out in full)"))
+        elif isinstance(node, nodes.Filter) and node.name == "regex_replace":
+            pattern = node.args[0] if node.args else None
+            if not (isinstance(pattern, nodes.Const) and isinstance(pattern.value, str)):
+                found.append(("other", "regex_replace needs a literal pattern (a quoted string)"))
+            elif slow := slow_regex(pattern.value):
+                found.append(("other", f"regex_replace pattern {pattern.value!r} {slow}"))
+    return list(dict.fromkeys(found))
+
+
+def _why(findings: list[tuple[str, str]]) -> str:
+    """Findings as one reason: "'cycler' is a Jinja or Python object, not a document field;
+    attributes '__init__', '__globals__' reach Python internals"."""
+    names = [repr(item) for kind, item in findings if kind == "name"]
+    internals = [repr(item) for kind, item in findings if kind == "internal"]
+    reasons = []
+    if names:
+        reasons.append(f"{', '.join(names)} " + ("is a Jinja or Python object, not a document field" if len(names) == 1
+                                                  else "are Jinja or Python objects, not document fields"))
+    if internals:
+        reasons.append(f"attribute {internals[0]} reaches Python internals" if len(internals) == 1
+                       else f"attributes {', '.join(internals)} reach Python internals")
+    return "; ".join(reasons + [item for kind, item in findings if kind == "other"])
+
+
+def _blocks(source: str) -> list[str]:
+    """The `{{ ... }}` and `{% ... %}` blocks of a template, in order."""
+    return [m.group(0) for m in re.finditer(r"\{\{.*?\}\}|\{%.*?%\}", source, re.S)]
+
+
+def _parse_alone(block: str) -> nodes.Template | None:
+    """One block parsed on its own (a statement that opens a body closed by its end tag), or None."""
+    tag = block[2:-2].strip("-+ \n\t").split(" ")[0]
+    for text in (block, f"{block}{{% end{tag} %}}"):
+        try:
+            return ENV.parse(text)
+        except Exception:  # noqa: BLE001 - a block that only parses in context (else, endfor, ...)
+            continue
+    return None
+
+
+def unsafe_parts(source: str) -> list[tuple[str, str]]:
+    """What in template `source` reaches past the document, as [(expression, why)].
+
+    Refused: an attribute or constant key starting with `_` (Python internals), the names in
+    FORBIDDEN_NAMES, the `attr` filter (a way to spell attributes as strings), include, import
+    and extends, and a `regex_replace` whose pattern is not a literal or is slow (slow_regex).
+    Each `{{ }}` or `{% %}` block is judged on its own, so the expression is the one at fault;
+    a reason no single block shows is given with the whole template. Raises
+    jinja2.TemplateSyntaxError if `source` does not parse.
+    """
+    found, seen = [], set()
+    for block in _blocks(source):
+        tree = _parse_alone(block)
+        if tree is not None and (findings := _findings(tree)):
+            found.append((expression(block), _why(findings)))
+            seen.update(findings)
+    if missed := [f for f in _findings(ENV.parse(source)) if f not in seen]:
+        found.append((expression(source), _why(missed)))
+    return list(dict.fromkeys(found))
+
+
+def expression(source: str, needle: str | None = None, width: int = 200) -> str:
+    """The `{{ ... }}` or `{% ... %}` of template `source` that holds `needle` (the whole
+    template when there is no needle or no such block), on one line, at most `width` characters."""
+    text = " ".join(next((b for b in _blocks(source) if needle and needle in b), source).split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# Runs in a child (`python -I -S -c PROBE pattern n`): findall on inputs made of the pattern's own
+# characters repeated and ended by one it cannot match, on which nested or overlapping repeats
+# ((a+)+, (a|aa)+, (\d+\.?\d*)*) backtrack without end. Short inputs after every prefix character
+# find exponential blow-up behind a literal (x(a+)+y); long ones find high-degree polynomial blow-up.
+PROBE = r"""
+import re, sys
+pattern, n = sys.argv[1], int(sys.argv[2])
+p = re.compile(pattern)
+chars = sorted({c for c in pattern if c.isprintable()} | set("a0 .,-"))
+for first in [""] + chars:
+    for c in chars:
+        p.findall(first + c * 60 + "\x00")
+for c in chars:
+    p.findall(c * n + "\x00")
+"""
+
+
+@lru_cache(maxsize=256)
+def slow_regex(pattern: str, seconds: float = REGEX_SECONDS) -> str | None:
+    """Why regular expression `pattern` is refused ("is not a valid ...", "takes over ..."), or None.
+
+    `pattern` is compiled with `re` (as lm-eval does), then matched on probe inputs in a child
+    process that is killed after `seconds`: catastrophic backtracking hangs only that child.
+    """
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return f"is not a valid regular expression ({exc})"
+    try:
+        subprocess.run([sys.executable, "-I", "-S", "-c", PROBE, pattern, str(PROBE_LENGTH)],
+                       timeout=seconds, capture_output=True, check=True)
+    except subprocess.TimeoutExpired:
+        return (f"takes over {seconds:g} s on an input of at most {PROBE_LENGTH} characters (catastrophic "
+                "backtracking, e.g. a repeat inside a repeat like (a+)+); simplify it")
+    except subprocess.CalledProcessError as exc:
+        return f"fails on a probe input ({exc.stderr.decode(errors='replace').strip().splitlines()[-1:]})"
+    return None

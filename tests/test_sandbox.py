@@ -1,0 +1,168 @@
+"""The template sandbox (evals/sandbox.py) at evaluation: the lm-eval internals it relies on,
+known Jinja escapes through the evaluate stage's own rendering, and unchanged prompts for the
+shipped teams."""
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+from jinja2 import UndefinedError
+from jinja2.sandbox import SecurityError
+from lm_eval.api.model import LM
+
+from evals import sandbox
+from evals.teams import load_teams
+from pipeline.evaluate import HarnessParams, run_team
+
+# Known ways out of a plain Jinja environment: each runs `touch MARKER` there (the first is the
+# issue's). {marker} is filled in with a path under the test's tmp_path.
+ESCAPES = [
+    "{{{{ cycler.__init__.__globals__.os.popen('touch {marker}').read() }}}}",
+    "{{{{ self.__init__.__globals__['__builtins__']['__import__']('os').popen('touch {marker}').read() }}}}",
+    "{{{{ lipsum.__globals__['os'].popen('touch {marker}').read() }}}}",
+    "{{{{ joiner.__init__.__globals__.os.popen('touch {marker}').read() }}}}",
+    "{{{{ namespace.__init__.__globals__.os.popen('touch {marker}').read() }}}}",
+    "{{{{ (cycler|attr('__init__')|attr('__globals__'))['os'].popen('touch {marker}').read() }}}}",
+    "{{{{ question['_' ~ '_class__'].__mro__[1].__subclasses__() }}}}{{{{ '{marker}' }}}}",
+]
+
+
+class NoModel(LM):
+    """Stands in for lm-eval's client: the requests are never sent (rendering fails first)."""
+
+    def loglikelihood(self, requests):
+        return [(0.0, False) for _ in requests]
+
+    def loglikelihood_rolling(self, requests):
+        return [0.0 for _ in requests]
+
+    def generate_until(self, requests):
+        return ["" for _ in requests]
+
+
+def with_template(team, key: str, template: str):
+    """`team` with its first task's `key` set to `template`, not validated (as if it had got past)."""
+    task = team.tasks[0]
+    config = copy.deepcopy(task.config)
+    config[key] = template
+    return dataclasses.replace(team, tasks=(dataclasses.replace(task, config=config),))
+
+
+@pytest.fixture(scope="module")
+def search():
+    return next(t for t in load_teams(Path(__file__).resolve().parents[1] / "evals") if t.name == "search")
+
+
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_escapes_run_nothing_through_the_evaluate_stage_rendering(search, escape, tmp_path):
+    marker = tmp_path / "MARKER"
+    team = with_template(search, "doc_to_text", escape.format(marker=marker) + "Question: {{question}}\nAnswer:")
+    with pytest.raises((SecurityError, UndefinedError)):  # UndefinedError: a Jinja global the sandbox lacks
+        run_team(NoModel(), team, HarnessParams(limit=2))
+    assert not marker.exists()
+
+
+def test_escapes_do_run_in_lm_eval_without_the_sandbox(tmp_path):
+    """The control: lm-eval's own rendering still runs them, so the tests above mean something
+    (if a new lm-eval sandboxes its templates itself, this fails: revisit evals/sandbox.py)."""
+    from lm_eval.utils import apply_template
+
+    for i, escape in enumerate(ESCAPES[:6]):
+        marker = tmp_path / f"MARKER{i}"
+        apply_template(escape.format(marker=marker), {"question": "q"})
+        assert marker.exists(), escape
+
+
+def test_escapes_through_lm_eval_task_methods_inside_the_sandbox(search, tmp_path):
+    """ConfigurableTask.doc_to_text/doc_to_target/doc_to_choice render through the swapped env."""
+    from lm_eval.api.task import ConfigurableTask
+
+    task = ConfigurableTask(config=copy.deepcopy(search.tasks[0].config))
+    doc = next(iter(task.test_docs()))
+    marker = tmp_path / "MARKER"
+    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        with sandbox.lm_eval_sandboxed(), pytest.raises(SecurityError):
+            getattr(task, key)(doc, ESCAPES[1].format(marker=marker))
+    assert not marker.exists()
+
+
+def test_lm_eval_renders_with_the_module_env_that_the_sandbox_replaces():
+    """Pins what lm_eval_sandboxed relies on in lm-eval (0.4.13)."""
+    import lm_eval.api.task
+    import lm_eval.utils
+
+    assert "env" in lm_eval.utils.apply_template.__code__.co_names
+    assert lm_eval.utils.apply_template.__globals__ is vars(lm_eval.utils)
+    assert lm_eval.api.task.utils is lm_eval.utils
+    for method in ("doc_to_text", "doc_to_target", "doc_to_choice", "doc_to_prefix", "resolve_field"):
+        code = getattr(lm_eval.api.task.ConfigurableTask, method).__code__
+        assert {"utils", "apply_template"} <= set(code.co_names), method  # utils.apply_template, looked up per call
+    with sandbox.lm_eval_sandboxed():
+        assert lm_eval.utils.env is sandbox.ENV
+        with pytest.raises(SecurityError):
+            lm_eval.utils.apply_template("{{ ''.__class__ }}", {})
+    assert lm_eval.utils.env is not sandbox.ENV
+
+
+def test_the_sandbox_keeps_lm_eval_settings_filters_and_tests():
+    import lm_eval.utils
+
+    plain = lm_eval.utils.env
+    assert sandbox.ENV.undefined is plain.undefined and sandbox.ENV.keep_trailing_newline == plain.keep_trailing_newline
+    assert set(sandbox.ENV.filters) == set(plain.filters) and set(sandbox.ENV.tests) == set(plain.tests)
+    for args in [("a-b-c", "-", "+"), ("a1b22", r"\d+", "#", 1), ("x", "y", "z")]:
+        assert sandbox.regex_replace(*args) == plain.filters["regex_replace"](*args)
+    assert sorted(sandbox.ENV.globals) == ["dict", "range"]
+
+
+def test_shipped_teams_get_exactly_the_prompts_lm_eval_gives_them(example_evals):
+    """Every document of every shipped task: the requests lm-eval builds (prompt and answer
+    choices) and doc_to_* are the same with and without the sandbox."""
+    from lm_eval.tasks import TaskManager
+
+    for team in load_teams(example_evals):
+        for t in team.tasks:
+            [task] = TaskManager(include_defaults=False).load([t.config])["tasks"].values()
+            docs = list(task.test_docs())
+            keys = [k for k in ("doc_to_text", "doc_to_choice", "doc_to_target") if t.config.get(k) is not None]
+
+            def rendered():
+                task.build_all_requests(rank=0, world_size=1)
+                return [i.arguments for i in task.instances], [[getattr(task, k)(d) for k in keys] for d in docs]
+
+            plain = rendered()
+            with sandbox.lm_eval_sandboxed():
+                boxed = rendered()
+            assert boxed == plain and len(plain[1]) == t.n_docs
+
+
+def test_a_list_method_the_arc_format_uses_works_and_mutation_does_not():
+    doc = {"choices": {"label": ["A", "B", "C"], "text": ["x", "y", "z"]}, "answerKey": "C"}
+    assert sandbox.render("{{choices.label.index(answerKey)}}", doc) == "2"
+    assert sandbox.render("{{choices.text}}", doc) == "['x', 'y', 'z']"
+    with pytest.raises(SecurityError):
+        sandbox.render("{{ choices.label.append('D') }}", doc)
+
+
+@pytest.mark.parametrize("template", ["{{ range(5000)|list }}", "{{ 'a' * 10**8 }}", "{{ 2 ** 1000 }}",
+                                      "{{ x * 2000000 }}"])
+def test_sizes_are_bounded(template):
+    with pytest.raises(SecurityError, match="over the sandbox's"):
+        sandbox.render(template, {"x": "ab"})
+
+
+def test_a_render_that_runs_too_long_is_stopped():
+    loop = ("{% set x = range(1000)|list %}"
+            "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}")
+    with pytest.raises(sandbox.RenderTimeout, match="over 0.2 s"), sandbox.time_limit(0.2):
+        sandbox.render(loop, {})
+
+
+@pytest.mark.parametrize("pattern, verdict", [
+    (r"(-?[0-9]+)", None), (r"#### (\-?[0-9\.\,]+)", None), (r"(?i)answer:\s*([A-D])", None), (r".*?(\d+)", None),
+    (r"(a+)+$", "takes over"), (r"(\d+\.?\d*)*$", "takes over"), (r"x(\w+\s?)+y", "takes over"),
+    (r"([0-9]", "is not a valid regular expression"),
+])
+def test_slow_regex(pattern, verdict):
+    got = sandbox.slow_regex(pattern)
+    assert got is None if verdict is None else verdict in got
