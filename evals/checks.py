@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from scipy import stats
+
+from evals import sandbox
+from evals.templates import RENDERED, check_document
 
 MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
@@ -17,29 +21,19 @@ TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
 BINARY_METRICS = {"acc", "acc_norm", "acc_mutual_info", "exact_match", "acc_all"}
 
 
-def _field(template) -> str | None:
-    """The document field a template is exactly `{{field}}` or `field` of, else None."""
-    if not isinstance(template, str):
-        return None
-    t = template.strip()
-    if t.startswith("{{") and t.endswith("}}"):
-        t = t[2:-2].strip()
-    return t if t.isidentifier() else None
-
-
 def template_fields(config: dict) -> dict[str, set[str]]:
     """Top-level document fields each template of a task references, {template key: fields}.
 
     A bare identifier (`doc_to_target: answer`) is a field name, as lm-eval reads it; a string
-    with `{{ }}` is a Jinja template whose undeclared variables are fields. Lists (fixed
-    choices) and non-strings reference nothing. Raises ValueError on a Jinja syntax error.
+    with `{{ }}` is a Jinja template whose undeclared variables are fields (less the sandbox's
+    globals and the names it refuses, which check_templates reports). Lists (fixed choices) and
+    non-strings reference nothing. Raises ValueError on a Jinja syntax error.
     """
     import jinja2
     from jinja2 import meta
 
-    env = jinja2.Environment()
     out = {}
-    for key in TEMPLATE_KEYS:
+    for key in RENDERED:
         t = config.get(key)
         if not isinstance(t, str):
             continue
@@ -47,7 +41,7 @@ def template_fields(config: dict) -> dict[str, set[str]]:
             out[key] = {t.strip()}
         elif "{{" in t or "{%" in t:
             try:
-                out[key] = set(meta.find_undeclared_variables(env.parse(t)))
+                out[key] = set(meta.find_undeclared_variables(sandbox.ENV.parse(t))) - sandbox.FORBIDDEN_NAMES
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"{key}: template syntax error: {exc.message}") from None
     return out
@@ -129,30 +123,20 @@ def check_task(task_path: Path, config: dict) -> list[str]:
     return problems
 
 
-def check_data(config: dict, data_path: Path) -> tuple[list[str], int]:
-    """Problems in one JSONL data file, and its number of documents.
+def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
+    """(problems, [(line, document)]) of one JSONL data file.
 
-    Checks: size limit, UTF-8, blank lines, invalid JSON, non-object lines, fields the
-    templates reference that a document lacks, and for multiple_choice tasks a target that
-    is not a valid index into the choices (or is the answer text instead of the index), and
-    empty or duplicate choices.
+    Checks: size limit, UTF-8, blank lines, invalid JSON, lines that are not JSON objects.
     """
     raw = data_path.read_bytes()
     if len(raw) > MAX_DATA_BYTES:
-        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"], 0
+        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"], []
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[:exc.start].count(b"\n") + 1
-        return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"], 0
-    try:
-        fields = template_fields(config)
-    except ValueError as exc:
-        return [f"{data_path}: {exc}"], 0
-    problems, n_docs = [], 0
-    mc = config.get("output_type") == "multiple_choice"
-    target_field, choice_field = _field(config.get("doc_to_target")), _field(config.get("doc_to_choice"))
-    fixed_choices = config.get("doc_to_choice") if isinstance(config.get("doc_to_choice"), list) else None
+        return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"], []
+    problems, docs = [], []
     lines = text.split("\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -167,28 +151,34 @@ def check_data(config: dict, data_path: Path) -> tuple[list[str], int]:
         if not isinstance(doc, dict):
             problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
             continue
-        n_docs += 1
+        docs.append((n, doc))
+    return problems, docs
+
+
+def check_data(config: dict, data_path: Path, where: Callable[..., str], render: bool = True) -> tuple[list[str], int]:
+    """Problems in one JSONL data file, and its number of documents.
+
+    Checks the file (read_docs), the fields the templates reference that a document lacks,
+    and, with `render`, what every document's templates give in the sandbox
+    (evals/templates.py check_document: rendering errors, a multiple_choice target that is not
+    an index into the choices or is the answer text, empty or duplicate choices, unsafe
+    templates). `where(key)` names the task file's line of a key. Pass render=False when
+    check_templates refused a template: it is then not rendered at all.
+    """
+    problems, docs = read_docs(data_path)
+    try:
+        fields = template_fields(config)
+    except ValueError:  # check_templates reports it, with the task file's line
+        fields, render = {}, False
+    features = {f for _, doc in docs for f in doc}
+    skip: set[str] = set()
+    for n, doc in docs:
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if f not in doc})
         for f, key in missing:
             problems.append(f"{data_path}:{n}: field {f!r} used by {key} is missing; add it or fix the template")
-        if not mc or target_field is None or missing:
-            continue
-        choices = fixed_choices if fixed_choices is not None else doc.get(choice_field) if choice_field else None
-        if choices is None:
-            continue
-        if not isinstance(choices, list) or not choices or any(not str(c).strip() for c in choices):
-            problems.append(f"{data_path}:{n}: choices must be a non-empty list of non-empty strings")
-            continue
-        if len(set(map(str, choices))) != len(choices):
-            problems.append(f"{data_path}:{n}: duplicate choices {choices}; make them distinct")
-        target = doc[target_field]
-        if isinstance(target, str) and target in map(str, choices):
-            problems.append(f"{data_path}:{n}: {target_field} is the answer text {target!r}; "
-                            f"use its index {list(map(str, choices)).index(target)} into the choices")
-        elif not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
-            problems.append(f"{data_path}:{n}: {target_field}={target!r} is not an index into "
-                            f"{len(choices)} choices (0..{len(choices) - 1})")
-    return problems, n_docs
+        if render and not missing:
+            problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
+    return problems, len(docs)
 
 
 def min_docs_to_pass(margin: float, confidence: float) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from evals.checks import BINARY_METRICS, check_data, check_metrics, check_task, min_docs_to_pass
+from evals.templates import check_templates, key_locator
 from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_tree
 from pipeline.params import Frozen, parse, read_yaml
@@ -89,7 +90,10 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
                         "name shared templates with a leading _")
         return None
     config = copy.deepcopy(config)
+    where = key_locator(path)
     problems += check_task(path, config)
+    unsafe = check_templates(where, config)
+    problems += unsafe
     if policy is not None:
         problems += check_metrics(path, config, policy.metric, policy.higher_is_better)
     files = (config.get("dataset_kwargs") or {}).get("data_files")
@@ -111,7 +115,7 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
             problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel} not found next to the task file")
             continue
         resolved[name] = str(p)
-        found, n = check_data(config, p)
+        found, n = check_data(config, p, where, render=not unsafe)
         if n == 0 and not found:
             found = [f"{p}: no documents; add one JSON object per line"]
         problems += found[:20] + ([f"{p}: ... and {len(found) - 20} more"] if len(found) > 20 else [])

@@ -61,3 +61,18 @@ def test_over_length_counts_context_plus_what_follows():
            {"task": "t", "doc_id": 3, "arguments": [("a b c d e f",)]}]                             # rolling: skipped
     assert over_length(raw, words, 4, default_gen_toks=2) == [
         "t doc 0: prompt is 3 tokens + 2 of an answer choice > 4", "t doc 2: prompt is 3 tokens + 2 to generate > 4"]
+
+
+def test_arc_format_team_scores(lm, tmp_path):
+    """lm-eval's ARC task format (tests/arc_evals, without its two bad documents) validates and scores."""
+    import shutil
+
+    from evals.teams import load_team
+    from tests.conftest import REPO
+
+    shutil.copytree(REPO / "tests" / "arc_evals", tmp_path / "evals")
+    data = tmp_path / "evals" / "arcteam" / "arc.jsonl"
+    lines = data.read_text().splitlines()
+    data.write_text("".join(line + "\n" for n, line in enumerate(lines, 1) if n not in (17, 41)))
+    doc, _ = run_team(lm, load_team(tmp_path / "evals" / "arcteam"), HarnessParams(limit=3))
+    assert doc["status"] == "ok" and doc["tasks"]["arc_easy_local"]["n"] == 3

@@ -3,6 +3,7 @@ known Jinja escapes through the evaluate stage's own rendering, and unchanged pr
 shipped teams."""
 import copy
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from jinja2.sandbox import SecurityError
 from lm_eval.api.model import LM
 
 from evals import sandbox
+from evals.templates import lm_eval_value
 from evals.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
 
@@ -117,7 +119,8 @@ def test_the_sandbox_keeps_lm_eval_settings_filters_and_tests():
 
 def test_shipped_teams_get_exactly_the_prompts_lm_eval_gives_them(example_evals):
     """Every document of every shipped task: the requests lm-eval builds (prompt and answer
-    choices) and doc_to_* are the same with and without the sandbox."""
+    choices) and doc_to_* are the same with and without the sandbox, and validation's own
+    rendering (templates.lm_eval_value on the JSON as written) gives the same values."""
     from lm_eval.tasks import TaskManager
 
     for team in load_teams(example_evals):
@@ -134,6 +137,10 @@ def test_shipped_teams_get_exactly_the_prompts_lm_eval_gives_them(example_evals)
             with sandbox.lm_eval_sandboxed():
                 boxed = rendered()
             assert boxed == plain and len(plain[1]) == t.n_docs
+            data = Path(t.config["dataset_kwargs"]["data_files"]["test"])
+            raw = [json.loads(line) for line in data.read_text().splitlines()]
+            features = {f for d in raw for f in d}
+            assert [[lm_eval_value(t.config, k, d, features) for k in keys] for d in raw] == plain[1]
 
 
 def test_a_list_method_the_arc_format_uses_works_and_mutation_does_not():

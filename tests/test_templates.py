@@ -1,0 +1,124 @@
+"""Validation of a team's templates (evals/templates.py): unsafe templates refused with
+file:line and the expression before anything runs, and every document rendered in the sandbox
+and its choices and target checked. More cases: tests/bad_evals/."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from evals import sandbox
+from evals.teams import load_team, load_teams
+from pipeline.errors import QuantgateError
+from tests.conftest import REPO
+from tests.test_sandbox import ESCAPES
+
+# The escapes of tests/test_sandbox.py, and forms that only read (Jinja's and Flask's objects).
+READERS = ["{{ ''.__class__.__mro__[1].__subclasses__() }}", "{{ config.items() }}", "{{ request|attr('__class__') }}",
+           "{% include 'secrets.txt' %}", "{{ question|regex_replace('(a+)+$', '') }}"]
+KEYS = ["doc_to_text", "doc_to_target", "doc_to_choice", "description", "gen_prefix"]
+
+
+def set_key(task_yaml, key: str, value: str) -> int:
+    """Set `key` of a task YAML to `value` (a string), in place; return its line."""
+    lines = task_yaml.read_text().splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith(f"{key}:")), None)
+    if at is None:
+        lines.append("")
+        at = len(lines) - 1
+    lines[at] = f"{key}: {json.dumps(value)}"
+    task_yaml.write_text("\n".join(lines) + "\n")
+    return at + 1
+
+
+@pytest.mark.parametrize("i, template", list(enumerate(ESCAPES + READERS)))
+def test_unsafe_templates_are_refused_with_file_line_and_expression(example_evals, tmp_path, i, template):
+    marker = tmp_path / "MARKER"
+    template = template.format(marker=marker) if "{marker}" in template else template
+    key = KEYS[i % len(KEYS)]
+    task = example_evals / "search" / "capitals.yaml"
+    line = set_key(task, key, f"Question: {template} {{{{question}}}}")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    msg = str(err.value)
+    assert f"{task}:{line}: {key}: unsafe template `" in msg, msg
+    assert ("reach" in msg or "not a document field" in msg or "`attr` filter" in msg or "loads other templates" in msg
+            or "takes over" in msg), msg
+    assert not marker.exists()
+
+
+def test_the_sandbox_verdict_refuses_what_no_static_rule_names(example_evals):
+    task = example_evals / "search" / "capitals.yaml"
+    line = set_key(task, "doc_to_text", "{{ question['_' ~ '_class__'] }}Question: {{question}}")
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "search")
+    assert (f"{task}:{line}: doc_to_text: unsafe template `{{{{ question['_' ~ '_class__'] }}}}Question: "
+            f"{{{{question}}}}`: the sandbox refused it rendering {example_evals / 'search' / 'data.jsonl'}:1 "
+            "(access to attribute '__class__' of 'str' object is unsafe.)") in str(err.value)
+    assert "1 problem(s)" in str(err.value)  # reported once, not per document
+
+
+def test_validate_command_and_dvc_stage_refuse_the_issue_template_and_run_nothing(example_evals, tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    marker = tmp_path / "MARKER"
+    task = example_evals / "search" / "capitals.yaml"
+    line = set_key(task, "doc_to_text", ESCAPES[0].format(marker=marker) + "Question: {{question}}\nAnswer:")
+    where = f"{task}:{line}: doc_to_text: unsafe template `{{{{ cycler.__init__.__globals__.os.popen('touch {marker}')"
+    res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "search")])
+    assert res.exit_code == 1 and where in res.output, res.output
+    stage = subprocess.run(  # dvc.yaml's validate stage
+        [sys.executable, "-m", "pipeline.validate", str(example_evals), str(tmp_path / "teams.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert stage.returncode == 2 and where in stage.stderr, stage.stderr
+    assert not marker.exists() and not (tmp_path / "teams.json").exists()
+
+
+@pytest.fixture
+def arc(tmp_path):
+    """tests/arc_evals/arcteam: lm-eval's ARC task format with local data; arc.jsonl lines 17 and
+    41 are bad (answerKey "E" is not among the labels; no choices.text)."""
+    shutil.copytree(REPO / "tests" / "arc_evals", tmp_path / "evals")
+    return tmp_path / "evals" / "arcteam"
+
+
+def test_arc_format_documents_are_rendered_and_both_bad_ones_named(arc):
+    with pytest.raises(QuantgateError) as err:
+        load_team(arc)
+    data = arc / "arc.jsonl"
+    assert str(err.value).splitlines() == [
+        "team arcteam: 2 problem(s):",
+        f"  {data}:17: doc_to_target: `{{{{choices.label.index(answerKey)}}}}` cannot be rendered for this document: "
+        "'E' is not in list; fix the document or the template",
+        f"  {data}:41: doc_to_choice: `{{{{choices.text}}}}` cannot be rendered for this document: 'dict object' has "
+        "no attribute 'text'; fix the document or the template"]
+
+
+def test_arc_format_without_the_bad_documents_validates(arc):
+    data = arc / "arc.jsonl"
+    lines = data.read_text().splitlines()
+    data.write_text("".join(line + "\n" for n, line in enumerate(lines, 1) if n not in (17, 41)))
+    team = load_team(arc)
+    assert [(t.name, t.n_docs) for t in team.tasks] == [("arc_easy_local", 60)]
+
+
+def test_a_template_that_runs_too_long_stops_validation_of_that_file(example_evals, monkeypatch):
+    monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.2)
+    task = example_evals / "search" / "capitals.yaml"
+    set_key(task, "doc_to_text", "{% set x = range(1000)|list %}{% for a in x %}{% for b in x %}{% for c in x %}"
+                                  "{% endfor %}{% endfor %}{% endfor %}{{question}}")
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "search")
+    assert str(err.value).splitlines()[1:] == [
+        f"  {example_evals / 'search' / 'data.jsonl'}:1: rendering this document's templates took over 0.2 s; simplify "
+        "the templates (no more documents of this file were rendered)"]
+
+
+def test_fields_are_the_documents_not_the_sandbox_globals():
+    from evals.checks import template_fields
+
+    assert template_fields({"doc_to_text": "{% for i in range(n) %}{{ dict(a=i) }}{{ cycler }}{% endfor %}"}) == \
+        {"doc_to_text": {"n"}}
