@@ -13,7 +13,7 @@ from pathlib import Path
 from scipy import stats
 
 from evals import sandbox
-from evals.templates import RENDERED, check_document
+from evals.templates import RENDERED, check_document, key_locator
 
 MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
@@ -85,11 +85,16 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
 
 OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikelihood_rolling")
 SPLIT_KEYS = ("test_split", "validation_split", "train_split", "fewshot_split")
+# lm-eval task keys that take Python callables, load code or prompts from elsewhere, or allow
+# running generated code: a team's YAML can only name them, and they are team code either way.
+CODE_KEYS = frozenset({"process_docs", "process_results", "custom_dataset", "use_prompt", "unsafe_code",
+                       "doc_to_image", "doc_to_audio"})
 
 
 def check_task(task_path: Path, config: dict) -> list[str]:
-    """Problems in a task YAML lm-eval would only hit at run time: unknown keys, output type,
-    a hub dataset, splits without a data file, sampled generation, a bad task name."""
+    """Problems in a task YAML lm-eval would only hit at run time: unknown keys, keys that run
+    code (CODE_KEYS, dataset_kwargs beyond data_files), output type, a hub dataset, splits
+    without a data file, sampled generation, a bad task name."""
     import dataclasses
     import re
 
@@ -100,6 +105,13 @@ def check_task(task_path: Path, config: dict) -> list[str]:
     for key in sorted(set(config) - known):
         problems.append(f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
                         + ("; `include` is not supported: write the task out in full" if key == "include" else ""))
+    where = key_locator(task_path)
+    for key in sorted(CODE_KEYS & {k for k, v in config.items() if v not in (None, False)}):
+        problems.append(f"{where(key)}: {key}: a team task may not set it (it runs or fetches code); remove it")
+    kwargs = config.get("dataset_kwargs")
+    for key in sorted(set(kwargs) - {"data_files"} if isinstance(kwargs, dict) else []):
+        problems.append(f"{where('dataset_kwargs', key)}: dataset_kwargs.{key}: only data_files may be given (the "
+                        "rest reaches the dataset loader); remove it")
     if config.get("output_type", "generate_until") not in OUTPUT_TYPES:
         problems.append(f"{task_path}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}")
     if config.get("dataset_path") != "json":
@@ -179,6 +191,71 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
         if render and not missing:
             problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
     return problems, len(docs)
+
+
+# lm-eval filters a team task may use (lm_eval/filters): none runs code the team wrote.
+SAFE_FILTERS = ("regex", "multi_choice_regex", "remove_whitespace", "lowercase", "uppercase", "map",
+                "take_first", "take_first_k", "majority_vote")
+
+
+def _filter_params(name: str) -> set[str] | None:
+    """Keyword arguments lm-eval's filter `name` takes (None: any)."""
+    import inspect
+
+    import lm_eval.filters  # noqa: F401  registers the built-in filters
+    from lm_eval.api.registry import get_filter
+
+    params = inspect.signature(get_filter(name).__init__).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params} - {"self"}
+
+
+def _as_list(value) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def check_filters(where: Callable[..., str], config: dict) -> list[str]:
+    """Problems in a task's `filter_list` and the regular expressions it and `metric_list` give
+    lm-eval: a filter that is not one of SAFE_FILTERS, an argument the filter does not take, a
+    regular expression that does not compile or backtracks without end (sandbox.slow_regex).
+    `where(*key path)` names the task file's line (templates.key_locator)."""
+    problems, regexes = [], []
+    filters = config.get("filter_list")
+    if filters is not None and not isinstance(filters, list):
+        return [f"{where('filter_list')}: filter_list must be a list of {{name: ..., filter: [{{function: ...}}]}}"]
+    for i, entry in enumerate(filters or []):
+        steps = entry.get("filter") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(steps, list):
+            problems.append(f"{where('filter_list', i)}: filter_list[{i}] needs a `name:` and a `filter:` list of "
+                            "{function: ...} steps")
+            continue
+        for j, step in enumerate(steps):
+            loc, fn = where("filter_list", i, "filter", j), step.get("function") if isinstance(step, dict) else None
+            if fn not in SAFE_FILTERS:
+                problems.append(f"{loc}: filter_list[{i}].filter[{j}]: function {fn!r} is not one of lm-eval's "
+                                f"filters a team may use {list(SAFE_FILTERS)}; custom filters would run code")
+                continue
+            allowed = _filter_params(fn)
+            for arg in sorted(set(step) - {"function"} - (allowed if allowed is not None else set(step))):
+                problems.append(f"{loc}: filter_list[{i}].filter[{j}]: {fn} takes no argument {arg!r}; "
+                                f"it takes {sorted(allowed)}")
+            at = ("filter_list", i, "filter", j)
+            regexes += [(where(*at, "regex_pattern"), f"filter_list[{i}].filter[{j}].regex_pattern",
+                         step.get("regex_pattern"))]
+            regexes += [(where(*at, "regexes_to_ignore", k), f"filter_list[{i}].filter[{j}].regexes_to_ignore[{k}]", r)
+                        for k, r in enumerate(_as_list(step.get("regexes_to_ignore")))]
+    for i, m in enumerate(config.get("metric_list") or []):
+        if isinstance(m, dict):
+            regexes += [(where("metric_list", i, "regexes_to_ignore", k), f"metric_list[{i}].regexes_to_ignore[{k}]", r)
+                        for k, r in enumerate(_as_list(m.get("regexes_to_ignore")))]
+    for loc, key, pattern in regexes:
+        if pattern is None:
+            continue
+        why = sandbox.slow_regex(pattern) if isinstance(pattern, str) else "is not a string"
+        if why:
+            problems.append(f"{loc}: {key}: {pattern!r} {why}")
+    return problems
 
 
 def min_docs_to_pass(margin: float, confidence: float) -> int:

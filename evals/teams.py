@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from evals.checks import BINARY_METRICS, check_data, check_metrics, check_task, min_docs_to_pass
+from evals.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
 from evals.templates import check_templates, key_locator
 from pipeline.errors import QuantgateError
 from pipeline.hashing import digest_tree
@@ -93,7 +93,7 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     where = key_locator(path)
     problems += check_task(path, config)
     unsafe = check_templates(where, config)
-    problems += unsafe
+    problems += unsafe + check_filters(where, config)
     if policy is not None:
         problems += check_metrics(path, config, policy.metric, policy.higher_is_better)
     files = (config.get("dataset_kwargs") or {}).get("data_files")

@@ -1,6 +1,6 @@
-"""Validation of a team's templates (evals/templates.py): unsafe templates refused with
-file:line and the expression before anything runs, and every document rendered in the sandbox
-and its choices and target checked. More cases: tests/bad_evals/."""
+"""Validation of a team's templates (evals/templates.py) and filters (evals/checks.py): unsafe
+templates refused with file:line and the expression before anything runs, and every document
+rendered in the sandbox and its choices and target checked. More cases: tests/bad_evals/."""
 import json
 import shutil
 import subprocess
@@ -103,6 +103,39 @@ def test_arc_format_without_the_bad_documents_validates(arc):
     data.write_text("".join(line + "\n" for n, line in enumerate(lines, 1) if n not in (17, 41)))
     team = load_team(arc)
     assert [(t.name, t.n_docs) for t in team.tasks] == [("arc_easy_local", 60)]
+
+
+@pytest.mark.parametrize("step, expected", [
+    ({"function": "regex", "regex_pattern": "(a|aa)+$"}, "regex_pattern: '(a|aa)+$' takes over 2 s"),
+    ({"function": "regex", "regex_pattern": "(unclosed"},
+     "regex_pattern: '(unclosed' is not a valid regular expression"),
+    ({"function": "regex", "regex": "x"},
+     "filter[0]: regex takes no argument 'regex'; it takes ['fallback', 'group_select', 'regex_pattern']"),
+    ({"function": "multi_choice_regex", "regexes_to_ignore": [",", "(x+x+)+y"]},
+     "filter[0].regexes_to_ignore[1]: '(x+x+)+y' takes over 2 s"),
+    ({"function": "decontaminate"}, "function 'decontaminate' is not one of lm-eval's filters a team may use"),
+])
+def test_filters_are_checked(example_evals, step, expected):
+    import yaml
+
+    task = example_evals / "billing" / "arithmetic.yaml"
+    config = yaml.safe_load(task.read_text())
+    config["filter_list"][0]["filter"][0] = step
+    task.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "billing")
+    assert "arithmetic.yaml:" in str(err.value) and expected in str(err.value), str(err.value)
+
+
+def test_a_regex_the_metric_ignores_is_checked(example_evals):
+    import yaml
+
+    task = example_evals / "billing" / "arithmetic.yaml"
+    config = yaml.safe_load(task.read_text())
+    config["metric_list"][0]["regexes_to_ignore"] = ["(a+)+b"]
+    task.write_text(yaml.safe_dump(config, sort_keys=False))
+    with pytest.raises(QuantgateError, match=r"metric_list\[0\].regexes_to_ignore\[0\]: '\(a\+\)\+b' takes over"):
+        load_team(example_evals / "billing")
 
 
 def test_a_template_that_runs_too_long_stops_validation_of_that_file(example_evals, monkeypatch):
