@@ -17,7 +17,8 @@ start, is recorded as status "error" with a one-line reason (never cached); the 
 it closed.
 
 Team files are input from outside the pipeline: lm-eval renders their templates in the
-sandbox of evals/sandbox.py.
+sandbox of evals/sandbox.py, and the stage runs without registry and cloud credentials in its
+environment (`drop_credentials`; the vLLM server it starts inherits that environment).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import MutableMapping
 from importlib import metadata
 from pathlib import Path
 
@@ -274,10 +276,31 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     return docs
 
 
+# Credentials the evaluate stage never needs (lm-eval's client and vLLM read local files and talk
+# to a server it starts): the registry's, the clouds', the hub's. OPENAI_API_KEY stays: it is
+# the key lm-eval's client sends to a remote evaluation endpoint.
+CREDENTIAL_PREFIXES = ("MLFLOW_", "AWS_", "BOTO_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCP_", "AZURE_", "ARM_",
+                       "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "PGPASSWORD", "DATABASE_URL")
+CREDENTIAL_WORDS = ("SECRET", "PASSWORD", "CREDENTIALS")
+KEEP = frozenset({"OPENAI_API_KEY", "VLLM_API_KEY"})
+
+
+def drop_credentials(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove registry and cloud credentials (CREDENTIAL_PREFIXES, and any name holding one of
+    CREDENTIAL_WORDS) from `environ`, in place; return the names removed, sorted."""
+    gone = sorted(k for k in environ if k not in KEEP and (k.upper().startswith(CREDENTIAL_PREFIXES)
+                                                         or any(w in k.upper() for w in CREDENTIAL_WORDS)))
+    for k in gone:
+        del environ[k]
+    return gone
+
+
 def main() -> None:
     if len(sys.argv) != 5:
         raise QuantgateError("usage: python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR")
     build, model_dir, evals_dir, out_dir = sys.argv[1], *map(Path, sys.argv[2:])
+    if gone := drop_credentials(os.environ):  # least privilege: team files are rendered here
+        print(f"evaluate[{build}]: running without {', '.join(gone)}", flush=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     docs = evaluate(build, model_dir, evals_dir, out_dir, load_block("evaluate", EvaluateParams))

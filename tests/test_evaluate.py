@@ -76,3 +76,23 @@ def test_arc_format_team_scores(lm, tmp_path):
     data.write_text("".join(line + "\n" for n, line in enumerate(lines, 1) if n not in (17, 41)))
     doc, _ = run_team(lm, load_team(tmp_path / "evals" / "arcteam"), HarnessParams(limit=3))
     assert doc["status"] == "ok" and doc["tasks"]["arc_easy_local"]["n"] == 3
+
+
+def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch):
+    import os
+    import sys
+
+    import pipeline.evaluate as stage
+
+    secrets = {"MLFLOW_TRACKING_URI": "postgresql://u:p@db/mlflow", "MLFLOW_TRACKING_PASSWORD": "p",
+               "AWS_SECRET_ACCESS_KEY": "s", "AWS_ACCESS_KEY_ID": "a", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
+               "AZURE_CLIENT_SECRET": "s", "HF_TOKEN": "t", "DB_PASSWORD": "p"}
+    kept = {"OPENAI_API_KEY": "remote-endpoint-key", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    for k, v in {**secrets, **kept}.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+    monkeypatch.setattr(sys, "argv", ["evaluate", "fp8", "models/fp8", "evals", "results/eval/fp8"])
+    monkeypatch.setattr(stage, "load_block", lambda *a: stage.EvaluateParams())
+    monkeypatch.setattr(stage, "evaluate", lambda *a: seen.update(os.environ) or {})
+    stage.main()  # the vLLM server the stage starts gets os.environ as it is then (pipeline/serving.py)
+    assert not set(secrets) & set(seen) and all(seen[k] == v for k, v in kept.items())
