@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 from evals.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
 from evals.templates import check_templates, key_locator
 from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_tree
+from pipeline.hashing import digest_of, digest_tree, sha256_file
 from pipeline.params import Frozen, parse, read_yaml
 
 POLICY_FILE = "team.yaml"
@@ -65,13 +65,19 @@ class Task:
 
 @dataclass(frozen=True)
 class Team:
-    """A team's eval set: its folder, policy, tasks and a digest over every file in the folder."""
+    """A team's eval set: its folder, policy, tasks and two digests.
+
+    `digest` covers every file in the folder, team.yaml included (the registry's record of
+    what the gate judged with); `scores_digest` covers only what lm-eval reads, the task YAMLs
+    and their data files (the evaluation cache's key: a policy change re-scores nothing).
+    """
 
     name: str
     path: Path
     policy: TeamPolicy
     tasks: tuple[Task, ...]
     digest: str
+    scores_digest: str
 
 
 def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Task | None:
@@ -164,7 +170,17 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
                             f"{policy.confidence:g} even identical builds need at least {need}; "
                             "add documents or widen the margin")
             return None, problems
-    return Team(name=path.name, path=path, policy=policy, tasks=tuple(tasks), digest=digest_tree(path)), []
+    return Team(name=path.name, path=path, policy=policy, tasks=tuple(tasks), digest=digest_tree(path),
+                scores_digest=scores_digest(path, tasks)), []
+
+
+def scores_digest(path: Path, tasks: list[Task]) -> str:
+    """One digest over the files lm-eval reads for a team: its task YAMLs and their data files
+    (by path relative to the team folder and content)."""
+    root = path.resolve()
+    data = {Path(f) for t in tasks for f in t.config["dataset_kwargs"]["data_files"].values()}
+    files = {t.path.resolve() for t in tasks} | data
+    return digest_of({f.relative_to(root).as_posix(): sha256_file(f) for f in files})
 
 
 def load_team(path: Path) -> Team:

@@ -9,12 +9,13 @@ scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
 OUT_DIR/timing.json: seconds spent starting the server vs scoring each team.
 
 Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
-digest, digest of the build's other files (config, tokenizer, chat template), team folder
-digest, harness config, serving config): a changed eval set re-runs
-that team only, a changed build that build only. lm-eval's own request cache is never used
-(it is keyed by request, not by model). A team whose run errors, or a server that does not
-start, is recorded as status "error" with a one-line reason (never cached); the gate fails
-it closed.
+digest, digest of the build's other files (config, tokenizer, chat template), digest of the
+team's task YAMLs and data files, the team's metric, harness config, serving config): a
+changed eval set re-runs that team only, a changed build that build only, and a change of a
+team's margin, confidence or contact nothing (the gate re-judges the cached scores). lm-eval's
+own request cache is never used (it is keyed by request, not by model). A team whose run
+errors, or a server that does not start, is recorded as status "error" with a one-line reason
+(never cached); the gate fails it closed.
 
 Team files are input from outside the pipeline: lm-eval renders their templates in the
 sandbox of evals/sandbox.py, and the stage runs without registry and cloud credentials in its
@@ -71,14 +72,17 @@ def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_con
     """Content key of one (build, team) evaluation.
 
     Inputs that change scores are in it: weights, the build's config/tokenizer files
-    (`model_files`, pipeline.manifest.config_digest), every byte of the team folder, the
-    lm-eval version and harness settings (limit, BOS, chat template), the serving engine
-    versions and flags. Concurrency and retries are not: they do not change scores.
+    (`model_files`, pipeline.manifest.config_digest), the team's task YAMLs and data files
+    (Team.scores_digest) and the metric its scores document holds, the lm-eval version and
+    harness settings (limit, BOS, chat template), the serving engine versions and flags.
+    Concurrency and retries are not: they do not change scores; nor is the rest of the team's
+    policy (margin, confidence, owner, contact): the gate applies it to the cached scores.
     """
     return digest_json({
         "weights": weights_digest,
         "model_files": model_files,
-        "team": team.digest,
+        "team": team.scores_digest,
+        "metric": team.policy.metric,
         "harness": {"lm_eval": metadata.version("lm_eval"), "limit": effective_limit(team, harness),
                     "add_bos_token": harness.add_bos_token, "seed": harness.seed,
                     "chat_template": team.policy.chat_template, "tokenized_requests": True},
@@ -251,7 +255,7 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
                 lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
                 for team, key in pending:
                     base = {"team": team.name, "build": build, "cache_key": key,
-                            "weights_digest": manifest["weights_digest"], "team_digest": team.digest,
+                            "weights_digest": manifest["weights_digest"], "scores_digest": team.scores_digest,
                             "serving": serve_config}
                     scoring = time.monotonic()
                     try:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import measure, stages
-from benchmarks.incremental import add_team, reword, set_param
+from benchmarks.incremental import add_team, reword, set_margin, set_param
 from benchmarks.numbers import markdown
 from evals.teams import inspect_team, load_teams
 
@@ -49,6 +49,16 @@ def test_synthetic_and_changed_teams_stay_valid(tmp_path):
     assert json.loads(lines[2])["question"].endswith("? (rev 1)") and "(rev" not in lines[3]
     first = (root / "evals" / "synth_04" / "data.jsonl").read_text().splitlines()[0]
     assert first == (REPO / "evals" / "search" / "data.jsonl").read_text().splitlines()[28]
+
+
+def test_set_margin_changes_the_policy_but_not_what_is_scored(tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
+    before = {t.name: t for t in load_teams(root / "evals")}
+    set_margin(root, "search", 0.061)
+    after = {t.name: t for t in load_teams(root / "evals")}
+    assert after["search"].policy.margin.absolute == 0.061 and after["search"].digest != before["search"].digest
+    assert after["search"].scores_digest == before["search"].scores_digest  # benchmark (e): nothing re-scored
 
 
 def test_set_param_changes_one_nested_value(tmp_path):

@@ -78,6 +78,37 @@ def test_arc_format_team_scores(lm, tmp_path):
     assert doc["status"] == "ok" and doc["tasks"]["arc_easy_local"]["n"] == 3
 
 
+def test_cache_key_follows_what_changes_scores_not_the_gate_policy(example_evals):
+    from pipeline.evaluate import cache_key
+
+    def key(harness=HarnessParams()):
+        team = next(t for t in load_teams(example_evals) if t.name == "search")
+        return cache_key("w" * 64, team, harness, {"dtype": "auto"}, "m" * 64)
+
+    def edited(path, old, new):
+        text = path.read_text()
+        assert old in text
+        path.write_text(text.replace(old, new))
+        try:
+            return key()
+        finally:
+            path.write_text(text)
+
+    base, policy = key(), example_evals / "search" / "team.yaml"
+    for old, new in [("absolute: 0.05", "absolute: 0.06"), ("confidence: 0.95", "confidence: 0.9"),
+                     ("search-ml@example.com", "search@example.com"), ("owner: Search Relevance", "owner: Search"),
+                     ("higher_is_better: true", "higher_is_better: true  # as before")]:
+        assert edited(policy, old, new) == base, old  # the gate re-judges the cached scores
+    (example_evals / "search" / "NOTES.md").write_text("not read by lm-eval\n")
+    assert key() == base
+    changed = [edited(policy, "chat_template: false", "chat_template: true"),
+               edited(policy, "confidence: 0.95", "confidence: 0.95\nlimit: 60"),
+               edited(example_evals / "search" / "capitals.yaml", "version: 1.0", "version: 1.1"),
+               edited(example_evals / "search" / "data.jsonl", "capital of France", "capital city of France"),
+               key(HarnessParams(limit=30))]  # (limit 60 from either side is one key)
+    assert len({base, *changed}) == 6
+
+
 def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch):
     import os
     import sys
