@@ -9,7 +9,7 @@
   rendered in the sandbox.
 - `check_document`: renders one document's templates in the sandbox, under a time limit, and
   checks what they give: a prompt is text; for multiple_choice the choices are a non-empty
-  list of distinct non-empty strings and the target an index into them.
+  list of distinct non-empty strings (or numbers) and the target an index into them.
 """
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ from pipeline.params import key_lines
 # Task keys lm-eval renders per document (description and gen_prefix as plain text), and
 # keys it renders only in modes quantgate does not use, which are checked but not rendered.
 RENDERED = ("doc_to_text", "doc_to_choice", "doc_to_target", "description", "gen_prefix")
-TEMPLATE_KEYS = RENDERED + ("doc_to_decontamination_query",)
+CHECKED = RENDERED + ("doc_to_decontamination_query",)
 POLICY_HINT = "a template may use the document's fields, filters and tests only (evals/README.md)"
 
 
 def template_sources(config: dict) -> list[tuple[tuple, str]]:
     """(YAML key path, template) of every template string in a task config, fewshot_config's included."""
-    found = [((key,), config[key]) for key in TEMPLATE_KEYS if isinstance(config.get(key), str)]
+    found = [((key,), config[key]) for key in CHECKED if isinstance(config.get(key), str)]
     fewshot = config.get("fewshot_config")
     if isinstance(fewshot, dict):
-        found += [(("fewshot_config", key), fewshot[key]) for key in TEMPLATE_KEYS if isinstance(fewshot.get(key), str)]
+        found += [(("fewshot_config", key), fewshot[key]) for key in CHECKED if isinstance(fewshot.get(key), str)]
     return found
 
 
