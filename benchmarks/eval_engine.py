@@ -37,6 +37,7 @@ from evals.teams import load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, selected_filter
 from pipeline.params import load_block
+from pipeline.serving import resolved
 from pipeline.serving import vllm_server
 
 WORK = REPO / ".quantgate" / "bench" / "eval_engine"
@@ -123,6 +124,7 @@ def main() -> None:
                              f"under --models {args.models}; run `dvc repro` first)")
     teams = load_teams(args.evals)
     params = load_block("evaluate", EvaluateParams)
+    params = params.model_copy(update={"serve": resolved(params.serve)})  # dtype auto -> the run's precision
     params = params.model_copy(update={"serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
                                        "harness": params.harness.model_copy(update={"limit": args.limit})})
     vllm_setup, vllm, vllm_error = None, {}, None

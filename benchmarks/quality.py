@@ -47,7 +47,8 @@ from pipeline.manifest import read_manifest
 from pipeline.params import load_block
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
-from pipeline.serving import serving_platform, vllm_server
+from pipeline.precision import probe, resolve_dtype, w4a16_problem
+from pipeline.serving import resolved, vllm_server
 
 BUILDS = {"fp8": ("quantize.fp8", {}), "int4": ("quantize.int4", {}), "int4_rtn": ("quantize.int4", {"algorithm": "rtn"})}
 
@@ -83,17 +84,19 @@ def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: P
     return out, seconds
 
 
-def choose_engine(engine: str, python: str) -> tuple[str, str]:
+def choose_engine(engine: str, python: str, dtype: str = "auto") -> tuple[str, str]:
     """(engine, why) for --engine auto|vllm|hf; auto asks the serving env at `python` which
-    platform vLLM runs on (pipeline.serving.serving_platform)."""
+    platform vLLM runs on and whether it serves W4A16 at evaluate.serve.dtype `dtype`
+    (pipeline.precision)."""
     if engine not in ("auto", "vllm", "hf"):
         raise QuantgateError(f"--engine must be auto, vllm or hf, got {engine!r}")
     if engine != "auto":
         return engine, "chosen with --engine"
-    platform = serving_platform(python)
-    if platform["platform"] != "cpu":
-        return "vllm", f"auto: vLLM runs on {platform['platform']} here and serves fp8 and W4A16 there"
-    return "hf", ("auto: vLLM runs on CPU here" + ("" if platform["w4a16"] else " without a W4A16 kernel")
+    platform = probe(python)
+    if not platform.is_cpu:
+        return "vllm", f"auto: vLLM runs on {platform.device} here and serves fp8 and W4A16 there"
+    w4a16 = w4a16_problem(platform, resolve_dtype(dtype, platform)[0], dtype)
+    return "hf", ("auto: vLLM runs on CPU here" + (f" and cannot serve W4A16 ({w4a16})" if w4a16 else "")
                   + " and serves FP8 ~12x slower than fp16, so all builds are scored in-process with lm-eval hf")
 
 
@@ -135,9 +138,11 @@ def main() -> None:
         raise QuantgateError(f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)")
     teams = load_teams(args.evals)
     params = load_block("evaluate", EvaluateParams)
+    requested = params.serve.dtype
+    params = params.model_copy(update={"serve": resolved(params.serve)})  # dtype auto -> the run's precision
     params = params.model_copy(update={"serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
                                        "harness": params.harness.model_copy(update={"limit": args.limit})})
-    engine, why = choose_engine(args.engine, params.serve.python)
+    engine, why = choose_engine(args.engine, params.serve.python, requested)
     builds = {"fp16": (src, None)}
     for build, p in build_params().items():
         builds[build] = ensure_build(build, p, src, args.models, args.work)

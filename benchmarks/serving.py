@@ -44,7 +44,7 @@ from benchmarks.common import REPO, report
 from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams
 from pipeline.params import load_block
-from pipeline.serving import ServeParams, vllm_server
+from pipeline.serving import ServeParams, resolved, vllm_server
 
 KNOWN_BUILDS = ("fp16", "fp8", "int4")
 PERCENTILES = (50, 90, 99)
@@ -147,7 +147,7 @@ def main() -> None:
     for b in builds:
         if not (models / b / "config.json").is_file():
             raise QuantgateError(f"no model for build {b}: {models / b}/config.json missing (run `dvc repro` or pass --models)")
-    serve: ServeParams = load_block("evaluate", EvaluateParams).serve.model_copy(update={"cpu_cores": args.cpu_cores})
+    serve: ServeParams = resolved(load_block("evaluate", EvaluateParams).serve).model_copy(update={"cpu_cores": args.cpu_cores})
     serve = serve.model_copy(update={"python": str(REPO / serve.python)})  # absolute; no resolve() (venv symlink)
 
     fp16_dir = models / "fp16"

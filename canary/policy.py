@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from pipeline.params import PARAMS_FILE, Frozen, load_block
-from pipeline.serving import ServeParams
+from pipeline.serving import ServeParams, no_dtype_arg
 
 
 class ServerOverride(Frozen):
@@ -20,6 +20,8 @@ class ServerOverride(Frozen):
     port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
     cpu_cores: str | None = None                  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
     extra_args: list[str] = []                    # appended to evaluate.serve.extra_args
+
+    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
 
 
 class Servers(Frozen):

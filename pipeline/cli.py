@@ -31,13 +31,14 @@ def cli() -> None:
 @click.option("--gate-json", type=click.Path(path_type=Path), default=Path("results/gate.json"), show_default=True)
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
-    from pipeline.gate import table
+    from pipeline.gate import precision_line, table
 
     if not gate_json.is_file():
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     try:
         result = json.loads(gate_json.read_text(encoding="utf-8"))
-        lines = [table(result)] + [f"{build}: {b['verdict']}" for build, b in result["builds"].items()]
+        lines = [table(result), precision_line(result)] + [f"{build}: {b['verdict']}"
+                                                           for build, b in result["builds"].items()]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise click.ClickException(f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); "
                                    "re-run `dvc repro gate`") from None

@@ -5,8 +5,11 @@ Run by DVC: `python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR` (par
 One server per build serves all teams. lm-eval talks to it with `local-completions` on
 token ids (`tokenized_requests=True`) so the chat template, tokenizer and BOS handling are
 the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per-sample
-scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log); and
-OUT_DIR/timing.json: seconds spent starting the server vs scoring each team.
+scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
+OUT_DIR/timing.json: seconds spent starting the server vs scoring each team; and
+OUT_DIR/precision.json: the activation dtype the build was served at and why
+(`evaluate.serve.dtype: auto` is resolved by one rule, pipeline/precision.py, so every build of
+a run gets the same precision and the gate compares builds, not dtypes).
 
 Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
 digest, digest of the build's other files (config, tokenizer, chat template), digest of the
@@ -40,6 +43,7 @@ from pipeline.errors import QuantgateError, run_main
 from pipeline.hashing import digest_json
 from pipeline.manifest import config_digest, verify_weights
 from pipeline.params import Frozen, load_block
+from pipeline.precision import RECORD as PRECISION, precision_record
 from pipeline.serving import ServeParams, ServerStartError, serving_versions, vllm_server
 
 CACHE_DIR = Path(".quantgate/cache/eval")
@@ -230,7 +234,8 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     manifest = verify_weights(model_dir)
     model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
-    serve_config = {"versions": serving_versions(params.serve.python), "dtype": params.serve.dtype,
+    precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
+    serve_config = {"versions": serving_versions(params.serve.python), "dtype": precision["dtype"],
                     "max_model_len": params.serve.max_model_len, "extra_args": params.serve.extra_args}
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -277,6 +282,7 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
             timing["server_start_s"] = round(time.monotonic() - started, 1)
             print(f"evaluate[{build}]: server failed: {exc}", file=sys.stderr, flush=True)
     (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
+    (out_dir / PRECISION).write_text(json.dumps(precision, indent=1) + "\n")
     return docs
 
 

@@ -21,6 +21,7 @@ from pydantic import Field
 from evals.teams import Team, load_teams
 from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import SCORES
+from pipeline.precision import RECORD as PRECISION
 from pipeline.params import Frozen, load_block
 from pipeline.plot import recovery_plot
 from pipeline.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
@@ -47,6 +48,31 @@ def read_scores(eval_dir: Path, build: str, team: str) -> dict:
     if doc.get("status") != "ok":
         raise QuantgateError(f"build {build} evaluation error: {doc.get('reason', 'unknown')}")
     return doc
+
+
+def read_precision(eval_dir: Path, build: str) -> dict:
+    """The precision record the evaluate stage wrote for `build` (results/eval/<build>/precision.json,
+    pipeline/precision.py); raises QuantgateError (the FAIL reason) if it is missing or unreadable."""
+    path = eval_dir / build / PRECISION
+    try:
+        doc = json.loads(path.read_text())
+        return {"dtype": doc["dtype"], "requested": doc.get("requested"), "why": doc.get("why", "")}
+    except FileNotFoundError:
+        raise QuantgateError(f"no precision record for build {build} (missing {path}); "
+                             f"run `dvc repro evaluate@{build}`") from None
+    except (ValueError, KeyError, TypeError):
+        raise QuantgateError(f"{path}: not a precision record (needs dtype); run `dvc repro evaluate@{build}`") from None
+
+
+def same_precision(eval_dir: Path, baseline: str, build: str) -> dict:
+    """The precision both builds were served at; raises QuantgateError (the FAIL reason) if it
+    differs: the gate compares builds, not activation dtypes."""
+    base, cand = read_precision(eval_dir, baseline), read_precision(eval_dir, build)
+    if base["dtype"] != cand["dtype"]:
+        raise QuantgateError(f"{baseline} was evaluated at {base['dtype']} and {build} at {cand['dtype']}: the gate "
+                             f"compares builds at one precision; re-run `dvc repro` so every build is evaluated at "
+                             f"evaluate.serve.dtype")
+    return base
 
 
 def paired_arrays(base: dict, cand: dict, base_build: str, cand_build: str) -> tuple[np.ndarray, np.ndarray]:
@@ -118,20 +144,25 @@ def reason(v: Verdict, cmp, margin: float) -> str:
 
 
 def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> dict:
-    """Verdicts for every candidate: {"baseline", "builds": {build: {"verdict", "teams": {team: row}}}}."""
-    builds = {}
+    """Verdicts for every candidate: {"baseline", "precision", "builds": {build: {"verdict", "teams": {team: row}}}}.
+
+    "precision" is the baseline's precision record ({"dtype", "requested", "why"}; None if no
+    candidate could be compared); a candidate evaluated at another dtype FAILs every team.
+    """
+    builds, precision = {}, None
     for build in params.candidates:
         rows = {}
         for team in teams:
             try:
                 base_doc = read_scores(eval_dir, params.baseline, team.name)
                 cand_doc = read_scores(eval_dir, build, team.name)
+                precision = same_precision(eval_dir, params.baseline, build)
                 rows[team.name] = judge(team, base_doc, cand_doc, params, build)
             except QuantgateError as exc:
                 rows[team.name] = {"verdict": Verdict.FAIL.value, "metric": team.policy.metric, "reason": str(exc)}
         worst = max((Verdict(r["verdict"]) for r in rows.values()), key=SEVERITY.index)
         builds[build] = {"verdict": worst.value, "shippable": worst is Verdict.PASS, "teams": rows}
-    return {"baseline": params.baseline, "builds": builds}
+    return {"baseline": params.baseline, "precision": precision, "builds": builds}
 
 
 def fmt(x, spec: str = ".3f") -> str:
@@ -151,9 +182,17 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def precision_line(result: dict) -> str:
+    """One line naming the activation precision every build was served at, and why."""
+    p = result.get("precision")
+    if not p:
+        return "Served precision: unknown (no build was evaluated)."
+    return f"Served precision: **{p['dtype']}** for every build ({p['why']})."
+
+
 def report(result: dict, plot_name: str | None = None) -> str:
     """The markdown gate report: summary per build, the table, the plot link, every reason."""
-    out = ["# quantgate gate report", "",
+    out = ["# quantgate gate report", "", precision_line(result),
            f"Baseline: `{result['baseline']}`. Drop = baseline - candidate (positive = worse); the CI is the "
            "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.", ""]
     for build, b in result["builds"].items():
@@ -178,6 +217,7 @@ def main() -> None:
     report_path.write_text(report(result, plot_path.name))
     recovery_plot(result, plot_path)
     print(table(result))
+    print(precision_line(result))
     for build, b in result["builds"].items():
         print(f"gate: {build}: {b['verdict']}")
 

@@ -22,6 +22,7 @@ from pipeline.errors import QuantgateError, run_main
 from pipeline.hashing import sha256_file
 from pipeline.manifest import verify_weights
 from pipeline.params import PARAMS_FILE, Frozen, load_block
+from pipeline.precision import RECORD as PRECISION
 from registry import aliases, audit, store, versions
 
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
@@ -113,6 +114,8 @@ def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path
     for build in builds:
         build_gate = gate_result["builds"].get(build)
         tags = {**lineage_tags(manifests[build], serving_of(eval_dir, build)), **gate_tags(build_gate, teams)}
+        if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
+            tags["eval.dtype"] = json.loads(record.read_text())["dtype"]
         tags["evidence_sha256"] = versions.evidence_digest(
             {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams})
         verdict = tags["gate.verdict"]

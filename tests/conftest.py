@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import project_env, scratch_project
-from pipeline.serving import ServerStartError, serving_platform
+from pipeline.errors import QuantgateError
+from pipeline.evaluate import EvaluateParams
+from pipeline.params import load_block
+from pipeline.precision import precision_record, probe, w4a16_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,6 +36,9 @@ def write_scores(root: Path, build: str, team: str, scores: list[float], *, stat
         doc["samples"] = [{"task": task, "doc_id": i, "doc_hash": (hashes or {}).get(i, f"h{i}"), "score": s}
                           for i, s in enumerate(scores)]
     (d / "scores.json").write_text(json.dumps(doc))
+    if not (root / build / "precision.json").exists():  # the evaluate stage writes one per build
+        (root / build / "precision.json").write_text(json.dumps({"dtype": "float32", "requested": "auto",
+                                                                 "why": "auto: test"}))
     return d
 
 
@@ -48,13 +54,25 @@ def pytest_configure(config):
 LIMIT = 12  # docs per task: real numbers through every stage, small enough for CI
 
 
-def w4a16_servable() -> bool:
-    """Whether the serving env's vLLM can run W4A16 here (GPU, or a CPU kernel library with
-    cpu_gemm_wna16); False when the env is missing (the e2e tests then fail on their own)."""
+SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
+
+
+def run_precision() -> dict:
+    """The precision the e2e run gets on this machine (params.yaml's evaluate.serve.dtype through
+    the one rule, pipeline.precision), with "w4a16_problem": why W4A16 cannot be served at it
+    here, or None. The probe is the only source: the tests expect what it says, never a guess."""
+    requested = load_block("evaluate", EvaluateParams, REPO / "params.yaml").serve.dtype
     try:
-        return serving_platform(str(REPO / ".venv-serve" / "bin" / "python"))["w4a16"]
-    except ServerStartError:
-        return False
+        record = precision_record(SERVE_PYTHON, requested)
+        problem = w4a16_problem(probe(SERVE_PYTHON), record["dtype"], requested)
+    except QuantgateError as exc:  # no serving env: the e2e tests then fail on their own
+        return {"dtype": None, "w4a16_problem": str(exc)}
+    return {**record, "w4a16_problem": problem}
+
+
+def w4a16_servable() -> bool:
+    """Whether the serving env's vLLM serves W4A16 here at the run's precision (run_precision)."""
+    return run_precision()["w4a16_problem"] is None
 
 
 # e2e helpers (used by tests/test_e2e.py and tests/test_fleet_e2e.py)

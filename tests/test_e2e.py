@@ -11,10 +11,13 @@ import time
 
 import pytest
 
-from tests.conftest import LIMIT, run, w4a16_servable
+from tests.conftest import LIMIT, run, run_precision
 
 pytestmark = pytest.mark.e2e
-SCORED = ["fp16", "fp8"] + (["int4"] if w4a16_servable() else [])
+PRECISION = run_precision()  # what the probe says this machine serves, at params.yaml's dtype
+SCORED = ["fp16", "fp8"] + (["int4"] if PRECISION["w4a16_problem"] is None else [])
+
+
 def test_builds_are_compressed_tensors_with_manifests(project):
     for build, scheme in [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int4", "W4A16")]:
         manifest = json.loads((project / "models" / build / "build.json").read_text())
@@ -39,7 +42,12 @@ def test_every_build_scored_through_vllm(project):
         assert set(timing["scoring_s"]) == {"billing", "search", "support"} and min(timing["scoring_s"].values()) > 0
     if "int4" not in SCORED:  # fails closed with the reason, never scored as passing
         doc = json.loads((project / "results/eval/int4/search/scores.json").read_text())
-        assert doc["status"] == "error" and "no W4A16 kernel for this processor" in doc["reason"]
+        assert doc["status"] == "error" and PRECISION["w4a16_problem"] in doc["reason"]
+    for build in ("fp16", "fp8", "int4"):  # one precision for every build, recorded where the scores are
+        record = json.loads((project / "results/eval" / build / "precision.json").read_text())
+        assert (record["dtype"], record["requested"]) == (PRECISION["dtype"], PRECISION["requested"])
+        if build in SCORED:  # vLLM's engine config line: "... dtype=torch.float32, ..."
+            assert f"dtype=torch.{PRECISION['dtype']}," in (project / "results/eval" / build / "server.log").read_text()
     fp16 = {t: json.loads((project / f"results/eval/fp16/{t}/scores.json").read_text()) for t in ("search", "support")}
     # real signal: the 16-bit model is neither always right nor always wrong on the examples
     assert 0.0 < sum(s["score"] for d in fp16.values() for s in d["samples"]) < 2 * LIMIT
@@ -51,7 +59,7 @@ def test_gate_table_and_metrics(project):
     for build, b in gate["builds"].items():
         assert b["verdict"] in {"PASS", "FAIL", "INCONCLUSIVE", "ANOMALOUS"}
         if build not in SCORED:
-            assert b["verdict"] == "FAIL" and all("W4A16 kernel" in r["reason"] for r in b["teams"].values())
+            assert b["verdict"] == "FAIL" and all(PRECISION["w4a16_problem"] in r["reason"] for r in b["teams"].values())
             continue
         for row in b["teams"].values():
             assert row["n"] == LIMIT and 0.0 <= row["baseline"] <= 1.0 and 0.0 <= row["candidate"] <= 1.0

@@ -105,3 +105,20 @@ def test_plot_and_report_written_for_pass_and_missing_build(tmp_path, teams):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "![recovery per team and build](gate_recovery.png)" in report(result, png.name)
+
+
+def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_the_precision(tmp_path, teams):
+    scores = [1.0, 0.0] * 100
+    write_scores(tmp_path, "fp16", "search", scores)
+    write_scores(tmp_path, "int4", "search", scores)
+    result = gate(tmp_path, teams, PARAMS)
+    assert row(result)["verdict"] == "PASS"
+    assert result["precision"] == {"dtype": "float32", "requested": "auto", "why": "auto: test"}
+    assert "Served precision: **float32** for every build (auto: test)." in report(result)
+    (tmp_path / "int4" / "precision.json").write_text(json.dumps({"dtype": "bfloat16", "requested": "auto"}))
+    r = row(gate(tmp_path, teams, PARAMS))
+    assert r["verdict"] == "FAIL"
+    assert r["reason"].startswith("fp16 was evaluated at float32 and int4 at bfloat16: the gate compares builds at one")
+    (tmp_path / "int4" / "precision.json").unlink()
+    r = row(gate(tmp_path, teams, PARAMS))
+    assert r["verdict"] == "FAIL" and r["reason"].startswith("no precision record for build int4")

