@@ -1,6 +1,6 @@
 """Question 2: what does a re-run cost after a small change, with 3 and with 12 teams?
 
-    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR | --project DIR]
+    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR | --project DIR] [--scenarios abcde]
 
 In a scratch copy of this working tree (benchmarks.common.scratch_project) it runs
 `dvc repro` once, then measures `dvc repro` after each change:
@@ -133,7 +133,10 @@ def main() -> None:
     where.add_argument("--project", type=Path, default=None,
                        help="reuse a scratch project (e.g. the one benchmarks.pipeline_cost made) instead of a new one")
     ap.add_argument("--limit", type=int, default=None, help="docs per task of a new project (default 12)")
+    ap.add_argument("--scenarios", default="abcde", help="which scenarios to measure, e.g. `e` (default: all)")
     args = ap.parse_args()
+    if not args.scenarios or set(args.scenarios) - set("abcde"):
+        raise QuantgateError(f"--scenarios {args.scenarios!r}: give letters from abcde, e.g. `e` or `abce`")
     try:
         counts = sorted({int(x) for x in args.teams.split(",")})
     except ValueError:
@@ -163,20 +166,23 @@ def main() -> None:
                 add_team(project, f"synth_{k:02d}", rotate=7 * k)
             commit(project, f"{n} teams")
             print(f"grown to {n} teams: {repro(project)['wall_s']} s", flush=True)
-        scenario(project, "(a) no change", n, lambda p: None, rows)
-        scenario(project, "(b) one team's data changed", n, lambda p: reword(p, i), rows, team="search")
-        # the new team stays: the next count grows from n + 1 teams
-        scenario(project, "(c) one new team added", n, lambda p: add_team(p, f"new_{n:02d}", rotate=3 + i),
-                 rows, team=f"new_{n:02d}")
-        # a value this project never used, so DVC's run-cache cannot hold it
-        damp = round(0.01 + 0.001 * revision(project), 4)
-        scenario(project, f"(d) quantize.int4.dampening_frac 0.01 -> {damp}", n + 1,
-                 lambda p: set_param(p, "quantize.int4", "dampening_frac", damp), rows)
-        scenario(project, "(d') changed back (DVC run-cache)", n + 1,
-                 lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01), rows)
-        margin = round(0.05 + 0.001 * revision(project), 3)  # a margin this project never used
-        scenario(project, f"(e) search margin.absolute -> {margin}", n + 1,
-                 lambda p: set_margin(p, "search", margin), rows)
+        if "a" in args.scenarios:
+            scenario(project, "(a) no change", n, lambda p: None, rows)
+        if "b" in args.scenarios:
+            scenario(project, "(b) one team's data changed", n, lambda p: reword(p, i), rows, team="search")
+        if "c" in args.scenarios:  # the new team stays: the next count grows from n + 1 teams
+            scenario(project, "(c) one new team added", n, lambda p: add_team(p, f"new_{n:02d}", rotate=3 + i),
+                     rows, team=f"new_{n:02d}")
+        if "d" in args.scenarios:  # a value this project never used, so DVC's run-cache cannot hold it
+            damp = round(0.01 + 0.001 * revision(project), 4)
+            scenario(project, f"(d) quantize.int4.dampening_frac 0.01 -> {damp}", n_teams(project),
+                     lambda p: set_param(p, "quantize.int4", "dampening_frac", damp), rows)
+            scenario(project, "(d') changed back (DVC run-cache)", n_teams(project),
+                     lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01), rows)
+        if "e" in args.scenarios:
+            margin = round(0.05 + 0.001 * revision(project), 3)  # a margin this project never used
+            scenario(project, f"(e) search margin.absolute -> {margin}", n_teams(project),
+                     lambda p: set_margin(p, "search", margin), rows)
     notes = [f"initial dvc repro: {first['wall_s']} s; project in {project}",
              "ratio = wall s / one team's eval (that team alone on every build: server starts + its scoring)",
              "target: (a) < 10 s; (b), (c) < 1.5; (e) teams scored '-' (no vLLM server started)"]

@@ -168,3 +168,13 @@ def test_write_whole_keeps_permissions_and_leaves_nothing_behind_on_failure(tmp_
     with pytest.raises(QuantgateError, match="adir: is a folder; give a file path"):
         write_whole(tmp_path / "adir", "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "adir"]
+
+
+def test_incremental_refuses_unknown_scenarios(monkeypatch):
+    from benchmarks import incremental
+    from pipeline.errors import QuantgateError
+
+    for bad in ("x", "", "abf"):
+        monkeypatch.setattr("sys.argv", ["incremental", "--scenarios", bad])
+        with pytest.raises(QuantgateError, match=rf"--scenarios '{bad}': give letters from abcde"):
+            incremental.main()
