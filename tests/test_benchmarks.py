@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.common import measure, stages
 from benchmarks.incremental import add_team, reword, set_margin, set_param
 from benchmarks.numbers import markdown
@@ -81,7 +83,6 @@ def test_markdown_renders_title_command_machine_and_rows():
 
 
 def test_scratch_project_refuses_an_existing_folder_and_only_scratch_projects_are_recognised(tmp_path):
-    import pytest
 
     from benchmarks.common import commit, is_scratch_project, scratch_project
     from pipeline.errors import QuantgateError
@@ -101,7 +102,6 @@ def test_scratch_project_refuses_an_existing_folder_and_only_scratch_projects_ar
 
 
 def test_numbers_names_a_malformed_result_in_one_line(tmp_path, monkeypatch):
-    import pytest
 
     import benchmarks.numbers as numbers
     from pipeline.errors import QuantgateError
@@ -130,7 +130,6 @@ def test_reword_changes_the_data_every_time(tmp_path):
 
 
 def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypatch):
-    import pytest
 
     import benchmarks.numbers as numbers
     from pipeline.errors import QuantgateError
@@ -154,7 +153,6 @@ def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypat
 def test_write_whole_keeps_permissions_and_leaves_nothing_behind_on_failure(tmp_path):
     import os
 
-    import pytest
 
     from benchmarks.numbers import write_whole
     from pipeline.errors import QuantgateError
