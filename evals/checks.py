@@ -44,6 +44,8 @@ def template_fields(config: dict) -> dict[str, set[str]]:
                 out[key] = set(meta.find_undeclared_variables(sandbox.ENV.parse(t))) - sandbox.FORBIDDEN_NAMES
             except jinja2.TemplateSyntaxError as exc:
                 raise ValueError(f"{key}: template syntax error: {exc.message}") from None
+            except RecursionError:
+                raise ValueError(f"{key}: template nested too deeply") from None
     return out
 
 
@@ -51,7 +53,7 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
     """Problems in a task's `metric_list`: unknown metric or aggregation, gated metric absent,
     not a mean, or with a direction (higher_is_better) that contradicts team.yaml."""
     import lm_eval.api.metrics  # noqa: F401  registers the built-in metrics and aggregations
-    from lm_eval.api.registry import AGGREGATION_REGISTRY, METRIC_REGISTRY
+    from lm_eval.api.registry import AGGREGATION_REGISTRY, HIGHER_IS_BETTER_REGISTRY, METRIC_REGISTRY
 
     entries = config.get("metric_list")
     if entries is None or entries == []:
@@ -80,6 +82,11 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
                             f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)")
     if gated_metric not in names:
         problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
+    if gated_metric in HIGHER_IS_BETTER_REGISTRY and HIGHER_IS_BETTER_REGISTRY[gated_metric] != higher_is_better:
+        problems.append(f"{task_path}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
+                        f"{gated_metric!r}, but lm-eval scores {gated_metric} with higher_is_better: "
+                        f"{str(HIGHER_IS_BETTER_REGISTRY[gated_metric]).lower()}; fix team.yaml (the gate would "
+                        "count a loss as a gain)")
     return problems
 
 
@@ -125,13 +132,61 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         if split is not None and isinstance(files, dict) and split not in files:
             problems.append(f"{task_path}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
     gen = config.get("generation_kwargs") or {}
-    if config.get("output_type") == "generate_until" and (gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0)):
+    if config.get("output_type") == "generate_until" and isinstance(gen, dict) and (
+            gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0)):
         problems.append(f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
                         "sampled outputs would compare builds by chance")
-    for key in TEMPLATE_KEYS:
-        if key in config and not isinstance(config[key], (str, list)):
-            problems.append(f"{task_path}: {key} must be a template string (or a list for doc_to_choice), "
-                            f"got {type(config[key]).__name__}")
+    if not isinstance(gen, dict):
+        problems.append(f"{where('generation_kwargs')}: generation_kwargs must be a mapping ({', '.join(GEN_KEYS)})")
+    for key in sorted(set(gen) - set(GEN_KEYS) if isinstance(gen, dict) else []):
+        problems.append(f"{where('generation_kwargs', key)}: generation_kwargs.{key}: not allowed (it reaches the "
+                        f"server as is); use only {', '.join(GEN_KEYS)}")
+    toks = gen.get("max_gen_toks") if isinstance(gen, dict) else None
+    if toks is not None and (not isinstance(toks, int) or isinstance(toks, bool) or not 1 <= toks <= MAX_GEN_TOKS):
+        problems.append(f"{where('generation_kwargs', 'max_gen_toks')}: max_gen_toks must be an integer in "
+                        f"1..{MAX_GEN_TOKS}, got {toks!r}")
+    if config.get("repeats", 1) != 1:
+        problems.append(f"{where('repeats')}: repeats must be 1 (greedy scoring gives the same answer every time; "
+                        f"repeats multiply the cost for every build), got {config['repeats']!r}")
+    for key in TEMPLATE_KEYS + ("description", "gen_prefix"):
+        value = config.get(key)
+        ok = (str, list) if key == "doc_to_choice" else (str, int) if key == "doc_to_target" else (str,)
+        if value is not None and (not isinstance(value, ok) or isinstance(value, bool)):
+            problems.append(f"{where(key)}: {key} must be a template string"
+                            + (" (or a list of choices)" if key == "doc_to_choice" else
+                               " (or a fixed index)" if key == "doc_to_target" else "")
+                            + f", got {type(value).__name__}")
+    problems += _check_fewshot(where, config)
+    return problems
+
+
+GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature")  # greedy generation needs no more
+MAX_GEN_TOKS = 2048  # tokens; the served context bounds prompt + answer anyway (evaluate checks it)
+FEWSHOT_KEYS = ("sampler", "split", "doc_to_text", "doc_to_target", "doc_to_choice", "fewshot_delimiter",
+                "target_delimiter")
+
+
+def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
+    """Problems in a task's few-shot settings: fewshot_config keys beyond FEWSHOT_KEYS (inline
+    `samples` included: few-shot examples come from a data file, named by fewshot_split, where
+    validation renders them), a sampler lm-eval does not have, a template that is not a string."""
+    from lm_eval.api.samplers import SAMPLER_REGISTRY
+
+    fewshot = config.get("fewshot_config")
+    if fewshot is None:
+        return []
+    if not isinstance(fewshot, dict):
+        return [f"{where('fewshot_config')}: fewshot_config must be a mapping ({', '.join(FEWSHOT_KEYS)})"]
+    problems = [f"{where('fewshot_config', key)}: fewshot_config.{key}: not allowed"
+                + ("; put few-shot examples in a data file and name its split in fewshot_split" if key == "samples"
+                   else f"; use only {', '.join(FEWSHOT_KEYS)}") for key in sorted(set(fewshot) - set(FEWSHOT_KEYS))]
+    sampler = fewshot.get("sampler", "default")
+    if sampler not in SAMPLER_REGISTRY:
+        problems.append(f"{where('fewshot_config', 'sampler')}: fewshot_config.sampler {sampler!r} is not one of "
+                        f"lm-eval's samplers {sorted(SAMPLER_REGISTRY)}")
+    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        if key in fewshot and not isinstance(fewshot[key], (str, list) if key == "doc_to_choice" else str):
+            problems.append(f"{where('fewshot_config', key)}: fewshot_config.{key} must be a template string")
     return problems
 
 
@@ -157,8 +212,16 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
             continue
         try:
             doc = json.loads(line)
+            json.dumps(doc, ensure_ascii=False).encode("utf-8")  # lone surrogates ("\ud800") break the loader
         except json.JSONDecodeError as exc:
             problems.append(f"{data_path}:{n}: invalid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except RecursionError:
+            problems.append(f"{data_path}:{n}: JSON nested too deeply; flatten the document")
+            continue
+        except UnicodeEncodeError as exc:
+            problems.append(f"{data_path}:{n}: a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800); "
+                            "write real characters")
             continue
         if not isinstance(doc, dict):
             problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
@@ -183,13 +246,20 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
     except ValueError:  # check_templates reports it, with the task file's line
         fields, render = {}, False
     features = {f for _, doc in docs for f in doc}
+    fewshot = config.get("fewshot_config") if isinstance(config.get("fewshot_config"), dict) else {}
+    # few-shot examples are documents of these files too, rendered with fewshot_config's templates
+    shots = {k: fewshot[k] for k in ("doc_to_text", "doc_to_target", "doc_to_choice") if isinstance(fewshot.get(k), str)}
     skip: set[str] = set()
+    shot_skip: set[str] = set(RENDERED) - set(shots)
     for n, doc in docs:
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if f not in doc})
         for f, key in missing:
             problems.append(f"{data_path}:{n}: field {f!r} used by {key} is missing; add it or fix the template")
         if render and not missing:
             problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
+        if render and shots:
+            problems += check_document({**config, **shots}, doc, features, f"{data_path}:{n} (as a few-shot example)",
+                                       lambda *at: where("fewshot_config", *at), shot_skip)
     return problems, len(docs)
 
 

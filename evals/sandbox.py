@@ -43,7 +43,7 @@ PROBE_LENGTH = 1000        # characters of the longest probe input (a long model
 # Names a template could use to reach Jinja's or a web framework's objects rather than the
 # document's fields: Jinja's default globals, the template itself, Flask's context objects.
 FORBIDDEN_NAMES = frozenset({"cycler", "joiner", "namespace", "lipsum", "self", "config", "request",
-                             "session", "g", "url_for", "get_flashed_messages", "caller", "varargs", "kwargs"})
+                             "url_for", "get_flashed_messages", "caller", "varargs", "kwargs"})
 
 
 class RenderTimeout(Exception):
@@ -84,7 +84,42 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
         _tick()
+        if isinstance(getattr(__obj, "__self__", None), str):  # str methods that size their result
+            _check_str_method(__obj.__name__, __obj.__self__, args)
         return super().call(__context, __obj, *args, **kwargs)
+
+
+def _check_str_method(name: str, text: str, args: tuple) -> None:
+    """Refuse a str.format/replace/center/... call whose result would be over MAX_SIZE
+    (memory is taken before the result could be measured)."""
+    if name in ("format", "format_map") and re.search(r"\d{7,}", text):
+        raise SecurityError(f"a format width in {text[:40]!r} is over the sandbox's {MAX_SIZE}")
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        count = len(text) + 1 if not args[0] else text.count(args[0])
+        if count * len(args[1]) + len(text) > MAX_SIZE:
+            raise SecurityError(f"replace would make more characters than the sandbox's {MAX_SIZE}")
+    if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_SIZE for a in args):
+        raise SecurityError(f"str.{name} with a size over the sandbox's {MAX_SIZE}")
+
+
+def _sized(name: str, flt):
+    """Filter `flt` refusing sizes over MAX_SIZE before it allocates them (center(10**9), batch(10**9),
+    '%0999999999d'|format, replace('', huge)): Jinja's sandbox bounds none of these."""
+    def checked(*args, **kwargs):
+        _tick()
+        values = [*args, *kwargs.values()]
+        if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_SIZE for a in values):
+            raise SecurityError(f"filter {name} with a size over the sandbox's {MAX_SIZE}")
+        text = next((a for a in args if isinstance(a, str)), None)  # the value (context filters get it 2nd)
+        if text is not None and name in ("format", "replace"):
+            rest = list(args[args.index(text) + 1:])
+            _check_str_method(name, text, tuple(rest) if name == "replace" else ())
+        return flt(*args, **kwargs)
+
+    for attr in ("jinja_pass_arg",):  # keep Jinja's pass_context/pass_environment marks
+        if hasattr(flt, attr):
+            setattr(checked, attr, getattr(flt, attr))
+    return checked
 
 
 def regex_replace(string, pattern, repl, count: int = 0):
@@ -99,10 +134,29 @@ def _range(*args) -> range:
     return r
 
 
+def _dict(*args, **kwargs) -> dict:
+    """`dict(...)` for templates: a function, so `dict.update(doc_field, ...)` (the class's unbound
+    methods, which mutate past the immutable sandbox) does not exist."""
+    return dict(*args, **kwargs)
+
+
+class _TimedTemplate(Template):
+    """A template whose render is bounded by RENDER_SECONDS unless a longer limit is already set:
+    lm-eval's rendering at evaluation gets the same bound as validation."""
+
+    def render(self, *args, **kwargs):
+        if getattr(_deadline, "at", None) is not None:
+            return super().render(*args, **kwargs)
+        with time_limit():
+            return super().render(*args, **kwargs)
+
+
 ENV = _Sandbox(undefined=StrictUndefined, keep_trailing_newline=True)
+ENV.template_class = _TimedTemplate
 ENV.filters["regex_replace"] = regex_replace
+ENV.filters.update({name: _sized(name, f) for name, f in ENV.filters.items()})
 ENV.globals.clear()
-ENV.globals.update(range=_range, dict=dict)
+ENV.globals.update(range=_range, dict=_dict)
 
 
 @lru_cache(maxsize=512)
@@ -178,6 +232,9 @@ def _findings(tree: nodes.Template) -> list[tuple[str, str]]:
         elif (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
               and isinstance(node.arg.value, str) and node.arg.value.startswith("_")):
             found.append(("internal", node.arg.value))
+        elif isinstance(node, nodes.Const) and isinstance(node.value, str) and "__" in node.value:
+            # a dunder spelled in a string: '__cla' ~ 'ss__', '{0.__class__}'.format, map(attribute='__class__')
+            found.append(("internal", node.value))
         elif isinstance(node, nodes.Name) and node.name in FORBIDDEN_NAMES:
             found.append(("name", node.name))
         elif isinstance(node, (nodes.Filter, nodes.Test)) and node.name == "attr":
@@ -235,13 +292,14 @@ def unsafe_parts(source: str) -> list[tuple[str, str]]:
     a reason no single block shows is given with the whole template. Raises
     jinja2.TemplateSyntaxError if `source` does not parse.
     """
+    whole = _findings(ENV.parse(source))  # raw blocks and comments are text here, not code
     found, seen = [], set()
     for block in _blocks(source):
         tree = _parse_alone(block)
-        if tree is not None and (findings := _findings(tree)):
+        if tree is not None and (findings := [f for f in _findings(tree) if f in whole]):
             found.append((expression(block), _why(findings)))
             seen.update(findings)
-    if missed := [f for f in _findings(ENV.parse(source)) if f not in seen]:
+    if missed := [f for f in whole if f not in seen]:
         found.append((expression(source), _why(missed)))
     return list(dict.fromkeys(found))
 
@@ -254,17 +312,19 @@ def expression(source: str, needle: str | None = None, width: int = 200) -> str:
 
 
 # Runs in a child (`python -I -S -c PROBE pattern n`): findall on inputs made of the pattern's own
-# characters repeated and ended by one it cannot match, on which nested or overlapping repeats
-# ((a+)+, (a|aa)+, (\d+\.?\d*)*) backtrack without end. Short inputs after every prefix character
+# characters (and pairs of them, and its literal runs: (ab)+ repeats "ab") repeated and ended by one it
+# cannot match, on which nested or overlapping repeats ((a+)+, ((ab)+)+, (a|b|ab)*, (\d+\.?\d*)*)
+# backtrack without end. Short inputs after every prefix character
 # find exponential blow-up behind a literal (x(a+)+y); long ones find high-degree polynomial blow-up.
 PROBE = r"""
 import re, sys
 pattern, n = sys.argv[1], int(sys.argv[2])
 p = re.compile(pattern)
 chars = sorted({c for c in pattern if c.isprintable()} | set("a0 .,-"))
+units = chars + [a + b for a in chars for b in chars] + re.findall(r"[A-Za-z0-9 ]{2,4}", pattern)
 for first in [""] + chars:
-    for c in chars:
-        p.findall(first + c * 60 + "\x00")
+    for u in units:
+        p.findall(first + u * (60 // len(u) + 1) + "\x00")
 for c in chars:
     p.findall(c * n + "\x00")
 """

@@ -26,8 +26,8 @@ class Margin(Frozen):
     """Non-inferiority margin: exactly one of `absolute` (metric units, 0.05 = 5 points of
     accuracy) or `relative` (percent of the 16-bit build's score)."""
 
-    absolute: float | None = Field(default=None, gt=0, le=0.5)
-    relative: float | None = Field(default=None, gt=0, le=50)
+    absolute: float | None = Field(default=None, ge=0.001, le=0.5)   # below 0.1 point no real set can PASS
+    relative: float | None = Field(default=None, ge=0.1, le=50)
 
     @model_validator(mode="after")
     def _exactly_one(self):
@@ -80,12 +80,34 @@ class Team:
     scores_digest: str
 
 
+MAX_NODES = 100_000  # values a task YAML may expand to: aliases can make a small file enormous
+
+
+def _size(value, budget: int = MAX_NODES + 1) -> int:
+    """Values in a loaded YAML document counted with aliases expanded, stopping past `budget`."""
+    count, stack = 0, [value]
+    while stack and count <= budget:
+        v = stack.pop()
+        count += 1
+        if isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, list):
+            stack += v
+    return count
+
+
 def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Task | None:
     """One task YAML, data paths made absolute; appends every problem found to `problems`."""
+    if path.is_symlink():  # its digest and the sandbox's checks cover only the folder's own files
+        problems.append(f"{path}: is a link; a task YAML must be a file in the team folder (copy it in)")
+        return None
     try:
         config = read_yaml(path)
     except QuantgateError as exc:
         problems.append(str(exc))
+        return None
+    if _size(config) > MAX_NODES:
+        problems.append(f"{path}: expands to over {MAX_NODES} YAML values (aliases of aliases?); write it out plainly")
         return None
     if not isinstance(config, dict):
         problems.append(f"{path}: a task YAML must be a mapping (task:, dataset_path:, ...), got a "

@@ -66,6 +66,9 @@ def check_templates(where: Callable[..., str], config: dict) -> list[str]:
         except jinja2.TemplateSyntaxError as exc:
             problems.append(f"{where(*at)}: {key}: template syntax error: {exc.message}; fix the template")
             continue
+        except RecursionError:
+            problems.append(f"{where(*at)}: {key}: template nested too deeply to parse; simplify it")
+            continue
         for expr, why in parts:
             problems.append(f"{where(*at)}: {key}: unsafe template `{expr}`: {why}; {POLICY_HINT}")
     return problems

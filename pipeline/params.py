@@ -62,6 +62,12 @@ def read_yaml(path: Path) -> object:
     text = _read_text(path)
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise QuantgateError(f"{path}: invalid YAML: nested too deeply; flatten it") from None
+    except yaml.constructor.ConstructorError as exc:
+        mark = exc.problem_mark
+        raise QuantgateError(f"{path}:{mark.line + 1}: invalid YAML: {exc.problem}; custom tags (like !function) "
+                             "are not allowed: write plain YAML") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -73,11 +79,15 @@ def key_lines(path: Path) -> dict[tuple, int]:
     e.g. {("canary", "alpha"): 57}; empty if the file cannot be read or parsed (read_yaml says why)."""
     try:
         root = yaml.compose(_read_text(path), Loader=yaml.SafeLoader)
-    except (QuantgateError, yaml.YAMLError):
+    except (QuantgateError, yaml.YAMLError, RecursionError):
         return {}
     lines: dict[tuple, int] = {}
+    seen: set[int] = set()
 
     def walk(node, at: tuple) -> None:
+        if id(node) in seen:  # an alias: its lines are those of the anchor (and a billion laughs stays small)
+            return
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 lines[at + (k.value,)] = k.start_mark.line + 1

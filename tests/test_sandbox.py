@@ -152,10 +152,32 @@ def test_a_list_method_the_arc_format_uses_works_and_mutation_does_not():
 
 
 @pytest.mark.parametrize("template", ["{{ range(5000)|list }}", "{{ 'a' * 10**8 }}", "{{ 2 ** 1000 }}",
-                                      "{{ x * 2000000 }}"])
+                                      "{{ x * 2000000 }}",
+                                      # sizes asked of filters and str methods, before they allocate
+                                      "{{ (x|center(400000000))|length }}", "{{ '%0500000000d'|format(1) }}",
+                                      "{{ '{:>500000000}'.format('') }}", "{{ ('a' * 500)|replace('', 'b' * 100000) }}",
+                                      "{{ ('a' * 500).replace('', 'b' * 100000) }}", "{{ [1]|batch(100000000, 'x') }}"])
 def test_sizes_are_bounded(template):
-    with pytest.raises(SecurityError, match="over the sandbox's"):
+    with pytest.raises(SecurityError, match="the sandbox's"):
         sandbox.render(template, {"x": "ab"})
+
+
+def test_dict_is_a_constructor_only_so_documents_cannot_be_changed():
+    doc = {"choices": {"text": ["a"]}}
+    assert sandbox.render("{{ dict(a=1) }}", doc) == "{'a': 1}"
+    with pytest.raises(Exception):
+        sandbox.render("{{ dict.update(choices, {'slow': 1}) }}", doc)
+    assert doc == {"choices": {"text": ["a"]}}
+
+
+def test_lm_eval_renders_at_evaluation_are_bounded_in_time_too(monkeypatch):
+    monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.3)
+    loop = ("{% set x = range(1000)|list %}"
+            "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}")
+    from lm_eval.utils import apply_template
+
+    with sandbox.lm_eval_sandboxed(), pytest.raises(sandbox.RenderTimeout, match="over 0.3 s"):
+        apply_template(loop, {})  # as lm-eval renders a team's prompt, no time_limit around it
 
 
 def test_a_render_that_runs_too_long_is_stopped():
@@ -168,6 +190,7 @@ def test_a_render_that_runs_too_long_is_stopped():
 @pytest.mark.parametrize("pattern, verdict", [
     (r"(-?[0-9]+)", None), (r"#### (\-?[0-9\.\,]+)", None), (r"(?i)answer:\s*([A-D])", None), (r".*?(\d+)", None),
     (r"(a+)+$", "takes over"), (r"(\d+\.?\d*)*$", "takes over"), (r"x(\w+\s?)+y", "takes over"),
+    (r"((ab)+)+$", "takes over"), (r"(a|b|ab)*c", "takes over"),  # repeated units of two characters
     (r"([0-9]", "is not a valid regular expression"),
 ])
 def test_slow_regex(pattern, verdict):

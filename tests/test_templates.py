@@ -50,10 +50,10 @@ def test_unsafe_templates_are_refused_with_file_line_and_expression(example_eval
 
 def test_the_sandbox_verdict_refuses_what_no_static_rule_names(example_evals):
     task = example_evals / "search" / "capitals.yaml"
-    line = set_key(task, "doc_to_text", "{{ question['_' ~ '_class__'] }}Question: {{question}}")
+    line = set_key(task, "doc_to_text", "{{ question['_' ~ '_' ~ 'class' ~ '_' ~ '_'] }}Question: {{question}}")
     with pytest.raises(QuantgateError) as err:
         load_team(example_evals / "search")
-    assert (f"{task}:{line}: doc_to_text: unsafe template `{{{{ question['_' ~ '_class__'] }}}}Question: "
+    assert (f"{task}:{line}: doc_to_text: unsafe template `{{{{ question['_' ~ '_' ~ 'class' ~ '_' ~ '_'] }}}}Question: "
             f"{{{{question}}}}`: the sandbox refused it rendering {example_evals / 'search' / 'data.jsonl'}:1 "
             "(access to attribute '__class__' of 'str' object is unsafe.)") in str(err.value)
     assert "1 problem(s)" in str(err.value)  # reported once, not per document
@@ -155,3 +155,72 @@ def test_fields_are_the_documents_not_the_sandbox_globals():
 
     assert template_fields({"doc_to_text": "{% for i in range(n) %}{{ dict(a=i) }}{{ cycler }}{% endfor %}"}) == \
         {"doc_to_text": {"n"}}
+
+
+def edit_task(task_yaml, **changes):
+    """Set top-level keys of a task YAML (any YAML values), in place."""
+    import yaml
+
+    config = yaml.safe_load(task_yaml.read_text())
+    config.update(changes)
+    task_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"generation_kwargs": {"until": ["\n"], "n": 1000, "max_tokens": 1000000}},
+     "generation_kwargs.max_tokens: not allowed (it reaches the server as is); use only until, max_gen_toks"),
+    ({"repeats": 100000}, "repeats must be 1"),
+    ({"num_fewshot": 1, "fewshot_config": {"sampler": "first_n", "samples": [{"question": "q"}]}},
+     "fewshot_config.samples: not allowed; put few-shot examples in a data file"),
+    ({"num_fewshot": 1, "fewshot_config": {"sampler": "nosuch"}}, "fewshot_config.sampler 'nosuch' is not one of"),
+    ({"num_fewshot": 1, "fewshot_config": {"sampler": "first_n", "doc_to_text": "{{ nosuchfield }}"}},
+     "(as a few-shot example): doc_to_text: `{{ nosuchfield }}` cannot be rendered"),
+    ({"description": {"a": 1}}, "description must be a template string, got dict"),
+    ({"doc_to_text": "{% if false %}{{ question['__cla' ~ 'ss__'] }}{% endif %}Q: {{question}}"},
+     "attributes 'ss__', '__cla' reach Python internals"),
+    ({"doc_to_text": "{% if false %}{{ question|map(attribute='__class__') }}{% endif %}Q: {{question}}"},
+     "attribute '__class__' reaches Python internals"),
+])
+def test_settings_and_templates_that_would_fail_or_overload_evaluation_are_refused(example_evals, changes, expected):
+    task = example_evals / "search" / "capitals.yaml"
+    edit_task(task, **changes)
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "search")
+    msg = str(err.value)  # the task file's line, or the data file's line a template fails on
+    assert (f"{task}:" in msg or f"{task.parent / 'data.jsonl'}:1 " in msg) and expected in msg, msg
+
+
+@pytest.mark.parametrize("changes", [
+    {"doc_to_text": "{% raw %}{{ x.__class__ }}{% endraw %}{# {{ x.__class__ }} #}Q: {{question}}"},
+    {"doc_to_target": 0},  # a fixed index, as lm-eval's blimp tasks write it
+    {"num_fewshot": 1, "fewshot_config": {"sampler": "first_n", "doc_to_text": "Example: {{ question }}"}},
+])
+def test_safe_forms_people_write_are_accepted(example_evals, changes):
+    edit_task(example_evals / "search" / "capitals.yaml", **changes)
+    assert load_team(example_evals / "search").tasks[0].n_docs == 109
+
+
+def test_a_direction_contradicting_lm_eval_is_refused(example_evals):
+    policy = example_evals / "search" / "team.yaml"
+    policy.write_text(policy.read_text().replace("higher_is_better: true", "higher_is_better: false"))
+    with pytest.raises(QuantgateError, match="team.yaml says higher_is_better: false for 'acc', but lm-eval scores"):
+        load_team(example_evals / "search")
+
+
+def test_hostile_files_get_one_line_each_not_a_traceback(example_evals, tmp_path):
+    team = example_evals / "search"
+    data = (team / "data.jsonl").read_text().splitlines()
+    data[1] = json.dumps({**json.loads(data[1]), "deep": []}).replace("[]", "[" * 2000 + "]" * 2000)
+    data[2] = data[2].replace('"question": "', '"question": "\\ud800')
+    (team / "data.jsonl").write_text("\n".join(data) + "\n")
+    laughs = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 9))
+    (team / "zz_laughs.yaml").write_text("l0: &l0 [lol]\n" + laughs + "task: zz\n")
+    (tmp_path / "outside.yaml").write_text((team / "capitals.yaml").read_text())
+    (team / "linked.yaml").symlink_to(tmp_path / "outside.yaml")
+    with pytest.raises(QuantgateError) as err:
+        load_team(team)
+    msg = str(err.value)
+    assert f"{team / 'data.jsonl'}:2: JSON nested too deeply; flatten the document" in msg
+    assert f"{team / 'data.jsonl'}:3: a string holds an unpaired surrogate" in msg
+    assert f"{team / 'zz_laughs.yaml'}: expands to over 100000 YAML values" in msg
+    assert f"{team / 'linked.yaml'}: is a link; a task YAML must be a file in the team folder" in msg
