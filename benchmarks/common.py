@@ -22,7 +22,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -140,7 +140,7 @@ def machine() -> dict:
     if shutil.which("nvidia-smi"):
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True).stdout.strip()
-    from pipeline.serving import serving_versions
+    from quantgate.serving import serving_versions
 
     try:
         versions = serving_versions(str(REPO / ".venv-serve" / "bin" / "python"))

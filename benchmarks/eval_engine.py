@@ -33,12 +33,12 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError, run_main
+from quantgate.teams import load_teams
+from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, selected_filter
-from pipeline.params import load_block
-from pipeline.serving import resolved
-from pipeline.serving import vllm_server
+from quantgate.params import load_block
+from quantgate.serving import resolved
+from quantgate.serving import vllm_server
 
 WORK = REPO / ".quantgate" / "bench" / "eval_engine"
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import REPO, commit, is_scratch_project, measure, report, scratch_project
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 
 TEMPLATE = "search"          # team copied for synthetic teams
 BUILDS = ("fp16", "fp8", "int4")

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 
 ORDER = ("pipeline_cost", "incremental", "eval_engine", "serving", "quality")
 START, END = "<!-- numbers:start -->", "<!-- numbers:end -->"

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import measure, report, scratch_project, stages
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 
 
 def run_stage(project: Path, stage: str) -> dict:

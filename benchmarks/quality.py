@@ -39,16 +39,16 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError, run_main
+from quantgate.teams import load_teams
+from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
 from pipeline.gate import GateParams, judge
-from pipeline.manifest import read_manifest
-from pipeline.params import load_block
+from quantgate.manifest import read_manifest
+from quantgate.params import load_block
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
-from pipeline.precision import probe, resolve_dtype, w4a16_problem
-from pipeline.serving import resolved, vllm_server
+from quantgate.precision import probe, resolve_dtype, w4a16_problem
+from quantgate.serving import resolved, vllm_server
 
 BUILDS = {"fp8": ("quantize.fp8", {}), "int4": ("quantize.int4", {}), "int4_rtn": ("quantize.int4", {"algorithm": "rtn"})}
 
@@ -87,7 +87,7 @@ def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: P
 def choose_engine(engine: str, python: str, dtype: str = "auto") -> tuple[str, str]:
     """(engine, why) for --engine auto|vllm|hf; auto asks the serving env at `python` which
     platform vLLM runs on and whether it serves W4A16 at evaluate.serve.dtype `dtype`
-    (pipeline.precision)."""
+    (quantgate.precision)."""
     if engine not in ("auto", "vllm", "hf"):
         raise QuantgateError(f"--engine must be auto, vllm or hf, got {engine!r}")
     if engine != "auto":

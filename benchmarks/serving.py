@@ -7,7 +7,7 @@ How to run (repository root, after `make setup`):
         (params.yaml evaluate.serve sets dtype/extra_args; on a GPU use bfloat16 and drop --enforce-eager)
 On a CPU shared with other vLLM servers, pass --cpu-cores with a core nobody else binds.
 
-Each build's server is started with pipeline.serving.vllm_server (params.yaml `evaluate.serve`),
+Each build's server is started with quantgate.serving.vllm_server (params.yaml `evaluate.serve`),
 one at a time; the load is vLLM's own benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`,
 run in .venv-serve) with `--backend openai --dataset-name random`: a fixed prompt set of
 max(N, C) prompts of exactly --input-len random tokens (fixed --seed, so every build gets the
@@ -41,10 +41,10 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import REPO, report
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams
-from pipeline.params import load_block
-from pipeline.serving import ServeParams, resolved, vllm_server
+from quantgate.params import load_block
+from quantgate.serving import ServeParams, resolved, vllm_server
 
 KNOWN_BUILDS = ("fp16", "fp8", "int4")
 PERCENTILES = (50, 90, 99)

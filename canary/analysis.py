@@ -34,7 +34,7 @@ from scipy import stats
 
 from canary.metrics import Sample, ShadowSample
 from canary.policy import CanaryPolicy
-from pipeline.stats import Verdict
+from quantgate.stats import Verdict
 
 
 @dataclass(frozen=True)

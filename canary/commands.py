@@ -1,4 +1,4 @@
-"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by pipeline/cli.py).
+"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
 
 Thin: parse, call canary/, print; a QuantgateError becomes a click.ClickException (one line,
 exit 1), never a traceback. `canary load` exits 1 when any request failed; `canary run` 3 on abort.
@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from canary.load import APIS
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from registry.commands import version_arg
 
 
@@ -84,8 +84,8 @@ def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: floa
     from canary.controller import run_canary
     from canary.load import prompts_from_evals, replay
     from canary.policy import load_policy
-    from pipeline.params import load_block
-    from pipeline.serving import ServeParams
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
     from registry import store
 
     stop_load = threading.Event()

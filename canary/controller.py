@@ -29,9 +29,9 @@ from canary.fleet import ServingFleet
 from canary.policy import CanaryPolicy
 from canary.router import Router
 from canary.server import RouterServer
-from pipeline.errors import QuantgateError
-from pipeline.serving import ServeParams
-from pipeline.stats import Verdict
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams
+from quantgate.stats import Verdict
 from registry import aliases, approval, store, versions
 
 EXPERIMENT = "quantgate-canary"

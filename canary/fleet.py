@@ -16,8 +16,8 @@ import httpx
 
 from canary.policy import CanaryPolicy, serve_params
 from canary.router import Backend
-from pipeline.errors import QuantgateError
-from pipeline.serving import ServeParams, vllm_server
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams, vllm_server
 from registry import aliases
 from registry.verify import verify_version
 

@@ -24,8 +24,8 @@ import jinja2
 import numpy as np
 from httpx_sse import aconnect_sse
 
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError
+from quantgate.teams import load_teams
+from quantgate.errors import QuantgateError
 
 KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
 # --api choices. Raw completions of an instruct model vary more under quantization than chat
@@ -100,7 +100,7 @@ def render(template, doc: dict) -> str:
 
 def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[str]:
     """doc_to_text of every task's test documents under `evals_dir` (at most `limit` per task), in
-    team and file order. Raises QuantgateError if the eval sets do not load (evals.teams.load_teams)."""
+    team and file order. Raises QuantgateError if the eval sets do not load (quantgate.teams.load_teams)."""
     prompts = []
     for team in load_teams(evals_dir):
         for task in team.tasks:

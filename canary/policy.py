@@ -1,7 +1,7 @@
 """The canary policy: frozen data from params.yaml block `canary`, applied by router/analysis.
 
 Units: percent of traffic (steps), seconds (*_s), fractions in [0, 1] (rates, agreement).
-Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (pipeline.params.parse).
+Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (quantgate.params.parse).
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from pipeline.params import PARAMS_FILE, Frozen, load_block
-from pipeline.serving import ServeParams, no_dtype_arg
+from quantgate.params import PARAMS_FILE, Frozen, load_block
+from quantgate.serving import ServeParams, no_dtype_arg
 
 
 class ServerOverride(Frozen):

@@ -59,7 +59,7 @@ from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
 from canary.payloads import (chunk_text, completion_tokens, continuation, first_choice, is_greedy, one_choice,
                              other_delta, response_text, same_words, tokens_left)
 from canary.policy import CanaryPolicy
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 log = logging.getLogger("quantgate.canary")
 
@@ -70,7 +70,7 @@ ROLES = ("stable", "candidate", "shadow")
 
 @dataclass(frozen=True)
 class Backend:
-    """A served build: `url` is its OpenAI base URL ending in /v1 (pipeline.serving.Server.base_url),
+    """A served build: `url` is its OpenAI base URL ending in /v1 (quantgate.serving.Server.base_url),
     `model` its served model name, `label` what samples and metrics call it (e.g. "v3")."""
 
     url: str

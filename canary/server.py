@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 
 class AppServer:

@@ -8,7 +8,7 @@ the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per
 scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
 OUT_DIR/timing.json: seconds spent starting the server vs scoring each team; and
 OUT_DIR/precision.json: the activation dtype the build was served at and why
-(`evaluate.serve.dtype: auto` is resolved by one rule, pipeline/precision.py, so every build of
+(`evaluate.serve.dtype: auto` is resolved by one rule, quantgate/precision.py, so every build of
 a run gets the same precision and the gate compares builds, not dtypes).
 
 Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
@@ -21,7 +21,7 @@ errors, or a server that does not start, is recorded as status "error" with a on
 (never cached); the gate fails it closed.
 
 Team files are input from outside the pipeline: lm-eval renders their templates in the
-sandbox of evals/sandbox.py, and the stage runs without registry and cloud credentials in its
+sandbox of quantgate/sandbox.py, and the stage runs without registry and cloud credentials in its
 environment (`drop_credentials`; the vLLM server it starts inherits that environment).
 """
 from __future__ import annotations
@@ -37,14 +37,14 @@ from pathlib import Path
 
 from pydantic import Field
 
-from evals.sandbox import lm_eval_sandboxed
-from evals.teams import Team, load_teams
-from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import digest_json
-from pipeline.manifest import config_digest, verify_weights
-from pipeline.params import Frozen, load_block
-from pipeline.precision import RECORD as PRECISION, precision_record
-from pipeline.serving import ServeParams, ServerStartError, serving_versions, vllm_server
+from quantgate.sandbox import lm_eval_sandboxed
+from quantgate.teams import Team, load_teams
+from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import digest_json
+from quantgate.manifest import config_digest, verify_weights
+from quantgate.params import Frozen, load_block
+from quantgate.precision import RECORD as PRECISION, precision_record
+from quantgate.serving import ServeParams, ServerStartError, serving_versions, vllm_server
 
 CACHE_DIR = Path(".quantgate/cache/eval")
 SCORES = "scores.json"
@@ -76,7 +76,7 @@ def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_con
     """Content key of one (build, team) evaluation.
 
     Inputs that change scores are in it: weights, the build's config/tokenizer files
-    (`model_files`, pipeline.manifest.config_digest), the team's task YAMLs and data files
+    (`model_files`, quantgate.manifest.config_digest), the team's task YAMLs and data files
     (Team.scores_digest) and the metric its scores document holds, the lm-eval version and
     harness settings (limit, BOS, chat template), the serving engine versions and flags.
     Concurrency and retries are not: they do not change scores; nor is the rest of the team's
@@ -179,15 +179,15 @@ def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int 
 def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
     """Run lm-eval on one team's tasks; return (scores document, raw samples).
 
-    Team tasks are whole inline configs (no `include:`, evals/checks.py), so lm-eval's index
+    Team tasks are whole inline configs (no `include:`, quantgate/checks.py), so lm-eval's index
     of its ~14,700 built-in tasks is not built: that index costs ~14 s per call on a 2-core CPU.
-    lm-eval renders the team's templates in the sandbox (evals/sandbox.py lm_eval_sandboxed).
+    lm-eval renders the team's templates in the sandbox (quantgate/sandbox.py lm_eval_sandboxed).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     started = time.monotonic()
-    with lm_eval_sandboxed():  # the team's templates are rendered in the sandbox (evals/sandbox.py)
+    with lm_eval_sandboxed():  # the team's templates are rendered in the sandbox (quantgate/sandbox.py)
         results = simple_evaluate(
             model=lm, tasks=[t.config for t in team.tasks], task_manager=TaskManager(include_defaults=False),
             limit=effective_limit(team, harness),

@@ -4,7 +4,7 @@ Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD P
 
 For every candidate build and every team under evals/, the candidate's per-document scores
 are paired with the baseline (16-bit) build's on the same documents and judged against the
-team's non-inferiority margin (pipeline/stats.py). It fails closed: a missing result file,
+team's non-inferiority margin (quantgate/stats.py). It fails closed: a missing result file,
 an evaluation error, a different document set, or a NaN score is a FAIL with the reason.
 A build is shippable only if every team PASSes.
 """
@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from evals.teams import Team, load_teams
-from pipeline.errors import QuantgateError, run_main
+from quantgate.teams import Team, load_teams
+from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import SCORES
-from pipeline.precision import RECORD as PRECISION
-from pipeline.params import Frozen, load_block
+from quantgate.precision import RECORD as PRECISION
+from quantgate.params import Frozen, load_block
 from pipeline.plot import recovery_plot
-from pipeline.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
+from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
 
 SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
 
@@ -52,7 +52,7 @@ def read_scores(eval_dir: Path, build: str, team: str) -> dict:
 
 def read_precision(eval_dir: Path, build: str) -> dict:
     """The precision record the evaluate stage wrote for `build` (results/eval/<build>/precision.json,
-    pipeline/precision.py); raises QuantgateError (the FAIL reason) if it is missing or unreadable."""
+    quantgate/precision.py); raises QuantgateError (the FAIL reason) if it is missing or unreadable."""
     path = eval_dir / build / PRECISION
     try:
         doc = json.loads(path.read_text())

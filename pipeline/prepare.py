@@ -13,10 +13,10 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Literal
 
-from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import digest_of, sha256_file
-from pipeline.manifest import write_manifest
-from pipeline.params import Frozen, load_block
+from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import digest_of, sha256_file
+from quantgate.manifest import write_manifest
+from quantgate.params import Frozen, load_block
 
 BUILTIN = "builtin"
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

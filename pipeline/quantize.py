@@ -18,9 +18,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.errors import QuantgateError, run_main
-from pipeline.manifest import read_manifest, write_manifest
-from pipeline.params import Frozen, load_block
+from quantgate.errors import QuantgateError, run_main
+from quantgate.manifest import read_manifest, write_manifest
+from quantgate.params import Frozen, load_block
 
 
 class QuantizeParams(Frozen):

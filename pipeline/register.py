@@ -18,11 +18,11 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import sha256_file
-from pipeline.manifest import verify_weights
-from pipeline.params import PARAMS_FILE, Frozen, load_block
-from pipeline.precision import RECORD as PRECISION
+from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import sha256_file
+from quantgate.manifest import verify_weights
+from quantgate.params import PARAMS_FILE, Frozen, load_block
+from quantgate.precision import RECORD as PRECISION
 from registry import aliases, audit, store, versions
 
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]

@@ -13,15 +13,15 @@ import json
 import sys
 from pathlib import Path
 
-from evals.teams import Team, load_teams, min_docs
-from pipeline.errors import QuantgateError, run_main
+from quantgate.teams import Team, load_teams, min_docs
+from quantgate.errors import QuantgateError, run_main
 
 
 def summary(teams: list[Team]) -> dict:
     """{team: {owner, contact, metric, margin, confidence, n_docs, min_docs, tasks, sha256}}.
 
     min_docs is the fewest documents with which identical builds can PASS (0/1 metrics,
-    evals/checks.py), None for continuous metrics.
+    quantgate/checks.py), None for continuous metrics.
     """
     out = {}
     for t in teams:

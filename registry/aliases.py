@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from registry import approval, audit, lock, versions
 from registry.approval import require_text as _require_text
 from registry.audit import version_label

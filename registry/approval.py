@@ -20,7 +20,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, replace
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from registry import audit, lock, versions
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"

@@ -18,7 +18,7 @@ from datetime import datetime
 
 import click
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 LOCK_SUFFIX = ".quantgate-lock"
 STALE_AFTER_S = 120.0  # seconds; any change under the lock takes seconds

@@ -1,7 +1,7 @@
 """A registered model at a glance: versions, builds, gate verdicts, approvals, aliases."""
 from __future__ import annotations
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from registry import lock, versions
 from registry.approval import read_approval, verdict_problem
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 DEFAULT_DB = Path("mlflow.db")
 DEFAULT_ARTIFACTS = Path("mlartifacts")

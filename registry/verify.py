@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, sha256_file
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, sha256_file
 from registry import versions
 
 PREFIX = "weights_sha256."

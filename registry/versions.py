@@ -17,8 +17,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_json
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_json
 
 VERDICT = "gate.verdict"  # version tag and run param
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import project_env, scratch_project
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from pipeline.evaluate import EvaluateParams
-from pipeline.params import load_block
-from pipeline.precision import precision_record, probe, w4a16_problem
+from quantgate.params import load_block
+from quantgate.precision import precision_record, probe, w4a16_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def example_evals(tmp_path) -> Path:
     """A copy of the repo's example eval sets, safe to break."""
     dst = tmp_path / "evals"
-    shutil.copytree(REPO / "evals", dst, ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
+    shutil.copytree(REPO / "evals", dst, ignore=shutil.ignore_patterns("README.md"))
     return dst
 
 
@@ -59,7 +59,7 @@ SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
 
 def run_precision() -> dict:
     """The precision the e2e run gets on this machine (params.yaml's evaluate.serve.dtype through
-    the one rule, pipeline.precision), with "w4a16_problem": why W4A16 cannot be served at it
+    the one rule, quantgate.precision), with "w4a16_problem": why W4A16 cannot be served at it
     here, or None. The probe is the only source: the tests expect what it says, never a guess."""
     requested = load_block("evaluate", EvaluateParams, REPO / "params.yaml").serve.dtype
     try:

@@ -10,9 +10,9 @@ from canary.analysis import (Check, analyze, combine, error_rate_check, latency_
                              shadow_check)
 from canary.metrics import Sample, ShadowSample
 from canary.policy import CanaryPolicy, ServerOverride, load_policy, serve_params
-from pipeline.errors import QuantgateError
-from pipeline.serving import ServeParams
-from pipeline.stats import Verdict
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams
+from quantgate.stats import Verdict
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = CanaryPolicy()  # min_samples 20, alpha 0.05, max_error_rate 0.01, ratios 1.5, agreement 0.7

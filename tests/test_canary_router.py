@@ -26,9 +26,9 @@ from canary.payloads import chunk_text
 from canary.policy import CanaryPolicy
 from canary.router import Backend, Router
 from canary.server import AppServer, RouterServer
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError
-from pipeline.serving import free_port
+from quantgate.teams import load_teams
+from quantgate.errors import QuantgateError
+from quantgate.serving import free_port
 
 TIMEOUT_S = 5.0  # the router's request timeout in these tests: generous, the machine may be busy
 SHORT_TIMEOUT_S = 1.0  # in the timeout test

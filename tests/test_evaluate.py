@@ -2,7 +2,7 @@
 tasks load without lm-eval's built-in task index, and per-sample scores match lm-eval's aggregate."""
 import pytest
 
-from evals.teams import load_teams
+from quantgate.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
 from tests.tiny import tiny_llama_dir
 
@@ -37,7 +37,7 @@ def test_run_team_scores_every_document_of_every_task(lm, example_evals, team, m
 def test_prompts_longer_than_the_context_are_refused_not_cut(lm, example_evals, team):
     import json
 
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
     data = example_evals / team / "data.jsonl"
     docs = [json.loads(line) for line in data.read_text().splitlines()]
@@ -67,7 +67,7 @@ def test_arc_format_team_scores(lm, tmp_path):
     """lm-eval's ARC task format (tests/arc_evals, without its two bad documents) validates and scores."""
     import shutil
 
-    from evals.teams import load_team
+    from quantgate.teams import load_team
     from tests.conftest import REPO
 
     shutil.copytree(REPO / "tests" / "arc_evals", tmp_path / "evals")
@@ -125,5 +125,5 @@ def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["evaluate", "fp8", "models/fp8", "evals", "results/eval/fp8"])
     monkeypatch.setattr(stage, "load_block", lambda *a: stage.EvaluateParams())
     monkeypatch.setattr(stage, "evaluate", lambda *a: seen.update(os.environ) or {})
-    stage.main()  # the vLLM server the stage starts gets os.environ as it is then (pipeline/serving.py)
+    stage.main()  # the vLLM server the stage starts gets os.environ as it is then (quantgate/serving.py)
     assert not set(secrets) & set(seen) and all(seen[k] == v for k, v in kept.items())

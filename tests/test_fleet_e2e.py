@@ -49,7 +49,7 @@ def permute_embeddings(src: Path, dst: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.manifest import read_manifest, write_manifest
+    from quantgate.manifest import read_manifest, write_manifest
 
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
@@ -117,9 +117,9 @@ class Load:
 def fleet(project, tmp_path_factory):
     """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
     from canary.fleet import ServingFleet
-    from pipeline.params import load_block
+    from quantgate.params import load_block
     from pipeline.register import RegisterParams, register
-    from pipeline.serving import ServeParams
+    from quantgate.serving import ServeParams
     from registry import approval, store
 
     cwd = os.getcwd()

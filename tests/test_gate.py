@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from evals.teams import load_teams
+from quantgate.teams import load_teams
 from pipeline.gate import GateParams, gate, report
 from tests.conftest import write_scores
 

@@ -5,10 +5,10 @@ import re
 import pytest
 from safetensors import safe_open
 
-from pipeline.errors import QuantgateError
-from pipeline.manifest import config_digest, read_manifest, verify_weights
+from quantgate.errors import QuantgateError
+from quantgate.manifest import config_digest, read_manifest, verify_weights
 from pipeline.quantize import QuantizeParams, quantize
-from pipeline.serving import is_w4a16
+from quantgate.serving import is_w4a16
 from tests.tiny import tiny_llama_dir
 
 
@@ -58,7 +58,7 @@ def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
 
 
 def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
-    from pipeline.params import load_block
+    from quantgate.params import load_block
 
     params = tmp_path / "params.yaml"
     params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    groupsize: 64\n")

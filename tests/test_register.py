@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from pipeline.register import RegisterParams, register
 from registry import store
 from tests.tiny import tiny_llama_dir

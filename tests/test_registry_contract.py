@@ -21,8 +21,8 @@ from pathlib import Path
 import mlflow.version
 import pytest
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, sha256_file
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, sha256_file
 from pipeline.register import RegisterParams, register
 from registry import aliases, approval, audit, lock, store
 from registry.status import status_lines
@@ -89,7 +89,7 @@ def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from pipeline.manifest import write_manifest
+    from quantgate.manifest import write_manifest
 
     path.mkdir(parents=True)
     rng = np.random.default_rng(seed)
@@ -528,7 +528,7 @@ def test_commands_print_errors_without_traceback(reg):
 def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -1,4 +1,4 @@
-"""The template sandbox (evals/sandbox.py) at evaluation: the lm-eval internals it relies on,
+"""The template sandbox (quantgate/sandbox.py) at evaluation: the lm-eval internals it relies on,
 known Jinja escapes through the evaluate stage's own rendering, and unchanged prompts for the
 shipped teams."""
 import copy
@@ -11,9 +11,9 @@ from jinja2 import UndefinedError
 from jinja2.sandbox import SecurityError
 from lm_eval.api.model import LM
 
-from evals import sandbox
-from evals.templates import lm_eval_value
-from evals.teams import load_teams
+from quantgate import sandbox
+from quantgate.templates import lm_eval_value
+from quantgate.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
 
 # Known ways out of a plain Jinja environment: each runs `touch MARKER` there (the first is the
@@ -66,7 +66,7 @@ def test_escapes_run_nothing_through_the_evaluate_stage_rendering(search, escape
 
 def test_escapes_do_run_in_lm_eval_without_the_sandbox(tmp_path):
     """The control: lm-eval's own rendering still runs them, so the tests above mean something
-    (if a new lm-eval sandboxes its templates itself, this fails: revisit evals/sandbox.py)."""
+    (if a new lm-eval sandboxes its templates itself, this fails: revisit quantgate/sandbox.py)."""
     from lm_eval.utils import apply_template
 
     for i, escape in enumerate(ESCAPES[:6]):

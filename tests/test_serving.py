@@ -1,4 +1,4 @@
-"""pipeline.precision and pipeline.serving: the run's precision rule, the true reason a W4A16 build
+"""quantgate.precision and quantgate.serving: the run's precision rule, the true reason a W4A16 build
 cannot be served on each platform (faked here), and the pre-check that fails before any server starts."""
 import json
 import sys
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import precision, serving
-from pipeline.errors import QuantgateError
-from pipeline.precision import Platform, probe, resolve_dtype, w4a16_problem
-from pipeline.serving import ServeParams, ServerStartError, check_servable, command, hint, resolved, vllm_server
+from quantgate import precision, serving
+from quantgate.errors import QuantgateError
+from quantgate.precision import Platform, probe, resolve_dtype, w4a16_problem
+from quantgate.serving import ServeParams, ServerStartError, check_servable, command, hint, resolved, vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
 W4A16 = {"format": "pack-quantized", "input_activations": None,

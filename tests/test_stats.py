@@ -1,11 +1,11 @@
-"""Known-answer, boundary and calibration tests of the gate statistics (pipeline/stats.py)."""
+"""Known-answer, boundary and calibration tests of the gate statistics (quantgate/stats.py)."""
 import math
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from pipeline.stats import (Verdict, _tango_z, compare_binary, compare_continuous, tango_bounds, verdict)
+from quantgate.stats import (Verdict, _tango_z, compare_binary, compare_continuous, tango_bounds, verdict)
 
 Z95 = stats.norm.ppf(0.95)
 

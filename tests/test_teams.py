@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from evals import checks
-from evals.teams import load_team, load_teams
-from pipeline.errors import QuantgateError
-from pipeline.stats import tango_bounds
+from quantgate import checks
+from quantgate.teams import load_team, load_teams
+from quantgate.errors import QuantgateError
+from quantgate.stats import tango_bounds
 from tests.conftest import REPO
 
 
@@ -57,7 +57,7 @@ def test_bad_input_is_named_with_file_line_and_fix(example_evals, case):
 def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
     expected = [overlay(example_evals, "blank_line"), overlay(example_evals, "negative_margin")]
     res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals)])
@@ -88,7 +88,7 @@ def test_template_fields():
 def test_new_team_scaffold_validates_with_the_others(example_evals):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
     res = CliRunner().invoke(cli, ["evals", "new", "ranking", "--owner", "Ranking", "--contact", "r@x",
                                    "--root", str(example_evals)])

@@ -1,4 +1,4 @@
-"""Validation of a team's templates (evals/templates.py) and filters (evals/checks.py): unsafe
+"""Validation of a team's templates (quantgate/templates.py) and filters (quantgate/checks.py): unsafe
 templates refused with file:line and the expression before anything runs, and every document
 rendered in the sandbox and its choices and target checked. More cases: tests/bad_evals/."""
 import json
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from evals import sandbox
-from evals.teams import load_team, load_teams
-from pipeline.errors import QuantgateError
+from quantgate import sandbox
+from quantgate.teams import load_team, load_teams
+from quantgate.errors import QuantgateError
 from tests.conftest import REPO
 from tests.test_sandbox import ESCAPES
 
@@ -62,7 +62,7 @@ def test_the_sandbox_verdict_refuses_what_no_static_rule_names(example_evals):
 def test_validate_command_and_dvc_stage_refuse_the_issue_template_and_run_nothing(example_evals, tmp_path):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
     marker = tmp_path / "MARKER"
     task = example_evals / "search" / "capitals.yaml"
@@ -151,7 +151,7 @@ def test_a_template_that_runs_too_long_stops_validation_of_that_file(example_eva
 
 
 def test_fields_are_the_documents_not_the_sandbox_globals():
-    from evals.checks import template_fields
+    from quantgate.checks import template_fields
 
     assert template_fields({"doc_to_text": "{% for i in range(n) %}{{ dict(a=i) }}{{ cycler }}{% endfor %}"}) == \
         {"doc_to_text": {"n"}}

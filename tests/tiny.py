@@ -22,7 +22,7 @@ def tiny_llama_dir(path: Path, hidden: int = 64, intermediate: int = 128, seed: 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.manifest import write_manifest
+    from quantgate.manifest import write_manifest
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=intermediate,

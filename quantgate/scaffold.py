@@ -10,9 +10,9 @@ import json
 import random
 from pathlib import Path
 
-from evals.checks import min_docs_to_pass
-from evals.teams import TEAM_NAME
-from pipeline.errors import QuantgateError
+from quantgate.checks import min_docs_to_pass
+from quantgate.teams import TEAM_NAME
+from quantgate.errors import QuantgateError
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 

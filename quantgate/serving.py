@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 from pydantic import field_validator
 
-from pipeline.errors import QuantgateError
-from pipeline.params import Frozen
-from pipeline.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
+from quantgate.errors import QuantgateError
+from quantgate.params import Frozen
+from quantgate.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
 
 HEALTH_POLL_S = 2.0
 
@@ -75,7 +75,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serving_versions(python: str) -> dict[str, str | None]:
     """Versions of vLLM, torch, transformers and compressed-tensors in the serving env (from the
-    platform probe, pipeline.precision.probe). Raises ServerStartError if the env is not usable."""
+    platform probe, quantgate.precision.probe). Raises ServerStartError if the env is not usable."""
     try:
         return probe(python).versions
     except QuantgateError as exc:
@@ -84,7 +84,7 @@ def serving_versions(python: str) -> dict[str, str | None]:
 
 def resolved(params: ServeParams) -> ServeParams:
     """`params` with `dtype: auto` replaced by the precision the rule gives on this serving env
-    (pipeline.precision.resolve_dtype); an explicit dtype is returned as is.
+    (quantgate.precision.resolve_dtype); an explicit dtype is returned as is.
     Raises ServerStartError if the serving env cannot be probed."""
     if params.dtype != "auto":
         return params
@@ -98,7 +98,7 @@ def resolved(params: ServeParams) -> ServeParams:
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
     """Fail in seconds, not after a server start, for a W4A16 build this serving env cannot run
     at `params.dtype` (resolved). Raises ServerStartError with the reason that holds here
-    (pipeline.precision.w4a16_problem); `requested` is evaluate.serve.dtype as written."""
+    (quantgate.precision.w4a16_problem); `requested` is evaluate.serve.dtype as written."""
     if not is_w4a16(model_dir):
         return
     try:

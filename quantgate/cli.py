@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 
 def _fail(exc: QuantgateError) -> None:
@@ -54,7 +54,7 @@ def status(model: str | None) -> None:
 
     try:
         if model is None:
-            from pipeline.params import PARAMS_FILE, load_block
+            from quantgate.params import PARAMS_FILE, load_block
             from pipeline.register import RegisterParams
 
             if not PARAMS_FILE.is_file():
@@ -81,8 +81,8 @@ def evals() -> None:
 @click.option("--root", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
-    from evals.scaffold import new_team
-    from evals.teams import load_team
+    from quantgate.scaffold import new_team
+    from quantgate.teams import load_team
 
     try:
         folder = new_team(root, team, owner, contact)
@@ -99,7 +99,7 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
 @click.argument("path", type=click.Path(path_type=Path), default=Path("evals"))
 def validate(path: Path) -> None:
     """Check the team eval sets under PATH (or one team folder) without running a model."""
-    from evals.teams import POLICY_FILE, load_team, load_teams
+    from quantgate.teams import POLICY_FILE, load_team, load_teams
 
     try:
         teams = [load_team(path)] if (path / POLICY_FILE).is_file() else load_teams(path)

@@ -12,7 +12,7 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 PARAMS_FILE = Path("params.yaml")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, sha256_file
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, sha256_file
 
 MANIFEST = "build.json"
 

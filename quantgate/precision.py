@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal, get_args
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # evaluate.serve.dtype
 DTYPES = get_args(Dtype)

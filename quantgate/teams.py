@@ -13,11 +13,11 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from evals.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
-from evals.templates import check_templates, key_locator
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, digest_tree, sha256_file
-from pipeline.params import Frozen, parse, read_yaml
+from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
+from quantgate.templates import check_templates, key_locator
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, digest_tree, sha256_file
+from quantgate.params import Frozen, parse, read_yaml
 
 POLICY_FILE = "team.yaml"
 

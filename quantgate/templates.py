@@ -1,7 +1,7 @@
 """A team task's templates: where lm-eval renders them, whether they are safe, what they give.
 
 - `check_templates`: every template string of a task YAML parses and reaches nothing past the
-  document (evals/sandbox.py unsafe_parts), reported with the task file's line of the key.
+  document (quantgate/sandbox.py unsafe_parts), reported with the task file's line of the key.
 - `lm_eval_value`: what lm-eval's ConfigurableTask.doc_to_text / doc_to_target / doc_to_choice
   return for one document (lm_eval/api/task.py, 0.4.13: a key naming a field gives the field;
   otherwise the template is rendered, a choice list read with ast.literal_eval, a rendered
@@ -21,8 +21,8 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import SecurityError
 
-from evals import sandbox
-from pipeline.params import key_lines
+from quantgate import sandbox
+from quantgate.params import key_lines
 
 # Task keys lm-eval renders per document (description and gen_prefix as plain text), and
 # keys it renders only in modes quantgate does not use, which are checked but not rendered.
@@ -42,7 +42,7 @@ def template_sources(config: dict) -> list[tuple[tuple, str]]:
 
 def key_locator(task_path: Path) -> Callable[..., str]:
     """where(*key path) -> "task.yaml:LINE" of that key (the file alone if it is not found);
-    the file's lines are read once, on first use (pipeline.params.key_lines)."""
+    the file's lines are read once, on first use (quantgate.params.key_lines)."""
     lines: dict[tuple, int] | None = None
 
     def where(*at) -> str:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from scipy import stats
 
-from evals import sandbox
-from evals.templates import RENDERED, check_document, key_locator
+from quantgate import sandbox
+from quantgate.templates import RENDERED, check_document, key_locator
 
 MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
@@ -172,7 +172,7 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
 
     Checks the file (read_docs), the fields the templates reference that a document lacks,
     and, with `render`, what every document's templates give in the sandbox
-    (evals/templates.py check_document: rendering errors, a multiple_choice target that is not
+    (quantgate/templates.py check_document: rendering errors, a multiple_choice target that is not
     an index into the choices or is the answer text, empty or duplicate choices, unsafe
     templates). `where(key)` names the task file's line of a key. Pass render=False when
     check_templates refused a template: it is then not rendered at all.
