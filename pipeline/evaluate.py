@@ -44,11 +44,10 @@ from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
 from quantgate.params import Frozen, load_block
 from quantgate.precision import RECORD as PRECISION, precision_record
+from quantgate.results import SAMPLES, SCORES
 from quantgate.serving import ServeParams, ServerStartError, serving_versions, vllm_server
 
 CACHE_DIR = Path(".quantgate/cache/eval")
-SCORES = "scores.json"
-SAMPLES = "samples.jsonl"
 TIMING = "timing.json"  # per build: server start vs scoring seconds (benchmarks/pipeline_cost.py reads it)
 
 

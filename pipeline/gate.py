@@ -20,8 +20,8 @@ from pydantic import Field
 
 from quantgate.teams import Team, load_teams
 from quantgate.errors import QuantgateError, run_main
-from pipeline.evaluate import SCORES
 from quantgate.precision import RECORD as PRECISION
+from quantgate.results import SCORES
 from quantgate.params import Frozen, load_block
 from pipeline.plot import recovery_plot
 from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict

@@ -17,6 +17,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_of, sha256_file
 from quantgate.manifest import write_manifest
 from quantgate.params import Frozen, load_block
+from pipeline.smoke import smoke_generate
 
 BUILTIN = "builtin"
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -75,21 +76,6 @@ def load_local(path: Path, dtype: str):
     weights = {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))}
     info = {"id": str(path.resolve()), "source": str(path.resolve()), "sha256": digest_of(weights)}
     return model, tokenizer, info
-
-
-def smoke_generate(model, tokenizer, prompt: str = "What is the capital of France?", max_new_tokens: int = 12) -> str:
-    """Greedy answer to one chat prompt: a cheap check that the weights still make sense."""
-    import torch
-
-    messages = [{"role": "user", "content": prompt}]
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 def prepare(params: PrepareParams, out_dir: Path) -> dict:

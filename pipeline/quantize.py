@@ -91,7 +91,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.prepare import smoke_generate
+    from pipeline.smoke import smoke_generate
 
     base = read_manifest(src)
     # load the 16-bit build
