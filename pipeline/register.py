@@ -10,6 +10,7 @@ alias `fallback`. Registering is not approving: a release manager approves a ver
 recorded override. Nothing is promoted here. Re-running with the same weights and evidence
 reuses the existing version.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ def git_commit() -> str:
     """HEAD commit, with "-dirty" when the work tree has uncommitted changes; "unknown" outside git."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -46,10 +48,17 @@ def git_commit() -> str:
 
 def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
     """Build identity and provenance as flat string tags."""
-    tags = {"build": manifest["build"], "scheme": manifest["scheme"], "dtype": manifest["dtype"],
-            "weights_sha256": manifest["weights_digest"], "base_model.id": manifest["base_model"]["id"],
-            "base_model.sha256": manifest["base_model"]["sha256"], "recipe": json.dumps(manifest["recipe"], sort_keys=True),
-            "git_commit": git_commit(), "params_sha256": sha256_file(PARAMS_FILE)}
+    tags = {
+        "build": manifest["build"],
+        "scheme": manifest["scheme"],
+        "dtype": manifest["dtype"],
+        "weights_sha256": manifest["weights_digest"],
+        "base_model.id": manifest["base_model"]["id"],
+        "base_model.sha256": manifest["base_model"]["sha256"],
+        "recipe": json.dumps(manifest["recipe"], sort_keys=True),
+        "git_commit": git_commit(),
+        "params_sha256": sha256_file(PARAMS_FILE),
+    }
     tags.update({f"weights_sha256.{name}": digest for name, digest in manifest["weights"].items()})
     if Path("dvc.lock").is_file():
         tags["dvc_lock_sha256"] = sha256_file(Path("dvc.lock"))
@@ -93,8 +102,15 @@ def serving_of(eval_dir: Path, build: str) -> dict:
     return {}
 
 
-def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path, params: RegisterParams,
-             teams: dict, evidence_files: list[Path] = ()) -> dict:
+def register(
+    models_dir: Path,
+    gate_result: dict,
+    report_md: str,
+    eval_dir: Path,
+    params: RegisterParams,
+    teams: dict,
+    evidence_files: list[Path] = (),
+) -> dict:
     """Register every build as a version with lineage and evidence; alias the baseline `fallback`.
 
     `teams` is results/teams.json (per-team eval-set digests); `evidence_files` (the gate
@@ -108,8 +124,9 @@ def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path
     manifests = {b: verify_weights(models_dir / b) for b in builds}  # check all before writing anything
     client = store.client()
     exp_id = store.experiment_id(client, params.experiment)
-    versions.ensure_registered_model(client, params.model_name,
-                                     f"Builds of {manifests[baseline]['base_model']['id']} made by quantgate")
+    versions.ensure_registered_model(
+        client, params.model_name, f"Builds of {manifests[baseline]['base_model']['id']} made by quantgate"
+    )
     out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}}
     for build in builds:
         build_gate = gate_result["builds"].get(build)
@@ -117,26 +134,39 @@ def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path
         if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
             tags["eval.dtype"] = json.loads(record.read_text())["dtype"]
         tags["evidence_sha256"] = versions.evidence_digest(
-            {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams})
+            {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams}
+        )
         verdict = tags["gate.verdict"]
         existing = versions.find_version(client, params.model_name, tags["weights_sha256"], tags["evidence_sha256"])
         if existing is not None:
             versions.record_verdict(client, existing.run_id, verdict)  # back-fills older runs
-            out["builds"][build] = {"version": str(existing.version), "run_id": existing.run_id, "verdict": verdict,
-                                    "reused": True}
+            out["builds"][build] = {
+                "version": str(existing.version),
+                "run_id": existing.run_id,
+                "verdict": verdict,
+                "reused": True,
+            }
             print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")
             continue
-        metrics = {f"{team}.{k}": r[k] for team, r in (build_gate or {"teams": {}})["teams"].items()
-                   for k in ("baseline", "candidate", "delta") if isinstance(r.get(k), (int, float))}
-        run_id, source = versions.log_build_run(client, exp_id, models_dir / build, tags, metrics, report_md,
-                                                eval_dir / build, evidence_files)
+        metrics = {
+            f"{team}.{k}": r[k]
+            for team, r in (build_gate or {"teams": {}})["teams"].items()
+            for k in ("baseline", "candidate", "delta")
+            if isinstance(r.get(k), (int, float))
+        }
+        run_id, source = versions.log_build_run(
+            client, exp_id, models_dir / build, tags, metrics, report_md, eval_dir / build, evidence_files
+        )
         mv = versions.register_version(client, params.model_name, run_id, source, tags, report_md)
         out["builds"][build] = {"version": str(mv.version), "run_id": run_id, "verdict": verdict, "reused": False}
-        print(f"register: {build}: version {mv.version} of {params.model_name}, gate {verdict}"
-              + ("" if verdict in ("PASS", "BASELINE") else " (approval needs a recorded --override)"))
+        print(
+            f"register: {build}: version {mv.version} of {params.model_name}, gate {verdict}"
+            + ("" if verdict in ("PASS", "BASELINE") else " (approval needs a recorded --override)")
+        )
     fallback = out["builds"][baseline]["version"]
-    changed = aliases.set_fallback(client, params.model_name, fallback, by=audit.default_user(),
-                                   reason=f"register: baseline build {baseline}")
+    changed = aliases.set_fallback(
+        client, params.model_name, fallback, by=audit.default_user(), reason=f"register: baseline build {baseline}"
+    )
     print(f"register: alias {aliases.FALLBACK} -> version {fallback}" + ("" if changed else " (unchanged)"))
     return out
 
@@ -155,8 +185,15 @@ def main() -> None:
         gate_result, teams = json.loads(gate_json.read_text()), json.loads(teams_json.read_text())
     except ValueError as exc:
         raise QuantgateError(f"{gate_json} or {teams_json} is not valid JSON ({exc}); re-run `dvc repro`") from None
-    result = register(models_dir, gate_result, report_md.read_text(), eval_dir, load_block("register", RegisterParams),
-                      teams, [plot_png, teams_json])
+    result = register(
+        models_dir,
+        gate_result,
+        report_md.read_text(),
+        eval_dir,
+        load_block("register", RegisterParams),
+        teams,
+        [plot_png, teams_json],
+    )
     out_json.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -1,5 +1,6 @@
 """A greedy answer to one chat prompt after prepare and after quantize: a cheap check that the weights
 still make sense (a private helper of those two stages)."""
+
 from __future__ import annotations
 
 
@@ -15,4 +16,4 @@ def smoke_generate(model, tokenizer, prompt: str = "What is the capital of Franc
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

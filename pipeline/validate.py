@@ -7,6 +7,7 @@ before any build is prepared, evaluated or registered, so no team's results and 
 entry are touched. On success it writes a summary of the teams (policy, tasks, document
 counts, folder digests) that the report and the registry read.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,18 @@ def summary(teams: list[Team]) -> dict:
     out = {}
     for t in teams:
         p = t.policy
-        out[t.name] = {"owner": p.owner, "contact": p.contact, "metric": p.metric,
-                       "higher_is_better": p.higher_is_better, "margin": p.margin.model_dump(exclude_none=True),
-                       "confidence": p.confidence, "n_docs": sum(x.n_docs for x in t.tasks),
-                       "min_docs": min_docs(p),
-                       "tasks": {x.name: x.n_docs for x in t.tasks}, "sha256": t.digest}
+        out[t.name] = {
+            "owner": p.owner,
+            "contact": p.contact,
+            "metric": p.metric,
+            "higher_is_better": p.higher_is_better,
+            "margin": p.margin.model_dump(exclude_none=True),
+            "confidence": p.confidence,
+            "n_docs": sum(x.n_docs for x in t.tasks),
+            "min_docs": min_docs(p),
+            "tasks": {x.name: x.n_docs for x in t.tasks},
+            "sha256": t.digest,
+        }
     return out
 
 

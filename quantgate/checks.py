@@ -3,6 +3,7 @@
 Every check returns a list of problems, each one line "file[:line]: what is wrong; the fix",
 so `quantgate evals validate` can print all of them at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,10 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
     if entries is None or entries == []:
         return [f"{task_path}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
     if not isinstance(entries, list):
-        return [f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
-                f"got a {type(entries).__name__}"]
+        return [
+            f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
+            f"got a {type(entries).__name__}"
+        ]
     problems, names = [], []
     for i, m in enumerate(entries):
         if not isinstance(m, dict) or not isinstance(m.get("metric"), str):
@@ -66,18 +69,24 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
             continue
         names.append(m["metric"])
         if m["metric"] not in METRIC_REGISTRY:
-            problems.append(f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; "
-                            f"use one of {sorted(METRIC_REGISTRY)}")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; use one of {sorted(METRIC_REGISTRY)}"
+            )
         agg = m.get("aggregation", "mean")
         if not isinstance(agg, str) or agg not in AGGREGATION_REGISTRY:
-            problems.append(f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; "
-                            f"use one of {sorted(AGGREGATION_REGISTRY)}")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; use one of {sorted(AGGREGATION_REGISTRY)}"
+            )
         elif m["metric"] == gated_metric and agg != "mean":
-            problems.append(f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
-                            f"with `mean` (the gate pairs per-document scores), not {agg!r}")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
+                f"with `mean` (the gate pairs per-document scores), not {agg!r}"
+            )
         if m["metric"] == gated_metric and "higher_is_better" in m and m["higher_is_better"] != higher_is_better:
-            problems.append(f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
-                            f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
+                f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)"
+            )
     if gated_metric not in names:
         problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
     return problems
@@ -87,8 +96,9 @@ OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikeli
 SPLIT_KEYS = ("test_split", "validation_split", "train_split", "fewshot_split")
 # lm-eval task keys that take Python callables, load code or prompts from elsewhere, or allow
 # running generated code: a team's YAML can only name them, and they are team code either way.
-CODE_KEYS = frozenset({"process_docs", "process_results", "custom_dataset", "use_prompt", "unsafe_code",
-                       "doc_to_image", "doc_to_audio"})
+CODE_KEYS = frozenset(
+    {"process_docs", "process_results", "custom_dataset", "use_prompt", "unsafe_code", "doc_to_image", "doc_to_audio"}
+)
 
 
 def check_task(task_path: Path, config: dict) -> list[str]:
@@ -103,20 +113,26 @@ def check_task(task_path: Path, config: dict) -> list[str]:
     problems = []
     known = {f.name for f in dataclasses.fields(TaskConfig)}
     for key in sorted(set(config) - known):
-        problems.append(f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
-                        + ("; `include` is not supported: write the task out in full" if key == "include" else ""))
+        problems.append(
+            f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
+            + ("; `include` is not supported: write the task out in full" if key == "include" else "")
+        )
     where = key_locator(task_path)
     for key in sorted(CODE_KEYS & {k for k, v in config.items() if v not in (None, False)}):
         problems.append(f"{where(key)}: {key}: a team task may not set it (it runs or fetches code); remove it")
     kwargs = config.get("dataset_kwargs")
     for key in sorted(set(kwargs) - {"data_files"} if isinstance(kwargs, dict) else []):
-        problems.append(f"{where('dataset_kwargs', key)}: dataset_kwargs.{key}: only data_files may be given (the "
-                        "rest reaches the dataset loader); remove it")
+        problems.append(
+            f"{where('dataset_kwargs', key)}: dataset_kwargs.{key}: only data_files may be given (the "
+            "rest reaches the dataset loader); remove it"
+        )
     if config.get("output_type", "generate_until") not in OUTPUT_TYPES:
         problems.append(f"{task_path}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}")
     if config.get("dataset_path") != "json":
-        problems.append(f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
-                        f"got {config.get('dataset_path')!r}")
+        problems.append(
+            f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
+            f"got {config.get('dataset_path')!r}"
+        )
     if not re.fullmatch(r"[A-Za-z0-9_\-.]+", str(config.get("task", ""))):
         problems.append(f"{task_path}: task name {config.get('task')!r}: use letters, digits, _ - . only")
     files = (config.get("dataset_kwargs") or {}).get("data_files")
@@ -125,13 +141,19 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         if split is not None and isinstance(files, dict) and split not in files:
             problems.append(f"{task_path}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
     gen = config.get("generation_kwargs") or {}
-    if config.get("output_type") == "generate_until" and (gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0)):
-        problems.append(f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
-                        "sampled outputs would compare builds by chance")
+    if config.get("output_type") == "generate_until" and (
+        gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0)
+    ):
+        problems.append(
+            f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
+            "sampled outputs would compare builds by chance"
+        )
     for key in TEMPLATE_KEYS:
         if key in config and not isinstance(config[key], (str, list)):
-            problems.append(f"{task_path}: {key} must be a template string (or a list for doc_to_choice), "
-                            f"got {type(config[key]).__name__}")
+            problems.append(
+                f"{task_path}: {key} must be a template string (or a list for doc_to_choice), "
+                f"got {type(config[key]).__name__}"
+            )
     return problems
 
 
@@ -146,7 +168,7 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
+        line = raw[: exc.start].count(b"\n") + 1
         return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"], []
     problems, docs = [], []
     lines = text.split("\n")
@@ -194,8 +216,17 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
 
 
 # lm-eval filters a team task may use (lm_eval/filters): none runs code the team wrote.
-SAFE_FILTERS = ("regex", "multi_choice_regex", "remove_whitespace", "lowercase", "uppercase", "map",
-                "take_first", "take_first_k", "majority_vote")
+SAFE_FILTERS = (
+    "regex",
+    "multi_choice_regex",
+    "remove_whitespace",
+    "lowercase",
+    "uppercase",
+    "map",
+    "take_first",
+    "take_first_k",
+    "majority_vote",
+)
 
 
 def _filter_params(name: str) -> set[str] | None:
@@ -227,28 +258,38 @@ def check_filters(where: Callable[..., str], config: dict) -> list[str]:
     for i, entry in enumerate(filters or []):
         steps = entry.get("filter") if isinstance(entry, dict) else None
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(steps, list):
-            problems.append(f"{where('filter_list', i)}: filter_list[{i}] needs a `name:` and a `filter:` list of "
-                            "{function: ...} steps")
+            problems.append(
+                f"{where('filter_list', i)}: filter_list[{i}] needs a `name:` and a `filter:` list of "
+                "{function: ...} steps"
+            )
             continue
         for j, step in enumerate(steps):
             loc, fn = where("filter_list", i, "filter", j), step.get("function") if isinstance(step, dict) else None
             if fn not in SAFE_FILTERS:
-                problems.append(f"{loc}: filter_list[{i}].filter[{j}]: function {fn!r} is not one of lm-eval's "
-                                f"filters a team may use {list(SAFE_FILTERS)}; custom filters would run code")
+                problems.append(
+                    f"{loc}: filter_list[{i}].filter[{j}]: function {fn!r} is not one of lm-eval's "
+                    f"filters a team may use {list(SAFE_FILTERS)}; custom filters would run code"
+                )
                 continue
             allowed = _filter_params(fn)
             for arg in sorted(set(step) - {"function"} - (allowed if allowed is not None else set(step))):
-                problems.append(f"{loc}: filter_list[{i}].filter[{j}]: {fn} takes no argument {arg!r}; "
-                                f"it takes {sorted(allowed)}")
+                problems.append(
+                    f"{loc}: filter_list[{i}].filter[{j}]: {fn} takes no argument {arg!r}; it takes {sorted(allowed)}"
+                )
             at = ("filter_list", i, "filter", j)
-            regexes += [(where(*at, "regex_pattern"), f"filter_list[{i}].filter[{j}].regex_pattern",
-                         step.get("regex_pattern"))]
-            regexes += [(where(*at, "regexes_to_ignore", k), f"filter_list[{i}].filter[{j}].regexes_to_ignore[{k}]", r)
-                        for k, r in enumerate(_as_list(step.get("regexes_to_ignore")))]
+            regexes += [
+                (where(*at, "regex_pattern"), f"filter_list[{i}].filter[{j}].regex_pattern", step.get("regex_pattern"))
+            ]
+            regexes += [
+                (where(*at, "regexes_to_ignore", k), f"filter_list[{i}].filter[{j}].regexes_to_ignore[{k}]", r)
+                for k, r in enumerate(_as_list(step.get("regexes_to_ignore")))
+            ]
     for i, m in enumerate(config.get("metric_list") or []):
         if isinstance(m, dict):
-            regexes += [(where("metric_list", i, "regexes_to_ignore", k), f"metric_list[{i}].regexes_to_ignore[{k}]", r)
-                        for k, r in enumerate(_as_list(m.get("regexes_to_ignore")))]
+            regexes += [
+                (where("metric_list", i, "regexes_to_ignore", k), f"metric_list[{i}].regexes_to_ignore[{k}]", r)
+                for k, r in enumerate(_as_list(m.get("regexes_to_ignore")))
+            ]
     for loc, key, pattern in regexes:
         if pattern is None:
             continue

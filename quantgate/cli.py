@@ -1,13 +1,14 @@
 """The `quantgate` command: parses arguments, calls pipeline/, evals/ or registry/, prints.
 
-    quantgate report                 the gate table of the last `dvc repro`
-    quantgate status [MODEL]         registered versions, verdicts and aliases
-    quantgate evals new TEAM         scaffold a valid team folder under evals/
-    quantgate evals validate [PATH]  check team eval sets without running a model
-    quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
-    quantgate promote|rollback|history MODEL   aliases and their audit trail
-    quantgate canary load --url URL            replay eval prompts through the router
+quantgate report                 the gate table of the last `dvc repro`
+quantgate status [MODEL]         registered versions, verdicts and aliases
+quantgate evals new TEAM         scaffold a valid team folder under evals/
+quantgate evals validate [PATH]  check team eval sets without running a model
+quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
+quantgate promote|rollback|history MODEL   aliases and their audit trail
+quantgate canary load --url URL            replay eval prompts through the router
 """
+
 from __future__ import annotations
 
 import json
@@ -37,11 +38,13 @@ def report(gate_json: Path) -> None:
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     try:
         result = json.loads(gate_json.read_text(encoding="utf-8"))
-        lines = [table(result), precision_line(result)] + [f"{build}: {b['verdict']}"
-                                                           for build, b in result["builds"].items()]
+        lines = [table(result), precision_line(result)] + [
+            f"{build}: {b['verdict']}" for build, b in result["builds"].items()
+        ]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise click.ClickException(f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); "
-                                   "re-run `dvc repro gate`") from None
+        raise click.ClickException(
+            f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); re-run `dvc repro gate`"
+        ) from None
     click.echo("\n".join(lines))
 
 
@@ -58,8 +61,10 @@ def status(model: str | None) -> None:
             from pipeline.register import RegisterParams
 
             if not PARAMS_FILE.is_file():
-                raise QuantgateError(f"no {PARAMS_FILE} in {Path.cwd()}: run from the project folder, or name the "
-                                     f"model: quantgate status MODEL")
+                raise QuantgateError(
+                    f"no {PARAMS_FILE} in {Path.cwd()}: run from the project folder, or name the "
+                    f"model: quantgate status MODEL"
+                )
             model = load_block("register", RegisterParams).model_name
         for line in status_lines(store.client(existing=True), model):
             click.echo(line)
@@ -89,10 +94,13 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
         t = load_team(folder)
     except QuantgateError as exc:
         _fail(exc)
-    click.echo(f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} "
-               f"({t.tasks[0].n_docs} example docs)")
-    click.echo(f"next: replace {folder / 'data.jsonl'} with your documents, then "
-               f"`quantgate evals validate {folder}` and `dvc repro`")
+    click.echo(
+        f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} ({t.tasks[0].n_docs} example docs)"
+    )
+    click.echo(
+        f"next: replace {folder / 'data.jsonl'} with your documents, then "
+        f"`quantgate evals validate {folder}` and `dvc repro`"
+    )
 
 
 @evals.command()

@@ -3,6 +3,7 @@
 Every stage's `main()` runs under `run_main`, so what a user sees on bad input is
 `quantgate: error: <what is wrong and what to do>` and never a traceback.
 """
+
 from __future__ import annotations
 
 import signal

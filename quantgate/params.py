@@ -4,6 +4,7 @@ Each stage reads only its own block (`load_block("quantize", QuantizeParams)`); 
 wrong types and duplicate keys fail with the file, line and dotted field path
 ("params.yaml:57: canary.alpha: ..."), so a typo never silently takes a default.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,7 +43,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one", key_node.start_mark
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -146,7 +148,9 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
     """
     data = read_yaml(path)
     if not isinstance(data, dict):
-        raise QuantgateError(f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {_got(data)}")
+        raise QuantgateError(
+            f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {_got(data)}"
+        )
     for part in key.split("."):
         if not isinstance(data, dict) or part not in data:
             raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")

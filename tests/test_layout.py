@@ -2,6 +2,7 @@
 imports no other project folder (its CLI apart), registry/ and canary/ never import pipeline/, no
 stage imports another stage, and every stage's `deps` in dvc.yaml are exactly the project modules it
 imports, transitively, so editing a module re-runs exactly the stages that run it."""
+
 import ast
 import re
 from pathlib import Path
@@ -65,8 +66,7 @@ def test_every_stage_declares_exactly_the_project_modules_it_imports():
     for name, (module, deps) in dvc_stages().items():
         assert module and module.startswith("pipeline/"), (name, module)
         want = closure(module)
-        assert deps == want, (f"dvc.yaml stage {name}: missing {sorted(want - deps)}, "
-                              f"not imported {sorted(deps - want)}")
+        assert deps == want, f"dvc.yaml stage {name}: missing {sorted(want - deps)}, not imported {sorted(deps - want)}"
 
 
 def test_no_stage_imports_another_stage():

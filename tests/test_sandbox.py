@@ -1,6 +1,7 @@
 """The template sandbox (quantgate/sandbox.py) at evaluation: the lm-eval internals it relies on,
 known Jinja escapes through the evaluate stage's own rendering, and unchanged prompts for the
 shipped teams."""
+
 import copy
 import dataclasses
 import json
@@ -151,25 +152,36 @@ def test_a_list_method_the_arc_format_uses_works_and_mutation_does_not():
         sandbox.render("{{ choices.label.append('D') }}", doc)
 
 
-@pytest.mark.parametrize("template", ["{{ range(5000)|list }}", "{{ 'a' * 10**8 }}", "{{ 2 ** 1000 }}",
-                                      "{{ x * 2000000 }}"])
+@pytest.mark.parametrize(
+    "template", ["{{ range(5000)|list }}", "{{ 'a' * 10**8 }}", "{{ 2 ** 1000 }}", "{{ x * 2000000 }}"]
+)
 def test_sizes_are_bounded(template):
     with pytest.raises(SecurityError, match="over the sandbox's"):
         sandbox.render(template, {"x": "ab"})
 
 
 def test_a_render_that_runs_too_long_is_stopped():
-    loop = ("{% set x = range(1000)|list %}"
-            "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}")
+    loop = (
+        "{% set x = range(1000)|list %}"
+        "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}"
+    )
     with pytest.raises(sandbox.RenderTimeout, match="over 0.2 s"), sandbox.time_limit(0.2):
         sandbox.render(loop, {})
 
 
-@pytest.mark.parametrize("pattern, verdict", [
-    (r"(-?[0-9]+)", None), (r"#### (\-?[0-9\.\,]+)", None), (r"(?i)answer:\s*([A-D])", None), (r".*?(\d+)", None),
-    (r"(a+)+$", "takes over"), (r"(\d+\.?\d*)*$", "takes over"), (r"x(\w+\s?)+y", "takes over"),
-    (r"([0-9]", "is not a valid regular expression"),
-])
+@pytest.mark.parametrize(
+    "pattern, verdict",
+    [
+        (r"(-?[0-9]+)", None),
+        (r"#### (\-?[0-9\.\,]+)", None),
+        (r"(?i)answer:\s*([A-D])", None),
+        (r".*?(\d+)", None),
+        (r"(a+)+$", "takes over"),
+        (r"(\d+\.?\d*)*$", "takes over"),
+        (r"x(\w+\s?)+y", "takes over"),
+        (r"([0-9]", "is not a valid regular expression"),
+    ],
+)
 def test_slow_regex(pattern, verdict):
     got = sandbox.slow_regex(pattern)
     assert got is None if verdict is None else verdict in got
