@@ -34,12 +34,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from quantgate.teams import load_teams
-from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, selected_filter
+from quantgate.errors import QuantgateError, run_main
 from quantgate.params import load_block
-from quantgate.serving import resolved
-from quantgate.serving import vllm_server
+from quantgate.serving import resolved, vllm_server
+from quantgate.teams import load_teams
 
 WORK = REPO / ".quantgate" / "bench" / "eval_engine"
 
@@ -55,7 +54,7 @@ def timed(lm) -> list[float]:
     spent = [0.0]
     for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
 
-        def wrapper(*a, _orig=getattr(lm, name), **kw):
+        def wrapper(*a, _orig=getattr(lm, name), **kw):  # noqa: B008 - binds this method now, on purpose
             started = time.monotonic()
             try:
                 return _orig(*a, **kw)

@@ -1,6 +1,7 @@
 """Question 2: what does a re-run cost after a small change, with 3 and with 12 teams?
 
-    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR | --project DIR] [--scenarios abcde]
+    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR | --project DIR]
+        [--scenarios abcde]
 
 In a scratch copy of this working tree (benchmarks.common.scratch_project) it runs
 `dvc repro` once, then measures `dvc repro` after each change:
@@ -183,13 +184,13 @@ def main() -> None:
         if "a" in args.scenarios:
             scenario(project, "(a) no change", n, lambda p: None, rows)
         if "b" in args.scenarios:
-            scenario(project, "(b) one team's data changed", n, lambda p: reword(p, i), rows, team="search")
+            scenario(project, "(b) one team's data changed", n, lambda p, i=i: reword(p, i), rows, team="search")
         if "c" in args.scenarios:  # the new team stays: the next count grows from n + 1 teams
             scenario(
                 project,
                 "(c) one new team added",
                 n,
-                lambda p: add_team(p, f"new_{n:02d}", rotate=3 + i),
+                lambda p, n=n, i=i: add_team(p, f"new_{n:02d}", rotate=3 + i),
                 rows,
                 team=f"new_{n:02d}",
             )
@@ -199,7 +200,7 @@ def main() -> None:
                 project,
                 f"(d) quantize.int4.dampening_frac 0.01 -> {damp}",
                 n_teams(project),
-                lambda p: set_param(p, "quantize.int4", "dampening_frac", damp),
+                lambda p, damp=damp: set_param(p, "quantize.int4", "dampening_frac", damp),
                 rows,
             )
             scenario(
@@ -215,7 +216,7 @@ def main() -> None:
                 project,
                 f"(e) search margin.absolute -> {margin}",
                 n_teams(project),
-                lambda p: set_margin(p, "search", margin),
+                lambda p, margin=margin: set_margin(p, "search", margin),
                 rows,
             )
     notes = [

@@ -40,16 +40,16 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from quantgate.teams import load_teams
-from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
 from pipeline.gate import GateParams, judge
-from quantgate.manifest import read_manifest
-from quantgate.params import load_block
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
+from quantgate.errors import QuantgateError, run_main
+from quantgate.manifest import read_manifest
+from quantgate.params import load_block
 from quantgate.precision import probe, resolve_dtype, w4a16_problem
 from quantgate.serving import resolved, vllm_server
+from quantgate.teams import load_teams
 
 BUILDS = {
     "fp8": ("quantize.fp8", {}),
@@ -198,7 +198,8 @@ def main() -> None:
             )
     notes = [
         f"engine: {engine} ({why})",
-        f"--limit {args.limit or 'all'} docs per task; metric per team from evals/<team>/team.yaml; dtype {params.serve.dtype}",
+        f"--limit {args.limit or 'all'} docs per task; metric per team from evals/<team>/team.yaml; "
+        f"dtype {params.serve.dtype}",
         "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
         "builds: " + ", ".join(f"{b}={d}" for b, (d, _) in builds.items()),
         f"scores documents under {scores}",

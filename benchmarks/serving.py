@@ -42,8 +42,8 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import REPO, report
-from quantgate.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams
+from quantgate.errors import QuantgateError, run_main
 from quantgate.params import load_block
 from quantgate.serving import ServeParams, resolved, vllm_server
 

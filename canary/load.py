@@ -25,8 +25,8 @@ import jinja2
 import numpy as np
 from httpx_sse import aconnect_sse
 
-from quantgate.teams import load_teams
 from quantgate.errors import QuantgateError
+from quantgate.teams import load_teams
 
 KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
 # --api choices. Raw completions of an instruct model vary more under quantization than chat

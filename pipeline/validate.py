@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from quantgate.teams import Team, load_teams, min_docs
 from quantgate.errors import QuantgateError, run_main
+from quantgate.teams import Team, load_teams, min_docs
 
 
 def summary(teams: list[Team]) -> dict:

@@ -57,8 +57,8 @@ def status(model: str | None) -> None:
 
     try:
         if model is None:
-            from quantgate.params import PARAMS_FILE, load_block
             from pipeline.register import RegisterParams
+            from quantgate.params import PARAMS_FILE, load_block
 
             if not PARAMS_FILE.is_file():
                 raise QuantgateError(

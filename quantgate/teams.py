@@ -15,10 +15,10 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
-from quantgate.templates import check_templates, key_locator
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, digest_tree, sha256_file
 from quantgate.params import Frozen, parse, read_yaml
+from quantgate.templates import check_templates, key_locator
 
 POLICY_FILE = "team.yaml"
 

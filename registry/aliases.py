@@ -113,7 +113,7 @@ def _apply(
         for c in reversed(done):
             try:
                 _set(mlflow_client, model_name, c.alias, c.from_version)
-            except Exception:  # noqa: BLE001 - best effort; the original error is what matters
+            except Exception:  # best effort; the original error is what matters
                 pass
         for run_id in runs:
             audit.end(mlflow_client, run_id, ok=False)
@@ -188,8 +188,8 @@ def promote(
         prod = now.get(PRODUCTION)
         if prod != expected:
             raise AliasConflict(
-                f"{model_name}: production is {version_label(prod)}, not {version_label(expected)} as expected; someone else "
-                f"changed it first (see `quantgate history {model_name}`); nothing was changed"
+                f"{model_name}: production is {version_label(prod)}, not {version_label(expected)} as expected; "
+                f"someone else changed it first (see `quantgate history {model_name}`); nothing was changed"
             )
         if prod == version:
             return []
@@ -243,8 +243,8 @@ def rollback(
             raise QuantgateError(f"{model_name} has no {to!r} alias: nothing to roll back to{hint}")
         if now.get(to) != target:
             raise AliasConflict(
-                f"{model_name}: {to} moved from {version_label(target)} to {version_label(now.get(to))} during the rollback; "
-                f"nothing was changed; retry"
+                f"{model_name}: {to} moved from {version_label(target)} to {version_label(now.get(to))} "
+                f"during the rollback; nothing was changed; retry"
             )
         if target == prod:
             raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production")

@@ -135,7 +135,8 @@ def begin(
         if value is not None:
             params[key] = str(value)[:MAX_TEXT]
     summary = (
-        f"{action} {fields['alias']} {version_label(fields.get('from_version'))} -> {version_label(fields.get('to_version'))}"
+        f"{action} {fields['alias']} {version_label(fields.get('from_version'))} -> "
+        f"{version_label(fields.get('to_version'))}"
         if fields.get("alias")
         else f"{action} v{fields.get('version')}"
     )

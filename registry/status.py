@@ -56,7 +56,8 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         cell, why = _approval_cell(mv, recorded)
         why = why or verdict_problem(t.get("gate.verdict"), recorded)  # also on rows nobody approved
         lines.append(
-            f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<12}"
+            f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} "
+            f"gate={t.get('gate.verdict', '?'):<12}"
             f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip()
         )
         if why:

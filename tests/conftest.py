@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import project_env, scratch_project
-from quantgate.errors import QuantgateError
 from pipeline.evaluate import EvaluateParams
+from quantgate.errors import QuantgateError
 from quantgate.params import load_block
 from quantgate.precision import precision_record, probe, w4a16_problem
 

@@ -144,7 +144,7 @@ def check(verdict):
 
 
 def test_combine_any_fail_then_any_inconclusive_then_pass():
-    P, I, F = Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.FAIL
+    P, I, F = Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.FAIL  # noqa: E741 - the verdicts' initials
     assert combine(map(check, [P, I, F])) is F
     assert combine(map(check, [P, I, P])) is I
     assert combine(map(check, [P, P, P])) is P

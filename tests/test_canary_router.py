@@ -27,9 +27,9 @@ from canary.payloads import chunk_text
 from canary.policy import CanaryPolicy
 from canary.router import Backend, Router
 from canary.server import AppServer, RouterServer
-from quantgate.teams import load_teams
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
+from quantgate.teams import load_teams
 
 TIMEOUT_S = 5.0  # the router's request timeout in these tests: generous, the machine may be busy
 SHORT_TIMEOUT_S = 1.0  # in the timeout test

@@ -3,8 +3,8 @@ tasks load without lm-eval's built-in task index, and per-sample scores match lm
 
 import pytest
 
-from quantgate.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
+from quantgate.teams import load_teams
 from tests.tiny import tiny_llama_dir
 
 
@@ -91,7 +91,7 @@ def test_arc_format_team_scores(lm, tmp_path):
 def test_cache_key_follows_what_changes_scores_not_the_gate_policy(example_evals):
     from pipeline.evaluate import cache_key
 
-    def key(harness=HarnessParams()):
+    def key(harness=HarnessParams()):  # noqa: B008 - frozen, never mutated
         team = next(t for t in load_teams(example_evals) if t.name == "search")
         return cache_key("w" * 64, team, harness, {"dtype": "auto"}, "m" * 64)
 

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -141,8 +140,8 @@ class Load:
 def fleet(project, tmp_path_factory):
     """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
     from canary.fleet import ServingFleet
-    from quantgate.params import load_block
     from pipeline.register import RegisterParams, register
+    from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import approval, store
 
@@ -176,7 +175,8 @@ def fleet(project, tmp_path_factory):
                 v[build],
                 "e2e-test",
                 "canary end-to-end test",
-                override_reason=f"test: {build} did not PASS on {json.loads((project / 'results/teams.json').read_text())['search']['n_docs']}-doc sets (CI limit)",
+                override_reason=f"test: {build} did not PASS on "
+                f"{json.loads((project / 'results/teams.json').read_text())['search']['n_docs']}-doc sets (CI limit)",
             )
     serve = load_block("evaluate.serve", ServeParams)
     started = time.monotonic()
@@ -245,7 +245,7 @@ def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
     assert now["production"] == v[GOOD] and now["previous"] == v["fp16"] and "candidate" not in now
     history = client.get_metric_history(outcome.run_id, "weight_pct")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == policy.steps
-    assert any(l.startswith("step 4 (100%): shadow_agreement") for l in lines)
+    assert any(line.startswith("step 4 (100%): shadow_agreement") for line in lines)
     promoted = [e for e in audit.history(client, MODEL) if e.action == "promote" and e.alias == "production"]
     assert promoted[-1].canary_run_id == outcome.run_id and promoted[-1].to_version == v[GOOD]
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from quantgate.teams import load_teams
 from pipeline.gate import GateParams, gate, report
+from quantgate.teams import load_teams
 from tests.conftest import write_scores
 
 PARAMS = GateParams(baseline="fp16", candidates=["int4"], bootstrap_resamples=1000)

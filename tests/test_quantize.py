@@ -6,9 +6,9 @@ import re
 import pytest
 from safetensors import safe_open
 
+from pipeline.quantize import QuantizeParams, quantize
 from quantgate.errors import QuantgateError
 from quantgate.manifest import config_digest, read_manifest, verify_weights
-from pipeline.quantize import QuantizeParams, quantize
 from quantgate.serving import is_w4a16
 from tests.tiny import tiny_llama_dir
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from quantgate.errors import QuantgateError
 from pipeline.register import RegisterParams, register
+from quantgate.errors import QuantgateError
 from registry import store
 from tests.tiny import tiny_llama_dir
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import mlflow.version
 import pytest
 
+from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, sha256_file
-from pipeline.register import RegisterParams, register
 from registry import aliases, approval, audit, lock, store
 from registry.status import status_lines
 from registry.verify import verify_version
@@ -430,7 +430,7 @@ def test_promote_rollback_and_history_point_in_time(reg):
     ]
     assert prod[0].canary_run_id == canary and prod[0].by == "rm" and prod[2].reason == "p99 latency"
     # done_at: when the change was written (the audit run ended), after it was asked for and before the next
-    assert all(e.at <= e.done_at <= later.at and 0 <= e.took_s < 60 for e, later in zip(prod, prod[1:]))
+    assert all(e.at <= e.done_at <= later.at and 0 <= e.took_s < 60 for e, later in zip(prod, prod[1:], strict=False))
     ms = timedelta(milliseconds=1)
     assert aliases.alias_at(r.client, r.model, "production", prod[0].at - ms) is None
     assert aliases.alias_at(r.client, r.model, "production", prod[0].at) == a

@@ -12,10 +12,10 @@ from jinja2 import UndefinedError
 from jinja2.sandbox import SecurityError
 from lm_eval.api.model import LM
 
-from quantgate import sandbox
-from quantgate.templates import lm_eval_value
-from quantgate.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
+from quantgate import sandbox
+from quantgate.teams import load_teams
+from quantgate.templates import lm_eval_value
 
 # Known ways out of a plain Jinja environment: each runs `touch MARKER` there (the first is the
 # issue's). {marker} is filled in with a path under the test's tmp_path.
@@ -130,9 +130,9 @@ def test_shipped_teams_get_exactly_the_prompts_lm_eval_gives_them(example_evals)
             docs = list(task.test_docs())
             keys = [k for k in ("doc_to_text", "doc_to_choice", "doc_to_target") if t.config.get(k) is not None]
 
-            def rendered():
-                task.build_all_requests(rank=0, world_size=1)
-                return [i.arguments for i in task.instances], [[getattr(task, k)(d) for k in keys] for d in docs]
+            def rendered():  # called in this iteration only
+                task.build_all_requests(rank=0, world_size=1)  # noqa: B023
+                return [i.arguments for i in task.instances], [[getattr(task, k)(d) for k in keys] for d in docs]  # noqa: B023
 
             plain = rendered()
             with sandbox.lm_eval_sandboxed():

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from quantgate import checks
-from quantgate.teams import load_team, load_teams
 from quantgate.errors import QuantgateError
 from quantgate.stats import tango_bounds
+from quantgate.teams import load_team, load_teams
 from tests.conftest import REPO
 
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from quantgate import sandbox
-from quantgate.teams import load_team, load_teams
 from quantgate.errors import QuantgateError
+from quantgate.teams import load_team, load_teams
 from tests.conftest import REPO
 from tests.test_sandbox import ESCAPES
 
