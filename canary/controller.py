@@ -33,7 +33,7 @@ from canary.server import RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 from quantgate.stats import Verdict
-from registry import aliases, approval, store, versions
+from registry import aliases, approval, store, tags, versions
 
 EXPERIMENT = "quantgate-canary"
 
@@ -65,8 +65,8 @@ def preflight(mlflow_client, model_name: str, version: str) -> tuple[str, str | 
     if not a.approved:
         override = (
             ""
-            if mv.tags.get("gate.verdict") in approval.PASSING
-            else f" --override REASON (gate.verdict={mv.tags.get('gate.verdict')})"
+            if mv.tags.get(tags.VERDICT) in tags.PASSING
+            else f" --override REASON ({tags.VERDICT}={mv.tags.get(tags.VERDICT)})"
         )
         raise QuantgateError(
             f"{model_name} v{version}: {a.why}; a release manager approves with "

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from quantgate.errors import QuantgateError
-from registry import approval, audit, lock, versions
+from registry import approval, audit, lock, tags, versions
 from registry.approval import require_text as _require_text
 from registry.audit import version_label
 from registry.verify import verify_version
@@ -85,41 +85,30 @@ def _apply(
         check_alias(c.alias)
         if c.to_version is not None:
             versions.require_version(mlflow_client, model_name, c.to_version)
-    runs = [
-        audit.begin(
-            mlflow_client,
-            model_name,
-            action=action,
-            by=by,
-            reason=reason,
-            at=at,
-            op=op,
-            step=i,
+    steps = [
+        dict(
             alias=c.alias,
             from_version=c.from_version,
             to_version=c.to_version,
             canary_run_id=canary_run_id,
             **(extra if c.alias == PRODUCTION else {}),
         )
-        for i, c in enumerate(changes)
+        for c in changes
     ]
     done: list[Change] = []
-    try:
-        held.check()
-        for c in changes:
-            _set(mlflow_client, model_name, c.alias, c.to_version)
-            done.append(c)
-    except BaseException:
-        for c in reversed(done):
-            try:
-                _set(mlflow_client, model_name, c.alias, c.from_version)
-            except Exception:  # best effort; the original error is what matters
-                pass
-        for run_id in runs:
-            audit.end(mlflow_client, run_id, ok=False)
-        raise
-    for run_id in runs:
-        audit.end(mlflow_client, run_id, ok=True)
+    with audit.audited(mlflow_client, model_name, steps=steps, action=action, by=by, reason=reason, at=at, op=op):
+        try:
+            held.check()
+            for c in changes:
+                _set(mlflow_client, model_name, c.alias, c.to_version)
+                done.append(c)
+        except BaseException:
+            for c in reversed(done):
+                try:
+                    _set(mlflow_client, model_name, c.alias, c.from_version)
+                except Exception:  # best effort; the original error is what matters
+                    pass
+            raise
     return changes
 
 
@@ -317,7 +306,7 @@ def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) 
         return []
     mv = versions.require_version(mlflow_client, model_name, version)
     recorded = versions.recorded_verdict(mlflow_client, mv)
-    if mv.tags.get("gate.verdict") != "BASELINE" or recorded not in (None, "BASELINE"):
+    if mv.tags.get(tags.VERDICT) != tags.BASELINE or recorded not in (None, tags.BASELINE):
         raise QuantgateError(
             f"{model_name} v{version} is not the baseline build (gate.verdict="
             f"{recorded or mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build"

@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 
 from quantgate.errors import QuantgateError
 from registry import audit, lock, versions
+from registry.tags import PASSING, VERDICT
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
 APPROVED, REVOKED = "approved", "revoked"
-PASSING = ("PASS", "BASELINE")  # gate verdicts that need no override; BASELINE = the 16-bit build
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def read_approval(tags: dict[str, str], recorded: str | None) -> Approval:
         return (tags.get(key) or "").strip() or None
 
     raw, by, at, reason, override = text(TAG), text(BY), text(AT), text(REASON), text(OVERRIDE)
-    verdict = tags.get("gate.verdict", "missing")
+    verdict = tags.get(VERDICT, "missing")
     who = dict(by=by, at=at, reason=reason)
     if raw is None:
         return Approval(False, "none", "not approved (no `approval` tag)", **who)
@@ -79,7 +79,7 @@ def read_approval(tags: dict[str, str], recorded: str | None) -> Approval:
             f"(an approval must say who and why)",
             **who,
         )
-    if (problem := verdict_problem(tags.get("gate.verdict"), recorded)) is not None:
+    if (problem := verdict_problem(tags.get(VERDICT), recorded)) is not None:
         return Approval(False, "invalid", f"not approved: {problem}", **who)
     if verdict in PASSING:
         return Approval(True, "approved", f"approved by {by} at {at or '?'}: {reason}", **who)
@@ -140,8 +140,8 @@ def approve(
     require_text(by=by, reason=reason)
     with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
-        verdict, recorded = mv.tags.get("gate.verdict", "missing"), versions.recorded_verdict(mlflow_client, mv)
-        if (problem := verdict_problem(mv.tags.get("gate.verdict"), recorded)) is not None:
+        verdict, recorded = mv.tags.get(VERDICT, "missing"), versions.recorded_verdict(mlflow_client, mv)
+        if (problem := verdict_problem(mv.tags.get(VERDICT), recorded)) is not None:
             raise QuantgateError(f"{model_name} v{mv.version}: {problem}")
         if verdict in PASSING:
             override_reason = None
@@ -158,7 +158,7 @@ def approve(
         ):
             return replace(current, unchanged=True)
         at = audit.utc_now()
-        run_id = audit.begin(
+        with audit.audited(
             mlflow_client,
             model_name,
             action="approve",
@@ -168,8 +168,7 @@ def approve(
             op=uuid.uuid4().hex,
             version=mv.version,
             override_reason=override_reason,
-        )
-        try:
+        ):
             lk.check()
             for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
                 mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
@@ -180,10 +179,6 @@ def approve(
             mlflow_client.set_model_version_tag(
                 model_name, mv.version, TAG, APPROVED
             )  # last: counts only when complete
-        except BaseException:
-            audit.end(mlflow_client, run_id, ok=False)
-            raise
-        audit.end(mlflow_client, run_id, ok=True)
     return approval_of(mlflow_client, model_name, mv.version)
 
 
@@ -197,7 +192,7 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     with lock.held(mlflow_client, model_name, f"revoke by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         at = audit.utc_now()
-        run_id = audit.begin(
+        with audit.audited(
             mlflow_client,
             model_name,
             action="revoke",
@@ -206,16 +201,11 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
             at=at,
             op=uuid.uuid4().hex,
             version=mv.version,
-        )
-        try:
+        ):
             lk.check()
             mlflow_client.set_model_version_tag(model_name, mv.version, TAG, REVOKED)  # first: fail closed
             for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
                 mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
             if OVERRIDE in mv.tags:
                 mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
-        except BaseException:
-            audit.end(mlflow_client, run_id, ok=False)
-            raise
-        audit.end(mlflow_client, run_id, ok=True)
     return approval_of(mlflow_client, model_name, mv.version)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -148,6 +149,22 @@ def begin(
     )
     mlflow_client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
     return run.info.run_id
+
+
+@contextlib.contextmanager
+def audited(mlflow_client, model: str, *, steps: Sequence[dict] = ({},), **common) -> Iterator[list[str]]:
+    """An audited change: one RUNNING audit run per step (`begin(**common, step=i, **steps[i])`) before the
+    block, all ended FINISHED when the block completes, or FAILED (and the error re-raised) when it raises.
+    Yields the run ids."""
+    run_ids = [begin(mlflow_client, model, step=i, **common, **fields) for i, fields in enumerate(steps)]
+    try:
+        yield run_ids
+    except BaseException:
+        for run_id in run_ids:
+            end(mlflow_client, run_id, ok=False)
+        raise
+    for run_id in run_ids:
+        end(mlflow_client, run_id, ok=True)
 
 
 def end(mlflow_client, run_id: str, ok: bool) -> None:

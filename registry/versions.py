@@ -1,10 +1,6 @@
 """Register a build as an MLflow model version with its lineage and gate evidence.
 
-Tags written on every version (searchable in the UI and with `search_model_versions`):
-  build, scheme, dtype, weights_sha256 (one digest over all weight files),
-  weights_sha256.<file>, base_model.id, base_model.sha256, git_commit, dvc_lock_sha256,
-  params_sha256, version.<library> for the pipeline and serving stacks,
-  gate.verdict, gate.<team>.{metric,verdict,delta,ci,recovery_pct,team_sha256}, evidence_sha256.
+Tags written on every version: the schema and its builders are in registry/tags.py.
 The build's run also holds gate.verdict as a param: MLflow refuses to change a logged param,
 so that is the verdict of record (`recorded_verdict`); the version tag is the UI's copy and
 an edit of it does not count (registry/approval.py).
@@ -20,8 +16,7 @@ from pathlib import Path
 
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_json
-
-VERDICT = "gate.verdict"  # version tag and run param
+from registry.tags import VERDICT
 
 # the alias of the 16-bit build; all aliases and how they move: registry/aliases.py
 FALLBACK = "fallback"
