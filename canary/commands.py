@@ -1,6 +1,6 @@
 """Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
 
-Thin: parse, call canary/, print; a QuantgateError becomes a click.ClickException (one line,
+Thin: parse, call canary/, print; errors take the CLI's one path, quantgate.errors.command_errors (one line,
 exit 1), never a traceback. `canary load` exits 1 when any request failed; `canary run` 3 on abort.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from canary.load import APIS
-from quantgate.errors import QuantgateError
+from quantgate.errors import command_errors
 from registry.commands import version_arg
 
 
@@ -64,7 +64,7 @@ def load(
     success rate, outcomes and latency percentiles. Exits 1 if any request failed."""
     from canary.load import prompts_from_evals, replay
 
-    try:
+    with command_errors():
         prompts = prompts_from_evals(evals_dir, limit)
         report = replay(
             url,
@@ -77,8 +77,6 @@ def load(
             seed=seed,
             api=api,
         )
-    except QuantgateError as exc:
-        raise click.ClickException(str(exc)) from None
     for line in report.lines():
         click.echo(line)
     if report.ok < len(report.results):
@@ -177,20 +175,19 @@ def run(
         return stop
 
     try:
-        outcome = run_canary(
-            store.client(existing=True),
-            model,
-            version,
-            load_policy(),
-            load_block("evaluate.serve", ServeParams),
-            by,
-            work_dir,
-            reuse=reuse,
-            on_router=start_load if load_rps else None,
-            log=click.echo,
-        )
-    except QuantgateError as exc:
-        raise click.ClickException(str(exc)) from None
+        with command_errors():
+            outcome = run_canary(
+                store.client(existing=True),
+                model,
+                version,
+                load_policy(),
+                load_block("evaluate.serve", ServeParams),
+                by,
+                work_dir,
+                reuse=reuse,
+                on_router=start_load if load_rps else None,
+                log=click.echo,
+            )
     except KeyboardInterrupt:
         raise click.ClickException(
             f"canary of {model} v{version} interrupted: aborted, candidate alias cleared"

@@ -16,11 +16,7 @@ from pathlib import Path
 
 import click
 
-from quantgate.errors import QuantgateError
-
-
-def _fail(exc: QuantgateError) -> None:
-    raise click.ClickException(str(exc))
+from quantgate.errors import QuantgateError, command_errors
 
 
 @click.group()
@@ -55,7 +51,10 @@ def status(model: str | None) -> None:
     from registry import store
     from registry.status import status_lines
 
-    try:
+    with command_errors(
+        also=(Exception,),  # MlflowException and friends: a bad URI or an unreachable server
+        describe=lambda exc: f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}",
+    ):
         if model is None:
             from pipeline.register import RegisterParams
             from quantgate.params import PARAMS_FILE, load_block
@@ -68,10 +67,6 @@ def status(model: str | None) -> None:
             model = load_block("register", RegisterParams).model_name
         for line in status_lines(store.client(existing=True), model):
             click.echo(line)
-    except QuantgateError as exc:
-        _fail(exc)
-    except Exception as exc:  # MlflowException and friends: a bad URI or an unreachable server
-        raise click.ClickException(f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}") from None
 
 
 @cli.group()
@@ -89,11 +84,9 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
     from quantgate.scaffold import new_team
     from quantgate.teams import load_team
 
-    try:
+    with command_errors():
         folder = new_team(root, team, owner, contact)
         t = load_team(folder)
-    except QuantgateError as exc:
-        _fail(exc)
     click.echo(
         f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} ({t.tasks[0].n_docs} example docs)"
     )
@@ -109,10 +102,8 @@ def validate(path: Path) -> None:
     """Check the team eval sets under PATH (or one team folder) without running a model."""
     from quantgate.teams import POLICY_FILE, load_team, load_teams
 
-    try:
+    with command_errors():
         teams = [load_team(path)] if (path / POLICY_FILE).is_file() else load_teams(path)
-    except QuantgateError as exc:
-        _fail(exc)
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")

@@ -19,7 +19,7 @@ from datetime import datetime
 
 import click
 
-from quantgate.errors import QuantgateError
+from quantgate.errors import command_errors
 
 
 @contextmanager
@@ -28,12 +28,10 @@ def _errors() -> Iterator[None]:
 
     from registry import store
 
-    try:
+    with command_errors(
+        also=(MlflowException,), describe=lambda exc: f"MLflow at {store.tracking_uri()}: {exc.message}"
+    ):
         yield
-    except QuantgateError as exc:
-        raise click.ClickException(str(exc)) from None
-    except MlflowException as exc:
-        raise click.ClickException(f"MLflow at {store.tracking_uri()}: {exc.message}") from None
 
 
 def _client():
