@@ -212,11 +212,18 @@ def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None,
 
 
 def stages(root: Path) -> list[str]:
-    """The DVC stage names of dvc.yaml in file order, `foreach` expanded (`evaluate@fp8`)."""
+    """The DVC stage names of dvc.yaml in file order, `foreach` expanded (`evaluate@fp8`); a `foreach`
+    of `${key}` reads params.yaml (a list: its items; a mapping: its keys), as DVC does."""
     doc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    params = yaml.safe_load((root / "params.yaml").read_text())
     names = []
     for name, stage in doc.items():
         items = stage.get("foreach")
+        if isinstance(items, str) and items.startswith("${") and items.endswith("}"):
+            value = params
+            for part in items[2:-1].split("."):
+                value = value[part]
+            items = list(value)
         names.extend([f"{name}@{item}" for item in items] if items else [name])
     return names
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
-from pipeline.gate import GateParams, judge
+from pipeline.gate import judge, load_params
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
 from quantgate.errors import QuantgateError, run_main
@@ -172,7 +172,7 @@ def main() -> None:
     shutil.rmtree(scores, ignore_errors=True)
     eval_s = {b: score_build(engine, b, d, teams, params, scores) for b, (d, _) in builds.items()}
 
-    gate = load_block("gate", GateParams)
+    gate = load_params()
     gate = gate.model_copy(update={"candidates": [b for b in builds if b != gate.baseline]})
     rows = []
     for team in teams:

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from pipeline.plot import recovery_plot
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import Frozen, load_block
+from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import SCORES
 from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
@@ -30,11 +30,27 @@ from quantgate.teams import Team, load_teams
 SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
 
 
-class GateParams(Frozen):
+class GateBlock(Frozen):
+    """params.yaml block `gate`."""
+
     baseline: str = "fp16"
-    candidates: list[str] = ["fp8", "int4"]
     bootstrap_resamples: int = Field(default=10000, ge=1000)
     seed: int = 0
+
+
+class GateParams(GateBlock):
+    """The gate block plus the builds it judges: every build of params.yaml `builds` but the baseline."""
+
+    candidates: list[str] = ["fp8", "int4"]
+
+
+def load_params(path: Path = PARAMS_FILE) -> GateParams:
+    """GateParams from params.yaml: block `gate`, candidates from `builds`; raises QuantgateError if
+    the baseline is not one of the builds."""
+    block, builds = load_block("gate", GateBlock, path), load_builds(path)
+    if block.baseline not in builds:
+        raise QuantgateError(f"{path}: gate.baseline {block.baseline!r} is not in builds {builds}; add it or fix it")
+    return GateParams(**block.model_dump(), candidates=[b for b in builds if b != block.baseline])
 
 
 def read_scores(eval_dir: Path, build: str, team: str) -> dict:
@@ -242,7 +258,7 @@ def main() -> None:
     if len(sys.argv) != 6:
         raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG")
     eval_dir, evals_dir, metrics_path, report_path, plot_path = map(Path, sys.argv[1:])
-    result = gate(eval_dir, load_teams(evals_dir), load_block("gate", GateParams))
+    result = gate(eval_dir, load_teams(evals_dir), load_params())
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     metrics_path.write_text(json.dumps(result, indent=2) + "\n")
     report_path.write_text(report(result, plot_path.name))

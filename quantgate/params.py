@@ -141,6 +141,20 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+def load_builds(path: Path = PARAMS_FILE) -> list[str]:
+    """params.yaml `builds`: every build of a run, listed once (dvc.yaml's evaluate `foreach` reads it too).
+
+    Raises QuantgateError unless it is a non-empty list of distinct names.
+    """
+    data = read_yaml(path)
+    builds = data.get("builds") if isinstance(data, dict) else None
+    if not (isinstance(builds, list) and builds and all(isinstance(b, str) and b for b in builds)):
+        raise QuantgateError(f"{path}: `builds` must be a list of build names, e.g. [fp16, fp8, int4]; got {builds!r}")
+    if len(set(builds)) != len(builds):
+        raise QuantgateError(f"{path}: `builds` {builds} names a build twice; list each once")
+    return builds
+
+
 def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
     """Return block `key` of params.yaml (dotted keys allowed, e.g. "quantize.int4") as `model`.
 

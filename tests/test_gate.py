@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from pipeline.gate import GateParams, gate, report
+from pipeline.gate import GateParams, gate, load_params, report
+from quantgate.errors import QuantgateError
 from quantgate.teams import load_teams
-from tests.conftest import write_scores
+from tests.conftest import REPO, write_scores
 
 PARAMS = GateParams(baseline="fp16", candidates=["int4"], bootstrap_resamples=1000)
 
@@ -131,3 +132,29 @@ def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_
     (tmp_path / "int4" / "precision.json").unlink()
     r = row(gate(tmp_path, teams, PARAMS))
     assert r["verdict"] == "FAIL" and r["reason"].startswith("no precision record for build int4")
+
+
+def test_the_builds_of_a_run_are_listed_once_in_params_yaml():
+    """`builds` drives dvc.yaml's evaluate foreach and the gate's candidates; quantize.<build> blocks
+    (dvc.yaml's quantize foreach) exist for exactly the builds that are not the baseline."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = load_params(REPO / "params.yaml")
+    assert [params.baseline, *params.candidates] == doc["builds"] and set(doc["quantize"]) == set(params.candidates)
+    assert "candidates" not in doc["gate"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("builds: [fp8, int4]\ngate: {baseline: fp16}\n", "gate.baseline 'fp16' is not in builds"),
+        ("builds: [fp16, fp8, fp8]\ngate: {baseline: fp16}\n", "names a build twice"),
+        ("builds: fp16\ngate: {baseline: fp16}\n", "`builds` must be a list of build names"),
+        ("builds: [fp16, fp8]\ngate: {baseline: fp16, candidates: [fp8]}\n", "candidates"),
+    ],
+)
+def test_gate_params_refuse_builds_that_do_not_add_up(tmp_path, text, message):
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(QuantgateError, match=message):
+        load_params(tmp_path / "params.yaml")
