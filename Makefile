@@ -15,6 +15,8 @@ demo: setup
 	@quantgate status
 
 test: setup
+	ruff check .
+	ruff format --check .
 	python -m pytest tests
 
 test-unit: setup

@@ -4,6 +4,7 @@ facts, and one output format (a printed table plus benchmarks/results/<name>.jso
 Every script runs from the repository root after `make setup`:
 `.venv/bin/python -m benchmarks.<script> [options]`.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -52,8 +53,9 @@ def scratch_project(root: Path, *, limit: int | None = None, params: dict | None
         root.mkdir(parents=True)
     except OSError as exc:
         raise QuantgateError(f"cannot create {root}: {exc.strerror}; give another --work folder") from None
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     for f in files:
         if (REPO / f).is_file():
             (root / f).parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +83,11 @@ def is_scratch_project(root: Path) -> bool:
 
 def commit(root: Path, message: str) -> None:
     """Commit everything in `root` (git needs no identity configured)."""
-    for cmd in (["init", "-q"], ["add", "-A"], ["-c", "user.name=bench", "-c", "user.email=bench@localhost",
-                                                "commit", "-qm", message, "--allow-empty"]):
+    for cmd in (
+        ["init", "-q"],
+        ["add", "-A"],
+        ["-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", message, "--allow-empty"],
+    ):
         subprocess.run(["git", *cmd], cwd=root, check=True, capture_output=True)
 
 
@@ -105,8 +110,15 @@ def measure(cmd: list[str] | str, cwd: Path, *, interval: float = 0.2, timeout: 
     """
     started = time.monotonic()
     log = (cwd / ".bench-cmd.log").open("w+")
-    proc = subprocess.Popen(cmd, cwd=cwd, env=project_env(), stdout=log, stderr=subprocess.STDOUT,
-                            shell=isinstance(cmd, str), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=project_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        shell=isinstance(cmd, str),
+        start_new_session=True,
+    )
     ps, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         if time.monotonic() - started > timeout:
@@ -138,18 +150,24 @@ def machine() -> dict:
         flags = info
     gpu = ""
     if shutil.which("nvidia-smi"):
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True).stdout.strip()
-    from pipeline.serving import serving_versions
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    from quantgate.serving import serving_versions
 
     try:
         versions = serving_versions(str(REPO / ".venv-serve" / "bin" / "python"))
     except Exception as exc:  # the serving env is optional for some scripts
         versions = {"error": str(exc)}
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
-            "isa": "avx512" if " avx512f" in flags else ("avx2" if " avx2" in flags else "other"),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpu": gpu or None,
-            "python": platform.python_version(), "serving": versions}
+    return {
+        "cpu": cpu or platform.processor(),
+        "cores": os.cpu_count(),
+        "isa": "avx512" if " avx512f" in flags else ("avx2" if " avx2" in flags else "other"),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": gpu or None,
+        "python": platform.python_version(),
+        "serving": versions,
+    }
 
 
 def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None, notes: list[str] = ()) -> Path:
@@ -159,7 +177,12 @@ def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None,
     table = Table(title=title)
     columns = list(rows[0]) if rows else []
     for col in columns:
-        table.add_column(col, justify="left" if col in ("stage", "build", "team", "scenario", "engine", "note", "notes", "reason") else "right")
+        table.add_column(
+            col,
+            justify="left"
+            if col in ("stage", "build", "team", "scenario", "engine", "note", "notes", "reason")
+            else "right",
+        )
     for row in rows:
         table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
     console = Console(width=160)
@@ -168,20 +191,39 @@ def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None,
         console.print(f"  {note}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
-    out.write_text(json.dumps({
-        "benchmark": name, "title": title, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m", f"benchmarks.{name}", *sys.argv[1:]]), "machine": machine(),
-        "settings": meta or {}, "rows": rows, "notes": list(notes)}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": name,
+                "title": title,
+                "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "command": " ".join(["python -m", f"benchmarks.{name}", *sys.argv[1:]]),
+                "machine": machine(),
+                "settings": meta or {},
+                "rows": rows,
+                "notes": list(notes),
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     console.print(f"  written {out.relative_to(REPO)}")
     return out
 
 
 def stages(root: Path) -> list[str]:
-    """The DVC stage names of dvc.yaml in file order, `foreach` expanded (`evaluate@fp8`)."""
+    """The DVC stage names of dvc.yaml in file order, `foreach` expanded (`evaluate@fp8`); a `foreach`
+    of `${key}` reads params.yaml (a list: its items; a mapping: its keys), as DVC does."""
     doc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    params = yaml.safe_load((root / "params.yaml").read_text())
     names = []
     for name, stage in doc.items():
         items = stage.get("foreach")
+        if isinstance(items, str) and items.startswith("${") and items.endswith("}"):
+            value = params
+            for part in items[2:-1].split("."):
+                value = value[part]
+            items = list(value)
         names.extend([f"{name}@{item}" for item in items] if items else [name])
     return names
 
@@ -194,6 +236,11 @@ def hf_lm(model_dir: Path, params, batch_size: int | None = None):
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=str(model_dir), dtype=params.serve.dtype, batch_size=batch_size or params.harness.batch_size,
-                device="cuda" if torch.cuda.is_available() else "cpu", add_bos_token=params.harness.add_bos_token,
-                max_length=params.serve.max_model_len)  # the context the vLLM engine gets
+    return HFLM(
+        pretrained=str(model_dir),
+        dtype=params.serve.dtype,
+        batch_size=batch_size or params.harness.batch_size,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        add_bos_token=params.harness.add_bos_token,
+        max_length=params.serve.max_model_len,
+    )  # the context the vLLM engine gets

@@ -25,6 +25,7 @@ Columns (one row per team, then `all` = every team, then `setup`):
   vllm_rps    requests per second of scoring through vLLM; hf_rps: through hf
 Results also go to benchmarks/results/eval_engine.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, selected_filter
-from pipeline.params import load_block
-from pipeline.serving import resolved
-from pipeline.serving import vllm_server
+from quantgate.errors import QuantgateError, run_main
+from quantgate.params import load_block
+from quantgate.serving import resolved, vllm_server
+from quantgate.teams import load_teams
 
 WORK = REPO / ".quantgate" / "bench" / "eval_engine"
 
@@ -53,12 +53,14 @@ def timed(lm) -> list[float]:
     """Wrap `lm`'s request methods so the seconds spent inside them add up in the returned list."""
     spent = [0.0]
     for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
-        def wrapper(*a, _orig=getattr(lm, name), **kw):
+
+        def wrapper(*a, _orig=getattr(lm, name), **kw):  # noqa: B008 - binds this method now, on purpose
             started = time.monotonic()
             try:
                 return _orig(*a, **kw)
             finally:
                 spent[0] += time.monotonic() - started
+
         setattr(lm, name, wrapper)
     return spent
 
@@ -69,10 +71,16 @@ def score_all(lm, teams, harness) -> dict:
     for team in teams:
         started, before = time.monotonic(), spent[0]
         doc, raw = run_team(lm, team, harness)
-        out[team.name] = {"doc": doc, "requests": count_requests(team, raw), "seconds": spent[0] - before,
-                          "wall": time.monotonic() - started}
-        print(f"eval_engine: {team.name}: {spent[0] - before:.1f} s scoring, {time.monotonic() - started:.1f} s wall",
-              flush=True)
+        out[team.name] = {
+            "doc": doc,
+            "requests": count_requests(team, raw),
+            "seconds": spent[0] - before,
+            "wall": time.monotonic() - started,
+        }
+        print(
+            f"eval_engine: {team.name}: {spent[0] - before:.1f} s scoring, {time.monotonic() - started:.1f} s wall",
+            flush=True,
+        )
     return out
 
 
@@ -81,8 +89,9 @@ def run_vllm(model_dir: Path, build: str, teams, params: EvaluateParams, work: P
     started = time.monotonic()
     with vllm_server(params.serve, model_dir, build, work / "server.log") as server:
         setup = time.monotonic() - started
-        return setup, score_all(make_lm(server, model_dir, params.harness, params.serve.max_model_len), teams,
-                                params.harness)
+        return setup, score_all(
+            make_lm(server, model_dir, params.harness, params.serve.max_model_len), teams, params.harness
+        )
 
 
 def run_hf(model_dir: Path, teams, params: EvaluateParams, batch_size: int) -> tuple[float, dict]:
@@ -105,7 +114,9 @@ def main() -> None:
     ap.add_argument("--build", default="fp16", help="build folder name under --models (default fp16)")
     ap.add_argument("--models", type=Path, default=Path("models"))
     ap.add_argument("--evals", type=Path, default=Path("evals"), help="team eval sets (default evals)")
-    ap.add_argument("--work", type=Path, default=WORK, help="folder for the server log (default .quantgate/bench/eval_engine)")
+    ap.add_argument(
+        "--work", type=Path, default=WORK, help="folder for the server log (default .quantgate/bench/eval_engine)"
+    )
     ap.add_argument("--limit", type=int, default=12, help="docs per task (default 12)")
     ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
     ap.add_argument("--batch-size", type=int, default=None, help="hf batch size (default evaluate.harness.batch_size)")
@@ -120,13 +131,19 @@ def main() -> None:
         raise QuantgateError(f"--build {args.build!r}: give a build folder name under --models, e.g. fp16")
     model_dir = (args.models / args.build).resolve()
     if not (model_dir / "config.json").is_file():
-        raise QuantgateError(f"no build {args.build!r}: {model_dir}/config.json not found (builds are folders "
-                             f"under --models {args.models}; run `dvc repro` first)")
+        raise QuantgateError(
+            f"no build {args.build!r}: {model_dir}/config.json not found (builds are folders "
+            f"under --models {args.models}; run `dvc repro` first)"
+        )
     teams = load_teams(args.evals)
     params = load_block("evaluate", EvaluateParams)
     params = params.model_copy(update={"serve": resolved(params.serve)})  # dtype auto -> the run's precision
-    params = params.model_copy(update={"serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
-                                       "harness": params.harness.model_copy(update={"limit": args.limit})})
+    params = params.model_copy(
+        update={
+            "serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
+            "harness": params.harness.model_copy(update={"limit": args.limit}),
+        }
+    )
     vllm_setup, vllm, vllm_error = None, {}, None
     try:
         vllm_setup, vllm = run_vllm(model_dir, args.build, teams, params, args.work)
@@ -140,9 +157,19 @@ def main() -> None:
         v, h = vllm.get(team.name), hf[team.name]
         docs = len(h["doc"]["samples"])
         hmean = sum(s["score"] for s in h["doc"]["samples"]) / docs
-        row = {"team": team.name, "docs": docs, "requests": h["requests"], "vllm_score": None,
-               "hf_score": rounded(hmean, 3), "agree_pct": None, "abs_diff": None, "vllm_s": None,
-               "hf_s": rounded(h["seconds"], 1), "vllm_rps": None, "hf_rps": rounded(h["requests"] / h["seconds"], 1)}
+        row = {
+            "team": team.name,
+            "docs": docs,
+            "requests": h["requests"],
+            "vllm_score": None,
+            "hf_score": rounded(hmean, 3),
+            "agree_pct": None,
+            "abs_diff": None,
+            "vllm_s": None,
+            "hf_s": rounded(h["seconds"], 1),
+            "vllm_rps": None,
+            "hf_rps": rounded(h["requests"] / h["seconds"], 1),
+        }
         tot["docs"] += docs
         tot["req"] += h["requests"]
         tot["hs"] += h["seconds"]
@@ -150,8 +177,13 @@ def main() -> None:
         if v:
             vmean = sum(s["score"] for s in v["doc"]["samples"]) / len(v["doc"]["samples"])
             eq, n = agreement(v["doc"], h["doc"])
-            row.update(vllm_score=rounded(vmean, 3), agree_pct=rounded(100 * eq / n, 1), abs_diff=rounded(abs(vmean - hmean), 3),
-                       vllm_s=rounded(v["seconds"], 1), vllm_rps=rounded(v["requests"] / v["seconds"], 1))
+            row.update(
+                vllm_score=rounded(vmean, 3),
+                agree_pct=rounded(100 * eq / n, 1),
+                abs_diff=rounded(abs(vmean - hmean), 3),
+                vllm_s=rounded(v["seconds"], 1),
+                vllm_rps=rounded(v["requests"] / v["seconds"], 1),
+            )
             if v["requests"] != h["requests"]:
                 row["requests"] = f"{v['requests']}/{h['requests']}"
             tot["eq"] += eq
@@ -159,30 +191,66 @@ def main() -> None:
             tot["vs"] += v["seconds"]
             tot["vsum"] += vmean * docs
         rows.append(row)
-    rows.append({"team": "all", "docs": tot["docs"], "requests": tot["req"],
-                 "vllm_score": rounded(tot["vsum"] / tot["docs"], 3) if vllm else None,
-                 "hf_score": rounded(tot["hsum"] / tot["docs"], 3),
-                 "agree_pct": rounded(100 * tot["eq"] / tot["n"], 1) if tot["n"] else None,
-                 "abs_diff": rounded(abs(tot["vsum"] - tot["hsum"]) / tot["docs"], 3) if vllm else None,
-                 "vllm_s": rounded(tot["vs"], 1) if vllm else None, "hf_s": rounded(tot["hs"], 1),
-                 "vllm_rps": rounded(tot["req"] / tot["vs"], 1) if vllm else None, "hf_rps": rounded(tot["req"] / tot["hs"], 1)})
-    rows.append({"team": "setup", "docs": None, "requests": None, "vllm_score": None, "hf_score": None,
-                 "agree_pct": None, "abs_diff": None, "vllm_s": rounded(vllm_setup, 1), "hf_s": rounded(hf_setup, 1),
-                 "vllm_rps": None, "hf_rps": None})
-    notes = [f"build {args.build} ({model_dir}), dtype {params.serve.dtype} on both engines, --limit {args.limit} "
-             f"docs per task; scores are per-sample team metrics (0/1), times in seconds",
-             "setup row: vLLM = server start until /health and a smoke request; hf = HFLM model + tokenizer load",
-             "all row: abs_diff and scores are doc-weighted over all teams",
-             "lm-eval wall per team incl. task/dataset building (s): "
-             + "; ".join(f"{t.name} vllm {vllm[t.name]['wall']:.1f} hf {hf[t.name]['wall']:.1f}" if vllm else
-                         f"{t.name} hf {hf[t.name]['wall']:.1f}" for t in teams)]
+    rows.append(
+        {
+            "team": "all",
+            "docs": tot["docs"],
+            "requests": tot["req"],
+            "vllm_score": rounded(tot["vsum"] / tot["docs"], 3) if vllm else None,
+            "hf_score": rounded(tot["hsum"] / tot["docs"], 3),
+            "agree_pct": rounded(100 * tot["eq"] / tot["n"], 1) if tot["n"] else None,
+            "abs_diff": rounded(abs(tot["vsum"] - tot["hsum"]) / tot["docs"], 3) if vllm else None,
+            "vllm_s": rounded(tot["vs"], 1) if vllm else None,
+            "hf_s": rounded(tot["hs"], 1),
+            "vllm_rps": rounded(tot["req"] / tot["vs"], 1) if vllm else None,
+            "hf_rps": rounded(tot["req"] / tot["hs"], 1),
+        }
+    )
+    rows.append(
+        {
+            "team": "setup",
+            "docs": None,
+            "requests": None,
+            "vllm_score": None,
+            "hf_score": None,
+            "agree_pct": None,
+            "abs_diff": None,
+            "vllm_s": rounded(vllm_setup, 1),
+            "hf_s": rounded(hf_setup, 1),
+            "vllm_rps": None,
+            "hf_rps": None,
+        }
+    )
+    notes = [
+        f"build {args.build} ({model_dir}), dtype {params.serve.dtype} on both engines, --limit {args.limit} "
+        f"docs per task; scores are per-sample team metrics (0/1), times in seconds",
+        "setup row: vLLM = server start until /health and a smoke request; hf = HFLM model + tokenizer load",
+        "all row: abs_diff and scores are doc-weighted over all teams",
+        "lm-eval wall per team incl. task/dataset building (s): "
+        + "; ".join(
+            f"{t.name} vllm {vllm[t.name]['wall']:.1f} hf {hf[t.name]['wall']:.1f}"
+            if vllm
+            else f"{t.name} hf {hf[t.name]['wall']:.1f}"
+            for t in teams
+        ),
+    ]
     if vllm_error:
         notes.append(f"vLLM columns empty: {vllm_error}")
-    report("eval_engine", f"eval engine: vLLM server vs lm-eval hf in-process ({args.build})", rows,
-           meta={"build": args.build, "limit": args.limit, "dtype": params.serve.dtype, "cpu_cores": args.cpu_cores,
-                 "hf_batch_size": args.batch_size or params.harness.batch_size,
-                 "vllm_batch_size": params.harness.batch_size, "num_concurrent": params.harness.num_concurrent},
-           notes=notes)
+    report(
+        "eval_engine",
+        f"eval engine: vLLM server vs lm-eval hf in-process ({args.build})",
+        rows,
+        meta={
+            "build": args.build,
+            "limit": args.limit,
+            "dtype": params.serve.dtype,
+            "cpu_cores": args.cpu_cores,
+            "hf_batch_size": args.batch_size or params.harness.batch_size,
+            "vllm_batch_size": params.harness.batch_size,
+            "num_concurrent": params.harness.num_concurrent,
+        },
+        notes=notes,
+    )
 
 
 if __name__ == "__main__":

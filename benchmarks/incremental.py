@@ -1,6 +1,7 @@
 """Question 2: what does a re-run cost after a small change, with 3 and with 12 teams?
 
-    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR | --project DIR] [--scenarios abcde]
+    .venv/bin/python -m benchmarks.incremental [--teams 3,12] [--limit 12] [--work DIR | --project DIR]
+        [--scenarios abcde]
 
 In a scratch copy of this working tree (benchmarks.common.scratch_project) it runs
 `dvc repro` once, then measures `dvc repro` after each change:
@@ -24,6 +25,7 @@ Columns: teams in the project, the scenario, wall s of `dvc repro`, how many sta
 ran, the teams scored (not from the evaluation cache), one team's eval (s, see above) and
 the ratio of the two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +39,9 @@ from pathlib import Path
 import yaml
 
 from benchmarks.common import REPO, commit, is_scratch_project, measure, report, scratch_project
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 
-TEMPLATE = "search"          # team copied for synthetic teams
+TEMPLATE = "search"  # team copied for synthetic teams
 BUILDS = ("fp16", "fp8", "int4")
 
 
@@ -97,10 +99,17 @@ def scenario(project: Path, label: str, teams: int, change, measured: list[dict]
     commit(project, label)
     r = repro(project)
     base = r["one_team_eval_s"].get(team) if team else None
-    measured.append({"teams": teams, "scenario": label, "wall s": r["wall_s"],
-                     "stages run": len(r["stages"]), "teams scored": ",".join(r["scored"]) or "-",
-                     "one team's eval s": base,
-                     "ratio": round(r["wall_s"] / base, 2) if base else None})
+    measured.append(
+        {
+            "teams": teams,
+            "scenario": label,
+            "wall s": r["wall_s"],
+            "stages run": len(r["stages"]),
+            "teams scored": ",".join(r["scored"]) or "-",
+            "one team's eval s": base,
+            "ratio": round(r["wall_s"] / base, 2) if base else None,
+        }
+    )
     print(f"{teams} teams, {label}: {r['wall_s']} s; ran {', '.join(r['stages']) or 'nothing'}", flush=True)
 
 
@@ -130,8 +139,12 @@ def main() -> None:
     ap.add_argument("--teams", default="3,12", help="team counts, comma-separated, each >= the project's teams")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--work", type=Path, default=None, help="folder for a new scratch project (default: a temp dir)")
-    where.add_argument("--project", type=Path, default=None,
-                       help="reuse a scratch project (e.g. the one benchmarks.pipeline_cost made) instead of a new one")
+    where.add_argument(
+        "--project",
+        type=Path,
+        default=None,
+        help="reuse a scratch project (e.g. the one benchmarks.pipeline_cost made) instead of a new one",
+    )
     ap.add_argument("--limit", type=int, default=None, help="docs per task of a new project (default 12)")
     ap.add_argument("--scenarios", default="abcde", help="which scenarios to measure, e.g. `e` (default: all)")
     args = ap.parse_args()
@@ -146,8 +159,10 @@ def main() -> None:
     if args.limit is not None and args.limit < 1:
         raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
     if args.project and not is_scratch_project(args.project):
-        raise QuantgateError(f"--project {args.project}: not a scratch project made by benchmarks.pipeline_cost or "
-                             "this script (this benchmark commits changes there); omit --project to make one")
+        raise QuantgateError(
+            f"--project {args.project}: not a scratch project made by benchmarks.pipeline_cost or "
+            "this script (this benchmark commits changes there); omit --project to make one"
+        )
     have = n_teams(args.project or REPO)
     if counts[0] < have:
         raise QuantgateError(f"--teams {args.teams!r}: every count must be >= {have} (the teams already there)")
@@ -169,25 +184,53 @@ def main() -> None:
         if "a" in args.scenarios:
             scenario(project, "(a) no change", n, lambda p: None, rows)
         if "b" in args.scenarios:
-            scenario(project, "(b) one team's data changed", n, lambda p: reword(p, i), rows, team="search")
+            scenario(project, "(b) one team's data changed", n, lambda p, i=i: reword(p, i), rows, team="search")
         if "c" in args.scenarios:  # the new team stays: the next count grows from n + 1 teams
-            scenario(project, "(c) one new team added", n, lambda p: add_team(p, f"new_{n:02d}", rotate=3 + i),
-                     rows, team=f"new_{n:02d}")
+            scenario(
+                project,
+                "(c) one new team added",
+                n,
+                lambda p, n=n, i=i: add_team(p, f"new_{n:02d}", rotate=3 + i),
+                rows,
+                team=f"new_{n:02d}",
+            )
         if "d" in args.scenarios:  # a value this project never used, so DVC's run-cache cannot hold it
             damp = round(0.01 + 0.001 * revision(project), 4)
-            scenario(project, f"(d) quantize.int4.dampening_frac 0.01 -> {damp}", n_teams(project),
-                     lambda p: set_param(p, "quantize.int4", "dampening_frac", damp), rows)
-            scenario(project, "(d') changed back (DVC run-cache)", n_teams(project),
-                     lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01), rows)
+            scenario(
+                project,
+                f"(d) quantize.int4.dampening_frac 0.01 -> {damp}",
+                n_teams(project),
+                lambda p, damp=damp: set_param(p, "quantize.int4", "dampening_frac", damp),
+                rows,
+            )
+            scenario(
+                project,
+                "(d') changed back (DVC run-cache)",
+                n_teams(project),
+                lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01),
+                rows,
+            )
         if "e" in args.scenarios:
             margin = round(0.05 + 0.001 * revision(project), 3)  # a margin this project never used
-            scenario(project, f"(e) search margin.absolute -> {margin}", n_teams(project),
-                     lambda p: set_margin(p, "search", margin), rows)
-    notes = [f"initial dvc repro: {first['wall_s']} s; project in {project}",
-             "ratio = wall s / one team's eval (that team alone on every build: server starts + its scoring)",
-             "target: (a) < 10 s; (b), (c) < 1.5; (e) teams scored '-' (no vLLM server started)"]
-    report("incremental", "dvc repro after one change (wall s)", rows,
-           meta={"teams": counts, "project": str(project)}, notes=notes)
+            scenario(
+                project,
+                f"(e) search margin.absolute -> {margin}",
+                n_teams(project),
+                lambda p, margin=margin: set_margin(p, "search", margin),
+                rows,
+            )
+    notes = [
+        f"initial dvc repro: {first['wall_s']} s; project in {project}",
+        "ratio = wall s / one team's eval (that team alone on every build: server starts + its scoring)",
+        "target: (a) < 10 s; (b), (c) < 1.5; (e) teams scored '-' (no vLLM server started)",
+    ]
+    report(
+        "incremental",
+        "dvc repro after one change (wall s)",
+        rows,
+        meta={"teams": counts, "project": str(project)},
+        notes=notes,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ named on stderr and skipped. --readme FILE replaces the text between `<!-- numbe
 and `<!-- numbers:end -->` in FILE with a shorter view of every result (README_VIEW: the
 columns and notes a reader needs), written whole or not at all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 
 ORDER = ("pipeline_cost", "incremental", "eval_engine", "serving", "quality")
 START, END = "<!-- numbers:start -->", "<!-- numbers:end -->"
@@ -26,10 +27,27 @@ START, END = "<!-- numbers:start -->", "<!-- numbers:end -->"
 README_VIEW = {
     "pipeline_cost": (["stage", "cold s", "cold GiB", "cold server start s", "cold scoring s", "warm s"], [0, 1]),
     "incremental": (["teams", "scenario", "wall s", "stages run", "one team's eval s", "ratio"], [1, 2]),
-    "eval_engine": (["team", "docs", "requests", "vllm_score", "hf_score", "agree_pct", "vllm_s", "hf_s",
-                     "vllm_rps", "hf_rps"], [0, 1]),
-    "serving": (["build", "C", "disk MiB", "mem GiB", "KV tokens", "tok/s", "TTFT ms p50/90/99",
-                 "TPOT ms p50/90/99", "size×", "tok/s×", "TPOT×", "note"], [0]),
+    "eval_engine": (
+        ["team", "docs", "requests", "vllm_score", "hf_score", "agree_pct", "vllm_s", "hf_s", "vllm_rps", "hf_rps"],
+        [0, 1],
+    ),
+    "serving": (
+        [
+            "build",
+            "C",
+            "disk MiB",
+            "mem GiB",
+            "KV tokens",
+            "tok/s",
+            "TTFT ms p50/90/99",
+            "TPOT ms p50/90/99",
+            "size×",
+            "tok/s×",
+            "TPOT×",
+            "note",
+        ],
+        [0],
+    ),
     "quality": (["team", "build", "n", "fp16", "candidate", "recovery_pct", "ci_low", "ci_high", "verdict"], [0, 1]),
 }
 
@@ -38,12 +56,14 @@ def machine_line(m: dict) -> str:
     """One line naming the machine a result was measured on."""
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
     vllm = m.get("serving", {}).get("vllm")
-    return f"{m.get('cpu', '?')} ({m.get('cores')} cores, {m.get('isa')}), {m.get('memory_gib')} GiB{gpu}" + \
-        (f", vLLM {vllm}" if vllm else "")
+    return f"{m.get('cpu', '?')} ({m.get('cores')} cores, {m.get('isa')}), {m.get('memory_gib')} GiB{gpu}" + (
+        f", vLLM {vllm}" if vllm else ""
+    )
 
 
-def markdown(doc: dict, columns: list[str] | None = None, notes: list[int] | None = None,
-             heading: str | None = None) -> str:
+def markdown(
+    doc: dict, columns: list[str] | None = None, notes: list[int] | None = None, heading: str | None = None
+) -> str:
     """A result document (benchmarks.common.report's JSON) as a Markdown block: `columns` of
     its rows (default all), the notes at indices `notes` (default all), under `heading`
     (default its title).
@@ -52,15 +72,22 @@ def markdown(doc: dict, columns: list[str] | None = None, notes: list[int] | Non
     rows = doc["rows"]
     cols = columns or (list(rows[0]) if rows else [])
     cell = lambda v: "" if v is None else str(v)  # noqa: E731
-    lines = [f"**{heading or doc['title']}**", "",
-             f"`{doc['command']}` — {doc['measured_at'][:10]}, {machine_line(doc['machine'])}", ""]
+    lines = [
+        f"**{heading or doc['title']}**",
+        "",
+        f"`{doc['command']}` — {doc['measured_at'][:10]}, {machine_line(doc['machine'])}",
+        "",
+    ]
     if rows:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
     else:
         lines.append("(no rows)")
-    kept = doc.get("notes", []) if notes is None else [doc.get("notes", [])[i] for i in notes
-                                                        if i < len(doc.get("notes", []))]
+    kept = (
+        doc.get("notes", [])
+        if notes is None
+        else [doc.get("notes", [])[i] for i in notes if i < len(doc.get("notes", []))]
+    )
     lines += [""] + [f"- {n}" for n in kept]
     return "\n".join(lines) + "\n"
 
@@ -80,8 +107,9 @@ def load(name: str, required: bool) -> dict | None:
         markdown(doc)  # a document that cannot be rendered is not a result
         return doc
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise QuantgateError(f"{path}: not a benchmark result ({type(exc).__name__}: {exc}); re-run "
-                             f"python -m benchmarks.{name}") from None
+        raise QuantgateError(
+            f"{path}: not a benchmark result ({type(exc).__name__}: {exc}); re-run python -m benchmarks.{name}"
+        ) from None
 
 
 def render(names: list[str], readme: bool = False) -> str:
@@ -112,9 +140,10 @@ def replace_section(readme: Path, text: str) -> str:
         raise QuantgateError(f"{readme}: cannot read ({exc.strerror})") from None
     a, b = content.find(START), content.find(END)
     if a < 0 or b < 0 or b < a or content.count(START) > 1 or content.count(END) > 1:
-        raise QuantgateError(f"{readme}: needs the lines {START} and {END} once each (in that order) around the "
-                             "Numbers tables")
-    return content[:a + len(START)] + "\n" + text + "\n" + content[b:]
+        raise QuantgateError(
+            f"{readme}: needs the lines {START} and {END} once each (in that order) around the Numbers tables"
+        )
+    return content[: a + len(START)] + "\n" + text + "\n" + content[b:]
 
 
 def write_whole(path: Path, text: str) -> None:

@@ -18,6 +18,7 @@ results/eval/<build>/timing.json. `--limit` caps docs per task (params evaluate.
 0 = every doc);
 the share of evaluate time spent starting servers grows as it shrinks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import measure, report, scratch_project, stages
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
 
 
 def run_stage(project: Path, stage: str) -> dict:
@@ -68,24 +69,48 @@ def main() -> None:
     rows = []
     for stage in names:
         c, w = runs["cold", stage], runs["warm", stage]
-        rows.append({"stage": stage, "cold s": c["wall_s"], "cold GiB": c["peak_rss_gib"],
-                     "cold server start s": c["server_start_s"], "cold scoring s": c["scoring_s"],
-                     "warm s": w["wall_s"], "warm GiB": w["peak_rss_gib"]})
+        rows.append(
+            {
+                "stage": stage,
+                "cold s": c["wall_s"],
+                "cold GiB": c["peak_rss_gib"],
+                "cold server start s": c["server_start_s"],
+                "cold scoring s": c["scoring_s"],
+                "warm s": w["wall_s"],
+                "warm GiB": w["peak_rss_gib"],
+            }
+        )
     total = {p: round(sum(runs[p, s]["wall_s"] for s in names), 1) for p in ("cold", "warm")}
-    rows.append({"stage": "total", "cold s": total["cold"], "cold GiB": max(r["cold GiB"] for r in rows),
-                 "cold server start s": None, "cold scoring s": None, "warm s": total["warm"],
-                 "warm GiB": max(r["warm GiB"] for r in rows)})
+    rows.append(
+        {
+            "stage": "total",
+            "cold s": total["cold"],
+            "cold GiB": max(r["cold GiB"] for r in rows),
+            "cold server start s": None,
+            "cold scoring s": None,
+            "warm s": total["warm"],
+            "warm GiB": max(r["warm GiB"] for r in rows),
+        }
+    )
     start = sum(runs["cold", s]["server_start_s"] or 0 for s in names)
     scoring = sum(runs["cold", s]["scoring_s"] or 0 for s in names)
     evaluate = start + scoring
-    notes = [f"cold evaluate: {start:.0f} s starting servers, {scoring:.0f} s scoring "
-             f"({100 * start / evaluate:.0f} % of evaluate time is server start)" if evaluate else
-             "no evaluate stage started a server",
-             "warm: outputs deleted; prepare/quantize restored from the DVC run-cache, evaluate from the "
-             "evaluation cache (no server started)",
-             f"limit = {args.limit or 'all'} docs per task; project in {project}"]
-    report("pipeline_cost", "dvc repro per stage, default model (wall s, peak RSS GiB of the stage's process tree)",
-           rows, meta={"limit": args.limit or None, "project": str(project)}, notes=notes)
+    notes = [
+        f"cold evaluate: {start:.0f} s starting servers, {scoring:.0f} s scoring "
+        f"({100 * start / evaluate:.0f} % of evaluate time is server start)"
+        if evaluate
+        else "no evaluate stage started a server",
+        "warm: outputs deleted; prepare/quantize restored from the DVC run-cache, evaluate from the "
+        "evaluation cache (no server started)",
+        f"limit = {args.limit or 'all'} docs per task; project in {project}",
+    ]
+    report(
+        "pipeline_cost",
+        "dvc repro per stage, default model (wall s, peak RSS GiB of the stage's process tree)",
+        rows,
+        meta={"limit": args.limit or None, "project": str(project)},
+        notes=notes,
+    )
 
 
 if __name__ == "__main__":

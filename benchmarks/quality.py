@@ -29,6 +29,7 @@ Columns (one row per team and build):
                 left by an earlier run keeps that run's time); "reused" = the pipeline's build in --models
 Results also go to benchmarks/results/quality.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,18 +40,22 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
-from pipeline.gate import GateParams, judge
-from pipeline.manifest import read_manifest
-from pipeline.params import load_block
+from pipeline.gate import judge, load_params
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
-from pipeline.precision import probe, resolve_dtype, w4a16_problem
-from pipeline.serving import resolved, vllm_server
+from quantgate.errors import QuantgateError, run_main
+from quantgate.manifest import read_manifest
+from quantgate.params import load_block
+from quantgate.precision import probe, resolve_dtype, w4a16_problem
+from quantgate.serving import resolved, vllm_server
+from quantgate.teams import load_teams
 
-BUILDS = {"fp8": ("quantize.fp8", {}), "int4": ("quantize.int4", {}), "int4_rtn": ("quantize.int4", {"algorithm": "rtn"})}
+BUILDS = {
+    "fp8": ("quantize.fp8", {}),
+    "int4": ("quantize.int4", {}),
+    "int4_rtn": ("quantize.int4", {"algorithm": "rtn"}),
+}
 
 
 def build_params() -> dict[str, QuantizeParams]:
@@ -87,7 +92,7 @@ def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: P
 def choose_engine(engine: str, python: str, dtype: str = "auto") -> tuple[str, str]:
     """(engine, why) for --engine auto|vllm|hf; auto asks the serving env at `python` which
     platform vLLM runs on and whether it serves W4A16 at evaluate.serve.dtype `dtype`
-    (pipeline.precision)."""
+    (quantgate.precision)."""
     if engine not in ("auto", "vllm", "hf"):
         raise QuantgateError(f"--engine must be auto, vllm or hf, got {engine!r}")
     if engine != "auto":
@@ -96,8 +101,11 @@ def choose_engine(engine: str, python: str, dtype: str = "auto") -> tuple[str, s
     if not platform.is_cpu:
         return "vllm", f"auto: vLLM runs on {platform.device} here and serves fp8 and W4A16 there"
     w4a16 = w4a16_problem(platform, resolve_dtype(dtype, platform)[0], dtype)
-    return "hf", ("auto: vLLM runs on CPU here" + (f" and cannot serve W4A16 ({w4a16})" if w4a16 else "")
-                  + " and serves FP8 ~12x slower than fp16, so all builds are scored in-process with lm-eval hf")
+    return "hf", (
+        "auto: vLLM runs on CPU here"
+        + (f" and cannot serve W4A16 ({w4a16})" if w4a16 else "")
+        + " and serves FP8 ~12x slower than fp16, so all builds are scored in-process with lm-eval hf"
+    )
 
 
 def score_build(engine: str, build: str, model_dir: Path, teams, params: EvaluateParams, out: Path) -> float:
@@ -121,12 +129,20 @@ def score_build(engine: str, build: str, model_dir: Path, teams, params: Evaluat
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="auto", help="auto | vllm | hf (default auto)")
-    ap.add_argument("--limit", type=int, default=None, help="docs per task (default: every doc; the gate needs "
-                    "about 50+ per team to decide at 5-point margins)")
+    ap.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="docs per task (default: every doc; the gate needs about 50+ per team to decide at 5-point margins)",
+    )
     ap.add_argument("--models", type=Path, default=Path("models"), help="holds fp16 and reusable builds")
     ap.add_argument("--evals", type=Path, default=Path("evals"), help="team eval sets (default evals)")
-    ap.add_argument("--work", type=Path, default=REPO / ".quantgate" / "bench" / "quality",
-                    help="builds made here and kept for reuse; WORK/scores is replaced on every run")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=REPO / ".quantgate" / "bench" / "quality",
+        help="builds made here and kept for reuse; WORK/scores is replaced on every run",
+    )
     ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -135,13 +151,19 @@ def main() -> None:
         raise QuantgateError(f"--limit must be >= 1, got {args.limit}")
     src = args.models / "fp16"
     if not (src / "config.json").is_file():
-        raise QuantgateError(f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)")
+        raise QuantgateError(
+            f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)"
+        )
     teams = load_teams(args.evals)
     params = load_block("evaluate", EvaluateParams)
     requested = params.serve.dtype
     params = params.model_copy(update={"serve": resolved(params.serve)})  # dtype auto -> the run's precision
-    params = params.model_copy(update={"serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
-                                       "harness": params.harness.model_copy(update={"limit": args.limit})})
+    params = params.model_copy(
+        update={
+            "serve": params.serve.model_copy(update={"cpu_cores": args.cpu_cores}),
+            "harness": params.harness.model_copy(update={"limit": args.limit}),
+        }
+    )
     engine, why = choose_engine(args.engine, params.serve.python, requested)
     builds = {"fp16": (src, None)}
     for build, p in build_params().items():
@@ -150,7 +172,7 @@ def main() -> None:
     shutil.rmtree(scores, ignore_errors=True)
     eval_s = {b: score_build(engine, b, d, teams, params, scores) for b, (d, _) in builds.items()}
 
-    gate = load_block("gate", GateParams)
+    gate = load_params()
     gate = gate.model_copy(update={"candidates": [b for b in builds if b != gate.baseline]})
     rows = []
     for team in teams:
@@ -160,20 +182,43 @@ def main() -> None:
             r = judge(team, base, cand, gate, build)
             ci = recovery_interval(r, r["higher_is_better"]) or (None, None)
             q = builds[build][1]
-            rows.append({"team": team.name, "build": build, "n": r["n"], "fp16": round(r["baseline"], 3),
-                         "candidate": round(r["candidate"], 3), "recovery_pct": rounded(r["recovery_pct"], 1),
-                         "ci_low": rounded(ci[0], 1), "ci_high": rounded(ci[1], 1), "verdict": r["verdict"],
-                         "quantize_s": "reused" if q is None else rounded(q, 1)})
-    notes = [f"engine: {engine} ({why})",
-             f"--limit {args.limit or 'all'} docs per task; metric per team from evals/<team>/team.yaml; dtype {params.serve.dtype}",
-             "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
-             "builds: " + ", ".join(f"{b}={d}" for b, (d, _) in builds.items()),
-             f"scores documents under {scores}"]
-    report("quality", f"recovery per team and build vs fp16 (engine {engine})", rows,
-           meta={"engine": engine, "engine_reason": why, "limit": args.limit, "dtype": params.serve.dtype,
-                 "builds": {b: {"dir": str(d), "quantize_s": rounded(q, 1)} for b, (d, q) in builds.items()},
-                 "scoring_s": {b: round(s, 1) for b, s in eval_s.items()}, "gate": gate.model_dump()},
-           notes=notes)
+            rows.append(
+                {
+                    "team": team.name,
+                    "build": build,
+                    "n": r["n"],
+                    "fp16": round(r["baseline"], 3),
+                    "candidate": round(r["candidate"], 3),
+                    "recovery_pct": rounded(r["recovery_pct"], 1),
+                    "ci_low": rounded(ci[0], 1),
+                    "ci_high": rounded(ci[1], 1),
+                    "verdict": r["verdict"],
+                    "quantize_s": "reused" if q is None else rounded(q, 1),
+                }
+            )
+    notes = [
+        f"engine: {engine} ({why})",
+        f"--limit {args.limit or 'all'} docs per task; metric per team from evals/<team>/team.yaml; "
+        f"dtype {params.serve.dtype}",
+        "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
+        "builds: " + ", ".join(f"{b}={d}" for b, (d, _) in builds.items()),
+        f"scores documents under {scores}",
+    ]
+    report(
+        "quality",
+        f"recovery per team and build vs fp16 (engine {engine})",
+        rows,
+        meta={
+            "engine": engine,
+            "engine_reason": why,
+            "limit": args.limit,
+            "dtype": params.serve.dtype,
+            "builds": {b: {"dir": str(d), "quantize_s": rounded(q, 1)} for b, (d, q) in builds.items()},
+            "scoring_s": {b: round(s, 1) for b, s in eval_s.items()},
+            "gate": gate.model_dump(),
+        },
+        notes=notes,
+    )
 
 
 if __name__ == "__main__":

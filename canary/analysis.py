@@ -24,6 +24,7 @@ min_samples. A step: any FAIL -> FAIL, else any INCONCLUSIVE -> INCONCLUSIVE, el
 alpha holds per check and per look: four checks looked at several times per step make a
 false FAIL more likely than alpha, which policy.failure_limit (FAILs before abort) offsets.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -34,7 +35,7 @@ from scipy import stats
 
 from canary.metrics import Sample, ShadowSample
 from canary.policy import CanaryPolicy
-from pipeline.stats import Verdict
+from quantgate.stats import Verdict
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,23 @@ class StepResult:
     checks: tuple[Check, ...]
 
 
-def _judge(name: str, value: float | None, threshold: float, p: float | None, n: int, n_text: str,
-           enough: bool, higher_is_worse: bool, alpha: float, fmt: str) -> Check:
+def _judge(
+    name: str,
+    value: float | None,
+    threshold: float,
+    p: float | None,
+    n: int,
+    n_text: str,
+    enough: bool,
+    higher_is_worse: bool,
+    alpha: float,
+    fmt: str,
+) -> Check:
     """Apply the verdict rule of the module docstring and write the check's line."""
     if value is None:
-        return Check(name, None, threshold, None, n, Verdict.INCONCLUSIVE,
-                     f"{name} - ({n_text}) {Verdict.INCONCLUSIVE.value}")
+        return Check(
+            name, None, threshold, None, n, Verdict.INCONCLUSIVE, f"{name} - ({n_text}) {Verdict.INCONCLUSIVE.value}"
+        )
     beyond = value > threshold if higher_is_worse else value < threshold
     if not enough:
         verdict = Verdict.INCONCLUSIVE
@@ -72,8 +84,15 @@ def _judge(name: str, value: float | None, threshold: float, p: float | None, n:
         verdict = Verdict.FAIL if p is not None and p < alpha else Verdict.INCONCLUSIVE
     op = (">" if beyond else "<=") if higher_is_worse else ("<" if beyond else ">=")
     p_text = f", p={p:.2g}" if p is not None else ""
-    return Check(name, value, threshold, p, n, verdict,
-                 f"{name} {value:{fmt}} {op} {threshold:{fmt}} ({n_text}{p_text}) {verdict.value}")
+    return Check(
+        name,
+        value,
+        threshold,
+        p,
+        n,
+        verdict,
+        f"{name} {value:{fmt}} {op} {threshold:{fmt}} ({n_text}{p_text}) {verdict.value}",
+    )
 
 
 def error_rate_check(samples: Iterable[Sample], policy: CanaryPolicy) -> Check:
@@ -83,8 +102,18 @@ def error_rate_check(samples: Iterable[Sample], policy: CanaryPolicy) -> Check:
     enough = n >= policy.min_samples
     p = stats.binomtest(k, n, policy.max_error_rate, alternative="greater").pvalue if enough else None
     n_text = f"n={n}" if enough else f"n={n} < min {policy.min_samples}"
-    return _judge("error_rate", k / n if n else None, policy.max_error_rate, p, n, n_text, enough,
-                  higher_is_worse=True, alpha=policy.alpha, fmt=".3f")
+    return _judge(
+        "error_rate",
+        k / n if n else None,
+        policy.max_error_rate,
+        p,
+        n,
+        n_text,
+        enough,
+        higher_is_worse=True,
+        alpha=policy.alpha,
+        fmt=".3f",
+    )
 
 
 def p95_ratio(candidate: Sequence[float], stable: Sequence[float]) -> float:
@@ -108,8 +137,18 @@ def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) 
     ratio = p95_ratio(cand, stab) if cand and stab else None
     p = float(stats.mannwhitneyu(cand, stab, alternative="greater").pvalue) if enough else None
     n_text = f"n={len(cand)}/{len(stab)}" + ("" if enough else f" < min {policy.min_samples}")
-    return _judge(f"{metric}_p95_ratio", ratio, threshold, p, len(cand), n_text, enough,
-                  higher_is_worse=True, alpha=policy.alpha, fmt=".2f")
+    return _judge(
+        f"{metric}_p95_ratio",
+        ratio,
+        threshold,
+        p,
+        len(cand),
+        n_text,
+        enough,
+        higher_is_worse=True,
+        alpha=policy.alpha,
+        fmt=".2f",
+    )
 
 
 def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy) -> Check:
@@ -119,8 +158,18 @@ def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy) -> Check
     enough = n >= policy.min_samples
     p = stats.binomtest(k, n, policy.min_shadow_agreement, alternative="less").pvalue if enough else None
     n_text = f"n={n}" if enough else f"n={n} < min {policy.min_samples}"
-    return _judge("shadow_agreement", k / n if n else None, policy.min_shadow_agreement, p, n, n_text, enough,
-                  higher_is_worse=False, alpha=policy.alpha, fmt=".2f")
+    return _judge(
+        "shadow_agreement",
+        k / n if n else None,
+        policy.min_shadow_agreement,
+        p,
+        n,
+        n_text,
+        enough,
+        higher_is_worse=False,
+        alpha=policy.alpha,
+        fmt=".2f",
+    )
 
 
 def combine(checks: Iterable[Check]) -> Verdict:
@@ -133,8 +182,12 @@ def combine(checks: Iterable[Check]) -> Verdict:
 
 def analyze(samples: Sequence[Sample], shadows: Sequence[ShadowSample], policy: CanaryPolicy) -> StepResult:
     """All checks of a step from its samples (e.g. router.samples_since(step_start))."""
-    checks = (error_rate_check(samples, policy), latency_check(samples, policy, "ttft"),
-              latency_check(samples, policy, "tpot"), shadow_check(shadows, policy))
+    checks = (
+        error_rate_check(samples, policy),
+        latency_check(samples, policy, "ttft"),
+        latency_check(samples, policy, "tpot"),
+        shadow_check(shadows, policy),
+    )
     return StepResult(combine(checks), checks)
 
 

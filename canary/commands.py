@@ -1,8 +1,9 @@
-"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by pipeline/cli.py).
+"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
 
-Thin: parse, call canary/, print; a QuantgateError becomes a click.ClickException (one line,
+Thin: parse, call canary/, print; errors take the CLI's one path, quantgate.errors.command_errors (one line,
 exit 1), never a traceback. `canary load` exits 1 when any request failed; `canary run` 3 on abort.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import click
 
 from canary.load import APIS
-from pipeline.errors import QuantgateError
+from quantgate.errors import command_errors
 from registry.commands import version_arg
 
 
@@ -20,28 +21,62 @@ from registry.commands import version_arg
 @click.option("--url", required=True, help="Router (or any OpenAI server) base URL, e.g. http://127.0.0.1:8080")
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True), required=True, help="Requests per second offered.")
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds of sending.")
-@click.option("--evals", "evals_dir", type=click.Path(path_type=Path), default=Path("evals"), show_default=True,
-              help="Team eval sets whose documents become prompts.")
+@click.option(
+    "--evals",
+    "evals_dir",
+    type=click.Path(path_type=Path),
+    default=Path("evals"),
+    show_default=True,
+    help="Team eval sets whose documents become prompts.",
+)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per task (default: all).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--arrivals", type=click.Choice(["poisson", "fixed"]), default="poisson", show_default=True)
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds per request.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds per request.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--api", type=click.Choice(list(APIS)), default="both", show_default=True,
-              help="Endpoints: /v1/chat/completions, /v1/completions or both in turn.")
-def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | None, max_tokens: int, arrivals: str,
-         timeout_s: float, seed: int, api: str) -> None:
+@click.option(
+    "--api",
+    type=click.Choice(list(APIS)),
+    default="both",
+    show_default=True,
+    help="Endpoints: /v1/chat/completions, /v1/completions or both in turn.",
+)
+def load(
+    url: str,
+    rps: float,
+    duration: float,
+    evals_dir: Path,
+    limit: int | None,
+    max_tokens: int,
+    arrivals: str,
+    timeout_s: float,
+    seed: int,
+    api: str,
+) -> None:
     """Open-loop load (greedy completions and chat, streaming and not) through the router; prints
     success rate, outcomes and latency percentiles. Exits 1 if any request failed."""
     from canary.load import prompts_from_evals, replay
 
-    try:
+    with command_errors():
         prompts = prompts_from_evals(evals_dir, limit)
-        report = replay(url, prompts, rps, duration, max_tokens=max_tokens, timeout_s=timeout_s,
-                        arrivals=arrivals, seed=seed, api=api)
-    except QuantgateError as exc:
-        raise click.ClickException(str(exc)) from None
+        report = replay(
+            url,
+            prompts,
+            rps,
+            duration,
+            max_tokens=max_tokens,
+            timeout_s=timeout_s,
+            arrivals=arrivals,
+            seed=seed,
+            api=api,
+        )
     for line in report.lines():
         click.echo(line)
     if report.ok < len(report.results):
@@ -61,20 +96,53 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 @click.command("run")
 @click.argument("model")
 @click.argument("version", callback=version_arg)
-@click.option("--by", default=lambda: os.environ.get("USER"), required=True, show_default="$USER",
-              help="Who runs the canary (recorded in the audit).")
-@click.option("--reuse", multiple=True, callback=_reuse, metavar="VERSION=URL",
-              help="Use a running vLLM server for VERSION instead of starting one (repeatable; not verified).")
-@click.option("--load-rps", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Also replay eval-set prompts through the router at this rate (demos, tests).")
+@click.option(
+    "--by",
+    default=lambda: os.environ.get("USER"),
+    required=True,
+    show_default="$USER",
+    help="Who runs the canary (recorded in the audit).",
+)
+@click.option(
+    "--reuse",
+    multiple=True,
+    callback=_reuse,
+    metavar="VERSION=URL",
+    help="Use a running vLLM server for VERSION instead of starting one (repeatable; not verified).",
+)
+@click.option(
+    "--load-rps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Also replay eval-set prompts through the router at this rate (demos, tests).",
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request.")
-@click.option("--load-api", type=click.Choice(list(APIS)), default="chat", show_default=True,
-              help="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).")
+@click.option(
+    "--load-api",
+    type=click.Choice(list(APIS)),
+    default="chat",
+    show_default=True,
+    help="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).",
+)
 @click.option("--evals", "evals_dir", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
-@click.option("--work-dir", type=click.Path(path_type=Path), default=Path(".quantgate/canary"), show_default=True,
-              help="Verified artifacts and server logs, one folder per canary run.")
-def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: float | None, max_tokens: int,
-        load_api: str, evals_dir: Path, work_dir: Path) -> None:
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path),
+    default=Path(".quantgate/canary"),
+    show_default=True,
+    help="Verified artifacts and server logs, one folder per canary run.",
+)
+def run(
+    model: str,
+    version: str,
+    by: str,
+    reuse: dict[str, str],
+    load_rps: float | None,
+    max_tokens: int,
+    load_api: str,
+    evals_dir: Path,
+    work_dir: Path,
+) -> None:
     """Canary MODEL VERSION through the policy steps (params.yaml `canary`); promote or abort.
 
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
@@ -84,30 +152,46 @@ def run(model: str, version: str, by: str, reuse: dict[str, str], load_rps: floa
     from canary.controller import run_canary
     from canary.load import prompts_from_evals, replay
     from canary.policy import load_policy
-    from pipeline.params import load_block
-    from pipeline.serving import ServeParams
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
     from registry import store
 
     stop_load = threading.Event()
 
     def start_load(url: str):
         prompts = prompts_from_evals(evals_dir)
-        t = threading.Thread(target=replay, args=(url, prompts, load_rps, 24 * 3600.0),
-                             kwargs={"stop": stop_load, "max_tokens": max_tokens, "api": load_api}, daemon=True)
+        t = threading.Thread(
+            target=replay,
+            args=(url, prompts, load_rps, 24 * 3600.0),
+            kwargs={"stop": stop_load, "max_tokens": max_tokens, "api": load_api},
+            daemon=True,
+        )
         t.start()
 
         def stop() -> None:  # before the router stops: let in-flight requests finish
             stop_load.set()
             t.join(timeout=120)
+
         return stop
 
     try:
-        outcome = run_canary(store.client(existing=True), model, version, load_policy(), load_block("evaluate.serve", ServeParams),
-                             by, work_dir, reuse=reuse, on_router=start_load if load_rps else None, log=click.echo)
-    except QuantgateError as exc:
-        raise click.ClickException(str(exc)) from None
+        with command_errors():
+            outcome = run_canary(
+                store.client(existing=True),
+                model,
+                version,
+                load_policy(),
+                load_block("evaluate.serve", ServeParams),
+                by,
+                work_dir,
+                reuse=reuse,
+                on_router=start_load if load_rps else None,
+                log=click.echo,
+            )
     except KeyboardInterrupt:
-        raise click.ClickException(f"canary of {model} v{version} interrupted: aborted, candidate alias cleared") from None
+        raise click.ClickException(
+            f"canary of {model} v{version} interrupted: aborted, candidate alias cleared"
+        ) from None
     finally:
         stop_load.set()
     click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")

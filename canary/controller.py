@@ -16,6 +16,7 @@
    (experiment `quantgate-canary`), which holds the policy and every step's metrics.
 Every server started here is stopped on every exit path.
 """
+
 from __future__ import annotations
 
 import threading
@@ -29,10 +30,10 @@ from canary.fleet import ServingFleet
 from canary.policy import CanaryPolicy
 from canary.router import Router
 from canary.server import RouterServer
-from pipeline.errors import QuantgateError
-from pipeline.serving import ServeParams
-from pipeline.stats import Verdict
-from registry import aliases, approval, store, versions
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams
+from quantgate.stats import Verdict
+from registry import aliases, approval, store, tags, versions
 
 EXPERIMENT = "quantgate-canary"
 
@@ -62,26 +63,36 @@ def preflight(mlflow_client, model_name: str, version: str) -> tuple[str, str | 
     mv = versions.require_version(mlflow_client, model_name, version)
     a = approval.read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv))
     if not a.approved:
-        override = "" if mv.tags.get("gate.verdict") in approval.PASSING else \
-            f" --override REASON (gate.verdict={mv.tags.get('gate.verdict')})"
-        raise QuantgateError(f"{model_name} v{version}: {a.why}; a release manager approves with "
-                             f"`quantgate approve {model_name} {version} --reason ...{override}`")
+        override = (
+            ""
+            if mv.tags.get(tags.VERDICT) in tags.PASSING
+            else f" --override REASON ({tags.VERDICT}={mv.tags.get(tags.VERDICT)})"
+        )
+        raise QuantgateError(
+            f"{model_name} v{version}: {a.why}; a release manager approves with "
+            f"`quantgate approve {model_name} {version} --reason ...{override}`"
+        )
     now = aliases.current(mlflow_client, model_name)
     fallback, production = now.get(aliases.FALLBACK), now.get(aliases.PRODUCTION)
     if fallback is None:
         raise QuantgateError(f"{model_name} has no `fallback` alias (the 16-bit build); run `dvc repro` first")
     stable = production or fallback
     if stable == version:
-        raise QuantgateError(f"{model_name} v{version} already is the stable build "
-                             f"({'production' if production else 'fallback'}); nothing to canary")
+        raise QuantgateError(
+            f"{model_name} v{version} already is the stable build "
+            f"({'production' if production else 'fallback'}); nothing to canary"
+        )
     return stable, production, fallback
 
 
 def _step_metrics(result, router: Router, t0: float, percent: float) -> dict[str, float]:
     samples = router.samples_since(t0)
-    out = {"weight_pct": percent, "n_candidate": sum(s.role == "candidate" for s in samples),
-           "n_stable": sum(s.role == "stable" for s in samples),
-           "verdict": {Verdict.PASS: 1.0, Verdict.INCONCLUSIVE: 0.0, Verdict.FAIL: -1.0}[result.verdict]}
+    out = {
+        "weight_pct": percent,
+        "n_candidate": sum(s.role == "candidate" for s in samples),
+        "n_stable": sum(s.role == "stable" for s in samples),
+        "verdict": {Verdict.PASS: 1.0, Verdict.INCONCLUSIVE: 0.0, Verdict.FAIL: -1.0}[result.verdict],
+    }
     out.update({c.name: c.value for c in result.checks if c.value is not None and c.value != float("inf")})
     return out
 
@@ -96,8 +107,15 @@ def step_samples(router: Router, t0: float, run_t0: float, min_samples: int) -> 
     return samples
 
 
-def _run_steps(router: Router, fleet: ServingFleet, policy: CanaryPolicy, version: str, log, stop: threading.Event,
-               record: Callable[[int, dict], None]) -> int:
+def _run_steps(
+    router: Router,
+    fleet: ServingFleet,
+    policy: CanaryPolicy,
+    version: str,
+    log,
+    stop: threading.Event,
+    record: Callable[[int, dict], None],
+) -> int:
     """Walk the policy steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
     run_t0 = time.time()
     for i, percent in enumerate(policy.steps, 1):
@@ -119,7 +137,9 @@ def _run_steps(router: Router, fleet: ServingFleet, policy: CanaryPolicy, versio
                 if fails >= policy.failure_limit:
                     record(i, _step_metrics(result, router, t0, percent))
                     failed = "; ".join(c.text for c in result.checks if c.verdict is Verdict.FAIL)
-                    raise Aborted(f"step {i} FAILed {fails} looks (failure_limit {policy.failure_limit}): {failed}", i, percent)
+                    raise Aborted(
+                        f"step {i} FAILed {fails} looks (failure_limit {policy.failure_limit}): {failed}", i, percent
+                    )
                 continue
             ready = elapsed >= policy.min_step_s and n_cand >= policy.min_requests_per_step
             if ready and result.verdict is Verdict.PASS:
@@ -131,15 +151,29 @@ def _run_steps(router: Router, fleet: ServingFleet, policy: CanaryPolicy, versio
                 raise Aborted(f"step {i} INCONCLUSIVE at its end (inconclusive: abort)", i, percent)
             if elapsed >= policy.max_step_s:
                 record(i, _step_metrics(result, router, t0, percent))
-                raise Aborted(f"step {i} still {result.verdict.value} after max_step_s={policy.max_step_s:g} s "
-                              f"({n_cand} candidate requests)", i, percent)
+                raise Aborted(
+                    f"step {i} still {result.verdict.value} after max_step_s={policy.max_step_s:g} s "
+                    f"({n_cand} candidate requests)",
+                    i,
+                    percent,
+                )
     return len(policy.steps)
 
 
-def run_canary(mlflow_client, model_name: str, version, policy: CanaryPolicy, serve: ServeParams, by: str,
-               work_dir: Path, *, reuse: dict[str, str] | None = None, log=print,
-               stop: threading.Event | None = None,
-               on_router: Callable[[str], Callable[[], None] | None] | None = None) -> Outcome:
+def run_canary(
+    mlflow_client,
+    model_name: str,
+    version,
+    policy: CanaryPolicy,
+    serve: ServeParams,
+    by: str,
+    work_dir: Path,
+    *,
+    reuse: dict[str, str] | None = None,
+    log=print,
+    stop: threading.Event | None = None,
+    on_router: Callable[[str], Callable[[], None] | None] | None = None,
+) -> Outcome:
     """Run one canary of `version` of `model_name` (see the module docstring).
 
     `reuse` maps versions to URLs of servers already running (not verified, not stopped);
@@ -152,9 +186,17 @@ def run_canary(mlflow_client, model_name: str, version, policy: CanaryPolicy, se
     stable, production, fallback = preflight(mlflow_client, model_name, version)
     stop = stop or threading.Event()
     exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
-    run_id = mlflow_client.create_run(exp_id, run_name=f"canary-{model_name}-v{version}", tags={
-        "model": model_name, "candidate_version": version, "stable_version": stable,
-        "fallback_version": fallback, "by": by}).info.run_id
+    run_id = mlflow_client.create_run(
+        exp_id,
+        run_name=f"canary-{model_name}-v{version}",
+        tags={
+            "model": model_name,
+            "candidate_version": version,
+            "stable_version": stable,
+            "fallback_version": fallback,
+            "by": by,
+        },
+    ).info.run_id
     for key, value in policy.model_dump(exclude={"router", "servers"}).items():
         mlflow_client.log_param(run_id, key, str(value))
 
@@ -180,11 +222,19 @@ def run_canary(mlflow_client, model_name: str, version, policy: CanaryPolicy, se
                 before_stop = on_router(server.url) if on_router else None
                 try:
                     step = _run_steps(router, fleet, policy, version, log, stop, record)
-                    changes = aliases.promote(mlflow_client, model_name, version, production, by,
-                                              f"canary run {run_id} passed {step} steps", canary_run_id=run_id)
+                    changes = aliases.promote(
+                        mlflow_client,
+                        model_name,
+                        version,
+                        production,
+                        by,
+                        f"canary run {run_id} passed {step} steps",
+                        canary_run_id=run_id,
+                    )
                     candidate_set = False
-                    outcome = Outcome("promoted", step, policy.steps[-1], "passed every step", run_id,
-                                      tuple(map(str, changes)))
+                    outcome = Outcome(
+                        "promoted", step, policy.steps[-1], "passed every step", run_id, tuple(map(str, changes))
+                    )
                 except Aborted as exc:
                     reason, step, percent = exc.args
                     outcome = Outcome("aborted", step, percent, reason, run_id)
@@ -204,11 +254,17 @@ def run_canary(mlflow_client, model_name: str, version, policy: CanaryPolicy, se
         raise
     finally:
         if candidate_set:
-            cleared = aliases.clear_candidate(mlflow_client, model_name, by, f"canary run {run_id} aborted: "
-                                              f"{outcome.reason if outcome else 'error'}", canary_run_id=run_id)
+            cleared = aliases.clear_candidate(
+                mlflow_client,
+                model_name,
+                by,
+                f"canary run {run_id} aborted: {outcome.reason if outcome else 'error'}",
+                canary_run_id=run_id,
+            )
             if outcome is not None:
-                outcome = Outcome(outcome.decision, outcome.step, outcome.percent, outcome.reason, run_id,
-                                  tuple(map(str, cleared)))
+                outcome = Outcome(
+                    outcome.decision, outcome.step, outcome.percent, outcome.reason, run_id, tuple(map(str, cleared))
+                )
         if outcome is not None:
             mlflow_client.set_tag(run_id, "outcome", outcome.decision)
             mlflow_client.set_tag(run_id, "outcome.reason", outcome.reason[:500])

@@ -5,6 +5,7 @@ verified against the version's weight digests (registry/verify.py), or reused fr
 operator gives (then only its /v1/models is checked: quantgate did not load it). Servers it
 started are stopped on close, on every exit path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,8 @@ import httpx
 
 from canary.policy import CanaryPolicy, serve_params
 from canary.router import Backend
-from pipeline.errors import QuantgateError
-from pipeline.serving import ServeParams, vllm_server
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams, vllm_server
 from registry import aliases
 from registry.verify import verify_version
 
@@ -98,10 +99,15 @@ class ServingFleet:
         so an alias flip to a version with a server moves traffic, and a flip to one without
         never leaves the router without a backend.
         """
+
         def resolve() -> dict[str, Backend | None]:
             now = aliases.current(self.client, self.model)
             served = self.backends.get
             stable = served(now.get(aliases.PRODUCTION) or now.get(aliases.FALLBACK) or "") or served(stable_default)
-            return {"stable": stable, "candidate": served(now.get(aliases.CANDIDATE) or ""),
-                    "shadow": served(now.get(aliases.FALLBACK) or "")}
+            return {
+                "stable": stable,
+                "candidate": served(now.get(aliases.CANDIDATE) or ""),
+                "shadow": served(now.get(aliases.FALLBACK) or ""),
+            }
+
         return resolve

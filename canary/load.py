@@ -7,6 +7,7 @@ through completions / completions streaming / chat / chat streaming, all greedy
 (temperature 0) with short max_tokens, so the router's shadow comparison applies to them.
 End-to-end latency = request sent to last byte; TTFT (streaming only) = to the first SSE event.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,8 @@ import jinja2
 import numpy as np
 from httpx_sse import aconnect_sse
 
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
+from quantgate.teams import load_teams
 
 KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
 # --api choices. Raw completions of an instruct model vary more under quantization than chat
@@ -53,8 +54,8 @@ class Result:
 @dataclass(frozen=True)
 class LoadReport:
     results: tuple[Result, ...]
-    duration_s: float      # from the first request sent to the last answer
-    rps: float             # offered
+    duration_s: float  # from the first request sent to the last answer
+    rps: float  # offered
     arrivals: str
 
     @property
@@ -76,9 +77,11 @@ class LoadReport:
 
     def lines(self) -> list[str]:
         n = len(self.results)
-        out = [f"sent {n} in {self.duration_s:.1f} s ({self.rps:g} rps offered, {self.arrivals} arrivals): "
-               f"{self.ok} ok, {n - self.ok} failed (success {100 * self.success_rate:.1f} %)",
-               "outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(self.outcomes().items()))]
+        out = [
+            f"sent {n} in {self.duration_s:.1f} s ({self.rps:g} rps offered, {self.arrivals} arrivals): "
+            f"{self.ok} ok, {n - self.ok} failed (success {100 * self.success_rate:.1f} %)",
+            "outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(self.outcomes().items())),
+        ]
         for what, title in (("latency", "end-to-end"), ("ttft", "TTFT (streaming)")):
             p = self.percentiles(what)
             n_ok = sum(r.ok and getattr(r, f"{what}_s") is not None for r in self.results)
@@ -90,8 +93,9 @@ class LoadReport:
 def render(template, doc: dict) -> str:
     """lm-eval's doc_to_text: a bare field name reads that field, anything else is a Jinja template."""
     if not isinstance(template, str):
-        raise QuantgateError(f"doc_to_text {template!r} is not a string; only field names and Jinja templates "
-                             "can be rendered")
+        raise QuantgateError(
+            f"doc_to_text {template!r} is not a string; only field names and Jinja templates can be rendered"
+        )
     t = template.strip()
     if t.isidentifier() and t in doc:
         return str(doc[t])
@@ -100,7 +104,7 @@ def render(template, doc: dict) -> str:
 
 def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[str]:
     """doc_to_text of every task's test documents under `evals_dir` (at most `limit` per task), in
-    team and file order. Raises QuantgateError if the eval sets do not load (evals.teams.load_teams)."""
+    team and file order. Raises QuantgateError if the eval sets do not load (quantgate.teams.load_teams)."""
     prompts = []
     for team in load_teams(evals_dir):
         for task in team.tasks:
@@ -156,9 +160,19 @@ async def _one(client: httpx.AsyncClient, url: str, kind: str, stream: bool, bod
     return Result(kind, stream, status, time.perf_counter() - t0, ttft, err)
 
 
-async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, *, max_tokens: int = 16,
-                       timeout_s: float = 60.0, arrivals: str = "poisson", seed: int = 0,
-                       stop: threading.Event | None = None, api: str = "both") -> LoadReport:
+async def replay_async(
+    url: str,
+    prompts: Sequence[str],
+    rps: float,
+    duration_s: float,
+    *,
+    max_tokens: int = 16,
+    timeout_s: float = 60.0,
+    arrivals: str = "poisson",
+    seed: int = 0,
+    stop: threading.Event | None = None,
+    api: str = "both",
+) -> LoadReport:
     """Send requests at `rps` for `duration_s` seconds (or until `stop` is set), then wait (up to
     timeout_s) for the last answers. `api` (APIS) picks the endpoints: kinds alternate in turn,
     streaming and not.
@@ -166,22 +180,26 @@ async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s:
     Raises QuantgateError on bad arguments or if `url` does not answer GET /v1/models.
     """
     if rps <= 0 or duration_s <= 0 or not prompts or max_tokens < 1:
-        raise QuantgateError(f"need rps > 0, duration > 0, max_tokens >= 1 and prompts (got rps={rps}, "
-                             f"duration={duration_s}, max_tokens={max_tokens}, {len(prompts)} prompts)")
+        raise QuantgateError(
+            f"need rps > 0, duration > 0, max_tokens >= 1 and prompts (got rps={rps}, "
+            f"duration={duration_s}, max_tokens={max_tokens}, {len(prompts)} prompts)"
+        )
     if arrivals not in ("poisson", "fixed"):
         raise QuantgateError(f"arrivals must be poisson or fixed, got {arrivals!r}")
     if api not in APIS:
         raise QuantgateError(f"api must be one of {', '.join(APIS)}, got {api!r}")
     kinds = APIS[api]
     url, rng = base_url(url), random.Random(seed)
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False,
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as client:
+    async with httpx.AsyncClient(
+        timeout=timeout_s, trust_env=False, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    ) as client:
         try:
             r = await client.get(f"{url}/v1/models")
             model = r.json()["data"][0]["id"]
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-            raise QuantgateError(f"{url}/v1/models did not answer with a model ({type(exc).__name__}); "
-                                 "is the router running there?") from None
+            raise QuantgateError(
+                f"{url}/v1/models did not answer with a model ({type(exc).__name__}); is the router running there?"
+            ) from None
         tasks, start, at, i = [], time.perf_counter(), 0.0, 0
         while at < duration_s and not (stop is not None and stop.is_set()):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))

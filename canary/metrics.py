@@ -4,6 +4,7 @@ to Prometheus through the router's own CollectorRegistry (never the global one).
 Times: `t` is time.time() (epoch seconds) when the router chose the backend; durations in
 seconds. Thread-safe: the router's event loop writes, the controller's thread reads.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,13 +33,13 @@ class Sample:
     None with fewer than 2 tokens. status 0 = no HTTP response (timeout, refused)."""
 
     t: float
-    role: str          # "stable" | "candidate" | "shadow"
-    label: str         # the backend's label, e.g. the model version
-    ok: bool           # outcome in OK_OUTCOMES
+    role: str  # "stable" | "candidate" | "shadow"
+    label: str  # the backend's label, e.g. the model version
+    ok: bool  # outcome in OK_OUTCOMES
     status: int
     ttft_s: float | None
     tpot_s: float | None
-    retried: bool      # this stable attempt retried a failed candidate attempt
+    retried: bool  # this stable attempt retried a failed candidate attempt
     total_s: float
     stream: bool
     outcome: str
@@ -50,27 +51,37 @@ class ShadowSample:
 
     t: float
     agree: bool
-    candidate: str     # candidate label
-    shadow: str        # shadow label
+    candidate: str  # candidate label
+    shadow: str  # shadow label
 
 
 class Recorder:
     def __init__(self, max_kept: int = MAX_KEPT):
         self.registry = CollectorRegistry()
         r = self.registry
-        self._requests = Counter("canary_requests", "Backend attempts by role and outcome", ["role", "outcome"],
-                                 registry=r)
+        self._requests = Counter(
+            "canary_requests", "Backend attempts by role and outcome", ["role", "outcome"], registry=r
+        )
         self._retries = Counter("canary_retries", "Failed candidate requests retried on stable", registry=r)
-        self._ttft = Histogram("canary_ttft_seconds", "Time to first stream chunk", ["role"],
-                               buckets=TTFT_BUCKETS, registry=r)
-        self._tpot = Histogram("canary_tpot_seconds", "Time per output token after the first", ["role"],
-                               buckets=TPOT_BUCKETS, registry=r)
-        self._latency = Histogram("canary_request_seconds", "Backend attempt duration", ["role"],
-                                  buckets=LATENCY_BUCKETS, registry=r)
-        self._weight = Gauge("canary_candidate_weight_percent", "Percent of traffic routed to the candidate",
-                             registry=r)
-        self._shadow = Counter("canary_shadow_comparisons", "Shadow comparisons by result (agree, disagree; "
-                               "error = shadow request failed, skipped = too many in flight)", ["result"], registry=r)
+        self._ttft = Histogram(
+            "canary_ttft_seconds", "Time to first stream chunk", ["role"], buckets=TTFT_BUCKETS, registry=r
+        )
+        self._tpot = Histogram(
+            "canary_tpot_seconds", "Time per output token after the first", ["role"], buckets=TPOT_BUCKETS, registry=r
+        )
+        self._latency = Histogram(
+            "canary_request_seconds", "Backend attempt duration", ["role"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self._weight = Gauge(
+            "canary_candidate_weight_percent", "Percent of traffic routed to the candidate", registry=r
+        )
+        self._shadow = Counter(
+            "canary_shadow_comparisons",
+            "Shadow comparisons by result (agree, disagree; "
+            "error = shadow request failed, skipped = too many in flight)",
+            ["result"],
+            registry=r,
+        )
         self._samples: deque[Sample] = deque(maxlen=max_kept)
         self._shadows: deque[ShadowSample] = deque(maxlen=max_kept)
         self._lock = threading.Lock()

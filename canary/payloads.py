@@ -4,6 +4,7 @@ Shapes: /v1/completions answers choices[i].text (stream chunks: choices[i].text)
 /v1/chat/completions answers choices[i].message.content (chunks: choices[i].delta.content);
 `usage.completion_tokens` counts generated tokens.
 """
+
 from __future__ import annotations
 
 

@@ -1,8 +1,9 @@
 """The canary policy: frozen data from params.yaml block `canary`, applied by router/analysis.
 
 Units: percent of traffic (steps), seconds (*_s), fractions in [0, 1] (rates, agreement).
-Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (pipeline.params.parse).
+Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (quantgate.params.parse).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,16 +11,16 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from pipeline.params import PARAMS_FILE, Frozen, load_block
-from pipeline.serving import ServeParams, no_dtype_arg
+from quantgate.params import PARAMS_FILE, Frozen, load_block
+from quantgate.serving import ServeParams, no_dtype_arg
 
 
 class ServerOverride(Frozen):
     """Per-role changes to `evaluate.serve` for a canary vLLM server."""
 
     port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
-    cpu_cores: str | None = None                  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
-    extra_args: list[str] = []                    # appended to evaluate.serve.extra_args
+    cpu_cores: str | None = None  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
+    extra_args: list[str] = []  # appended to evaluate.serve.extra_args
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
 
@@ -27,7 +28,7 @@ class ServerOverride(Frozen):
 class Servers(Frozen):
     stable: ServerOverride = ServerOverride()
     candidate: ServerOverride = ServerOverride()
-    shadow: ServerOverride = ServerOverride()     # the fp16 `fallback` build
+    shadow: ServerOverride = ServerOverride()  # the fp16 `fallback` build
 
 
 class RouterAddress(Frozen):
@@ -43,11 +44,11 @@ class CanaryPolicy(Frozen):
     min_step_s: float = Field(default=60, gt=0)
     max_step_s: float = Field(default=900, gt=0)
     check_interval_s: float = Field(default=5, gt=0)  # seconds between looks at a step's samples
-    max_error_rate: float = Field(default=0.01, ge=0, lt=1)        # candidate 5xx/timeout/refused share
-    max_ttft_p95_ratio: float = Field(default=1.5, gt=0)           # candidate p95 / stable p95
+    max_error_rate: float = Field(default=0.01, ge=0, lt=1)  # candidate 5xx/timeout/refused share
+    max_ttft_p95_ratio: float = Field(default=1.5, gt=0)  # candidate p95 / stable p95
     max_tpot_p95_ratio: float = Field(default=1.5, gt=0)
-    min_shadow_agreement: float = Field(default=0.7, gt=0, le=1)   # vs the fp16 build, greedy requests
-    min_samples: int = Field(default=20, ge=2)   # per role and check; fewer -> INCONCLUSIVE
+    min_shadow_agreement: float = Field(default=0.7, gt=0, le=1)  # vs the fp16 build, greedy requests
+    min_samples: int = Field(default=20, ge=2)  # per role and check; fewer -> INCONCLUSIVE
     alpha: float = Field(default=0.05, gt=0, lt=0.5)  # per check and per look
     failure_limit: int = Field(default=2, ge=1)  # FAIL step verdicts within one step before abort
     inconclusive: Literal["abort", "hold"] = "hold"  # at min time: abort, or collect until max_step_s
@@ -63,7 +64,7 @@ class CanaryPolicy(Frozen):
     def _increasing_percentages(cls, steps: list[float]) -> list[float]:
         if any(not 0 < s <= 100 for s in steps):
             raise ValueError(f"each step is a percent of traffic in (0, 100], got {steps}")
-        if any(a >= b for a, b in zip(steps, steps[1:])):
+        if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"steps must increase strictly, got {steps}")
         return steps
 

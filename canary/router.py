@@ -36,6 +36,7 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   again if the client did not ask for it; without usage, chunks with text are counted.
   Non-streaming answers arrive whole, so they have no TTFT/TPOT (total_s only).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,10 +57,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
-from canary.payloads import (chunk_text, completion_tokens, continuation, first_choice, is_greedy, one_choice,
-                             other_delta, response_text, same_words, tokens_left)
+from canary.payloads import (
+    chunk_text,
+    completion_tokens,
+    continuation,
+    first_choice,
+    is_greedy,
+    one_choice,
+    other_delta,
+    response_text,
+    same_words,
+    tokens_left,
+)
 from canary.policy import CanaryPolicy
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 log = logging.getLogger("quantgate.canary")
 
@@ -70,7 +81,7 @@ ROLES = ("stable", "candidate", "shadow")
 
 @dataclass(frozen=True)
 class Backend:
-    """A served build: `url` is its OpenAI base URL ending in /v1 (pipeline.serving.Server.base_url),
+    """A served build: `url` is its OpenAI base URL ending in /v1 (quantgate.serving.Server.base_url),
     `model` its served model name, `label` what samples and metrics call it (e.g. "v3")."""
 
     url: str
@@ -117,11 +128,11 @@ def encode_sse(ev: ServerSentEvent) -> bytes:
 class _Opened:
     """A streaming request after its first event (or its failure); see Router._open."""
 
-    outcome: str                    # "ok" or a failed/client_error outcome (canary.metrics)
-    status: int                     # for the client: the backend's status, or 502/504
-    what: str                       # why it failed, for the client's error message
-    status_seen: int = 0            # the backend's HTTP status for the sample (0 = no response)
-    content: bytes | None = None    # a non-200 answer's body, passed on
+    outcome: str  # "ok" or a failed/client_error outcome (canary.metrics)
+    status: int  # for the client: the backend's status, or 502/504
+    what: str  # why it failed, for the client's error message
+    status_seen: int = 0  # the backend's HTTP status for the sample (0 = no response)
+    content: bytes | None = None  # a non-200 answer's body, passed on
     ctype: str = "application/json"
     upstream: httpx.Response | None = None
     events: AsyncIterator[ServerSentEvent] | None = None
@@ -137,15 +148,15 @@ class _Stream:
     """What a relayed stream has shown so far."""
 
     wants_usage: bool
-    resumed: bool = False           # continues a broken stream (drop its role chunk, recount usage)
-    resumed_from: int = 0           # chunks the broken stream had sent
-    failed: bool = False            # the backend sent an error object in the stream
+    resumed: bool = False  # continues a broken stream (drop its role chunk, recount usage)
+    resumed_from: int = 0  # chunks the broken stream had sent
+    failed: bool = False  # the backend sent an error object in the stream
     text: list[str] = field(default_factory=list)
-    chunks: int = 0                 # chunks that carried text
-    tokens: int | None = None       # usage.completion_tokens
-    finished: bool = False          # a finish_reason or the usage chunk went by: the answer is whole
-    done: bool = False              # [DONE] went by
-    plain: bool = True              # only text so far (no tool calls or reasoning deltas): continuable
+    chunks: int = 0  # chunks that carried text
+    tokens: int | None = None  # usage.completion_tokens
+    finished: bool = False  # a finish_reason or the usage chunk went by: the answer is whole
+    done: bool = False  # [DONE] went by
+    plain: bool = True  # only text so far (no tool calls or reasoning deltas): continuable
 
     def observe(self, ev: ServerSentEvent) -> bytes | None:
         """The bytes to send on for `ev`, None to drop it (the usage chunk the client did not ask for)."""
@@ -174,8 +185,11 @@ class _Stream:
             if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
                 # the sent text was prompt to stable, but completion to the client
                 n, prompt = self.resumed_from, usage.get("prompt_tokens")
-                chunk["usage"] = {**usage, "completion_tokens": usage["completion_tokens"] + n,
-                                  "prompt_tokens": max(prompt - n, 0) if isinstance(prompt, int) else prompt}
+                chunk["usage"] = {
+                    **usage,
+                    "completion_tokens": usage["completion_tokens"] + n,
+                    "prompt_tokens": max(prompt - n, 0) if isinstance(prompt, int) else prompt,
+                }
                 return encode_sse(ServerSentEvent(data=json.dumps(chunk)))
         return encode_sse(ev)
 
@@ -187,9 +201,15 @@ class Router:
     safe to call from any thread.
     """
 
-    def __init__(self, resolve: Callable[[], Mapping[str, Backend | None]], policy: CanaryPolicy, *,
-                 model_name: str = "quantgate", seed: int | None = None,
-                 resolve_interval_s: float = RESOLVE_INTERVAL_S):
+    def __init__(
+        self,
+        resolve: Callable[[], Mapping[str, Backend | None]],
+        policy: CanaryPolicy,
+        *,
+        model_name: str = "quantgate",
+        seed: int | None = None,
+        resolve_interval_s: float = RESOLVE_INTERVAL_S,
+    ):
         self.policy = policy
         self.model_name = model_name  # the name /v1/models shows; clients may send any
         self.recorder = Recorder()
@@ -202,13 +222,16 @@ class Router:
         self._client: httpx.AsyncClient | None = None
         self._shadow_tasks: set[asyncio.Task] = set()
         self.recorder.set_weight(0.0)
-        self.app = Starlette(lifespan=self._lifespan, routes=[
-            Route("/v1/completions", self._proxy, methods=["POST"]),
-            Route("/v1/chat/completions", self._proxy, methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
-            Route("/health", self._health, methods=["GET"]),
-            Route("/metrics", self._metrics, methods=["GET"]),
-        ])
+        self.app = Starlette(
+            lifespan=self._lifespan,
+            routes=[
+                Route("/v1/completions", self._proxy, methods=["POST"]),
+                Route("/v1/chat/completions", self._proxy, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+        )
 
     # --- controller API -------------------------------------------------------------
     @property
@@ -240,8 +263,10 @@ class Router:
     async def _lifespan(self, app):
         p = self.policy
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(p.request_timeout_s, connect=p.connect_timeout_s), trust_env=False,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            timeout=httpx.Timeout(p.request_timeout_s, connect=p.connect_timeout_s),
+            trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
         try:
             self._fleet = fleet_of(await asyncio.to_thread(self._resolve))
         except Exception as exc:
@@ -275,14 +300,23 @@ class Router:
 
     # --- routes ---------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quantgate"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "quantgate"}],
+            }
+        )
 
     async def _health(self, request: Request) -> Response:
         f = self._fleet
-        doc = {"status": "ok" if f else "unavailable", "weight": self._weight,
-               "stable": f and f.stable.label, "candidate": f and f.candidate and f.candidate.label,
-               "shadow": f and f.shadow and f.shadow.label, "resolve_error": self.resolve_error}
+        doc = {
+            "status": "ok" if f else "unavailable",
+            "weight": self._weight,
+            "stable": f and f.stable.label,
+            "candidate": f and f.candidate and f.candidate.label,
+            "shadow": f and f.shadow and f.shadow.label,
+            "resolve_error": self.resolve_error,
+        }
         return JSONResponse(doc, 200 if f else 503)
 
     async def _metrics(self, request: Request) -> Response:
@@ -309,13 +343,37 @@ class Router:
         return (await attempt(fleet, "stable", path, body, retried=False))[0]
 
     # --- one backend attempt; returns (response for the client, failed = retry it) ---
-    def _record(self, backend: Backend, role: str, t: float, t0: float, outcome: str, status: int, *,
-                stream: bool, retried: bool, ttft: float | None = None, tokens: int | None = None) -> None:
+    def _record(
+        self,
+        backend: Backend,
+        role: str,
+        t: float,
+        t0: float,
+        outcome: str,
+        status: int,
+        *,
+        stream: bool,
+        retried: bool,
+        ttft: float | None = None,
+        tokens: int | None = None,
+    ) -> None:
         total = time.perf_counter() - t0
         tpot = (total - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
-        self.recorder.add(Sample(t=t, role=role, label=backend.label, ok=outcome in OK_OUTCOMES, status=status,
-                                 ttft_s=ttft, tpot_s=tpot, retried=retried, total_s=total, stream=stream,
-                                 outcome=outcome))
+        self.recorder.add(
+            Sample(
+                t=t,
+                role=role,
+                label=backend.label,
+                ok=outcome in OK_OUTCOMES,
+                status=status,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                retried=retried,
+                total_s=total,
+                stream=stream,
+                outcome=outcome,
+            )
+        )
 
     async def _post(self, backend: Backend, role: str, path: str, body: dict, retried: bool):
         """POST a non-streaming request and record the sample.
@@ -362,13 +420,19 @@ class Router:
         try:
             async with asyncio.timeout(self.policy.request_timeout_s):
                 upstream = await self._client.send(
-                    self._client.build_request("POST", backend.url + path, json=payload), stream=True)
+                    self._client.build_request("POST", backend.url + path, json=payload), stream=True
+                )
                 if upstream.status_code != 200:
                     content = await upstream.aread()
                     await upstream.aclose()
                     outcome = "client_error" if upstream.status_code < 500 else "server_error"
-                    return _Opened(outcome, upstream.status_code, f"answered HTTP {upstream.status_code}",
-                                   content=content, ctype=upstream.headers.get("content-type", "application/json"))
+                    return _Opened(
+                        outcome,
+                        upstream.status_code,
+                        f"answered HTTP {upstream.status_code}",
+                        content=content,
+                        ctype=upstream.headers.get("content-type", "application/json"),
+                    )
                 events = EventSource(upstream).aiter_sse()
                 return _Opened("ok", 200, "", upstream=upstream, events=events, first=await anext(events))
         except (TimeoutError, httpx.TimeoutException):
@@ -395,21 +459,45 @@ class Router:
         if o.first is not None:
             first = state.observe(o.first)
             if not state.failed:
-                relay = self._relay(fleet, role, backend, path, body, o, first, state,
-                                    t=t, t0=t0, ttft=time.perf_counter() - t0, retried=retried)
+                relay = self._relay(
+                    fleet,
+                    role,
+                    backend,
+                    path,
+                    body,
+                    o,
+                    first,
+                    state,
+                    t=t,
+                    t0=t0,
+                    ttft=time.perf_counter() - t0,
+                    retried=retried,
+                )
                 ctype = o.upstream.headers.get("content-type", "text/event-stream")
                 return StreamingResponse(relay, headers={**headers, "content-type": ctype}), False
             await o.upstream.aclose()
             o = _Opened("server_error", 502, "sent an error as its first chunk", status_seen=200)
         self._record(backend, role, t, t0, o.outcome, o.status_seen, stream=True, retried=retried)
         if o.content is not None:  # the backend's own answer (4xx passes through; 5xx is retried)
-            return (Response(o.content, o.status, headers={**headers, "content-type": o.ctype}),
-                    o.status >= 500)
+            return (Response(o.content, o.status, headers={**headers, "content-type": o.ctype}), o.status >= 500)
         return error(o.status, f"{role} backend {o.what}", headers), True
 
-    async def _relay(self, fleet: Fleet, role: str, backend: Backend, path: str, body: dict, opened: _Opened,
-                     first: bytes | None, state: _Stream, *, t: float, t0: float, ttft: float | None,
-                     retried: bool) -> AsyncIterator[bytes]:
+    async def _relay(
+        self,
+        fleet: Fleet,
+        role: str,
+        backend: Backend,
+        path: str,
+        body: dict,
+        opened: _Opened,
+        first: bytes | None,
+        state: _Stream,
+        *,
+        t: float,
+        t0: float,
+        ttft: float | None,
+        retried: bool,
+    ) -> AsyncIterator[bytes]:
         """Send the stream on (`first` = the first event's bytes, already observed) and record it.
 
         A candidate stream that breaks, or reports an engine error, after its first chunk is
@@ -491,8 +579,9 @@ class Router:
             why = _error_message(o.content) or o.what or "sent an error as its first chunk"
             yield _broke(f"candidate backend stream broke and stable could not continue it: {why}")
             return
-        async with aclosing(self._relay(fleet, "stable", stable, path, cont, o, first, state,
-                                        t=t, t0=t0, ttft=None, retried=True)) as rest:
+        async with aclosing(
+            self._relay(fleet, "stable", stable, path, cont, o, first, state, t=t, t0=t0, ttft=None, retried=True)
+        ) as rest:
             async for out in rest:
                 yield out
 
@@ -516,14 +605,18 @@ class Router:
             self.recorder.shadow_not_compared("error")
             return
         agree = same_words(candidate_text, response_text(doc), self.policy.shadow_compare_words)
-        self.recorder.add_shadow(ShadowSample(t=t, agree=agree, candidate=fleet.candidate.label,
-                                              shadow=fleet.shadow.label))
+        self.recorder.add_shadow(
+            ShadowSample(t=t, agree=agree, candidate=fleet.candidate.label, shadow=fleet.shadow.label)
+        )
 
 
 def _broke(message: str) -> bytes:
     """The SSE `error` event that ends a stream which broke after its first chunk."""
-    return encode_sse(ServerSentEvent(event="error", data=json.dumps(
-        {"error": {"message": message, "type": "server_error", "code": 502}})))
+    return encode_sse(
+        ServerSentEvent(
+            event="error", data=json.dumps({"error": {"message": message, "type": "server_error", "code": 502}})
+        )
+    )
 
 
 def _error_message(content: bytes | None) -> str | None:
@@ -544,8 +637,7 @@ def _stream_options(body: dict) -> dict:
 def _upstream_payload(body: dict, model: str) -> dict:
     """A streaming request for a backend: its served model name, and usage asked for (TPOT needs
     the token count; _Stream drops the usage chunk again if the client did not ask for it)."""
-    return {**body, "model": model, "stream": True,
-            "stream_options": {**_stream_options(body), "include_usage": True}}
+    return {**body, "model": model, "stream": True, "stream_options": {**_stream_options(body), "include_usage": True}}
 
 
 def _who(role: str, backend: Backend, retried: bool) -> dict[str, str]:

@@ -7,6 +7,7 @@ The socket is bound here (not by uvicorn) so the port is known before the first 
 nothing else can take it in between. `stop()` lets open requests finish for up to
 `grace_s` seconds, then cancels them.
 """
+
 from __future__ import annotations
 
 import socket
@@ -15,7 +16,7 @@ import time
 
 import uvicorn
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 
 class AppServer:
@@ -44,11 +45,13 @@ class AppServer:
             sock.close()
             raise QuantgateError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=self.grace_s)
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=self.grace_s
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._serve, args=(self._server, sock), name=f"uvicorn-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, args=(self._server, sock), name=f"uvicorn-{self.port}", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:

@@ -1,1 +1,2 @@
-"""quantgate pipeline: one module per DVC stage (prepare, quantize, evaluate, gate, register) and the CLI."""
+"""quantgate pipeline: exactly the DVC stages of dvc.yaml (validate, prepare, quantize, evaluate, gate,
+register) and their private helpers."""

@@ -5,16 +5,59 @@ prose), each wrapped in the model's chat template as a question and answer, so c
 sees the chat format the model is served with. Not the team eval sets: calibrating on the
 data that gates the build would leak the test into the build.
 """
+
 from __future__ import annotations
 
 import importlib
 import inspect
 
-MODULES = ["argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal",
-           "difflib", "email", "enum", "fractions", "functools", "gettext", "heapq", "http.client", "inspect",
-           "ipaddress", "itertools", "json", "logging", "mailbox", "math", "pathlib", "pickle", "queue", "random",
-           "re", "sched", "secrets", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess",
-           "tarfile", "textwrap", "threading", "timeit", "typing", "unittest", "urllib.parse", "uuid", "zipfile"]
+MODULES = [
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "gettext",
+    "heapq",
+    "http.client",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "math",
+    "pathlib",
+    "pickle",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
+]
 
 
 def texts(tokenizer, n: int) -> list[str]:
@@ -29,8 +72,10 @@ def texts(tokenizer, n: int) -> list[str]:
         for para in (p.strip() for p in doc.split("\n\n")):
             if len(para) < 200:
                 continue
-            messages = [{"role": "user", "content": f"Explain this part of Python's {name} module."},
-                        {"role": "assistant", "content": para}]
+            messages = [
+                {"role": "user", "content": f"Explain this part of Python's {name} module."},
+                {"role": "assistant", "content": para},
+            ]
             out.append(tokenizer.apply_chat_template(messages, tokenize=False) if tokenizer.chat_template else para)
             if len(out) == n:
                 return out

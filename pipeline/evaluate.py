@@ -8,7 +8,7 @@ the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per
 scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
 OUT_DIR/timing.json: seconds spent starting the server vs scoring each team; and
 OUT_DIR/precision.json: the activation dtype the build was served at and why
-(`evaluate.serve.dtype: auto` is resolved by one rule, pipeline/precision.py, so every build of
+(`evaluate.serve.dtype: auto` is resolved by one rule, quantgate/precision.py, so every build of
 a run gets the same precision and the gate compares builds, not dtypes).
 
 Results are cached by content in `.quantgate/cache/eval/<key>/`, key = sha256 of (weights
@@ -21,9 +21,10 @@ errors, or a server that does not start, is recorded as status "error" with a on
 (never cached); the gate fails it closed.
 
 Team files are input from outside the pipeline: lm-eval renders their templates in the
-sandbox of evals/sandbox.py, and the stage runs without registry and cloud credentials in its
+sandbox of quantgate/sandbox.py, and the stage runs without registry and cloud credentials in its
 environment (`drop_credentials`; the vLLM server it starts inherits that environment).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,27 +38,27 @@ from pathlib import Path
 
 from pydantic import Field
 
-from evals.sandbox import lm_eval_sandboxed
-from evals.teams import Team, load_teams
-from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import digest_json
-from pipeline.manifest import config_digest, verify_weights
-from pipeline.params import Frozen, load_block
-from pipeline.precision import RECORD as PRECISION, precision_record
-from pipeline.serving import ServeParams, ServerStartError, serving_versions, vllm_server
+from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import digest_json
+from quantgate.manifest import config_digest, verify_weights
+from quantgate.params import Frozen, load_block
+from quantgate.precision import RECORD as PRECISION
+from quantgate.precision import precision_record
+from quantgate.results import SAMPLES, SCORES
+from quantgate.sandbox import lm_eval_sandboxed
+from quantgate.serving import ServeParams, ServerStartError, serving_versions, vllm_server
+from quantgate.teams import Team, load_teams
 
 CACHE_DIR = Path(".quantgate/cache/eval")
-SCORES = "scores.json"
-SAMPLES = "samples.jsonl"
 TIMING = "timing.json"  # per build: server start vs scoring seconds (benchmarks/pipeline_cost.py reads it)
 
 
 class HarnessParams(Frozen):
-    num_concurrent: int = Field(default=2, ge=1)   # parallel HTTP requests to the server
-    batch_size: int = Field(default=8, ge=1)       # prompts per request (loglikelihood tasks)
+    num_concurrent: int = Field(default=2, ge=1)  # parallel HTTP requests to the server
+    batch_size: int = Field(default=8, ge=1)  # prompts per request (loglikelihood tasks)
     max_retries: int = Field(default=3, ge=0)
     limit: int | None = Field(default=None, gt=0)  # cap docs per task for every team (smoke runs)
-    add_bos_token: bool = False                    # SmolLM2's tokenizer adds no BOS; set per model
+    add_bos_token: bool = False  # SmolLM2's tokenizer adds no BOS; set per model
     seed: int = 1234
 
 
@@ -76,22 +77,29 @@ def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_con
     """Content key of one (build, team) evaluation.
 
     Inputs that change scores are in it: weights, the build's config/tokenizer files
-    (`model_files`, pipeline.manifest.config_digest), the team's task YAMLs and data files
+    (`model_files`, quantgate.manifest.config_digest), the team's task YAMLs and data files
     (Team.scores_digest) and the metric its scores document holds, the lm-eval version and
     harness settings (limit, BOS, chat template), the serving engine versions and flags.
     Concurrency and retries are not: they do not change scores; nor is the rest of the team's
     policy (margin, confidence, owner, contact): the gate applies it to the cached scores.
     """
-    return digest_json({
-        "weights": weights_digest,
-        "model_files": model_files,
-        "team": team.scores_digest,
-        "metric": team.policy.metric,
-        "harness": {"lm_eval": metadata.version("lm_eval"), "limit": effective_limit(team, harness),
-                    "add_bos_token": harness.add_bos_token, "seed": harness.seed,
-                    "chat_template": team.policy.chat_template, "tokenized_requests": True},
-        "serving": serve_config,
-    })
+    return digest_json(
+        {
+            "weights": weights_digest,
+            "model_files": model_files,
+            "team": team.scores_digest,
+            "metric": team.policy.metric,
+            "harness": {
+                "lm_eval": metadata.version("lm_eval"),
+                "limit": effective_limit(team, harness),
+                "add_bos_token": harness.add_bos_token,
+                "seed": harness.seed,
+                "chat_template": team.policy.chat_template,
+                "tokenized_requests": True,
+            },
+            "serving": serve_config,
+        }
+    )
 
 
 def selected_filter(task_config: dict) -> str:
@@ -117,9 +125,13 @@ def per_sample_scores(team: Team, results: dict) -> tuple[dict, list[dict]]:
         for s in samples:
             value = s.get(metric)
             if not isinstance(value, (int, float)) or value != value:
-                raise QuantgateError(f"task {task.name} doc {s.get('doc_id')}: metric {metric!r} is {value!r}, not a number")
+                raise QuantgateError(
+                    f"task {task.name} doc {s.get('doc_id')}: metric {metric!r} is {value!r}, not a number"
+                )
             scores.append(float(value))
-            rows.append({"task": task.name, "doc_id": s["doc_id"], "doc_hash": s.get("doc_hash"), "score": float(value)})
+            rows.append(
+                {"task": task.name, "doc_id": s["doc_id"], "doc_hash": s.get("doc_hash"), "score": float(value)}
+            )
         mean = sum(scores) / len(scores)
         reported = results["results"][task.name].get(f"{metric},{flt}")
         if isinstance(reported, (int, float)) and abs(reported - mean) > 1e-9:
@@ -137,10 +149,17 @@ def make_lm(server, model_dir: Path, harness: HarnessParams, max_length: int):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     return LocalCompletionsAPI(
-        base_url=f"{server.base_url}/completions", model=server.name, tokenizer=str(model_dir),
-        tokenizer_backend="huggingface", tokenized_requests=True, add_bos_token=harness.add_bos_token,
-        num_concurrent=harness.num_concurrent, max_retries=harness.max_retries, batch_size=harness.batch_size,
-        seed=harness.seed, max_length=max_length,
+        base_url=f"{server.base_url}/completions",
+        model=server.name,
+        tokenizer=str(model_dir),
+        tokenizer_backend="huggingface",
+        tokenized_requests=True,
+        add_bos_token=harness.add_bos_token,
+        num_concurrent=harness.num_concurrent,
+        max_retries=harness.max_retries,
+        batch_size=harness.batch_size,
+        seed=harness.seed,
+        max_length=max_length,
     )
 
 
@@ -167,32 +186,36 @@ def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int 
             else:
                 continue
             if (n := len(encode(context))) + need > max_length:
-                lines.append(f"{s.get('task')} doc {s.get('doc_id')}: prompt is {n} tokens + {need} {what} > "
-                             f"{max_length}")
+                lines.append(
+                    f"{s.get('task')} doc {s.get('doc_id')}: prompt is {n} tokens + {need} {what} > {max_length}"
+                )
                 break
     return lines
-
-
-
 
 
 def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
     """Run lm-eval on one team's tasks; return (scores document, raw samples).
 
-    Team tasks are whole inline configs (no `include:`, evals/checks.py), so lm-eval's index
+    Team tasks are whole inline configs (no `include:`, quantgate/checks.py), so lm-eval's index
     of its ~14,700 built-in tasks is not built: that index costs ~14 s per call on a 2-core CPU.
-    lm-eval renders the team's templates in the sandbox (evals/sandbox.py lm_eval_sandboxed).
+    lm-eval renders the team's templates in the sandbox (quantgate/sandbox.py lm_eval_sandboxed).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     started = time.monotonic()
-    with lm_eval_sandboxed():  # the team's templates are rendered in the sandbox (evals/sandbox.py)
+    with lm_eval_sandboxed():  # the team's templates are rendered in the sandbox (quantgate/sandbox.py)
         results = simple_evaluate(
-            model=lm, tasks=[t.config for t in team.tasks], task_manager=TaskManager(include_defaults=False),
+            model=lm,
+            tasks=[t.config for t in team.tasks],
+            task_manager=TaskManager(include_defaults=False),
             limit=effective_limit(team, harness),
-            log_samples=True, apply_chat_template=team.policy.chat_template, cache_requests=False,
-            random_seed=harness.seed, numpy_random_seed=harness.seed, torch_random_seed=harness.seed,
+            log_samples=True,
+            apply_chat_template=team.policy.chat_template,
+            cache_requests=False,
+            random_seed=harness.seed,
+            numpy_random_seed=harness.seed,
+            torch_random_seed=harness.seed,
             fewshot_random_seed=harness.seed,
         )
     if results is None:
@@ -201,12 +224,18 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
     raw = [dict(s, task=name) for name, samples in results["samples"].items() for s in samples]
     gen_toks = getattr(lm, "max_gen_toks", None) or getattr(lm, "_max_gen_toks", 256)
     if over := over_length(raw, lm.tok_encode, lm.max_length, gen_toks):  # scores of cut prompts measure
-        raise QuantgateError(                                            # something the team did not write
+        raise QuantgateError(  # something the team did not write
             f"{len(over)} prompt(s) longer than the model's context, which lm-eval would cut: {over[0]}"
             f"{f' (and {len(over) - 1} more)' if len(over) > 1 else ''}; shorten those documents or raise "
-            f"evaluate.serve.max_model_len")
-    doc = {"status": "ok", "metric": team.policy.metric, "tasks": tasks, "samples": rows,
-           "elapsed_s": round(time.monotonic() - started, 1)}
+            f"evaluate.serve.max_model_len"
+        )
+    doc = {
+        "status": "ok",
+        "metric": team.policy.metric,
+        "tasks": tasks,
+        "samples": rows,
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
     return doc, raw
 
 
@@ -235,8 +264,12 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
     precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
-    serve_config = {"versions": serving_versions(params.serve.python), "dtype": precision["dtype"],
-                    "max_model_len": params.serve.max_model_len, "extra_args": params.serve.extra_args}
+    serve_config = {
+        "versions": serving_versions(params.serve.python),
+        "dtype": precision["dtype"],
+        "max_model_len": params.serve.max_model_len,
+        "extra_args": params.serve.extra_args,
+    }
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     docs, pending = {}, []
@@ -259,9 +292,14 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
                 for team, key in pending:
-                    base = {"team": team.name, "build": build, "cache_key": key,
-                            "weights_digest": manifest["weights_digest"], "scores_digest": team.scores_digest,
-                            "serving": serve_config}
+                    base = {
+                        "team": team.name,
+                        "build": build,
+                        "cache_key": key,
+                        "weights_digest": manifest["weights_digest"],
+                        "scores_digest": team.scores_digest,
+                        "serving": serve_config,
+                    }
                     scoring = time.monotonic()
                     try:
                         doc, raw = run_team(lm, team, params.harness)
@@ -276,8 +314,13 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
         except ServerStartError as exc:
             for team, key in pending:
                 if team.name not in docs:
-                    docs[team.name] = doc = {"team": team.name, "build": build, "cache_key": key,
-                                             "status": "error", "reason": str(exc)}
+                    docs[team.name] = doc = {
+                        "team": team.name,
+                        "build": build,
+                        "cache_key": key,
+                        "status": "error",
+                        "reason": str(exc),
+                    }
                     write_team(out_dir / team.name, doc, None)
             timing["server_start_s"] = round(time.monotonic() - started, 1)
             print(f"evaluate[{build}]: server failed: {exc}", file=sys.stderr, flush=True)
@@ -289,8 +332,21 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
 # Credentials the evaluate stage never needs (lm-eval's client and vLLM read local files and talk
 # to a server it starts): the registry's, the clouds', the hub's. OPENAI_API_KEY stays: it is
 # the key lm-eval's client sends to a remote evaluation endpoint.
-CREDENTIAL_PREFIXES = ("MLFLOW_", "AWS_", "BOTO_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCP_", "AZURE_", "ARM_",
-                       "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "PGPASSWORD", "DATABASE_URL")
+CREDENTIAL_PREFIXES = (
+    "MLFLOW_",
+    "AWS_",
+    "BOTO_",
+    "GOOGLE_",
+    "GCLOUD_",
+    "CLOUDSDK_",
+    "GCP_",
+    "AZURE_",
+    "ARM_",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "PGPASSWORD",
+    "DATABASE_URL",
+)
 CREDENTIAL_WORDS = ("SECRET", "PASSWORD", "CREDENTIALS")
 KEEP = frozenset({"OPENAI_API_KEY", "VLLM_API_KEY"})
 
@@ -298,8 +354,12 @@ KEEP = frozenset({"OPENAI_API_KEY", "VLLM_API_KEY"})
 def drop_credentials(environ: MutableMapping[str, str]) -> list[str]:
     """Remove registry and cloud credentials (CREDENTIAL_PREFIXES, and any name holding one of
     CREDENTIAL_WORDS) from `environ`, in place; return the names removed, sorted."""
-    gone = sorted(k for k in environ if k not in KEEP and (k.upper().startswith(CREDENTIAL_PREFIXES)
-                                                         or any(w in k.upper() for w in CREDENTIAL_WORDS)))
+    gone = sorted(
+        k
+        for k in environ
+        if k not in KEEP
+        and (k.upper().startswith(CREDENTIAL_PREFIXES) or any(w in k.upper() for w in CREDENTIAL_WORDS))
+    )
     for k in gone:
         del environ[k]
     return gone

@@ -4,10 +4,11 @@ Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD P
 
 For every candidate build and every team under evals/, the candidate's per-document scores
 are paired with the baseline (16-bit) build's on the same documents and judged against the
-team's non-inferiority margin (pipeline/stats.py). It fails closed: a missing result file,
+team's non-inferiority margin (quantgate/stats.py). It fails closed: a missing result file,
 an evaluation error, a different document set, or a NaN score is a FAIL with the reason.
 A build is shippable only if every team PASSes.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,22 +19,38 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
-from evals.teams import Team, load_teams
-from pipeline.errors import QuantgateError, run_main
-from pipeline.evaluate import SCORES
-from pipeline.precision import RECORD as PRECISION
-from pipeline.params import Frozen, load_block
 from pipeline.plot import recovery_plot
-from pipeline.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
+from quantgate.errors import QuantgateError, run_main
+from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds
+from quantgate.precision import RECORD as PRECISION
+from quantgate.results import SCORES
+from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
+from quantgate.teams import Team, load_teams
 
 SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
 
 
-class GateParams(Frozen):
+class GateBlock(Frozen):
+    """params.yaml block `gate`."""
+
     baseline: str = "fp16"
-    candidates: list[str] = ["fp8", "int4"]
     bootstrap_resamples: int = Field(default=10000, ge=1000)
     seed: int = 0
+
+
+class GateParams(GateBlock):
+    """The gate block plus the builds it judges: every build of params.yaml `builds` but the baseline."""
+
+    candidates: list[str] = ["fp8", "int4"]
+
+
+def load_params(path: Path = PARAMS_FILE) -> GateParams:
+    """GateParams from params.yaml: block `gate`, candidates from `builds`; raises QuantgateError if
+    the baseline is not one of the builds."""
+    block, builds = load_block("gate", GateBlock, path), load_builds(path)
+    if block.baseline not in builds:
+        raise QuantgateError(f"{path}: gate.baseline {block.baseline!r} is not in builds {builds}; add it or fix it")
+    return GateParams(**block.model_dump(), candidates=[b for b in builds if b != block.baseline])
 
 
 def read_scores(eval_dir: Path, build: str, team: str) -> dict:
@@ -52,16 +69,19 @@ def read_scores(eval_dir: Path, build: str, team: str) -> dict:
 
 def read_precision(eval_dir: Path, build: str) -> dict:
     """The precision record the evaluate stage wrote for `build` (results/eval/<build>/precision.json,
-    pipeline/precision.py); raises QuantgateError (the FAIL reason) if it is missing or unreadable."""
+    quantgate/precision.py); raises QuantgateError (the FAIL reason) if it is missing or unreadable."""
     path = eval_dir / build / PRECISION
     try:
         doc = json.loads(path.read_text())
         return {"dtype": doc["dtype"], "requested": doc.get("requested"), "why": doc.get("why", "")}
     except FileNotFoundError:
-        raise QuantgateError(f"no precision record for build {build} (missing {path}); "
-                             f"run `dvc repro evaluate@{build}`") from None
+        raise QuantgateError(
+            f"no precision record for build {build} (missing {path}); run `dvc repro evaluate@{build}`"
+        ) from None
     except (ValueError, KeyError, TypeError):
-        raise QuantgateError(f"{path}: not a precision record (needs dtype); run `dvc repro evaluate@{build}`") from None
+        raise QuantgateError(
+            f"{path}: not a precision record (needs dtype); run `dvc repro evaluate@{build}`"
+        ) from None
 
 
 def same_precision(eval_dir: Path, baseline: str, build: str) -> dict:
@@ -69,9 +89,11 @@ def same_precision(eval_dir: Path, baseline: str, build: str) -> dict:
     differs: the gate compares builds, not activation dtypes."""
     base, cand = read_precision(eval_dir, baseline), read_precision(eval_dir, build)
     if base["dtype"] != cand["dtype"]:
-        raise QuantgateError(f"{baseline} was evaluated at {base['dtype']} and {build} at {cand['dtype']}: the gate "
-                             f"compares builds at one precision; re-run `dvc repro` so every build is evaluated at "
-                             f"evaluate.serve.dtype")
+        raise QuantgateError(
+            f"{baseline} was evaluated at {base['dtype']} and {build} at {cand['dtype']}: the gate "
+            f"compares builds at one precision; re-run `dvc repro` so every build is evaluated at "
+            f"evaluate.serve.dtype"
+        )
     return base
 
 
@@ -81,6 +103,7 @@ def paired_arrays(base: dict, cand: dict, base_build: str, cand_build: str) -> t
     Raises QuantgateError if the document sets differ (ids, count or content hash) or a
     score is missing, NaN or not a number.
     """
+
     def index(doc: dict, build: str) -> dict:
         out = {}
         for s in doc.get("samples", []):
@@ -98,8 +121,10 @@ def paired_arrays(base: dict, cand: dict, base_build: str, cand_build: str) -> t
     b, c = index(base, base_build), index(cand, cand_build)
     if b.keys() != c.keys():
         only_b, only_c = sorted(b.keys() - c.keys())[:3], sorted(c.keys() - b.keys())[:3]
-        raise QuantgateError(f"document sets differ: {len(b)} docs on {base_build} vs {len(c)} on {cand_build}"
-                             f" (only {base_build}: {only_b}; only {cand_build}: {only_c})")
+        raise QuantgateError(
+            f"document sets differ: {len(b)} docs on {base_build} vs {len(c)} on {cand_build}"
+            f" (only {base_build}: {only_b}; only {cand_build}: {only_c})"
+        )
     keys = sorted(b)
     for k in keys:
         if b[k].get("doc_hash") != c[k].get("doc_hash"):
@@ -115,8 +140,11 @@ def judge(team: Team, base_doc: dict, cand_doc: dict, params: GateParams, cand_b
     margin = pol.margin.points(base_mean)
     drops = base - cand if pol.higher_is_better else cand - base
     if is_binary(base, cand):
-        cmp = compare_binary(base, cand, margin, pol.confidence) if pol.higher_is_better else \
-            compare_binary(cand, base, margin, pol.confidence)
+        cmp = (
+            compare_binary(base, cand, margin, pol.confidence)
+            if pol.higher_is_better
+            else compare_binary(cand, base, margin, pol.confidence)
+        )
     else:
         cmp = compare_continuous(drops, margin, pol.confidence, params.bootstrap_resamples, params.seed)
     v = verdict(cmp, margin)
@@ -124,9 +152,19 @@ def judge(team: Team, base_doc: dict, cand_doc: dict, params: GateParams, cand_b
         recovery = 100.0 * cand_mean / base_mean if base_mean else None
     else:
         recovery = 100.0 * base_mean / cand_mean if cand_mean else None
-    row = {"verdict": v.value, "metric": pol.metric, "higher_is_better": pol.higher_is_better, "n": cmp.n, "baseline": base_mean, "candidate": cand_mean,
-           "delta": cand_mean - base_mean, "margin": margin, "recovery_pct": recovery, "confidence": pol.confidence,
-           **{k: val for k, val in cmp.as_dict().items() if k != "n"}}
+    row = {
+        "verdict": v.value,
+        "metric": pol.metric,
+        "higher_is_better": pol.higher_is_better,
+        "n": cmp.n,
+        "baseline": base_mean,
+        "candidate": cand_mean,
+        "delta": cand_mean - base_mean,
+        "margin": margin,
+        "recovery_pct": recovery,
+        "confidence": pol.confidence,
+        **{k: val for k, val in cmp.as_dict().items() if k != "n"},
+    }
     row["reason"] = reason(v, cmp, margin)
     return row
 
@@ -171,14 +209,18 @@ def fmt(x, spec: str = ".3f") -> str:
 
 def table(result: dict) -> str:
     """The gate result as a markdown table (one row per build and team)."""
-    lines = ["| build | team | metric | n | fp16 | candidate | delta | drop CI | margin | recovery % | p (NI) | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| build | team | metric | n | fp16 | candidate | delta | drop CI | margin | recovery % | p (NI) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for build, b in result["builds"].items():
         for team, r in b["teams"].items():
             ci = f"[{r['lower']:+.3f}, {r['upper']:+.3f}]" if "upper" in r else "-"
-            lines.append(f"| {build} | {team} | {r['metric']} | {r.get('n', '-')} | {fmt(r.get('baseline'))} | "
-                         f"{fmt(r.get('candidate'))} | {fmt(r.get('delta'), '+.3f')} | {ci} | {fmt(r.get('margin'))} | "
-                         f"{fmt(r.get('recovery_pct'), '.1f')} | {fmt(r.get('p_value'), '.3g')} | {r['verdict']} |")
+            lines.append(
+                f"| {build} | {team} | {r['metric']} | {r.get('n', '-')} | {fmt(r.get('baseline'))} | "
+                f"{fmt(r.get('candidate'))} | {fmt(r.get('delta'), '+.3f')} | {ci} | {fmt(r.get('margin'))} | "
+                f"{fmt(r.get('recovery_pct'), '.1f')} | {fmt(r.get('p_value'), '.3g')} | {r['verdict']} |"
+            )
     return "\n".join(lines)
 
 
@@ -192,9 +234,14 @@ def precision_line(result: dict) -> str:
 
 def report(result: dict, plot_name: str | None = None) -> str:
     """The markdown gate report: summary per build, the table, the plot link, every reason."""
-    out = ["# quantgate gate report", "", precision_line(result),
-           f"Baseline: `{result['baseline']}`. Drop = baseline - candidate (positive = worse); the CI is the "
-           "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.", ""]
+    out = [
+        "# quantgate gate report",
+        "",
+        precision_line(result),
+        f"Baseline: `{result['baseline']}`. Drop = baseline - candidate (positive = worse); the CI is the "
+        "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.",
+        "",
+    ]
     for build, b in result["builds"].items():
         out.append(f"- **{build}**: {b['verdict']} ({'shippable' if b['shippable'] else 'not shippable'})")
     out += ["", table(result), ""]
@@ -211,7 +258,7 @@ def main() -> None:
     if len(sys.argv) != 6:
         raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG")
     eval_dir, evals_dir, metrics_path, report_path, plot_path = map(Path, sys.argv[1:])
-    result = gate(eval_dir, load_teams(evals_dir), load_block("gate", GateParams))
+    result = gate(eval_dir, load_teams(evals_dir), load_params())
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     metrics_path.write_text(json.dumps(result, indent=2) + "\n")
     report_path.write_text(report(result, plot_path.name))

@@ -4,6 +4,7 @@ Recovery = candidate score / 16-bit score x 100 (inverted for lower-is-better me
 interval maps the drop's confidence bounds through the same formula. The dashed mark per team
 is the recovery at the team's margin: a build PASSes when its whole interval lies right of it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,12 +47,25 @@ def recovery_plot(result: dict, path: Path) -> None:
             ci = recovery_interval(row, hib)
             if row.get("recovery_pct") is None or ci is None:
                 ax.plot([0], [y], "x", color="tab:red")
-                ax.annotate(f"{build}: {row.get('verdict', '?')} (no scores)", (0, y), xytext=(6, -3),
-                            textcoords="offset points", fontsize=8, color="tab:red")
+                ax.annotate(
+                    f"{build}: {row.get('verdict', '?')} (no scores)",
+                    (0, y),
+                    xytext=(6, -3),
+                    textcoords="offset points",
+                    fontsize=8,
+                    color="tab:red",
+                )
                 continue
             rec = row["recovery_pct"]
-            ax.errorbar([rec], [y], xerr=[[rec - ci[0]], [ci[1] - rec]], fmt="o", capsize=3, color=colors[bi % len(colors)],
-                        label=build if ti == 0 else None)
+            ax.errorbar(
+                [rec],
+                [y],
+                xerr=[[rec - ci[0]], [ci[1] - rec]],
+                fmt="o",
+                capsize=3,
+                color=colors[bi % len(colors)],
+                label=build if ti == 0 else None,
+            )
             ax.annotate(row["verdict"], (ci[1], y), xytext=(4, -3), textcoords="offset points", fontsize=8)
             base, margin = row["baseline"], row["margin"]
             if base:

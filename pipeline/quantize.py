@@ -6,6 +6,7 @@ Schemes: FP8_DYNAMIC (no calibration) and W4A16 (4-bit weights in groups, 16-bit
 activations) with GPTQ on calibration text (default) or RTN (round-to-nearest). lm_head stays 16-bit.
 Output: compressed-tensors safetensors that vLLM loads unchanged, plus build.json.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.errors import QuantgateError, run_main
-from pipeline.manifest import read_manifest, write_manifest
-from pipeline.params import Frozen, load_block
+from quantgate.errors import QuantgateError, run_main
+from quantgate.manifest import read_manifest, write_manifest
+from quantgate.params import Frozen, load_block
 
 
 class QuantizeParams(Frozen):
@@ -43,14 +44,19 @@ def check_group_size(model, group_size: int, ignore: list[str]) -> None:
     """
     import torch
 
-    widths = {name: m.in_features for name, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and not any(name.endswith(i) for i in ignore)}
+    widths = {
+        name: m.in_features
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not any(name.endswith(i) for i in ignore)
+    }
     bad = [(name, w) for name, w in widths.items() if w % group_size]
     if bad:
         g = reduce(math.gcd, widths.values())
-        ok = [2 ** k for k in range(4, 12) if g % 2 ** k == 0]
-        raise QuantgateError(f"quantize.*.group_size={group_size} does not divide the input width {bad[0][1]} of layer "
-                             f"{bad[0][0]} ({len(bad)} layers affected); use one of {ok} (gcd of widths = {g})")
+        ok = [2**k for k in range(4, 12) if g % 2**k == 0]
+        raise QuantgateError(
+            f"quantize.*.group_size={group_size} does not divide the input width {bad[0][1]} of layer "
+            f"{bad[0][0]} ({len(bad)} layers affected); use one of {ok} (gcd of widths = {g})"
+        )
 
 
 def recipe(p: QuantizeParams):
@@ -61,8 +67,18 @@ def recipe(p: QuantizeParams):
         return QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=p.ignore)
     if p.group_size is None:
         raise QuantgateError("quantize.*.group_size is required for W4A16")
-    groups = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": p.symmetric,
-                                                            "strategy": "group", "group_size": p.group_size}}}
+    groups = {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": p.symmetric,
+                "strategy": "group",
+                "group_size": p.group_size,
+            },
+        }
+    }
     if p.algorithm == "gptq":
         return GPTQModifier(config_groups=groups, ignore=p.ignore, dampening_frac=p.dampening_frac)
     return QuantizationModifier(config_groups=groups, ignore=p.ignore)
@@ -75,14 +91,20 @@ def calibration_dataset(tokenizer, p: QuantizeParams):
     from pipeline.calibration import texts
 
     ds = Dataset.from_dict({"text": texts(tokenizer, p.calibration_samples)})
-    return ds.map(lambda s: tokenizer(s["text"], max_length=p.calibration_seq_len, truncation=True,
-                                      add_special_tokens=False), remove_columns=["text"])
+    return ds.map(
+        lambda s: tokenizer(s["text"], max_length=p.calibration_seq_len, truncation=True, add_special_tokens=False),
+        remove_columns=["text"],
+    )
 
 
 def recipe_record(p: QuantizeParams, source_digest: str) -> dict:
     """The `recipe` of a build's manifest (build.json): every parameter but the scheme, and the
     sha256 digest of the 16-bit weights it was made from. Equal records = the same build recipe."""
-    return {"algorithm": p.algorithm, **p.model_dump(exclude={"algorithm", "scheme"}), "source_weights_sha256": source_digest}
+    return {
+        "algorithm": p.algorithm,
+        **p.model_dump(exclude={"algorithm", "scheme"}),
+        "source_weights_sha256": source_digest,
+    }
 
 
 def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
@@ -91,7 +113,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.prepare import smoke_generate
+    from pipeline.smoke import smoke_generate
 
     base = read_manifest(src)
     # load the 16-bit build
@@ -105,9 +127,14 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
     if p.algorithm == "rtn" or p.scheme == "FP8_DYNAMIC":
         oneshot(model=model, recipe=recipe(p))
     else:
-        oneshot(model=model, recipe=recipe(p), dataset=calibration_dataset(tokenizer, p),
-                max_seq_length=p.calibration_seq_len, num_calibration_samples=p.calibration_samples,
-                pipeline=p.calibration_pipeline)
+        oneshot(
+            model=model,
+            recipe=recipe(p),
+            dataset=calibration_dataset(tokenizer, p),
+            max_seq_length=p.calibration_seq_len,
+            num_calibration_samples=p.calibration_samples,
+            pipeline=p.calibration_pipeline,
+        )
     print(f"quantize[{build}]: {p.scheme}/{p.algorithm} in {time.monotonic() - started:.1f} s", flush=True)
     # smoke generation: a broken build shows here first
     print(f"quantize[{build}]: smoke answer: {smoke_generate(model, tokenizer)!r}", flush=True)
@@ -115,8 +142,14 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
-    return write_manifest(out, build=build, scheme=p.scheme, dtype=base["dtype"], base_model=base["base_model"],
-                          recipe=recipe_record(p, base["weights_digest"]))
+    return write_manifest(
+        out,
+        build=build,
+        scheme=p.scheme,
+        dtype=base["dtype"],
+        base_model=base["base_model"],
+        recipe=recipe_record(p, base["weights_digest"]),
+    )
 
 
 def main() -> None:

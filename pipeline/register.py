@@ -10,78 +10,23 @@ alias `fallback`. Registering is not approving: a release manager approves a ver
 recorded override. Nothing is promoted here. Re-running with the same weights and evidence
 reuses the existing version.
 """
+
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
-from pipeline.errors import QuantgateError, run_main
-from pipeline.hashing import sha256_file
-from pipeline.manifest import verify_weights
-from pipeline.params import PARAMS_FILE, Frozen, load_block
-from pipeline.precision import RECORD as PRECISION
-from registry import aliases, audit, store, versions
-
-PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
+from quantgate.errors import QuantgateError, run_main
+from quantgate.manifest import verify_weights
+from quantgate.params import Frozen, load_block
+from quantgate.precision import RECORD as PRECISION
+from registry import aliases, audit, store, tags, versions
 
 
 class RegisterParams(Frozen):
     model_name: str = "smollm2-135m-instruct"
     experiment: str = "quantgate-builds"
-
-
-def git_commit() -> str:
-    """HEAD commit, with "-dirty" when the work tree has uncommitted changes; "unknown" outside git."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
-    """Build identity and provenance as flat string tags."""
-    tags = {"build": manifest["build"], "scheme": manifest["scheme"], "dtype": manifest["dtype"],
-            "weights_sha256": manifest["weights_digest"], "base_model.id": manifest["base_model"]["id"],
-            "base_model.sha256": manifest["base_model"]["sha256"], "recipe": json.dumps(manifest["recipe"], sort_keys=True),
-            "git_commit": git_commit(), "params_sha256": sha256_file(PARAMS_FILE)}
-    tags.update({f"weights_sha256.{name}": digest for name, digest in manifest["weights"].items()})
-    if Path("dvc.lock").is_file():
-        tags["dvc_lock_sha256"] = sha256_file(Path("dvc.lock"))
-    for lib in PIPELINE_LIBS:
-        try:
-            tags[f"version.{lib}"] = metadata.version(lib)
-        except metadata.PackageNotFoundError:
-            pass
-    tags.update({f"version.serving.{k}": str(v) for k, v in serving.items() if v})
-    return tags
-
-
-def gate_tags(build_gate: dict | None, teams: dict) -> dict[str, str]:
-    """Per-team evidence as tags; the baseline has no gate rows and is tagged BASELINE.
-
-    `teams` is the validate stage's summary (results/teams.json): each team's eval-set
-    digest is recorded on every version, so a verdict names the exact set it was made on.
-    """
-    tags = {f"gate.{team}.team_sha256": t["sha256"] for team, t in teams.items()}
-    if build_gate is None:
-        return {**tags, "gate.verdict": "BASELINE"}
-    tags["gate.verdict"] = build_gate["verdict"]
-    for team, r in build_gate["teams"].items():
-        tags[f"gate.{team}.verdict"] = r["verdict"]
-        tags[f"gate.{team}.metric"] = r["metric"]
-        if "delta" in r:
-            tags[f"gate.{team}.delta"] = f"{r['delta']:+.4f}"
-            tags[f"gate.{team}.ci"] = f"[{r['lower']:+.4f}, {r['upper']:+.4f}]"
-            tags[f"gate.{team}.recovery_pct"] = f"{r['recovery_pct']:.2f}" if r["recovery_pct"] is not None else "-"
-        else:
-            tags[f"gate.{team}.reason"] = r["reason"][:500]
-    return tags
 
 
 def serving_of(eval_dir: Path, build: str) -> dict:
@@ -93,8 +38,15 @@ def serving_of(eval_dir: Path, build: str) -> dict:
     return {}
 
 
-def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path, params: RegisterParams,
-             teams: dict, evidence_files: list[Path] = ()) -> dict:
+def register(
+    models_dir: Path,
+    gate_result: dict,
+    report_md: str,
+    eval_dir: Path,
+    params: RegisterParams,
+    teams: dict,
+    evidence_files: list[Path] = (),
+) -> dict:
     """Register every build as a version with lineage and evidence; alias the baseline `fallback`.
 
     `teams` is results/teams.json (per-team eval-set digests); `evidence_files` (the gate
@@ -108,35 +60,52 @@ def register(models_dir: Path, gate_result: dict, report_md: str, eval_dir: Path
     manifests = {b: verify_weights(models_dir / b) for b in builds}  # check all before writing anything
     client = store.client()
     exp_id = store.experiment_id(client, params.experiment)
-    versions.ensure_registered_model(client, params.model_name,
-                                     f"Builds of {manifests[baseline]['base_model']['id']} made by quantgate")
+    versions.ensure_registered_model(
+        client, params.model_name, f"Builds of {manifests[baseline]['base_model']['id']} made by quantgate"
+    )
     out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}}
     for build in builds:
         build_gate = gate_result["builds"].get(build)
-        tags = {**lineage_tags(manifests[build], serving_of(eval_dir, build)), **gate_tags(build_gate, teams)}
+        build_tags = {
+            **tags.lineage_tags(manifests[build], serving_of(eval_dir, build)),
+            **tags.gate_tags(build_gate, teams),
+        }
         if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
-            tags["eval.dtype"] = json.loads(record.read_text())["dtype"]
-        tags["evidence_sha256"] = versions.evidence_digest(
-            {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams})
-        verdict = tags["gate.verdict"]
-        existing = versions.find_version(client, params.model_name, tags["weights_sha256"], tags["evidence_sha256"])
+            build_tags[tags.EVAL_DTYPE] = json.loads(record.read_text())["dtype"]
+        build_tags[tags.EVIDENCE] = versions.evidence_digest(
+            {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams}
+        )
+        verdict = build_tags[tags.VERDICT]
+        existing = versions.find_version(client, params.model_name, build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
         if existing is not None:
             versions.record_verdict(client, existing.run_id, verdict)  # back-fills older runs
-            out["builds"][build] = {"version": str(existing.version), "run_id": existing.run_id, "verdict": verdict,
-                                    "reused": True}
+            out["builds"][build] = {
+                "version": str(existing.version),
+                "run_id": existing.run_id,
+                "verdict": verdict,
+                "reused": True,
+            }
             print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")
             continue
-        metrics = {f"{team}.{k}": r[k] for team, r in (build_gate or {"teams": {}})["teams"].items()
-                   for k in ("baseline", "candidate", "delta") if isinstance(r.get(k), (int, float))}
-        run_id, source = versions.log_build_run(client, exp_id, models_dir / build, tags, metrics, report_md,
-                                                eval_dir / build, evidence_files)
-        mv = versions.register_version(client, params.model_name, run_id, source, tags, report_md)
+        metrics = {
+            f"{team}.{k}": r[k]
+            for team, r in (build_gate or {"teams": {}})["teams"].items()
+            for k in ("baseline", "candidate", "delta")
+            if isinstance(r.get(k), (int, float))
+        }
+        run_id, source = versions.log_build_run(
+            client, exp_id, models_dir / build, build_tags, metrics, report_md, eval_dir / build, evidence_files
+        )
+        mv = versions.register_version(client, params.model_name, run_id, source, build_tags, report_md)
         out["builds"][build] = {"version": str(mv.version), "run_id": run_id, "verdict": verdict, "reused": False}
-        print(f"register: {build}: version {mv.version} of {params.model_name}, gate {verdict}"
-              + ("" if verdict in ("PASS", "BASELINE") else " (approval needs a recorded --override)"))
+        print(
+            f"register: {build}: version {mv.version} of {params.model_name}, gate {verdict}"
+            + ("" if verdict in tags.PASSING else " (approval needs a recorded --override)")
+        )
     fallback = out["builds"][baseline]["version"]
-    changed = aliases.set_fallback(client, params.model_name, fallback, by=audit.default_user(),
-                                   reason=f"register: baseline build {baseline}")
+    changed = aliases.set_fallback(
+        client, params.model_name, fallback, by=audit.default_user(), reason=f"register: baseline build {baseline}"
+    )
     print(f"register: alias {aliases.FALLBACK} -> version {fallback}" + ("" if changed else " (unchanged)"))
     return out
 
@@ -155,8 +124,15 @@ def main() -> None:
         gate_result, teams = json.loads(gate_json.read_text()), json.loads(teams_json.read_text())
     except ValueError as exc:
         raise QuantgateError(f"{gate_json} or {teams_json} is not valid JSON ({exc}); re-run `dvc repro`") from None
-    result = register(models_dir, gate_result, report_md.read_text(), eval_dir, load_block("register", RegisterParams),
-                      teams, [plot_png, teams_json])
+    result = register(
+        models_dir,
+        gate_result,
+        report_md.read_text(),
+        eval_dir,
+        load_block("register", RegisterParams),
+        teams,
+        [plot_png, teams_json],
+    )
     out_json.write_text(json.dumps(result, indent=2) + "\n")
 
 

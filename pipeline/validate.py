@@ -7,30 +7,38 @@ before any build is prepared, evaluated or registered, so no team's results and 
 entry are touched. On success it writes a summary of the teams (policy, tasks, document
 counts, folder digests) that the report and the registry read.
 """
+
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-from evals.teams import Team, load_teams, min_docs
-from pipeline.errors import QuantgateError, run_main
+from quantgate.errors import QuantgateError, run_main
+from quantgate.teams import Team, load_teams, min_docs
 
 
 def summary(teams: list[Team]) -> dict:
     """{team: {owner, contact, metric, margin, confidence, n_docs, min_docs, tasks, sha256}}.
 
     min_docs is the fewest documents with which identical builds can PASS (0/1 metrics,
-    evals/checks.py), None for continuous metrics.
+    quantgate/checks.py), None for continuous metrics.
     """
     out = {}
     for t in teams:
         p = t.policy
-        out[t.name] = {"owner": p.owner, "contact": p.contact, "metric": p.metric,
-                       "higher_is_better": p.higher_is_better, "margin": p.margin.model_dump(exclude_none=True),
-                       "confidence": p.confidence, "n_docs": sum(x.n_docs for x in t.tasks),
-                       "min_docs": min_docs(p),
-                       "tasks": {x.name: x.n_docs for x in t.tasks}, "sha256": t.digest}
+        out[t.name] = {
+            "owner": p.owner,
+            "contact": p.contact,
+            "metric": p.metric,
+            "higher_is_better": p.higher_is_better,
+            "margin": p.margin.model_dump(exclude_none=True),
+            "confidence": p.confidence,
+            "n_docs": sum(x.n_docs for x in t.tasks),
+            "min_docs": min_docs(p),
+            "tasks": {x.name: x.n_docs for x in t.tasks},
+            "sha256": t.digest,
+        }
     return out
 
 

@@ -11,6 +11,7 @@ aliases there, so a caller's view is checked and applied in one step: two concur
 promotions cannot both win. Each alias change is an audit run (registry/audit.py), and an
 alias is only ever pointed at an existing READY version.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from registry import approval, audit, lock, versions
+from quantgate.errors import QuantgateError
+from registry import approval, audit, lock, tags, versions
 from registry.approval import require_text as _require_text
 from registry.audit import version_label
 from registry.verify import verify_version
@@ -66,35 +67,48 @@ def current(mlflow_client, model_name: str) -> dict[str, str]:
     return {a: str(v) for a, v in (rm.aliases or {}).items() if a in ALIASES}
 
 
-def _apply(mlflow_client, model_name: str, held: lock.Lock, changes: list[Change], *, action: str, by: str,
-           reason: str, canary_run_id: str | None = None, **extra: str | None) -> list[Change]:
+def _apply(
+    mlflow_client,
+    model_name: str,
+    held: lock.Lock,
+    changes: list[Change],
+    *,
+    action: str,
+    by: str,
+    reason: str,
+    canary_run_id: str | None = None,
+    **extra: str | None,
+) -> list[Change]:
     """Write `changes` (under `held`) with one audit run each; on failure restore what was written."""
     at, op = audit.utc_now(), uuid.uuid4().hex
     for c in changes:
         check_alias(c.alias)
         if c.to_version is not None:
             versions.require_version(mlflow_client, model_name, c.to_version)
-    runs = [audit.begin(mlflow_client, model_name, action=action, by=by, reason=reason, at=at, op=op, step=i,
-                        alias=c.alias, from_version=c.from_version, to_version=c.to_version,
-                        canary_run_id=canary_run_id, **(extra if c.alias == PRODUCTION else {}))
-            for i, c in enumerate(changes)]
+    steps = [
+        dict(
+            alias=c.alias,
+            from_version=c.from_version,
+            to_version=c.to_version,
+            canary_run_id=canary_run_id,
+            **(extra if c.alias == PRODUCTION else {}),
+        )
+        for c in changes
+    ]
     done: list[Change] = []
-    try:
-        held.check()
-        for c in changes:
-            _set(mlflow_client, model_name, c.alias, c.to_version)
-            done.append(c)
-    except BaseException:
-        for c in reversed(done):
-            try:
-                _set(mlflow_client, model_name, c.alias, c.from_version)
-            except Exception:  # noqa: BLE001 - best effort; the original error is what matters
-                pass
-        for run_id in runs:
-            audit.end(mlflow_client, run_id, ok=False)
-        raise
-    for run_id in runs:
-        audit.end(mlflow_client, run_id, ok=True)
+    with audit.audited(mlflow_client, model_name, steps=steps, action=action, by=by, reason=reason, at=at, op=op):
+        try:
+            held.check()
+            for c in changes:
+                _set(mlflow_client, model_name, c.alias, c.to_version)
+                done.append(c)
+        except BaseException:
+            for c in reversed(done):
+                try:
+                    _set(mlflow_client, model_name, c.alias, c.from_version)
+                except Exception:  # best effort; the original error is what matters
+                    pass
+            raise
     return changes
 
 
@@ -109,8 +123,10 @@ def _require_servable(mlflow_client, model_name: str, version: str) -> approval.
     """Existing, READY and approved (gate PASS/BASELINE or a recorded override)."""
     a = approval.approval_of(mlflow_client, model_name, version)
     if not a.approved:
-        raise QuantgateError(f"{model_name} v{version} is not approved for serving: {a.why}; "
-                             f"`quantgate approve {model_name} {version} --reason ...` first")
+        raise QuantgateError(
+            f"{model_name} v{version} is not approved for serving: {a.why}; "
+            f"`quantgate approve {model_name} {version} --reason ...` first"
+        )
     return a
 
 
@@ -130,8 +146,16 @@ def _require_run(mlflow_client, run_id: str | None) -> None:
         raise QuantgateError(f"canary run {run_id!r} does not exist at this tracking URI") from None
 
 
-def promote(mlflow_client, model_name: str, version, expected_production, by: str, reason: str,
-            canary_run_id: str | None = None, verify: bool = True) -> list[Change]:
+def promote(
+    mlflow_client,
+    model_name: str,
+    version,
+    expected_production,
+    by: str,
+    reason: str,
+    canary_run_id: str | None = None,
+    verify: bool = True,
+) -> list[Change]:
     """Make `version` production if production is still `expected_production` (a version or None).
 
     The old production (or, when there was none, the `fallback` build that served) becomes
@@ -152,8 +176,10 @@ def promote(mlflow_client, model_name: str, version, expected_production, by: st
         now = current(mlflow_client, model_name)
         prod = now.get(PRODUCTION)
         if prod != expected:
-            raise AliasConflict(f"{model_name}: production is {version_label(prod)}, not {version_label(expected)} as expected; someone else "
-                                f"changed it first (see `quantgate history {model_name}`); nothing was changed")
+            raise AliasConflict(
+                f"{model_name}: production is {version_label(prod)}, not {version_label(expected)} as expected; "
+                f"someone else changed it first (see `quantgate history {model_name}`); nothing was changed"
+            )
         if prod == version:
             return []
         a = _require_servable(mlflow_client, model_name, version)  # again: a revoke may have just landed
@@ -163,11 +189,23 @@ def promote(mlflow_client, model_name: str, version, expected_production, by: st
             changes.append(Change(PREVIOUS, now.get(PREVIOUS), served))
         if now.get(CANDIDATE) == version:
             changes.append(Change(CANDIDATE, version, None))
-        return _apply(mlflow_client, model_name, held, changes, action="promote", by=by, reason=reason,
-                      canary_run_id=canary_run_id, approved_by=a.by, override_reason=a.override_reason)
+        return _apply(
+            mlflow_client,
+            model_name,
+            held,
+            changes,
+            action="promote",
+            by=by,
+            reason=reason,
+            canary_run_id=canary_run_id,
+            approved_by=a.by,
+            override_reason=a.override_reason,
+        )
 
 
-def rollback(mlflow_client, model_name: str, by: str, reason: str, to: str = PREVIOUS, verify: bool = True) -> list[Change]:
+def rollback(
+    mlflow_client, model_name: str, by: str, reason: str, to: str = PREVIOUS, verify: bool = True
+) -> list[Change]:
     """Point production back at `previous` (default) or `fallback`.
 
     The version rolled away from is not kept in an alias (the audit trail names it; roll
@@ -193,20 +231,25 @@ def rollback(mlflow_client, model_name: str, by: str, reason: str, to: str = PRE
             hint = f"; `--to {FALLBACK}` goes to the 16-bit build" if to == PREVIOUS else ""
             raise QuantgateError(f"{model_name} has no {to!r} alias: nothing to roll back to{hint}")
         if now.get(to) != target:
-            raise AliasConflict(f"{model_name}: {to} moved from {version_label(target)} to {version_label(now.get(to))} during the rollback; "
-                                f"nothing was changed; retry")
+            raise AliasConflict(
+                f"{model_name}: {to} moved from {version_label(target)} to {version_label(now.get(to))} "
+                f"during the rollback; nothing was changed; retry"
+            )
         if target == prod:
             raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production")
         if approval.approval_of(mlflow_client, model_name, target).state == approval.REVOKED:
-            raise QuantgateError(f"{model_name} v{target} ({to}) has its approval revoked; roll back to another version")
+            raise QuantgateError(
+                f"{model_name} v{target} ({to}) has its approval revoked; roll back to another version"
+            )
         changes = [Change(PRODUCTION, prod, target)]
         if now.get(PREVIOUS) == target:
             changes.append(Change(PREVIOUS, target, None))
         return _apply(mlflow_client, model_name, held, changes, action="rollback", by=by, reason=reason)
 
 
-def set_candidate(mlflow_client, model_name: str, version, by: str, reason: str, canary_run_id: str | None = None,
-                  verify: bool = True) -> list[Change]:
+def set_candidate(
+    mlflow_client, model_name: str, version, by: str, reason: str, canary_run_id: str | None = None, verify: bool = True
+) -> list[Change]:
     """Point `candidate` (the canary) at an approved `version` whose weights verify."""
     _require_text(by=by, reason=reason)
     version = versions.version_number(version)
@@ -219,19 +262,37 @@ def set_candidate(mlflow_client, model_name: str, version, by: str, reason: str,
         if now.get(CANDIDATE) == version:
             return []
         _require_servable(mlflow_client, model_name, version)
-        return _apply(mlflow_client, model_name, held, [Change(CANDIDATE, now.get(CANDIDATE), version)],
-                      action="set_candidate", by=by, reason=reason, canary_run_id=canary_run_id)
+        return _apply(
+            mlflow_client,
+            model_name,
+            held,
+            [Change(CANDIDATE, now.get(CANDIDATE), version)],
+            action="set_candidate",
+            by=by,
+            reason=reason,
+            canary_run_id=canary_run_id,
+        )
 
 
-def clear_candidate(mlflow_client, model_name: str, by: str, reason: str, canary_run_id: str | None = None) -> list[Change]:
+def clear_candidate(
+    mlflow_client, model_name: str, by: str, reason: str, canary_run_id: str | None = None
+) -> list[Change]:
     """Remove `candidate` (canary aborted or done); no-op when it is not set."""
     _require_text(by=by, reason=reason)
     with lock.held(mlflow_client, model_name, f"clear candidate by {by}") as held:
         old = current(mlflow_client, model_name).get(CANDIDATE)
         if old is None:
             return []
-        return _apply(mlflow_client, model_name, held, [Change(CANDIDATE, old, None)],
-                      action="clear_candidate", by=by, reason=reason, canary_run_id=canary_run_id)
+        return _apply(
+            mlflow_client,
+            model_name,
+            held,
+            [Change(CANDIDATE, old, None)],
+            action="clear_candidate",
+            by=by,
+            reason=reason,
+            canary_run_id=canary_run_id,
+        )
 
 
 def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) -> list[Change]:
@@ -245,15 +306,24 @@ def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) 
         return []
     mv = versions.require_version(mlflow_client, model_name, version)
     recorded = versions.recorded_verdict(mlflow_client, mv)
-    if mv.tags.get("gate.verdict") != "BASELINE" or recorded not in (None, "BASELINE"):
-        raise QuantgateError(f"{model_name} v{version} is not the baseline build (gate.verdict="
-                             f"{recorded or mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build")
+    if mv.tags.get(tags.VERDICT) != tags.BASELINE or recorded not in (None, tags.BASELINE):
+        raise QuantgateError(
+            f"{model_name} v{version} is not the baseline build (gate.verdict="
+            f"{recorded or mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build"
+        )
     with lock.held(mlflow_client, model_name, f"fallback v{version} by {by}") as held:
         old = current(mlflow_client, model_name).get(FALLBACK)
         if old == version:
             return []
-        return _apply(mlflow_client, model_name, held, [Change(FALLBACK, old, version)],
-                      action="set_fallback", by=by, reason=reason)
+        return _apply(
+            mlflow_client,
+            model_name,
+            held,
+            [Change(FALLBACK, old, version)],
+            action="set_fallback",
+            by=by,
+            reason=reason,
+        )
 
 
 def aliases_at(mlflow_client, model_name: str, when: datetime) -> dict[str, str | None]:

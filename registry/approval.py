@@ -15,22 +15,24 @@ Anything else (missing, revoked, an unknown value, an override missing) reads as
 approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
 """
+
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, replace
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 from registry import audit, lock, versions
+from registry.tags import PASSING, VERDICT
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
 APPROVED, REVOKED = "approved", "revoked"
-PASSING = ("PASS", "BASELINE")  # gate verdicts that need no override; BASELINE = the 16-bit build
 
 
 @dataclass(frozen=True)
 class Approval:
     """What the tags say. `approved` is the only field that gates anything."""
+
     approved: bool
     state: str  # approved | revoked | none | invalid
     why: str
@@ -49,33 +51,53 @@ def read_approval(tags: dict[str, str], recorded: str | None) -> Approval:
     """Approval state of a version from its tags and `recorded`, the gate verdict its run
     recorded at registration (registry.versions.recorded_verdict; None if none): fail closed,
     see the module docstring."""
+
     def text(key: str) -> str | None:
         return (tags.get(key) or "").strip() or None
 
     raw, by, at, reason, override = text(TAG), text(BY), text(AT), text(REASON), text(OVERRIDE)
-    verdict = tags.get("gate.verdict", "missing")
+    verdict = tags.get(VERDICT, "missing")
     who = dict(by=by, at=at, reason=reason)
     if raw is None:
         return Approval(False, "none", "not approved (no `approval` tag)", **who)
     state = raw  # exact: a near-miss like "Approved" is not an approval (fail closed)
     if state == REVOKED:
-        return Approval(False, "revoked", f"revoked by {by or '?'} at {at or '?'}: {reason or 'no reason given'}", **who)
+        return Approval(
+            False, "revoked", f"revoked by {by or '?'} at {at or '?'}: {reason or 'no reason given'}", **who
+        )
     if state != APPROVED:
-        return Approval(False, "invalid", f"not approved: tag approval={raw!r} is neither {APPROVED!r} nor {REVOKED!r}", **who)
+        return Approval(
+            False, "invalid", f"not approved: tag approval={raw!r} is neither {APPROVED!r} nor {REVOKED!r}", **who
+        )
     if by is None or reason is None:
         missing = [k for k, v in ((BY, by), (REASON, reason)) if v is None]
-        return Approval(False, "invalid", f"not approved: approval={APPROVED} but {' and '.join(missing)} "
-                                          f"{'are' if len(missing) > 1 else 'is'} empty "
-                                          f"(an approval must say who and why)", **who)
-    if (problem := verdict_problem(tags.get("gate.verdict"), recorded)) is not None:
+        return Approval(
+            False,
+            "invalid",
+            f"not approved: approval={APPROVED} but {' and '.join(missing)} "
+            f"{'are' if len(missing) > 1 else 'is'} empty "
+            f"(an approval must say who and why)",
+            **who,
+        )
+    if (problem := verdict_problem(tags.get(VERDICT), recorded)) is not None:
         return Approval(False, "invalid", f"not approved: {problem}", **who)
     if verdict in PASSING:
         return Approval(True, "approved", f"approved by {by} at {at or '?'}: {reason}", **who)
     if override is None:
-        return Approval(False, "invalid", f"not approved: approval={APPROVED} by {by} but gate.verdict={verdict} and no "
-                                          f"{OVERRIDE} (a build that did not pass its gate needs a recorded override)", **who)
-    return Approval(True, "approved", f"approved by {by} at {at or '?'} OVERRIDING gate.verdict={verdict}: {override}",
-                    override_reason=override, **who)
+        return Approval(
+            False,
+            "invalid",
+            f"not approved: approval={APPROVED} by {by} but gate.verdict={verdict} and no "
+            f"{OVERRIDE} (a build that did not pass its gate needs a recorded override)",
+            **who,
+        )
+    return Approval(
+        True,
+        "approved",
+        f"approved by {by} at {at or '?'} OVERRIDING gate.verdict={verdict}: {override}",
+        override_reason=override,
+        **who,
+    )
 
 
 def verdict_problem(tag: str | None, recorded: str | None) -> str | None:
@@ -85,8 +107,10 @@ def verdict_problem(tag: str | None, recorded: str | None) -> str | None:
     if recorded is None or tag == recorded:
         return None
     shown = "missing" if tag is None else repr(tag)
-    return (f"tag gate.verdict is {shown} but the build's run recorded {recorded!r} at registration (the tag was "
-            f"changed after registration and does not count; set it back to {recorded})")
+    return (
+        f"tag gate.verdict is {shown} but the build's run recorded {recorded!r} at registration (the tag was "
+        f"changed after registration and does not count; set it back to {recorded})"
+    )
 
 
 def approval_of(mlflow_client, model_name: str, version) -> Approval:
@@ -102,7 +126,9 @@ def require_text(**values: str | None) -> None:
             raise QuantgateError(f"--{name} must not be empty")
 
 
-def approve(mlflow_client, model_name: str, version, by: str, reason: str, override_reason: str | None = None) -> Approval:
+def approve(
+    mlflow_client, model_name: str, version, by: str, reason: str, override_reason: str | None = None
+) -> Approval:
     """Approve `version` for serving; return the approval as read back.
 
     A version whose gate.verdict is not PASS/BASELINE needs `override_reason`, which is
@@ -114,22 +140,35 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
     require_text(by=by, reason=reason)
     with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
-        verdict, recorded = mv.tags.get("gate.verdict", "missing"), versions.recorded_verdict(mlflow_client, mv)
-        if (problem := verdict_problem(mv.tags.get("gate.verdict"), recorded)) is not None:
+        verdict, recorded = mv.tags.get(VERDICT, "missing"), versions.recorded_verdict(mlflow_client, mv)
+        if (problem := verdict_problem(mv.tags.get(VERDICT), recorded)) is not None:
             raise QuantgateError(f"{model_name} v{mv.version}: {problem}")
         if verdict in PASSING:
             override_reason = None
         elif not (override_reason or "").strip():
-            raise QuantgateError(f"{model_name} v{mv.version}: gate.verdict is {verdict}, not PASS; approving it "
-                                 f"needs --override REASON, which is recorded")
+            raise QuantgateError(
+                f"{model_name} v{mv.version}: gate.verdict is {verdict}, not PASS; approving it "
+                f"needs --override REASON, which is recorded"
+            )
         current = read_approval(mv.tags, recorded)
-        if current.approved and (current.by, current.reason, current.override_reason) == \
-                (by.strip(), reason.strip(), (override_reason or "").strip() or None):
+        if current.approved and (current.by, current.reason, current.override_reason) == (
+            by.strip(),
+            reason.strip(),
+            (override_reason or "").strip() or None,
+        ):
             return replace(current, unchanged=True)
         at = audit.utc_now()
-        run_id = audit.begin(mlflow_client, model_name, action="approve", by=by, reason=reason, at=at,
-                             op=uuid.uuid4().hex, version=mv.version, override_reason=override_reason)
-        try:
+        with audit.audited(
+            mlflow_client,
+            model_name,
+            action="approve",
+            by=by,
+            reason=reason,
+            at=at,
+            op=uuid.uuid4().hex,
+            version=mv.version,
+            override_reason=override_reason,
+        ):
             lk.check()
             for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
                 mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
@@ -137,11 +176,9 @@ def approve(mlflow_client, model_name: str, version, by: str, reason: str, overr
                 mlflow_client.set_model_version_tag(model_name, mv.version, OVERRIDE, override_reason)
             elif OVERRIDE in mv.tags:
                 mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
-            mlflow_client.set_model_version_tag(model_name, mv.version, TAG, APPROVED)  # last: counts only when complete
-        except BaseException:
-            audit.end(mlflow_client, run_id, ok=False)
-            raise
-        audit.end(mlflow_client, run_id, ok=True)
+            mlflow_client.set_model_version_tag(
+                model_name, mv.version, TAG, APPROVED
+            )  # last: counts only when complete
     return approval_of(mlflow_client, model_name, mv.version)
 
 
@@ -155,17 +192,20 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     with lock.held(mlflow_client, model_name, f"revoke by {by}") as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         at = audit.utc_now()
-        run_id = audit.begin(mlflow_client, model_name, action="revoke", by=by, reason=reason, at=at,
-                             op=uuid.uuid4().hex, version=mv.version)
-        try:
+        with audit.audited(
+            mlflow_client,
+            model_name,
+            action="revoke",
+            by=by,
+            reason=reason,
+            at=at,
+            op=uuid.uuid4().hex,
+            version=mv.version,
+        ):
             lk.check()
             mlflow_client.set_model_version_tag(model_name, mv.version, TAG, REVOKED)  # first: fail closed
             for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
                 mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
             if OVERRIDE in mv.tags:
                 mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
-        except BaseException:
-            audit.end(mlflow_client, run_id, ok=False)
-            raise
-        audit.end(mlflow_client, run_id, ok=True)
     return approval_of(mlflow_client, model_name, mv.version)

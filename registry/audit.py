@@ -12,11 +12,13 @@ A run is created RUNNING before the registry is changed and ends FINISHED after 
 or FAILED if the change did not happen. Only FINISHED runs count in `history`; a run still
 RUNNING marks a change whose process died mid-way (check the aliases in the UI).
 """
+
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -44,6 +46,7 @@ def as_utc(when: datetime) -> datetime:
 @dataclass(frozen=True)
 class Event:
     """One audited change, as read back from its run."""
+
     at: datetime
     action: str
     model: str
@@ -66,10 +69,17 @@ class Event:
 
     def line(self) -> str:
         """One human line: `2025-01-01T10:00:00.000+00:00 promote production v1 -> v2 by alice: reason`."""
-        what = (f"{self.alias} {version_label(self.from_version)} -> {version_label(self.to_version)}" if self.alias
-                else f"v{self.version}")
-        extra = "".join([f" [override: {self.override_reason}]" if self.override_reason else "",
-                         f" [canary run {self.canary_run_id}]" if self.canary_run_id else ""])
+        what = (
+            f"{self.alias} {version_label(self.from_version)} -> {version_label(self.to_version)}"
+            if self.alias
+            else f"v{self.version}"
+        )
+        extra = "".join(
+            [
+                f" [override: {self.override_reason}]" if self.override_reason else "",
+                f" [canary run {self.canary_run_id}]" if self.canary_run_id else "",
+            ]
+        )
         return f"{self.at.isoformat(timespec='milliseconds')} {self.action} {what} by {self.by}: {self.reason}{extra}"
 
 
@@ -92,8 +102,18 @@ def experiment_id(mlflow_client) -> str:
         return mlflow_client.get_experiment_by_name(AUDIT_EXPERIMENT).experiment_id
 
 
-def begin(mlflow_client, model: str, *, action: str, by: str, reason: str, at: datetime, op: str, step: int = 0,
-          **fields: str | None) -> str:
+def begin(
+    mlflow_client,
+    model: str,
+    *,
+    action: str,
+    by: str,
+    reason: str,
+    at: datetime,
+    op: str,
+    step: int = 0,
+    **fields: str | None,
+) -> str:
     """Create the RUNNING audit run for one change; return its run id.
 
     `fields`: alias, from_version, to_version, version, override_reason, canary_run_id, ...
@@ -101,20 +121,50 @@ def begin(mlflow_client, model: str, *, action: str, by: str, reason: str, at: d
     """
     from mlflow.entities import Param
 
-    params = {"action": action, "model": model, "by": by, "at": at.isoformat(timespec="milliseconds"),
-              "reason": reason[:MAX_TEXT], "op": op, "step": str(step)}
+    params = {
+        "action": action,
+        "model": model,
+        "by": by,
+        "at": at.isoformat(timespec="milliseconds"),
+        "reason": reason[:MAX_TEXT],
+        "op": op,
+        "step": str(step),
+    }
     for key, value in fields.items():
         if value is None and key in ("from_version", "to_version"):
             value = UNSET
         if value is not None:
             params[key] = str(value)[:MAX_TEXT]
-    summary = (f"{action} {fields['alias']} {version_label(fields.get('from_version'))} -> {version_label(fields.get('to_version'))}"
-               if fields.get("alias") else f"{action} v{fields.get('version')}")
-    run = mlflow_client.create_run(experiment_id(mlflow_client), start_time=int(at.timestamp() * 1000),
-                                   tags={"mlflow.user": by, "quantgate.action": action, "quantgate.model": model},
-                                   run_name=f"{model}: {summary}")
+    summary = (
+        f"{action} {fields['alias']} {version_label(fields.get('from_version'))} -> "
+        f"{version_label(fields.get('to_version'))}"
+        if fields.get("alias")
+        else f"{action} v{fields.get('version')}"
+    )
+    run = mlflow_client.create_run(
+        experiment_id(mlflow_client),
+        start_time=int(at.timestamp() * 1000),
+        tags={"mlflow.user": by, "quantgate.action": action, "quantgate.model": model},
+        run_name=f"{model}: {summary}",
+    )
     mlflow_client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
     return run.info.run_id
+
+
+@contextlib.contextmanager
+def audited(mlflow_client, model: str, *, steps: Sequence[dict] = ({},), **common) -> Iterator[list[str]]:
+    """An audited change: one RUNNING audit run per step (`begin(**common, step=i, **steps[i])`) before the
+    block, all ended FINISHED when the block completes, or FAILED (and the error re-raised) when it raises.
+    Yields the run ids."""
+    run_ids = [begin(mlflow_client, model, step=i, **common, **fields) for i, fields in enumerate(steps)]
+    try:
+        yield run_ids
+    except BaseException:
+        for run_id in run_ids:
+            end(mlflow_client, run_id, ok=False)
+        raise
+    for run_id in run_ids:
+        end(mlflow_client, run_id, ok=True)
 
 
 def end(mlflow_client, run_id: str, ok: bool) -> None:
@@ -130,11 +180,22 @@ def _event(run) -> Event:
         value = p.get(key)
         return None if value in (None, UNSET) else value
 
-    return Event(at=datetime.fromisoformat(p["at"]), action=p["action"], model=p["model"], by=p["by"],
-                 reason=p.get("reason", ""), alias=opt("alias"), from_version=opt("from_version"),
-                 to_version=opt("to_version"), version=opt("version"), override_reason=opt("override_reason"),
-                 canary_run_id=opt("canary_run_id"), step=int(p.get("step", 0)), run_id=run.info.run_id,
-                 done_at=datetime.fromtimestamp(run.info.end_time / 1000, timezone.utc) if run.info.end_time else None)
+    return Event(
+        at=datetime.fromisoformat(p["at"]),
+        action=p["action"],
+        model=p["model"],
+        by=p["by"],
+        reason=p.get("reason", ""),
+        alias=opt("alias"),
+        from_version=opt("from_version"),
+        to_version=opt("to_version"),
+        version=opt("version"),
+        override_reason=opt("override_reason"),
+        canary_run_id=opt("canary_run_id"),
+        step=int(p.get("step", 0)),
+        run_id=run.info.run_id,
+        done_at=datetime.fromtimestamp(run.info.end_time / 1000, timezone.utc) if run.info.end_time else None,
+    )
 
 
 def history(mlflow_client, model: str) -> list[Event]:
@@ -144,8 +205,12 @@ def history(mlflow_client, model: str) -> list[Event]:
         return []
     runs, token = [], None
     while True:
-        page = mlflow_client.search_runs([exp.experiment_id], page_token=token, max_results=1000,
-                                         filter_string=f"params.model = '{model}' and attributes.status = 'FINISHED'")
+        page = mlflow_client.search_runs(
+            [exp.experiment_id],
+            page_token=token,
+            max_results=1000,
+            filter_string=f"params.model = '{model}' and attributes.status = 'FINISHED'",
+        )
         runs.extend(page)
         token = page.token
         if not token:

@@ -9,6 +9,7 @@
 Each parses, calls registry/, prints; a QuantgateError or an MLflow error is one line, no traceback.
 `--by` defaults to $USER. The registry is `MLFLOW_TRACKING_URI` (default ./mlflow.db).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from datetime import datetime
 
 import click
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import command_errors
 
 
 @contextmanager
@@ -27,12 +28,10 @@ def _errors() -> Iterator[None]:
 
     from registry import store
 
-    try:
+    with command_errors(
+        also=(MlflowException,), describe=lambda exc: f"MLflow at {store.tracking_uri()}: {exc.message}"
+    ):
         yield
-    except QuantgateError as exc:
-        raise click.ClickException(str(exc)) from None
-    except MlflowException as exc:
-        raise click.ClickException(f"MLflow at {store.tracking_uri()}: {exc.message}") from None
 
 
 def _client():
@@ -51,8 +50,13 @@ def version_arg(ctx, param, value: str) -> str:
     return v
 
 
-_by = click.option("--by", default=lambda: os.environ.get("USER"), required=True, show_default="$USER",
-                   help="Who is acting (recorded).")
+_by = click.option(
+    "--by",
+    default=lambda: os.environ.get("USER"),
+    required=True,
+    show_default="$USER",
+    help="Who is acting (recorded).",
+)
 _reason = click.option("--reason", required=True, help="Why (recorded).")
 
 
@@ -61,16 +65,22 @@ _reason = click.option("--reason", required=True, help="Why (recorded).")
 @click.argument("version", callback=version_arg)
 @_by
 @_reason
-@click.option("--override", "override_reason", metavar="REASON",
-              help="Approve although gate.verdict is not PASS; REASON is recorded.")
+@click.option(
+    "--override",
+    "override_reason",
+    metavar="REASON",
+    help="Approve although gate.verdict is not PASS; REASON is recorded.",
+)
 def approve(model: str, version: str, by: str, reason: str, override_reason: str | None) -> None:
     """Approve MODEL VERSION for serving (needed before promote and candidate)."""
     from registry import approval
 
     with _errors():
         a = approval.approve(_client(), model, version, by, reason, override_reason)
-    click.echo(f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
-               + (" (the same approval; nothing recorded)" if a.unchanged else ""))
+    click.echo(
+        f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
+        + (" (the same approval; nothing recorded)" if a.unchanged else "")
+    )
     if override_reason and not a.override:
         click.echo("note: the version passes its gate; --override was not needed and is not recorded")
 
@@ -87,12 +97,21 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
     with _errors():
         client = _client()
         a = approval.revoke(client, model, version, by, reason)
-        serving = sorted(al for al, v in aliases.current(client, model).items()
-                         if v == versions.version_number(version) and al in (aliases.PRODUCTION, aliases.CANDIDATE))
+        serving = sorted(
+            al
+            for al, v in aliases.current(client, model).items()
+            if v == versions.version_number(version) and al in (aliases.PRODUCTION, aliases.CANDIDATE)
+        )
     click.echo(f"{model} v{version}: {a.why}")
     for al in serving:
-        click.echo(f"warning: v{version} is still {al!r}; "
-                   + (f"run `quantgate rollback {model} --reason ...`" if al == aliases.PRODUCTION else "the canary must drop it"))
+        click.echo(
+            f"warning: v{version} is still {al!r}; "
+            + (
+                f"run `quantgate rollback {model} --reason ...`"
+                if al == aliases.PRODUCTION
+                else "the canary must drop it"
+            )
+        )
 
 
 def _version_or_none(ctx, param, value: str) -> str | None:
@@ -102,12 +121,19 @@ def _version_or_none(ctx, param, value: str) -> str | None:
 @click.command()
 @click.argument("model")
 @click.argument("version", callback=version_arg)
-@click.option("--expect-production", required=True, callback=_version_or_none, metavar="VERSION|none",
-              help="The version you believe is production now (none if there is none); if it is not, nothing changes.")
+@click.option(
+    "--expect-production",
+    required=True,
+    callback=_version_or_none,
+    metavar="VERSION|none",
+    help="The version you believe is production now (none if there is none); if it is not, nothing changes.",
+)
 @_by
 @_reason
 @click.option("--canary-run-id", help="The MLflow run of the canary that supports this promotion (recorded).")
-def promote(model: str, version: str, expect_production: str | None, by: str, reason: str, canary_run_id: str | None) -> None:
+def promote(
+    model: str, version: str, expect_production: str | None, by: str, reason: str, canary_run_id: str | None
+) -> None:
     """Make MODEL VERSION production (it must be approved; its weights are verified first)."""
     from registry import aliases
 
@@ -145,7 +171,9 @@ def _when(ctx, param, value: str | None) -> datetime | None:
 
 @click.command()
 @click.argument("model")
-@click.option("--at", "at", callback=_when, metavar="ISO-TIME", help="Show the aliases as they were at this time (no zone = UTC).")
+@click.option(
+    "--at", "at", callback=_when, metavar="ISO-TIME", help="Show the aliases as they were at this time (no zone = UTC)."
+)
 def history(model: str, at: datetime | None) -> None:
     """The audited alias and approval changes of MODEL, oldest first."""
     from registry import aliases, audit

@@ -12,6 +12,7 @@ it), checking that it renamed the lock it judged stale, and deleting it. Clocks 
 to agree to well under STALE_AFTER_S (NTP). By hand: delete registered model
 `<model>.quantgate-lock` in the UI once you know its holder is gone.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 LOCK_SUFFIX = ".quantgate-lock"
 STALE_AFTER_S = 120.0  # seconds; any change under the lock takes seconds
@@ -63,13 +64,16 @@ def holder_of(mlflow_client, model_name: str) -> dict | None:
 
 
 def _describe(tags: dict) -> str:
-    return (f"{tags.get('lock.holder', '?')} (pid {tags.get('lock.pid', '?')} on {tags.get('lock.host', '?')}, "
-            f"since {tags.get('lock.at', '?')})")
+    return (
+        f"{tags.get('lock.holder', '?')} (pid {tags.get('lock.pid', '?')} on {tags.get('lock.host', '?')}, "
+        f"since {tags.get('lock.at', '?')})"
+    )
 
 
 @dataclass
 class Lock:
     """A held lock; `check()` raises if it was broken as stale while held."""
+
     client: object
     model_name: str
     token: str
@@ -77,8 +81,10 @@ class Lock:
     def check(self) -> None:
         tags = holder_of(self.client, self.model_name)
         if tags is None or tags.get("lock.token") != self.token:
-            raise QuantgateError(f"lost the registry lock {lock_name(self.model_name)} (broken as stale after "
-                                 f"{STALE_AFTER_S:.0f} s?); nothing was changed; retry")
+            raise QuantgateError(
+                f"lost the registry lock {lock_name(self.model_name)} (broken as stale after "
+                f"{STALE_AFTER_S:.0f} s?); nothing was changed; retry"
+            )
 
     def release(self) -> None:
         """Delete the lock if it is still ours (a lock broken as stale is left to its new holder)."""
@@ -118,8 +124,9 @@ def _break_stale(mlflow_client, model_name: str, stale_token: str) -> None:
     mlflow_client.delete_registered_model(grave)
 
 
-def acquire(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S,
-            stale_after_s: float = STALE_AFTER_S) -> Lock:
+def acquire(
+    mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S, stale_after_s: float = STALE_AFTER_S
+) -> Lock:
     """Take the lock on `model_name` for `holder`, waiting up to `wait_s` seconds.
 
     Raises LockBusy (a QuantgateError) naming the holder when it stays held.
@@ -129,12 +136,20 @@ def acquire(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S,
     token = uuid.uuid4().hex
     deadline = time.monotonic() + wait_s
     while True:
-        tags = {"quantgate.lock": "true", "lock.holder": holder, "lock.token": token, "lock.pid": str(os.getpid()),
-                "lock.host": socket.gethostname(), "lock.at": datetime.now(timezone.utc).isoformat(timespec="milliseconds")}
+        tags = {
+            "quantgate.lock": "true",
+            "lock.holder": holder,
+            "lock.token": token,
+            "lock.pid": str(os.getpid()),
+            "lock.host": socket.gethostname(),
+            "lock.at": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        }
         try:
             mlflow_client.create_registered_model(
-                lock_name(model_name), tags=tags,
-                description=f"quantgate lock for {model_name}: an alias or approval change is in progress")
+                lock_name(model_name),
+                tags=tags,
+                description=f"quantgate lock for {model_name}: an alias or approval change is in progress",
+            )
             return Lock(mlflow_client, model_name, token)
         except MlflowException as exc:
             # ALREADY_EXISTS: held; DOES_NOT_EXIST: released between the insert and MLflow's re-read
@@ -147,9 +162,11 @@ def acquire(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S,
             _break_stale(mlflow_client, model_name, current.get("lock.token", ""))
             continue
         if time.monotonic() > deadline:
-            raise LockBusy(f"{model_name}: another alias/approval change holds the registry lock: {_describe(current)}; "
-                           f"retry later (a lock older than {stale_after_s:.0f} s is broken automatically, or delete "
-                           f"registered model {lock_name(model_name)!r} once its holder is gone)")
+            raise LockBusy(
+                f"{model_name}: another alias/approval change holds the registry lock: {_describe(current)}; "
+                f"retry later (a lock older than {stale_after_s:.0f} s is broken automatically, or delete "
+                f"registered model {lock_name(model_name)!r} once its holder is gone)"
+            )
         time.sleep(POLL_S * (0.5 + random.random()))
 
 

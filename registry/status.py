@@ -1,8 +1,9 @@
 """A registered model at a glance: versions, builds, gate verdicts, approvals, aliases."""
+
 from __future__ import annotations
 
-from pipeline.errors import QuantgateError
-from registry import lock, versions
+from quantgate.errors import QuantgateError
+from registry import lock, tags, versions
 from registry.approval import read_approval, verdict_problem
 
 
@@ -34,22 +35,28 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
     by_version: dict[str, list[str]] = {}
     for alias, version in (rm.aliases or {}).items():
         by_version.setdefault(str(version), []).append(alias)
-    lines = [f"{model_name}: aliases " + (", ".join(f"{a}=v{v}" for a, v in sorted((rm.aliases or {}).items())) or "none")]
+    lines = [
+        f"{model_name}: aliases " + (", ".join(f"{a}=v{v}" for a, v in sorted((rm.aliases or {}).items())) or "none")
+    ]
     held = lock.holder_of(mlflow_client, model_name)
     if held is not None:
-        lines.append(f"  lock: held by {held.get('lock.holder', '?')} (pid {held.get('lock.pid', '?')} on "
-                     f"{held.get('lock.host', '?')}) for {held['age_s']:.0f} s")
+        lines.append(
+            f"  lock: held by {held.get('lock.holder', '?')} (pid {held.get('lock.pid', '?')} on "
+            f"{held.get('lock.host', '?')}) for {held['age_s']:.0f} s"
+        )
     found = sorted(mlflow_client.search_model_versions(f"name='{model_name}'"), key=lambda m: -int(m.version))
     for mv in found:
         t = mv.tags
-        teams = sorted({k.split(".")[1] for k in t if k.startswith("gate.") and k.endswith(".verdict") and k.count(".") == 2})
-        per_team = " ".join(f"{team}={t[f'gate.{team}.verdict']}" for team in teams)
+        per_team = " ".join(f"{team}={verdict}" for team, verdict in tags.team_verdicts(t).items())
         aliases = ",".join(sorted(by_version.get(str(mv.version), [])))
         recorded = versions.recorded_verdict(mlflow_client, mv)
         cell, why = _approval_cell(mv, recorded)
-        why = why or verdict_problem(t.get("gate.verdict"), recorded)  # also on rows nobody approved
-        lines.append(f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} gate={t.get('gate.verdict', '?'):<12}"
-                     f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip())
+        why = why or verdict_problem(t.get(tags.VERDICT), recorded)  # also on rows nobody approved
+        lines.append(
+            f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} "
+            f"gate={t.get(tags.VERDICT, '?'):<12}"
+            f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip()
+        )
         if why:
             lines.append(f"        {why}")
     return lines

@@ -4,12 +4,13 @@ Default: an embedded sqlite database `mlflow.db` and a local artifact store `mla
 in the working directory. `MLFLOW_TRACKING_URI` overrides it (e.g. http://host:5000 for an
 `mlflow server` backed by PostgreSQL and S3-compatible storage).
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 DEFAULT_DB = Path("mlflow.db")
 DEFAULT_ARTIFACTS = Path("mlartifacts")
@@ -32,8 +33,9 @@ def reachable(uri: str, timeout_s: float = 5.0) -> None:
     try:
         httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
     except httpx.HTTPError as exc:
-        raise QuantgateError(f"MLflow server at {uri} is not reachable ({type(exc).__name__}); start it or fix "
-                             "MLFLOW_TRACKING_URI") from None
+        raise QuantgateError(
+            f"MLflow server at {uri} is not reachable ({type(exc).__name__}); start it or fix MLFLOW_TRACKING_URI"
+        ) from None
 
 
 def client(uri: str | None = None, existing: bool = False):
@@ -50,8 +52,10 @@ def client(uri: str | None = None, existing: bool = False):
     if uri.startswith(("http://", "https://")):
         reachable(uri)
     if existing and uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        raise QuantgateError(f"no registry at {uri.removeprefix('sqlite:///')}: run from the project folder after "
-                             "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI")
+        raise QuantgateError(
+            f"no registry at {uri.removeprefix('sqlite:///')}: run from the project folder after "
+            "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI"
+        )
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 

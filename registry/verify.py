@@ -4,12 +4,13 @@ The reference is the version's tags (in the registry database), not anything ins
 artifact store: `weights_sha256.<file>` per weight file and `weights_sha256` over them all.
 The artifacts are the version's source, `<run artifact uri>/model`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, sha256_file
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, sha256_file
 from registry import versions
 
 PREFIX = "weights_sha256."
@@ -17,13 +18,17 @@ PREFIX = "weights_sha256."
 
 def expected_weights(mv) -> dict[str, str]:
     """{file: sha256} from the version's tags; raise QuantgateError if absent or inconsistent."""
-    expected = {k[len(PREFIX):]: v for k, v in mv.tags.items() if k.startswith(PREFIX)}
+    expected = {k[len(PREFIX) :]: v for k, v in mv.tags.items() if k.startswith(PREFIX)}
     label = f"{mv.name} v{mv.version}"
     if not expected:
-        raise QuantgateError(f"{label}: no {PREFIX}<file> tags; it was not registered by quantgate and cannot be verified")
+        raise QuantgateError(
+            f"{label}: no {PREFIX}<file> tags; it was not registered by quantgate and cannot be verified"
+        )
     if digest_of(expected) != mv.tags.get("weights_sha256"):
-        raise QuantgateError(f"{label}: the {PREFIX}<file> tags do not add up to tag weights_sha256; "
-                             f"the version's tags were edited after registration")
+        raise QuantgateError(
+            f"{label}: the {PREFIX}<file> tags do not add up to tag weights_sha256; "
+            f"the version's tags were edited after registration"
+        )
     return expected
 
 
@@ -43,8 +48,10 @@ def verify_version(mlflow_client, model_name: str, version, dest_dir: Path) -> P
         raise QuantgateError(f"{label}: has no run; quantgate versions are created from a build run")
     run = mlflow_client.get_run(mv.run_id)
     if mv.source.rstrip("/") != f"{run.info.artifact_uri}/model":
-        raise QuantgateError(f"{label}: source {mv.source} is not its run's `model` artifacts "
-                             f"({run.info.artifact_uri}/model); refusing to serve it")
+        raise QuantgateError(
+            f"{label}: source {mv.source} is not its run's `model` artifacts "
+            f"({run.info.artifact_uri}/model); refusing to serve it"
+        )
     dest_dir = Path(dest_dir)
     if dest_dir.exists() and any(dest_dir.iterdir()):
         raise QuantgateError(f"{dest_dir}: not empty; verify into an empty directory")
@@ -56,13 +63,19 @@ def verify_version(mlflow_client, model_name: str, version, dest_dir: Path) -> P
     actual = {p.name: sha256_file(p) for p in sorted(local.glob("*.safetensors"))} if local.is_dir() else {}
     for name, digest in sorted(expected.items()):
         if name not in actual:
-            raise QuantgateError(f"{label}: model/{name} is missing from the artifact store ({mv.source}); refusing to serve it")
+            raise QuantgateError(
+                f"{label}: model/{name} is missing from the artifact store ({mv.source}); refusing to serve it"
+            )
         if actual[name] != digest:
-            raise QuantgateError(f"{label}: model/{name} in the artifact store has sha256 {actual[name][:16]}..., "
-                                 f"but tag {PREFIX}{name} says {digest[:16]}...; the weights changed after "
-                                 f"registration; refusing to serve it")
+            raise QuantgateError(
+                f"{label}: model/{name} in the artifact store has sha256 {actual[name][:16]}..., "
+                f"but tag {PREFIX}{name} says {digest[:16]}...; the weights changed after "
+                f"registration; refusing to serve it"
+            )
     extra = sorted(set(actual) - set(expected))
     if extra:
-        raise QuantgateError(f"{label}: weight files in the artifact store that were not registered: "
-                             f"{', '.join('model/' + n for n in extra)}; refusing to serve it")
+        raise QuantgateError(
+            f"{label}: weight files in the artifact store that were not registered: "
+            f"{', '.join('model/' + n for n in extra)}; refusing to serve it"
+        )
     return local

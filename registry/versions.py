@@ -1,33 +1,29 @@
 """Register a build as an MLflow model version with its lineage and gate evidence.
 
-Tags written on every version (searchable in the UI and with `search_model_versions`):
-  build, scheme, dtype, weights_sha256 (one digest over all weight files),
-  weights_sha256.<file>, base_model.id, base_model.sha256, git_commit, dvc_lock_sha256,
-  params_sha256, version.<library> for the pipeline and serving stacks,
-  gate.verdict, gate.<team>.{metric,verdict,delta,ci,recovery_pct,team_sha256}, evidence_sha256.
+Tags written on every version: the schema and its builders are in registry/tags.py.
 The build's run also holds gate.verdict as a param: MLflow refuses to change a logged param,
 so that is the verdict of record (`recorded_verdict`); the version tag is the UI's copy and
 an edit of it does not count (registry/approval.py).
 The version is created in one call with all its tags after every artifact is logged, so a
 failure part-way leaves a FAILED run and no version: never a half-written version.
 """
+
 from __future__ import annotations
 
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_json
-
-VERDICT = "gate.verdict"  # version tag and run param
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_json
+from registry.tags import VERDICT
 
 # the alias of the 16-bit build; all aliases and how they move: registry/aliases.py
 FALLBACK = "fallback"
 
 
 def version_number(version) -> str:
-    """"3", 3 or "v3" -> "3"; raise QuantgateError for anything else."""
+    """ "3", 3 or "v3" -> "3"; raise QuantgateError for anything else."""
     text = str(version).strip().lower().removeprefix("v")
     if not text.isdigit():
         raise QuantgateError(f"{version!r} is not a model version number (e.g. 3 or v3)")
@@ -48,8 +44,9 @@ def require_version(mlflow_client, model_name: str, version):
     except MlflowException as exc:
         if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
             raise
-        raise QuantgateError(f"{model_name} v{number} does not exist (never registered, or deleted); "
-                             f"see `quantgate status {model_name}`") from None
+        raise QuantgateError(
+            f"{model_name} v{number} does not exist (never registered, or deleted); see `quantgate status {model_name}`"
+        ) from None
     if mv.status != "READY":
         raise QuantgateError(f"{model_name} v{number} is {mv.status}, not READY; it cannot be approved or aliased")
     return mv
@@ -72,8 +69,16 @@ def ensure_registered_model(mlflow_client, model_name: str, description: str) ->
         mlflow_client.create_registered_model(model_name, description=description)
 
 
-def log_build_run(mlflow_client, exp_id: str, model_dir: Path, tags: dict, metrics: dict, report_md: str,
-                  evidence_dir: Path | None, extra_files: Iterable[Path] = ()) -> tuple[str, str]:
+def log_build_run(
+    mlflow_client,
+    exp_id: str,
+    model_dir: Path,
+    tags: dict,
+    metrics: dict,
+    report_md: str,
+    evidence_dir: Path | None,
+    extra_files: Iterable[Path] = (),
+) -> tuple[str, str]:
     """Create a run holding the build's weights (artifact path `model`), the gate report,
     `extra_files` (e.g. the recovery plot) at the root, and the per-team scores under
     `evidence/`; return (run_id, model artifact URI). The run ends FAILED on error."""
@@ -121,14 +126,17 @@ def record_verdict(mlflow_client, run_id: str, verdict: str) -> None:
     if have is None:
         mlflow_client.log_param(run_id, VERDICT, verdict)
     elif have != verdict:
-        raise QuantgateError(f"run {run_id} recorded gate.verdict={have} but the gate now says {verdict} for the "
-                             f"same weights and evidence; register cannot reuse it")
+        raise QuantgateError(
+            f"run {run_id} recorded gate.verdict={have} but the gate now says {verdict} for the "
+            f"same weights and evidence; register cannot reuse it"
+        )
 
 
 def register_version(mlflow_client, model_name: str, run_id: str, source: str, tags: dict, description: str):
     """Create the model version (all tags at once) and return it."""
-    return mlflow_client.create_model_version(model_name, source=source, run_id=run_id, tags=tags,
-                                              description=description[:4900])
+    return mlflow_client.create_model_version(
+        model_name, source=source, run_id=run_id, tags=tags, description=description[:4900]
+    )
 
 
 def evidence_digest(gate_rows: dict) -> str:

@@ -7,6 +7,7 @@ The data are written by the repo so that a fresh clone needs nothing from a hub:
 - billing: short arithmetic questions answered in free text, exact match on the number.
 - support: customer-message sentiment, 2-way classification scored by loglikelihood.
 """
+
 import json
 import random
 from pathlib import Path
@@ -14,52 +15,145 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "evals"
 
 CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
-    ("Portugal", "Lisbon"), ("United Kingdom", "London"), ("Ireland", "Dublin"),
-    ("Netherlands", "Amsterdam"), ("Belgium", "Brussels"), ("Austria", "Vienna"),
-    ("Switzerland", "Bern"), ("Poland", "Warsaw"), ("Czech Republic", "Prague"),
-    ("Hungary", "Budapest"), ("Greece", "Athens"), ("Sweden", "Stockholm"),
-    ("Norway", "Oslo"), ("Denmark", "Copenhagen"), ("Finland", "Helsinki"),
-    ("Iceland", "Reykjavik"), ("Russia", "Moscow"), ("Ukraine", "Kyiv"),
-    ("Romania", "Bucharest"), ("Bulgaria", "Sofia"), ("Serbia", "Belgrade"),
-    ("Croatia", "Zagreb"), ("Slovakia", "Bratislava"), ("Slovenia", "Ljubljana"),
-    ("Estonia", "Tallinn"), ("Latvia", "Riga"), ("Lithuania", "Vilnius"),
-    ("Turkey", "Ankara"), ("Egypt", "Cairo"), ("Morocco", "Rabat"), ("Kenya", "Nairobi"),
-    ("Nigeria", "Abuja"), ("Ethiopia", "Addis Ababa"), ("Ghana", "Accra"),
-    ("South Africa", "Pretoria"), ("Algeria", "Algiers"), ("Tunisia", "Tunis"),
-    ("Senegal", "Dakar"), ("Uganda", "Kampala"), ("Tanzania", "Dodoma"),
-    ("Zimbabwe", "Harare"), ("Angola", "Luanda"), ("Sudan", "Khartoum"),
-    ("Libya", "Tripoli"), ("Japan", "Tokyo"), ("China", "Beijing"),
-    ("South Korea", "Seoul"), ("North Korea", "Pyongyang"), ("India", "New Delhi"),
-    ("Pakistan", "Islamabad"), ("Bangladesh", "Dhaka"), ("Nepal", "Kathmandu"),
-    ("Sri Lanka", "Colombo"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"),
-    ("Cambodia", "Phnom Penh"), ("Laos", "Vientiane"), ("Malaysia", "Kuala Lumpur"),
-    ("Singapore", "Singapore"), ("Indonesia", "Jakarta"), ("Philippines", "Manila"),
-    ("Mongolia", "Ulaanbaatar"), ("Afghanistan", "Kabul"), ("Iran", "Tehran"),
-    ("Iraq", "Baghdad"), ("Syria", "Damascus"), ("Lebanon", "Beirut"),
-    ("Jordan", "Amman"), ("Saudi Arabia", "Riyadh"), ("Qatar", "Doha"),
-    ("Kuwait", "Kuwait City"), ("Oman", "Muscat"), ("Yemen", "Sanaa"),
-    ("Israel", "Jerusalem"), ("Kazakhstan", "Astana"), ("Uzbekistan", "Tashkent"),
-    ("United States", "Washington, D.C."), ("Canada", "Ottawa"), ("Mexico", "Mexico City"),
-    ("Cuba", "Havana"), ("Jamaica", "Kingston"), ("Guatemala", "Guatemala City"),
-    ("Panama", "Panama City"), ("Costa Rica", "San Jose"), ("Colombia", "Bogota"),
-    ("Venezuela", "Caracas"), ("Ecuador", "Quito"), ("Peru", "Lima"),
-    ("Bolivia", "Sucre"), ("Chile", "Santiago"), ("Argentina", "Buenos Aires"),
-    ("Uruguay", "Montevideo"), ("Paraguay", "Asuncion"), ("Brazil", "Brasilia"),
-    ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Fiji", "Suva"),
-    ("Papua New Guinea", "Port Moresby"), ("Luxembourg", "Luxembourg"),
-    ("Malta", "Valletta"), ("Cyprus", "Nicosia"), ("Albania", "Tirana"),
-    ("Georgia", "Tbilisi"), ("Armenia", "Yerevan"), ("Azerbaijan", "Baku"),
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"),
+    ("United Kingdom", "London"),
+    ("Ireland", "Dublin"),
+    ("Netherlands", "Amsterdam"),
+    ("Belgium", "Brussels"),
+    ("Austria", "Vienna"),
+    ("Switzerland", "Bern"),
+    ("Poland", "Warsaw"),
+    ("Czech Republic", "Prague"),
+    ("Hungary", "Budapest"),
+    ("Greece", "Athens"),
+    ("Sweden", "Stockholm"),
+    ("Norway", "Oslo"),
+    ("Denmark", "Copenhagen"),
+    ("Finland", "Helsinki"),
+    ("Iceland", "Reykjavik"),
+    ("Russia", "Moscow"),
+    ("Ukraine", "Kyiv"),
+    ("Romania", "Bucharest"),
+    ("Bulgaria", "Sofia"),
+    ("Serbia", "Belgrade"),
+    ("Croatia", "Zagreb"),
+    ("Slovakia", "Bratislava"),
+    ("Slovenia", "Ljubljana"),
+    ("Estonia", "Tallinn"),
+    ("Latvia", "Riga"),
+    ("Lithuania", "Vilnius"),
+    ("Turkey", "Ankara"),
+    ("Egypt", "Cairo"),
+    ("Morocco", "Rabat"),
+    ("Kenya", "Nairobi"),
+    ("Nigeria", "Abuja"),
+    ("Ethiopia", "Addis Ababa"),
+    ("Ghana", "Accra"),
+    ("South Africa", "Pretoria"),
+    ("Algeria", "Algiers"),
+    ("Tunisia", "Tunis"),
+    ("Senegal", "Dakar"),
+    ("Uganda", "Kampala"),
+    ("Tanzania", "Dodoma"),
+    ("Zimbabwe", "Harare"),
+    ("Angola", "Luanda"),
+    ("Sudan", "Khartoum"),
+    ("Libya", "Tripoli"),
+    ("Japan", "Tokyo"),
+    ("China", "Beijing"),
+    ("South Korea", "Seoul"),
+    ("North Korea", "Pyongyang"),
+    ("India", "New Delhi"),
+    ("Pakistan", "Islamabad"),
+    ("Bangladesh", "Dhaka"),
+    ("Nepal", "Kathmandu"),
+    ("Sri Lanka", "Colombo"),
+    ("Thailand", "Bangkok"),
+    ("Vietnam", "Hanoi"),
+    ("Cambodia", "Phnom Penh"),
+    ("Laos", "Vientiane"),
+    ("Malaysia", "Kuala Lumpur"),
+    ("Singapore", "Singapore"),
+    ("Indonesia", "Jakarta"),
+    ("Philippines", "Manila"),
+    ("Mongolia", "Ulaanbaatar"),
+    ("Afghanistan", "Kabul"),
+    ("Iran", "Tehran"),
+    ("Iraq", "Baghdad"),
+    ("Syria", "Damascus"),
+    ("Lebanon", "Beirut"),
+    ("Jordan", "Amman"),
+    ("Saudi Arabia", "Riyadh"),
+    ("Qatar", "Doha"),
+    ("Kuwait", "Kuwait City"),
+    ("Oman", "Muscat"),
+    ("Yemen", "Sanaa"),
+    ("Israel", "Jerusalem"),
+    ("Kazakhstan", "Astana"),
+    ("Uzbekistan", "Tashkent"),
+    ("United States", "Washington, D.C."),
+    ("Canada", "Ottawa"),
+    ("Mexico", "Mexico City"),
+    ("Cuba", "Havana"),
+    ("Jamaica", "Kingston"),
+    ("Guatemala", "Guatemala City"),
+    ("Panama", "Panama City"),
+    ("Costa Rica", "San Jose"),
+    ("Colombia", "Bogota"),
+    ("Venezuela", "Caracas"),
+    ("Ecuador", "Quito"),
+    ("Peru", "Lima"),
+    ("Bolivia", "Sucre"),
+    ("Chile", "Santiago"),
+    ("Argentina", "Buenos Aires"),
+    ("Uruguay", "Montevideo"),
+    ("Paraguay", "Asuncion"),
+    ("Brazil", "Brasilia"),
+    ("Australia", "Canberra"),
+    ("New Zealand", "Wellington"),
+    ("Fiji", "Suva"),
+    ("Papua New Guinea", "Port Moresby"),
+    ("Luxembourg", "Luxembourg"),
+    ("Malta", "Valletta"),
+    ("Cyprus", "Nicosia"),
+    ("Albania", "Tirana"),
+    ("Georgia", "Tbilisi"),
+    ("Armenia", "Yerevan"),
+    ("Azerbaijan", "Baku"),
 ]
 
-PRODUCTS = ["headphones", "blender", "backpack", "phone case", "desk lamp", "coffee maker",
-            "running shoes", "keyboard", "water bottle", "tent", "monitor", "jacket"]
-POSITIVE = ["works perfectly and I love it", "arrived early and the quality is excellent",
-            "is the best purchase I made this year", "exceeded my expectations, thank you",
-            "is great value and my whole family enjoys it"]
-NEGATIVE = ["broke after two days and I want a refund", "arrived damaged and support never replied",
-            "is the worst purchase I have ever made", "stopped working and I am very disappointed",
-            "is cheaply made and a complete waste of money"]
+PRODUCTS = [
+    "headphones",
+    "blender",
+    "backpack",
+    "phone case",
+    "desk lamp",
+    "coffee maker",
+    "running shoes",
+    "keyboard",
+    "water bottle",
+    "tent",
+    "monitor",
+    "jacket",
+]
+POSITIVE = [
+    "works perfectly and I love it",
+    "arrived early and the quality is excellent",
+    "is the best purchase I made this year",
+    "exceeded my expectations, thank you",
+    "is great value and my whole family enjoys it",
+]
+NEGATIVE = [
+    "broke after two days and I want a refund",
+    "arrived damaged and support never replied",
+    "is the worst purchase I have ever made",
+    "stopped working and I am very disappointed",
+    "is cheaply made and a complete waste of money",
+]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -73,8 +167,14 @@ def search_rows(rng: random.Random) -> list[dict]:
         wrong = rng.sample([c for c in cities if c != capital], 3)
         choices = wrong + [capital]
         rng.shuffle(choices)
-        rows.append({"id": f"cap-{i:03d}", "question": f"What is the capital of {country}?",
-                     "choices": choices, "answer": choices.index(capital)})
+        rows.append(
+            {
+                "id": f"cap-{i:03d}",
+                "question": f"What is the capital of {country}?",
+                "choices": choices,
+                "answer": choices.index(capital),
+            }
+        )
     return rows
 
 
@@ -95,8 +195,7 @@ def support_rows(rng: random.Random) -> list[dict]:
     for i, product in enumerate(PRODUCTS):
         for j, phrase in enumerate(POSITIVE + NEGATIVE):
             label = 0 if j < len(POSITIVE) else 1
-            rows.append({"id": f"msg-{i:02d}-{j}", "message": f"The {product} I ordered {phrase}.",
-                         "label": label})
+            rows.append({"id": f"msg-{i:02d}-{j}", "message": f"The {product} I ordered {phrase}.", "label": label})
     rng.shuffle(rows)
     return rows
 

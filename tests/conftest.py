@@ -1,5 +1,6 @@
 """Shared fixtures: example team folders, scores documents written in the test, and the
 end-to-end project (one real `dvc repro`) shared by tests/test_e2e.py and tests/test_fleet_e2e.py."""
+
 import json
 import os
 import shutil
@@ -11,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import project_env, scratch_project
-from pipeline.errors import QuantgateError
 from pipeline.evaluate import EvaluateParams
-from pipeline.params import load_block
-from pipeline.precision import precision_record, probe, w4a16_problem
+from quantgate.errors import QuantgateError
+from quantgate.params import load_block
+from quantgate.precision import precision_record, probe, w4a16_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,28 +24,34 @@ REPO = Path(__file__).resolve().parents[1]
 def example_evals(tmp_path) -> Path:
     """A copy of the repo's example eval sets, safe to break."""
     dst = tmp_path / "evals"
-    shutil.copytree(REPO / "evals", dst, ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
+    shutil.copytree(REPO / "evals", dst, ignore=shutil.ignore_patterns("README.md"))
     return dst
 
 
-def write_scores(root: Path, build: str, team: str, scores: list[float], *, status="ok", task="t", hashes=None, **extra):
+def write_scores(
+    root: Path, build: str, team: str, scores: list[float], *, status="ok", task="t", hashes=None, **extra
+):
     """Write results/eval/<build>/<team>/scores.json as the evaluate stage does."""
     d = root / build / team
     d.mkdir(parents=True, exist_ok=True)
     doc = {"team": team, "build": build, "status": status, **extra}
     if status == "ok":
-        doc["samples"] = [{"task": task, "doc_id": i, "doc_hash": (hashes or {}).get(i, f"h{i}"), "score": s}
-                          for i, s in enumerate(scores)]
+        doc["samples"] = [
+            {"task": task, "doc_id": i, "doc_hash": (hashes or {}).get(i, f"h{i}"), "score": s}
+            for i, s in enumerate(scores)
+        ]
     (d / "scores.json").write_text(json.dumps(doc))
     if not (root / build / "precision.json").exists():  # the evaluate stage writes one per build
-        (root / build / "precision.json").write_text(json.dumps({"dtype": "float32", "requested": "auto",
-                                                                 "why": "auto: test"}))
+        (root / build / "precision.json").write_text(
+            json.dumps({"dtype": "float32", "requested": "auto", "why": "auto: test"})
+        )
     return d
 
 
 def pytest_configure(config):
     """SIGTERM (a CI timeout, `kill`) becomes KeyboardInterrupt, so pytest still runs fixture
     teardown and stops the vLLM servers the e2e fixtures started instead of orphaning them."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -59,7 +66,7 @@ SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
 
 def run_precision() -> dict:
     """The precision the e2e run gets on this machine (params.yaml's evaluate.serve.dtype through
-    the one rule, pipeline.precision), with "w4a16_problem": why W4A16 cannot be served at it
+    the one rule, quantgate.precision), with "w4a16_problem": why W4A16 cannot be served at it
     here, or None. The probe is the only source: the tests expect what it says, never a guess."""
     requested = load_block("evaluate", EvaluateParams, REPO / "params.yaml").serve.dtype
     try:
@@ -77,7 +84,9 @@ def w4a16_servable() -> bool:
 
 # e2e helpers (used by tests/test_e2e.py and tests/test_fleet_e2e.py)
 def run(cmd, cwd, check=True, timeout=3600):
-    p = subprocess.run(cmd, cwd=cwd, env=project_env(), capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str))
+    p = subprocess.run(
+        cmd, cwd=cwd, env=project_env(), capture_output=True, text=True, timeout=timeout, shell=isinstance(cmd, str)
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p

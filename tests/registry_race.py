@@ -3,7 +3,8 @@
 Imported once by a multiprocessing fork server (preload), so each racing process starts in
 milliseconds instead of importing MLflow again; each still opens its own connection.
 """
-import mlflow.store.model_registry.sqlalchemy_store  # noqa: F401  (preloaded by the fork server,
+
+import mlflow.store.model_registry.sqlalchemy_store
 import mlflow.store.tracking.sqlalchemy_store  # noqa: F401  with what a client of either store imports)
 from mlflow import MlflowClient  # noqa: F401
 
@@ -20,5 +21,5 @@ def promote_at_barrier(uri: str, model: str, version: str, barrier, results) -> 
         results.put({"version": version, "won": [str(c) for c in changes]})
     except aliases.AliasConflict as exc:
         results.put({"version": version, "conflict": str(exc)})
-    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+    except Exception as exc:  # reported to the test, which fails on it
         results.put({"version": version, "error": repr(exc)})

@@ -1,4 +1,5 @@
 """Unit tests of the benchmark helpers (the benchmarks themselves print figures; see benchmarks/)."""
+
 import json
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 from benchmarks.common import measure, stages
 from benchmarks.incremental import add_team, reword, set_margin, set_param
 from benchmarks.numbers import markdown
-from evals.teams import inspect_team, load_teams
+from quantgate.teams import inspect_team, load_teams
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def test_synthetic_and_changed_teams_stay_valid(tmp_path):
     from benchmarks.common import commit
 
     root = tmp_path / "project"
-    shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
+    shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("README.md"))
     before = {t.name: t.digest for t in load_teams(root / "evals")}
     add_team(root, "synth_04", rotate=28)
     commit(root, "x")
@@ -55,7 +56,7 @@ def test_synthetic_and_changed_teams_stay_valid(tmp_path):
 
 def test_set_margin_changes_the_policy_but_not_what_is_scored(tmp_path):
     root = tmp_path / "project"
-    shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("*.py", "__pycache__", "README.md"))
+    shutil.copytree(REPO / "evals", root / "evals", ignore=shutil.ignore_patterns("README.md"))
     before = {t.name: t for t in load_teams(root / "evals")}
     set_margin(root, "search", 0.061)
     after = {t.name: t for t in load_teams(root / "evals")}
@@ -73,19 +74,32 @@ def test_set_param_changes_one_nested_value(tmp_path):
 
 
 def test_markdown_renders_title_command_machine_and_rows():
-    doc = {"title": "T", "command": "python -m benchmarks.x --limit 2", "measured_at": "2026-11-29T10:00:00+00:00",
-           "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0, "gpu": None,
-                       "serving": {"vllm": "0.32.0"}},
-           "rows": [{"stage": "prepare", "cold s": 12.5, "note": None}], "notes": ["n1"]}
+    doc = {
+        "title": "T",
+        "command": "python -m benchmarks.x --limit 2",
+        "measured_at": "2026-11-29T10:00:00+00:00",
+        "machine": {
+            "cpu": "CPU X",
+            "cores": 2,
+            "isa": "avx2",
+            "memory_gib": 24.0,
+            "gpu": None,
+            "serving": {"vllm": "0.32.0"},
+        },
+        "rows": [{"stage": "prepare", "cold s": 12.5, "note": None}],
+        "notes": ["n1"],
+    }
     text = markdown(doc)
-    assert "`python -m benchmarks.x --limit 2` — 2026-11-29, CPU X (2 cores, avx2), 24.0 GiB, no GPU, vLLM 0.32.0" in text
+    assert (
+        "`python -m benchmarks.x --limit 2` — 2026-11-29, CPU X (2 cores, avx2), 24.0 GiB, no GPU, vLLM 0.32.0" in text
+    )
     assert "| stage | cold s | note |" in text and "| prepare | 12.5 |  |" in text and text.rstrip().endswith("- n1")
 
 
 def test_scratch_project_refuses_an_existing_folder_and_only_scratch_projects_are_recognised(tmp_path):
 
     from benchmarks.common import commit, is_scratch_project, scratch_project
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
     (tmp_path / "taken").mkdir()
     with pytest.raises(QuantgateError, match="taken already exists; give another --work folder"):
@@ -104,7 +118,7 @@ def test_scratch_project_refuses_an_existing_folder_and_only_scratch_projects_ar
 def test_numbers_names_a_malformed_result_in_one_line(tmp_path, monkeypatch):
 
     import benchmarks.numbers as numbers
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
     monkeypatch.setattr(numbers, "RESULTS", tmp_path)
     (tmp_path / "serving.json").write_text('{"benchmark": "serving"}')
@@ -132,11 +146,16 @@ def test_reword_changes_the_data_every_time(tmp_path):
 def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypatch):
 
     import benchmarks.numbers as numbers
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
-    doc = {"title": "T", "command": "python -m benchmarks.serving", "measured_at": "2026-11-29T10:00:00+00:00",
-           "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0},
-           "rows": [{"build": "fp8", "C": 1, "n": 2, "tok/s": 0.59, "note": None}], "notes": ["ratios", "extra"]}
+    doc = {
+        "title": "T",
+        "command": "python -m benchmarks.serving",
+        "measured_at": "2026-11-29T10:00:00+00:00",
+        "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0},
+        "rows": [{"build": "fp8", "C": 1, "n": 2, "tok/s": 0.59, "note": None}],
+        "notes": ["ratios", "extra"],
+    }
     monkeypatch.setattr(numbers, "RESULTS", tmp_path)
     (tmp_path / "serving.json").write_text(json.dumps(doc))
     readme = tmp_path / "README.md"
@@ -146,16 +165,17 @@ def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypat
     assert "old table" not in new and "| build | C | disk MiB | mem GiB | KV tokens | tok/s |" in new  # README_VIEW
     assert "| fp8 | 1 |  |  |  | 0.59 |  |" in new and "- ratios" in new and "- extra" not in new
     readme.write_text(f"{numbers.END}\n{numbers.START}\n")
-    with pytest.raises(QuantgateError, match=r"README.md: needs the lines <!-- numbers:start --> and <!-- numbers:end -->"):
+    with pytest.raises(
+        QuantgateError, match=r"README.md: needs the lines <!-- numbers:start --> and <!-- numbers:end -->"
+    ):
         numbers.replace_section(readme, "x")
 
 
 def test_write_whole_keeps_permissions_and_leaves_nothing_behind_on_failure(tmp_path):
     import os
 
-
     from benchmarks.numbers import write_whole
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
     readme = tmp_path / "README.md"
     readme.write_text("old\n")
@@ -170,7 +190,7 @@ def test_write_whole_keeps_permissions_and_leaves_nothing_behind_on_failure(tmp_
 
 def test_incremental_refuses_unknown_scenarios(monkeypatch):
     from benchmarks import incremental
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
     for bad in ("x", "", "abf"):
         monkeypatch.setattr("sys.argv", ["incremental", "--scenarios", bad])

@@ -1,4 +1,5 @@
 """Canary step analysis (known-answer statistics, boundaries, live lines) and the canary policy."""
+
 import math
 import re
 from pathlib import Path
@@ -6,21 +7,31 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canary.analysis import (Check, analyze, combine, error_rate_check, latency_check, live_line, p95_ratio,
-                             shadow_check)
+from canary.analysis import Check, analyze, combine, error_rate_check, latency_check, live_line, p95_ratio, shadow_check
 from canary.metrics import Sample, ShadowSample
 from canary.policy import CanaryPolicy, ServerOverride, load_policy, serve_params
-from pipeline.errors import QuantgateError
-from pipeline.serving import ServeParams
-from pipeline.stats import Verdict
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams
+from quantgate.stats import Verdict
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = CanaryPolicy()  # min_samples 20, alpha 0.05, max_error_rate 0.01, ratios 1.5, agreement 0.7
 
 
 def sample(role="candidate", ok=True, ttft=None, tpot=None):
-    return Sample(t=0.0, role=role, label=role, ok=ok, status=200 if ok else 500, ttft_s=ttft, tpot_s=tpot,
-                  retried=False, total_s=1.0, stream=ttft is not None, outcome="ok" if ok else "server_error")
+    return Sample(
+        t=0.0,
+        role=role,
+        label=role,
+        ok=ok,
+        status=200 if ok else 500,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        retried=False,
+        total_s=1.0,
+        stream=ttft is not None,
+        outcome="ok" if ok else "server_error",
+    )
 
 
 def errors(k, n, role="candidate"):
@@ -117,8 +128,11 @@ def test_high_ratio_from_an_outlier_without_significance_is_inconclusive():
 
 
 def test_latency_uses_only_successful_samples_with_a_value_and_needs_both_roles():
-    data = latencies([1.0] * 20, [1.0] * 20) + [sample("candidate", ok=False, ttft=50.0),
-                                                sample("candidate", ttft=None), sample("shadow", ttft=50.0)]
+    data = latencies([1.0] * 20, [1.0] * 20) + [
+        sample("candidate", ok=False, ttft=50.0),
+        sample("candidate", ttft=None),
+        sample("shadow", ttft=50.0),
+    ]
     assert latency_check(data, POLICY, "ttft").value == 1.0
     few = latency_check(latencies([1.0] * 20, [1.0] * 3), POLICY, "ttft")
     assert few.verdict is Verdict.INCONCLUSIVE and few.p_value is None and "(n=20/3 < min 20)" in few.text
@@ -130,7 +144,7 @@ def check(verdict):
 
 
 def test_combine_any_fail_then_any_inconclusive_then_pass():
-    P, I, F = Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.FAIL
+    P, I, F = Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.FAIL  # noqa: E741 - the verdicts' initials
     assert combine(map(check, [P, I, F])) is F
     assert combine(map(check, [P, I, P])) is I
     assert combine(map(check, [P, P, P])) is P
@@ -165,19 +179,22 @@ def write_params(tmp_path, **changes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"steps": [50, 25]}, "canary.steps"),
-    ({"steps": [5, 150]}, "canary.steps"),
-    ({"steps": []}, "canary.steps"),
-    ({"alpha": 0.7}, "canary.alpha"),
-    ({"max_error_rate": -0.1}, "canary.max_error_rate"),
-    ({"min_step_s": 300, "max_step_s": 120}, "canary.max_step_s"),
-    ({"inconclusive": "maybe"}, "canary.inconclusive"),
-    ({"shadow_fraction": 2}, "canary.shadow_fraction"),
-    ({"bogus": 1}, "canary.bogus"),
-    ({"servers__stable__port": 70000}, "canary.servers.stable.port"),
-    ({"router__hots": "x"}, "canary.router.hots"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"steps": [50, 25]}, "canary.steps"),
+        ({"steps": [5, 150]}, "canary.steps"),
+        ({"steps": []}, "canary.steps"),
+        ({"alpha": 0.7}, "canary.alpha"),
+        ({"max_error_rate": -0.1}, "canary.max_error_rate"),
+        ({"min_step_s": 300, "max_step_s": 120}, "canary.max_step_s"),
+        ({"inconclusive": "maybe"}, "canary.inconclusive"),
+        ({"shadow_fraction": 2}, "canary.shadow_fraction"),
+        ({"bogus": 1}, "canary.bogus"),
+        ({"servers__stable__port": 70000}, "canary.servers.stable.port"),
+        ({"router__hots": "x"}, "canary.router.hots"),
+    ],
+)
 def test_bad_policy_values_name_the_field(tmp_path, changes, field):
     with pytest.raises(QuantgateError) as exc:
         load_policy(write_params(tmp_path, **changes))

@@ -1,4 +1,5 @@
 """canary.payloads: reading and continuing OpenAI request/response bodies (pure functions)."""
+
 import pytest
 
 from canary.payloads import continuation, is_greedy, same_words, tokens_left
@@ -21,25 +22,37 @@ def test_chat_continues_as_final_assistant_message():
 
 
 def test_chat_that_already_continues_an_assistant_message_appends_to_it():
-    body = {**CHAT, "messages": [*CHAT["messages"], {"role": "assistant", "content": "The answer:"}],
-            "continue_final_message": True, "add_generation_prompt": False}
+    body = {
+        **CHAT,
+        "messages": [*CHAT["messages"], {"role": "assistant", "content": "The answer:"}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
     out = continuation(body, " 4", 1, chat=True)
     assert out["messages"][-1] == {"role": "assistant", "content": "The answer: 4"} and len(out["messages"]) == 2
 
 
-@pytest.mark.parametrize("body, chat", [
-    ({"prompt": ["a", "b"], "max_tokens": 5}, False),           # a batch of prompts
-    ({"prompt": [1, 2, 3], "max_tokens": 5}, False),            # token ids
-    ({"prompt": "a", "n": 2}, False),                           # choices interleave
-    ({"prompt": "a", "best_of": 3}, False),
-    ({"prompt": "a", "echo": True}, False),                     # the sent text starts with the prompt
-    ({"prompt": "a", "max_tokens": 3.0}, False),                # a limit that cannot be lowered exactly
-    ({"prompt": "a", "max_tokens": "3"}, False),
-    ({"messages": "hi"}, True),
-    ({"messages": []}, True),
-    ({"messages": [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}],
-      "continue_final_message": True}, True),                   # content parts: no string to extend
-])
+@pytest.mark.parametrize(
+    "body, chat",
+    [
+        ({"prompt": ["a", "b"], "max_tokens": 5}, False),  # a batch of prompts
+        ({"prompt": [1, 2, 3], "max_tokens": 5}, False),  # token ids
+        ({"prompt": "a", "n": 2}, False),  # choices interleave
+        ({"prompt": "a", "best_of": 3}, False),
+        ({"prompt": "a", "echo": True}, False),  # the sent text starts with the prompt
+        ({"prompt": "a", "max_tokens": 3.0}, False),  # a limit that cannot be lowered exactly
+        ({"prompt": "a", "max_tokens": "3"}, False),
+        ({"messages": "hi"}, True),
+        ({"messages": []}, True),
+        (
+            {
+                "messages": [{"role": "assistant", "content": [{"type": "text", "text": "x"}]}],
+                "continue_final_message": True,
+            },
+            True,
+        ),  # content parts: no string to extend
+    ],
+)
 def test_requests_that_cannot_be_continued(body, chat):
     assert continuation(body, "x", 1, chat=chat) is None
 
@@ -53,10 +66,19 @@ def test_tokens_left_takes_the_smaller_limit_and_none_without_one():
 def test_malformed_chunks_read_as_no_text_and_no_usage():
     from canary.payloads import chunk_text, completion_tokens, other_delta, response_text
 
-    for chunk in ({"choices": [{"delta": "oops"}]}, {"choices": [{"text": 5}]}, {"choices": "abc"},
-                  {"choices": {"0": {"text": "x"}}}, {"choices": [None]}, {}):
+    for chunk in (
+        {"choices": [{"delta": "oops"}]},
+        {"choices": [{"text": 5}]},
+        {"choices": "abc"},
+        {"choices": {"0": {"text": "x"}}},
+        {"choices": [None]},
+        {},
+    ):
         assert chunk_text(chunk) == "" and response_text(chunk) == "" and not other_delta(chunk)
-    assert completion_tokens({"usage": "bad"}) is None and completion_tokens({"usage": {"completion_tokens": True}}) is None
+    assert (
+        completion_tokens({"usage": "bad"}) is None
+        and completion_tokens({"usage": {"completion_tokens": True}}) is None
+    )
     assert other_delta({"choices": [{"delta": {"role": "assistant", "tool_calls": [{"id": "1"}]}}]})
     assert not other_delta({"choices": [{"delta": {"role": "assistant", "content": "", "tool_calls": []}}]})
 

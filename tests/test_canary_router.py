@@ -4,6 +4,7 @@ Each fake answers /v1/completions and /v1/chat/completions, streaming or not, wi
 text split into one chunk per word, after a configurable delay, or fails (HTTP status,
 too slow, cut mid-stream). A backend that refuses connections is a free port nobody serves.
 """
+
 import asyncio
 import json
 import time
@@ -26,9 +27,9 @@ from canary.payloads import chunk_text
 from canary.policy import CanaryPolicy
 from canary.router import Backend, Router
 from canary.server import AppServer, RouterServer
-from evals.teams import load_teams
-from pipeline.errors import QuantgateError
-from pipeline.serving import free_port
+from quantgate.errors import QuantgateError
+from quantgate.serving import free_port
+from quantgate.teams import load_teams
 
 TIMEOUT_S = 5.0  # the router's request timeout in these tests: generous, the machine may be busy
 SHORT_TIMEOUT_S = 1.0  # in the timeout test
@@ -37,11 +38,11 @@ SHORT_TIMEOUT_S = 1.0  # in the timeout test
 @dataclass
 class Behaviour:
     text: str
-    delay_s: float = 0.0        # before the answer / first chunk
+    delay_s: float = 0.0  # before the answer / first chunk
     token_delay_s: float = 0.0  # before each chunk
-    status: int = 200           # != 200: answer this error instead
+    status: int = 200  # != 200: answer this error instead
     cut_after: int | None = None  # chunks sent before the stream breaks
-    error_chunk: bool = False   # stream an error object first, as vLLM does on engine errors
+    error_chunk: bool = False  # stream an error object first, as vLLM does on engine errors
     error_after: int | None = None  # chunks sent before an error object in the stream
     script: list | None = None  # stream exactly these: dicts (chunks), "DONE", "CUT" (die), "END" (close)
 
@@ -56,8 +57,12 @@ class Fake:
     def __init__(self, name: str, text: str):
         self.name, self.default_text, self.seen = name, text, []
         self.behaviour = Behaviour(text)
-        app = Starlette(routes=[Route("/v1/completions", self.answer, methods=["POST"]),
-                                Route("/v1/chat/completions", self.answer, methods=["POST"])])
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", self.answer, methods=["POST"]),
+                Route("/v1/chat/completions", self.answer, methods=["POST"]),
+            ]
+        )
         self.server = AppServer(app, grace_s=1)
 
     @property
@@ -77,11 +82,18 @@ class Fake:
         chat = request.url.path.endswith("/chat/completions")
         pieces = [w if i == 0 else " " + w for i, w in enumerate(b.text.split(" "))]
         usage = {"prompt_tokens": 3, "completion_tokens": len(pieces), "total_tokens": 3 + len(pieces)}
-        head = {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
-                "model": body["model"]}
+        head = {
+            "id": "cmpl-1",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": 1,
+            "model": body["model"],
+        }
         if not body.get("stream"):
-            choice = ({"index": 0, "message": {"role": "assistant", "content": b.text}, "finish_reason": "length"}
-                      if chat else {"index": 0, "text": b.text, "finish_reason": "length"})
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": b.text}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": b.text, "finish_reason": "length"}
+            )
             return JSONResponse({**head, "choices": [choice], "usage": usage})
 
         async def scripted():
@@ -112,19 +124,30 @@ class Fake:
                     yield b"data: [DONE]\n\n"
                     return
                 await asyncio.sleep(b.token_delay_s)
-                yield sse({**head, "choices": [{"index": 0, "delta": {"content": piece}} if chat else
-                                               {"index": 0, "text": piece}]})
+                yield sse(
+                    {
+                        **head,
+                        "choices": [{"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}],
+                    }
+                )
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield sse({**head, "choices": [], "usage": usage})
             yield b"data: [DONE]\n\n"
+
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
 
 @pytest.fixture(scope="module")
 def fakes():
-    fs = {name: Fake(name, text) for name, text in [
-        ("stable", "the stable answer is four"), ("candidate", "the candidate answer is five"),
-        ("shadow", "the candidate answer is five"), ("other", "another candidate answers")]}
+    fs = {
+        name: Fake(name, text)
+        for name, text in [
+            ("stable", "the stable answer is four"),
+            ("candidate", "the candidate answer is five"),
+            ("shadow", "the candidate answer is five"),
+            ("other", "another candidate answers"),
+        ]
+    }
     for f in fs.values():
         f.server.start()
     yield fs
@@ -146,9 +169,15 @@ def dead_backend() -> Backend:
 @contextmanager
 def running(resolve, weight=0.0, resolve_interval_s=0.5, **policy):
     """A started router; yields (router, http client with the router's base URL)."""
-    router = Router(resolve, CanaryPolicy(**{"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S,
-                                            "shadow_fraction": 0.0, **policy}), model_name="smollm", seed=7,
-                    resolve_interval_s=resolve_interval_s)
+    router = Router(
+        resolve,
+        CanaryPolicy(
+            **{"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S, "shadow_fraction": 0.0, **policy}
+        ),
+        model_name="smollm",
+        seed=7,
+        resolve_interval_s=resolve_interval_s,
+    )
     router.set_weight(weight)
     server = RouterServer(router).start()
     try:
@@ -159,9 +188,11 @@ def running(resolve, weight=0.0, resolve_interval_s=0.5, **policy):
 
 
 def fleet(fakes, candidate="candidate", shadow=None):
-    return lambda: {"stable": fakes["stable"].backend,
-                    "candidate": fakes[candidate].backend if isinstance(candidate, str) else candidate,
-                    "shadow": fakes[shadow].backend if shadow else None}
+    return lambda: {
+        "stable": fakes["stable"].backend,
+        "candidate": fakes[candidate].backend if isinstance(candidate, str) else candidate,
+        "shadow": fakes[shadow].backend if shadow else None,
+    }
 
 
 def complete(client, stream=False, chat=False, **extra):
@@ -171,8 +202,11 @@ def complete(client, stream=False, chat=False, **extra):
     if not stream:
         r = client.post(path, json=body)
         doc = r.json()
-        text = (doc["choices"][0].get("message", {}).get("content") or doc["choices"][0].get("text")
-                if r.status_code == 200 else None)
+        text = (
+            doc["choices"][0].get("message", {}).get("content") or doc["choices"][0].get("text")
+            if r.status_code == 200
+            else None
+        )
         return r, text, None
     with connect_sse(client, "POST", path, json=body) as source:
         events = list(source.iter_sse())
@@ -239,8 +273,9 @@ def test_failed_candidate_is_retried_on_stable(fakes, failure, stream):
     assert r.status_code == 200 and text == fakes["stable"].default_text
     assert served_by(r) == "stable" and r.headers["x-canary-retried"] == "1"
     cand, stab = router.samples_since(0)
-    outcome, status = {"http500": ("server_error", 500), "timeout": ("timeout", 0),
-                       "refused": ("connection_error", 0)}[failure]
+    outcome, status = {"http500": ("server_error", 500), "timeout": ("timeout", 0), "refused": ("connection_error", 0)}[
+        failure
+    ]
     assert (cand.role, cand.ok, cand.outcome, cand.status, cand.retried) == ("candidate", False, outcome, status, False)
     assert (stab.role, stab.ok, stab.retried) == ("stable", True, True)
     if failure == "timeout":
@@ -253,7 +288,9 @@ def test_stream_whose_first_chunk_is_an_error_is_retried(fakes):
         r, text, _ = complete(client, stream=True, chat=True)
     assert text == fakes["stable"].default_text and r.headers["x-canary-retried"] == "1"
     assert [(s.role, s.outcome, s.status) for s in router.samples_since(0)] == [
-        ("candidate", "server_error", 200), ("stable", "ok", 200)]
+        ("candidate", "server_error", 200),
+        ("stable", "ok", 200),
+    ]
 
 
 def test_failed_stable_is_an_error_for_the_client(fakes):
@@ -294,8 +331,10 @@ def test_stream_cut_after_first_chunk_is_finished_on_stable(fakes, chat):
     (asked,) = fakes["stable"].seen
     assert asked["model"] == "stable-served" and asked["max_tokens"] == 8 - 2 and asked["stream"] is True
     if chat:
-        assert asked["messages"] == [{"role": "user", "content": "2+2?"},
-                                     {"role": "assistant", "content": "the candidate"}]
+        assert asked["messages"] == [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "the candidate"},
+        ]
         assert asked["continue_final_message"] is True and asked["add_generation_prompt"] is False
     else:
         assert asked["prompt"] == "2+2?the candidate" and "echo" not in asked
@@ -370,8 +409,11 @@ def test_client_leaving_during_the_resume_is_recorded_as_cancelled(fakes):
 
 def tc(text, finish=None, **choice):
     """A completions stream chunk."""
-    return {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish,
-                                                                 **choice}]}
+    return {
+        "id": "c",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, **choice}],
+    }
 
 
 def stream_events(client, **extra):
@@ -379,11 +421,15 @@ def stream_events(client, **extra):
     return text, [e.data if e.event == "message" else f"{e.event}: {e.data}" for e in events]
 
 
-@pytest.mark.parametrize("script", [
-    [tc("A"), tc(" B", finish="length"), "CUT"],
-    [tc("A"), tc(" B", finish="length"), {"id": "c", "choices": [], "usage": {"completion_tokens": 2}}, "CUT"],
-    [tc("A"), tc(" B", finish="length"), "DONE", "CUT"],
-], ids=["after-finish", "after-usage", "after-done"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        [tc("A"), tc(" B", finish="length"), "CUT"],
+        [tc("A"), tc(" B", finish="length"), {"id": "c", "choices": [], "usage": {"completion_tokens": 2}}, "CUT"],
+        [tc("A"), tc(" B", finish="length"), "DONE", "CUT"],
+    ],
+    ids=["after-finish", "after-usage", "after-done"],
+)
 def test_stream_cut_after_a_whole_answer_just_ends(fakes, script):
     fakes["candidate"].reset(script=script)
     with running(fleet(fakes), weight=100) as (router, client):
@@ -426,7 +472,10 @@ def test_chat_cut_after_the_role_chunk_sends_one_role_chunk(fakes):
 
 
 def test_chat_cut_mid_tool_call_is_not_continued_as_text(fakes):
-    call = {"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}
+    call = {
+        "id": "c",
+        "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}],
+    }
     fakes["candidate"].reset(script=[call, "CUT"])
     with running(fleet(fakes), weight=100) as (router, client):
         _, events = stream_events(client, chat=True)
@@ -458,8 +507,15 @@ def test_client_leaving_while_stable_is_asked_to_continue_is_recorded(fakes):
 
 
 def test_malformed_chunks_never_break_the_stream(fakes):
-    fakes["candidate"].reset(script=[tc("A"), {"choices": [{"text": 5}]}, {"choices": [{"delta": "oops"}]},
-                                     {"choices": [], "usage": "bad"}, "CUT"])
+    fakes["candidate"].reset(
+        script=[
+            tc("A"),
+            {"choices": [{"text": 5}]},
+            {"choices": [{"delta": "oops"}]},
+            {"choices": [], "usage": "bad"},
+            "CUT",
+        ]
+    )
     with running(fleet(fakes), weight=100) as (router, client):
         text, events = stream_events(client)
     assert text.startswith("A") and events[-1] == "[DONE]" and fakes["stable"].seen[0]["prompt"] == "2+2?A"
@@ -560,8 +616,10 @@ def test_shadow_agreement_is_recorded_for_greedy_candidate_requests(fakes):
 
 def test_shadow_compares_only_the_first_words(fakes):
     fakes["shadow"].reset(text="the candidate answer is six")  # equal on the first 4 words
-    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0,
-                 shadow_compare_words=4) as (router, client):
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0, shadow_compare_words=4) as (
+        router,
+        client,
+    ):
         complete(client)
         assert [s.agree for s in wait_for(lambda: router.shadows_since(0), 1)] == [True]
 
@@ -595,13 +653,21 @@ def test_models_and_health(fakes):
         health = client.get("/health")
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["smollm"]
     assert health.status_code == 200 and health.json() == {
-        "status": "ok", "weight": 25.0, "stable": "stable-label", "candidate": "candidate-label",
-        "shadow": "shadow-label", "resolve_error": None}
+        "status": "ok",
+        "weight": 25.0,
+        "stable": "stable-label",
+        "candidate": "candidate-label",
+        "shadow": "shadow-label",
+        "resolve_error": None,
+    }
 
 
 def metric_values(text: str) -> dict:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_show_counters_histograms_weight_and_shadow(fakes):
@@ -623,7 +689,8 @@ def test_metrics_show_counters_histograms_weight_and_shadow(fakes):
     assert m[("canary_candidate_weight_percent", ())] == 40
     assert m[("canary_shadow_comparisons_total", (("result", "agree"),))] == 1
     assert ("canary_requests_total", (("outcome", "ok"), ("role", "stable"))) not in metric_values(
-        Router(fleet(fakes), CanaryPolicy()).recorder.exposition()[0].decode())  # per-router registry
+        Router(fleet(fakes), CanaryPolicy()).recorder.exposition()[0].decode()
+    )  # per-router registry
 
 
 # --- load generator -------------------------------------------------------------------------
@@ -651,8 +718,10 @@ def test_prompts_from_evals_render_doc_to_text(example_evals):
 
 
 def test_load_command_reports_errors_in_one_line(example_evals):
-    result = CliRunner().invoke(load, ["--url", f"http://127.0.0.1:{free_port()}", "--rps", "1", "--duration", "1",
-                                       "--evals", str(example_evals)])
+    result = CliRunner().invoke(
+        load,
+        ["--url", f"http://127.0.0.1:{free_port()}", "--rps", "1", "--duration", "1", "--evals", str(example_evals)],
+    )
     assert result.exit_code == 1 and "/v1/models did not answer" in result.output
     assert "Traceback" not in result.output and load in COMMANDS
 
@@ -661,14 +730,29 @@ def test_load_command_reports_errors_in_one_line(example_evals):
 def test_load_command_exits_1_when_any_request_failed(fakes, example_evals, stable_status, exit_code):
     fakes["stable"].reset(status=stable_status)
     with running(fleet(fakes), weight=0) as (router, client):
-        result = CliRunner().invoke(load, ["--url", str(client.base_url), "--rps", "20", "--duration", "0.3",
-                                           "--arrivals", "fixed", "--evals", str(example_evals)])
+        result = CliRunner().invoke(
+            load,
+            [
+                "--url",
+                str(client.base_url),
+                "--rps",
+                "20",
+                "--duration",
+                "0.3",
+                "--arrivals",
+                "fixed",
+                "--evals",
+                str(example_evals),
+            ],
+        )
     assert result.exit_code == exit_code, result.output
     assert ("0 failed" in result.output) == (exit_code == 0) and "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("api, kinds", [("chat", {("chat", False), ("chat", True)}),
-                                        ("completions", {("completions", False), ("completions", True)})])
+@pytest.mark.parametrize(
+    "api, kinds",
+    [("chat", {("chat", False), ("chat", True)}), ("completions", {("completions", False), ("completions", True)})],
+)
 def test_replay_api_picks_the_endpoints(fakes, api, kinds):
     with running(fleet(fakes), weight=0) as (router, client):
         report = replay(str(client.base_url), ["2+2?"], rps=40, duration_s=0.2, arrivals="fixed", api=api)

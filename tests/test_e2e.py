@@ -4,6 +4,7 @@ servers, a real MLflow registry (sqlite). Minutes, not seconds: marked e2e.
 One pipeline run (eval limit reduced) is shared by every test here; the failure tests then
 run single stages in the same copy.
 """
+
 import json
 import shutil
 import sys
@@ -59,7 +60,9 @@ def test_gate_table_and_metrics(project):
     for build, b in gate["builds"].items():
         assert b["verdict"] in {"PASS", "FAIL", "INCONCLUSIVE", "ANOMALOUS"}
         if build not in SCORED:
-            assert b["verdict"] == "FAIL" and all(PRECISION["w4a16_problem"] in r["reason"] for r in b["teams"].values())
+            assert b["verdict"] == "FAIL" and all(
+                PRECISION["w4a16_problem"] in r["reason"] for r in b["teams"].values()
+            )
             continue
         for row in b["teams"].values():
             assert row["n"] == LIMIT and 0.0 <= row["baseline"] <= 1.0 and 0.0 <= row["candidate"] <= 1.0
@@ -123,8 +126,19 @@ def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_pat
     doc = json.loads((out_dir / "fp8/search/scores.json").read_text())
     assert doc["status"] == "error" and "vLLM server" in doc["reason"] and "\n" not in doc["reason"]
     assert "Traceback" not in p.stdout.splitlines()[-1]
-    run([sys.executable, "-m", "pipeline.gate", str(out_dir), "evals", str(tmp_path / "g.json"), str(tmp_path / "g.md"),
-         str(tmp_path / "g.png")], project)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.gate",
+            str(out_dir),
+            "evals",
+            str(tmp_path / "g.json"),
+            str(tmp_path / "g.md"),
+            str(tmp_path / "g.png"),
+        ],
+        project,
+    )
     gate = json.loads((tmp_path / "g.json").read_text())
     original = json.loads((project / "results/gate.json").read_text())
     assert gate["builds"]["fp8"]["verdict"] == "FAIL"
@@ -140,7 +154,9 @@ def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project
     task = (bad / "arithmetic.yaml").read_text().replace("task: billing_arithmetic", "task: broken_arithmetic")
     # more new tokens than the server's context: every request is refused by vLLM (HTTP 400)
     (bad / "arithmetic.yaml").write_text(task.replace("max_gen_toks: 24", "max_gen_toks: 4096"))
-    p = run([sys.executable, "-m", "pipeline.evaluate", "fp16", "models/fp16", str(evals), str(tmp_path / "fp16")], project)
+    p = run(
+        [sys.executable, "-m", "pipeline.evaluate", "fp16", "models/fp16", str(evals), str(tmp_path / "fp16")], project
+    )
     for team in ("billing", "search", "support"):
         assert f"evaluate[fp16]: {team}: from cache" in p.stdout
         assert json.loads((tmp_path / "fp16" / team / "scores.json").read_text())["status"] == "ok"

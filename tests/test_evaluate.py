@@ -1,9 +1,10 @@
 """pipeline.evaluate.run_team on a tiny model through lm-eval's in-process hf backend: the team
 tasks load without lm-eval's built-in task index, and per-sample scores match lm-eval's aggregate."""
+
 import pytest
 
-from evals.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
+from quantgate.teams import load_teams
 from tests.tiny import tiny_llama_dir
 
 
@@ -11,8 +12,13 @@ from tests.tiny import tiny_llama_dir
 def lm(tmp_path_factory):
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=str(tiny_llama_dir(tmp_path_factory.mktemp("tiny"))), dtype="float32", device="cpu",
-                batch_size=4, max_length=128)
+    return HFLM(
+        pretrained=str(tiny_llama_dir(tmp_path_factory.mktemp("tiny"))),
+        dtype="float32",
+        device="cpu",
+        batch_size=4,
+        max_length=128,
+    )
 
 
 @pytest.mark.parametrize("team", ["search", "billing"])  # multiple choice (acc), generation (exact_match)
@@ -37,7 +43,7 @@ def test_run_team_scores_every_document_of_every_task(lm, example_evals, team, m
 def test_prompts_longer_than_the_context_are_refused_not_cut(lm, example_evals, team):
     import json
 
-    from pipeline.errors import QuantgateError
+    from quantgate.errors import QuantgateError
 
     data = example_evals / team / "data.jsonl"
     docs = [json.loads(line) for line in data.read_text().splitlines()]
@@ -55,19 +61,23 @@ def test_over_length_counts_context_plus_what_follows():
     from pipeline.evaluate import over_length
 
     words = str.split  # one token per word
-    raw = [{"task": "t", "doc_id": 0, "arguments": [("a b c", " d"), ("a b c", " d e")]},         # 3+1 ok, 3+2 over
-           {"task": "t", "doc_id": 1, "arguments": [("a b", {"max_gen_toks": 2})]},                 # 2+2 ok
-           {"task": "t", "doc_id": 2, "arguments": [("a b c", {"until": ["\n"]})]},                 # 3+default 2 over
-           {"task": "t", "doc_id": 3, "arguments": [("a b c d e f",)]}]                             # rolling: skipped
+    raw = [
+        {"task": "t", "doc_id": 0, "arguments": [("a b c", " d"), ("a b c", " d e")]},  # 3+1 ok, 3+2 over
+        {"task": "t", "doc_id": 1, "arguments": [("a b", {"max_gen_toks": 2})]},  # 2+2 ok
+        {"task": "t", "doc_id": 2, "arguments": [("a b c", {"until": ["\n"]})]},  # 3+default 2 over
+        {"task": "t", "doc_id": 3, "arguments": [("a b c d e f",)]},
+    ]  # rolling: skipped
     assert over_length(raw, words, 4, default_gen_toks=2) == [
-        "t doc 0: prompt is 3 tokens + 2 of an answer choice > 4", "t doc 2: prompt is 3 tokens + 2 to generate > 4"]
+        "t doc 0: prompt is 3 tokens + 2 of an answer choice > 4",
+        "t doc 2: prompt is 3 tokens + 2 to generate > 4",
+    ]
 
 
 def test_arc_format_team_scores(lm, tmp_path):
     """lm-eval's ARC task format (tests/arc_evals, without its two bad documents) validates and scores."""
     import shutil
 
-    from evals.teams import load_team
+    from quantgate.teams import load_team
     from tests.conftest import REPO
 
     shutil.copytree(REPO / "tests" / "arc_evals", tmp_path / "evals")
@@ -81,7 +91,7 @@ def test_arc_format_team_scores(lm, tmp_path):
 def test_cache_key_follows_what_changes_scores_not_the_gate_policy(example_evals):
     from pipeline.evaluate import cache_key
 
-    def key(harness=HarnessParams()):
+    def key(harness=HarnessParams()):  # noqa: B008 - frozen, never mutated
         team = next(t for t in load_teams(example_evals) if t.name == "search")
         return cache_key("w" * 64, team, harness, {"dtype": "auto"}, "m" * 64)
 
@@ -95,17 +105,23 @@ def test_cache_key_follows_what_changes_scores_not_the_gate_policy(example_evals
             path.write_text(text)
 
     base, policy = key(), example_evals / "search" / "team.yaml"
-    for old, new in [("absolute: 0.05", "absolute: 0.06"), ("confidence: 0.95", "confidence: 0.9"),
-                     ("search-ml@example.com", "search@example.com"), ("owner: Search Relevance", "owner: Search"),
-                     ("higher_is_better: true", "higher_is_better: true  # as before")]:
+    for old, new in [
+        ("absolute: 0.05", "absolute: 0.06"),
+        ("confidence: 0.95", "confidence: 0.9"),
+        ("search-ml@example.com", "search@example.com"),
+        ("owner: Search Relevance", "owner: Search"),
+        ("higher_is_better: true", "higher_is_better: true  # as before"),
+    ]:
         assert edited(policy, old, new) == base, old  # the gate re-judges the cached scores
     (example_evals / "search" / "NOTES.md").write_text("not read by lm-eval\n")
     assert key() == base
-    changed = [edited(policy, "chat_template: false", "chat_template: true"),
-               edited(policy, "confidence: 0.95", "confidence: 0.95\nlimit: 60"),
-               edited(example_evals / "search" / "capitals.yaml", "version: 1.0", "version: 1.1"),
-               edited(example_evals / "search" / "data.jsonl", "capital of France", "capital city of France"),
-               key(HarnessParams(limit=30))]  # (limit 60 from either side is one key)
+    changed = [
+        edited(policy, "chat_template: false", "chat_template: true"),
+        edited(policy, "confidence: 0.95", "confidence: 0.95\nlimit: 60"),
+        edited(example_evals / "search" / "capitals.yaml", "version: 1.0", "version: 1.1"),
+        edited(example_evals / "search" / "data.jsonl", "capital of France", "capital city of France"),
+        key(HarnessParams(limit=30)),
+    ]  # (limit 60 from either side is one key)
     assert len({base, *changed}) == 6
 
 
@@ -115,9 +131,16 @@ def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch)
 
     import pipeline.evaluate as stage
 
-    secrets = {"MLFLOW_TRACKING_URI": "postgresql://u:p@db/mlflow", "MLFLOW_TRACKING_PASSWORD": "p",
-               "AWS_SECRET_ACCESS_KEY": "s", "AWS_ACCESS_KEY_ID": "a", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
-               "AZURE_CLIENT_SECRET": "s", "HF_TOKEN": "t", "DB_PASSWORD": "p"}
+    secrets = {
+        "MLFLOW_TRACKING_URI": "postgresql://u:p@db/mlflow",
+        "MLFLOW_TRACKING_PASSWORD": "p",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "AWS_ACCESS_KEY_ID": "a",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
+        "AZURE_CLIENT_SECRET": "s",
+        "HF_TOKEN": "t",
+        "DB_PASSWORD": "p",
+    }
     kept = {"OPENAI_API_KEY": "remote-endpoint-key", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4"}
     for k, v in {**secrets, **kept}.items():
         monkeypatch.setenv(k, v)
@@ -125,5 +148,5 @@ def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["evaluate", "fp8", "models/fp8", "evals", "results/eval/fp8"])
     monkeypatch.setattr(stage, "load_block", lambda *a: stage.EvaluateParams())
     monkeypatch.setattr(stage, "evaluate", lambda *a: seen.update(os.environ) or {})
-    stage.main()  # the vLLM server the stage starts gets os.environ as it is then (pipeline/serving.py)
+    stage.main()  # the vLLM server the stage starts gets os.environ as it is then (quantgate/serving.py)
     assert not set(secrets) & set(seen) and all(seen[k] == v for k, v in kept.items())

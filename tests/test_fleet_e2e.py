@@ -7,11 +7,11 @@ deliberately broken build (embedding rows permuted: it loads and answers, with g
 Tests run in order: promote the good build, roll back under load, abort the broken build on
 shadow agreement, abort a good build whose server is killed mid-canary.
 """
+
 import json
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -33,8 +33,17 @@ def fast_policy(**over):
     from canary.policy import load_policy
 
     p = load_policy(REPO / "params.yaml").model_dump()
-    p.update(min_requests_per_step=2, min_step_s=3, max_step_s=240, min_samples=2, check_interval_s=2,
-             shadow_fraction=1.0, shadow_compare_words=2, min_shadow_agreement=0.5, request_timeout_s=120)
+    p.update(
+        min_requests_per_step=2,
+        min_step_s=3,
+        max_step_s=240,
+        min_samples=2,
+        check_interval_s=2,
+        shadow_fraction=1.0,
+        shadow_compare_words=2,
+        min_shadow_agreement=0.5,
+        request_timeout_s=120,
+    )
     if GOOD == "fp8":  # vLLM's CPU FP8 path decodes ~12x slower than fp16 on AVX2 (benchmarks/):
         p.update(max_ttft_p95_ratio=50, max_tpot_p95_ratio=50)  # judge quality and errors here, not speed
     p["router"]["port"] = 0
@@ -49,7 +58,7 @@ def permute_embeddings(src: Path, dst: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.manifest import read_manifest, write_manifest
+    from quantgate.manifest import read_manifest, write_manifest
 
     shutil.copytree(src, dst)
     for f in dst.glob("*.safetensors"):
@@ -59,8 +68,14 @@ def permute_embeddings(src: Path, dst: Path) -> None:
                 tensors[name] = t[torch.randperm(t.shape[0], generator=torch.Generator().manual_seed(0))].contiguous()
         save_file(tensors, f, metadata={"format": "pt"})
     m = read_manifest(src)
-    write_manifest(dst, build="broken", scheme=m["scheme"], dtype=m["dtype"], base_model=m["base_model"],
-                   recipe={"corruption": "embedding rows permuted (test build)"})
+    write_manifest(
+        dst,
+        build="broken",
+        scheme=m["scheme"],
+        dtype=m["dtype"],
+        base_model=m["base_model"],
+        recipe={"corruption": "embedding rows permuted (test build)"},
+    )
 
 
 class Load:
@@ -78,17 +93,25 @@ class Load:
     def _one(self, i: int) -> None:
         sent = time.time()
         stream = i % 2 == 1  # chat, as the teams' users send it (the model is an instruct model)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": self.prompts[i % len(self.prompts)]}],
-                "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": self.prompts[i % len(self.prompts)]}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": stream,
+        }
         try:
             with httpx.stream("POST", f"{self.url}/v1/chat/completions", json=body, timeout=300) as r:
                 text = r.read().decode()
-                ok = r.status_code == 200 and ("[DONE]" in text if stream else "choices" in text) and "error" not in text
+                ok = (
+                    r.status_code == 200 and ("[DONE]" in text if stream else "choices" in text) and "error" not in text
+                )
                 label = r.headers.get("x-canary-backend")
         except httpx.HTTPError as exc:
             ok, label, text = False, None, type(exc).__name__
-        self.results.append({"sent": sent, "done": time.time(), "ok": ok, "backend": label,
-                             "detail": "" if ok else text[:200]})
+        self.results.append(
+            {"sent": sent, "done": time.time(), "ok": ok, "backend": label, "detail": "" if ok else text[:200]}
+        )
 
     def _run(self) -> None:
         i = 0
@@ -117,9 +140,9 @@ class Load:
 def fleet(project, tmp_path_factory):
     """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
     from canary.fleet import ServingFleet
-    from pipeline.params import load_block
     from pipeline.register import RegisterParams, register
-    from pipeline.serving import ServeParams
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
     from registry import approval, store
 
     cwd = os.getcwd()
@@ -129,24 +152,45 @@ def fleet(project, tmp_path_factory):
     os.environ["MLFLOW_TRACKING_URI"] = uri
     permute_embeddings(project / "models/fp16", project / "models/broken")
     gate_row = {"verdict": "FAIL", "metric": "acc", "reason": "deliberately broken test build, never evaluated"}
-    out = register(project / "models", {"baseline": "fp16", "builds": {"broken": {"verdict": "FAIL", "teams": {
-        "search": gate_row}}}}, "# broken test build", project / "results/eval", load_block("register", RegisterParams),
-        json.loads((project / "results/teams.json").read_text()))
+    out = register(
+        project / "models",
+        {"baseline": "fp16", "builds": {"broken": {"verdict": "FAIL", "teams": {"search": gate_row}}}},
+        "# broken test build",
+        project / "results/eval",
+        load_block("register", RegisterParams),
+        json.loads((project / "results/teams.json").read_text()),
+    )
     reg = json.loads((project / "results/registry.json").read_text())["builds"]
-    v = {"fp16": str(reg["fp16"]["version"]), GOOD: str(reg[GOOD]["version"]), "broken": str(out["builds"]["broken"]["version"])}
+    v = {
+        "fp16": str(reg["fp16"]["version"]),
+        GOOD: str(reg[GOOD]["version"]),
+        "broken": str(out["builds"]["broken"]["version"]),
+    }
     assert out["builds"]["fp16"]["reused"] and v["broken"] not in (v["fp16"], v[GOOD])
     for build in (GOOD, "broken"):
         if not approval.approval_of(client, MODEL, v[build]).approved:
-            approval.approve(client, MODEL, v[build], "e2e-test", "canary end-to-end test",
-                             override_reason=f"test: {build} did not PASS on {json.loads((project / 'results/teams.json').read_text())['search']['n_docs']}-doc sets (CI limit)")
+            approval.approve(
+                client,
+                MODEL,
+                v[build],
+                "e2e-test",
+                "canary end-to-end test",
+                override_reason=f"test: {build} did not PASS on "
+                f"{json.loads((project / 'results/teams.json').read_text())['search']['n_docs']}-doc sets (CI limit)",
+            )
     serve = load_block("evaluate.serve", ServeParams)
     started = time.monotonic()
     with ServingFleet(client, MODEL, serve, fast_policy(), tmp_path_factory.mktemp("fleet")) as f:
         for build, role in (("fp16", "stable"), (GOOD, "candidate"), ("broken", "candidate")):
             f.start(v[build], role)
         print(f"\nfleet: 3 vLLM servers verified and started in {time.monotonic() - started:.0f} s")
-        yield {"client": client, "v": v, "fleet": f, "reuse": {ver: f.backends[ver].url for ver in v.values()},
-               "serve": serve}
+        yield {
+            "client": client,
+            "v": v,
+            "fleet": f,
+            "reuse": {ver: f.backends[ver].url for ver in v.values()},
+            "serve": serve,
+        }
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     os.chdir(cwd)
 
@@ -168,8 +212,18 @@ def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = Non
         lines.append(line)
         print(line, flush=True)
 
-    outcome = run_canary(fleet["client"], MODEL, fleet["v"][build], policy, fleet["serve"], "e2e-test", tmp_path,
-                         reuse=fleet["reuse"], log=log, on_router=on_router)
+    outcome = run_canary(
+        fleet["client"],
+        MODEL,
+        fleet["v"][build],
+        policy,
+        fleet["serve"],
+        "e2e-test",
+        tmp_path,
+        reuse=fleet["reuse"],
+        log=log,
+        on_router=on_router,
+    )
     return outcome, load[0], lines
 
 
@@ -180,8 +234,10 @@ def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
     policy = fast_policy()
     started = time.monotonic()
     outcome, load, lines = canary(fleet, GOOD, policy, tmp_path)
-    print(f"\ncanary {GOOD}: {outcome.decision} after {time.monotonic() - started:.0f} s, {len(load.results)} requests, "
-          f"{len(load.failed)} failed")
+    print(
+        f"\ncanary {GOOD}: {outcome.decision} after {time.monotonic() - started:.0f} s, {len(load.results)} requests, "
+        f"{len(load.failed)} failed"
+    )
     assert outcome.decision == "promoted", outcome.reason
     assert outcome.step == len(policy.steps) == 4
     assert not load.failed, load.failed[:3]
@@ -189,7 +245,7 @@ def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
     assert now["production"] == v[GOOD] and now["previous"] == v["fp16"] and "candidate" not in now
     history = client.get_metric_history(outcome.run_id, "weight_pct")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == policy.steps
-    assert any(l.startswith("step 4 (100%): shadow_agreement") for l in lines)
+    assert any(line.startswith("step 4 (100%): shadow_agreement") for line in lines)
     promoted = [e for e in audit.history(client, MODEL) if e.action == "promote" and e.alias == "production"]
     assert promoted[-1].canary_run_id == outcome.run_id and promoted[-1].to_version == v[GOOD]
 
@@ -212,9 +268,11 @@ def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
     after = sorted((r for r in load.results if r["sent"] >= flip), key=lambda r: r["sent"])
     first_prev = next(r["sent"] for r in after if r["backend"] == f"v{v['fp16']}")
     last_old = max((r["sent"] for r in after if r["backend"] == f"v{v[GOOD]}"), default=flip)
-    print(f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; registry written {event.took_s:.2f} s "
-          f"after the request; traffic on the previous version {first_prev - flip:.2f} s after the alias flip; "
-          f"last request routed to the old version {last_old - flip:.2f} s after it")
+    print(
+        f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; registry written {event.took_s:.2f} s "
+        f"after the request; traffic on the previous version {first_prev - flip:.2f} s after the alias flip; "
+        f"last request routed to the old version {last_old - flip:.2f} s after it"
+    )
     assert not load.failed, load.failed[:3]
     assert last_old - flip < 1.0
     assert aliases.current(client, MODEL)["production"] == v["fp16"]
@@ -226,8 +284,10 @@ def test_broken_build_is_aborted_by_shadow_agreement_without_client_errors(fleet
     client, v = fleet["client"], fleet["v"]
     before = aliases.current(client, MODEL)
     outcome, load, lines = canary(fleet, "broken", fast_policy(), tmp_path)
-    print(f"\nbroken build: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%): {outcome.reason}; "
-          f"{len(load.results)} requests, {len(load.failed)} failed")
+    print(
+        f"\nbroken build: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%): {outcome.reason}; "
+        f"{len(load.results)} requests, {len(load.failed)} failed"
+    )
     assert outcome.decision == "aborted" and outcome.step < 4
     assert "shadow_agreement" in outcome.reason and "FAIL" in outcome.reason
     assert not load.failed, load.failed[:3]
@@ -258,10 +318,15 @@ def cutting_proxy(url: str, after: int):
                             raise RuntimeError("cut by the test proxy")
                         yield f"data: {ev.data}\n\n".encode()
                         sent += ev.data != "[DONE]" and bool(chunk_text(json.loads(ev.data)))
+
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/completions", relay, methods=["POST"]),
-                             Route("/v1/chat/completions", relay, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", relay, methods=["POST"]),
+            Route("/v1/chat/completions", relay, methods=["POST"]),
+        ]
+    )
 
 
 def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
@@ -270,10 +335,14 @@ def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
 
     from canary.payloads import chunk_text
 
-    with httpx.Client(timeout=300, trust_env=False) as client, \
-            connect_sse(client, "POST", base_url + path, json=body) as src:
+    with (
+        httpx.Client(timeout=300, trust_env=False) as client,
+        connect_sse(client, "POST", base_url + path, json=body) as src,
+    ):
         events = list(src.iter_sse())
-    return "".join(chunk_text(json.loads(e.data)) for e in events if e.event == "message" and e.data != "[DONE]"), events
+    return "".join(
+        chunk_text(json.loads(e.data)) for e in events if e.event == "message" and e.data != "[DONE]"
+    ), events
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
@@ -285,8 +354,11 @@ def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, cha
 
     fp16 = fleet["fleet"].backends[fleet["v"]["fp16"]]
     body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True}
-    body.update({"messages": [{"role": "user", "content": "What is the capital of France?"}]} if chat
-                else {"prompt": "The three primary colours are"})
+    body.update(
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        if chat
+        else {"prompt": "The three primary colours are"}
+    )
     path = "/chat/completions" if chat else "/completions"
     direct, _ = streamed_text(fp16.url, path, {**body, "model": fp16.model})
     with AppServer(cutting_proxy(fp16.url, after=3), grace_s=1) as proxy:
@@ -307,8 +379,10 @@ def test_killed_candidate_server_aborts_and_clients_see_no_error(fleet, tmp_path
 
     client = fleet["client"]
     outcome, load, lines = canary(fleet, GOOD, fast_policy(), tmp_path, kill_after_s=8)
-    print(f"\nkilled candidate: {outcome.decision} at step {outcome.step}: {outcome.reason}; "
-          f"{len(load.results)} requests, {len(load.failed)} failed")
+    print(
+        f"\nkilled candidate: {outcome.decision} at step {outcome.step}: {outcome.reason}; "
+        f"{len(load.results)} requests, {len(load.failed)} failed"
+    )
     assert outcome.decision == "aborted" and "error_rate" in outcome.reason
     assert not load.failed, load.failed[:3]
     assert "candidate" not in aliases.current(client, MODEL)
@@ -324,8 +398,10 @@ def test_memory_of_two_servers_and_router(fleet):
         total += rss
         print(f"\nmemory: {build} vLLM server: {rss / 2**30:.2f} GiB RSS in {len(procs)} processes")
     me = psutil.Process().memory_info().rss
-    print(f"memory: two servers {total / 2**30:.2f} GiB + router/test process {me / 2**30:.2f} GiB; "
-          f"machine {psutil.virtual_memory().total / 2**30:.0f} GiB")
+    print(
+        f"memory: two servers {total / 2**30:.2f} GiB + router/test process {me / 2**30:.2f} GiB; "
+        f"machine {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    )
     assert 0 < total + me < psutil.virtual_memory().total
 
 

@@ -1,11 +1,13 @@
 """The gate on scores documents written in the test: verdicts and failing closed."""
+
 import json
 
 import pytest
 
-from evals.teams import load_teams
-from pipeline.gate import GateParams, gate, report
-from tests.conftest import write_scores
+from pipeline.gate import GateParams, gate, load_params, report
+from quantgate.errors import QuantgateError
+from quantgate.teams import load_teams
+from tests.conftest import REPO, write_scores
 
 PARAMS = GateParams(baseline="fp16", candidates=["int4"], bootstrap_resamples=1000)
 
@@ -47,13 +49,16 @@ def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
     assert "52 docs" in r["reason"]
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", "no results for build int4"),
-    ("error", "evaluation error: vLLM server exited"),
-    ("fewer_docs", "document sets differ: 10 docs on fp16 vs 9 on int4"),
-    ("other_docs", "document content differs"),
-    ("nan", "is nan"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no results for build int4"),
+        ("error", "evaluation error: vLLM server exited"),
+        ("fewer_docs", "document sets differ: 10 docs on fp16 vs 9 on int4"),
+        ("other_docs", "document content differs"),
+        ("nan", "is nan"),
+    ],
+)
 def test_fails_closed_with_reason(tmp_path, teams, case, expected):
     write_scores(tmp_path, "fp16", "search", [1.0] * 10)
     if case == "error":
@@ -75,8 +80,11 @@ def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_
         write_scores(tmp_path, "fp16", t.name, [1.0, 0.0] * 100)
         write_scores(tmp_path, "int4", t.name, [1.0, 0.0] * 100 if t.name != "billing" else [0.0] * 200)
     result = gate(tmp_path, teams, PARAMS)
-    assert {k: v["verdict"] for k, v in result["builds"]["int4"]["teams"].items()} == \
-        {"billing": "FAIL", "search": "PASS", "support": "PASS"}
+    assert {k: v["verdict"] for k, v in result["builds"]["int4"]["teams"].items()} == {
+        "billing": "FAIL",
+        "search": "PASS",
+        "support": "PASS",
+    }
     assert result["builds"]["int4"]["verdict"] == "FAIL"
     md = report(result)
     assert "| int4 | billing | exact_match | 200 |" in md
@@ -89,7 +97,9 @@ def test_recovery_interval_maps_drop_bounds():
 
     row_ = {"baseline": 0.8, "lower": -0.02, "upper": 0.04}
     assert recovery_interval(row_) == pytest.approx((95.0, 102.5))
-    assert recovery_interval({**row_, "baseline": 2.0}, higher_is_better=False) == pytest.approx((100 * 2 / 2.04, 100 * 2 / 1.98))
+    assert recovery_interval({**row_, "baseline": 2.0}, higher_is_better=False) == pytest.approx(
+        (100 * 2 / 2.04, 100 * 2 / 1.98)
+    )
     assert recovery_interval({"verdict": "FAIL", "reason": "no results"}) is None
 
 
@@ -122,3 +132,29 @@ def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_
     (tmp_path / "int4" / "precision.json").unlink()
     r = row(gate(tmp_path, teams, PARAMS))
     assert r["verdict"] == "FAIL" and r["reason"].startswith("no precision record for build int4")
+
+
+def test_the_builds_of_a_run_are_listed_once_in_params_yaml():
+    """`builds` drives dvc.yaml's evaluate foreach and the gate's candidates; quantize.<build> blocks
+    (dvc.yaml's quantize foreach) exist for exactly the builds that are not the baseline."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = load_params(REPO / "params.yaml")
+    assert [params.baseline, *params.candidates] == doc["builds"] and set(doc["quantize"]) == set(params.candidates)
+    assert "candidates" not in doc["gate"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("builds: [fp8, int4]\ngate: {baseline: fp16}\n", "gate.baseline 'fp16' is not in builds"),
+        ("builds: [fp16, fp8, fp8]\ngate: {baseline: fp16}\n", "names a build twice"),
+        ("builds: fp16\ngate: {baseline: fp16}\n", "`builds` must be a list of build names"),
+        ("builds: [fp16, fp8]\ngate: {baseline: fp16, candidates: [fp8]}\n", "candidates"),
+    ],
+)
+def test_gate_params_refuse_builds_that_do_not_add_up(tmp_path, text, message):
+    (tmp_path / "params.yaml").write_text(text)
+    with pytest.raises(QuantgateError, match=message):
+        load_params(tmp_path / "params.yaml")

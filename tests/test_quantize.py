@@ -1,14 +1,15 @@
 """Quantize a tiny Llama built in the test with llm-compressor: real recipes, seconds."""
+
 import json
 import re
 
 import pytest
 from safetensors import safe_open
 
-from pipeline.errors import QuantgateError
-from pipeline.manifest import config_digest, read_manifest, verify_weights
 from pipeline.quantize import QuantizeParams, quantize
-from pipeline.serving import is_w4a16
+from quantgate.errors import QuantgateError
+from quantgate.manifest import config_digest, read_manifest, verify_weights
+from quantgate.serving import is_w4a16
 from tests.tiny import tiny_llama_dir
 
 
@@ -38,8 +39,14 @@ def test_fp8_dynamic(src, tmp_path):
 @pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
 def test_w4a16_groups(src, tmp_path, algorithm):
     out = tmp_path / algorithm
-    quantize("int4", src, out, QuantizeParams(scheme="W4A16", algorithm=algorithm, group_size=32,
-                                              calibration_samples=4, calibration_seq_len=32))
+    quantize(
+        "int4",
+        src,
+        out,
+        QuantizeParams(
+            scheme="W4A16", algorithm=algorithm, group_size=32, calibration_samples=4, calibration_seq_len=32
+        ),
+    )
     group = next(iter(quant_config(out)["config_groups"].values()))
     assert group["weights"] == {**group["weights"], "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -52,36 +59,47 @@ def test_w4a16_groups(src, tmp_path, algorithm):
 
 def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
     src = tiny_llama_dir(tmp_path / "src", hidden=96, intermediate=192)  # 96 is not a multiple of 64
-    with pytest.raises(QuantgateError, match=r"group_size=64 does not divide the input width 96 of layer .*use one of \[16, 32\]"):
+    with pytest.raises(
+        QuantgateError, match=r"group_size=64 does not divide the input width 96 of layer .*use one of \[16, 32\]"
+    ):
         quantize("int4", src, tmp_path / "out", QuantizeParams(scheme="W4A16", group_size=64))
     assert not (tmp_path / "out").exists()
 
 
 def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
-    from pipeline.params import load_block
+    from quantgate.params import load_block
 
     params = tmp_path / "params.yaml"
     params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    groupsize: 64\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.int4.groupsize: Extra inputs are not permitted"):
         load_block("quantize.int4", QuantizeParams, params)
     params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    group_size: 64\n    group_size: 128\n")
-    with pytest.raises(QuantgateError, match=r"params.yaml:5: invalid YAML: duplicate key 'group_size' \(first on line 4\)"):
+    with pytest.raises(
+        QuantgateError, match=r"params.yaml:5: invalid YAML: duplicate key 'group_size' \(first on line 4\)"
+    ):
         load_block("quantize.int4", QuantizeParams, params)
     for wrong in ("true", '"64"'):  # strict: no silent coercion to group_size 1 or 64
         params.write_text(f"quantize:\n  int4:\n    scheme: W4A16\n    group_size: {wrong}\n")
-        with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.int4.group_size: Input should be a valid integer"):
+        with pytest.raises(
+            QuantgateError, match=r"params.yaml:4: quantize.int4.group_size: Input should be a valid integer"
+        ):
             load_block("quantize.int4", QuantizeParams, params)
     # a merge key is not a duplicate, and an explicit key overrides the merged one
     params.write_text("base: &b {scheme: W4A16, group_size: 64}\nquantize:\n  int4:\n    <<: *b\n    group_size: 128\n")
     assert load_block("quantize.int4", QuantizeParams, params).group_size == 128
     params.write_text("quantize:\n  int4:\n")  # a block left empty, or a scalar where a block goes
-    with pytest.raises(QuantgateError, match=r"params.yaml:2: quantize.int4 must be a mapping of fields \(scheme, "
-                                             r".*\); got nothing \(empty\)"):
+    with pytest.raises(
+        QuantgateError,
+        match=r"params.yaml:2: quantize.int4 must be a mapping of fields \(scheme, "
+        r".*\); got nothing \(empty\)",
+    ):
         load_block("quantize.int4", QuantizeParams, params)
     for text, got in (("", "nothing (empty)"), ("- quantize\n", "list ['quantize']")):  # the file itself
         params.write_text(text)
-        with pytest.raises(QuantgateError, match=re.escape(f"params.yaml: must be a mapping of blocks (prepare, "
-                                                           f"quantize, evaluate, ...); got {got}")):
+        with pytest.raises(
+            QuantgateError,
+            match=re.escape(f"params.yaml: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {got}"),
+        ):
             load_block("quantize.int4", QuantizeParams, params)
     params.write_text("quantize:\n  int4: 4\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:2: quantize.int4 must be .*; got int 4"):

@@ -1,20 +1,35 @@
 """The register stage against a real MLflow sqlite store in a temp dir, with tiny builds."""
+
 import json
 
 import pytest
 
-from pipeline.errors import QuantgateError
 from pipeline.register import RegisterParams, register
+from quantgate.errors import QuantgateError
 from registry import store
 from tests.tiny import tiny_llama_dir
 
 
 def gate_result(verdicts: dict[str, str]) -> dict:
-    rows = {"search": {"verdict": "PASS", "metric": "acc", "delta": 0.0, "lower": -0.01, "upper": 0.02,
-                       "recovery_pct": 100.0, "baseline": 0.9, "candidate": 0.9}}
-    return {"baseline": "fp16", "builds": {b: {"verdict": v, "shippable": v == "PASS",
-                                               "teams": {"search": {**rows["search"], "verdict": v}}}
-                                           for b, v in verdicts.items()}}
+    rows = {
+        "search": {
+            "verdict": "PASS",
+            "metric": "acc",
+            "delta": 0.0,
+            "lower": -0.01,
+            "upper": 0.02,
+            "recovery_pct": 100.0,
+            "baseline": 0.9,
+            "candidate": 0.9,
+        }
+    }
+    return {
+        "baseline": "fp16",
+        "builds": {
+            b: {"verdict": v, "shippable": v == "PASS", "teams": {"search": {**rows["search"], "verdict": v}}}
+            for b, v in verdicts.items()
+        },
+    }
 
 
 @pytest.fixture
@@ -40,8 +55,15 @@ def test_registers_every_build_with_its_verdict_and_evidence(workdir):
     plot.write_bytes(b"\x89PNG fake")
     (workdir / "results/eval/fp8/search").mkdir(parents=True)
     (workdir / "results/eval/fp8/search/scores.json").write_text('{"status": "ok"}')
-    out = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval",
-                   params, TEAMS, [plot])
+    out = register(
+        workdir / "models",
+        gate_result({"int4": "PASS", "fp8": "FAIL"}),
+        "# report",
+        workdir / "results/eval",
+        params,
+        TEAMS,
+        [plot],
+    )
     client = store.client()
     versions = {mv.tags["build"]: mv for mv in client.search_model_versions("name='tiny'")}
     assert set(versions) == {"fp16", "int4", "fp8"}
@@ -53,8 +75,14 @@ def test_registers_every_build_with_its_verdict_and_evidence(workdir):
     assert versions["fp16"].tags["gate.verdict"] == "BASELINE"
     assert client.get_model_version_by_alias("tiny", "fallback").version == versions["fp16"].version
     # same weights and evidence again: no duplicate versions
-    again = register(workdir / "models", gate_result({"int4": "PASS", "fp8": "FAIL"}), "# report", workdir / "results/eval",
-                     params, TEAMS)
+    again = register(
+        workdir / "models",
+        gate_result({"int4": "PASS", "fp8": "FAIL"}),
+        "# report",
+        workdir / "results/eval",
+        params,
+        TEAMS,
+    )
     assert again["builds"]["int4"] == {**out["builds"]["int4"], "reused": True}
     assert len(client.search_model_versions("name='tiny'")) == 3
 
@@ -64,7 +92,13 @@ def test_tampered_weights_refused_before_anything_is_written(workdir):
         f.seek(-8, 2)
         f.write(b"\x00" * 8)
     with pytest.raises(QuantgateError, match="int4/model.safetensors: sha256 does not match build.json"):
-        register(workdir / "models", gate_result({"int4": "PASS"}), "# r", workdir / "results/eval",
-                 RegisterParams(model_name="tiny", experiment="e"), TEAMS)
+        register(
+            workdir / "models",
+            gate_result({"int4": "PASS"}),
+            "# r",
+            workdir / "results/eval",
+            RegisterParams(model_name="tiny", experiment="e"),
+            TEAMS,
+        )
     client = store.client()
     assert client.search_registered_models() == []

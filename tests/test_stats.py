@@ -1,11 +1,12 @@
-"""Known-answer, boundary and calibration tests of the gate statistics (pipeline/stats.py)."""
+"""Known-answer, boundary and calibration tests of the gate statistics (quantgate/stats.py)."""
+
 import math
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from pipeline.stats import (Verdict, _tango_z, compare_binary, compare_continuous, tango_bounds, verdict)
+from quantgate.stats import Verdict, _tango_z, compare_binary, compare_continuous, tango_bounds, verdict
 
 Z95 = stats.norm.ppf(0.95)
 
@@ -27,7 +28,7 @@ def test_tango_upper_bound_with_no_discordant_pairs_has_closed_form():
     for n in (1, 30, 100, 500):
         lower, upper = tango_bounds(0, 0, n, 0.95)
         assert upper == pytest.approx(Z95**2 / (n + Z95**2), rel=1e-6)
-        assert lower == pytest.approx(-Z95**2 / (n + Z95**2), rel=1e-6)
+        assert lower == pytest.approx(-(Z95**2) / (n + Z95**2), rel=1e-6)
 
 
 def test_exact_mcnemar_hand_computed():
@@ -93,10 +94,14 @@ def test_calibration_pass_equal_builds_and_fail_twice_the_margin():
     """n = 500, margin 0.05: equal builds (5 % discordant each way) pass, a true drop of 0.10 fails."""
     margin, n, runs = 0.05, 500, 300
     rng = np.random.default_rng(2024)
-    passed = sum(verdict(compare_binary(*simulate(0.05, 0.05, n, rng), margin, 0.95), margin) is Verdict.PASS
-                 for _ in range(runs))
-    failed = sum(verdict(compare_binary(*simulate(0.12, 0.02, n, rng), margin, 0.95), margin) is Verdict.FAIL
-                 for _ in range(runs))
+    passed = sum(
+        verdict(compare_binary(*simulate(0.05, 0.05, n, rng), margin, 0.95), margin) is Verdict.PASS
+        for _ in range(runs)
+    )
+    failed = sum(
+        verdict(compare_binary(*simulate(0.12, 0.02, n, rng), margin, 0.95), margin) is Verdict.FAIL
+        for _ in range(runs)
+    )
     print(f"calibration: equal builds PASS {passed / runs:.1%}, drop 2x margin FAIL {failed / runs:.1%}")
     assert passed / runs >= 0.90
     assert failed / runs >= 0.90

@@ -1,13 +1,14 @@
 """Loading team eval sets: the shipped examples, and clear errors on bad input."""
+
 import shutil
 from pathlib import Path
 
 import pytest
 
-from evals import checks
-from evals.teams import load_team, load_teams
-from pipeline.errors import QuantgateError
-from pipeline.stats import tango_bounds
+from quantgate import checks
+from quantgate.errors import QuantgateError
+from quantgate.stats import tango_bounds
+from quantgate.teams import load_team, load_teams
 from tests.conftest import REPO
 
 
@@ -57,7 +58,7 @@ def test_bad_input_is_named_with_file_line_and_fix(example_evals, case):
 def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
     expected = [overlay(example_evals, "blank_line"), overlay(example_evals, "negative_margin")]
     res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals)])
@@ -81,28 +82,36 @@ def test_min_docs_matches_the_gate_statistics():
 
 
 def test_template_fields():
-    assert checks.template_fields({"doc_to_text": "Q: {{ q }} {{ ctx | upper }}", "doc_to_target": "answer",
-                                   "doc_to_choice": ["a", "b"]}) == {"doc_to_text": {"q", "ctx"}, "doc_to_target": {"answer"}}
+    assert checks.template_fields(
+        {"doc_to_text": "Q: {{ q }} {{ ctx | upper }}", "doc_to_target": "answer", "doc_to_choice": ["a", "b"]}
+    ) == {"doc_to_text": {"q", "ctx"}, "doc_to_target": {"answer"}}
 
 
 def test_new_team_scaffold_validates_with_the_others(example_evals):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from quantgate.cli import cli
 
-    res = CliRunner().invoke(cli, ["evals", "new", "ranking", "--owner", "Ranking", "--contact", "r@x",
-                                   "--root", str(example_evals)])
+    res = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", "--owner", "Ranking", "--contact", "r@x", "--root", str(example_evals)]
+    )
     assert res.exit_code == 0, res.output
     teams = {t.name: t for t in load_teams(example_evals)}
     assert teams["ranking"].tasks[0].n_docs == checks.min_docs_to_pass(0.05, 0.95) + 8
     assert teams["ranking"].policy.owner == "Ranking"
-    again = CliRunner().invoke(cli, ["evals", "new", "ranking", "--owner", "a", "--contact", "b", "--root", str(example_evals)])
+    again = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", "--owner", "a", "--contact", "b", "--root", str(example_evals)]
+    )
     assert again.exit_code == 1 and "already exists" in again.output
-    bad = CliRunner().invoke(cli, ["evals", "new", "Bad-Name", "--owner", "a", "--contact", "b", "--root", str(example_evals)])
+    bad = CliRunner().invoke(
+        cli, ["evals", "new", "Bad-Name", "--owner", "a", "--contact", "b", "--root", str(example_evals)]
+    )
     assert bad.exit_code == 1 and "lower_snake_case" in bad.output
 
 
 def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
     (example_evals / "search" / "team.yaml").unlink()
-    with pytest.raises(QuantgateError, match=r"team search: 1 problem\(s\):\n  .*search: has task YAMLs but no team.yaml"):
+    with pytest.raises(
+        QuantgateError, match=r"team search: 1 problem\(s\):\n  .*search: has task YAMLs but no team.yaml"
+    ):
         load_teams(example_evals)

@@ -1,7 +1,7 @@
 """A team task's templates: where lm-eval renders them, whether they are safe, what they give.
 
 - `check_templates`: every template string of a task YAML parses and reaches nothing past the
-  document (evals/sandbox.py unsafe_parts), reported with the task file's line of the key.
+  document (quantgate/sandbox.py unsafe_parts), reported with the task file's line of the key.
 - `lm_eval_value`: what lm-eval's ConfigurableTask.doc_to_text / doc_to_target / doc_to_choice
   return for one document (lm_eval/api/task.py, 0.4.13: a key naming a field gives the field;
   otherwise the template is rendered, a choice list read with ast.literal_eval, a rendered
@@ -11,6 +11,7 @@
   checks what they give: a prompt is text; for multiple_choice the choices are a non-empty
   list of distinct non-empty strings (or numbers) and the target an index into them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,8 +22,8 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import SecurityError
 
-from evals import sandbox
-from pipeline.params import key_lines
+from quantgate import sandbox
+from quantgate.params import key_lines
 
 # Task keys lm-eval renders per document (description and gen_prefix as plain text), and
 # keys it renders only in modes quantgate does not use, which are checked but not rendered.
@@ -42,7 +43,7 @@ def template_sources(config: dict) -> list[tuple[tuple, str]]:
 
 def key_locator(task_path: Path) -> Callable[..., str]:
     """where(*key path) -> "task.yaml:LINE" of that key (the file alone if it is not found);
-    the file's lines are read once, on first use (pipeline.params.key_lines)."""
+    the file's lines are read once, on first use (quantgate.params.key_lines)."""
     lines: dict[tuple, int] | None = None
 
     def where(*at) -> str:
@@ -92,8 +93,9 @@ def lm_eval_value(config: dict, key: str, doc: dict, features: set[str]):
         try:
             return ast.literal_eval(text)
         except (SyntaxError, ValueError):
-            raise ValueError(f"it renders {text[:60]!r}, not a list (lm-eval reads doc_to_choice with "
-                             "ast.literal_eval)") from None
+            raise ValueError(
+                f"it renders {text[:60]!r}, not a list (lm-eval reads doc_to_choice with ast.literal_eval)"
+            ) from None
     if key in ("doc_to_text", "doc_to_target") and text.isdigit() and config.get("doc_to_choice") is not None:
         return ast.literal_eval(text)
     if key == "doc_to_target" and len(text) >= 2 and text[0] == "[" and text[-1] == "]":
@@ -110,8 +112,9 @@ def _quoted(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def check_document(config: dict, doc: dict, features: set[str], at: str, where: Callable[..., str],
-                   skip: set[str]) -> list[str]:
+def check_document(
+    config: dict, doc: dict, features: set[str], at: str, where: Callable[..., str], skip: set[str]
+) -> list[str]:
     """Problems with what one document's templates give; `at` is "data.jsonl:LINE".
 
     `where(key)` is "task.yaml:LINE" of a key (key_locator). Keys in `skip` are not rendered; a key the
@@ -128,26 +131,38 @@ def check_document(config: dict, doc: dict, features: set[str], at: str, where: 
                     values[key] = lm_eval_value(config, key, doc, features)
                 except SecurityError as exc:
                     skip.add(key)
-                    problems.append(f"{where(key)}: {key}: unsafe template "
-                                    f"`{sandbox.expression(config[key], _quoted(str(exc)))}`: the sandbox "
-                                    f"refused it rendering {at} ({exc}); {POLICY_HINT}")
+                    problems.append(
+                        f"{where(key)}: {key}: unsafe template "
+                        f"`{sandbox.expression(config[key], _quoted(str(exc)))}`: the sandbox "
+                        f"refused it rendering {at} ({exc}); {POLICY_HINT}"
+                    )
                 except sandbox.RenderTimeout:
                     raise
                 except Exception as exc:  # the template's own error on this document
                     values[key] = exc
-                    problems.append(f"{at}: {key}: `{sandbox.expression(config[key])}` cannot be rendered for "
-                                    f"this document: {exc}; fix the document or the template")
+                    problems.append(
+                        f"{at}: {key}: `{sandbox.expression(config[key])}` cannot be rendered for "
+                        f"this document: {exc}; fix the document or the template"
+                    )
     except sandbox.RenderTimeout as exc:
         skip.update(RENDERED)
-        return problems + [f"{at}: rendering this document's templates took {exc}; simplify the templates "
-                           "(no more documents of this file were rendered)"]
+        return problems + [
+            f"{at}: rendering this document's templates took {exc}; simplify the templates "
+            "(no more documents of this file were rendered)"
+        ]
     if any(isinstance(v, Exception) for v in values.values()):
         return problems
     text = values.get("doc_to_text")
     if text is not None and not isinstance(text, str):
-        problems.append(f"{at}: doc_to_text gives {type(text).__name__} {text!r}, not the prompt text"
-                        + ("; lm-eval reads a prompt of digits only as the index of a multiple-input task, which "
-                           "quantgate does not support: add words to the prompt" if isinstance(text, int) else ""))
+        problems.append(
+            f"{at}: doc_to_text gives {type(text).__name__} {text!r}, not the prompt text"
+            + (
+                "; lm-eval reads a prompt of digits only as the index of a multiple-input task, which "
+                "quantgate does not support: add words to the prompt"
+                if isinstance(text, int)
+                else ""
+            )
+        )
     if config.get("output_type") == "multiple_choice" and {"doc_to_choice", "doc_to_target"} <= set(values):
         problems += _choice_problems(config, values["doc_to_choice"], values["doc_to_target"], at)
     return problems
@@ -156,9 +171,14 @@ def check_document(config: dict, doc: dict, features: set[str], at: str, where: 
 def _choice_problems(config: dict, choices, target, at: str) -> list[str]:
     """A multiple_choice document's choices: a non-empty list of distinct non-empty strings (or
     numbers); its target: an index into them."""
-    if not isinstance(choices, list) or not choices or not all(
+    if (
+        not isinstance(choices, list)
+        or not choices
+        or not all(
             (isinstance(c, str) and c.strip()) or (isinstance(c, (int, float)) and not isinstance(c, bool))
-            for c in choices):
+            for c in choices
+        )
+    ):
         return [f"{at}: choices must be a non-empty list of non-empty strings, got {str(choices)[:80]}"]
     problems = []
     if len(set(map(str, choices))) != len(choices):
@@ -166,9 +186,10 @@ def _choice_problems(config: dict, choices, target, at: str) -> list[str]:
     spec = config.get("doc_to_target")
     name = spec.strip("{} ") if isinstance(spec, str) and spec.strip("{} ").isidentifier() else "doc_to_target"
     if isinstance(target, str) and target in map(str, choices):
-        problems.append(f"{at}: {name} is the answer text {target!r}; "
-                        f"use its index {list(map(str, choices)).index(target)} into the choices")
+        problems.append(
+            f"{at}: {name} is the answer text {target!r}; "
+            f"use its index {list(map(str, choices)).index(target)} into the choices"
+        )
     elif not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
-        problems.append(f"{at}: {name}={target!r} is not an index into "
-                        f"{len(choices)} choices (0..{len(choices) - 1})")
+        problems.append(f"{at}: {name}={target!r} is not an index into {len(choices)} choices (0..{len(choices) - 1})")
     return problems

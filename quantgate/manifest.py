@@ -4,13 +4,14 @@ It records what the build is (build name, scheme, dtype), what it came from (bas
 and sha256), the sha256 of every weight file and one digest over them. The evaluate cache,
 the gate report and the registry tags all read their identity from here.
 """
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, sha256_file
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, sha256_file
 
 MANIFEST = "build.json"
 
@@ -30,8 +31,7 @@ def config_digest(model_dir: Path) -> str:
     """One sha256 over every file of `model_dir` besides the weights and build.json (config,
     generation config, tokenizer, chat template, recipe): they change what a server computes
     from the same weights, so the evaluation cache keys on them too."""
-    files = sorted(p for p in model_dir.iterdir()
-                   if p.is_file() and p.suffix != ".safetensors" and p.name != MANIFEST)
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix != ".safetensors" and p.name != MANIFEST)
     return digest_of({p.name: sha256_file(p) for p in files})
 
 
@@ -71,7 +71,9 @@ def verify_weights(model_dir: Path) -> dict:
     actual = weight_digests(model_dir)
     for name, expected in manifest["weights"].items():
         if actual.get(name) != expected:
-            raise QuantgateError(f"{model_dir / name}: sha256 does not match {MANIFEST}; the weights changed after the build")
+            raise QuantgateError(
+                f"{model_dir / name}: sha256 does not match {MANIFEST}; the weights changed after the build"
+            )
     if set(actual) != set(manifest["weights"]):
         extra = sorted(set(actual) - set(manifest["weights"]))
         raise QuantgateError(f"{model_dir}: weight files not in {MANIFEST}: {extra}")

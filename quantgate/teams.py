@@ -4,6 +4,7 @@ A team folder holds `team.yaml` (the gate policy) and one or more standard lm-ev
 YAMLs (every other *.yaml must be one) whose `dataset_kwargs.data_files` name JSONL
 files relative to the folder. Files starting with "_" are shared templates, not tasks.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,11 +14,11 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from evals.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
-from evals.templates import check_templates, key_locator
-from pipeline.errors import QuantgateError
-from pipeline.hashing import digest_of, digest_tree, sha256_file
-from pipeline.params import Frozen, parse, read_yaml
+from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
+from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_of, digest_tree, sha256_file
+from quantgate.params import Frozen, parse, read_yaml
+from quantgate.templates import check_templates, key_locator
 
 POLICY_FILE = "team.yaml"
 
@@ -26,7 +27,7 @@ class Margin(Frozen):
     """Non-inferiority margin: exactly one of `absolute` (metric units, 0.05 = 5 points of
     accuracy) or `relative` (percent of the 16-bit build's score)."""
 
-    absolute: float | None = Field(default=None, ge=0.001, le=0.5)   # below 0.1 point no real set can PASS
+    absolute: float | None = Field(default=None, ge=0.001, le=0.5)  # below 0.1 point no real set can PASS
     relative: float | None = Field(default=None, ge=0.1, le=50)
 
     @model_validator(mode="after")
@@ -45,7 +46,7 @@ class TeamPolicy(Frozen):
 
     owner: str = Field(min_length=1)
     contact: str = Field(min_length=1)
-    metric: str = Field(min_length=1)       # per-sample metric name in the task's metric_list
+    metric: str = Field(min_length=1)  # per-sample metric name in the task's metric_list
     higher_is_better: bool = True
     margin: Margin
     confidence: float = Field(default=0.95, ge=0.5, lt=1.0)
@@ -110,12 +111,16 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         problems.append(f"{path}: expands to over {MAX_NODES} YAML values (aliases of aliases?); write it out plainly")
         return None
     if not isinstance(config, dict):
-        problems.append(f"{path}: a task YAML must be a mapping (task:, dataset_path:, ...), got a "
-                        f"{type(config).__name__}; name shared templates with a leading _")
+        problems.append(
+            f"{path}: a task YAML must be a mapping (task:, dataset_path:, ...), got a "
+            f"{type(config).__name__}; name shared templates with a leading _"
+        )
         return None
     if not isinstance(config.get("task"), str):
-        problems.append(f"{path}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
-                        "name shared templates with a leading _")
+        problems.append(
+            f"{path}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
+            "name shared templates with a leading _"
+        )
         return None
     config = copy.deepcopy(config)
     where = key_locator(path)
@@ -126,8 +131,10 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         problems += check_metrics(path, config, policy.metric, policy.higher_is_better)
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     if not isinstance(files, dict) or not files:
-        problems.append(f"{path}: dataset_kwargs.data_files must map a split to a JSONL file in this folder, "
-                        "e.g. {test: data.jsonl}")
+        problems.append(
+            f"{path}: dataset_kwargs.data_files must map a split to a JSONL file in this folder, "
+            "e.g. {test: data.jsonl}"
+        )
         return None
     split = config.get("test_split") or config.get("validation_split")
     if split not in files:
@@ -136,8 +143,10 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     for name, rel in files.items():
         p = (path.parent / str(rel)).resolve()
         if not isinstance(rel, str) or not p.is_relative_to(path.parent.resolve()):
-            problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel!r} must be one file inside the team "
-                            "folder (its digest and the evaluation cache cover only that folder)")
+            problems.append(
+                f"{path}: dataset_kwargs.data_files.{name}: {rel!r} must be one file inside the team "
+                "folder (its digest and the evaluation cache cover only that folder)"
+            )
             continue
         if not p.is_file():
             problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel} not found next to the task file")
@@ -170,15 +179,21 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
     policy_path = path / POLICY_FILE
     problems: list[str] = []
     if not TEAM_NAME.match(path.name):
-        problems.append(f"{path}: team folder name {path.name!r}: use lower_snake_case, 2-40 characters, "
-                        "starting with a letter (it names the team in tags and reports)")
+        problems.append(
+            f"{path}: team folder name {path.name!r}: use lower_snake_case, 2-40 characters, "
+            "starting with a letter (it names the team in tags and reports)"
+        )
     policy = None
     try:
         policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path), policy_path)
     except QuantgateError as exc:
         problems.append(str(exc))
-    tasks = [t for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith("_")
-             if (t := _load_task(p, policy, problems)) is not None]
+    tasks = [
+        t
+        for p in sorted(path.glob("*.yaml"))
+        if p.name != POLICY_FILE and not p.name.startswith("_")
+        if (t := _load_task(p, policy, problems)) is not None
+    ]
     if not tasks and not problems:
         problems.append(f"{path}: no lm-eval task YAML (a *.yaml with `task:`); see evals/README.md")
     if policy is None or problems:
@@ -188,12 +203,20 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
     if need is not None:
         margin = policy.margin.points(1.0)
         if n < need:
-            problems.append(f"{policy_path}: {n} documents can never PASS: at margin {margin:g} and confidence "
-                            f"{policy.confidence:g} even identical builds need at least {need}; "
-                            "add documents or widen the margin")
+            problems.append(
+                f"{policy_path}: {n} documents can never PASS: at margin {margin:g} and confidence "
+                f"{policy.confidence:g} even identical builds need at least {need}; "
+                "add documents or widen the margin"
+            )
             return None, problems
-    return Team(name=path.name, path=path, policy=policy, tasks=tuple(tasks), digest=digest_tree(path),
-                scores_digest=scores_digest(path, tasks)), []
+    return Team(
+        name=path.name,
+        path=path,
+        policy=policy,
+        tasks=tuple(tasks),
+        digest=digest_tree(path),
+        scores_digest=scores_digest(path, tasks),
+    ), []
 
 
 def scores_digest(path: Path, tasks: list[Task]) -> str:
@@ -231,8 +254,15 @@ def load_teams(root: Path) -> list[Team]:
     teams, errors = [], []
     for p in sorted(root.iterdir()):  # task files without a policy would silently drop a team from the gate
         if p.is_dir() and not (p / POLICY_FILE).is_file() and any(p.glob("*.yaml")):
-            errors.append(_listing(p.name, [f"{p}: has task YAMLs but no {POLICY_FILE}; add one (see "
-                                            "`quantgate evals new`) or move the folder out of the eval sets"]))
+            errors.append(
+                _listing(
+                    p.name,
+                    [
+                        f"{p}: has task YAMLs but no {POLICY_FILE}; add one (see "
+                        "`quantgate evals new`) or move the folder out of the eval sets"
+                    ],
+                )
+            )
     for folder in folders:
         team, problems = inspect_team(folder)
         if team is None:
@@ -243,8 +273,12 @@ def load_teams(root: Path) -> list[Team]:
     for team in teams:
         for task in team.tasks:
             if task.name in seen:
-                errors.append(_listing(team.name, [f"{task.path}: task name {task.name!r} already used by "
-                                                   f"{seen[task.name]}; rename one"]))
+                errors.append(
+                    _listing(
+                        team.name,
+                        [f"{task.path}: task name {task.name!r} already used by {seen[task.name]}; rename one"],
+                    )
+                )
             seen[task.name] = task.path
     if errors:
         raise QuantgateError("\n".join(errors))

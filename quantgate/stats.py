@@ -14,6 +14,7 @@ build on the same documents? Inputs are per-document drops d_i = baseline_i - ca
 Both give a two-sided interval [lower, upper] whose one-sided bounds each have confidence
 `confidence`; the gate compares them with the margin (see `verdict`).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,15 +24,14 @@ from enum import Enum
 import numpy as np
 from scipy import optimize, stats
 
-
 TOLERANCE = 1e-9  # metric units; far below any meaningful margin
 
 
 class Verdict(str, Enum):
-    PASS = "PASS"                  # upper bound of the drop <= margin
-    FAIL = "FAIL"                  # lower bound of the drop > margin: worse beyond the margin, with confidence
+    PASS = "PASS"  # upper bound of the drop <= margin
+    FAIL = "FAIL"  # lower bound of the drop > margin: worse beyond the margin, with confidence
     INCONCLUSIVE = "INCONCLUSIVE"  # the set is too small to tell
-    ANOMALOUS = "ANOMALOUS"        # candidate better than baseline by more than the margin, with confidence
+    ANOMALOUS = "ANOMALOUS"  # candidate better than baseline by more than the margin, with confidence
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,12 @@ class Comparison:
 
     method: str
     n: int
-    drop: float               # mean drop (baseline - candidate)
-    lower: float              # one-sided lower confidence bound of the drop
-    upper: float              # one-sided upper confidence bound of the drop
-    p_value: float            # one-sided p of H0: drop >= margin (small = non-inferior)
-    p_difference: float       # two-sided p of H0: drop == 0 (exact McNemar for 0/1)
-    n_required: int | None    # docs needed to decide at the observed rates (None: more data will not pass)
+    drop: float  # mean drop (baseline - candidate)
+    lower: float  # one-sided lower confidence bound of the drop
+    upper: float  # one-sided upper confidence bound of the drop
+    p_value: float  # one-sided p of H0: drop >= margin (small = non-inferior)
+    p_difference: float  # two-sided p of H0: drop == 0 (exact McNemar for 0/1)
+    n_required: int | None  # docs needed to decide at the observed rates (None: more data will not pass)
     discordant: tuple[int, int] | None = None  # (b, c) for 0/1 metrics
 
     def as_dict(self) -> dict:
@@ -90,8 +90,17 @@ def compare_binary(base: np.ndarray, cand: np.ndarray, margin: float, confidence
     lower, upper = tango_bounds(b, c, n, confidence)
     p_ni = float(stats.norm.cdf(_tango_z(b, c, n, margin))) if margin < 1 else 0.0
     p_diff = float(stats.binomtest(b, b + c, 0.5).pvalue) if b + c else 1.0
-    return Comparison("tango-score", n, (b - c) / n, lower, upper, p_ni, p_diff,
-                      _n_required_binary(b / n, c / n, n, margin, confidence), (b, c))
+    return Comparison(
+        "tango-score",
+        n,
+        (b - c) / n,
+        lower,
+        upper,
+        p_ni,
+        p_diff,
+        _n_required_binary(b / n, c / n, n, margin, confidence),
+        (b, c),
+    )
 
 
 def _n_required_binary(pb: float, pc: float, n: int, margin: float, confidence: float) -> int | None:
@@ -128,8 +137,14 @@ def compare_continuous(drops: np.ndarray, margin: float, confidence: float, resa
         lower = upper = est
         boot = np.full(1, est)
     else:
-        res = stats.bootstrap((drops,), np.mean, confidence_level=2 * confidence - 1, n_resamples=resamples,
-                              method="percentile", random_state=np.random.default_rng(seed))
+        res = stats.bootstrap(
+            (drops,),
+            np.mean,
+            confidence_level=2 * confidence - 1,
+            n_resamples=resamples,
+            method="percentile",
+            random_state=np.random.default_rng(seed),
+        )
         lower, upper = float(res.confidence_interval.low), float(res.confidence_interval.high)
         boot = res.bootstrap_distribution
     # p of H0 drop >= margin: the bootstrap shifted to the null (mean = margin) at or below est

@@ -3,6 +3,7 @@
 Every check returns a list of problems, each one line "file[:line]: what is wrong; the fix",
 so `quantgate evals validate` can print all of them at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from pathlib import Path
 
 from scipy import stats
 
-from evals import sandbox
-from evals.templates import RENDERED, check_document, key_locator
+from quantgate import sandbox
+from quantgate.templates import RENDERED, check_document, key_locator
 
 MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
 TEMPLATE_KEYS = ("doc_to_text", "doc_to_target", "doc_to_choice")
@@ -59,8 +60,10 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
     if entries is None or entries == []:
         return [f"{task_path}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
     if not isinstance(entries, list):
-        return [f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
-                f"got a {type(entries).__name__}"]
+        return [
+            f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
+            f"got a {type(entries).__name__}"
+        ]
     problems, names = [], []
     for i, m in enumerate(entries):
         if not isinstance(m, dict) or not isinstance(m.get("metric"), str):
@@ -68,25 +71,33 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
             continue
         names.append(m["metric"])
         if m["metric"] not in METRIC_REGISTRY:
-            problems.append(f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; "
-                            f"use one of {sorted(METRIC_REGISTRY)}")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; use one of {sorted(METRIC_REGISTRY)}"
+            )
         agg = m.get("aggregation", "mean")
         if not isinstance(agg, str) or agg not in AGGREGATION_REGISTRY:
-            problems.append(f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; "
-                            f"use one of {sorted(AGGREGATION_REGISTRY)}")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; use one of {sorted(AGGREGATION_REGISTRY)}"
+            )
         elif m["metric"] == gated_metric and agg != "mean":
-            problems.append(f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
-                            f"with `mean` (the gate pairs per-document scores), not {agg!r}")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
+                f"with `mean` (the gate pairs per-document scores), not {agg!r}"
+            )
         if m["metric"] == gated_metric and "higher_is_better" in m and m["higher_is_better"] != higher_is_better:
-            problems.append(f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
-                            f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)")
+            problems.append(
+                f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
+                f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)"
+            )
     if gated_metric not in names:
         problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
     if gated_metric in HIGHER_IS_BETTER_REGISTRY and HIGHER_IS_BETTER_REGISTRY[gated_metric] != higher_is_better:
-        problems.append(f"{task_path}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
-                        f"{gated_metric!r}, but lm-eval scores {gated_metric} with higher_is_better: "
-                        f"{str(HIGHER_IS_BETTER_REGISTRY[gated_metric]).lower()}; fix team.yaml (the gate would "
-                        "count a loss as a gain)")
+        problems.append(
+            f"{task_path}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
+            f"{gated_metric!r}, but lm-eval scores {gated_metric} with higher_is_better: "
+            f"{str(HIGHER_IS_BETTER_REGISTRY[gated_metric]).lower()}; fix team.yaml (the gate would "
+            "count a loss as a gain)"
+        )
     return problems
 
 
@@ -94,8 +105,9 @@ OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikeli
 SPLIT_KEYS = ("test_split", "validation_split", "train_split", "fewshot_split")
 # lm-eval task keys that take Python callables, load code or prompts from elsewhere, or allow
 # running generated code: a team's YAML can only name them, and they are team code either way.
-CODE_KEYS = frozenset({"process_docs", "process_results", "custom_dataset", "use_prompt", "unsafe_code",
-                       "doc_to_image", "doc_to_audio"})
+CODE_KEYS = frozenset(
+    {"process_docs", "process_results", "custom_dataset", "use_prompt", "unsafe_code", "doc_to_image", "doc_to_audio"}
+)
 
 
 def check_task(task_path: Path, config: dict) -> list[str]:
@@ -110,20 +122,26 @@ def check_task(task_path: Path, config: dict) -> list[str]:
     problems = []
     known = {f.name for f in dataclasses.fields(TaskConfig)}
     for key in sorted(set(config) - known):
-        problems.append(f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
-                        + ("; `include` is not supported: write the task out in full" if key == "include" else ""))
+        problems.append(
+            f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
+            + ("; `include` is not supported: write the task out in full" if key == "include" else "")
+        )
     where = key_locator(task_path)
     for key in sorted(CODE_KEYS & {k for k, v in config.items() if v not in (None, False)}):
         problems.append(f"{where(key)}: {key}: a team task may not set it (it runs or fetches code); remove it")
     kwargs = config.get("dataset_kwargs")
     for key in sorted(set(kwargs) - {"data_files"} if isinstance(kwargs, dict) else []):
-        problems.append(f"{where('dataset_kwargs', key)}: dataset_kwargs.{key}: only data_files may be given (the "
-                        "rest reaches the dataset loader); remove it")
+        problems.append(
+            f"{where('dataset_kwargs', key)}: dataset_kwargs.{key}: only data_files may be given (the "
+            "rest reaches the dataset loader); remove it"
+        )
     if config.get("output_type", "generate_until") not in OUTPUT_TYPES:
         problems.append(f"{task_path}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}")
     if config.get("dataset_path") != "json":
-        problems.append(f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
-                        f"got {config.get('dataset_path')!r}")
+        problems.append(
+            f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
+            f"got {config.get('dataset_path')!r}"
+        )
     if not re.fullmatch(r"[A-Za-z0-9_\-.]+", str(config.get("task", ""))):
         problems.append(f"{task_path}: task name {config.get('task')!r}: use letters, digits, _ - . only")
     files = (config.get("dataset_kwargs") or {}).get("data_files")
@@ -132,38 +150,63 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         if split is not None and isinstance(files, dict) and split not in files:
             problems.append(f"{task_path}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
     gen = config.get("generation_kwargs") or {}
-    if config.get("output_type") == "generate_until" and isinstance(gen, dict) and (
-            gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0)):
-        problems.append(f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
-                        "sampled outputs would compare builds by chance")
+    if (
+        config.get("output_type") == "generate_until"
+        and isinstance(gen, dict)
+        and (gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0))
+    ):
+        problems.append(
+            f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
+            "sampled outputs would compare builds by chance"
+        )
     if not isinstance(gen, dict):
         problems.append(f"{where('generation_kwargs')}: generation_kwargs must be a mapping ({', '.join(GEN_KEYS)})")
     for key in sorted(set(gen) - set(GEN_KEYS) if isinstance(gen, dict) else []):
-        problems.append(f"{where('generation_kwargs', key)}: generation_kwargs.{key}: not allowed (it reaches the "
-                        f"server as is); use only {', '.join(GEN_KEYS)}")
+        problems.append(
+            f"{where('generation_kwargs', key)}: generation_kwargs.{key}: not allowed (it reaches the "
+            f"server as is); use only {', '.join(GEN_KEYS)}"
+        )
     toks = gen.get("max_gen_toks") if isinstance(gen, dict) else None
     if toks is not None and (not isinstance(toks, int) or isinstance(toks, bool) or not 1 <= toks <= MAX_GEN_TOKS):
-        problems.append(f"{where('generation_kwargs', 'max_gen_toks')}: max_gen_toks must be an integer in "
-                        f"1..{MAX_GEN_TOKS}, got {toks!r}")
+        problems.append(
+            f"{where('generation_kwargs', 'max_gen_toks')}: max_gen_toks must be an integer in "
+            f"1..{MAX_GEN_TOKS}, got {toks!r}"
+        )
     if config.get("repeats", 1) != 1:
-        problems.append(f"{where('repeats')}: repeats must be 1 (greedy scoring gives the same answer every time; "
-                        f"repeats multiply the cost for every build), got {config['repeats']!r}")
+        problems.append(
+            f"{where('repeats')}: repeats must be 1 (greedy scoring gives the same answer every time; "
+            f"repeats multiply the cost for every build), got {config['repeats']!r}"
+        )
     for key in TEMPLATE_KEYS + ("description", "gen_prefix"):
         value = config.get(key)
         ok = (str, list) if key == "doc_to_choice" else (str, int) if key == "doc_to_target" else (str,)
         if value is not None and (not isinstance(value, ok) or isinstance(value, bool)):
-            problems.append(f"{where(key)}: {key} must be a template string"
-                            + (" (or a list of choices)" if key == "doc_to_choice" else
-                               " (or a fixed index)" if key == "doc_to_target" else "")
-                            + f", got {type(value).__name__}")
+            problems.append(
+                f"{where(key)}: {key} must be a template string"
+                + (
+                    " (or a list of choices)"
+                    if key == "doc_to_choice"
+                    else " (or a fixed index)"
+                    if key == "doc_to_target"
+                    else ""
+                )
+                + f", got {type(value).__name__}"
+            )
     problems += _check_fewshot(where, config)
     return problems
 
 
 GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature")  # greedy generation needs no more
 MAX_GEN_TOKS = 2048  # tokens; the served context bounds prompt + answer anyway (evaluate checks it)
-FEWSHOT_KEYS = ("sampler", "split", "doc_to_text", "doc_to_target", "doc_to_choice", "fewshot_delimiter",
-                "target_delimiter")
+FEWSHOT_KEYS = (
+    "sampler",
+    "split",
+    "doc_to_text",
+    "doc_to_target",
+    "doc_to_choice",
+    "fewshot_delimiter",
+    "target_delimiter",
+)
 
 
 def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
@@ -177,13 +220,21 @@ def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
         return []
     if not isinstance(fewshot, dict):
         return [f"{where('fewshot_config')}: fewshot_config must be a mapping ({', '.join(FEWSHOT_KEYS)})"]
-    problems = [f"{where('fewshot_config', key)}: fewshot_config.{key}: not allowed"
-                + ("; put few-shot examples in a data file and name its split in fewshot_split" if key == "samples"
-                   else f"; use only {', '.join(FEWSHOT_KEYS)}") for key in sorted(set(fewshot) - set(FEWSHOT_KEYS))]
+    problems = [
+        f"{where('fewshot_config', key)}: fewshot_config.{key}: not allowed"
+        + (
+            "; put few-shot examples in a data file and name its split in fewshot_split"
+            if key == "samples"
+            else f"; use only {', '.join(FEWSHOT_KEYS)}"
+        )
+        for key in sorted(set(fewshot) - set(FEWSHOT_KEYS))
+    ]
     sampler = fewshot.get("sampler", "default")
     if sampler not in SAMPLER_REGISTRY:
-        problems.append(f"{where('fewshot_config', 'sampler')}: fewshot_config.sampler {sampler!r} is not one of "
-                        f"lm-eval's samplers {sorted(SAMPLER_REGISTRY)}")
+        problems.append(
+            f"{where('fewshot_config', 'sampler')}: fewshot_config.sampler {sampler!r} is not one of "
+            f"lm-eval's samplers {sorted(SAMPLER_REGISTRY)}"
+        )
     for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
         if key in fewshot and not isinstance(fewshot[key], (str, list) if key == "doc_to_choice" else str):
             problems.append(f"{where('fewshot_config', key)}: fewshot_config.{key} must be a template string")
@@ -201,7 +252,7 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
+        line = raw[: exc.start].count(b"\n") + 1
         return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"], []
     problems, docs = [], []
     lines = text.split("\n")
@@ -220,8 +271,10 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
             problems.append(f"{data_path}:{n}: JSON nested too deeply; flatten the document")
             continue
         except UnicodeEncodeError as exc:
-            problems.append(f"{data_path}:{n}: a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800); "
-                            "write real characters")
+            problems.append(
+                f"{data_path}:{n}: a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800); "
+                "write real characters"
+            )
             continue
         if not isinstance(doc, dict):
             problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
@@ -235,7 +288,7 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
 
     Checks the file (read_docs), the fields the templates reference that a document lacks,
     and, with `render`, what every document's templates give in the sandbox
-    (evals/templates.py check_document: rendering errors, a multiple_choice target that is not
+    (quantgate/templates.py check_document: rendering errors, a multiple_choice target that is not
     an index into the choices or is the answer text, empty or duplicate choices, unsafe
     templates). `where(key)` names the task file's line of a key. Pass render=False when
     check_templates refused a template: it is then not rendered at all.
@@ -248,7 +301,9 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
     features = {f for _, doc in docs for f in doc}
     fewshot = config.get("fewshot_config") if isinstance(config.get("fewshot_config"), dict) else {}
     # few-shot examples are documents of these files too, rendered with fewshot_config's templates
-    shots = {k: fewshot[k] for k in ("doc_to_text", "doc_to_target", "doc_to_choice") if isinstance(fewshot.get(k), str)}
+    shots = {
+        k: fewshot[k] for k in ("doc_to_text", "doc_to_target", "doc_to_choice") if isinstance(fewshot.get(k), str)
+    }
     skip: set[str] = set()
     shot_skip: set[str] = set(RENDERED) - set(shots)
     for n, doc in docs:
@@ -258,14 +313,29 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
         if render and not missing:
             problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
         if render and shots:
-            problems += check_document({**config, **shots}, doc, features, f"{data_path}:{n} (as a few-shot example)",
-                                       lambda *at: where("fewshot_config", *at), shot_skip)
+            problems += check_document(
+                {**config, **shots},
+                doc,
+                features,
+                f"{data_path}:{n} (as a few-shot example)",
+                lambda *at: where("fewshot_config", *at),
+                shot_skip,
+            )
     return problems, len(docs)
 
 
 # lm-eval filters a team task may use (lm_eval/filters): none runs code the team wrote.
-SAFE_FILTERS = ("regex", "multi_choice_regex", "remove_whitespace", "lowercase", "uppercase", "map",
-                "take_first", "take_first_k", "majority_vote")
+SAFE_FILTERS = (
+    "regex",
+    "multi_choice_regex",
+    "remove_whitespace",
+    "lowercase",
+    "uppercase",
+    "map",
+    "take_first",
+    "take_first_k",
+    "majority_vote",
+)
 
 
 def _filter_params(name: str) -> set[str] | None:
@@ -297,28 +367,38 @@ def check_filters(where: Callable[..., str], config: dict) -> list[str]:
     for i, entry in enumerate(filters or []):
         steps = entry.get("filter") if isinstance(entry, dict) else None
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not isinstance(steps, list):
-            problems.append(f"{where('filter_list', i)}: filter_list[{i}] needs a `name:` and a `filter:` list of "
-                            "{function: ...} steps")
+            problems.append(
+                f"{where('filter_list', i)}: filter_list[{i}] needs a `name:` and a `filter:` list of "
+                "{function: ...} steps"
+            )
             continue
         for j, step in enumerate(steps):
             loc, fn = where("filter_list", i, "filter", j), step.get("function") if isinstance(step, dict) else None
             if fn not in SAFE_FILTERS:
-                problems.append(f"{loc}: filter_list[{i}].filter[{j}]: function {fn!r} is not one of lm-eval's "
-                                f"filters a team may use {list(SAFE_FILTERS)}; custom filters would run code")
+                problems.append(
+                    f"{loc}: filter_list[{i}].filter[{j}]: function {fn!r} is not one of lm-eval's "
+                    f"filters a team may use {list(SAFE_FILTERS)}; custom filters would run code"
+                )
                 continue
             allowed = _filter_params(fn)
             for arg in sorted(set(step) - {"function"} - (allowed if allowed is not None else set(step))):
-                problems.append(f"{loc}: filter_list[{i}].filter[{j}]: {fn} takes no argument {arg!r}; "
-                                f"it takes {sorted(allowed)}")
+                problems.append(
+                    f"{loc}: filter_list[{i}].filter[{j}]: {fn} takes no argument {arg!r}; it takes {sorted(allowed)}"
+                )
             at = ("filter_list", i, "filter", j)
-            regexes += [(where(*at, "regex_pattern"), f"filter_list[{i}].filter[{j}].regex_pattern",
-                         step.get("regex_pattern"))]
-            regexes += [(where(*at, "regexes_to_ignore", k), f"filter_list[{i}].filter[{j}].regexes_to_ignore[{k}]", r)
-                        for k, r in enumerate(_as_list(step.get("regexes_to_ignore")))]
+            regexes += [
+                (where(*at, "regex_pattern"), f"filter_list[{i}].filter[{j}].regex_pattern", step.get("regex_pattern"))
+            ]
+            regexes += [
+                (where(*at, "regexes_to_ignore", k), f"filter_list[{i}].filter[{j}].regexes_to_ignore[{k}]", r)
+                for k, r in enumerate(_as_list(step.get("regexes_to_ignore")))
+            ]
     for i, m in enumerate(config.get("metric_list") or []):
         if isinstance(m, dict):
-            regexes += [(where("metric_list", i, "regexes_to_ignore", k), f"metric_list[{i}].regexes_to_ignore[{k}]", r)
-                        for k, r in enumerate(_as_list(m.get("regexes_to_ignore")))]
+            regexes += [
+                (where("metric_list", i, "regexes_to_ignore", k), f"metric_list[{i}].regexes_to_ignore[{k}]", r)
+                for k, r in enumerate(_as_list(m.get("regexes_to_ignore")))
+            ]
     for loc, key, pattern in regexes:
         if pattern is None:
             continue

@@ -4,15 +4,16 @@ The folder holds a policy (team.yaml), one multiple-choice lm-eval task and exam
 documents, enough of them for identical builds to PASS at the default margin, so the team
 can run `dvc repro` at once and then replace the documents with its own.
 """
+
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-from evals.checks import min_docs_to_pass
-from evals.teams import TEAM_NAME
-from pipeline.errors import QuantgateError
+from quantgate.checks import min_docs_to_pass
+from quantgate.errors import QuantgateError
+from quantgate.teams import TEAM_NAME
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 
@@ -57,8 +58,14 @@ def example_docs(name: str, n: int) -> list[dict]:
     for i in range(n):
         a, b = rng.sample(range(1, 100), 2)
         choices = [str(a), str(b)]
-        docs.append({"id": f"{name}-{i:03d}", "question": f"Which number is larger, {a} or {b}?",
-                     "choices": choices, "answer": choices.index(str(max(a, b)))})
+        docs.append(
+            {
+                "id": f"{name}-{i:03d}",
+                "question": f"Which number is larger, {a} or {b}?",
+                "choices": choices,
+                "answer": choices.index(str(max(a, b))),
+            }
+        )
     return docs
 
 
@@ -78,8 +85,15 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Path:
         raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
     n = min_docs_to_pass(DEFAULT_MARGIN, DEFAULT_CONFIDENCE) + 8
     folder.mkdir(parents=True)
-    (folder / "team.yaml").write_text(POLICY.format(name=name, owner=json.dumps(owner), contact=json.dumps(contact),
-                                                    margin=DEFAULT_MARGIN, confidence=DEFAULT_CONFIDENCE))
+    (folder / "team.yaml").write_text(
+        POLICY.format(
+            name=name,
+            owner=json.dumps(owner),
+            contact=json.dumps(contact),
+            margin=DEFAULT_MARGIN,
+            confidence=DEFAULT_CONFIDENCE,
+        )
+    )
     (folder / f"{name}.yaml").write_text(TASK.format(name=name))
     (folder / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in example_docs(name, n)))
     return folder

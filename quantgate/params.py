@@ -4,6 +4,7 @@ Each stage reads only its own block (`load_block("quantize", QuantizeParams)`); 
 wrong types and duplicate keys fail with the file, line and dotted field path
 ("params.yaml:57: canary.alpha: ..."), so a typo never silently takes a default.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 PARAMS_FILE = Path("params.yaml")
 
@@ -42,7 +43,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (first on line {seen[key]}); keep one", key_node.start_mark
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -61,13 +63,15 @@ def read_yaml(path: Path) -> object:
     a key given twice in one mapping included."""
     text = _read_text(path)
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
     except RecursionError:
         raise QuantgateError(f"{path}: invalid YAML: nested too deeply; flatten it") from None
     except yaml.constructor.ConstructorError as exc:
         mark = exc.problem_mark
-        raise QuantgateError(f"{path}:{mark.line + 1}: invalid YAML: {exc.problem}; custom tags (like !function) "
-                             "are not allowed: write plain YAML") from None
+        raise QuantgateError(
+            f"{path}:{mark.line + 1}: invalid YAML: {exc.problem}; custom tags (like !function) "
+            "are not allowed: write plain YAML"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -149,6 +153,20 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+def load_builds(path: Path = PARAMS_FILE) -> list[str]:
+    """params.yaml `builds`: every build of a run, listed once (dvc.yaml's evaluate `foreach` reads it too).
+
+    Raises QuantgateError unless it is a non-empty list of distinct names.
+    """
+    data = read_yaml(path)
+    builds = data.get("builds") if isinstance(data, dict) else None
+    if not (isinstance(builds, list) and builds and all(isinstance(b, str) and b for b in builds)):
+        raise QuantgateError(f"{path}: `builds` must be a list of build names, e.g. [fp16, fp8, int4]; got {builds!r}")
+    if len(set(builds)) != len(builds):
+        raise QuantgateError(f"{path}: `builds` {builds} names a build twice; list each once")
+    return builds
+
+
 def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
     """Return block `key` of params.yaml (dotted keys allowed, e.g. "quantize.int4") as `model`.
 
@@ -156,7 +174,9 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
     """
     data = read_yaml(path)
     if not isinstance(data, dict):
-        raise QuantgateError(f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {_got(data)}")
+        raise QuantgateError(
+            f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {_got(data)}"
+        )
     for part in key.split("."):
         if not isinstance(data, dict) or part not in data:
             raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")

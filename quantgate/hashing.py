@@ -1,4 +1,5 @@
 """Content digests: sha256 of files, and one digest over a set of named digests."""
+
 from __future__ import annotations
 
 import hashlib

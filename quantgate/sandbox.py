@@ -18,6 +18,7 @@ template reaches Python itself (`{{ cycler.__init__.__globals__.os.popen('id').r
 - `slow_regex`: times a team's regular expression on inputs built to make backtracking blow
   up, in a child process that is killed at the limit.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,17 +34,31 @@ from functools import lru_cache
 from jinja2 import StrictUndefined, Template, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-MAX_RANGE = 1000           # items a template's range() may make (Jinja's own sandbox allows 100000)
-MAX_SIZE = 1_000_000       # characters (or items) a `*` may make, and a rendered template may have
-MAX_EXPONENT = 100         # largest exponent of `**`
-RENDER_SECONDS = 2.0       # wall time validation gives one document's templates
-REGEX_SECONDS = 2.0        # wall time a regular expression gets on all the probe inputs
-PROBE_LENGTH = 1000        # characters of the longest probe input (a long model answer)
+MAX_RANGE = 1000  # items a template's range() may make (Jinja's own sandbox allows 100000)
+MAX_SIZE = 1_000_000  # characters (or items) a `*` may make, and a rendered template may have
+MAX_EXPONENT = 100  # largest exponent of `**`
+RENDER_SECONDS = 2.0  # wall time validation gives one document's templates
+REGEX_SECONDS = 2.0  # wall time a regular expression gets on all the probe inputs
+PROBE_LENGTH = 1000  # characters of the longest probe input (a long model answer)
 
 # Names a template could use to reach Jinja's or a web framework's objects rather than the
 # document's fields: Jinja's default globals, the template itself, Flask's context objects.
-FORBIDDEN_NAMES = frozenset({"cycler", "joiner", "namespace", "lipsum", "self", "config", "request",
-                             "url_for", "get_flashed_messages", "caller", "varargs", "kwargs"})
+FORBIDDEN_NAMES = frozenset(
+    {
+        "cycler",
+        "joiner",
+        "namespace",
+        "lipsum",
+        "self",
+        "config",
+        "request",
+        "url_for",
+        "get_flashed_messages",
+        "caller",
+        "varargs",
+        "kwargs",
+    }
+)
 
 
 class RenderTimeout(Exception):
@@ -82,7 +97,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         _tick()
         return super().getitem(obj, argument)
 
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - Jinja's own signature
+    def call(__self, __context, __obj, *args, **kwargs):  # Jinja's own signature
         _tick()
         if isinstance(getattr(__obj, "__self__", None), str):  # str methods that size their result
             _check_str_method(__obj.__name__, __obj.__self__, args)
@@ -105,6 +120,7 @@ def _check_str_method(name: str, text: str, args: tuple) -> None:
 def _sized(name: str, flt):
     """Filter `flt` refusing sizes over MAX_SIZE before it allocates them (center(10**9), batch(10**9),
     '%0999999999d'|format, replace('', huge)): Jinja's sandbox bounds none of these."""
+
     def checked(*args, **kwargs):
         _tick()
         values = [*args, *kwargs.values()]
@@ -112,7 +128,7 @@ def _sized(name: str, flt):
             raise SecurityError(f"filter {name} with a size over the sandbox's {MAX_SIZE}")
         text = next((a for a in args if isinstance(a, str)), None)  # the value (context filters get it 2nd)
         if text is not None and name in ("format", "replace"):
-            rest = list(args[args.index(text) + 1:])
+            rest = list(args[args.index(text) + 1 :])
             _check_str_method(name, text, tuple(rest) if name == "replace" else ())
         return flt(*args, **kwargs)
 
@@ -189,6 +205,7 @@ def time_limit(seconds: float | None = None) -> Iterator[None]:
     _deadline.at, _deadline.seconds = time.monotonic() + seconds, seconds
     timer = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     if timer:
+
         def expired(signum, frame):
             raise RenderTimeout(f"over {seconds:g} s")
 
@@ -229,8 +246,12 @@ def _findings(tree: nodes.Template) -> list[tuple[str, str]]:
     for node in reversed(list(tree.find_all(nodes.Node))):  # find_all visits an expression outside-in
         if isinstance(node, nodes.Getattr) and node.attr.startswith("_"):
             found.append(("internal", node.attr))
-        elif (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
-              and isinstance(node.arg.value, str) and node.arg.value.startswith("_")):
+        elif (
+            isinstance(node, nodes.Getitem)
+            and isinstance(node.arg, nodes.Const)
+            and isinstance(node.arg.value, str)
+            and node.arg.value.startswith("_")
+        ):
             found.append(("internal", node.arg.value))
         elif isinstance(node, nodes.Const) and isinstance(node.value, str) and "__" in node.value:
             # a dunder spelled in a string: '__cla' ~ 'ss__', '{0.__class__}'.format, map(attribute='__class__')
@@ -258,11 +279,20 @@ def _why(findings: list[tuple[str, str]]) -> str:
     internals = [repr(item) for kind, item in findings if kind == "internal"]
     reasons = []
     if names:
-        reasons.append(f"{', '.join(names)} " + ("is a Jinja or Python object, not a document field" if len(names) == 1
-                                                  else "are Jinja or Python objects, not document fields"))
+        reasons.append(
+            f"{', '.join(names)} "
+            + (
+                "is a Jinja or Python object, not a document field"
+                if len(names) == 1
+                else "are Jinja or Python objects, not document fields"
+            )
+        )
     if internals:
-        reasons.append(f"attribute {internals[0]} reaches Python internals" if len(internals) == 1
-                       else f"attributes {', '.join(internals)} reach Python internals")
+        reasons.append(
+            f"attribute {internals[0]} reaches Python internals"
+            if len(internals) == 1
+            else f"attributes {', '.join(internals)} reach Python internals"
+        )
     return "; ".join(reasons + [item for kind, item in findings if kind == "other"])
 
 
@@ -277,7 +307,7 @@ def _parse_alone(block: str) -> nodes.Template | None:
     for text in (block, f"{block}{{% end{tag} %}}"):
         try:
             return ENV.parse(text)
-        except Exception:  # noqa: BLE001 - a block that only parses in context (else, endfor, ...)
+        except Exception:  # a block that only parses in context (else, endfor, ...)
             continue
     return None
 
@@ -308,7 +338,7 @@ def expression(source: str, needle: str | None = None, width: int = 200) -> str:
     """The `{{ ... }}` or `{% ... %}` of template `source` that holds `needle` (the whole
     template when there is no needle or no such block), on one line, at most `width` characters."""
     text = " ".join(next((b for b in _blocks(source) if needle and needle in b), source).split())
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 # Runs in a child (`python -I -S -c PROBE pattern n`): findall on inputs made of the pattern's own
@@ -342,11 +372,17 @@ def slow_regex(pattern: str, seconds: float = REGEX_SECONDS) -> str | None:
     except re.error as exc:
         return f"is not a valid regular expression ({exc})"
     try:
-        subprocess.run([sys.executable, "-I", "-S", "-c", PROBE, pattern, str(PROBE_LENGTH)],
-                       timeout=seconds, capture_output=True, check=True)
+        subprocess.run(
+            [sys.executable, "-I", "-S", "-c", PROBE, pattern, str(PROBE_LENGTH)],
+            timeout=seconds,
+            capture_output=True,
+            check=True,
+        )
     except subprocess.TimeoutExpired:
-        return (f"takes over {seconds:g} s on an input of at most {PROBE_LENGTH} characters (catastrophic "
-                "backtracking, e.g. a repeat inside a repeat like (a+)+); simplify it")
+        return (
+            f"takes over {seconds:g} s on an input of at most {PROBE_LENGTH} characters (catastrophic "
+            "backtracking, e.g. a repeat inside a repeat like (a+)+); simplify it"
+        )
     except subprocess.CalledProcessError as exc:
         return f"fails on a probe input ({exc.stderr.decode(errors='replace').strip().splitlines()[-1:]})"
     return None

@@ -1,0 +1,101 @@
+"""The registry's tag schema: every tag key and verdict literal that registry/, canary/ and the
+register stage write or read, and the builders of a version's lineage and gate tags.
+
+Tags on every model version (searchable in the UI and with `search_model_versions`):
+  build, scheme, dtype, weights_sha256 (one digest over all weight files),
+  weights_sha256.<file>, base_model.id, base_model.sha256, recipe, git_commit, dvc_lock_sha256,
+  params_sha256, version.<library> for the pipeline stack, version.serving.<library>,
+  gate.verdict, gate.<team>.{verdict,metric,delta,ci,recovery_pct,reason,team_sha256},
+  eval.dtype, evidence_sha256; approval tags: registry/approval.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from quantgate.hashing import sha256_file
+from quantgate.params import PARAMS_FILE
+
+VERDICT = "gate.verdict"  # version tag and run param (the run param is the verdict of record)
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+BASELINE = "BASELINE"  # the gate verdict tag of the 16-bit build, which the gate does not judge
+PASSING = (PASS, BASELINE)  # gate verdicts that need no override to be approved
+BUILD, SCHEME, WEIGHTS = "build", "scheme", "weights_sha256"
+EVAL_DTYPE, EVIDENCE = "eval.dtype", "evidence_sha256"
+
+PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
+
+
+def team_tag(team: str, field: str) -> str:
+    """gate.<team>.<field>, e.g. gate.search.verdict."""
+    return f"gate.{team}.{field}"
+
+
+def team_verdicts(tags: dict[str, str]) -> dict[str, str]:
+    """{team: verdict} from a version's gate.<team>.verdict tags, sorted by team."""
+    teams = sorted(
+        {k.split(".")[1] for k in tags if k.startswith("gate.") and k.endswith(".verdict") and k.count(".") == 2}
+    )
+    return {team: tags[team_tag(team, "verdict")] for team in teams}
+
+
+def git_commit() -> str:
+    """HEAD commit, with "-dirty" when the work tree has uncommitted changes; "unknown" outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
+    """Build identity and provenance as flat string tags."""
+    tags = {
+        BUILD: manifest["build"],
+        SCHEME: manifest["scheme"],
+        "dtype": manifest["dtype"],
+        WEIGHTS: manifest["weights_digest"],
+        "base_model.id": manifest["base_model"]["id"],
+        "base_model.sha256": manifest["base_model"]["sha256"],
+        "recipe": json.dumps(manifest["recipe"], sort_keys=True),
+        "git_commit": git_commit(),
+        "params_sha256": sha256_file(PARAMS_FILE),
+    }
+    tags.update({f"{WEIGHTS}.{name}": digest for name, digest in manifest["weights"].items()})
+    if Path("dvc.lock").is_file():
+        tags["dvc_lock_sha256"] = sha256_file(Path("dvc.lock"))
+    for lib in PIPELINE_LIBS:
+        try:
+            tags[f"version.{lib}"] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            pass
+    tags.update({f"version.serving.{k}": str(v) for k, v in serving.items() if v})
+    return tags
+
+
+def gate_tags(build_gate: dict | None, teams: dict) -> dict[str, str]:
+    """Per-team evidence as tags; the baseline has no gate rows and is tagged BASELINE.
+
+    `teams` is the validate stage's summary (results/teams.json): each team's eval-set
+    digest is recorded on every version, so a verdict names the exact set it was made on.
+    """
+    tags = {team_tag(team, "team_sha256"): t["sha256"] for team, t in teams.items()}
+    if build_gate is None:
+        return {**tags, VERDICT: BASELINE}
+    tags[VERDICT] = build_gate["verdict"]
+    for team, r in build_gate["teams"].items():
+        tags[team_tag(team, "verdict")] = r["verdict"]
+        tags[team_tag(team, "metric")] = r["metric"]
+        if "delta" in r:
+            tags[team_tag(team, "delta")] = f"{r['delta']:+.4f}"
+            tags[team_tag(team, "ci")] = f"[{r['lower']:+.4f}, {r['upper']:+.4f}]"
+            tags[team_tag(team, "recovery_pct")] = f"{r['recovery_pct']:.2f}" if r["recovery_pct"] is not None else "-"
+        else:
+            tags[team_tag(team, "reason")] = r["reason"][:500]
+    return tags

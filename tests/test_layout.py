@@ -1,0 +1,93 @@
+"""The import graph matches the layout (README "Layout", quantgate/README.md): the kernel quantgate/
+imports no other project folder (its CLI apart), registry/ and canary/ never import pipeline/, no
+stage imports another stage, and every stage's `deps` in dvc.yaml are exactly the project modules it
+imports, transitively, so editing a module re-runs exactly the stages that run it."""
+
+import ast
+import re
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("quantgate", "pipeline", "registry", "canary")
+CLI = "quantgate/cli.py"
+
+
+def module_file(name: str) -> str | None:
+    """The repo-relative file of dotted module `name` in a project package (None for a package
+    __init__, which holds only a docstring, and for anything outside the project)."""
+    parts = name.split(".")
+    if parts[0] not in PACKAGES or len(parts) == 1:
+        return None
+    path = Path(*parts).with_suffix(".py")
+    return str(path) if (REPO / path).is_file() else None
+
+
+def imports(rel: str) -> set[str]:
+    """Project modules (files) that `rel` imports anywhere in its body, lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse((REPO / rel).read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {f for f in map(module_file, names) if f}
+    return found - {rel}
+
+
+def closure(rel: str) -> set[str]:
+    seen, todo = {rel}, [rel]
+    while todo:
+        for dep in imports(todo.pop()) - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def project_files(package: str) -> list[str]:
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / package).glob("*.py") if p.name != "__init__.py")
+
+
+def dvc_stages() -> dict[str, tuple[str, set[str]]]:
+    """{stage: (module file its cmd runs, its deps that are project modules)}; a foreach stage once."""
+    stages = {}
+    for name, stage in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"].items():
+        body = stage.get("do", stage)
+        module = re.match(r"python -m ([\w.]+)", body["cmd"]).group(1)
+        deps = {d for d in body["deps"] if d.endswith(".py")}
+        stages[name] = (module_file(module), deps)
+    return stages
+
+
+def test_every_stage_declares_exactly_the_project_modules_it_imports():
+    for name, (module, deps) in dvc_stages().items():
+        assert module and module.startswith("pipeline/"), (name, module)
+        want = closure(module)
+        assert deps == want, f"dvc.yaml stage {name}: missing {sorted(want - deps)}, not imported {sorted(deps - want)}"
+
+
+def test_no_stage_imports_another_stage():
+    stages = {module for module, _ in dvc_stages().values()}
+    for module in stages:
+        assert not (closure(module) - {module}) & stages, (module, sorted(closure(module) & stages))
+
+
+def test_every_pipeline_module_is_a_stage_or_a_helper_of_one():
+    used = set().union(*(closure(module) for module, _ in dvc_stages().values()))
+    assert set(project_files("pipeline")) <= used
+
+
+def test_dependencies_point_one_way():
+    for rel in project_files("quantgate"):
+        if rel != CLI:
+            assert all(d.startswith("quantgate/") and d != CLI for d in closure(rel)), (rel, sorted(closure(rel)))
+    for package in ("registry", "canary"):
+        for rel in project_files(package):
+            assert not any(d.startswith("pipeline/") for d in closure(rel)), (rel, sorted(closure(rel)))
+
+
+def test_evals_holds_team_data_only():
+    assert not list((REPO / "evals").rglob("*.py"))
