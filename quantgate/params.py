@@ -7,6 +7,7 @@ wrong types and duplicate keys fail with the file, line and dotted field path
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TypeVar
 
@@ -153,6 +154,9 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+BASELINE_BUILD = "fp16"  # prepare's 16-bit build (models/fp16 in dvc.yaml)
+
+
 def load_builds(path: Path = PARAMS_FILE) -> list[str]:
     """params.yaml `builds`: every build of a run, listed once (dvc.yaml's evaluate `foreach` reads it too).
 
@@ -164,6 +168,17 @@ def load_builds(path: Path = PARAMS_FILE) -> list[str]:
         raise QuantgateError(f"{path}: `builds` must be a list of build names, e.g. [fp16, fp8, int4]; got {builds!r}")
     if len(set(builds)) != len(builds):
         raise QuantgateError(f"{path}: `builds` {builds} names a build twice; list each once")
+    if bad := [b for b in builds if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", b)]:
+        raise QuantgateError(f"{path}: `builds` {bad}: a build name is lower_snake_case (it names folders and stages)")
+    quantize = data.get("quantize") if isinstance(data.get("quantize"), dict) else {}
+    quantized = [b for b in builds if b != BASELINE_BUILD]
+    if unbuilt := [b for b in quantized if b not in quantize]:
+        raise QuantgateError(f"{path}: builds {unbuilt} have no quantize.<build> block; add one or drop the build")
+    if stray := [q for q in quantize if q not in quantized]:
+        raise QuantgateError(
+            f"{path}: quantize.{stray[0]} is not a quantized build in `builds` {builds} "
+            f"({BASELINE_BUILD} is prepare's 16-bit build); add it to builds or remove the block"
+        )
     return builds
 
 

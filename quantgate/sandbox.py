@@ -36,6 +36,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 MAX_RANGE = 1000  # items a template's range() may make (Jinja's own sandbox allows 100000)
 MAX_SIZE = 1_000_000  # characters (or items) a `*` may make, and a rendered template may have
+MAX_BITS = 100_000  # largest integer a `**` may make (bits)
 MAX_EXPONENT = 100  # largest exponent of `**`
 RENDER_SECONDS = 2.0  # wall time validation gives one document's templates
 REGEX_SECONDS = 2.0  # wall time a regular expression gets on all the probe inputs
@@ -77,12 +78,22 @@ def _tick() -> None:
 class _Sandbox(ImmutableSandboxedEnvironment):
     """ImmutableSandboxedEnvironment that also bounds sizes and checks the render deadline."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    intercepted_binops = frozenset({"*", "**", "%"})
 
     def call_binop(self, context, operator, left, right):
         _tick()
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
             raise SecurityError(f"exponent {right} is over the sandbox's {MAX_EXPONENT}")
+        if (
+            operator == "**"
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and abs(left) > 1
+            and (left.bit_length() * right > MAX_BITS)
+        ):  # big-number arithmetic cannot be interrupted by the time limit
+            raise SecurityError(f"a power of over {MAX_BITS} bits, over the sandbox's limit")
+        if operator == "%" and isinstance(left, str):
+            _check_str_method("format", left, ())
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_SIZE:
@@ -105,10 +116,13 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
 
 def _check_str_method(name: str, text: str, args: tuple) -> None:
-    """Refuse a str.format/replace/center/... call whose result would be over MAX_SIZE
-    (memory is taken before the result could be measured)."""
-    if name in ("format", "format_map") and re.search(r"\d{7,}", text):
-        raise SecurityError(f"a format width in {text[:40]!r} is over the sandbox's {MAX_SIZE}")
+    """Refuse a str.format/replace/join/center/... call (or `%` formatting) whose result would be
+    over MAX_SIZE (memory is taken before the result could be measured). Format widths are summed
+    over the whole format string, so '{0:999999}' * 100 counts as 99,999,900 characters."""
+    if name in ("format", "format_map") and sum(int(d) for d in re.findall(r"\d+", text)) > MAX_SIZE:
+        raise SecurityError(f"the format widths in {text[:40]!r} add up to over the sandbox's {MAX_SIZE}")
+    if name == "join" and args and hasattr(args[0], "__len__") and len(args[0]) * len(text) > MAX_SIZE:
+        raise SecurityError(f"join would make more characters than the sandbox's {MAX_SIZE}")
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         count = len(text) + 1 if not args[0] else text.count(args[0])
         if count * len(args[1]) + len(text) > MAX_SIZE:
@@ -130,6 +144,9 @@ def _sized(name: str, flt):
         if text is not None and name in ("format", "replace"):
             rest = list(args[args.index(text) + 1 :])
             _check_str_method(name, text, tuple(rest) if name == "replace" else ())
+        seqs = [a for a in args if isinstance(a, (str, list, tuple))]
+        if name == "join" and len(seqs) >= 2 and isinstance(seqs[1], str):  # value|join(separator)
+            _check_str_method("join", seqs[1], (seqs[0],))
         return flt(*args, **kwargs)
 
     for attr in ("jinja_pass_arg",):  # keep Jinja's pass_context/pass_environment marks

@@ -32,8 +32,15 @@ HEALTH_POLL_S = 2.0
 def no_dtype_arg(args: list[str]) -> list[str]:
     """`args` (extra vLLM arguments); raises ValueError if one sets --dtype: every server of a run,
     evaluate and canary alike, gets its precision from evaluate.serve.dtype by one rule."""
-    if any(a == "--dtype" or a.startswith("--dtype=") for a in args):
-        raise ValueError("--dtype is set by evaluate.serve.dtype (auto or a dtype), not in extra_args")
+    for a in args:
+        flag = a.split("=", 1)[0]
+        # vLLM's argparse takes unique prefixes (--dtyp, --dt); --config and --hf-overrides can set it too
+        if (
+            (flag.startswith("--dt") and "--dtype".startswith(flag))
+            or flag == "--config"
+            or (flag == "--hf-overrides" or "dtype" in a)
+        ):
+            raise ValueError(f"{a!r}: the dtype is set by evaluate.serve.dtype (auto or a dtype), not in extra_args")
     return args
 
 

@@ -152,8 +152,9 @@ def test_team_task_error_fails_that_team_only_and_others_come_from_cache(project
     bad = evals / "zz_broken"
     shutil.copytree(evals / "billing", bad)
     task = (bad / "arithmetic.yaml").read_text().replace("task: billing_arithmetic", "task: broken_arithmetic")
-    # more new tokens than the server's context: every request is refused by vLLM (HTTP 400)
-    (bad / "arithmetic.yaml").write_text(task.replace("max_gen_toks: 24", "max_gen_toks: 4096"))
+    # valid for validation (<= 2048), but prompt + 2048 new tokens exceed the served context (2048):
+    # every request is refused by vLLM (HTTP 400), which only evaluation can find
+    (bad / "arithmetic.yaml").write_text(task.replace("max_gen_toks: 24", "max_gen_toks: 2048"))
     p = run(
         [sys.executable, "-m", "pipeline.evaluate", "fp16", "models/fp16", str(evals), str(tmp_path / "fp16")], project
     )

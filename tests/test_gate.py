@@ -1,6 +1,7 @@
 """The gate on scores documents written in the test: verdicts and failing closed."""
 
 import json
+import re
 
 import pytest
 
@@ -148,13 +149,38 @@ def test_the_builds_of_a_run_are_listed_once_in_params_yaml():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("builds: [fp8, int4]\ngate: {baseline: fp16}\n", "gate.baseline 'fp16' is not in builds"),
+        (
+            "builds: [fp8, int4]\nquantize: {fp8: {}, int4: {}}\ngate: {baseline: fp16}\n",
+            "gate.baseline 'fp16' is not in builds",
+        ),
         ("builds: [fp16, fp8, fp8]\ngate: {baseline: fp16}\n", "names a build twice"),
         ("builds: fp16\ngate: {baseline: fp16}\n", "`builds` must be a list of build names"),
-        ("builds: [fp16, fp8]\ngate: {baseline: fp16, candidates: [fp8]}\n", "candidates"),
+        ("builds: [fp16, fp8]\nquantize: {fp8: {}}\ngate: {baseline: fp16, candidates: [fp8]}\n", "candidates"),
     ],
 )
 def test_gate_params_refuse_builds_that_do_not_add_up(tmp_path, text, message):
     (tmp_path / "params.yaml").write_text(text)
     with pytest.raises(QuantgateError, match=message):
         load_params(tmp_path / "params.yaml")
+
+
+@pytest.mark.parametrize(
+    "builds, quantize, expected",
+    [
+        ("[fp16, fp9]", "{fp8: {scheme: FP8_DYNAMIC}}", "builds ['fp9'] have no quantize.<build> block"),
+        (
+            "[fp16, fp8]",
+            "{fp8: {scheme: FP8_DYNAMIC}, int5: {scheme: W4A16}}",
+            "quantize.int5 is not a quantized build",
+        ),
+        ("[fp16, ../evals]", "{}", "`builds` ['../evals']: a build name is lower_snake_case"),
+        ("[]", "{}", "`builds` must be a list of build names"),
+    ],
+)
+def test_builds_and_quantize_blocks_must_agree(tmp_path, builds, quantize, expected):
+    from quantgate.params import load_builds
+
+    params = tmp_path / "params.yaml"
+    params.write_text(f"builds: {builds}\nquantize: {quantize}\n")
+    with pytest.raises(QuantgateError, match=re.escape(expected)):
+        load_builds(params)

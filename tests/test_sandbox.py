@@ -166,6 +166,11 @@ def test_a_list_method_the_arc_format_uses_works_and_mutation_does_not():
         "{{ ('a' * 500)|replace('', 'b' * 100000) }}",
         "{{ ('a' * 500).replace('', 'b' * 100000) }}",
         "{{ [1]|batch(100000000, 'x') }}",
+        "{{ ('{0:999999}' * 100).format(1) }}",
+        "{{ (('x' * 10000)|join('y' * 10000))|length }}",
+        "{{ ('y' * 10000).join('x' * 10000) }}",
+        "{{ ('%(a)999999s' * 100) % dict(a=1) }}",
+        "{{ (((7 ** 100) ** 100) ** 100) > 1 }}",
     ],
 )
 def test_sizes_are_bounded(template):

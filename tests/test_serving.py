@@ -179,3 +179,19 @@ def test_probe_of_the_real_serving_env_agrees_with_the_processor():
     else:  # the AVX512 kernel runs at 16 bits only
         assert got.w4a16["bfloat16"] == "ok" and "not implemented for 'Float'" in got.w4a16["float32"]
     assert precision.w4a16_servable(str(REPO / ".venv-serve" / "bin" / "python"), "auto") == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--dtype", "float16"],
+        ["--dtyp", "float16"],
+        ["--dt=float16"],
+        ["--hf-overrides", '{"torch_dtype": "float16"}'],
+        ["--config", "x.yaml"],
+    ],
+)
+def test_extra_args_cannot_set_the_dtype_any_way_vllm_reads_it(args):
+    with pytest.raises(ValueError, match="the dtype is set by evaluate.serve.dtype"):
+        ServeParams(extra_args=args)
+    assert ServeParams(extra_args=["--enforce-eager", "--max-num-seqs", "8"]).extra_args[0] == "--enforce-eager"
