@@ -35,11 +35,7 @@ def no_dtype_arg(args: list[str]) -> list[str]:
     for a in args:
         flag = a.split("=", 1)[0]
         # vLLM's argparse takes unique prefixes (--dtyp, --dt); --config and --hf-overrides can set it too
-        if (
-            (flag.startswith("--dt") and "--dtype".startswith(flag))
-            or flag == "--config"
-            or (flag == "--hf-overrides" or "dtype" in a)
-        ):
+        if (flag.startswith("--dt") and "--dtype".startswith(flag)) or flag == "--config" or flag == "--hf-overrides":
             raise ValueError(f"{a!r}: the dtype is set by evaluate.serve.dtype (auto or a dtype), not in extra_args")
     return args
 

@@ -194,4 +194,5 @@ def test_probe_of_the_real_serving_env_agrees_with_the_processor():
 def test_extra_args_cannot_set_the_dtype_any_way_vllm_reads_it(args):
     with pytest.raises(ValueError, match="the dtype is set by evaluate.serve.dtype"):
         ServeParams(extra_args=args)
-    assert ServeParams(extra_args=["--enforce-eager", "--max-num-seqs", "8"]).extra_args[0] == "--enforce-eager"
+    ok = ["--enforce-eager", "--max-num-seqs", "8", "--kv-cache-dtype", "fp8"]  # KV cache dtype is another knob
+    assert ServeParams(extra_args=ok).extra_args == ok
