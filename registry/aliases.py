@@ -309,7 +309,7 @@ def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) 
     if mv.tags.get(tags.VERDICT) != tags.BASELINE or recorded not in (None, tags.BASELINE):
         raise QuantgateError(
             f"{model_name} v{version} is not the baseline build (gate.verdict="
-            f"{recorded or mv.tags.get('gate.verdict', 'missing')}); {FALLBACK!r} is the 16-bit build"
+            f"{recorded or mv.tags.get(tags.VERDICT, 'missing')}); {FALLBACK!r} is the 16-bit build"
         )
     with lock.held(mlflow_client, model_name, f"fallback v{version} by {by}") as held:
         old = current(mlflow_client, model_name).get(FALLBACK)
