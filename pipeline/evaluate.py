@@ -44,7 +44,7 @@ from quantgate.manifest import config_digest, verify_weights
 from quantgate.params import Frozen, load_block
 from quantgate.precision import RECORD as PRECISION
 from quantgate.precision import precision_record
-from quantgate.results import SAMPLES, SCORES
+from quantgate.results import SAMPLES, SCORES, Sample, ServingRecord, TaskScore, TeamScores, read_scores, write_scores
 from quantgate.sandbox import lm_eval_sandboxed
 from quantgate.serving import ServeParams, ServerStartError, serving_versions, vllm_server
 from quantgate.teams import Team, load_teams
@@ -108,7 +108,7 @@ def selected_filter(task_config: dict) -> str:
     return filters[0]["name"] if filters else "none"
 
 
-def per_sample_scores(team: Team, results: dict) -> tuple[dict, list[dict]]:
+def per_sample_scores(team: Team, results: dict) -> tuple[dict[str, TaskScore], list[Sample]]:
     """Extract ({task: summary}, [per-sample rows]) for the team metric from lm-eval output.
 
     Raises QuantgateError if a task has no samples or a score is missing/non-numeric, and
@@ -129,14 +129,12 @@ def per_sample_scores(team: Team, results: dict) -> tuple[dict, list[dict]]:
                     f"task {task.name} doc {s.get('doc_id')}: metric {metric!r} is {value!r}, not a number"
                 )
             scores.append(float(value))
-            rows.append(
-                {"task": task.name, "doc_id": s["doc_id"], "doc_hash": s.get("doc_hash"), "score": float(value)}
-            )
+            rows.append(Sample(task=task.name, doc_id=s["doc_id"], doc_hash=s.get("doc_hash"), score=float(value)))
         mean = sum(scores) / len(scores)
         reported = results["results"][task.name].get(f"{metric},{flt}")
         if isinstance(reported, (int, float)) and abs(reported - mean) > 1e-9:
             raise QuantgateError(f"task {task.name}: per-sample mean {mean} != lm-eval aggregate {reported}")
-        tasks[task.name] = {"filter": flt, "n": len(scores), "score": mean}
+        tasks[task.name] = TaskScore(filter=flt, n=len(scores), score=mean)
     return tasks, rows
 
 
@@ -193,8 +191,8 @@ def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int 
     return lines
 
 
-def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
-    """Run lm-eval on one team's tasks; return (scores document, raw samples).
+def run_team(lm, team: Team, harness: HarnessParams) -> tuple[TeamScores, list[dict]]:
+    """Run lm-eval on one team's tasks; return (its scores, lm-eval's raw samples).
 
     Team tasks are whole inline configs (no `include:`, quantgate/checks.py), so lm-eval's index
     of its ~14,700 built-in tasks is not built: that index costs ~14 s per call on a 2-core CPU.
@@ -229,19 +227,19 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[dict, list[dict]]:
             f"{f' (and {len(over) - 1} more)' if len(over) > 1 else ''}; shorten those documents or raise "
             f"evaluate.serve.max_model_len"
         )
-    doc = {
-        "status": "ok",
-        "metric": team.policy.metric,
-        "tasks": tasks,
-        "samples": rows,
-        "elapsed_s": round(time.monotonic() - started, 1),
-    }
-    return doc, raw
+    scores = TeamScores(
+        status="ok",
+        metric=team.policy.metric,
+        tasks=tasks,
+        samples=rows,
+        elapsed_s=round(time.monotonic() - started, 1),
+    )
+    return scores, raw
 
 
-def write_team(out: Path, doc: dict, raw: list[dict] | None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SCORES).write_text(json.dumps(doc, indent=1) + "\n")
+def write_team(out: Path, scores: TeamScores, raw: list[dict] | None) -> None:
+    """Write one team's scores.json and, when there are any, lm-eval's raw samples."""
+    write_scores(out, scores)
     if raw is not None:
         with open(out / SAMPLES, "w") as f:
             for s in raw:
@@ -254,8 +252,10 @@ def one_line(exc: BaseException) -> str:
     return msg if isinstance(exc, QuantgateError) else f"{type(exc).__name__}: {msg}"
 
 
-def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params: EvaluateParams) -> dict[str, dict]:
-    """Evaluate `build` on every team; write OUT_DIR/<team>/; return {team: scores document}.
+def evaluate(
+    build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params: EvaluateParams
+) -> dict[str, TeamScores]:
+    """Evaluate `build` on every team; write OUT_DIR/<team>/; return {team: its scores}.
 
     Raises QuantgateError on bad input (missing build, bad team folder). Server start
     failures and per-team errors are recorded in the documents, not raised.
@@ -264,22 +264,22 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
     model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
     precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
-    serve_config = {
-        "versions": serving_versions(params.serve.python),
-        "dtype": precision["dtype"],
-        "max_model_len": params.serve.max_model_len,
-        "extra_args": params.serve.extra_args,
-    }
+    serving = ServingRecord(
+        versions=serving_versions(params.serve.python),
+        dtype=precision["dtype"],
+        max_model_len=params.serve.max_model_len,
+        extra_args=params.serve.extra_args,
+    )
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     docs, pending = {}, []
     timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
     for team in teams:
-        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config, model_files)
+        key = cache_key(manifest["weights_digest"], team, params.harness, serving.dump(), model_files)
         cached = CACHE_DIR / key
         if (cached / SCORES).is_file():
             shutil.copytree(cached, out_dir / team.name)
-            docs[team.name] = json.loads((cached / SCORES).read_text())
+            docs[team.name] = read_scores(cached / SCORES)
             timing["cached"].append(team.name)
             print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
         else:
@@ -292,36 +292,33 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
                 for team, key in pending:
-                    base = {
-                        "team": team.name,
-                        "build": build,
-                        "cache_key": key,
-                        "weights_digest": manifest["weights_digest"],
-                        "scores_digest": team.scores_digest,
-                        "serving": serve_config,
-                    }
                     scoring = time.monotonic()
                     try:
-                        doc, raw = run_team(lm, team, params.harness)
+                        scores, raw = run_team(lm, team, params.harness)
                     except Exception as exc:  # one team's failure must not lose the others
-                        doc, raw = {"status": "error", "reason": one_line(exc)}, None
+                        scores, raw = TeamScores(status="error", reason=one_line(exc)), None
                     timing["scoring_s"][team.name] = round(time.monotonic() - scoring, 1)
-                    docs[team.name] = doc = {**base, **doc}
-                    write_team(out_dir / team.name, doc, raw)
-                    if doc["status"] == "ok":
+                    docs[team.name] = scores = scores.model_copy(
+                        update={
+                            "team": team.name,
+                            "build": build,
+                            "cache_key": key,
+                            "weights_digest": manifest["weights_digest"],
+                            "scores_digest": team.scores_digest,
+                            "serving": serving,
+                        }
+                    )
+                    write_team(out_dir / team.name, scores, raw)
+                    if scores.status == "ok":
                         shutil.copytree(out_dir / team.name, CACHE_DIR / key, dirs_exist_ok=True)
-                    print(f"evaluate[{build}]: {team.name}: {doc['status']} {doc.get('reason', '')}", flush=True)
+                    print(f"evaluate[{build}]: {team.name}: {scores.status} {scores.reason or ''}", flush=True)
         except ServerStartError as exc:
             for team, key in pending:
                 if team.name not in docs:
-                    docs[team.name] = doc = {
-                        "team": team.name,
-                        "build": build,
-                        "cache_key": key,
-                        "status": "error",
-                        "reason": str(exc),
-                    }
-                    write_team(out_dir / team.name, doc, None)
+                    docs[team.name] = scores = TeamScores(
+                        team=team.name, build=build, cache_key=key, status="error", reason=str(exc)
+                    )
+                    write_team(out_dir / team.name, scores, None)
             timing["server_start_s"] = round(time.monotonic() - started, 1)
             print(f"evaluate[{build}]: server failed: {exc}", file=sys.stderr, flush=True)
     (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
@@ -374,11 +371,11 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     docs = evaluate(build, model_dir, evals_dir, out_dir, load_block("evaluate", EvaluateParams))
-    for team, doc in sorted(docs.items()):
-        if doc["status"] == "ok":
-            summary = ", ".join(f"{t}={v['score']:.3f} (n={v['n']})" for t, v in doc["tasks"].items())
+    for team, scores in sorted(docs.items()):
+        if scores.status == "ok":
+            summary = ", ".join(f"{t}={v.score:.3f} (n={v.n})" for t, v in scores.tasks.items())
         else:
-            summary = f"ERROR: {doc['reason']}"
+            summary = f"ERROR: {scores.reason}"
         print(f"evaluate[{build}]: {team:<12} {summary}")
 
 

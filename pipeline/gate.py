@@ -23,7 +23,17 @@ from pipeline.plot import recovery_plot
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
-from quantgate.results import SCORES
+from quantgate.results import (
+    SCORES,
+    BuildGate,
+    GateResult,
+    Sample,
+    ServedPrecision,
+    TeamComparison,
+    TeamScores,
+    read_scores,
+    write_gate,
+)
 from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
 from quantgate.teams import Team, load_teams
 
@@ -53,64 +63,62 @@ def load_params(path: Path = PARAMS_FILE) -> GateParams:
     return GateParams(**block.model_dump(), candidates=[b for b in builds if b != block.baseline])
 
 
-def read_scores(eval_dir: Path, build: str, team: str) -> dict:
-    """The scores document of (build, team); raises QuantgateError (the FAIL reason) if unusable."""
+def usable_scores(eval_dir: Path, build: str, team: str) -> TeamScores:
+    """The scores of (build, team); raises QuantgateError (the FAIL reason) if unusable."""
     path = eval_dir / build / team / SCORES
     if not path.is_file():
         raise QuantgateError(f"no results for build {build} (missing {path}); run `dvc repro evaluate@{build}`")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QuantgateError(f"{path}:{exc.lineno}: invalid JSON") from None
-    if doc.get("status") != "ok":
-        raise QuantgateError(f"build {build} evaluation error: {doc.get('reason', 'unknown')}")
-    return doc
+    scores = read_scores(path)
+    if scores.status != "ok":
+        raise QuantgateError(f"build {build} evaluation error: {scores.reason or 'unknown'}")
+    return scores
 
 
-def read_precision(eval_dir: Path, build: str) -> dict:
+def read_precision(eval_dir: Path, build: str) -> ServedPrecision:
     """The precision record the evaluate stage wrote for `build` (results/eval/<build>/precision.json,
     quantgate/precision.py); raises QuantgateError (the FAIL reason) if it is missing or unreadable."""
     path = eval_dir / build / PRECISION
     try:
         doc = json.loads(path.read_text())
-        return {"dtype": doc["dtype"], "requested": doc.get("requested"), "why": doc.get("why", "")}
+        return ServedPrecision(dtype=doc["dtype"], requested=doc.get("requested"), why=doc.get("why", ""))
     except FileNotFoundError:
         raise QuantgateError(
             f"no precision record for build {build} (missing {path}); run `dvc repro evaluate@{build}`"
         ) from None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # pydantic's ValidationError is a ValueError
         raise QuantgateError(
             f"{path}: not a precision record (needs dtype); run `dvc repro evaluate@{build}`"
         ) from None
 
 
-def same_precision(eval_dir: Path, baseline: str, build: str) -> dict:
+def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision:
     """The precision both builds were served at; raises QuantgateError (the FAIL reason) if it
     differs: the gate compares builds, not activation dtypes."""
     base, cand = read_precision(eval_dir, baseline), read_precision(eval_dir, build)
-    if base["dtype"] != cand["dtype"]:
+    if base.dtype != cand.dtype:
         raise QuantgateError(
-            f"{baseline} was evaluated at {base['dtype']} and {build} at {cand['dtype']}: the gate "
+            f"{baseline} was evaluated at {base.dtype} and {build} at {cand.dtype}: the gate "
             f"compares builds at one precision; re-run `dvc repro` so every build is evaluated at "
             f"evaluate.serve.dtype"
         )
     return base
 
 
-def paired_arrays(base: dict, cand: dict, base_build: str, cand_build: str) -> tuple[np.ndarray, np.ndarray]:
+def paired_arrays(
+    base: TeamScores, cand: TeamScores, base_build: str, cand_build: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-document scores of both builds in the same order, shape (n,) each.
 
     Raises QuantgateError if the document sets differ (ids, count or content hash) or a
     score is missing, NaN or not a number.
     """
 
-    def index(doc: dict, build: str) -> dict:
+    def index(scores: TeamScores, build: str) -> dict[tuple[str, int], Sample]:
         out = {}
-        for s in doc.get("samples", []):
-            key = (s["task"], s["doc_id"])
-            score = s.get("score")
-            if not isinstance(score, (int, float)) or math.isnan(score):
-                raise QuantgateError(f"build {build}: score of {key[0]} doc {key[1]} is {score!r}")
+        for s in scores.samples:
+            key = (s.task, s.doc_id)
+            if s.score is None or math.isnan(s.score):
+                raise QuantgateError(f"build {build}: score of {key[0]} doc {key[1]} is {s.score!r}")
             if key in out:
                 raise QuantgateError(f"build {build}: {key[0]} doc {key[1]} scored twice")
             out[key] = s
@@ -127,14 +135,16 @@ def paired_arrays(base: dict, cand: dict, base_build: str, cand_build: str) -> t
         )
     keys = sorted(b)
     for k in keys:
-        if b[k].get("doc_hash") != c[k].get("doc_hash"):
+        if b[k].doc_hash != c[k].doc_hash:
             raise QuantgateError(f"{k[0]} doc {k[1]}: document content differs between {base_build} and {cand_build}")
-    return np.array([b[k]["score"] for k in keys], float), np.array([c[k]["score"] for k in keys], float)
+    return np.array([b[k].score for k in keys], float), np.array([c[k].score for k in keys], float)
 
 
-def judge(team: Team, base_doc: dict, cand_doc: dict, params: GateParams, cand_build: str) -> dict:
-    """The gate row for one (candidate build, team)."""
-    base, cand = paired_arrays(base_doc, cand_doc, params.baseline, cand_build)
+def judge(
+    team: Team, base_scores: TeamScores, cand_scores: TeamScores, params: GateParams, build: str
+) -> TeamComparison:
+    """The gate's comparison of one (candidate build, team)."""
+    base, cand = paired_arrays(base_scores, cand_scores, params.baseline, build)
     pol = team.policy
     base_mean, cand_mean = float(base.mean()), float(cand.mean())
     margin = pol.margin.points(base_mean)
@@ -152,21 +162,20 @@ def judge(team: Team, base_doc: dict, cand_doc: dict, params: GateParams, cand_b
         recovery = 100.0 * cand_mean / base_mean if base_mean else None
     else:
         recovery = 100.0 * base_mean / cand_mean if cand_mean else None
-    row = {
-        "verdict": v.value,
-        "metric": pol.metric,
-        "higher_is_better": pol.higher_is_better,
-        "n": cmp.n,
-        "baseline": base_mean,
-        "candidate": cand_mean,
-        "delta": cand_mean - base_mean,
-        "margin": margin,
-        "recovery_pct": recovery,
-        "confidence": pol.confidence,
+    return TeamComparison(
+        verdict=v,
+        metric=pol.metric,
+        higher_is_better=pol.higher_is_better,
+        n=cmp.n,
+        baseline=base_mean,
+        candidate=cand_mean,
+        delta=cand_mean - base_mean,
+        margin=margin,
+        recovery_pct=recovery,
+        confidence=pol.confidence,
         **{k: val for k, val in cmp.as_dict().items() if k != "n"},
-    }
-    row["reason"] = reason(v, cmp, margin)
-    return row
+        reason=reason(v, cmp, margin),
+    )
 
 
 def reason(v: Verdict, cmp, margin: float) -> str:
@@ -181,76 +190,78 @@ def reason(v: Verdict, cmp, margin: float) -> str:
     return f"upper bound of drop {cmp.upper:+.3f} > margin {margin:.3f}; n={cmp.n} is too small to tell ({need})"
 
 
-def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> dict:
-    """Verdicts for every candidate: {"baseline", "precision", "builds": {build: {"verdict", "teams": {team: row}}}}.
+def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> GateResult:
+    """Verdicts for every candidate build, per team.
 
-    "precision" is the baseline's precision record ({"dtype", "requested", "why"}; None if no
-    candidate could be compared); a candidate evaluated at another dtype FAILs every team.
+    `precision` is the baseline's precision record (None if no candidate could be compared);
+    a candidate evaluated at another dtype FAILs every team.
     """
     builds, precision = {}, None
     for build in params.candidates:
-        rows = {}
+        comparisons = {}
         for team in teams:
             try:
-                base_doc = read_scores(eval_dir, params.baseline, team.name)
-                cand_doc = read_scores(eval_dir, build, team.name)
+                base_scores = usable_scores(eval_dir, params.baseline, team.name)
+                cand_scores = usable_scores(eval_dir, build, team.name)
                 precision = same_precision(eval_dir, params.baseline, build)
-                rows[team.name] = judge(team, base_doc, cand_doc, params, build)
+                comparisons[team.name] = judge(team, base_scores, cand_scores, params, build)
             except QuantgateError as exc:
-                rows[team.name] = {"verdict": Verdict.FAIL.value, "metric": team.policy.metric, "reason": str(exc)}
-        worst = max((Verdict(r["verdict"]) for r in rows.values()), key=SEVERITY.index)
-        builds[build] = {"verdict": worst.value, "shippable": worst is Verdict.PASS, "teams": rows}
-    return {"baseline": params.baseline, "precision": precision, "builds": builds}
+                comparisons[team.name] = TeamComparison(
+                    verdict=Verdict.FAIL, metric=team.policy.metric, reason=str(exc)
+                )
+        worst = max((Verdict(c.verdict) for c in comparisons.values()), key=SEVERITY.index)
+        builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons)
+    return GateResult(baseline=params.baseline, precision=precision, builds=builds)
 
 
 def fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(result: dict) -> str:
+def table(result: GateResult) -> str:
     """The gate result as a markdown table (one row per build and team)."""
     lines = [
         "| build | team | metric | n | fp16 | candidate | delta | drop CI | margin | recovery % | p (NI) | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for build, b in result["builds"].items():
-        for team, r in b["teams"].items():
-            ci = f"[{r['lower']:+.3f}, {r['upper']:+.3f}]" if "upper" in r else "-"
+    for build, b in result.builds.items():
+        for team, c in b.teams.items():
+            ci = f"[{c.lower:+.3f}, {c.upper:+.3f}]" if c.compared else "-"
             lines.append(
-                f"| {build} | {team} | {r['metric']} | {r.get('n', '-')} | {fmt(r.get('baseline'))} | "
-                f"{fmt(r.get('candidate'))} | {fmt(r.get('delta'), '+.3f')} | {ci} | {fmt(r.get('margin'))} | "
-                f"{fmt(r.get('recovery_pct'), '.1f')} | {fmt(r.get('p_value'), '.3g')} | {r['verdict']} |"
+                f"| {build} | {team} | {c.metric} | {fmt(c.n, 'd')} | {fmt(c.baseline)} | "
+                f"{fmt(c.candidate)} | {fmt(c.delta, '+.3f')} | {ci} | {fmt(c.margin)} | "
+                f"{fmt(c.recovery_pct, '.1f')} | {fmt(c.p_value, '.3g')} | {c.verdict} |"
             )
     return "\n".join(lines)
 
 
-def precision_line(result: dict) -> str:
+def precision_line(result: GateResult) -> str:
     """One line naming the activation precision every build was served at, and why."""
-    p = result.get("precision")
+    p = result.precision
     if not p:
         return "Served precision: unknown (no build was evaluated)."
-    return f"Served precision: **{p['dtype']}** for every build ({p['why']})."
+    return f"Served precision: **{p.dtype}** for every build ({p.why})."
 
 
-def report(result: dict, plot_name: str | None = None) -> str:
+def report(result: GateResult, plot_name: str | None = None) -> str:
     """The markdown gate report: summary per build, the table, the plot link, every reason."""
     out = [
         "# quantgate gate report",
         "",
         precision_line(result),
-        f"Baseline: `{result['baseline']}`. Drop = baseline - candidate (positive = worse); the CI is the "
+        f"Baseline: `{result.baseline}`. Drop = baseline - candidate (positive = worse); the CI is the "
         "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.",
         "",
     ]
-    for build, b in result["builds"].items():
-        out.append(f"- **{build}**: {b['verdict']} ({'shippable' if b['shippable'] else 'not shippable'})")
+    for build, b in result.builds.items():
+        out.append(f"- **{build}**: {b.verdict} ({'shippable' if b.shippable else 'not shippable'})")
     out += ["", table(result), ""]
     if plot_name:
         out += [f"![recovery per team and build]({plot_name})", ""]
     out += ["## Reasons", ""]
-    for build, b in result["builds"].items():
-        for team, r in b["teams"].items():
-            out.append(f"- {build} / {team}: {r['verdict']}: {r['reason']}")
+    for build, b in result.builds.items():
+        for team, c in b.teams.items():
+            out.append(f"- {build} / {team}: {c.verdict}: {c.reason}")
     return "\n".join(out) + "\n"
 
 
@@ -259,14 +270,13 @@ def main() -> None:
         raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG")
     eval_dir, evals_dir, metrics_path, report_path, plot_path = map(Path, sys.argv[1:])
     result = gate(eval_dir, load_teams(evals_dir), load_params())
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    metrics_path.write_text(json.dumps(result, indent=2) + "\n")
+    write_gate(metrics_path, result)
     report_path.write_text(report(result, plot_path.name))
     recovery_plot(result, plot_path)
     print(table(result))
     print(precision_line(result))
-    for build, b in result["builds"].items():
-        print(f"gate: {build}: {b['verdict']}")
+    for build, b in result.builds.items():
+        print(f"gate: {build}: {b.verdict}")
 
 
 if __name__ == "__main__":

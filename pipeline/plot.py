@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantgate.results import GateResult, TeamComparison
 
-def recovery_interval(row: dict, higher_is_better: bool = True) -> tuple[float, float] | None:
-    """(low, high) recovery % from a gate row's baseline and drop bounds; None if not computable."""
-    base, lower, upper = row.get("baseline"), row.get("lower"), row.get("upper")
+
+def recovery_interval(c: TeamComparison) -> tuple[float, float] | None:
+    """(low, high) recovery % from a comparison's baseline score and drop bounds; None if not computable."""
+    base, lower, upper = c.baseline, c.lower, c.upper
     if base is None or lower is None or not base:
         return None
-    if higher_is_better:
+    if c.higher_is_better:
         return 100.0 * (base - upper) / base, 100.0 * (base - lower) / base
     hi_cand, lo_cand = base + upper, base + lower
     if hi_cand <= 0 or lo_cand <= 0:
@@ -23,7 +25,7 @@ def recovery_interval(row: dict, higher_is_better: bool = True) -> tuple[float, 
     return 100.0 * base / hi_cand, 100.0 * base / lo_cand
 
 
-def recovery_plot(result: dict, path: Path) -> None:
+def recovery_plot(result: GateResult, path: Path) -> None:
     """Write the PNG for a gate result (pipeline/gate.py `gate()` output) to `path`.
 
     Rows that could not be compared (evaluation errors) are drawn as a red cross at 0 with
@@ -34,21 +36,20 @@ def recovery_plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    builds = list(result["builds"])
-    teams = sorted({t for b in result["builds"].values() for t in b["teams"]})
+    builds = list(result.builds)
+    teams = sorted({t for b in result.builds.values() for t in b.teams})
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.9 * len(teams)), dpi=110)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     step = 0.8 / max(len(builds), 1)
     for bi, build in enumerate(builds):
         for ti, team in enumerate(teams):
-            row = result["builds"][build]["teams"].get(team, {})
+            c = result.builds[build].teams.get(team)
             y = ti - 0.4 + step * (bi + 0.5)
-            hib = row.get("higher_is_better", True)
-            ci = recovery_interval(row, hib)
-            if row.get("recovery_pct") is None or ci is None:
+            ci = recovery_interval(c) if c else None
+            if c is None or c.recovery_pct is None or ci is None:
                 ax.plot([0], [y], "x", color="tab:red")
                 ax.annotate(
-                    f"{build}: {row.get('verdict', '?')} (no scores)",
+                    f"{build}: {c.verdict if c else '?'} (no scores)",
                     (0, y),
                     xytext=(6, -3),
                     textcoords="offset points",
@@ -56,7 +57,7 @@ def recovery_plot(result: dict, path: Path) -> None:
                     color="tab:red",
                 )
                 continue
-            rec = row["recovery_pct"]
+            rec = c.recovery_pct
             ax.errorbar(
                 [rec],
                 [y],
@@ -66,10 +67,10 @@ def recovery_plot(result: dict, path: Path) -> None:
                 color=colors[bi % len(colors)],
                 label=build if ti == 0 else None,
             )
-            ax.annotate(row["verdict"], (ci[1], y), xytext=(4, -3), textcoords="offset points", fontsize=8)
-            base, margin = row["baseline"], row["margin"]
+            ax.annotate(c.verdict, (ci[1], y), xytext=(4, -3), textcoords="offset points", fontsize=8)
+            base, margin = c.baseline, c.margin
             if base:
-                edge = 100.0 * (base - margin) / base if hib else 100.0 * base / (base + margin)
+                edge = 100.0 * (base - margin) / base if c.higher_is_better else 100.0 * base / (base + margin)
                 ax.plot([edge, edge], [ti - 0.45, ti + 0.45], "--", color="grey", linewidth=1)
     ax.axvline(100.0, color="black", linewidth=0.8)
     ax.set_yticks(range(len(teams)), teams)

@@ -21,6 +21,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.manifest import verify_weights
 from quantgate.params import Frozen, load_block
 from quantgate.precision import RECORD as PRECISION
+from quantgate.results import SCORES, GateResult, TeamSummary, read_gate, read_scores, read_teams
 from registry import aliases, audit, store, tags, versions
 
 
@@ -31,20 +32,19 @@ class RegisterParams(Frozen):
 
 def serving_of(eval_dir: Path, build: str) -> dict:
     """Serving-stack versions recorded by the evaluate stage for `build` (empty if none)."""
-    for scores in sorted((eval_dir / build).glob("*/scores.json")):
-        doc = json.loads(scores.read_text())
-        if doc.get("serving"):
-            return doc["serving"]["versions"]
+    for path in sorted((eval_dir / build).glob(f"*/{SCORES}")):
+        if (scores := read_scores(path)).serving:
+            return scores.serving.versions
     return {}
 
 
 def register(
     models_dir: Path,
-    gate_result: dict,
+    gate_result: GateResult,
     report_md: str,
     eval_dir: Path,
     params: RegisterParams,
-    teams: dict,
+    teams: dict[str, TeamSummary],
     evidence_files: list[Path] = (),
 ) -> dict:
     """Register every build as a version with lineage and evidence; alias the baseline `fallback`.
@@ -55,8 +55,8 @@ def register(
     Raises QuantgateError if a build's weights no longer match its manifest (checked for
     every build before anything is written).
     """
-    baseline = gate_result["baseline"]
-    builds = [baseline, *gate_result["builds"]]
+    baseline = gate_result.baseline
+    builds = [baseline, *gate_result.builds]
     manifests = {b: verify_weights(models_dir / b) for b in builds}  # check all before writing anything
     client = store.client()
     exp_id = store.experiment_id(client, params.experiment)
@@ -65,15 +65,16 @@ def register(
     )
     out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}}
     for build in builds:
-        build_gate = gate_result["builds"].get(build)
+        build_gate = gate_result.builds.get(build)
         build_tags = {
             **tags.lineage_tags(manifests[build], serving_of(eval_dir, build)),
             **tags.gate_tags(build_gate, teams),
         }
         if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
             build_tags[tags.EVAL_DTYPE] = json.loads(record.read_text())["dtype"]
+        gate_evidence = {t: c.dump() for t, c in build_gate.teams.items()} if build_gate else {"baseline": build}
         build_tags[tags.EVIDENCE] = versions.evidence_digest(
-            {"gate": build_gate["teams"] if build_gate else {"baseline": build}, "teams": teams}
+            {"gate": gate_evidence, "teams": {t: s.dump() for t, s in teams.items()}}
         )
         verdict = build_tags[tags.VERDICT]
         existing = versions.find_version(client, params.model_name, build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
@@ -88,10 +89,10 @@ def register(
             print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")
             continue
         metrics = {
-            f"{team}.{k}": r[k]
-            for team, r in (build_gate or {"teams": {}})["teams"].items()
+            f"{team}.{k}": v
+            for team, c in (build_gate.teams if build_gate else {}).items()
             for k in ("baseline", "candidate", "delta")
-            if isinstance(r.get(k), (int, float))
+            if (v := getattr(c, k)) is not None
         }
         run_id, source = versions.log_build_run(
             client, exp_id, models_dir / build, build_tags, metrics, report_md, eval_dir / build, evidence_files
@@ -120,17 +121,13 @@ def main() -> None:
     for f in (gate_json, report_md, plot_png, teams_json):
         if not f.is_file():
             raise QuantgateError(f"{f} not found: run `dvc repro` (the gate and validate stages write it)")
-    try:
-        gate_result, teams = json.loads(gate_json.read_text()), json.loads(teams_json.read_text())
-    except ValueError as exc:
-        raise QuantgateError(f"{gate_json} or {teams_json} is not valid JSON ({exc}); re-run `dvc repro`") from None
     result = register(
         models_dir,
-        gate_result,
+        read_gate(gate_json),
         report_md.read_text(),
         eval_dir,
         load_block("register", RegisterParams),
-        teams,
+        read_teams(teams_json),
         [plot_png, teams_json],
     )
     out_json.write_text(json.dumps(result, indent=2) + "\n")

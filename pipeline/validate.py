@@ -10,16 +10,16 @@ counts, folder digests) that the report and the registry read.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from quantgate.errors import QuantgateError, run_main
+from quantgate.results import TeamSummary, write_teams
 from quantgate.teams import Team, load_teams, min_docs
 
 
-def summary(teams: list[Team]) -> dict:
-    """{team: {owner, contact, metric, margin, confidence, n_docs, min_docs, tasks, sha256}}.
+def summary(teams: list[Team]) -> dict[str, TeamSummary]:
+    """{team: TeamSummary} (results/teams.json).
 
     min_docs is the fewest documents with which identical builds can PASS (0/1 metrics,
     quantgate/checks.py), None for continuous metrics.
@@ -27,18 +27,18 @@ def summary(teams: list[Team]) -> dict:
     out = {}
     for t in teams:
         p = t.policy
-        out[t.name] = {
-            "owner": p.owner,
-            "contact": p.contact,
-            "metric": p.metric,
-            "higher_is_better": p.higher_is_better,
-            "margin": p.margin.model_dump(exclude_none=True),
-            "confidence": p.confidence,
-            "n_docs": sum(x.n_docs for x in t.tasks),
-            "min_docs": min_docs(p),
-            "tasks": {x.name: x.n_docs for x in t.tasks},
-            "sha256": t.digest,
-        }
+        out[t.name] = TeamSummary(
+            owner=p.owner,
+            contact=p.contact,
+            metric=p.metric,
+            higher_is_better=p.higher_is_better,
+            margin=p.margin.model_dump(exclude_none=True),
+            confidence=p.confidence,
+            n_docs=sum(x.n_docs for x in t.tasks),
+            min_docs=min_docs(p),
+            tasks={x.name: x.n_docs for x in t.tasks},
+            sha256=t.digest,
+        )
     return out
 
 
@@ -49,10 +49,9 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     teams = summary(load_teams(evals_dir))
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(teams, indent=2) + "\n")
+    write_teams(out_json, teams)
     for name, t in teams.items():
-        print(f"validate: {name}: ok, {t['n_docs']} docs, metric {t['metric']}, owner {t['owner']}")
+        print(f"validate: {name}: ok, {t.n_docs} docs, metric {t.metric}, owner {t.owner}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ quantgate canary load --url URL            replay eval prompts through the route
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -29,18 +28,13 @@ def cli() -> None:
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.gate import precision_line, table
+    from quantgate.results import read_gate
 
     if not gate_json.is_file():
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
-    try:
-        result = json.loads(gate_json.read_text(encoding="utf-8"))
-        lines = [table(result), precision_line(result)] + [
-            f"{build}: {b['verdict']}" for build, b in result["builds"].items()
-        ]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise click.ClickException(
-            f"{gate_json} is not a gate result ({type(exc).__name__}: {exc}); re-run `dvc repro gate`"
-        ) from None
+    with command_errors():
+        result = read_gate(gate_json)
+    lines = [table(result), precision_line(result)] + [f"{build}: {b.verdict}" for build, b in result.builds.items()]
     click.echo("\n".join(lines))
 
 

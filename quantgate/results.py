@@ -1,5 +1,216 @@
-"""File names under results/eval/<build>/<team>/: written by the evaluate stage, read by the gate
-stage, the CLI and the benchmarks, so no stage imports another for a name."""
+"""The documents stages hand each other under results/, as typed models, each read and written here.
+
+- results/teams.json: `TeamSummary` per team (validate writes it; register reads it).
+- results/eval/<build>/<team>/scores.json: `TeamScores` (evaluate writes it; gate and register read it).
+- results/gate.json: `GateResult` (gate writes it; register and `quantgate report` read it).
+
+Names: a *build* (fp16, fp8, int4) is judged against the *baseline* build, per *team*; one
+(build, team) judgement is a `TeamComparison` with a *verdict*. A document is dumped with the
+fields it was built or read with (exclude_unset), so the JSON keeps its shape and the registry's
+evidence digests stay the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from quantgate.errors import QuantgateError
+from quantgate.stats import Verdict
 
 SCORES = "scores.json"  # the team's status, per-sample scores and aggregates for one build
 SAMPLES = "samples.jsonl"  # lm-eval's per-sample log, one JSON object per line
+
+
+class Document(BaseModel):
+    """Base of the results documents: immutable, no unknown keys, verdicts stored as their strings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=True)
+
+    def dump(self) -> dict:
+        """The document as JSON data (lists, not tuples), with only the fields it was built or read with."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+# results/teams.json
+
+
+class TeamSummary(Document):
+    """One team of results/teams.json: its policy, document counts and eval-set digest."""
+
+    owner: str
+    contact: str
+    metric: str
+    higher_is_better: bool
+    margin: dict[str, float]  # {"absolute": points} or {"relative": percent}
+    confidence: float
+    n_docs: int
+    min_docs: int | None  # fewest docs with which identical builds can PASS (0/1 metrics), else None
+    tasks: dict[str, int]  # {task: docs}
+    sha256: str  # digest of the team folder
+
+
+_TEAMS = TypeAdapter(dict[str, TeamSummary])
+
+
+def write_teams(path: Path, teams: dict[str, TeamSummary]) -> None:
+    """Write results/teams.json ({team: TeamSummary})."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({name: t.dump() for name, t in teams.items()}, indent=2) + "\n")
+
+
+def read_teams(path: Path) -> dict[str, TeamSummary]:
+    """Read results/teams.json; raises QuantgateError if it is missing or not a team summary."""
+    return _read(path, _TEAMS, "team summary", "validate")
+
+
+# results/eval/<build>/<team>/scores.json
+
+
+class Sample(Document):
+    """One scored document: the gate pairs builds by (task, doc_id) and checks doc_hash."""
+
+    task: str
+    doc_id: int
+    doc_hash: str | None = None
+    score: float | None = None  # the team metric; the gate fails closed on None or NaN
+
+
+class TaskScore(Document):
+    """One task's aggregate: the filter scored, documents and mean score."""
+
+    filter: str
+    n: int
+    score: float
+
+
+class ServingRecord(Document):
+    """The serving config a build was scored with (part of the evaluation cache key)."""
+
+    versions: dict[str, str | None]
+    dtype: str
+    max_model_len: int
+    extra_args: list[str]
+
+
+class TeamScores(Document):
+    """results/eval/<build>/<team>/scores.json: status "ok" with per-sample scores, or "error"
+    with a one-line reason (the gate FAILs it)."""
+
+    team: str | None = None
+    build: str | None = None
+    cache_key: str | None = None
+    weights_digest: str | None = None
+    scores_digest: str | None = None
+    serving: ServingRecord | None = None
+    status: Literal["ok", "error"]
+    reason: str | None = None
+    metric: str | None = None
+    tasks: dict[str, TaskScore] = {}
+    samples: list[Sample] = []
+    elapsed_s: float | None = None
+
+
+def write_scores(folder: Path, scores: TeamScores) -> None:
+    """Write `folder`/scores.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SCORES).write_text(json.dumps(scores.dump(), indent=1) + "\n")
+
+
+def read_scores(path: Path) -> TeamScores:
+    """Read a scores.json; raises QuantgateError if it is missing or not a scores document."""
+    return _read(path, TypeAdapter(TeamScores), "scores document", "evaluate")
+
+
+# results/gate.json
+
+
+class ServedPrecision(Document):
+    """The activation precision every compared build was served at (from precision.json)."""
+
+    dtype: str
+    requested: str | None = None
+    why: str = ""
+
+
+class TeamComparison(Document):
+    """The gate's judgement of one (build, team). A comparison that could not be made (missing
+    or failed scores) has only verdict FAIL, metric and reason.
+
+    Signs: `drop` (and its bounds `lower`, `upper`) is how much worse the build is, in metric
+    units, positive = worse, whatever the metric's direction: the margin bounds it. `delta` is
+    candidate - baseline, kept for the registry's gate.<team>.delta tag and run metrics."""
+
+    verdict: Verdict
+    metric: str
+    higher_is_better: bool | None = None
+    n: int | None = None
+    baseline: float | None = None  # the baseline build's mean score
+    candidate: float | None = None  # this build's mean score
+    delta: float | None = None
+    margin: float | None = None  # in metric units
+    recovery_pct: float | None = None
+    confidence: float | None = None
+    method: str | None = None
+    drop: float | None = None
+    lower: float | None = None
+    upper: float | None = None
+    p_value: float | None = None  # one-sided p of non-inferiority
+    p_difference: float | None = None
+    n_required: int | None = None
+    discordant: tuple[int, int] | None = None
+    reason: str
+
+    @property
+    def compared(self) -> bool:
+        """True when the scores were paired and judged (the statistics fields are set)."""
+        return self.upper is not None
+
+
+class BuildGate(Document):
+    """The gate's judgement of one build: the worst team verdict, and one comparison per team."""
+
+    verdict: Verdict
+    shippable: bool
+    teams: dict[str, TeamComparison]
+
+
+class GateResult(Document):
+    """results/gate.json: every candidate build judged against the baseline build, per team."""
+
+    baseline: str
+    precision: ServedPrecision | None  # None when no build could be compared
+    builds: dict[str, BuildGate]
+
+
+def write_gate(path: Path, result: GateResult) -> None:
+    """Write results/gate.json (also DVC's metrics file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.dump(), indent=2) + "\n")
+
+
+def read_gate(path: Path) -> GateResult:
+    """Read results/gate.json; raises QuantgateError if it is missing or not a gate result."""
+    return _read(path, TypeAdapter(GateResult), "gate result", "gate")
+
+
+T = TypeVar("T")
+
+
+def _read(path: Path, adapter: TypeAdapter[T], what: str, stage: str) -> T:
+    """`path` parsed and validated by `adapter`; QuantgateError saying which stage re-writes it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QuantgateError(f"{path} not found: run `dvc repro` (the {stage} stage writes it)") from None
+    except json.JSONDecodeError as exc:
+        raise QuantgateError(f"{path}:{exc.lineno}: invalid JSON; re-run `dvc repro {stage}`") from None
+    try:
+        return adapter.validate_python(data)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(str(p) for p in e["loc"])
+        raise QuantgateError(f"{path}: not a {what} ({where}: {e['msg']}); re-run `dvc repro {stage}`") from None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from quantgate.hashing import sha256_file
 from quantgate.params import PARAMS_FILE
+from quantgate.results import BuildGate, TeamSummary
 
 VERDICT = "gate.verdict"  # version tag and run param (the run param is the verdict of record)
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -79,23 +80,23 @@ def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
     return tags
 
 
-def gate_tags(build_gate: dict | None, teams: dict) -> dict[str, str]:
-    """Per-team evidence as tags; the baseline has no gate rows and is tagged BASELINE.
+def gate_tags(build_gate: BuildGate | None, teams: dict[str, TeamSummary]) -> dict[str, str]:
+    """Per-team evidence as tags; the baseline has no gate comparisons and is tagged BASELINE.
 
     `teams` is the validate stage's summary (results/teams.json): each team's eval-set
     digest is recorded on every version, so a verdict names the exact set it was made on.
     """
-    tags = {team_tag(team, "team_sha256"): t["sha256"] for team, t in teams.items()}
+    tags = {team_tag(team, "team_sha256"): t.sha256 for team, t in teams.items()}
     if build_gate is None:
         return {**tags, VERDICT: BASELINE}
-    tags[VERDICT] = build_gate["verdict"]
-    for team, r in build_gate["teams"].items():
-        tags[team_tag(team, "verdict")] = r["verdict"]
-        tags[team_tag(team, "metric")] = r["metric"]
-        if "delta" in r:
-            tags[team_tag(team, "delta")] = f"{r['delta']:+.4f}"
-            tags[team_tag(team, "ci")] = f"[{r['lower']:+.4f}, {r['upper']:+.4f}]"
-            tags[team_tag(team, "recovery_pct")] = f"{r['recovery_pct']:.2f}" if r["recovery_pct"] is not None else "-"
+    tags[VERDICT] = build_gate.verdict
+    for team, c in build_gate.teams.items():
+        tags[team_tag(team, "verdict")] = c.verdict
+        tags[team_tag(team, "metric")] = c.metric
+        if c.delta is not None:
+            tags[team_tag(team, "delta")] = f"{c.delta:+.4f}"
+            tags[team_tag(team, "ci")] = f"[{c.lower:+.4f}, {c.upper:+.4f}]"
+            tags[team_tag(team, "recovery_pct")] = f"{c.recovery_pct:.2f}" if c.recovery_pct is not None else "-"
         else:
-            tags[team_tag(team, "reason")] = r["reason"][:500]
+            tags[team_tag(team, "reason")] = c.reason[:500]
     return tags

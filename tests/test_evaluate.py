@@ -31,11 +31,11 @@ def test_run_team_scores_every_document_of_every_task(lm, example_evals, team, m
     t = next(t for t in load_teams(example_evals) if t.name == team)
     doc, raw = run_team(lm, t, HarnessParams(limit=3))
     assert built == [{"include_defaults": False}]  # lm-eval's ~14,700 built-in tasks are not indexed
-    [(task, summary)] = doc["tasks"].items()
-    assert task == t.tasks[0].name and summary["n"] == 3 and doc["status"] == "ok"
-    scores = [s["score"] for s in doc["samples"]]
-    assert [s["doc_id"] for s in doc["samples"]] == [0, 1, 2] and set(scores) <= {0.0, 1.0}
-    assert summary["score"] == pytest.approx(sum(scores) / 3) and doc["metric"] == t.policy.metric
+    [(task, summary)] = doc.tasks.items()
+    assert task == t.tasks[0].name and summary.n == 3 and doc.status == "ok"
+    scores = [s.score for s in doc.samples]
+    assert [s.doc_id for s in doc.samples] == [0, 1, 2] and set(scores) <= {0.0, 1.0}
+    assert summary.score == pytest.approx(sum(scores) / 3) and doc.metric == t.policy.metric
     assert len(raw) >= 3 and all(r["task"] == task for r in raw)
 
 
@@ -85,7 +85,7 @@ def test_arc_format_team_scores(lm, tmp_path):
     lines = data.read_text().splitlines()
     data.write_text("".join(line + "\n" for n, line in enumerate(lines, 1) if n not in (17, 41)))
     doc, _ = run_team(lm, load_team(tmp_path / "evals" / "arcteam"), HarnessParams(limit=3))
-    assert doc["status"] == "ok" and doc["tasks"]["arc_easy_local"]["n"] == 3
+    assert doc.status == "ok" and doc.tasks["arc_easy_local"].n == 3
 
 
 def test_cache_key_follows_what_changes_scores_not_the_gate_policy(example_evals):

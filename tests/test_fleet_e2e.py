@@ -142,6 +142,7 @@ def fleet(project, tmp_path_factory):
     from canary.fleet import ServingFleet
     from pipeline.register import RegisterParams, register
     from quantgate.params import load_block
+    from quantgate.results import BuildGate, GateResult, TeamComparison, read_teams
     from quantgate.serving import ServeParams
     from registry import approval, store
 
@@ -151,14 +152,18 @@ def fleet(project, tmp_path_factory):
     client = store.client(uri)
     os.environ["MLFLOW_TRACKING_URI"] = uri
     permute_embeddings(project / "models/fp16", project / "models/broken")
-    gate_row = {"verdict": "FAIL", "metric": "acc", "reason": "deliberately broken test build, never evaluated"}
+    search = TeamComparison(verdict="FAIL", metric="acc", reason="deliberately broken test build, never evaluated")
     out = register(
         project / "models",
-        {"baseline": "fp16", "builds": {"broken": {"verdict": "FAIL", "teams": {"search": gate_row}}}},
+        GateResult(
+            baseline="fp16",
+            precision=None,
+            builds={"broken": BuildGate(verdict="FAIL", shippable=False, teams={"search": search})},
+        ),
         "# broken test build",
         project / "results/eval",
         load_block("register", RegisterParams),
-        json.loads((project / "results/teams.json").read_text()),
+        read_teams(project / "results/teams.json"),
     )
     reg = json.loads((project / "results/registry.json").read_text())["builds"]
     v = {

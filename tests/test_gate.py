@@ -7,6 +7,7 @@ import pytest
 
 from pipeline.gate import GateParams, gate, load_params, report
 from quantgate.errors import QuantgateError
+from quantgate.results import TeamComparison, read_gate, write_gate
 from quantgate.teams import load_teams
 from tests.conftest import REPO, write_scores
 
@@ -19,7 +20,7 @@ def teams(example_evals):
 
 
 def row(result, build="int4", team="search"):
-    return result["builds"][build]["teams"][team]
+    return result.builds[build].teams[team]
 
 
 def test_identical_large_set_passes(tmp_path, teams):
@@ -27,27 +28,27 @@ def test_identical_large_set_passes(tmp_path, teams):
     write_scores(tmp_path, "fp16", "search", scores)
     write_scores(tmp_path, "int4", "search", scores)
     r = row(gate(tmp_path, teams, PARAMS))
-    assert r["verdict"] == "PASS"
-    assert r["n"] == 200 and r["delta"] == 0.0 and r["recovery_pct"] == 100.0
-    assert r["upper"] == pytest.approx(2.7055 / (200 + 2.7055), rel=1e-3)
+    assert r.verdict == "PASS"
+    assert r.n == 200 and r.drop == 0.0 and r.recovery_pct == 100.0
+    assert r.upper == pytest.approx(2.7055 / (200 + 2.7055), rel=1e-3)
 
 
 def test_clear_drop_fails(tmp_path, teams):
     write_scores(tmp_path, "fp16", "search", [1.0] * 100)
     write_scores(tmp_path, "int4", "search", [1.0] * 70 + [0.0] * 30)
     result = gate(tmp_path, teams, PARAMS)
-    assert row(result)["verdict"] == "FAIL"
-    assert row(result)["delta"] == pytest.approx(-0.30)
-    assert result["builds"]["int4"]["shippable"] is False
+    assert row(result).verdict == "FAIL"
+    assert row(result).drop == pytest.approx(0.30)
+    assert result.builds["int4"].shippable is False
 
 
 def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
     write_scores(tmp_path, "fp16", "search", [1.0, 0.0] * 5)
     write_scores(tmp_path, "int4", "search", [1.0, 0.0] * 5)
     r = row(gate(tmp_path, teams, PARAMS))
-    assert r["verdict"] == "INCONCLUSIVE"
-    assert r["n_required"] == 52  # z^2 (1 - m) / m for b = c = 0, m = 0.05
-    assert "52 docs" in r["reason"]
+    assert r.verdict == "INCONCLUSIVE"
+    assert r.n_required == 52  # z^2 (1 - m) / m for b = c = 0, m = 0.05
+    assert "52 docs" in r.reason
 
 
 @pytest.mark.parametrize(
@@ -71,8 +72,8 @@ def test_fails_closed_with_reason(tmp_path, teams, case, expected):
     elif case == "nan":
         write_scores(tmp_path, "int4", "search", [1.0] * 9 + [float("nan")])
     r = row(gate(tmp_path, teams, PARAMS))
-    assert r["verdict"] == "FAIL"
-    assert expected in r["reason"]
+    assert r.verdict == "FAIL" and list(r.dump()) == ["verdict", "metric", "reason"]
+    assert expected in r.reason
 
 
 def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_evals):
@@ -81,27 +82,37 @@ def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_
         write_scores(tmp_path, "fp16", t.name, [1.0, 0.0] * 100)
         write_scores(tmp_path, "int4", t.name, [1.0, 0.0] * 100 if t.name != "billing" else [0.0] * 200)
     result = gate(tmp_path, teams, PARAMS)
-    assert {k: v["verdict"] for k, v in result["builds"]["int4"]["teams"].items()} == {
+    assert {k: v.verdict for k, v in result.builds["int4"].teams.items()} == {
         "billing": "FAIL",
         "search": "PASS",
         "support": "PASS",
     }
-    assert result["builds"]["int4"]["verdict"] == "FAIL"
+    assert result.builds["int4"].verdict == "FAIL"
     md = report(result)
     assert "| int4 | billing | exact_match | 200 |" in md
     assert "int4 / billing: FAIL" in md
-    json.dumps(result)  # the metrics file must serialise
+    write_gate(tmp_path / "gate.json", result)  # the metrics file: read back as written, same keys as ever
+    on_disk = json.loads((tmp_path / "gate.json").read_text())
+    assert read_gate(tmp_path / "gate.json") == result and result.dump() == on_disk  # registry evidence digests
+    assert list(on_disk) == ["baseline", "precision", "builds"]
+    assert list(on_disk["builds"]["int4"]) == ["verdict", "shippable", "teams"]
+    assert list(on_disk["builds"]["int4"]["teams"]["billing"]) == [
+        *("verdict", "metric", "higher_is_better", "n", "baseline", "candidate", "delta", "margin", "recovery_pct"),
+        *("confidence", "method", "drop", "lower", "upper", "p_value", "p_difference", "n_required", "discordant"),
+        "reason",
+    ]
 
 
 def test_recovery_interval_maps_drop_bounds():
     from pipeline.plot import recovery_interval
 
-    row_ = {"baseline": 0.8, "lower": -0.02, "upper": 0.04}
-    assert recovery_interval(row_) == pytest.approx((95.0, 102.5))
-    assert recovery_interval({**row_, "baseline": 2.0}, higher_is_better=False) == pytest.approx(
-        (100 * 2 / 2.04, 100 * 2 / 1.98)
+    c = TeamComparison(
+        verdict="PASS", metric="acc", higher_is_better=True, baseline=0.8, lower=-0.02, upper=0.04, reason=""
     )
-    assert recovery_interval({"verdict": "FAIL", "reason": "no results"}) is None
+    assert recovery_interval(c) == pytest.approx((95.0, 102.5))
+    lower_is_better = c.model_copy(update={"baseline": 2.0, "higher_is_better": False})
+    assert recovery_interval(lower_is_better) == pytest.approx((100 * 2 / 2.04, 100 * 2 / 1.98))
+    assert recovery_interval(TeamComparison(verdict="FAIL", metric="acc", reason="no results")) is None
 
 
 def test_plot_and_report_written_for_pass_and_missing_build(tmp_path, teams):
@@ -110,7 +121,7 @@ def test_plot_and_report_written_for_pass_and_missing_build(tmp_path, teams):
     write_scores(tmp_path, "fp16", "search", [1.0, 0.0] * 100)
     write_scores(tmp_path, "int4", "search", [1.0, 0.0] * 100)
     result = gate(tmp_path, teams, GateParams(baseline="fp16", candidates=["int4", "fp8"], bootstrap_resamples=1000))
-    assert row(result, "fp8")["verdict"] == "FAIL" and "missing" in row(result, "fp8")["reason"]
+    assert row(result, "fp8").verdict == "FAIL" and "missing" in row(result, "fp8").reason
     png = tmp_path / "out" / "gate_recovery.png"
     recovery_plot(result, png)
     data = png.read_bytes()
@@ -123,16 +134,16 @@ def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_
     write_scores(tmp_path, "fp16", "search", scores)
     write_scores(tmp_path, "int4", "search", scores)
     result = gate(tmp_path, teams, PARAMS)
-    assert row(result)["verdict"] == "PASS"
-    assert result["precision"] == {"dtype": "float32", "requested": "auto", "why": "auto: test"}
+    assert row(result).verdict == "PASS"
+    assert result.precision.dump() == {"dtype": "float32", "requested": "auto", "why": "auto: test"}
     assert "Served precision: **float32** for every build (auto: test)." in report(result)
     (tmp_path / "int4" / "precision.json").write_text(json.dumps({"dtype": "bfloat16", "requested": "auto"}))
     r = row(gate(tmp_path, teams, PARAMS))
-    assert r["verdict"] == "FAIL"
-    assert r["reason"].startswith("fp16 was evaluated at float32 and int4 at bfloat16: the gate compares builds at one")
+    assert r.verdict == "FAIL"
+    assert r.reason.startswith("fp16 was evaluated at float32 and int4 at bfloat16: the gate compares builds at one")
     (tmp_path / "int4" / "precision.json").unlink()
     r = row(gate(tmp_path, teams, PARAMS))
-    assert r["verdict"] == "FAIL" and r["reason"].startswith("no precision record for build int4")
+    assert r.verdict == "FAIL" and r.reason.startswith("no precision record for build int4")
 
 
 def test_the_builds_of_a_run_are_listed_once_in_params_yaml():
@@ -184,3 +195,20 @@ def test_builds_and_quantize_blocks_must_agree(tmp_path, builds, quantize, expec
     params.write_text(f"builds: {builds}\nquantize: {quantize}\n")
     with pytest.raises(QuantgateError, match=re.escape(expected)):
         load_builds(params)
+
+
+def test_results_documents_refuse_what_they_cannot_read(tmp_path):
+    from quantgate.results import read_scores
+
+    path = tmp_path / "gate.json"
+    with pytest.raises(QuantgateError, match=r"gate.json not found: run `dvc repro` \(the gate stage writes it\)"):
+        read_gate(path)
+    path.write_text('{"baseline": "fp16",\n')
+    with pytest.raises(QuantgateError, match=r"gate.json:2: invalid JSON; re-run `dvc repro gate`"):
+        read_gate(path)
+    path.write_text('{"baseline": "fp16", "precision": null, "builds": {"int4": {"verdict": "MAYBE"}}}')
+    with pytest.raises(QuantgateError, match=r"gate.json: not a gate result \(builds.int4.verdict: "):
+        read_gate(path)
+    (tmp_path / "scores.json").write_text('{"status": "ok", "samples": [{"task": "t", "doc_id": 0, "scor": 1}]}')
+    with pytest.raises(QuantgateError, match=r"not a scores document \(samples.0.scor: Extra inputs"):
+        read_scores(tmp_path / "scores.json")

@@ -6,30 +6,48 @@ import pytest
 
 from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
+from quantgate.results import BuildGate, GateResult, TeamComparison, TeamSummary
 from registry import store
 from tests.tiny import tiny_llama_dir
 
 
-def gate_result(verdicts: dict[str, str]) -> dict:
-    rows = {
-        "search": {
-            "verdict": "PASS",
-            "metric": "acc",
-            "delta": 0.0,
-            "lower": -0.01,
-            "upper": 0.02,
-            "recovery_pct": 100.0,
-            "baseline": 0.9,
-            "candidate": 0.9,
-        }
-    }
-    return {
-        "baseline": "fp16",
-        "builds": {
-            b: {"verdict": v, "shippable": v == "PASS", "teams": {"search": {**rows["search"], "verdict": v}}}
-            for b, v in verdicts.items()
+def gate_result(verdicts: dict[str, str]) -> GateResult:
+    def search(verdict: str) -> TeamComparison:
+        return TeamComparison(
+            verdict=verdict,
+            metric="acc",
+            delta=0.0,
+            lower=-0.01,
+            upper=0.02,
+            recovery_pct=100.0,
+            baseline=0.9,
+            candidate=0.9,
+            reason="test",
+        )
+
+    return GateResult(
+        baseline="fp16",
+        precision=None,
+        builds={
+            b: BuildGate(verdict=v, shippable=v == "PASS", teams={"search": search(v)}) for b, v in verdicts.items()
         },
-    }
+    )
+
+
+def team_summary(sha256: str) -> TeamSummary:
+    """A results/teams.json entry for team `search` with eval-set digest `sha256`."""
+    return TeamSummary(
+        owner="Search",
+        contact="search@example.com",
+        metric="acc",
+        higher_is_better=True,
+        margin={"absolute": 0.05},
+        confidence=0.95,
+        n_docs=200,
+        min_docs=56,
+        tasks={"search_qa": 200},
+        sha256=sha256,
+    )
 
 
 @pytest.fixture
@@ -46,7 +64,7 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-TEAMS = {"search": {"sha256": "ab" * 32}}
+TEAMS = {"search": team_summary("ab" * 32)}
 
 
 def test_registers_every_build_with_its_verdict_and_evidence(workdir):

@@ -29,7 +29,7 @@ from registry import aliases, approval, audit, lock, store
 from registry.status import status_lines
 from registry.verify import verify_version
 from tests import registry_race
-from tests.test_register import gate_result
+from tests.test_register import gate_result, team_summary
 
 SERVER_START_S = 180  # a cold `mlflow server` takes ~20 s on a busy 2-core machine
 
@@ -171,7 +171,7 @@ def backend(request, mlflow_server, forkserver, tmp_path_factory) -> Backend:
     return Backend("server", mlflow_server.uri, root, mlflow_server.artifacts)
 
 
-TEAMS = {"search": {"sha256": "5e" * 32}}
+TEAMS = {"search": team_summary("5e" * 32)}
 
 
 @dataclass
@@ -216,7 +216,7 @@ def test_lineage_tags_and_fallback(reg, builds):
     mvs = {mv.tags["build"]: mv for mv in r.client.search_model_versions(f"name='{r.model}'")}
     assert set(mvs) == {"fp16", "int4", "fp8"}  # every build is a version; approval decides
     assert mvs["fp8"].tags["gate.verdict"] == "FAIL"
-    assert all(mv.tags["gate.search.team_sha256"] == TEAMS["search"]["sha256"] for mv in mvs.values())
+    assert all(mv.tags["gate.search.team_sha256"] == TEAMS["search"].sha256 for mv in mvs.values())
     for build, mv in mvs.items():
         t = mv.tags
         files = {p.name: sha256_file(p) for p in (builds / build).glob("*.safetensors")}
