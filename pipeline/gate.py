@@ -219,9 +219,11 @@ def fmt(x, spec: str = ".3f") -> str:
 
 
 def table(result: GateResult) -> str:
-    """The gate result as a markdown table (one row per build and team)."""
+    """The gate result as a markdown table (one row per build and team). One sign convention:
+    `drop` and its CI are how much worse the build is (positive = worse), as the margin bounds it."""
     lines = [
-        "| build | team | metric | n | fp16 | candidate | delta | drop CI | margin | recovery % | p (NI) | verdict |",
+        "| build | team | metric | n | fp16 | candidate | drop (+ = worse) | drop CI | margin | recovery % | p (NI) "
+        "| verdict |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for build, b in result.builds.items():
@@ -229,7 +231,7 @@ def table(result: GateResult) -> str:
             ci = f"[{c.lower:+.3f}, {c.upper:+.3f}]" if c.compared else "-"
             lines.append(
                 f"| {build} | {team} | {c.metric} | {fmt(c.n, 'd')} | {fmt(c.baseline)} | "
-                f"{fmt(c.candidate)} | {fmt(c.delta, '+.3f')} | {ci} | {fmt(c.margin)} | "
+                f"{fmt(c.candidate)} | {fmt(c.drop, '+.3f')} | {ci} | {fmt(c.margin)} | "
                 f"{fmt(c.recovery_pct, '.1f')} | {fmt(c.p_value, '.3g')} | {c.verdict} |"
             )
     return "\n".join(lines)
@@ -249,7 +251,8 @@ def report(result: GateResult, plot_name: str | None = None) -> str:
         "# quantgate gate report",
         "",
         precision_line(result),
-        f"Baseline: `{result.baseline}`. Drop = baseline - candidate (positive = worse); the CI is the "
+        f"Baseline: `{result.baseline}`. Drop = baseline - candidate (candidate - baseline for a "
+        "lower-is-better metric): positive = worse, the sign the margin bounds; the CI is the "
         "pair of one-sided bounds at each team's confidence. PASS needs the upper bound within the margin.",
         "",
     ]

@@ -89,7 +89,8 @@ def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_
     }
     assert result.builds["int4"].verdict == "FAIL"
     md = report(result)
-    assert "| int4 | billing | exact_match | 200 |" in md
+    assert "| int4 | billing | exact_match | 200 | 0.500 | 0.000 | +0.500 | [+0.442, +0.558] |" in md  # drop: + = worse
+    assert "| drop (+ = worse) | drop CI |" in md and "delta" not in md
     assert "int4 / billing: FAIL" in md
     write_gate(tmp_path / "gate.json", result)  # the metrics file: read back as written, same keys as ever
     on_disk = json.loads((tmp_path / "gate.json").read_text())
