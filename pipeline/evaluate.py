@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from quantgate.console import per_build
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
@@ -383,4 +384,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log=per_build("evaluate"))

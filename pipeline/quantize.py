@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from quantgate.console import per_build
 from quantgate.errors import QuantgateError, run_main
 from quantgate.manifest import read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
@@ -161,4 +162,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log=per_build("quantize"))
