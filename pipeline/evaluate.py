@@ -38,7 +38,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from quantgate.console import per_build
+from quantgate.console import per_build, progress
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
@@ -292,7 +292,7 @@ def evaluate(build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
-                for team, key in pending:
+                for team, key in progress(pending, desc=f"evaluate[{build}]: scoring", unit="team"):
                     base = {
                         "team": team.name,
                         "build": build,
