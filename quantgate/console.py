@@ -201,7 +201,8 @@ def log_progress(pattern: str, *, desc: str, unit: str = "it") -> Iterator[None]
     def watch(text: str) -> None:
         nonlocal bar
         for m in regex.finditer(text):
-            bar = bar or progress(desc=desc, unit=unit)
+            if bar is None:  # not `bar or ...`: a tqdm without total has no truth value
+                bar = progress(desc=desc, unit=unit)
             bar.update(int(m.group(1)) if regex.groups else 1)
 
     stage = _active

@@ -111,6 +111,15 @@ def test_log_progress_counts_matching_library_lines(in_tmp, monkeypatch, capfd):
     assert updates == [7, 7, "closed"]
 
 
+def test_log_progress_with_a_real_bar_leaves_the_stage_alone(in_tmp, capfd):
+    with console.stage_log("fake"):
+        with console.log_progress(r"Quantizing (\d+) module", desc="GPTQ"):
+            library_noise()
+            library_noise()
+    log = (in_tmp / "results/logs/fake.log").read_text()
+    assert "Quantizing 7" in log and "error" not in log.lower()
+
+
 def test_per_build_names_the_foreach_stage(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pipeline.quantize", "int4", "models/fp16", "models/int4"])
     assert console.per_build("quantize") == "quantize@int4"
