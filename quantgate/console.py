@@ -202,7 +202,7 @@ def log_progress(pattern: str, *, desc: str, unit: str = "it") -> Iterator[None]
         nonlocal bar
         for m in regex.finditer(text):
             if bar is None:  # not `bar or ...`: a tqdm without total has no truth value
-                bar = progress(desc=desc, unit=unit)
+                bar = progress(desc=desc, unit=unit, bar_format="{desc}: {n_fmt} {unit}s [{elapsed}]")
             bar.update(int(m.group(1)) if regex.groups else 1)
 
     stage = _active
