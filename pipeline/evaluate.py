@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from quantgate.console import per_build, progress
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
@@ -291,7 +292,7 @@ def evaluate(
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
-                for team, key in pending:
+                for team, key in progress(pending, desc=f"evaluate[{build}]: scoring", unit="team"):
                     scoring = time.monotonic()
                     try:
                         scores, raw = run_team(lm, team, params.harness)
@@ -380,4 +381,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log=per_build("evaluate"))

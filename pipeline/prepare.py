@@ -115,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log="prepare")

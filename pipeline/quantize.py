@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from quantgate.console import log_progress, per_build
 from quantgate.errors import QuantgateError, run_main
 from quantgate.manifest import read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
@@ -156,9 +157,10 @@ def main() -> None:
     if len(sys.argv) != 4:
         raise QuantgateError("usage: python -m pipeline.quantize BUILD SRC_DIR OUT_DIR")
     build, src, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    manifest = quantize(build, src, out, load_block(f"quantize.{build}", QuantizeParams))
+    with log_progress(r"Quantizing (\d+) module", desc=f"quantize[{build}]: GPTQ", unit="module"):
+        manifest = quantize(build, src, out, load_block(f"quantize.{build}", QuantizeParams))
     print(f"quantize[{build}]: wrote {out} (digest {manifest['weights_digest'][:12]})")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log=per_build("quantize"))

@@ -134,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log="register")

@@ -55,4 +55,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log="validate")

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 from pydantic import field_validator
 
+from quantgate.console import progress
 from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
 from quantgate.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
@@ -184,10 +185,12 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
             env=env,
             start_new_session=True,
         )
+    waiting = progress(desc=f"{name}: vLLM server starting", bar_format="{desc} {elapsed}")
     try:
         base = f"http://{params.host}:{port}"
         deadline = time.monotonic() + params.startup_timeout_s
         while True:
+            waiting.update()
             if proc.poll() is not None:
                 raise ServerStartError(
                     f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
@@ -205,8 +208,10 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
                 )
             time.sleep(HEALTH_POLL_S)
         smoke_request(base, name, model_dir, log_path)
+        waiting.close()
         yield Server(base_url=f"{base}/v1", name=name, log_path=log_path, pid=proc.pid)
     finally:
+        waiting.close()
         stop(proc)
 
 
