@@ -61,6 +61,8 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         )
         if why:
             lines.append(f"        {why}")
+        if override := t.get(tags.REGISTERED_OVERRIDE):
+            lines.append(f"        registered by {t.get(tags.REGISTERED_BY, '?')} overriding the gate: {override}")
     if left := runs.unregistered(mlflow_client, model_name):
         lines.append(
             "  not registered (gate did not PASS; to ship one anyway: quantgate register RUN_ID --override REASON):"

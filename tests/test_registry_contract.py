@@ -325,7 +325,9 @@ def test_a_build_that_did_not_pass_is_registered_only_by_override(reg, tmp_path)
     assert f"register v{mv.version} by alice" in e.line()
     with pytest.raises(QuantgateError, match=rf"is already registered as {r.model} v{mv.version}"):
         runs.register_run(r.client, run_id, "alice", "again")
-    assert not any(" run " in line for line in status_lines(r.client, r.model))  # listed with the versions now
+    lines = status_lines(r.client, r.model)
+    assert not any(" run " in line for line in lines)  # listed with the versions now
+    assert "        registered by alice overriding the gate: billing signed off on the drop" in lines
     # approving it still needs its own override
     with pytest.raises(QuantgateError, match="gate.verdict is FAIL, not PASS; approving it needs --override"):
         approval.approve(r.client, r.model, mv.version, "alice", "ship it")
