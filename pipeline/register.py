@@ -1,14 +1,15 @@
-"""Stage `register`: every build into the MLflow registry with its lineage and evidence.
+"""Stage `register`: the builds that may ship into the MLflow registry, every build's evidence into MLflow.
 
 Run by DVC: `python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG TEAMS_JSON EVAL_DIR OUT_JSON`
 (params block `register`).
 
-Every build (the 16-bit baseline and each candidate, whatever its verdict) becomes a version
-of one registered model, tagged with its lineage and gate evidence; the baseline carries
-alias `fallback`. Registering is not approving: a release manager approves a version
-(registry/approval.py), and a version whose verdict is not PASS can only be approved with a
-recorded override. Nothing is promoted here. Re-running with the same weights and evidence
-reuses the existing version.
+Every build is logged as a run (weights, gate report, per-team evidence, lineage and gate tags).
+The 16-bit baseline and each build whose gate verdict is PASS also become a version of one
+registered model, with the same tags; the baseline carries alias `fallback`. A build that did
+not PASS stays a run only, listed by `quantgate status`; a release manager who ships it anyway
+registers it with `quantgate register RUN_ID --override REASON` (registry/runs.py). Registering
+is not approving (registry/approval.py). Nothing is promoted here. Re-running with the same
+weights and evidence reuses the existing version or run.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.manifest import verify_weights
 from quantgate.params import Frozen, load_block
 from quantgate.precision import RECORD as PRECISION
-from quantgate.results import SCORES, GateResult, TeamSummary, read_gate, read_scores, read_teams
-from registry import aliases, audit, store, tags, versions
+from quantgate.results import SCORES, BuildGate, GateResult, TeamSummary, read_gate, read_scores, read_teams
+from registry import aliases, audit, runs, store, tags, versions
 
 
 class RegisterParams(Frozen):
@@ -38,6 +39,30 @@ def serving_of(eval_dir: Path, build: str) -> dict:
     return {}
 
 
+def tags_of(
+    build: str,
+    manifest: dict,
+    build_gate: BuildGate | None,
+    teams: dict[str, TeamSummary],
+    eval_dir: Path,
+    model_name: str,
+) -> dict[str, str]:
+    """The tags of a build's run (and of its version, if it gets one): lineage, gate evidence,
+    the precision it was judged at, the evidence digest and the model it was built for."""
+    build_tags = {
+        **tags.lineage_tags(manifest, serving_of(eval_dir, build)),
+        **tags.gate_tags(build_gate, teams),
+        tags.MODEL: model_name,
+    }
+    if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
+        build_tags[tags.EVAL_DTYPE] = json.loads(record.read_text())["dtype"]
+    gate_evidence = {t: c.dump() for t, c in build_gate.teams.items()} if build_gate else {"baseline": build}
+    build_tags[tags.EVIDENCE] = versions.evidence_digest(
+        {"gate": gate_evidence, "teams": {t: s.dump() for t, s in teams.items()}}
+    )
+    return build_tags
+
+
 def register(
     models_dir: Path,
     gate_result: GateResult,
@@ -47,11 +72,12 @@ def register(
     teams: dict[str, TeamSummary],
     evidence_files: list[Path] = (),
 ) -> dict:
-    """Register every build as a version with lineage and evidence; alias the baseline `fallback`.
+    """Log every build as a run; register the baseline and PASS builds as versions; alias the baseline `fallback`.
 
     `teams` is results/teams.json (per-team eval-set digests); `evidence_files` (the gate
     plot, the team summary) are logged as artifacts of every build's run beside the report.
-    Returns {"model_name", "tracking_uri", "builds": {build: {"version", "run_id", "verdict", "reused"}}}.
+    Returns {"model_name", "tracking_uri", "builds": {build: {"version", "run_id", "verdict", "reused"}},
+    "unregistered": {build: {"run_id", "verdict", "reused"}}}: the versions and the runs left unregistered.
     Raises QuantgateError if a build's weights no longer match its manifest (checked for
     every build before anything is written).
     """
@@ -63,46 +89,46 @@ def register(
     versions.ensure_registered_model(
         client, params.model_name, f"Builds of {manifests[baseline]['base_model']['id']} made by quantgate"
     )
-    out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}}
+    out = {"model_name": params.model_name, "tracking_uri": store.tracking_uri(), "builds": {}, "unregistered": {}}
     for build in builds:
         build_gate = gate_result.builds.get(build)
-        build_tags = {
-            **tags.lineage_tags(manifests[build], serving_of(eval_dir, build)),
-            **tags.gate_tags(build_gate, teams),
-        }
-        if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
-            build_tags[tags.EVAL_DTYPE] = json.loads(record.read_text())["dtype"]
-        gate_evidence = {t: c.dump() for t, c in build_gate.teams.items()} if build_gate else {"baseline": build}
-        build_tags[tags.EVIDENCE] = versions.evidence_digest(
-            {"gate": gate_evidence, "teams": {t: s.dump() for t, s in teams.items()}}
-        )
-        verdict = build_tags[tags.VERDICT]
-        existing = versions.find_version(client, params.model_name, build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
-        if existing is not None:
-            versions.record_verdict(client, existing.run_id, verdict)  # back-fills older runs
-            out["builds"][build] = {
-                "version": str(existing.version),
-                "run_id": existing.run_id,
-                "verdict": verdict,
-                "reused": True,
+        build_tags = tags_of(build, manifests[build], build_gate, teams, eval_dir, params.model_name)
+        verdict, key = build_tags[tags.VERDICT], (build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
+        existing = versions.find_version(client, params.model_name, *key)
+        ships = existing is not None or verdict in tags.PASSING  # a version already, or one to make
+        run_id = existing.run_id if existing else None
+        if not ships:
+            run_id = runs.find_run(client, exp_id, params.model_name, *key)
+        reused = run_id is not None
+        if reused:
+            versions.record_verdict(client, run_id, verdict)  # back-fills older runs
+        else:
+            metrics = {
+                f"{team}.{k}": v
+                for team, c in (build_gate.teams if build_gate else {}).items()
+                for k in ("baseline", "candidate", "delta")
+                if (v := getattr(c, k)) is not None
             }
-            print(f"register: {build}: reusing version {existing.version} (same weights and evidence)")
+            run_id, source = versions.log_build_run(
+                client, exp_id, models_dir / build, build_tags, metrics, report_md, eval_dir / build, evidence_files
+            )
+        entry = {"run_id": run_id, "verdict": verdict, "reused": reused}
+        if not ships:
+            out["unregistered"][build] = entry
+            print(
+                f"register: {build}: gate {verdict}, {'reusing ' if reused else ''}run {run_id}, not registered "
+                f"(to ship it anyway: quantgate register {run_id} --override REASON)"
+            )
             continue
-        metrics = {
-            f"{team}.{k}": v
-            for team, c in (build_gate.teams if build_gate else {}).items()
-            for k in ("baseline", "candidate", "delta")
-            if (v := getattr(c, k)) is not None
-        }
-        run_id, source = versions.log_build_run(
-            client, exp_id, models_dir / build, build_tags, metrics, report_md, eval_dir / build, evidence_files
-        )
-        mv = versions.register_version(client, params.model_name, run_id, source, build_tags, report_md)
-        out["builds"][build] = {"version": str(mv.version), "run_id": run_id, "verdict": verdict, "reused": False}
+        mv = existing or versions.register_version(client, params.model_name, run_id, source, build_tags, report_md)
+        out["builds"][build] = {"version": str(mv.version), **entry}
         print(
-            f"register: {build}: version {mv.version} of {params.model_name}, gate {verdict}"
+            f"register: {build}: "
+            + (f"reusing version {mv.version} (same weights and evidence)" if reused else f"version {mv.version}")
+            + f" of {params.model_name}, gate {verdict}"
             + ("" if verdict in tags.PASSING else " (approval needs a recorded --override)")
         )
+    runs.record_unregistered(client, params.model_name, [b["run_id"] for b in out["unregistered"].values()])
     fallback = out["builds"][baseline]["version"]
     changed = aliases.set_fallback(
         client, params.model_name, fallback, by=audit.default_user(), reason=f"register: baseline build {baseline}"

@@ -1,7 +1,8 @@
 """The `quantgate` command: parses arguments, calls pipeline/, evals/ or registry/, prints.
 
 quantgate report                 the gate table of the last `dvc repro`
-quantgate status [MODEL]         registered versions, verdicts and aliases
+quantgate status [MODEL]         registered versions, verdicts and aliases; builds left unregistered
+quantgate register RUN_ID --override REASON   register a build that did not PASS (registry/commands.py)
 quantgate evals new TEAM         scaffold a valid team folder under evals/
 quantgate evals validate [PATH]  check team eval sets without running a model
 quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
@@ -41,7 +42,8 @@ def report(gate_json: Path) -> None:
 @cli.command()
 @click.argument("model", required=False)
 def status(model: str | None) -> None:
-    """Registered versions with verdicts and aliases (MODEL defaults to params register.model_name)."""
+    """Registered versions with verdicts and aliases, then the builds left unregistered (MODEL defaults to
+    params register.model_name)."""
     from registry import store
     from registry.status import status_lines
 

@@ -1,10 +1,11 @@
 """The audit trail: one MLflow run per alias change and per approval/revocation.
 
 Runs live in experiment `quantgate-audit`. Each run's params (immutable once logged) are:
-  action (promote, rollback, set_candidate, clear_candidate, set_fallback, approve, revoke),
-  model, by, at (UTC ISO, milliseconds), reason, step (order within one action), op (one id
-  per action), and where they apply: alias, from_version, to_version ("none" = unset),
-  version (approve/revoke), override_reason, canary_run_id, approved_by (promote).
+  action (promote, rollback, set_candidate, clear_candidate, set_fallback, approve, revoke,
+  register), model, by, at (UTC ISO, milliseconds), reason, step (order within one action), op
+  (one id per action), and where they apply: alias, from_version, to_version ("none" = unset),
+  version (approve/revoke/register), override_reason, canary_run_id, approved_by (promote),
+  build_run_id (register: the build run a version was made from by override).
 Tags: mlflow.user = by, mlflow.runName = a one-line summary, quantgate.action, quantgate.model.
 
 A run is created RUNNING before the registry is changed and ends FINISHED after the change

@@ -1,5 +1,6 @@
-"""Release-manager commands: approve, revoke, promote, rollback, history (wired into `quantgate`).
+"""Release-manager commands: register, approve, revoke, promote, rollback, history (wired into `quantgate`).
 
+    quantgate register RUN_ID --override REASON [--by NAME]
     quantgate approve MODEL VERSION --reason TEXT [--by NAME] [--override REASON]
     quantgate revoke MODEL VERSION --reason TEXT [--by NAME]
     quantgate promote MODEL VERSION --expect-production VERSION|none --reason TEXT [--by NAME] [--canary-run-id ID]
@@ -58,6 +59,35 @@ _by = click.option(
     help="Who is acting (recorded).",
 )
 _reason = click.option("--reason", required=True, help="Why (recorded).")
+
+
+@click.command()
+@click.argument("run_id")
+@_by
+@click.option(
+    "--override",
+    "override_reason",
+    metavar="REASON",
+    help="Register although the build's gate.verdict is not PASS; REASON is recorded and audited.",
+)
+def register(run_id: str, by: str, override_reason: str | None) -> None:
+    """Make build run RUN_ID (from `quantgate status`) a model version; a build that did not PASS needs --override."""
+    from registry import runs, tags
+
+    with _errors():
+        mv = runs.register_run(_client(), run_id, by, override_reason)
+    override = mv.tags.get(tags.REGISTERED_OVERRIDE)
+    click.echo(
+        f"{mv.name} v{mv.version}: registered build {mv.tags[tags.BUILD]} from run {run_id}, "
+        f"gate.verdict={mv.tags[tags.VERDICT]}" + (f", overriding the gate: {override}" if override else "")
+    )
+    if override:
+        click.echo(
+            f"next: quantgate approve {mv.name} {mv.version} --reason ... --override REASON "
+            "(approving a build that did not PASS needs its own override)"
+        )
+    elif override_reason:
+        click.echo("note: the build passes its gate; --override was not needed and is not recorded")
 
 
 @click.command()
@@ -192,4 +222,4 @@ def history(model: str, at: datetime | None) -> None:
         click.echo(f"{model}: no audited changes")
 
 
-COMMANDS = [approve, revoke, promote, rollback, history]
+COMMANDS = [register, approve, revoke, promote, rollback, history]

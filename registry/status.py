@@ -1,9 +1,10 @@
-"""A registered model at a glance: versions, builds, gate verdicts, approvals, aliases."""
+"""A registered model at a glance: versions, builds, gate verdicts, approvals, aliases, and the builds
+the last register stage left unregistered (registry/runs.py)."""
 
 from __future__ import annotations
 
 from quantgate.errors import QuantgateError
-from registry import lock, tags, versions
+from registry import lock, runs, tags, versions
 from registry.approval import read_approval, verdict_problem
 
 
@@ -20,7 +21,8 @@ def _approval_cell(mv, recorded: str | None) -> tuple[str, str | None]:
 
 
 def status_lines(mlflow_client, model_name: str) -> list[str]:
-    """Lines describing every version of `model_name`, newest first, and a held lock if any.
+    """Lines describing every version of `model_name`, newest first, a held lock if any, then the
+    builds of the last register stage that are runs only, with their verdicts and run ids.
 
     Raises QuantgateError if the model is not registered (or is one of quantgate's locks).
     """
@@ -59,4 +61,17 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         )
         if why:
             lines.append(f"        {why}")
+        if override := t.get(tags.REGISTERED_OVERRIDE):
+            lines.append(f"        registered by {t.get(tags.REGISTERED_BY, '?')} overriding the gate: {override}")
+    if left := runs.unregistered(mlflow_client, model_name):
+        lines.append(
+            "  not registered (gate did not PASS; to ship one anyway: quantgate register RUN_ID --override REASON):"
+        )
+    for run in left:
+        t = run.data.tags
+        per_team = " ".join(f"{team}={verdict}" for team, verdict in tags.team_verdicts(t).items())
+        lines.append(
+            f"  -    {t.get(tags.BUILD, '?'):<6} {t.get(tags.SCHEME, '?'):<12} "
+            f"gate={run.data.params.get(tags.VERDICT, '?'):<12} run {run.info.run_id:<32} {per_team}".rstrip()
+        )
     return lines

@@ -7,6 +7,10 @@ Tags on every model version (searchable in the UI and with `search_model_version
   params_sha256, version.<library> for the pipeline stack, version.serving.<library>,
   gate.verdict, gate.<team>.{verdict,metric,delta,ci,recovery_pct,reason,team_sha256},
   eval.dtype, evidence_sha256; approval tags: registry/approval.py.
+Every build's run (in the register experiment) has the same tags plus quantgate.model; a version
+registered by override (registry/runs.py) also has registration.{by,at,override_reason}. The
+registered model has tag quantgate.unregistered_runs: the build runs the last register stage left
+unregistered (a JSON list of run ids).
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ BASELINE = "BASELINE"  # the gate verdict tag of the 16-bit build, which the gat
 PASSING = (PASS, BASELINE)  # gate verdicts that need no override to be approved
 BUILD, SCHEME, WEIGHTS = "build", "scheme", "weights_sha256"
 EVAL_DTYPE, EVIDENCE = "eval.dtype", "evidence_sha256"
+MODEL = "quantgate.model"  # on a build run: the registered model it was built for
+UNREGISTERED = "quantgate.unregistered_runs"  # registered-model tag, see the module docstring
+REGISTERED_BY, REGISTERED_AT, REGISTERED_OVERRIDE = "registration.by", "registration.at", "registration.override_reason"
 
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
 

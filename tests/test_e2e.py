@@ -85,13 +85,21 @@ def test_registry_holds_versions_with_lineage_and_fallback(project):
     name = reg["model_name"]
     versions = {mv.tags["build"]: mv for mv in client.search_model_versions(f"name='{name}'")}
     gate = json.loads((project / "results/gate.json").read_text())
-    assert set(versions) == {"fp16", "fp8", "int4"}  # every build is a version; approval decides
+    passing = {build for build, b in gate["builds"].items() if b["verdict"] == "PASS"}
+    assert set(versions) == {"fp16", *passing} == set(reg["builds"])  # only what may ship is a version
+    assert set(reg["unregistered"]) == set(gate["builds"]) - passing  # the others are runs with their evidence
+    if "int4" not in SCORED:
+        assert reg["unregistered"]["int4"]["verdict"] == "FAIL"
     teams = json.loads((project / "results/teams.json").read_text())
-    for build, mv in versions.items():
+    entries = reg["builds"] | reg["unregistered"]
+    for build, entry in entries.items():
         verdict = "BASELINE" if build == "fp16" else gate["builds"][build]["verdict"]
-        assert mv.tags["gate.verdict"] == verdict == reg["builds"][build]["verdict"]
-        assert mv.tags["gate.search.team_sha256"] == teams["search"]["sha256"]
-        artifacts = {f.path for f in client.list_artifacts(mv.run_id)}
+        run_tags = client.get_run(entry["run_id"]).data.tags
+        assert run_tags["gate.verdict"] == verdict == entry["verdict"]
+        assert run_tags["gate.search.team_sha256"] == teams["search"]["sha256"]
+        if build in versions:
+            assert versions[build].run_id == entry["run_id"] and versions[build].tags["gate.verdict"] == verdict
+        artifacts = {f.path for f in client.list_artifacts(entry["run_id"])}
         assert {"model", "gate_report.md", "gate_recovery.png", "teams.json", "evidence"} <= artifacts
     fp16 = versions["fp16"]
     manifest = json.loads((project / "models/fp16/build.json").read_text())
@@ -101,6 +109,9 @@ def test_registry_holds_versions_with_lineage_and_fallback(project):
     assert client.get_model_version_by_alias(name, "fallback").version == fp16.version
     status = run(["quantgate", "status"], project).stdout
     assert "[fallback]" in status
+    for build, entry in reg["unregistered"].items():  # below the versions, with verdict and run id
+        assert any(f" {build} " in line and f"gate={entry['verdict']} " in line for line in status.splitlines())
+        assert f"run {entry['run_id']}" in status
 
 
 def test_second_repro_does_nothing(project):

@@ -67,7 +67,7 @@ def workdir(tmp_path, monkeypatch):
 TEAMS = {"search": team_summary("ab" * 32)}
 
 
-def test_registers_every_build_with_its_verdict_and_evidence(workdir):
+def test_registers_passing_builds_and_logs_the_others_as_runs(workdir):
     params = RegisterParams(model_name="tiny", experiment="e")
     plot = workdir / "results/gate_recovery.png"
     plot.write_bytes(b"\x89PNG fake")
@@ -84,15 +84,25 @@ def test_registers_every_build_with_its_verdict_and_evidence(workdir):
     )
     client = store.client()
     versions = {mv.tags["build"]: mv for mv in client.search_model_versions("name='tiny'")}
-    assert set(versions) == {"fp16", "int4", "fp8"}
-    assert versions["fp8"].tags["gate.verdict"] == "FAIL" and out["builds"]["fp8"]["verdict"] == "FAIL"
-    assert versions["fp8"].tags["gate.search.team_sha256"] == "ab" * 32
-    artifacts = {f.path for f in client.list_artifacts(out["builds"]["fp8"]["run_id"])}
-    assert {"gate_report.md", "gate_recovery.png", "model", "evidence"} <= artifacts
+    assert set(versions) == {"fp16", "int4"} == set(out["builds"])  # the FAIL build is not a version
     assert versions["int4"].tags["gate.verdict"] == "PASS" and versions["int4"].tags["gate.search.verdict"] == "PASS"
     assert versions["fp16"].tags["gate.verdict"] == "BASELINE"
     assert client.get_model_version_by_alias("tiny", "fallback").version == versions["fp16"].version
-    # same weights and evidence again: no duplicate versions
+    # the FAIL build is a run with all its evidence, the same tags a version run gets
+    fp8 = out["unregistered"]["fp8"]
+    assert (fp8["verdict"], fp8["reused"]) == ("FAIL", False) and list(out["unregistered"]) == ["fp8"]
+    run = client.get_run(fp8["run_id"])
+    assert run.data.params["gate.verdict"] == "FAIL" and run.data.tags["gate.search.verdict"] == "FAIL"
+    assert run.data.tags["gate.search.team_sha256"] == "ab" * 32 and run.data.tags["quantgate.model"] == "tiny"
+    assert len(run.data.tags["weights_sha256"]) == 64 and run.data.tags["recipe"]
+    int4_run = client.get_run(out["builds"]["int4"]["run_id"]).data.tags
+    assert {k for k in int4_run if not k.startswith("mlflow.")} == {
+        k for k in run.data.tags if not k.startswith("mlflow.")
+    }
+    artifacts = {f.path for f in client.list_artifacts(fp8["run_id"])}
+    assert {"gate_report.md", "gate_recovery.png", "model", "evidence"} <= artifacts
+    assert client.search_model_versions(f"run_id='{fp8['run_id']}'") == []
+    # same weights and evidence again: no duplicate versions, no duplicate runs
     again = register(
         workdir / "models",
         gate_result({"int4": "PASS", "fp8": "FAIL"}),
@@ -102,7 +112,9 @@ def test_registers_every_build_with_its_verdict_and_evidence(workdir):
         TEAMS,
     )
     assert again["builds"]["int4"] == {**out["builds"]["int4"], "reused": True}
-    assert len(client.search_model_versions("name='tiny'")) == 3
+    assert again["unregistered"]["fp8"] == {**fp8, "reused": True}
+    assert len(client.search_model_versions("name='tiny'")) == 2
+    assert len(client.search_runs([client.get_experiment_by_name("e").experiment_id])) == 3
 
 
 def test_tampered_weights_refused_before_anything_is_written(workdir):

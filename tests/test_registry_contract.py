@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlflow.version
 import pytest
@@ -25,7 +26,7 @@ import pytest
 from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, sha256_file
-from registry import aliases, approval, audit, lock, store
+from registry import aliases, approval, audit, lock, runs, store
 from registry.status import status_lines
 from registry.verify import verify_version
 from tests import registry_race
@@ -184,6 +185,14 @@ class Registered:
     def version(self, build: str) -> str:
         return str(self.out["builds"][build]["version"])
 
+    def run_id(self, build: str) -> str:
+        """The run of a build the register stage left unregistered (its gate did not PASS)."""
+        return self.out["unregistered"][build]["run_id"]
+
+    def override(self, build: str, by: str = "rm", reason: str = "ship it anyway") -> str:
+        """Register an unregistered build by override, as `quantgate register RUN_ID --override`; its version."""
+        return str(runs.register_run(self.client, self.run_id(build), by, reason).version)
+
 
 @pytest.fixture
 def reg(backend, builds, monkeypatch, request):
@@ -214,11 +223,12 @@ def events(r: Registered, **match) -> list[audit.Event]:
 def test_lineage_tags_and_fallback(reg, builds):
     r = reg({"int4": "PASS", "fp8": "FAIL"})
     mvs = {mv.tags["build"]: mv for mv in r.client.search_model_versions(f"name='{r.model}'")}
-    assert set(mvs) == {"fp16", "int4", "fp8"}  # every build is a version; approval decides
-    assert mvs["fp8"].tags["gate.verdict"] == "FAIL"
-    assert all(mv.tags["gate.search.team_sha256"] == TEAMS["search"].sha256 for mv in mvs.values())
-    for build, mv in mvs.items():
-        t = mv.tags
+    assert set(mvs) == {"fp16", "int4"}  # the baseline and PASS builds are versions; fp8 FAILed: a run only
+    fp8 = r.client.get_run(r.run_id("fp8")).data
+    assert fp8.tags["gate.verdict"] == fp8.params["gate.verdict"] == "FAIL" and fp8.tags["quantgate.model"] == r.model
+    lineage = {build: mv.tags for build, mv in mvs.items()} | {"fp8": fp8.tags}  # the run has the same tags
+    assert all(t["gate.search.team_sha256"] == TEAMS["search"].sha256 for t in lineage.values())
+    for build, t in lineage.items():
         files = {p.name: sha256_file(p) for p in (builds / build).glob("*.safetensors")}
         assert files and {k: v for k, v in t.items() if k.startswith("weights_sha256.")} == {
             f"weights_sha256.{n}": d for n, d in files.items()
@@ -249,7 +259,7 @@ def test_lineage_tags_and_fallback(reg, builds):
 
 def test_approval_refused_for_fail_then_override_recorded(reg):
     r = reg({"int4": "PASS", "fp8": "FAIL"})
-    v = r.version("fp8")
+    v = r.override("fp8")  # registering it by override is not approving it
     with pytest.raises(
         QuantgateError, match=rf"{r.model} v{v}: gate.verdict is FAIL, not PASS; approving it needs --override"
     ):
@@ -278,15 +288,74 @@ def test_approval_refused_for_fail_then_override_recorded(reg):
     # revoke: not approved any more, audited, promotion refused
     assert approval.revoke(r.client, r.model, v, "bob", "bad outputs").state == "revoked"
     assert "approval.override_reason" not in r.client.get_model_version(r.model, v).tags
-    assert [e.action for e in events(r, version=v)] == ["approve", "approve", "revoke"]
+    assert [e.action for e in events(r, version=v)] == ["register", "approve", "approve", "revoke"]
     with pytest.raises(QuantgateError, match=rf"v{v} is not approved for serving: revoked by bob"):
         aliases.promote(r.client, r.model, v, None, "alice", "go")
+
+
+def test_a_build_that_did_not_pass_is_registered_only_by_override(reg, tmp_path):
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    run_id = r.run_id("fp8")
+    assert r.client.search_model_versions(f"run_id='{run_id}'") == []
+    lines = status_lines(r.client, r.model)
+    assert "quantgate register RUN_ID --override REASON" in lines[-2]
+    assert re.fullmatch(rf"  -    fp8    FP8          gate=FAIL         run {run_id} search=FAIL", lines[-1])
+    with pytest.raises(
+        QuantgateError,
+        match=rf"run {run_id} \(build fp8 of {r.model}\): gate.verdict is FAIL, not PASS, so it was not registered; "
+        rf"to ship it anyway: quantgate register {run_id} --override REASON",
+    ):
+        runs.register_run(r.client, run_id, "alice", None)
+    with pytest.raises(QuantgateError, match="run 'nope' does not exist in this registry"):
+        runs.register_run(r.client, "nope", "alice", "x")
+    audit_run = audit.begin(r.client, r.model, action="approve", by="x", reason="x", at=audit.utc_now(), op="o")
+    with pytest.raises(QuantgateError, match=f"run {audit_run} is not a quantgate build run"):
+        runs.register_run(r.client, audit_run, "alice", "x")
+    with pytest.raises(QuantgateError, match=rf"run {r.out['builds']['int4']['run_id']} \(build int4\) is already "):
+        runs.register_run(r.client, r.out["builds"]["int4"]["run_id"], "alice", "x")
+    assert len(r.client.search_model_versions(f"name='{r.model}'")) == 2 and events(r, action="register") == []
+    mv = runs.register_run(r.client, run_id, "alice", "billing signed off on the drop")
+    t = mv.tags
+    assert (mv.run_id, t["build"], t["gate.verdict"], t["registration.by"]) == (run_id, "fp8", "FAIL", "alice")
+    assert t["registration.override_reason"] == "billing signed off on the drop" and "mlflow.user" not in t
+    assert t["weights_sha256"] == r.client.get_run(run_id).data.tags["weights_sha256"]
+    assert verify_version(r.client, r.model, mv.version, tmp_path / "v").is_dir()
+    [e] = events(r, action="register")
+    assert (e.version, e.by, e.override_reason) == (str(mv.version), "alice", "billing signed off on the drop")
+    assert f"register v{mv.version} by alice" in e.line()
+    with pytest.raises(QuantgateError, match=rf"is already registered as {r.model} v{mv.version}"):
+        runs.register_run(r.client, run_id, "alice", "again")
+    lines = status_lines(r.client, r.model)
+    assert not any(" run " in line for line in lines)  # listed with the versions now
+    assert "        registered by alice overriding the gate: billing signed off on the drop" in lines
+    # approving it still needs its own override
+    with pytest.raises(QuantgateError, match="gate.verdict is FAIL, not PASS; approving it needs --override"):
+        approval.approve(r.client, r.model, mv.version, "alice", "ship it")
+    # dvc repro again with the same evidence: the registered build's version is reused, nothing left unregistered
+    again = reg({"int4": "PASS", "fp8": "FAIL"})
+    assert again.out["builds"]["fp8"] == {
+        "version": str(mv.version),
+        "run_id": run_id,
+        "verdict": "FAIL",
+        "reused": True,
+    }
+    assert again.out["unregistered"] == {} and len(r.client.search_model_versions(f"name='{r.model}'")) == 3
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_register_by_override_verifies_the_run_weights_first(reg, builds):
+    r = reg({"int4": "FAIL"})
+    stored = r.backend.artifact_file(r.client, SimpleNamespace(run_id=r.run_id("int4")), SHARD2)
+    stored.write_bytes(stored.read_bytes()[:-8] + b"\x00" * 8)
+    with pytest.raises(QuantgateError, match=rf"run {r.run_id('int4')}: model/{SHARD2} .*refusing to register it"):
+        r.override("int4")
+    assert len(r.client.search_model_versions(f"name='{r.model}'")) == 1 and events(r, action="register") == []
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
 def test_ui_approval_of_fail_version_without_override_reads_not_approved(reg):
     r = reg({"int4": "PASS", "fp8": "FAIL"})
-    v = r.version("fp8")
+    v = r.override("fp8")
     for key, value in {"approval": "approved", "approval.by": "carol", "approval.reason": "looks fine"}.items():
         r.client.set_model_version_tag(r.model, v, key, value)  # what a release manager does in the UI
     a = approval.approval_of(r.client, r.model, v)
@@ -315,7 +384,7 @@ def test_gate_verdict_tag_edited_in_the_ui_does_not_count(reg):
     from registry import versions
 
     r = reg({"int4": "PASS", "fp8": "FAIL"})
-    v = r.version("fp8")
+    v = r.override("fp8")
     mv = r.client.get_model_version(r.model, v)
     assert versions.recorded_verdict(r.client, mv) == "FAIL"  # the run's param, written at registration
     r.client.set_model_version_tag(r.model, v, "gate.verdict", "PASS")  # someone "fixes" the verdict in the UI
@@ -357,8 +426,9 @@ def test_register_back_fills_and_never_changes_the_recorded_verdict(reg):
     # a version registered before the param existed has only its tag, read as before
     tags = {"gate.verdict": "PASS", "approval": "approved", "approval.by": "a", "approval.reason": "r"}
     assert approval.read_approval(tags, None).approved and not approval.read_approval(tags, "FAIL").approved
-    again = reg({"int4": "PASS", "fp8": "FAIL"})  # dvc repro again: versions reused, verdicts unchanged
-    assert again.out["builds"]["fp8"]["reused"] and again.version("fp8") == r.version("fp8")
+    again = reg({"int4": "PASS", "fp8": "FAIL"})  # dvc repro again: versions and runs reused, verdicts unchanged
+    assert again.out["unregistered"]["fp8"]["reused"] and again.run_id("fp8") == r.run_id("fp8")
+    assert again.out["builds"]["int4"]["reused"] and again.version("int4") == r.version("int4")
 
 
 def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
@@ -566,12 +636,21 @@ def test_rollback_target_must_be_previous_or_fallback():
 def test_commands_print_errors_without_traceback(reg):
     from click.testing import CliRunner
 
-    from registry.commands import COMMANDS, approve, history, promote, revoke, rollback
+    from registry.commands import COMMANDS, approve, history, promote, register, revoke, rollback
 
-    assert [c.name for c in COMMANDS] == ["approve", "revoke", "promote", "rollback", "history"]
+    assert [c.name for c in COMMANDS] == ["register", "approve", "revoke", "promote", "rollback", "history"]
     r = reg({"int4": "PASS", "fp8": "FAIL"})
-    bad, good = r.version("fp8"), r.version("int4")
     runner = CliRunner()
+    for args, message in (
+        ([r.run_id("fp8")], "gate.verdict is FAIL, not PASS, so it was not registered; to ship it anyway: quantgate"),
+        (["0" * 32, "--override", "x"], f"run '{'0' * 32}' does not exist in this registry"),
+    ):
+        res = runner.invoke(register, [*args, "--by", "alice"])
+        assert res.exit_code == 1 and message in res.output and len(res.output.splitlines()) == 1
+    res = runner.invoke(register, [r.run_id("fp8"), "--by", "alice", "--override", "billing accepts the drop"])
+    assert res.exit_code == 0 and f"registered build fp8 from run {r.run_id('fp8')}, gate.verdict=FAIL" in res.output
+    bad, good = re.search(rf"{r.model} v(\d+): registered", res.output).group(1), r.version("int4")
+    assert f"next: quantgate approve {r.model} {bad} --reason ... --override REASON" in res.output
     res = runner.invoke(approve, [r.model, bad, "--by", "alice", "--reason", "x"])
     assert res.exit_code == 1 and "Error: " in res.output and "needs --override REASON" in res.output
     assert "Traceback" not in res.output and res.exception.__class__ is SystemExit
