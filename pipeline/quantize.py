@@ -1,14 +1,17 @@
-"""Stage `quantize@<build>`: one quantized build with llm-compressor `oneshot`.
+"""Stage `quantize@<build>`: one quantized build, made by llm-compressor `oneshot` from a recipe YAML.
 
 Run by DVC: `python -m pipeline.quantize BUILD SRC_DIR OUT_DIR` (params block `quantize.<BUILD>`).
 
-Schemes: FP8_DYNAMIC (no calibration) and W4A16 (4-bit weights in groups, 16-bit
-activations) with GPTQ on calibration text (default) or RTN (round-to-nearest). lm_head stays 16-bit.
-Output: compressed-tensors safetensors that vLLM loads unchanged, plus build.json.
+The recipe is a file under recipes/ in llm-compressor's own format (`<name>_stage: <group>_modifiers:
+<Modifier>: {args}`), checked with llm-compressor's parser before the model loads. Recipes whose
+modifiers need data (GPTQ, AWQ, SmoothQuant, imatrix observers) get the calibration stage's
+conversations (results/calibration.jsonl). Output: compressed-tensors safetensors that vLLM loads
+unchanged, plus build.json, whose recipe record holds the recipe file's sha256 (the build's lineage).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import sys
@@ -21,23 +24,69 @@ from pydantic import Field
 
 from quantgate.console import log_progress, per_build
 from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import sha256_file
 from quantgate.manifest import read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
 
+CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
+
+
+class Calibration(Frozen):
+    samples: int = Field(default=256, gt=0)  # conversations from the calibrate stage
+    seq_len: int = Field(default=512, gt=0)  # tokens per sample; longer ones are truncated
+    pipeline: Literal["basic", "sequential"] = "sequential"  # sequential: layer by layer, on quantized inputs
+
 
 class QuantizeParams(Frozen):
-    scheme: Literal["FP8_DYNAMIC", "W4A16"]
-    algorithm: Literal["rtn", "gptq"] = "rtn"
-    group_size: int | None = Field(default=None, gt=0)  # W4A16 only: weights per quantization group
-    symmetric: bool = True
-    dampening_frac: float = Field(default=0.01, gt=0, lt=1)
-    calibration_samples: int = Field(default=32, gt=0)
-    calibration_seq_len: int = Field(default=256, gt=0)  # tokens
-    calibration_pipeline: Literal["basic", "sequential"] = "basic"
-    ignore: list[str] = ["lm_head"]
+    recipe: str  # llm-compressor recipe YAML, e.g. recipes/int4.yaml
+    calibration: Calibration | None = None  # required when the recipe needs data
 
 
-def check_group_size(model, group_size: int, ignore: list[str]) -> None:
+def load_recipe(build: str, path: Path):
+    """Parse the recipe YAML at `path` with llm-compressor (llmcompressor.recipe.Recipe).
+
+    Returns the Recipe. Raises QuantgateError in one line naming the file (quantize.<build>.recipe) when
+    it is missing, not YAML, names an unknown modifier, gives a modifier a bad argument, or has none.
+    """
+    from llmcompressor.recipe import Recipe
+    from pydantic import ValidationError
+
+    where = f"{path} (quantize.{build}.recipe)"
+    if not path.is_file():
+        raise QuantgateError(f"{where}: recipe file not found; add it under recipes/ or fix the path")
+    try:
+        recipe = Recipe.create_instance(str(path))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise QuantgateError(f"{where}: {exc.title}.{field}: {err['msg']} (got {err.get('input')!r})") from None
+    except Exception as exc:  # llm-compressor raises ValueError/yaml errors/TypeError for bad recipes
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QuantgateError(f"{where}: llm-compressor rejects this recipe: {first}") from None
+    if not recipe.modifiers:
+        raise QuantgateError(
+            f"{where}: no modifiers; a recipe reads `quant_stage: quant_modifiers: <Modifier>: {{...}}` "
+            "(see recipes/README.md)"
+        )
+    return recipe
+
+
+def needs_data(recipe) -> list[str]:
+    """Names of the recipe's modifiers that need calibration data (llm-compressor's requires_calibration_data)."""
+    return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]
+
+
+def weight_schemes(recipe) -> list[tuple[object, list[str]]]:
+    """(QuantizationScheme, ignore list) for every config group of the recipe's quantization modifiers."""
+    out = []
+    for m in recipe.modifiers:
+        config = getattr(m, "resolved_config", None)
+        if config is not None:
+            out += [(s, list(getattr(m, "ignore", None) or [])) for s in config.config_groups.values()]
+    return out
+
+
+def check_group_size(model, group_size: int, ignore: list[str], where: str = "quantize.*.group_size") -> None:
     """Raise QuantgateError unless `group_size` divides the input width of every quantized Linear.
 
     Names the first offending layer and lists the group sizes that would work (divisors
@@ -48,108 +97,119 @@ def check_group_size(model, group_size: int, ignore: list[str]) -> None:
     widths = {
         name: m.in_features
         for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and not any(name.endswith(i) for i in ignore)
+        if isinstance(m, torch.nn.Linear) and not any(name.endswith(i.removeprefix("re:.*")) for i in ignore)
     }
     bad = [(name, w) for name, w in widths.items() if w % group_size]
     if bad:
         g = reduce(math.gcd, widths.values())
         ok = [2**k for k in range(4, 12) if g % 2**k == 0]
         raise QuantgateError(
-            f"quantize.*.group_size={group_size} does not divide the input width {bad[0][1]} of layer "
+            f"{where}: group_size {group_size} does not divide the input width {bad[0][1]} of layer "
             f"{bad[0][0]} ({len(bad)} layers affected); use one of {ok} (gcd of widths = {g})"
         )
 
 
-def recipe(p: QuantizeParams):
-    """The llm-compressor modifier for these params."""
-    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-
-    if p.scheme == "FP8_DYNAMIC":
-        return QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=p.ignore)
-    if p.group_size is None:
-        raise QuantgateError("quantize.*.group_size is required for W4A16")
-    groups = {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "symmetric": p.symmetric,
-                "strategy": "group",
-                "group_size": p.group_size,
-            },
-        }
-    }
-    if p.algorithm == "gptq":
-        return GPTQModifier(config_groups=groups, ignore=p.ignore, dampening_frac=p.dampening_frac)
-    return QuantizationModifier(config_groups=groups, ignore=p.ignore)
+def scheme_label(config: dict) -> str:
+    """The build's scheme in the field's terms, from its saved quantization_config (config.json):
+    W4A16, W8A8, FP8_DYNAMIC, FP8, or W<bits>A<bits> otherwise; the first config group decides."""
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    group = next(iter(groups.values()), {})
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    if w.get("type") == "float" and w.get("num_bits") == 8 and a.get("type") == "float":
+        return "FP8_DYNAMIC" if a.get("dynamic") else "FP8"
+    return f"W{w.get('num_bits', 16)}A{a.get('num_bits', 16) if a else 16}"
 
 
-def calibration_dataset(tokenizer, p: QuantizeParams):
-    """Tokenized calibration set (datasets.Dataset with input_ids/attention_mask)."""
+def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE):
+    """The first `c.samples` calibration conversations of `path`, tokenized (datasets.Dataset with
+    input_ids/attention_mask, at most `c.seq_len` tokens each).
+
+    Raises QuantgateError if the file is missing or holds fewer conversations than asked for.
+    """
     from datasets import Dataset
 
-    from pipeline.calibration import texts
-
-    ds = Dataset.from_dict({"text": texts(tokenizer, p.calibration_samples)})
-    return ds.map(
-        lambda s: tokenizer(s["text"], max_length=p.calibration_seq_len, truncation=True, add_special_tokens=False),
+    if not path.is_file():
+        raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
+    texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(texts) < c.samples:
+        raise QuantgateError(
+            f"{path}: {len(texts)} calibration conversations, {c.samples} asked for (quantize.*.calibration.samples); "
+            "raise calibrate.samples or lower it"
+        )
+    return Dataset.from_dict({"text": texts[: c.samples]}).map(
+        lambda s: tokenizer(s["text"], max_length=c.seq_len, truncation=True, add_special_tokens=False),
         remove_columns=["text"],
     )
 
 
-def recipe_record(p: QuantizeParams, source_digest: str) -> dict:
-    """The `recipe` of a build's manifest (build.json): every parameter but the scheme, and the
-    sha256 digest of the 16-bit weights it was made from. Equal records = the same build recipe."""
+def recipe_record(p: QuantizeParams, recipe_path: Path, source_digest: str) -> dict:
+    """The `recipe` of a build's manifest (build.json): the recipe file and its sha256, the calibration, and
+    the sha256 digest of the 16-bit weights it was made from. Equal records = the same build recipe."""
     return {
-        "algorithm": p.algorithm,
-        **p.model_dump(exclude={"algorithm", "scheme"}),
+        "file": p.recipe,
+        "sha256": sha256_file(recipe_path),
+        "calibration": p.calibration.model_dump() if p.calibration else None,
         "source_weights_sha256": source_digest,
     }
 
 
-def quantize(build: str, src: Path, out: Path, p: QuantizeParams) -> dict:
-    """Quantize the build in `src` into `out`; return the new manifest."""
+def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_file: Path = CALIBRATION_FILE) -> dict:
+    """Quantize the build in `src` into `out` with the recipe of `p`; return the new manifest.
+
+    Calibrated recipes read their conversations from `calibration_file` (the calibrate stage's out).
+
+    Raises QuantgateError (before the model is quantized) for a bad recipe, a recipe that needs
+    calibration without a `calibration` block, or a group size that does not divide a layer.
+    """
     import torch
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.smoke import smoke_generate
 
+    recipe_path = Path(p.recipe)
+    recipe = load_recipe(build, recipe_path)
+    if (needs := needs_data(recipe)) and p.calibration is None:
+        raise QuantgateError(
+            f"quantize.{build}: {recipe_path} uses {', '.join(needs)}, which needs calibration data; add "
+            "calibration: {samples: 256, seq_len: 512} to the block"
+        )
     base = read_manifest(src)
-    # load the 16-bit build
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(src)
     # validate before spending minutes on calibration
-    if p.scheme == "W4A16":
-        check_group_size(model, p.group_size, p.ignore)
-    # apply the recipe; only calibrated algorithms get data
+    for scheme, ignore in weight_schemes(recipe):
+        if scheme.weights is not None and scheme.weights.group_size:
+            check_group_size(model, scheme.weights.group_size, ignore, f"{recipe_path} (quantize.{build}.recipe)")
     started = time.monotonic()
-    if p.algorithm == "rtn" or p.scheme == "FP8_DYNAMIC":
-        oneshot(model=model, recipe=recipe(p))
-    else:
+    if needs:
+        c = p.calibration
+        data = calibration_dataset(tokenizer, c, calibration_file)
         oneshot(
             model=model,
-            recipe=recipe(p),
-            dataset=calibration_dataset(tokenizer, p),
-            max_seq_length=p.calibration_seq_len,
-            num_calibration_samples=p.calibration_samples,
-            pipeline=p.calibration_pipeline,
+            recipe=str(recipe_path),
+            dataset=data,
+            max_seq_length=c.seq_len,
+            num_calibration_samples=c.samples,
+            pipeline=c.pipeline,
         )
-    print(f"quantize[{build}]: {p.scheme}/{p.algorithm} in {time.monotonic() - started:.1f} s", flush=True)
+    else:
+        oneshot(model=model, recipe=str(recipe_path))
+    print(f"quantize[{build}]: {recipe_path} in {time.monotonic() - started:.1f} s", flush=True)
     # smoke generation: a broken build shows here first
     print(f"quantize[{build}]: smoke answer: {smoke_generate(model, tokenizer)!r}", flush=True)
     # save compressed-tensors
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
     return write_manifest(
         out,
         build=build,
-        scheme=p.scheme,
+        scheme=scheme_label(config),
         dtype=base["dtype"],
         base_model=base["base_model"],
-        recipe=recipe_record(p, base["weights_digest"]),
+        recipe=recipe_record(p, recipe_path, base["weights_digest"]),
     )
 
 
@@ -159,7 +219,7 @@ def main() -> None:
     build, src, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     with log_progress(r"Quantizing (\d+) module", desc=f"quantize[{build}]: GPTQ", unit="module"):
         manifest = quantize(build, src, out, load_block(f"quantize.{build}", QuantizeParams))
-    print(f"quantize[{build}]: wrote {out} (digest {manifest['weights_digest'][:12]})")
+    print(f"quantize[{build}]: wrote {out}, {manifest['scheme']} (digest {manifest['weights_digest'][:12]})")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,28 @@
-"""Quantize a tiny Llama built in the test with llm-compressor: real recipes, seconds."""
+"""Quantize a tiny Llama built in the test with llm-compressor: the repo's real recipes and bad ones, seconds."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from pipeline.quantize import QuantizeParams, quantize
+from pipeline.quantize import Calibration, QuantizeParams, load_recipe, quantize, scheme_label
 from quantgate.errors import QuantgateError
 from quantgate.manifest import config_digest, read_manifest, verify_weights
 from quantgate.serving import is_w4a16
 from tests.tiny import tiny_llama_dir
+
+REPO = Path(__file__).resolve().parents[1]
+W4_G32 = """quant_stage:
+  quant_modifiers:
+    {modifier}:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          targets: [Linear]
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: {group}}}
+"""
 
 
 @pytest.fixture(scope="module")
@@ -18,37 +30,68 @@ def src(tmp_path_factory):
     return tiny_llama_dir(tmp_path_factory.mktemp("fp16"))
 
 
+@pytest.fixture
+def calibration(tmp_path):
+    path = tmp_path / "calibration.jsonl"
+    text = "user: explain this part of the python module\nassistant: the capital of france is paris " * 4
+    path.write_text("".join(json.dumps({"source": "t", "text": text, "tokens": 64}) + "\n" for _ in range(8)))
+    return path
+
+
+def recipe_file(tmp_path, text, name="recipe.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
 def quant_config(out):
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
-def test_fp8_dynamic(src, tmp_path):
+def test_fp8_dynamic_from_the_repo_recipe(src, tmp_path):
     out = tmp_path / "fp8"
-    manifest = quantize("fp8", src, out, QuantizeParams(scheme="FP8_DYNAMIC"))
+    manifest = quantize("fp8", src, out, QuantizeParams(recipe=str(REPO / "recipes/fp8.yaml")))
     qc = quant_config(out)
     group = next(iter(qc["config_groups"].values()))
     assert group["weights"]["type"] == "float" and group["weights"]["num_bits"] == 8
     assert group["input_activations"]["dynamic"] is True
     assert "lm_head" in qc["ignore"]
     assert manifest == read_manifest(out) and verify_weights(out)["build"] == "fp8"
-    assert manifest["base_model"]["id"] == "tiny-llama"
+    assert manifest["base_model"]["id"] == "tiny-llama" and manifest["scheme"] == "FP8_DYNAMIC"
+    # lineage: the recipe file and its digest
+    assert manifest["recipe"]["file"].endswith("recipes/fp8.yaml") and len(manifest["recipe"]["sha256"]) == 64
+    assert manifest["recipe"]["calibration"] is None
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert str(f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype) == "torch.float8_e4m3fn"
 
 
-@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
-def test_w4a16_groups(src, tmp_path, algorithm):
-    out = tmp_path / algorithm
-    quantize(
-        "int4",
+def test_int8_smoothquant_gptq_from_the_repo_recipe_uses_the_calibration(src, tmp_path, calibration):
+    out = tmp_path / "int8"
+    c = Calibration(samples=4, seq_len=32, pipeline="sequential")
+    manifest = quantize(
+        "int8",
         src,
         out,
-        QuantizeParams(
-            scheme="W4A16", algorithm=algorithm, group_size=32, calibration_samples=4, calibration_seq_len=32
-        ),
+        QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c),
+        calibration_file=calibration,
     )
     group = next(iter(quant_config(out)["config_groups"].values()))
+    assert group["weights"]["num_bits"] == 8 and group["weights"]["type"] == "int"
+    assert group["input_activations"]["num_bits"] == 8 and group["input_activations"]["dynamic"] is True
+    assert manifest["scheme"] == "W8A8" and manifest["recipe"]["calibration"]["samples"] == 4
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert str(f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype) == "torch.int8"
+
+
+@pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
+def test_w4a16_groups(src, tmp_path, calibration, modifier):
+    out = tmp_path / modifier
+    recipe = recipe_file(tmp_path, W4_G32.format(modifier=modifier, group=32))
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    quantize("int4", src, out, QuantizeParams(recipe=recipe, calibration=c), calibration_file=calibration)
+    group = next(iter(quant_config(out)["config_groups"].values()))
     assert group["weights"] == {**group["weights"], "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    assert read_manifest(out)["scheme"] == "W4A16"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         # packed int4: 8 values per int32, one scale per group of 32 inputs (64 -> 2 groups)
@@ -59,38 +102,95 @@ def test_w4a16_groups(src, tmp_path, algorithm):
 
 def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
     src = tiny_llama_dir(tmp_path / "src", hidden=96, intermediate=192)  # 96 is not a multiple of 64
+    recipe = recipe_file(tmp_path, W4_G32.format(modifier="QuantizationModifier", group=64))
     with pytest.raises(
-        QuantgateError, match=r"group_size=64 does not divide the input width 96 of layer .*use one of \[16, 32\]"
+        QuantgateError,
+        match=r"recipe.yaml \(quantize.int4.recipe\): group_size 64 does not divide the input width 96 of layer "
+        r".*use one of \[16, 32\]",
     ):
-        quantize("int4", src, tmp_path / "out", QuantizeParams(scheme="W4A16", group_size=64))
+        quantize("int4", src, tmp_path / "out", QuantizeParams(recipe=recipe))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "quant_stage:\n  quant_modifiers:\n    GPTQModifer: {scheme: W4A16}\n",
+            "llm-compressor rejects this recipe: No modifier of type 'GPTQModifer' found.",
+        ),
+        (
+            "quant_stage:\n  quant_modifiers:\n    GPTQModifier: {scheme: W4A16, dampening_frac: lots}\n",
+            "GPTQModifier.dampening_frac: Input should be a valid number, unable to parse string as a number (got 'lots')",
+        ),
+        ("quant_stage: [\n", "llm-compressor rejects this recipe: while parsing a flow node"),
+        ("quant_stage: {}\n", "no modifiers; a recipe reads `quant_stage: quant_modifiers:"),
+    ],
+)
+def test_bad_recipe_is_one_line_naming_the_file(tmp_path, text, message):
+    path = Path(recipe_file(tmp_path, text))
+    with pytest.raises(QuantgateError) as err:
+        load_recipe("int4", path)
+    assert str(err.value).startswith(f"{path} (quantize.int4.recipe): ") and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_recipe_or_calibration_is_refused_before_the_model_loads(src, tmp_path):
+    with pytest.raises(QuantgateError, match=r"nope.yaml \(quantize.int4.recipe\): recipe file not found"):
+        quantize("int4", src, tmp_path / "out", QuantizeParams(recipe=str(tmp_path / "nope.yaml")))
+    with pytest.raises(
+        QuantgateError,
+        match=r"quantize.int8: .*int8.yaml uses SmoothQuantModifier, GPTQModifier, which needs calibration",
+    ):
+        quantize("int8", src, tmp_path / "out", QuantizeParams(recipe=str(REPO / "recipes/int8.yaml")))
+    c = Calibration(samples=4, seq_len=32)
+    with pytest.raises(QuantgateError, match=r"missing.jsonl: no calibration conversations; run the calibrate stage"):
+        quantize(
+            "int8",
+            src,
+            tmp_path / "out",
+            QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c),
+            calibration_file=tmp_path / "missing.jsonl",
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_scheme_label_names_the_scheme_in_the_fields_terms():
+    def cfg(w, a=None):
+        return {"quantization_config": {"config_groups": {"g": {"weights": w, "input_activations": a}}}}
+
+    assert scheme_label(cfg({"num_bits": 4, "type": "int"})) == "W4A16"
+    assert scheme_label(cfg({"num_bits": 8, "type": "int"}, {"num_bits": 8, "type": "int"})) == "W8A8"
+    assert scheme_label(cfg({"num_bits": 8, "type": "float"}, {"num_bits": 8, "type": "float", "dynamic": True})) == (
+        "FP8_DYNAMIC"
+    )
 
 
 def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
     from quantgate.params import load_block
 
     params = tmp_path / "params.yaml"
-    params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    groupsize: 64\n")
+    params.write_text("quantize:\n  int4:\n    recipe: recipes/int4.yaml\n    groupsize: 64\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.int4.groupsize: Extra inputs are not permitted"):
         load_block("quantize.int4", QuantizeParams, params)
-    params.write_text("quantize:\n  int4:\n    scheme: W4A16\n    group_size: 64\n    group_size: 128\n")
+    params.write_text("quantize:\n  int4:\n    recipe: a.yaml\n    recipe: b.yaml\n")
     with pytest.raises(
-        QuantgateError, match=r"params.yaml:5: invalid YAML: duplicate key 'group_size' \(first on line 4\)"
+        QuantgateError, match=r"params.yaml:4: invalid YAML: duplicate key 'recipe' \(first on line 3\)"
     ):
         load_block("quantize.int4", QuantizeParams, params)
-    for wrong in ("true", '"64"'):  # strict: no silent coercion to group_size 1 or 64
-        params.write_text(f"quantize:\n  int4:\n    scheme: W4A16\n    group_size: {wrong}\n")
+    for wrong in ("true", '"64"'):  # strict: no silent coercion
+        params.write_text(f"quantize:\n  int4:\n    recipe: r.yaml\n    calibration: {{samples: {wrong}}}\n")
         with pytest.raises(
-            QuantgateError, match=r"params.yaml:4: quantize.int4.group_size: Input should be a valid integer"
+            QuantgateError, match=r"params.yaml:4: quantize.int4.calibration.samples: Input should be a valid integer"
         ):
             load_block("quantize.int4", QuantizeParams, params)
     # a merge key is not a duplicate, and an explicit key overrides the merged one
-    params.write_text("base: &b {scheme: W4A16, group_size: 64}\nquantize:\n  int4:\n    <<: *b\n    group_size: 128\n")
-    assert load_block("quantize.int4", QuantizeParams, params).group_size == 128
+    params.write_text("base: &b {recipe: a.yaml}\nquantize:\n  int4:\n    <<: *b\n    recipe: b.yaml\n")
+    assert load_block("quantize.int4", QuantizeParams, params).recipe == "b.yaml"
     params.write_text("quantize:\n  int4:\n")  # a block left empty, or a scalar where a block goes
     with pytest.raises(
         QuantgateError,
-        match=r"params.yaml:2: quantize.int4 must be a mapping of fields \(scheme, "
+        match=r"params.yaml:2: quantize.int4 must be a mapping of fields \(recipe, "
         r".*\); got nothing \(empty\)",
     ):
         load_block("quantize.int4", QuantizeParams, params)
@@ -107,15 +207,16 @@ def test_unknown_or_repeated_param_is_refused_with_its_line(tmp_path):
 
 
 def test_is_w4a16_recognises_the_builds_quantize_writes(src, tmp_path):
-    quantize("fp8", src, tmp_path / "fp8", QuantizeParams(scheme="FP8_DYNAMIC"))
-    quantize("int4", src, tmp_path / "int4", QuantizeParams(scheme="W4A16", algorithm="rtn", group_size=32))
+    quantize("fp8", src, tmp_path / "fp8", QuantizeParams(recipe=str(REPO / "recipes/fp8.yaml")))
+    recipe = recipe_file(tmp_path, W4_G32.format(modifier="QuantizationModifier", group=32))
+    quantize("int4", src, tmp_path / "int4", QuantizeParams(recipe=recipe))
     assert [is_w4a16(tmp_path / b) for b in ("fp8", "int4")] == [False, True]
     assert not is_w4a16(src) and not is_w4a16(tmp_path / "missing")
 
 
 def test_config_digest_follows_config_and_tokenizer_not_weights_or_manifest(src, tmp_path):
     out = tmp_path / "fp8"
-    quantize("fp8", src, out, QuantizeParams(scheme="FP8_DYNAMIC"))
+    quantize("fp8", src, out, QuantizeParams(recipe=str(REPO / "recipes/fp8.yaml")))
     first = config_digest(out)
     (out / "build.json").write_text((out / "build.json").read_text() + "\n")
     assert config_digest(out) == first  # the manifest is about the build, not what the server computes
