@@ -1,0 +1,264 @@
+"""Stage `calibrate`: chat-format calibration conversations for GPTQ, AWQ and SmoothQuant, made without downloads.
+
+Run by DVC: `python -m pipeline.calibrate MODEL_DIR EVALS_DIR OUT_JSONL` (params block `calibrate`; the
+server runs as `evaluate.serve` says, at the run's precision).
+
+The 16-bit build, served by vLLM, answers every prompt of `calibrate.prompts` (each task applied to each
+topic). The answered turns, in a seeded shuffle, are packed into multi-turn conversations of at least
+`min_tokens` tokens under the model's chat template, so calibration sees the chat traffic the model
+serves. A team may add its own conversations in `evals/<team>/calibration.jsonl` (one
+`{"messages": [...]}` per line); they come first. Neither may contain a team's eval document:
+calibrating on the data that gates the build leaks the test into the build.
+
+Output: OUT_JSONL, one `{"source", "text", "tokens"}` object per conversation (`text` with the chat
+template applied; `tokens` in the 16-bit build's tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from quantgate.errors import QuantgateError, run_main
+from quantgate.params import Frozen, load_block, parse, read_yaml
+from quantgate.serving import ServeParams, vllm_server
+from quantgate.teams import Team, load_teams
+
+TEAM_FILE = "calibration.jsonl"  # optional, in a team's folder
+MIN_OVERLAP_CHARS = 20  # shorter eval strings ("Paris", "42") occur in any text by chance
+
+
+class CalibrateParams(Frozen):
+    prompts: str = "recipes/calibration/prompts.yaml"
+    samples: int = Field(default=256, gt=0)  # conversations
+    min_tokens: int = Field(default=512, gt=0)  # per conversation, chat template included
+    max_answer_tokens: int = Field(default=320, gt=0)
+    temperature: float = Field(default=0.7, ge=0)  # > 0: varied answers, as traffic is
+    seed: int = 0
+    concurrency: int = Field(default=16, gt=0)  # requests in flight; vLLM batches them
+
+
+class PromptSet(Frozen):
+    topics: list[str] = Field(min_length=1)
+    tasks: list[str] = Field(min_length=1)
+
+    @field_validator("tasks")
+    @classmethod
+    def _has_topic(cls, tasks: list[str]) -> list[str]:
+        if bad := [t for t in tasks if "{topic}" not in t]:
+            raise ValueError(f"every task must contain {{topic}}; {bad[0]!r} does not")
+        return tasks
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def load_prompts(path: Path) -> list[str]:
+    """Every task applied to every topic of the prompt file at `path`, tasks varying fastest.
+
+    Raises QuantgateError naming the file (and field) if it is missing or malformed.
+    """
+    if not path.is_file():
+        raise QuantgateError(f"{path}: calibration prompt file not found (calibrate.prompts)")
+    spec = parse(PromptSet, read_yaml(path), str(path), path)
+    return [task.replace("{topic}", topic) for topic in spec.topics for task in spec.tasks]
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _data_files(config: dict) -> list[Path]:
+    files = (config.get("dataset_kwargs") or {}).get("data_files") or []
+    return [Path(f) for f in _strings(files)]
+
+
+def eval_strings(teams: list[Team]) -> dict[str, str]:
+    """Every string field of every team's eval documents, normalized (lower case, single spaces), mapped to
+    where it is (`<file>:<line>`). Strings under MIN_OVERLAP_CHARS characters are left out."""
+    found: dict[str, str] = {}
+    for team in teams:
+        for task in team.tasks:
+            for path in _data_files(task.config):
+                if path.suffix != ".jsonl" or not path.is_file():
+                    continue
+                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                    try:
+                        doc = json.loads(line)
+                    except ValueError:
+                        continue  # validate has refused such files already
+                    for s in _strings(doc):
+                        if len(n := _norm(s)) >= MIN_OVERLAP_CHARS:
+                            found.setdefault(n, f"{path}:{number}")
+    return found
+
+
+def overlap(text: str, strings: dict[str, str]) -> str | None:
+    """Where an eval document found in `text` lives (`<file>:<line>`), or None."""
+    norm = _norm(text)
+    return next((where for s, where in strings.items() if s in norm), None)
+
+
+def check_prompts(prompts: list[str], path: Path, strings: dict[str, str]) -> None:
+    """Raise QuantgateError if a prompt contains a team's eval document (names both places)."""
+    for prompt in prompts:
+        if where := overlap(prompt, strings):
+            raise QuantgateError(
+                f"{path}: the calibration prompt {prompt[:60]!r} contains the eval document at {where}; calibrating "
+                "on eval data leaks the test into the build: reword the topic or task"
+            )
+
+
+def team_conversations(teams: list[Team], strings: dict[str, str]) -> list[tuple[str, list[dict]]]:
+    """The conversations of every `evals/<team>/calibration.jsonl`: (source `<file>:<line>`, messages).
+
+    Raises QuantgateError naming the file and line of a malformed conversation or one that contains an eval
+    document of any team.
+    """
+    out = []
+    for team in teams:
+        path = team.path / TEAM_FILE
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                messages = json.loads(line)["messages"]
+                ok = (
+                    isinstance(messages, list)
+                    and messages
+                    and all(
+                        isinstance(m, dict)
+                        and m.get("role") in ("system", "user", "assistant")
+                        and isinstance(m.get("content"), str)
+                        for m in messages
+                    )
+                )
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise QuantgateError(
+                    f'{where}: expected {{"messages": [{{"role": "user"|"assistant"|"system", "content": "..."}}, ...]}}'
+                )
+            if found := overlap(" ".join(m["content"] for m in messages), strings):
+                raise QuantgateError(
+                    f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
+                    "eval data leaks the test into the build: remove it"
+                )
+            out.append((where, messages))
+    return out
+
+
+def answer_all(base_url: str, name: str, prompts: list[str], p: CalibrateParams) -> list[str]:
+    """The served model's answer to each prompt (same order), greedy-free at `p.temperature`, seeded per prompt.
+
+    Raises QuantgateError if a request fails (names the prompt and the server's answer).
+    """
+    import httpx
+    from tqdm import tqdm
+
+    with httpx.Client(timeout=600) as client:
+
+        def one(i: int) -> str:
+            body = {
+                "model": name,
+                "messages": [{"role": "user", "content": prompts[i]}],
+                "max_tokens": p.max_answer_tokens,
+                "temperature": p.temperature,
+                "seed": p.seed + i,
+            }
+            r = client.post(f"{base_url}/chat/completions", json=body)
+            if r.status_code != 200:
+                raise QuantgateError(f"calibrate: the server refused prompt {i + 1} ({r.status_code}): {r.text[:200]}")
+            return r.json()["choices"][0]["message"]["content"].strip()
+
+        with ThreadPoolExecutor(p.concurrency) as pool:
+            it = pool.map(one, range(len(prompts)))
+            return list(tqdm(it, total=len(prompts), desc="calibrate: answers", unit="prompt", disable=None))
+
+
+def pack(tokenizer, turns: list[tuple[str, str]], p: CalibrateParams) -> list[tuple[list[dict], int]]:
+    """(prompt, answer) turns, shuffled with `p.seed`, packed in order into conversations of at least
+    `p.min_tokens` tokens (chat template applied); returns up to `p.samples` (messages, tokens)."""
+    order = list(turns)
+    random.Random(p.seed).shuffle(order)
+    out, messages = [], []
+    for prompt, answer in order:
+        messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        tokens = len(tokenizer.apply_chat_template(messages, tokenize=True))
+        if tokens >= p.min_tokens:
+            out.append((messages, tokens))
+            messages = []
+            if len(out) == p.samples:
+                break
+    return out
+
+
+def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve: ServeParams) -> int:
+    """Write the calibration conversations to `out`; return how many.
+
+    Raises QuantgateError (before any server starts) on a bad prompt file, a team file that is malformed or
+    overlaps eval data, and after generation if fewer than `p.samples` conversations reach `p.min_tokens`.
+    """
+    from transformers import AutoTokenizer
+
+    prompts_path = Path(p.prompts)
+    prompts = load_prompts(prompts_path)
+    teams = load_teams(evals)
+    strings = eval_strings(teams)
+    check_prompts(prompts, prompts_path, strings)
+    own = team_conversations(teams, strings)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = []
+    for where, messages in own[: p.samples]:
+        rows.append((where, messages, len(tokenizer.apply_chat_template(messages, tokenize=True))))
+    if len(rows) < p.samples:
+        with vllm_server(serve, model_dir.resolve(), "calibrate", out.parent / "calibrate_server.log") as server:
+            print(f"calibrate: the 16-bit build answers {len(prompts)} prompts at {server.base_url}", flush=True)
+            answers = answer_all(server.base_url, server.name, prompts, p)
+        turns = [(q, a) for q, a in zip(prompts, answers, strict=True) if a and not overlap(a, strings)]
+        dropped = len(prompts) - len(turns)
+        if dropped:
+            print(f"calibrate: left out {dropped} empty answers or answers quoting an eval document", flush=True)
+        need = p.model_copy(update={"samples": p.samples - len(rows)})
+        rows += [(str(prompts_path), m, n) for m, n in pack(tokenizer, turns, need)]
+    if len(rows) < p.samples:
+        raise QuantgateError(
+            f"calibrate: only {len(rows)} conversations of at least {p.min_tokens} tokens from {len(prompts)} prompts "
+            f"in {prompts_path}; add topics or tasks there, or lower calibrate.samples or calibrate.min_tokens"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for where, messages, tokens in rows:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            f.write(json.dumps({"source": where, "text": text, "tokens": tokens}) + "\n")
+    return len(rows)
+
+
+def main() -> None:
+    if len(sys.argv) != 4:
+        raise QuantgateError("usage: python -m pipeline.calibrate MODEL_DIR EVALS_DIR OUT_JSONL")
+    model_dir, evals, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    p = load_block("calibrate", CalibrateParams)
+    serve = load_block("evaluate.serve", ServeParams)
+    n = calibrate(model_dir, evals, out, p, serve)
+    print(f"calibrate: wrote {n} conversations (>= {p.min_tokens} tokens each) to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)
