@@ -173,3 +173,50 @@ def verdict(cmp: Comparison, margin: float) -> Verdict:
     if cmp.upper <= margin + TOLERANCE:
         return Verdict.PASS
     return Verdict.INCONCLUSIVE
+
+
+def pass_probability(n: int, discordance: float, margin: float, confidence: float) -> float:
+    """Probability that the gate PASSes a build as good as the baseline on n documents of a 0/1 metric.
+
+    Model: each document flips between the builds with probability `discordance` (the share of discordant
+    pairs, b + c over n), in either direction with probability 1/2, so the true drop is 0. The gate PASSes
+    when Tango's upper bound (tango_bounds at `confidence`) is at most `margin`. Exact: sums the binomial
+    distribution of the discordant count D and, given D, of b over the b values that PASS.
+    Raises ValueError unless n > 0, 0 <= discordance <= 1 and margin > 0.
+    """
+    if n <= 0 or not 0 <= discordance <= 1 or margin <= 0:
+        raise ValueError(f"need n > 0, 0 <= discordance <= 1, margin > 0; got {n}, {discordance}, {margin}")
+    dist = stats.binom(n, discordance)
+    lo, hi = (int(dist.ppf(1e-9)), int(dist.isf(1e-9))) if 0 < discordance < 1 else (round(n * discordance),) * 2
+    total = 0.0
+    for d in range(max(lo, 0), min(hi, n) + 1):
+        # largest b (of d discordant pairs) whose upper bound still PASSes; the bound grows with b
+        passes = lambda b, d=d: tango_bounds(b, d - b, n, confidence)[1] <= margin + TOLERANCE  # noqa: E731
+        if not passes(0):
+            continue
+        lo_b, hi_b = 0, d
+        while lo_b < hi_b:
+            mid = (lo_b + hi_b + 1) // 2
+            lo_b, hi_b = (mid, hi_b) if passes(mid) else (lo_b, mid - 1)
+        total += dist.pmf(d) * stats.binom(d, 0.5).cdf(lo_b)
+    return float(total)
+
+
+def docs_for_power(discordance: float, margin: float, confidence: float, power: float = 0.9) -> int:
+    """Smallest document count n at which a build as good as the baseline PASSes with probability >= `power`
+    (pass_probability), for a 0/1 metric whose builds disagree on a share `discordance` of documents.
+
+    Starts from the normal approximation n = (z_conf + z_power)^2 * discordance / margin^2 (Connor 1987,
+    Biometrics 43:207-211, for paired proportions at a true difference of 0) and steps it to the exact answer.
+    Raises ValueError if no n up to 1,000,000 reaches `power`.
+    """
+    z = stats.norm.ppf(confidence) + stats.norm.ppf(power)
+    n = max(1, math.ceil(z * z * discordance / (margin * margin)))
+    step = max(1, n // 20)
+    while pass_probability(n, discordance, margin, confidence) < power:
+        n += step
+        if n > 1_000_000:
+            raise ValueError(f"no n up to 1,000,000 reaches power {power} at margin {margin}")
+    while n > 1 and pass_probability(n - 1, discordance, margin, confidence) >= power:
+        n -= 1
+    return n

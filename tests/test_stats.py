@@ -105,3 +105,31 @@ def test_calibration_pass_equal_builds_and_fail_twice_the_margin():
     print(f"calibration: equal builds PASS {passed / runs:.1%}, drop 2x margin FAIL {failed / runs:.1%}")
     assert passed / runs >= 0.90
     assert failed / runs >= 0.90
+
+
+def test_pass_probability_of_an_equally_good_build_matches_simulation():
+    from quantgate.stats import pass_probability, tango_bounds
+
+    n, psi, margin, conf = 200, 0.1, 0.05, 0.95
+    exact = pass_probability(n, psi, margin, conf)
+    rng = np.random.default_rng(7)
+    runs, passed = 3000, 0
+    for _ in range(runs):
+        d = rng.binomial(n, psi)
+        b = rng.binomial(d, 0.5)
+        passed += tango_bounds(b, d - b, n, conf)[1] <= margin
+    assert abs(passed / runs - exact) < 0.03  # 3000 runs: sd of the rate ~ 0.008
+    assert 0.5 < exact < 0.99
+    assert pass_probability(n, 0.0, margin, conf) == pytest.approx(1.0)  # identical builds always PASS
+
+
+def test_docs_for_power_is_the_smallest_n_reaching_the_power():
+    from quantgate.stats import docs_for_power, pass_probability
+
+    n = docs_for_power(0.1, 0.05, 0.95, 0.9)
+    assert pass_probability(n, 0.1, 0.05, 0.95) >= 0.9 > pass_probability(n - 1, 0.1, 0.05, 0.95)
+    # Connor's normal approximation (1.645 + 1.282)^2 * 0.1 / 0.05^2 = 343 is the right size
+    assert 250 < n < 450
+    assert docs_for_power(0.2, 0.05, 0.95, 0.9) > n  # more disagreement needs more documents
+    with pytest.raises(ValueError):
+        pass_probability(0, 0.1, 0.05, 0.95)
