@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "evals"
+BILLING_DOCS = 400  # enough for an equally good build to PASS at 8 points (benchmarks/README.md "Example sets")
 
 CAPITALS = [
     ("France", "Paris"),
@@ -128,6 +129,13 @@ CAPITALS = [
 
 PRODUCTS = [
     "headphones",
+    "vacuum cleaner",
+    "office chair",
+    "printer",
+    "sofa",
+    "smart watch",
+    "kettle",
+    "suitcase",
     "blender",
     "backpack",
     "phone case",
@@ -146,6 +154,9 @@ POSITIVE = [
     "is the best purchase I made this year",
     "exceeded my expectations, thank you",
     "is great value and my whole family enjoys it",
+    "was delivered on time and setup took two minutes",
+    "feels sturdy and looks even better than the photos",
+    "solved my problem and the support team was very kind",
 ]
 NEGATIVE = [
     "broke after two days and I want a refund",
@@ -153,6 +164,9 @@ NEGATIVE = [
     "is the worst purchase I have ever made",
     "stopped working and I am very disappointed",
     "is cheaply made and a complete waste of money",
+    "never arrived and nobody answers my emails",
+    "leaks everywhere and the replacement is broken too",
+    "was charged twice and I still have no answer",
 ]
 
 
@@ -175,13 +189,28 @@ def search_rows(rng: random.Random) -> list[dict]:
                 "answer": choices.index(capital),
             }
         )
+    countries = sorted({c for c, _ in CAPITALS})
+    for i, (country, capital) in enumerate(CAPITALS):
+        if capital == country:  # "Singapore is the capital of which country?" answers itself
+            continue
+        wrong = rng.sample([c for c in countries if c != country], 3)
+        choices = wrong + [country]
+        rng.shuffle(choices)
+        rows.append(
+            {
+                "id": f"country-{i:03d}",
+                "question": f"{capital} is the capital of which country?",
+                "choices": choices,
+                "answer": choices.index(country),
+            }
+        )
     return rows
 
 
 def billing_rows(rng: random.Random) -> list[dict]:
     rows = []
-    for i in range(120):
-        a, b = (rng.randint(1, 9), rng.randint(1, 9)) if i < 60 else (rng.randint(10, 60), rng.randint(1, 30))
+    for i in range(BILLING_DOCS):
+        a, b = (rng.randint(1, 9), rng.randint(1, 9)) if i % 2 else (rng.randint(10, 60), rng.randint(1, 30))
         op = "+" if i % 3 else "-"
         if op == "-" and b > a:
             a, b = b, a
