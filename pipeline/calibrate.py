@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from quantgate.console import LOG_DIR, progress
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import Frozen, load_block, parse, read_yaml
 from quantgate.serving import ServeParams, vllm_server
@@ -198,13 +199,12 @@ def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: d
     or quote an eval document are left out. Returns [(messages, tokens)] and the number left out.
     """
     import httpx
-    from tqdm import tqdm
 
     order = list(enumerate(prompts))
     random.Random(p.seed).shuffle(order)
     out, messages, left_out = [], [], 0
     chunk = p.concurrency * 4
-    bar = tqdm(total=p.samples, desc="calibrate: conversations", unit="conv", disable=None)
+    bar = progress(total=p.samples, desc="calibrate: conversations", unit="conv")
     with httpx.Client(timeout=600) as client, ThreadPoolExecutor(p.concurrency) as pool:
         for start in range(0, len(order), chunk):
             part = order[start : start + chunk]
@@ -246,7 +246,7 @@ def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve
         rows.append((where, messages, tokens(tokenizer, messages)))
     if len(rows) < p.samples:
         need = p.model_copy(update={"samples": p.samples - len(rows)})
-        with vllm_server(serve, model_dir.resolve(), "calibrate", out.parent / "calibrate_server.log") as server:
+        with vllm_server(serve, model_dir.resolve(), "calibrate", LOG_DIR / "calibrate_server.log") as server:
             print(f"calibrate: the 16-bit build answers prompts of {prompts_path} at {server.base_url}", flush=True)
             made, left_out = generate(tokenizer, server.base_url, server.name, prompts, strings, need)
         if left_out:
@@ -276,4 +276,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run_main(main, log="calibrate")
