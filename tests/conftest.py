@@ -59,6 +59,9 @@ def pytest_configure(config):
 
 
 LIMIT = 12  # docs per task: real numbers through every stage, small enough for CI
+# calibration scaled down for CI (the defaults, 256 x 512 tokens, take minutes per stage on 2 cores)
+CALIBRATION = {"samples": 8, "min_tokens": 128, "max_answer_tokens": 96}
+SMALL_CALIBRATION = {"samples": 8, "seq_len": 128, "pipeline": "sequential"}
 
 
 SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
@@ -92,6 +95,13 @@ def run(cmd, cwd, check=True, timeout=3600):
     return p
 
 
+def load_params_doc() -> dict:
+    """params.yaml as a plain mapping."""
+    import yaml
+
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
 @pytest.fixture(scope="session")
 def project(tmp_path_factory):
     """A fresh git copy of the working tree with the two envs linked in, after one `dvc repro`.
@@ -101,7 +111,11 @@ def project(tmp_path_factory):
     """
     if os.environ.get("QUANTGATE_E2E_PROJECT"):
         return Path(os.environ["QUANTGATE_E2E_PROJECT"])
-    root = scratch_project(tmp_path_factory.mktemp("e2e") / "quantgate", limit=LIMIT)
+    quantize = load_params_doc()["quantize"]
+    small = {b: {**q, "calibration": SMALL_CALIBRATION} if "calibration" in q else q for b, q in quantize.items()}
+    root = scratch_project(
+        tmp_path_factory.mktemp("e2e") / "quantgate", limit=LIMIT, params={"calibrate": CALIBRATION, "quantize": small}
+    )
     started = time.monotonic()
     out = run(["dvc", "repro"], root)
     print(f"\ne2e: dvc repro took {time.monotonic() - started:.0f} s")

@@ -36,8 +36,8 @@ def test_a_prompt_quoting_an_eval_document_is_refused_with_both_places(evals, tm
     strings = cal.eval_strings(load_teams(evals))
     with pytest.raises(
         QuantgateError,
-        match=rf"prompts.yaml: the calibration prompt .* contains the eval document at "
-        rf".*support/data.jsonl:5; calibrating on eval data leaks the test",
+        match=r"prompts.yaml: the calibration prompt .* contains the eval document at "
+        r".*support/data.jsonl:5; calibrating on eval data leaks the test",
     ):
         cal.check_prompts(cal.load_prompts(path), path, strings)
 

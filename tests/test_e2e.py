@@ -12,18 +12,24 @@ import time
 
 import pytest
 
-from tests.conftest import LIMIT, run, run_precision
+from tests.conftest import CALIBRATION, LIMIT, run, run_precision
 
 pytestmark = pytest.mark.e2e
 PRECISION = run_precision()  # what the probe says this machine serves, at params.yaml's dtype
-SCORED = ["fp16", "fp8"] + (["int4"] if PRECISION["w4a16_problem"] is None else [])
+SCORED = ["fp16", "fp8", "int8"] + (["int4"] if PRECISION["w4a16_problem"] is None else [])  # int8: oneDNN, any CPU
 
 
 def test_builds_are_compressed_tensors_with_manifests(project):
-    for build, scheme in [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int4", "W4A16")]:
+    for build, scheme in [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int8", "W8A8"), ("int4", "W4A16")]:
         manifest = json.loads((project / "models" / build / "build.json").read_text())
         assert manifest["scheme"] == scheme
         assert len(manifest["weights_digest"]) == 64
+        if build != "fp16":  # lineage: the recipe file and its digest
+            assert manifest["recipe"]["file"] == f"recipes/{build}.yaml" and len(manifest["recipe"]["sha256"]) == 64
+    calibration = [json.loads(line) for line in (project / "results/calibration.jsonl").read_text().splitlines()]
+    assert len(calibration) == CALIBRATION["samples"] and all(
+        c["tokens"] >= CALIBRATION["min_tokens"] and "<|im_start|>assistant" in c["text"] for c in calibration
+    )
     qc = json.loads((project / "models" / "int4" / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "pack-quantized" and "lm_head" in qc["ignore"]
     assert next(iter(qc["config_groups"].values()))["weights"]["group_size"] == 64
@@ -44,7 +50,7 @@ def test_every_build_scored_through_vllm(project):
     if "int4" not in SCORED:  # fails closed with the reason, never scored as passing
         doc = json.loads((project / "results/eval/int4/search/scores.json").read_text())
         assert doc["status"] == "error" and PRECISION["w4a16_problem"] in doc["reason"]
-    for build in ("fp16", "fp8", "int4"):  # one precision for every build, recorded where the scores are
+    for build in ("fp16", "fp8", "int8", "int4"):  # one precision for every build, recorded where the scores are
         record = json.loads((project / "results/eval" / build / "precision.json").read_text())
         assert (record["dtype"], record["requested"]) == (PRECISION["dtype"], PRECISION["requested"])
         if build in SCORED:  # vLLM's engine config line: "... dtype=torch.float32, ..."
@@ -56,7 +62,7 @@ def test_every_build_scored_through_vllm(project):
 
 def test_gate_table_and_metrics(project):
     gate = json.loads((project / "results/gate.json").read_text())
-    assert set(gate["builds"]) == {"fp8", "int4"}
+    assert set(gate["builds"]) == {"fp8", "int8", "int4"}
     for build, b in gate["builds"].items():
         assert b["verdict"] in {"PASS", "FAIL", "INCONCLUSIVE", "ANOMALOUS"}
         if build not in SCORED:
@@ -71,7 +77,7 @@ def test_gate_table_and_metrics(project):
     assert f"| fp8 | search | acc | {LIMIT} |" in report
     assert (project / "results/gate_recovery.png").read_bytes()[:4] == b"\x89PNG"
     teams = json.loads((project / "results/teams.json").read_text())
-    assert teams["search"]["n_docs"] == 109 and teams["search"]["min_docs"] == 52
+    assert teams["search"]["n_docs"] == 216 and teams["search"]["min_docs"] == 52
     out = run(["quantgate", "report"], project).stdout
     assert f"| fp8 | billing | exact_match | {LIMIT} |" in out and "int4: " in out
 

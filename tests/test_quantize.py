@@ -121,7 +121,8 @@ def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
         ),
         (
             "quant_stage:\n  quant_modifiers:\n    GPTQModifier: {scheme: W4A16, dampening_frac: lots}\n",
-            "GPTQModifier.dampening_frac: Input should be a valid number, unable to parse string as a number (got 'lots')",
+            "GPTQModifier.dampening_frac: Input should be a valid number, unable to parse string as a number "
+            "(got 'lots')",
         ),
         ("quant_stage: [\n", "llm-compressor rejects this recipe: while parsing a flow node"),
         ("quant_stage: {}\n", "no modifiers; a recipe reads `quant_stage: quant_modifiers:"),
