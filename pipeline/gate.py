@@ -34,7 +34,15 @@ from quantgate.results import (
     read_scores,
     write_gate,
 )
-from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
+from quantgate.stats import (
+    Verdict,
+    compare_binary,
+    compare_continuous,
+    docs_for_power,
+    is_binary,
+    pass_probability,
+    verdict,
+)
 from quantgate.teams import Team, load_teams
 
 SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
@@ -245,6 +253,35 @@ def precision_line(result: GateResult) -> str:
     return f"Served precision: **{p.dtype}** for every build ({p.why})."
 
 
+def power_lines(result: GateResult, power: float = 0.9) -> list[str]:
+    """Per team (0/1 metrics): does its set decide? At the largest share of documents any compared build
+    disagreed with the baseline on, the probability that an equally good build PASSes on this many documents
+    (quantgate.stats.pass_probability) and the documents that would give `power` (docs_for_power)."""
+    worst: dict[str, TeamComparison] = {}
+    for b in result.builds.values():
+        for team, c in b.teams.items():
+            if (
+                c.compared
+                and c.discordant
+                and c.n
+                and (team not in worst or sum(c.discordant) / c.n > sum(worst[team].discordant) / worst[team].n)
+            ):
+                worst[team] = c
+    lines = []
+    for team, c in sorted(worst.items()):
+        psi = sum(c.discordant) / c.n
+        if psi == 0:
+            lines.append(f"- {team}: every build agreed with the baseline on all {c.n} documents")
+            continue
+        p = pass_probability(c.n, psi, c.margin, c.confidence)
+        need = docs_for_power(psi, c.margin, c.confidence, power) if c.margin > 0 else None
+        lines.append(
+            f"- {team}: builds disagree with the baseline on up to {psi:.1%} of documents; at that rate an equally "
+            f"good build PASSes with probability {p:.0%} on n={c.n} ({power:.0%} needs {need} documents)"
+        )
+    return lines
+
+
 def report(result: GateResult, plot_name: str | None = None) -> str:
     """The markdown gate report: summary per build, the table, the plot link, every reason."""
     out = [
@@ -265,6 +302,8 @@ def report(result: GateResult, plot_name: str | None = None) -> str:
     for build, b in result.builds.items():
         for team, c in b.teams.items():
             out.append(f"- {build} / {team}: {c.verdict}: {c.reason}")
+    if power := power_lines(result):
+        out += ["", "## Do the sets decide?", ""] + power
     return "\n".join(out) + "\n"
 
 

@@ -213,3 +213,19 @@ def test_results_documents_refuse_what_they_cannot_read(tmp_path):
     (tmp_path / "scores.json").write_text('{"status": "ok", "samples": [{"task": "t", "doc_id": 0, "scor": 1}]}')
     with pytest.raises(QuantgateError, match=r"not a scores document \(samples.0.scor: Extra inputs"):
         read_scores(tmp_path / "scores.json")
+
+
+def test_report_says_whether_each_set_decides(tmp_path, teams):
+    from quantgate.stats import docs_for_power, pass_probability
+
+    base = [1.0] * 150 + [0.0] * 50
+    cand = [0.0] * 10 + [1.0] * 140 + [1.0] * 10 + [0.0] * 40  # 20 of 200 documents flip, 10 each way
+    write_scores(tmp_path, "fp16", "search", base)
+    write_scores(tmp_path, "int4", "search", cand)
+    text = report(gate(tmp_path, teams, PARAMS))
+    p, need = pass_probability(200, 0.1, 0.05, 0.95), docs_for_power(0.1, 0.05, 0.95, 0.9)
+    assert 0.3 < p < 0.9 and need > 200  # 200 documents are too few at 10 % disagreement and 5 points
+    assert (
+        f"- search: builds disagree with the baseline on up to 10.0% of documents; at that rate an equally good "
+        f"build PASSes with probability {p:.0%} on n=200 (90% needs {need} documents)"
+    ) in text
