@@ -193,7 +193,7 @@ def answer(client, base_url: str, name: str, prompt: str, seed: int, p: Calibrat
 def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: dict[str, str], p: CalibrateParams):
     """Conversations of at least `p.min_tokens` tokens, up to `p.samples`, from the served model's answers.
 
-    Prompts are taken in a `p.seed` shuffle, answered `p.concurrency` x 4 at a time, and packed in that order
+    Prompts are taken in a `p.seed` shuffle, answered `p.concurrency` at a time, and packed in that order
     (each conversation: consecutive turns until it reaches `p.min_tokens`), stopping once there are
     `p.samples`: generation is the stage's cost (about samples x min_tokens tokens). Answers that are empty
     or quote an eval document are left out. Returns [(messages, tokens)] and the number left out.
@@ -203,13 +203,13 @@ def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: d
     order = list(enumerate(prompts))
     random.Random(p.seed).shuffle(order)
     out, messages, left_out = [], [], 0
-    chunk = p.concurrency * 4
     bar = progress(total=p.samples, desc="calibrate: conversations", unit="conv")
     with httpx.Client(timeout=600) as client, ThreadPoolExecutor(p.concurrency) as pool:
-        for start in range(0, len(order), chunk):
-            part = order[start : start + chunk]
-            answers = pool.map(lambda ip: answer(client, base_url, name, ip[1], p.seed + ip[0], p), part)
-            for (_, prompt), text in zip(part, answers, strict=True):
+        # all submitted, `concurrency` in flight; read in order and cancel what is left once there are enough
+        futures = [pool.submit(answer, client, base_url, name, prompt, p.seed + i, p) for i, prompt in order]
+        try:
+            for (_, prompt), future in zip(order, futures, strict=True):
+                text = future.result()
                 if not text or overlap(text, strings):
                     left_out += 1
                     continue
@@ -220,9 +220,11 @@ def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: d
                     bar.update(1)
                     messages = []
                     if len(out) == p.samples:
-                        bar.close()
-                        return out, left_out
-    bar.close()
+                        break
+        finally:
+            for future in futures:
+                future.cancel()
+            bar.close()
     return out, left_out
 
 
