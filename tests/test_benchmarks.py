@@ -30,7 +30,13 @@ def test_measure_reports_the_exit_code(tmp_path):
 def test_stages_expand_foreach_in_file_order():
     names = stages(REPO)
     assert names[0] == "validate" and names[-1] == "register"
-    assert [n for n in names if n.startswith("evaluate@")] == ["evaluate@fp16", "evaluate@fp8", "evaluate@int4"]
+    assert [n for n in names if n.startswith("evaluate@")] == [
+        "evaluate@fp16",
+        "evaluate@fp8",
+        "evaluate@int8",
+        "evaluate@int4",
+    ]
+    assert names.index("calibrate") < names.index("quantize@fp8")
     assert names.index("quantize@int4") < names.index("evaluate@fp16") < names.index("gate")
 
 

@@ -246,7 +246,7 @@ def test_settings_and_templates_that_would_fail_or_overload_evaluation_are_refus
 )
 def test_safe_forms_people_write_are_accepted(example_evals, changes):
     edit_task(example_evals / "search" / "capitals.yaml", **changes)
-    assert load_team(example_evals / "search").tasks[0].n_docs == 109
+    assert load_team(example_evals / "search").tasks[0].n_docs == 216
 
 
 def test_a_direction_contradicting_lm_eval_is_refused(example_evals):
