@@ -81,6 +81,9 @@ def test_int8_smoothquant_gptq_from_the_repo_recipe_uses_the_calibration(src, tm
     assert manifest["scheme"] == "W8A8" and manifest["recipe"]["calibration"]["samples"] == 4
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert str(f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype) == "torch.int8"
+        # calibrated in float32 on CPUs without native bf16, saved at the 16-bit build's dtype
+        assert str(f.get_tensor("model.embed_tokens.weight").dtype) == "torch.bfloat16"
+        assert str(f.get_tensor("model.layers.0.mlp.up_proj.weight_scale").dtype) == "torch.bfloat16"
 
 
 @pytest.mark.parametrize("modifier", ["QuantizationModifier", "GPTQModifier"])
