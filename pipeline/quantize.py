@@ -26,7 +26,7 @@ from quantgate.console import log_progress, per_build
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
 from quantgate.manifest import read_manifest, write_manifest
-from quantgate.params import Frozen, load_block
+from quantgate.params import Frozen, load_block, read_yaml
 
 CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
 
@@ -54,6 +54,11 @@ def load_recipe(build: str, path: Path):
     where = f"{path} (quantize.{build}.recipe)"
     if not path.is_file():
         raise QuantgateError(f"{where}: recipe file not found; add it under recipes/ or fix the path")
+    if not isinstance(read_yaml(path), dict):  # read_yaml names the line of a YAML error
+        raise QuantgateError(
+            f"{where}: a recipe is a mapping `quant_stage: quant_modifiers: <Modifier>: {{...}}` "
+            "(see recipes/README.md)"
+        )
     try:
         recipe = Recipe.create_instance(str(path))
     except ValidationError as exc:
@@ -144,7 +149,26 @@ def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE
 
     if not path.is_file():
         raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
-    texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    texts = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise QuantgateError(
+            f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); re-run the calibrate stage"
+        ) from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            texts.append(row["text"] if isinstance(row["text"], str) else None)
+        except (ValueError, KeyError, TypeError):
+            texts.append(None)
+        if texts[-1] is None:
+            raise QuantgateError(
+                f'{path}:{number}: expected {{"text": "<conversation>", ...}}; re-run the calibrate stage '
+                "(`dvc repro calibrate`)"
+            )
     if len(texts) < c.samples:
         raise QuantgateError(
             f"{path}: {len(texts)} calibration conversations, {c.samples} asked for (quantize.*.calibration.samples); "

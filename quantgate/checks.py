@@ -209,18 +209,33 @@ FEWSHOT_KEYS = (
 )
 
 
+MAX_FEWSHOT = 64  # examples per prompt; more would not fit the context of the models served here
+
+
 def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
     """Problems in a task's few-shot settings: fewshot_config keys beyond FEWSHOT_KEYS (inline
     `samples` included: few-shot examples come from a data file, named by fewshot_split, where
     validation renders them), a sampler lm-eval does not have, a template that is not a string."""
     from lm_eval.api.samplers import SAMPLER_REGISTRY
 
+    problems = []
+    if "num_fewshot" in config:
+        n = config["num_fewshot"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_FEWSHOT:
+            problems.append(
+                f"{where('num_fewshot')}: num_fewshot must be a whole number from 0 to {MAX_FEWSHOT}; got {n!r}"
+            )
+        elif n > 0 and not config.get("fewshot_split"):
+            problems.append(
+                f"{where('num_fewshot')}: num_fewshot {n} without fewshot_split: lm-eval would take the examples "
+                "from the documents being scored; name the split of a few-shot data file in fewshot_split"
+            )
     fewshot = config.get("fewshot_config")
     if fewshot is None:
-        return []
+        return problems
     if not isinstance(fewshot, dict):
         return [f"{where('fewshot_config')}: fewshot_config must be a mapping ({', '.join(FEWSHOT_KEYS)})"]
-    problems = [
+    problems += [
         f"{where('fewshot_config', key)}: fewshot_config.{key}: not allowed"
         + (
             "; put few-shot examples in a data file and name its split in fewshot_split"

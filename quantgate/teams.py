@@ -139,7 +139,7 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     split = config.get("test_split") or config.get("validation_split")
     if split not in files:
         problems.append(f"{path}: test_split {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
-    resolved, n_docs = {}, 0
+    resolved, n_docs, counts = {}, 0, {}
     for name, rel in files.items():
         p = (path.parent / str(rel)).resolve()
         if not isinstance(rel, str) or not p.is_relative_to(path.parent.resolve()):
@@ -157,6 +157,13 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
             found = [f"{p}: no documents; add one JSON object per line"]
         problems += found[:20] + ([f"{p}: ... and {len(found) - 20} more"] if len(found) > 20 else [])
         n_docs += n if name == split else 0
+        counts[name] = n
+    shots, fewshot_split = config.get("num_fewshot"), config.get("fewshot_split")
+    if isinstance(shots, int) and fewshot_split in counts and shots > counts[fewshot_split]:
+        problems.append(
+            f"{where('num_fewshot')}: num_fewshot {shots} but the {fewshot_split!r} split has {counts[fewshot_split]} "
+            "documents; add examples or lower num_fewshot"
+        )
     config["dataset_kwargs"]["data_files"] = resolved
     if policy is not None and policy.limit:
         n_docs = min(n_docs, policy.limit)

@@ -127,7 +127,8 @@ def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
             "GPTQModifier.dampening_frac: Input should be a valid number, unable to parse string as a number "
             "(got 'lots')",
         ),
-        ("quant_stage: [\n", "llm-compressor rejects this recipe: while parsing a flow node"),
+        ("quant_stage: [\n", "invalid YAML: expected the node content"),
+        ("- GPTQModifier\n", "a recipe is a mapping `quant_stage: quant_modifiers:"),
         ("quant_stage: {}\n", "no modifiers; a recipe reads `quant_stage: quant_modifiers:"),
     ],
 )
@@ -135,7 +136,7 @@ def test_bad_recipe_is_one_line_naming_the_file(tmp_path, text, message):
     path = Path(recipe_file(tmp_path, text))
     with pytest.raises(QuantgateError) as err:
         load_recipe("int4", path)
-    assert str(err.value).startswith(f"{path} (quantize.int4.recipe): ") and message in str(err.value)
+    assert str(err.value).startswith(str(path)) and message in str(err.value)
     assert "\n" not in str(err.value)
 
 
@@ -156,6 +157,17 @@ def test_missing_recipe_or_calibration_is_refused_before_the_model_loads(src, tm
             QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c),
             calibration_file=tmp_path / "missing.jsonl",
         )
+    bad = tmp_path / "bad.jsonl"
+    for line in ('{"source": "x", "text": "broken', '{"source": "x"}', '{"text": 5}'):
+        bad.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+        with pytest.raises(QuantgateError, match=r"bad.jsonl:2: expected \{\"text\": \"<conversation>\""):
+            quantize(
+                "int8",
+                src,
+                tmp_path / "out",
+                QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c),
+                calibration_file=bad,
+            )
     assert not (tmp_path / "out").exists()
 
 
