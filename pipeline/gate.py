@@ -21,7 +21,7 @@ from pydantic import Field
 
 from pipeline.plot import recovery_plot
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
     SCORES,
@@ -68,6 +68,11 @@ def load_params(path: Path = PARAMS_FILE) -> GateParams:
     block, builds = load_block("gate", GateBlock, path), load_builds(path)
     if block.baseline not in builds:
         raise QuantgateError(f"{path}: gate.baseline {block.baseline!r} is not in builds {builds}; add it or fix it")
+    if block.baseline != BASELINE_BUILD:
+        raise QuantgateError(
+            f"{path}: gate.baseline {block.baseline!r} is a quantized build; the baseline is the 16-bit build "
+            f"prepare makes, {BASELINE_BUILD!r}"
+        )
     return GateParams(**block.model_dump(), candidates=[b for b in builds if b != block.baseline])
 
 
