@@ -123,7 +123,8 @@ def require_text(**values: str | None) -> None:
     """QuantgateError naming the first option (--by, --reason, ...) that is empty or blank."""
     for name, value in values.items():
         if not (value or "").strip():
-            raise QuantgateError(f"--{name} must not be empty")
+            hint = " (it defaults to $USER, which is not set here: pass --by NAME)" if name == "by" else ""
+            raise QuantgateError(f"--{name} must not be empty{hint}")
 
 
 def approve(
