@@ -8,7 +8,7 @@ In a scratch copy of this working tree (benchmarks.common.scratch_project) it ru
   (a) no change;
   (b) one team's data changed (one question of the search team gets a new revision mark);
   (c) one new team added (a synthetic team; it stays, so (d) runs with one team more);
-  (d) one quantization parameter changed (quantize.int4.dampening_frac, to a value new here),
+  (d) one quantization parameter changed (quantize.int4.calibration.samples, to a value new here),
   (d') and changed back: DVC restores the earlier outputs from its run-cache;
   (e) one team's margin changed (search, margin.absolute to a value new here): the evaluate
       stages re-run (evals/ is their dep) but find every team in the evaluation cache, so no
@@ -195,19 +195,19 @@ def main() -> None:
                 team=f"new_{n:02d}",
             )
         if "d" in args.scenarios:  # a value this project never used, so DVC's run-cache cannot hold it
-            damp = round(0.01 + 0.001 * revision(project), 4)
+            samples = 256 - revision(project) % 128
             scenario(
                 project,
-                f"(d) quantize.int4.dampening_frac 0.01 -> {damp}",
+                f"(d) quantize.int4.calibration.samples 256 -> {samples}",
                 n_teams(project),
-                lambda p, damp=damp: set_param(p, "quantize.int4", "dampening_frac", damp),
+                lambda p, samples=samples: set_param(p, "quantize.int4.calibration", "samples", samples),
                 rows,
             )
             scenario(
                 project,
                 "(d') changed back (DVC run-cache)",
                 n_teams(project),
-                lambda p: set_param(p, "quantize.int4", "dampening_frac", 0.01),
+                lambda p: set_param(p, "quantize.int4.calibration", "samples", 256),
                 rows,
             )
         if "e" in args.scenarios:

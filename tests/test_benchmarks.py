@@ -72,11 +72,12 @@ def test_set_margin_changes_the_policy_but_not_what_is_scored(tmp_path):
 
 def test_set_param_changes_one_nested_value(tmp_path):
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    set_param(tmp_path, "quantize.int4", "dampening_frac", 0.02)
+    set_param(tmp_path, "quantize.int4.calibration", "samples", 128)
     import yaml
 
     doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    assert doc["quantize"]["int4"]["dampening_frac"] == 0.02 and doc["quantize"]["int4"]["group_size"] == 64
+    assert doc["quantize"]["int4"]["calibration"] == {"samples": 128, "seq_len": 512, "pipeline": "sequential"}
+    assert doc["quantize"]["int4"]["recipe"] == "recipes/int4.yaml"
 
 
 def test_markdown_renders_title_command_machine_and_rows():
