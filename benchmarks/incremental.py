@@ -195,10 +195,10 @@ def main() -> None:
                 team=f"new_{n:02d}",
             )
         if "d" in args.scenarios:  # a value this project never used, so DVC's run-cache cannot hold it
-            samples = 256 - revision(project) % 128
+            samples = 64 - revision(project) % 32
             scenario(
                 project,
-                f"(d) quantize.int4.calibration.samples 256 -> {samples}",
+                f"(d) quantize.int4.calibration.samples 64 -> {samples}",
                 n_teams(project),
                 lambda p, samples=samples: set_param(p, "quantize.int4.calibration", "samples", samples),
                 rows,
@@ -207,7 +207,7 @@ def main() -> None:
                 project,
                 "(d') changed back (DVC run-cache)",
                 n_teams(project),
-                lambda p: set_param(p, "quantize.int4.calibration", "samples", 256),
+                lambda p: set_param(p, "quantize.int4.calibration", "samples", 64),
                 rows,
             )
         if "e" in args.scenarios:

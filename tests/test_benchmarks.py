@@ -72,11 +72,11 @@ def test_set_margin_changes_the_policy_but_not_what_is_scored(tmp_path):
 
 def test_set_param_changes_one_nested_value(tmp_path):
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    set_param(tmp_path, "quantize.int4.calibration", "samples", 128)
+    set_param(tmp_path, "quantize.int4.calibration", "samples", 32)
     import yaml
 
     doc = yaml.safe_load((tmp_path / "params.yaml").read_text())
-    assert doc["quantize"]["int4"]["calibration"] == {"samples": 128, "seq_len": 512, "pipeline": "sequential"}
+    assert doc["quantize"]["int4"]["calibration"] == {"samples": 32, "seq_len": 512, "pipeline": "basic"}
     assert doc["quantize"]["int4"]["recipe"] == "recipes/int4.yaml"
 
 
