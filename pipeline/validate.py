@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from quantgate.errors import QuantgateError, run_main
+from quantgate.params import load_builds
 from quantgate.results import TeamSummary, write_teams
 from quantgate.teams import Team, load_teams, min_docs
 
@@ -48,8 +49,10 @@ def main() -> None:
     evals_dir, out_json = map(Path, sys.argv[1:])
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
+    builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
     teams = summary(load_teams(evals_dir))
     write_teams(out_json, teams)
+    print(f"validate: builds {', '.join(builds)}: each quantized build has its quantize block")
     for name, t in teams.items():
         print(f"validate: {name}: ok, {t.n_docs} docs, metric {t.metric}, owner {t.owner}")
 

@@ -213,9 +213,11 @@ MAX_FEWSHOT = 64  # examples per prompt; more would not fit the context of the m
 
 
 def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
-    """Problems in a task's few-shot settings: fewshot_config keys beyond FEWSHOT_KEYS (inline
-    `samples` included: few-shot examples come from a data file, named by fewshot_split, where
-    validation renders them), a sampler lm-eval does not have, a template that is not a string."""
+    """Problems in a task's few-shot settings: num_fewshot not a whole number in [0, MAX_FEWSHOT] (more
+    than the few-shot split holds is checked where the data are read, quantgate/teams.py), fewshot_config
+    keys beyond FEWSHOT_KEYS (inline `samples` included: few-shot examples come from a data file, named by
+    fewshot_split, where validation renders them), a sampler lm-eval does not have, a template that is not
+    a string."""
     from lm_eval.api.samplers import SAMPLER_REGISTRY
 
     problems = []
@@ -225,16 +227,11 @@ def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
             problems.append(
                 f"{where('num_fewshot')}: num_fewshot must be a whole number from 0 to {MAX_FEWSHOT}; got {n!r}"
             )
-        elif n > 0 and not config.get("fewshot_split"):
-            problems.append(
-                f"{where('num_fewshot')}: num_fewshot {n} without fewshot_split: lm-eval would take the examples "
-                "from the documents being scored; name the split of a few-shot data file in fewshot_split"
-            )
     fewshot = config.get("fewshot_config")
     if fewshot is None:
         return problems
     if not isinstance(fewshot, dict):
-        return [f"{where('fewshot_config')}: fewshot_config must be a mapping ({', '.join(FEWSHOT_KEYS)})"]
+        return problems + [f"{where('fewshot_config')}: fewshot_config must be a mapping ({', '.join(FEWSHOT_KEYS)})"]
     problems += [
         f"{where('fewshot_config', key)}: fewshot_config.{key}: not allowed"
         + (

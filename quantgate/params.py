@@ -194,6 +194,8 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
         )
     for part in key.split("."):
         if not isinstance(data, dict) or part not in data:
-            raise QuantgateError(f"{path}: no block '{key}' (missing '{part}'); see README 'params.yaml'")
+            raise QuantgateError(
+                f"{path}: no block '{key}' (missing '{part}'); the comments in params.yaml describe every block"
+            )
         data = data[part]
     return parse(model, data, str(path), path, tuple(key.split(".")))
