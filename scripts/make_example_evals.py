@@ -174,36 +174,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
 
 
+def choice_row(rng: random.Random, id_: str, question: str, right: str, pool: list[str]) -> dict:
+    """A 4-way multiple-choice document: `right` and 3 others drawn from `pool`, shuffled."""
+    choices = rng.sample([c for c in pool if c != right], 3) + [right]
+    rng.shuffle(choices)
+    return {"id": id_, "question": question, "choices": choices, "answer": choices.index(right)}
+
+
 def search_rows(rng: random.Random) -> list[dict]:
-    rows = []
     cities = sorted({c for _, c in CAPITALS})
-    for i, (country, capital) in enumerate(CAPITALS):
-        wrong = rng.sample([c for c in cities if c != capital], 3)
-        choices = wrong + [capital]
-        rng.shuffle(choices)
-        rows.append(
-            {
-                "id": f"cap-{i:03d}",
-                "question": f"What is the capital of {country}?",
-                "choices": choices,
-                "answer": choices.index(capital),
-            }
-        )
+    rows = [
+        choice_row(rng, f"cap-{i:03d}", f"What is the capital of {country}?", capital, cities)
+        for i, (country, capital) in enumerate(CAPITALS)
+    ]
     countries = sorted({c for c, _ in CAPITALS})
-    for i, (country, capital) in enumerate(CAPITALS):
-        if capital == country:  # "Singapore is the capital of which country?" answers itself
-            continue
-        wrong = rng.sample([c for c in countries if c != country], 3)
-        choices = wrong + [country]
-        rng.shuffle(choices)
-        rows.append(
-            {
-                "id": f"country-{i:03d}",
-                "question": f"{capital} is the capital of which country?",
-                "choices": choices,
-                "answer": choices.index(country),
-            }
-        )
+    rows += [
+        choice_row(rng, f"country-{i:03d}", f"{capital} is the capital of which country?", country, countries)
+        for i, (country, capital) in enumerate(CAPITALS)
+        if capital != country  # "Singapore is the capital of which country?" answers itself
+    ]
     return rows
 
 
