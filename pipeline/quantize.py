@@ -126,17 +126,14 @@ def scheme_label(config: dict) -> str:
 
 
 def native_16bit() -> bool:
-    """True on a GPU or on a CPU with native bf16 arithmetic (avx512_bf16 or AMX, /proc/cpuinfo flags).
-    Elsewhere (AVX2) torch emulates bf16 matmuls: about 2.7x slower than float32 for this model's forward."""
+    """True on a GPU or on a CPU with native bf16 arithmetic (avx512_bf16 or AMX), asked of torch the way
+    quantgate.precision's probe asks it in the serving env. Elsewhere (AVX2) torch emulates bf16 matmuls:
+    about 2.7x slower than float32 for this model's forward."""
     import torch
 
     if torch.cuda.is_available():
         return True
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE):
