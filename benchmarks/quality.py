@@ -96,7 +96,7 @@ def ensure_build(
         print(f"quality: {build}: reusing {out}", flush=True)
         return out, float((out / "quantize_s.txt").read_text())
     started = time.monotonic()
-    quantize(build, src, out, p.model_copy(update={"recipe": str(REPO / p.recipe)}), calibration)
+    quantize(build, src, out, p, calibration)  # recipe paths are relative to the repo root, the cwd
     seconds = time.monotonic() - started
     (out / "quantize_s.txt").write_text(f"{seconds:.1f}\n")
     return out, seconds
