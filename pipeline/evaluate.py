@@ -28,6 +28,7 @@ environment (`drop_credentials`; the vLLM server it starts inherits that environ
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -312,7 +313,8 @@ def evaluate(
                     write_team(out_dir / team.name, scores, raw)
                     if scores.status == "ok":
                         shutil.copytree(out_dir / team.name, CACHE_DIR / key, dirs_exist_ok=True)
-                    print(f"evaluate[{build}]: {team.name}: {scores.status} {scores.reason or ''}", flush=True)
+                    if scores.status != "ok":  # ok teams are summed up once, at the end
+                        print(f"evaluate[{build}]: {team.name}: {scores.status} {scores.reason or ''}", flush=True)
         except ServerStartError as exc:
             for team, key in pending:
                 if team.name not in docs:
@@ -321,7 +323,7 @@ def evaluate(
                     )
                     write_team(out_dir / team.name, scores, None)
             timing["server_start_s"] = round(time.monotonic() - started, 1)
-            print(f"evaluate[{build}]: server failed: {exc}", file=sys.stderr, flush=True)
+            print(f"evaluate[{build}]: not served: {exc}", file=sys.stderr, flush=True)
     (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
     (out_dir / PRECISION).write_text(json.dumps(precision, indent=1) + "\n")
     return docs
@@ -368,15 +370,15 @@ def main() -> None:
         raise QuantgateError("usage: python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR")
     build, model_dir, evals_dir, out_dir = sys.argv[1], *map(Path, sys.argv[2:])
     if gone := drop_credentials(os.environ):  # least privilege: team files are rendered here
-        print(f"evaluate[{build}]: running without {', '.join(gone)}", flush=True)
+        logging.getLogger(__name__).info("running without %s", ", ".join(gone))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     docs = evaluate(build, model_dir, evals_dir, out_dir, load_block("evaluate", EvaluateParams))
     for team, scores in sorted(docs.items()):
         if scores.status == "ok":
             summary = ", ".join(f"{t}={v.score:.3f} (n={v.n})" for t, v in scores.tasks.items())
-        else:
-            summary = f"ERROR: {scores.reason}"
+        else:  # the reason was printed when it happened (one server failure fails every team)
+            summary = "ERROR (reason above)"
         print(f"evaluate[{build}]: {team:<12} {summary}")
 
 
