@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from pipeline.evaluate import EvaluateParams, make_lm, run_team, selected_filter
+from pipeline.evaluate import EvaluateParams, make_lm
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import load_block
+from quantgate.scoring import run_team, selected_filter
 from quantgate.serving import resolved, vllm_server
 from quantgate.teams import load_teams
 

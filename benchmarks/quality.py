@@ -5,7 +5,7 @@ and every recipe under recipes/sweep/ (named by the file's stem, calibrated as q
 with pipeline.quantize into --work from --models/fp16 and the calibrate stage's conversations
 (--calibration; a build in --models or --work whose recipe record matches is reused). Every team is
 scored on fp16 and each build with ONE engine; the scores documents (the evaluate stage's TeamScores)
-go to WORK/scores/<build>/<team>/scores.json and are judged with pipeline.gate.judge.
+go to WORK/scores/<build>/<team>/scores.json and are judged with quantgate.judging.judge.
 
 Engine (--engine): vllm = a vLLM server per build, as the evaluate stage; hf = lm-eval's
 in-process hf backend (transformers decompresses compressed-tensors fp8, int8 and W4A16 weights;
@@ -43,15 +43,17 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from pipeline.evaluate import EvaluateParams, make_lm, run_team, write_team
-from pipeline.gate import judge, load_params
+from pipeline.evaluate import EvaluateParams, make_lm, write_team
+from pipeline.gate import load_params
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record
 from quantgate.errors import QuantgateError, run_main
+from quantgate.judging import judge
 from quantgate.manifest import read_manifest
 from quantgate.params import BASELINE_BUILD, load_block, load_builds
 from quantgate.precision import probe, resolve_dtype, w4a16_problem
 from quantgate.results import read_scores
+from quantgate.scoring import run_team
 from quantgate.serving import resolved, vllm_server
 from quantgate.teams import load_teams
 

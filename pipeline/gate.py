@@ -12,22 +12,18 @@ A build is shippable only if every team PASSes.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
-import numpy as np
-from pydantic import Field
-
 from pipeline.plot import recovery_plot
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds
+from quantgate.judging import SEVERITY, GateBlock, judge
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
     SCORES,
     BuildGate,
     GateResult,
-    Sample,
     ServedPrecision,
     TeamComparison,
     TeamScores,
@@ -36,24 +32,10 @@ from quantgate.results import (
 )
 from quantgate.stats import (
     Verdict,
-    compare_binary,
-    compare_continuous,
     docs_for_power,
-    is_binary,
     pass_probability,
-    verdict,
 )
 from quantgate.teams import Team, load_teams
-
-SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
-
-
-class GateBlock(Frozen):
-    """params.yaml block `gate`."""
-
-    baseline: str = "fp16"
-    bootstrap_resamples: int = Field(default=10000, ge=1000)
-    seed: int = 0
 
 
 class GateParams(GateBlock):
@@ -115,92 +97,6 @@ def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision
             f"evaluate.serve.dtype"
         )
     return base
-
-
-def paired_arrays(
-    base: TeamScores, cand: TeamScores, base_build: str, cand_build: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-document scores of both builds in the same order, shape (n,) each.
-
-    Raises QuantgateError if the document sets differ (ids, count or content hash) or a
-    score is missing, NaN or not a number.
-    """
-
-    def index(scores: TeamScores, build: str) -> dict[tuple[str, int], Sample]:
-        out = {}
-        for s in scores.samples:
-            key = (s.task, s.doc_id)
-            if s.score is None or math.isnan(s.score):
-                raise QuantgateError(f"build {build}: score of {key[0]} doc {key[1]} is {s.score!r}")
-            if key in out:
-                raise QuantgateError(f"build {build}: {key[0]} doc {key[1]} scored twice")
-            out[key] = s
-        if not out:
-            raise QuantgateError(f"build {build}: no per-sample scores")
-        return out
-
-    b, c = index(base, base_build), index(cand, cand_build)
-    if b.keys() != c.keys():
-        only_b, only_c = sorted(b.keys() - c.keys())[:3], sorted(c.keys() - b.keys())[:3]
-        raise QuantgateError(
-            f"document sets differ: {len(b)} docs on {base_build} vs {len(c)} on {cand_build}"
-            f" (only {base_build}: {only_b}; only {cand_build}: {only_c})"
-        )
-    keys = sorted(b)
-    for k in keys:
-        if b[k].doc_hash != c[k].doc_hash:
-            raise QuantgateError(f"{k[0]} doc {k[1]}: document content differs between {base_build} and {cand_build}")
-    return np.array([b[k].score for k in keys], float), np.array([c[k].score for k in keys], float)
-
-
-def judge(
-    team: Team, base_scores: TeamScores, cand_scores: TeamScores, params: GateParams, build: str
-) -> TeamComparison:
-    """The gate's comparison of one (candidate build, team)."""
-    base, cand = paired_arrays(base_scores, cand_scores, params.baseline, build)
-    pol = team.policy
-    base_mean, cand_mean = float(base.mean()), float(cand.mean())
-    margin = pol.margin.points(base_mean)
-    drops = base - cand if pol.higher_is_better else cand - base
-    if is_binary(base, cand):
-        cmp = (
-            compare_binary(base, cand, margin, pol.confidence)
-            if pol.higher_is_better
-            else compare_binary(cand, base, margin, pol.confidence)
-        )
-    else:
-        cmp = compare_continuous(drops, margin, pol.confidence, params.bootstrap_resamples, params.seed)
-    v = verdict(cmp, margin)
-    if pol.higher_is_better:
-        recovery = 100.0 * cand_mean / base_mean if base_mean else None
-    else:
-        recovery = 100.0 * base_mean / cand_mean if cand_mean else None
-    return TeamComparison(
-        verdict=v,
-        metric=pol.metric,
-        higher_is_better=pol.higher_is_better,
-        n=cmp.n,
-        baseline=base_mean,
-        candidate=cand_mean,
-        delta=cand_mean - base_mean,
-        margin=margin,
-        recovery_pct=recovery,
-        confidence=pol.confidence,
-        **{k: val for k, val in cmp.as_dict().items() if k != "n"},
-        reason=reason(v, cmp, margin),
-    )
-
-
-def reason(v: Verdict, cmp, margin: float) -> str:
-    """One line explaining a verdict in metric units."""
-    if v is Verdict.PASS:
-        return f"upper bound of drop {cmp.upper:+.3f} <= margin {margin:.3f}"
-    if v is Verdict.FAIL:
-        return f"drop {cmp.drop:+.3f} exceeds margin {margin:.3f} with confidence (lower bound {cmp.lower:+.3f})"
-    if v is Verdict.ANOMALOUS:
-        return f"candidate better by {-cmp.drop:.3f}, beyond the margin with confidence: check the comparison"
-    need = f"about {cmp.n_required} docs would decide it" if cmp.n_required else "more docs will not make it pass"
-    return f"upper bound of drop {cmp.upper:+.3f} > margin {margin:.3f}; n={cmp.n} is too small to tell ({need})"
 
 
 def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> GateResult:

@@ -12,11 +12,9 @@ unchanged, plus build.json, whose recipe record holds the recipe file's sha256 (
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import time
-from functools import reduce
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +24,8 @@ from quantgate.console import log_progress, per_build
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
 from quantgate.manifest import read_manifest, write_manifest
-from quantgate.params import Frozen, load_block, read_yaml
+from quantgate.params import Frozen, load_block
+from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
 
 CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
 
@@ -40,78 +39,6 @@ class Calibration(Frozen):
 class QuantizeParams(Frozen):
     recipe: str  # llm-compressor recipe YAML, e.g. recipes/int4.yaml
     calibration: Calibration | None = None  # required when the recipe needs data
-
-
-def load_recipe(build: str, path: Path):
-    """Parse the recipe YAML at `path` with llm-compressor (llmcompressor.recipe.Recipe).
-
-    Returns the Recipe. Raises QuantgateError in one line naming the file (quantize.<build>.recipe) when
-    it is missing, not YAML, names an unknown modifier, gives a modifier a bad argument, or has none.
-    """
-    from llmcompressor.recipe import Recipe
-    from pydantic import ValidationError
-
-    where = f"{path} (quantize.{build}.recipe)"
-    if not path.is_file():
-        raise QuantgateError(f"{where}: recipe file not found; add it under recipes/ or fix the path")
-    if not isinstance(read_yaml(path), dict):  # read_yaml names the line of a YAML error
-        raise QuantgateError(
-            f"{where}: a recipe is a mapping `quant_stage: quant_modifiers: <Modifier>: {{...}}` "
-            "(see recipes/README.md)"
-        )
-    try:
-        recipe = Recipe.create_instance(str(path))
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(x) for x in err["loc"])
-        raise QuantgateError(f"{where}: {exc.title}.{field}: {err['msg']} (got {err.get('input')!r})") from None
-    except Exception as exc:  # llm-compressor raises ValueError/yaml errors/TypeError for bad recipes
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise QuantgateError(f"{where}: llm-compressor rejects this recipe: {first}") from None
-    if not recipe.modifiers:
-        raise QuantgateError(
-            f"{where}: no modifiers; a recipe reads `quant_stage: quant_modifiers: <Modifier>: {{...}}` "
-            "(see recipes/README.md)"
-        )
-    return recipe
-
-
-def needs_data(recipe) -> list[str]:
-    """Names of the recipe's modifiers that need calibration data (llm-compressor's requires_calibration_data)."""
-    return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]
-
-
-def weight_schemes(recipe) -> list[tuple[object, list[str]]]:
-    """(QuantizationScheme, ignore list) for every config group of the recipe's quantization modifiers."""
-    out = []
-    for m in recipe.modifiers:
-        config = getattr(m, "resolved_config", None)
-        if config is not None:
-            out += [(s, list(getattr(m, "ignore", None) or [])) for s in config.config_groups.values()]
-    return out
-
-
-def check_group_size(model, group_size: int, ignore: list[str], where: str = "quantize.*.group_size") -> None:
-    """Raise QuantgateError unless `group_size` divides the input width of every quantized Linear.
-
-    Names the first offending layer and lists the group sizes that would work (divisors
-    of the gcd of the widths that are powers of two, as kernels expect).
-    """
-    import torch
-
-    widths = {
-        name: m.in_features
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and not any(name.endswith(i.removeprefix("re:.*")) for i in ignore)
-    }
-    bad = [(name, w) for name, w in widths.items() if w % group_size]
-    if bad:
-        g = reduce(math.gcd, widths.values())
-        ok = [2**k for k in range(4, 12) if g % 2**k == 0]
-        raise QuantgateError(
-            f"{where}: group_size {group_size} does not divide the input width {bad[0][1]} of layer "
-            f"{bad[0][0]} ({len(bad)} layers affected); use one of {ok} (gcd of widths = {g})"
-        )
 
 
 def scheme_label(config: dict) -> str:
@@ -218,7 +145,9 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     # validate before spending minutes on calibration
     for scheme, ignore in weight_schemes(recipe):
         if scheme.weights is not None and scheme.weights.group_size:
-            check_group_size(model, scheme.weights.group_size, ignore, f"{recipe_path} (quantize.{build}.recipe)")
+            check_group_size(
+                model, scheme.weights.group_size, ignore, f"{recipe_path} (quantize.{build}.recipe)", scheme.targets
+            )
     started = time.monotonic()
     if needs:
         c = p.calibration

@@ -3,7 +3,7 @@ tasks load without lm-eval's built-in task index, and per-sample scores match lm
 
 import pytest
 
-from pipeline.evaluate import HarnessParams, run_team
+from quantgate.scoring import HarnessParams, run_team
 from quantgate.teams import load_teams
 from tests.tiny import tiny_llama_dir
 
@@ -58,7 +58,7 @@ def test_prompts_longer_than_the_context_are_refused_not_cut(lm, example_evals, 
 
 
 def test_over_length_counts_context_plus_what_follows():
-    from pipeline.evaluate import over_length
+    from quantgate.scoring import over_length
 
     words = str.split  # one token per word
     raw = [

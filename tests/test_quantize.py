@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from pipeline.quantize import Calibration, QuantizeParams, load_recipe, quantize, scheme_label
+from pipeline.quantize import Calibration, QuantizeParams, quantize, scheme_label
 from quantgate.errors import QuantgateError
 from quantgate.manifest import config_digest, read_manifest, verify_weights
+from quantgate.recipes import check_group_size, load_recipe
 from quantgate.serving import is_w4a16
 from tests.tiny import tiny_llama_dir
 
@@ -113,6 +114,18 @@ def test_group_size_not_dividing_width_is_refused_before_work(tmp_path):
     ):
         quantize("int4", src, tmp_path / "out", QuantizeParams(recipe=recipe))
     assert not (tmp_path / "out").exists()
+
+
+def test_group_size_check_follows_the_recipe_targets(tmp_path):
+    """Only the Linears a config group targets must be divisible: down_proj (input 192) is checked when the
+    group targets every Linear, and not when it targets the attention projections alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "m", hidden=64, intermediate=96))
+    with pytest.raises(QuantgateError, match=r"group_size 64 does not divide the input width 96 of layer .*down_proj"):
+        check_group_size(model, 64, ["lm_head"], "recipe.yaml", ["Linear"])
+    check_group_size(model, 64, ["lm_head"], "recipe.yaml", ["re:.*self_attn.*"])  # no error: 64 divides 64
+    check_group_size(model, 64, ["lm_head", "re:.*down_proj$"], "recipe.yaml", ["Linear"])
 
 
 @pytest.mark.parametrize(

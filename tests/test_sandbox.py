@@ -12,8 +12,8 @@ from jinja2 import UndefinedError
 from jinja2.sandbox import SecurityError
 from lm_eval.api.model import LM
 
-from pipeline.evaluate import HarnessParams, run_team
 from quantgate import sandbox
+from quantgate.scoring import HarnessParams, run_team
 from quantgate.teams import load_teams
 from quantgate.templates import lm_eval_value
 

@@ -1,0 +1,92 @@
+"""llm-compressor recipe files: parse and check them before any model is quantized.
+
+A recipe is a YAML file in llm-compressor's own format (`<name>_stage: <group>_modifiers: <Modifier>:
+{args}`). Shared by the quantize stage and the search stage (which writes int4-mixed's recipe).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+from pathlib import Path
+
+from quantgate.errors import QuantgateError
+from quantgate.params import read_yaml
+
+
+def load_recipe(build: str, path: Path):
+    """Parse the recipe YAML at `path` with llm-compressor (llmcompressor.recipe.Recipe).
+
+    Returns the Recipe. Raises QuantgateError in one line naming the file (quantize.<build>.recipe) when
+    it is missing, not YAML, names an unknown modifier, gives a modifier a bad argument, or has none.
+    """
+    from llmcompressor.recipe import Recipe
+    from pydantic import ValidationError
+
+    where = f"{path} (quantize.{build}.recipe)"
+    if not path.is_file():
+        raise QuantgateError(f"{where}: recipe file not found; add it under recipes/ or fix the path")
+    if not isinstance(read_yaml(path), dict):  # read_yaml names the line of a YAML error
+        raise QuantgateError(
+            f"{where}: a recipe is a mapping `quant_stage: quant_modifiers: <Modifier>: {{...}}` "
+            "(see recipes/README.md)"
+        )
+    try:
+        recipe = Recipe.create_instance(str(path))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise QuantgateError(f"{where}: {exc.title}.{field}: {err['msg']} (got {err.get('input')!r})") from None
+    except Exception as exc:  # llm-compressor raises ValueError/yaml errors/TypeError for bad recipes
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QuantgateError(f"{where}: llm-compressor rejects this recipe: {first}") from None
+    if not recipe.modifiers:
+        raise QuantgateError(
+            f"{where}: no modifiers; a recipe reads `quant_stage: quant_modifiers: <Modifier>: {{...}}` "
+            "(see recipes/README.md)"
+        )
+    return recipe
+
+
+def needs_data(recipe) -> list[str]:
+    """Names of the recipe's modifiers that need calibration data (llm-compressor's requires_calibration_data)."""
+    return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]
+
+
+def weight_schemes(recipe) -> list[tuple[object, list[str]]]:
+    """(QuantizationScheme, ignore list) for every config group of the recipe's quantization modifiers."""
+    out = []
+    for m in recipe.modifiers:
+        config = getattr(m, "resolved_config", None)
+        if config is not None:
+            out += [(s, list(getattr(m, "ignore", None) or [])) for s in config.config_groups.values()]
+    return out
+
+
+def check_group_size(
+    model, group_size: int, ignore: list[str], where: str = "quantize.*.group_size", targets: list[str] | None = None
+) -> None:
+    """Raise QuantgateError unless `group_size` divides the input width of every Linear the config group
+    quantizes: the modules its `targets` match (default ["Linear"]) minus `ignore`, matched by
+    compressed-tensors' own rule (`match_named_modules`: class name, exact name or `re:` pattern), as
+    llm-compressor applies the recipe.
+
+    Names the first offending layer and lists the group sizes that would work (the powers of two from
+    16 to 2048 that divide the gcd of the widths, as the W4A16 kernels expect).
+    """
+    import torch
+    from compressed_tensors.utils.match import match_named_modules
+
+    widths = {
+        name: m.in_features
+        for name, m in match_named_modules(model, targets or ["Linear"], ignore)
+        if isinstance(m, torch.nn.Linear)
+    }
+    bad = [(name, w) for name, w in widths.items() if w % group_size]
+    if bad:
+        g = reduce(math.gcd, widths.values())
+        ok = [2**k for k in range(4, 12) if g % 2**k == 0]
+        raise QuantgateError(
+            f"{where}: group_size {group_size} does not divide the input width {bad[0][1]} of layer "
+            f"{bad[0][0]} ({len(bad)} layers affected); use one of {ok} (gcd of widths = {g})"
+        )
