@@ -22,12 +22,14 @@ from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_build
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
     SCORES,
+    SEARCH_RESULT,
     BuildGate,
     GateResult,
     ServedPrecision,
     TeamComparison,
     TeamScores,
     read_scores,
+    read_search,
     write_gate,
 )
 from quantgate.stats import (
@@ -99,11 +101,26 @@ def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision
     return base
 
 
-def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> GateResult:
+def search_problem(search_file: Path | None, build: str) -> str | None:
+    """Why `build` FAILs as the product of a search that found no passing candidate (the search stage's
+    result at `search_file`), or None: no search file, another build's search, or a search that passed."""
+    if search_file is None or not search_file.is_file():
+        return None
+    s = read_search(search_file)
+    if s.build != build or s.skipped or s.passed:
+        return None
+    return (
+        f"the search kept {s.chosen} of {s.layers} layers 16-bit, but none of its {s.evaluations} screened "
+        f"candidates passed every team (results/search/trace.md); raise search.max_evals or change the base recipe"
+    )
+
+
+def gate(eval_dir: Path, teams: list[Team], params: GateParams, search_file: Path | None = None) -> GateResult:
     """Verdicts for every candidate build, per team.
 
     `precision` is the baseline's precision record (None if no candidate could be compared);
-    a candidate evaluated at another dtype FAILs every team.
+    a candidate evaluated at another dtype FAILs every team. A build whose search (`search_file`,
+    the search stage's result) found no passing candidate FAILs, with that reason, whatever its teams say.
     """
     builds, precision = {}, None
     for build in params.candidates:
@@ -119,7 +136,10 @@ def gate(eval_dir: Path, teams: list[Team], params: GateParams) -> GateResult:
                     verdict=Verdict.FAIL, metric=team.policy.metric, reason=str(exc)
                 )
         worst = max((Verdict(c.verdict) for c in comparisons.values()), key=SEVERITY.index)
-        builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons)
+        if why := search_problem(search_file, build):
+            builds[build] = BuildGate(verdict=Verdict.FAIL, shippable=False, teams=comparisons, reason=why)
+        else:
+            builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons)
     return GateResult(baseline=params.baseline, precision=precision, builds=builds)
 
 
@@ -196,6 +216,8 @@ def report(result: GateResult, plot_name: str | None = None) -> str:
     ]
     for build, b in result.builds.items():
         out.append(f"- **{build}**: {b.verdict} ({'shippable' if b.shippable else 'not shippable'})")
+        if b.reason:
+            out.append(f"  - {b.reason}")
     out += ["", table(result), ""]
     if plot_name:
         out += [f"![recovery per team and build]({plot_name})", ""]
@@ -212,14 +234,14 @@ def main() -> None:
     if len(sys.argv) != 6:
         raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG")
     eval_dir, evals_dir, metrics_path, report_path, plot_path = map(Path, sys.argv[1:])
-    result = gate(eval_dir, load_teams(evals_dir), load_params())
+    result = gate(eval_dir, load_teams(evals_dir), load_params(), SEARCH_RESULT)
     write_gate(metrics_path, result)
     report_path.write_text(report(result, plot_path.name))
     recovery_plot(result, plot_path)
     print(table(result))
     print(precision_line(result))
     for build, b in result.builds.items():
-        print(f"gate: {build}: {b.verdict}")
+        print(f"gate: {build}: {b.verdict}" + (f" ({b.reason})" if b.reason else ""))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
 from quantgate.manifest import read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
+from quantgate.precision import native_16bit
 from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
 
 CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
@@ -50,17 +51,6 @@ def scheme_label(config: dict) -> str:
     if w.get("type") == "float" and w.get("num_bits") == 8 and a.get("type") == "float":
         return "FP8_DYNAMIC" if a.get("dynamic") else "FP8"
     return f"W{w.get('num_bits', 16)}A{a.get('num_bits', 16) if a else 16}"
-
-
-def native_16bit() -> bool:
-    """True on a GPU or on a CPU with native bf16 arithmetic (avx512_bf16 or AMX), asked of torch the way
-    quantgate.precision's probe asks it in the serving env. Elsewhere (AVX2) torch emulates bf16 matmuls:
-    about 2.7x slower than float32 for this model's forward."""
-    import torch
-
-    if torch.cuda.is_available():
-        return True
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE):

@@ -168,8 +168,10 @@ def load_builds(path: Path = PARAMS_FILE) -> list[str]:
         raise QuantgateError(f"{path}: `builds` must be a list of build names, e.g. [fp16, fp8, int4]; got {builds!r}")
     if len(set(builds)) != len(builds):
         raise QuantgateError(f"{path}: `builds` {builds} names a build twice; list each once")
-    if bad := [b for b in builds if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", b)]:
-        raise QuantgateError(f"{path}: `builds` {bad}: a build name is lower_snake_case (it names folders and stages)")
+    if bad := [b for b in builds if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", b)]:
+        raise QuantgateError(
+            f"{path}: `builds` {bad}: a build name is lowercase letters, digits, _ and - (it names folders and stages)"
+        )
     quantize = data.get("quantize") if isinstance(data.get("quantize"), dict) else {}
     quantized = [b for b in builds if b != BASELINE_BUILD]
     if unbuilt := [b for b in quantized if b not in quantize]:

@@ -224,3 +224,14 @@ def precision_record(python: str, requested: str) -> dict:
         "kernel_library": platform.kernel_library,
         "w4a16": platform.w4a16,
     }
+
+
+def native_16bit() -> bool:
+    """True on a GPU or on a CPU with native bf16 arithmetic (avx512_bf16 or AMX), asked of this process's
+    torch the way `probe` asks it in the serving env. Elsewhere (AVX2) torch emulates bf16 matmuls, about
+    2.7x slower than float32 for this model's forward, so quantize and search compute in float32 there."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

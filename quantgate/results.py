@@ -3,6 +3,8 @@
 - results/teams.json: `TeamSummary` per team (validate writes it; register reads it).
 - results/eval/<build>/<team>/scores.json: `TeamScores` (evaluate writes it; gate and register read it).
 - results/gate.json: `GateResult` (gate writes it; register and `quantgate report` read it).
+- results/search/search.json: `SearchResult` (search writes it; the gate reads whether it found a
+  passing candidate).
 
 Names: a *build* (fp16, fp8, int4) is judged against the *baseline* build, per *team*; one
 (build, team) judgement is a `TeamComparison` with a *verdict*. A document is dumped with the
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from quantgate.errors import QuantgateError
 from quantgate.stats import Verdict
 
+SEARCH_RESULT = Path("results/search/search.json")  # the search stage's metrics (dvc.yaml)
 SCORES = "scores.json"  # the team's status, per-sample scores and aggregates for one build
 SAMPLES = "samples.jsonl"  # lm-eval's per-sample log, one JSON object per line
 
@@ -176,6 +179,7 @@ class BuildGate(Document):
     verdict: Verdict
     shippable: bool
     teams: dict[str, TeamComparison]
+    reason: str | None = None  # why the build FAILs whatever its teams' verdicts (its search found nothing)
 
 
 class GateResult(Document):
@@ -195,6 +199,48 @@ def write_gate(path: Path, result: GateResult) -> None:
 def read_gate(path: Path) -> GateResult:
     """Read results/gate.json; raises QuantgateError if it is missing or not a gate result."""
     return _read(path, TypeAdapter(GateResult), "gate result", "gate")
+
+
+# results/search/search.json
+
+
+class Screen(Document):
+    """One candidate the search screened: `kept` layers in 16-bit, its per-team screening judgements."""
+
+    kept: int  # layers kept 16-bit (the top `kept` of the sensitivity ranking)
+    passed: bool  # every team screened PASS
+    worst_slack: float  # min over teams of (screen_fraction * margin - drop), metric units; < 0 = fails
+    teams: dict[str, TeamComparison]
+    effective_bits: float  # bits per weight of the targeted Linear layers
+    seconds: float
+
+
+class SearchResult(Document):
+    """results/search/search.json: the mixed-precision fallback search behind one build's recipe."""
+
+    build: str  # the build whose recipe the search wrote (params search.build)
+    base: str  # the build whose recipe it started from (search.base)
+    skipped: str | None = None  # why no search ran (the build is not in params.yaml `builds`)
+    passed: bool = False  # a screened candidate passed every team
+    chosen: int | None = None  # layers kept 16-bit in the recipe
+    kept_layers: list[str] = []  # their module names, most sensitive first
+    evaluations: int = 0  # candidates screened (<= search.max_evals)
+    effective_bits: float | None = None  # bits per weight of the targeted Linear layers, chosen candidate
+    size_mib: float | None = None  # estimated weights of the whole build, chosen candidate
+    layers: int = 0  # Linear layers the base recipe quantizes
+    sensitivity: dict[str, float] = {}  # KL per layer (nats/token), most sensitive first
+    screens: list[Screen] = []
+
+
+def write_search(path: Path, result: SearchResult) -> None:
+    """Write results/search/search.json (also DVC's metrics file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
+
+
+def read_search(path: Path) -> SearchResult:
+    """Read results/search/search.json; raises QuantgateError if it is missing or not a search result."""
+    return _read(path, TypeAdapter(SearchResult), "search result", "search")
 
 
 T = TypeVar("T")

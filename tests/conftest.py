@@ -62,6 +62,7 @@ LIMIT = 12  # docs per task: real numbers through every stage, small enough for 
 # calibration scaled down for CI (the defaults, 256 x 512 tokens, take minutes per stage on 2 cores)
 CALIBRATION = {"samples": 8, "min_tokens": 128, "max_answer_tokens": 96}
 SMALL_CALIBRATION = {"samples": 8, "seq_len": 128, "pipeline": "sequential"}
+SEARCH = {"max_evals": 2, "screen_limit": LIMIT, "kl_samples": 2, "kl_seq_len": 64}  # the search, scaled down
 
 
 SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
@@ -114,7 +115,9 @@ def project(tmp_path_factory):
     quantize = load_params_doc()["quantize"]
     small = {b: {**q, "calibration": SMALL_CALIBRATION} if "calibration" in q else q for b, q in quantize.items()}
     root = scratch_project(
-        tmp_path_factory.mktemp("e2e") / "quantgate", limit=LIMIT, params={"calibrate": CALIBRATION, "quantize": small}
+        tmp_path_factory.mktemp("e2e") / "quantgate",
+        limit=LIMIT,
+        params={"calibrate": CALIBRATION, "quantize": small, "search": SEARCH},
     )
     started = time.monotonic()
     out = run(["dvc", "repro"], root)

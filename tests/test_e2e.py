@@ -12,20 +12,23 @@ import time
 
 import pytest
 
-from tests.conftest import CALIBRATION, LIMIT, run, run_precision
+from tests.conftest import CALIBRATION, LIMIT, SEARCH, run, run_precision
 
 pytestmark = pytest.mark.e2e
 PRECISION = run_precision()  # what the probe says this machine serves, at params.yaml's dtype
-SCORED = ["fp16", "fp8", "int8"] + (["int4"] if PRECISION["w4a16_problem"] is None else [])  # int8: oneDNN, any CPU
+W4A16 = ["int4", "int4-mixed"]
+SCORED = ["fp16", "fp8", "int8"] + (W4A16 if PRECISION["w4a16_problem"] is None else [])  # int8: oneDNN, any CPU
 
 
 def test_builds_are_compressed_tensors_with_manifests(project):
-    for build, scheme in [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int8", "W8A8"), ("int4", "W4A16")]:
+    builds = [("fp16", "BF16"), ("fp8", "FP8_DYNAMIC"), ("int8", "W8A8"), ("int4", "W4A16"), ("int4-mixed", "W4A16")]
+    for build, scheme in builds:
         manifest = json.loads((project / "models" / build / "build.json").read_text())
         assert manifest["scheme"] == scheme
         assert len(manifest["weights_digest"]) == 64
+        recipe = "results/search/recipe.yaml" if build == "int4-mixed" else f"recipes/{build}.yaml"
         if build != "fp16":  # lineage: the recipe file and its digest
-            assert manifest["recipe"]["file"] == f"recipes/{build}.yaml" and len(manifest["recipe"]["sha256"]) == 64
+            assert manifest["recipe"]["file"] == recipe and len(manifest["recipe"]["sha256"]) == 64
     calibration = [json.loads(line) for line in (project / "results/calibration.jsonl").read_text().splitlines()]
     assert len(calibration) == CALIBRATION["samples"] and all(
         c["tokens"] >= CALIBRATION["min_tokens"] and "<|im_start|>assistant" in c["text"] for c in calibration
@@ -33,6 +36,30 @@ def test_builds_are_compressed_tensors_with_manifests(project):
     qc = json.loads((project / "models" / "int4" / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "pack-quantized" and "lm_head" in qc["ignore"]
     assert next(iter(qc["config_groups"].values()))["weights"]["group_size"] == 64
+
+
+def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mixed_is_made_from(project):
+    from quantgate.recipes import load_recipe
+
+    result = json.loads((project / "results/search/search.json").read_text())
+    assert result["build"] == "int4-mixed" and result["base"] == "int4" and result["skipped"] is None
+    assert result["layers"] == 30 * 7 == len(result["sensitivity"])  # SmolLM2-135M: 30 blocks x 7 Linears
+    kl = list(result["sensitivity"].values())
+    assert kl == sorted(kl, reverse=True) and kl[-1] >= 0 and kl[0] > 0
+    assert 1 <= result["evaluations"] == len(result["screens"]) <= SEARCH["max_evals"]
+    assert result["screens"][0]["kept"] == 0 and result["screens"][0]["effective_bits"] == 4.25  # W4, g64 scales
+    for s in result["screens"]:
+        assert set(s["teams"]) == {"billing", "search", "support"}
+        assert all(c["n"] == LIMIT for c in s["teams"].values())
+    kept = result["kept_layers"]
+    assert kept == list(result["sensitivity"])[: result["chosen"]]
+    assert 4.25 <= result["effective_bits"] < 16
+    recipe = load_recipe("int4-mixed", project / "results/search/recipe.yaml")
+    ignore = recipe.modifiers[0].ignore
+    assert ignore == ["lm_head", *kept]
+    qc = json.loads((project / "models/int4-mixed/config.json").read_text())["quantization_config"]
+    assert set(kept) <= set(qc["ignore"])  # the kept layers really are 16-bit in the build
+    assert "| kept 16-bit |" in (project / "results/search/trace.md").read_text()
 
 
 def test_every_build_scored_through_vllm(project):
@@ -47,10 +74,11 @@ def test_every_build_scored_through_vllm(project):
         timing = json.loads((project / "results/eval" / build / "timing.json").read_text())
         assert 5 < timing["server_start_s"] < 600 and timing["cached"] == []
         assert set(timing["scoring_s"]) == {"billing", "search", "support"} and min(timing["scoring_s"].values()) > 0
-    if "int4" not in SCORED:  # fails closed with the reason, never scored as passing
-        doc = json.loads((project / "results/eval/int4/search/scores.json").read_text())
+    for build in [b for b in W4A16 if b not in SCORED]:  # fail closed with the reason, never scored as passing
+        doc = json.loads((project / "results/eval" / build / "search/scores.json").read_text())
         assert doc["status"] == "error" and PRECISION["w4a16_problem"] in doc["reason"]
-    for build in ("fp16", "fp8", "int8", "int4"):  # one precision for every build, recorded where the scores are
+    # one precision for every build, recorded where the scores are
+    for build in ("fp16", "fp8", "int8", "int4", "int4-mixed"):
         record = json.loads((project / "results/eval" / build / "precision.json").read_text())
         assert (record["dtype"], record["requested"]) == (PRECISION["dtype"], PRECISION["requested"])
         if build in SCORED:  # vLLM's engine config line: "... dtype=torch.float32, ..."
@@ -62,7 +90,7 @@ def test_every_build_scored_through_vllm(project):
 
 def test_gate_table_and_metrics(project):
     gate = json.loads((project / "results/gate.json").read_text())
-    assert set(gate["builds"]) == {"fp8", "int8", "int4"}
+    assert set(gate["builds"]) == {"fp8", "int8", "int4", "int4-mixed"}
     for build, b in gate["builds"].items():
         assert b["verdict"] in {"PASS", "FAIL", "INCONCLUSIVE", "ANOMALOUS"}
         if build not in SCORED:
@@ -94,8 +122,8 @@ def test_registry_holds_versions_with_lineage_and_fallback(project):
     passing = {build for build, b in gate["builds"].items() if b["verdict"] == "PASS"}
     assert set(versions) == {"fp16", *passing} == set(reg["builds"])  # only what may ship is a version
     assert set(reg["unregistered"]) == set(gate["builds"]) - passing  # the others are runs with their evidence
-    if "int4" not in SCORED:
-        assert reg["unregistered"]["int4"]["verdict"] == "FAIL"
+    for build in [b for b in W4A16 if b not in SCORED]:
+        assert reg["unregistered"][build]["verdict"] == "FAIL"
     teams = json.loads((project / "results/teams.json").read_text())
     entries = reg["builds"] | reg["unregistered"]
     for build, entry in entries.items():

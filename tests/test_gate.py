@@ -189,7 +189,7 @@ def test_gate_params_refuse_builds_that_do_not_add_up(tmp_path, text, message):
             "{fp8: {scheme: FP8_DYNAMIC}, int5: {scheme: W4A16}}",
             "quantize.int5 is not a quantized build",
         ),
-        ("[fp16, ../evals]", "{}", "`builds` ['../evals']: a build name is lower_snake_case"),
+        ("[fp16, ../evals]", "{}", "`builds` ['../evals']: a build name is lowercase letters, digits, _ and -"),
         ("[]", "{}", "`builds` must be a list of build names"),
     ],
 )

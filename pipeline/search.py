@@ -1,0 +1,403 @@
+"""Stage `search`: the recipe of build int4-mixed, by a mixed-precision fallback search.
+
+Run by DVC: `python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR` (params block `search`; it also
+reads the base build's `quantize.<base>.recipe`, `evaluate.harness`, `evaluate.serve` and `gate`).
+
+INT4 damage is not spread evenly over a model: a few Linear layers cost most of it. The search keeps the
+fewest most sensitive layers in 16-bit (the recipe's `ignore`) such that every team still passes, as
+Intel Neural Compressor's accuracy-aware op fallback and NVIDIA ModelOpt's auto_quantize (where "do not
+quantize" is one of the choices) do; llm-compressor has no such search yet (its RFC #2690).
+
+1. Sensitivity, in-process: each Linear the base recipe quantizes is quantized alone, round-to-nearest
+   at the recipe's weight scheme (bits, group size, symmetry; compressed-tensors' `calculate_qparams`
+   and `fake_quantize`). Its score is KL(p_16bit || p_quantized) of the next-token distributions, mean
+   over the tokens of the first `kl_samples` calibration conversations (`kl_seq_len` tokens each).
+2. A bisection over k, the number of top-ranked layers kept 16-bit. A candidate is the 16-bit model with
+   every other targeted layer round-to-nearest quantized. It is screened in-process (lm-eval's hf
+   backend) on the first `screen_limit` documents of every team, against the 16-bit build on the same
+   documents, and passes a team when the gate's judge (quantgate/judging.py) does not FAIL it and its
+   point drop is at most `screen_fraction` of the team's margin: a subset this small cannot show
+   non-inferiority at the gate's confidence (an identical build is INCONCLUSIVE on 100 documents).
+   k = 0 is screened first, then the interval (largest failing k, smallest passing k) is cut at its
+   geometric mean, since sensitivity is concentrated in few layers; k = every layer is the 16-bit build
+   itself and is never screened. At most `max_evals` candidates are screened.
+3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
+   module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
+   evaluate and the gate then confirm it on the full sets like any build. Round-to-nearest screening loses
+   at least as much as GPTQ on most layers, so the screen errs towards keeping layers.
+   OUT_DIR/search.json (DVC metrics; quantgate.results.SearchResult) and OUT_DIR/trace.md: the ranking,
+   every screened candidate with its per-team results, the choice, effective bits per weight and size.
+   If no screened candidate passes, the search says so and keeps the one with the largest worst-team
+   slack, and the gate FAILs that build.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import Field
+
+from quantgate.console import progress
+from quantgate.errors import QuantgateError, run_main
+from quantgate.judging import GateBlock, judge
+from quantgate.params import Frozen, load_block, load_builds, read_yaml
+from quantgate.precision import native_16bit
+from quantgate.recipes import load_recipe, weight_schemes
+from quantgate.results import Screen, SearchResult, TeamScores, write_search
+from quantgate.scoring import HarnessParams, run_team
+from quantgate.serving import ServeParams
+from quantgate.stats import Verdict
+from quantgate.teams import Team, load_teams
+
+CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
+RECIPE, RESULT, TRACE = "recipe.yaml", "search.json", "trace.md"
+
+
+class SearchParams(Frozen):
+    """params.yaml block `search`."""
+
+    build: str = "int4-mixed"  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
+    base: str = "int4"  # the build whose recipe (scheme, method, calibration) the search starts from
+    max_evals: int = Field(default=4, ge=1)  # candidates screened at most
+    screen_limit: int = Field(default=100, gt=0)  # first documents of each team's tasks per screen
+    screen_fraction: float = Field(default=0.5, gt=0, le=1)  # a team passes the screen at drop <= this x margin
+    kl_samples: int = Field(default=8, gt=0)  # calibration conversations for the sensitivity ranking
+    kl_seq_len: int = Field(default=256, gt=0)  # tokens of each
+
+
+class BaseBuild(Frozen):
+    """The base build's block `quantize.<base>` (only the recipe matters here)."""
+
+    recipe: str
+    calibration: dict | None = None
+
+
+def rtn(weight, args):
+    """`weight` (out_features, in_features) round-to-nearest quantized and dequantized at QuantizationArgs
+    `args` (strategy group or channel), same shape and dtype. Min/max include 0, as llm-compressor's
+    min-max observer does. Raises QuantgateError for other strategies."""
+    import torch
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    rows, cols = weight.shape
+    if args.strategy == "group":
+        view = weight.reshape(rows, cols // args.group_size, args.group_size)
+        low, high = view.amin(-1), view.amax(-1)
+    elif args.strategy == "channel":
+        low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    else:
+        raise QuantgateError(f"search: weight strategy {args.strategy!r} not supported; use group or channel")
+    zero = torch.zeros_like(low)
+    scale, zero_point = calculate_qparams(torch.minimum(low, zero), torch.maximum(high, zero), args)
+    return fake_quantize(weight, scale, zero_point, args)
+
+
+def bits_per_weight(args, in_features: int) -> float:
+    """Stored bits per weight of a layer quantized at `args`: the weight bits plus one 16-bit scale per
+    group (per row for channel), plus a num_bits zero point per group when asymmetric."""
+    per = args.group_size if args.strategy == "group" else in_features
+    return args.num_bits + (16 + (0 if args.symmetric else args.num_bits)) / per
+
+
+def effective_bits(layers: dict[str, tuple[int, int]], kept: set[str], args) -> float:
+    """Mean stored bits per weight over the targeted Linear layers (`layers`: name -> (weights,
+    in_features)), layers in `kept` at 16 bits."""
+    total = sum(n for n, _ in layers.values())
+    bits = sum(n * (16 if name in kept else bits_per_weight(args, cols)) for name, (n, cols) in layers.items())
+    return bits / total
+
+
+def size_mib(model, layers: dict[str, tuple[int, int]], kept: set[str], args) -> float:
+    """Estimated weights of the build in MiB: targeted layers not kept at `bits_per_weight`, every other
+    parameter (embeddings, norms, kept layers) at 16 bits; tied parameters counted once."""
+    quantized = {name for name in layers if name not in kept}
+    bits = 0.0
+    for name, param in model.named_parameters():  # named_parameters() yields a tied tensor once
+        module = name.rsplit(".", 1)[0]
+        if module in quantized and name.endswith(".weight"):
+            bits += param.numel() * bits_per_weight(args, layers[module][1])
+        else:
+            bits += param.numel() * 16
+    return bits / 8 / 2**20
+
+
+def calibration_ids(tokenizer, path: Path, samples: int, seq_len: int) -> list:
+    """The first `samples` calibration conversations of `path`, tokenized, each a (1, <= seq_len) tensor.
+
+    Raises QuantgateError if the file is missing or short."""
+    import json
+
+    if not path.is_file():
+        raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
+    texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if len(texts) < samples:
+        raise QuantgateError(
+            f"{path}: {len(texts)} conversations, search.kl_samples asks for {samples}; lower it or raise "
+            "calibrate.samples"
+        )
+    return [
+        tokenizer(t, return_tensors="pt", add_special_tokens=False, truncation=True, max_length=seq_len).input_ids
+        for t in texts[:samples]
+    ]
+
+
+def sensitivity(model, linears: dict, args, batches: list) -> dict[str, float]:
+    """{layer: KL(p_16bit || p_layer-quantized) in nats per token}, most sensitive first.
+
+    `linears`: name -> torch.nn.Linear of `model`; each is quantized alone (rtn) and restored.
+    """
+    import torch
+
+    with torch.no_grad():
+        reference = [model(input_ids=ids).logits.float().log_softmax(-1) for ids in batches]
+        probs = [r.exp() for r in reference]  # once, not once per layer
+        tokens = sum(r.shape[1] for r in reference)
+        scores = {}
+        for name, layer in progress(list(linears.items()), desc="search: sensitivity", unit="layer"):
+            original = layer.weight.data.clone()
+            layer.weight.data = rtn(original, args)
+            kl = 0.0
+            for ids, ref, prob in zip(batches, reference, probs, strict=True):
+                logp = model(input_ids=ids).logits.float().log_softmax(-1)
+                kl += float((prob * (ref - logp)).sum())
+            layer.weight.data = original
+            scores[name] = kl / tokens
+    return dict(sorted(scores.items(), key=lambda kv: -kv[1]))
+
+
+def next_k(lo: int, hi: int) -> int:
+    """The next count to screen between a failing `lo` and a passing `hi` (hi - lo >= 2): their geometric
+    mean (lo counted as 1), strictly inside the interval."""
+    mid = round(math.sqrt(max(lo, 1) * hi))
+    return min(max(mid, lo + 1), hi - 1)
+
+
+def bisect(n_layers: int, max_evals: int, screen) -> list[Screen]:
+    """Screens in the order run: k = 0, then the interval (largest failing k, smallest passing k) is cut
+    (next_k) until it closes or `max_evals` screens are spent. `screen(k) -> Screen`; k = n_layers (all
+    16-bit) passes by construction and is never screened."""
+    done = [screen(0)]
+    if done[0].passed:
+        return done
+    lo, hi = 0, n_layers
+    while len(done) < max_evals and hi - lo >= 2:
+        done.append(screen(next_k(lo, hi)))
+        lo, hi = (lo, done[-1].kept) if done[-1].passed else (done[-1].kept, hi)
+    return done
+
+
+def choose(screens: list[Screen]) -> tuple[Screen, bool]:
+    """(chosen screen, whether it passed): the passing one with the fewest kept layers, else the one with
+    the largest worst-team slack."""
+    passing = [s for s in screens if s.passed]
+    if passing:
+        return min(passing, key=lambda s: s.kept), True
+    return max(screens, key=lambda s: s.worst_slack), False
+
+
+def screen_teams(
+    lm, teams: list[Team], harness: HarnessParams, baseline: dict[str, TeamScores], gate: GateBlock, p: SearchParams
+) -> tuple[dict, float, bool]:
+    """Score every team with `lm` and judge it against `baseline` ({team: 16-bit scores on the same docs}).
+
+    Returns ({team: TeamComparison}, worst slack, passed). A team passes when the judge does not FAIL it
+    and drop <= screen_fraction * margin; slack = screen_fraction * margin - drop (metric units)."""
+    out, slacks = {}, []
+    for team in teams:
+        scores, _ = run_team(lm, team, harness)
+        cmp = judge(team, baseline[team.name], scores, gate, p.build)
+        out[team.name] = cmp
+        slacks.append(p.screen_fraction * cmp.margin - cmp.drop)  # a FAIL has drop > margin: slack < 0
+    worst = min(slacks)
+    return out, worst, worst >= 0 and all(c.verdict != Verdict.FAIL for c in out.values())
+
+
+def mixed_recipe(base_path: Path, kept: list[str], header: str) -> str:
+    """The base recipe's YAML with `kept` appended to the `ignore` of every quantization modifier
+    (those with config_groups or a scheme), preceded by `header` as comments."""
+    doc = read_yaml(base_path)
+    for stage in doc.values():
+        for group in stage.values():
+            for args in group.values():
+                if isinstance(args, dict) and ("config_groups" in args or "scheme" in args):
+                    args["ignore"] = list(args.get("ignore") or []) + kept
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    return comments + yaml.safe_dump(doc, sort_keys=False, width=120)
+
+
+def hf_lm(model, tokenizer, harness: HarnessParams, max_length: int):
+    """lm-eval's in-process hf backend on the in-memory `model`, with the evaluate stage's batch size and
+    BOS setting; `max_length` (tokens) is the serving context."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(
+        pretrained=model,
+        tokenizer=tokenizer,
+        batch_size=harness.batch_size,
+        add_bos_token=harness.add_bos_token,
+        max_length=max_length,
+    )
+
+
+def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> SearchResult:
+    """Run the search (module docstring) and write OUT_DIR/recipe.yaml, search.json and trace.md.
+
+    Raises QuantgateError for a bad base recipe or block, a missing calibration file, or a team whose
+    16-bit screening run errors."""
+    import torch
+    from compressed_tensors.utils.match import match_named_modules
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = load_block(f"quantize.{p.base}", BaseBuild)
+    base_path = Path(base.recipe)
+    recipe = load_recipe(p.base, base_path)
+    schemes = [(s, ignore) for s, ignore in weight_schemes(recipe) if s.weights is not None]
+    if not schemes:
+        raise QuantgateError(f"{base_path} (search.base {p.base}): no weight quantization to fall back from")
+    scheme, ignore = schemes[0]
+    args = scheme.weights
+    harness = load_block("evaluate.harness", HarnessParams).model_copy(update={"limit": p.screen_limit})
+    max_length = load_block("evaluate.serve", ServeParams).max_model_len
+    gate = load_block("gate", GateBlock)
+    teams = load_teams(evals_dir)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=None if native_16bit() else torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    linears = {
+        name: m for name, m in match_named_modules(model, scheme.targets, ignore) if isinstance(m, torch.nn.Linear)
+    }
+    layers = {name: (m.weight.numel(), m.in_features) for name, m in linears.items()}
+    batches = calibration_ids(tokenizer, CALIBRATION_FILE, p.kl_samples, p.kl_seq_len)
+
+    started = time.monotonic()
+    ranking = sensitivity(model, linears, args, batches)
+    print(
+        f"search: ranked {len(ranking)} layers by KL in {time.monotonic() - started:.0f} s; most sensitive: "
+        + ", ".join(f"{n} {kl:.2g}" for n, kl in list(ranking.items())[:3]),
+        flush=True,
+    )
+    order = list(ranking)
+    lm = hf_lm(model, tokenizer, harness, max_length)
+    baseline = {}
+    for team in teams:
+        scores, _ = run_team(lm, team, harness)
+        baseline[team.name] = scores
+
+    originals = {name: m.weight.data.clone() for name, m in linears.items()}
+
+    def screen(k: int) -> Screen:
+        began = time.monotonic()
+        kept = set(order[:k])
+        with torch.no_grad():
+            for name, m in linears.items():
+                m.weight.data = originals[name] if name in kept else rtn(originals[name], args)
+        teams_cmp, worst, passed = screen_teams(lm, teams, harness, baseline, gate, p)
+        s = Screen(
+            kept=k,
+            passed=passed,
+            worst_slack=round(worst, 6),
+            teams=teams_cmp,
+            effective_bits=round(effective_bits(layers, kept, args), 3),
+            seconds=round(time.monotonic() - began, 1),
+        )
+        verdicts = ", ".join(f"{t} drop {c.drop:+.3f}/{c.margin:.3f}" for t, c in teams_cmp.items())
+        print(f"search: keep {k:>3} 16-bit -> {'pass' if passed else 'fail'} ({verdicts})", flush=True)
+        return s
+
+    screens = bisect(len(order), p.max_evals, screen)
+    chosen, passed = choose(screens)
+    kept = order[: chosen.kept]
+    with torch.no_grad():
+        for name, m in linears.items():
+            m.weight.data = originals[name]
+    result = SearchResult(
+        build=p.build,
+        base=p.base,
+        passed=passed,
+        chosen=chosen.kept,
+        kept_layers=kept,
+        evaluations=len(screens),
+        effective_bits=chosen.effective_bits,
+        size_mib=round(size_mib(model, layers, set(kept), args), 1),
+        layers=len(order),
+        sensitivity={n: round(v, 6) for n, v in ranking.items()},
+        screens=screens,
+    )
+    header = (
+        f"{p.build}: {base_path} with the {len(kept)} most sensitive of its {len(order)} quantized layers kept "
+        f"16-bit\n(pipeline.search, {len(screens)} screens; {'passed' if passed else 'NO candidate passed'} "
+        f"the screen; see {out_dir / TRACE})"
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RECIPE).write_text(mixed_recipe(base_path, kept, header))
+    load_recipe(p.build, out_dir / RECIPE)  # llm-compressor reads what quantize will read
+    write_search(out_dir / RESULT, result)
+    (out_dir / TRACE).write_text(trace(result, p))
+    return result
+
+
+def trace(r: SearchResult, p: SearchParams) -> str:
+    """The search as markdown: every screen (kept layers, bits, per-team drop vs margin), then the choice."""
+    teams = list(r.screens[0].teams) if r.screens else []
+    lines = [
+        f"# Search trace: {r.build} from {r.base}",
+        "",
+        f"{r.layers} layers ranked by KL; screens on the first {p.screen_limit} documents per task, a team "
+        f"passes at drop <= {p.screen_fraction} x margin; {r.evaluations} of at most {p.max_evals} screens.",
+        "",
+        "| kept 16-bit | bits/weight | " + " | ".join(f"{t} drop / margin" for t in teams) + " | screen | s |",
+        "|---|---|" + "---|" * len(teams) + "---|---|",
+    ]
+    for s in r.screens:
+        cells = [f"{c.drop:+.3f} / {c.margin:.3f} ({c.verdict})" for c in s.teams.values()]
+        row = [str(s.kept), f"{s.effective_bits:.2f}", *cells, "pass" if s.passed else "fail", f"{s.seconds:.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    verdict = "passed the screen" if r.passed else "no screened candidate passed; kept the best, the gate FAILs it"
+    lines += [
+        "",
+        f"Chosen: {r.chosen} layers kept 16-bit ({verdict}), {r.effective_bits} bits per weight, "
+        f"about {r.size_mib} MiB.",
+        "",
+        "Kept: " + (", ".join(f"`{n}`" for n in r.kept_layers) or "none"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def skip(out_dir: Path, p: SearchParams, builds: list[str]) -> SearchResult:
+    """The outs when `p.build` is not a build of this run: a recipe file that says so, and the result."""
+    why = f"{p.build} is not in params.yaml builds {builds}"
+    result = SearchResult(build=p.build, base=p.base, skipped=why)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RECIPE).write_text(f"# search skipped: {why}; no build reads this file\n")
+    write_search(out_dir / RESULT, result)
+    (out_dir / TRACE).write_text(f"# Search trace\n\nSkipped: {why}.\n")
+    return result
+
+
+def main() -> None:
+    if len(sys.argv) != 4:
+        raise QuantgateError("usage: python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR")
+    model_dir, evals_dir, out_dir = map(Path, sys.argv[1:])
+    p = load_block("search", SearchParams)
+    builds = load_builds()
+    if p.build not in builds:
+        r = skip(out_dir, p, builds)
+        print(f"search: skipped ({r.skipped})")
+        return
+    r = search(model_dir, evals_dir, out_dir, p)
+    outcome = "passed the screen" if r.passed else "NO candidate passed the screen (the gate will FAIL it)"
+    print(
+        f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "
+        f"~{r.size_mib} MiB; {r.evaluations} screens; wrote {out_dir / RECIPE}"
+    )
+
+
+if __name__ == "__main__":
+    run_main(main, log="search")

@@ -1,0 +1,131 @@
+"""pipeline.search without a real model: the RTN fake quantization, the bits arithmetic, the bisection
+and its choice, the recipe it writes, and the KL ranking on a tiny random Llama."""
+
+import math
+
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+
+from pipeline.search import (
+    bisect,
+    bits_per_weight,
+    choose,
+    effective_bits,
+    mixed_recipe,
+    next_k,
+    rtn,
+    sensitivity,
+    size_mib,
+)
+from quantgate.errors import QuantgateError
+from quantgate.recipes import load_recipe
+from quantgate.results import Screen
+from tests.tiny import tiny_llama_dir
+
+W4G = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)
+
+
+def test_rtn_puts_each_group_on_at_most_16_levels_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(8, 64)
+    q = rtn(w, W4G)
+    assert q.shape == w.shape and q.dtype == w.dtype
+    for row in range(8):
+        for g in range(4):
+            group, qgroup = w[row, g * 16 : (g + 1) * 16], q[row, g * 16 : (g + 1) * 16]
+            assert len(torch.unique(qgroup)) <= 16
+            step = group.abs().max() / 7.5  # symmetric int4: scale = absmax / ((7 - (-8)) / 2)
+            assert (qgroup - group).abs().max() <= step / 2 + 1e-6
+    assert not torch.equal(q, w)
+    assert torch.equal(rtn(torch.zeros(4, 32), W4G), torch.zeros(4, 32))
+
+
+def test_rtn_refuses_a_strategy_it_cannot_fake():
+    with pytest.raises(QuantgateError, match="weight strategy 'tensor' not supported; use group or channel"):
+        rtn(torch.randn(4, 16), QuantizationArgs(num_bits=8, type="int", strategy="tensor"))
+
+
+def test_bits_per_weight_and_effective_bits():
+    g64 = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=64)
+    assert bits_per_weight(g64, 576) == 4.25  # one 16-bit scale per 64 weights
+    asym = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64)
+    assert bits_per_weight(asym, 576) == 4 + 20 / 64  # plus a 4-bit zero point per group
+    channel = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    assert bits_per_weight(channel, 512) == 8 + 16 / 512
+    layers = {"a": (300, 64), "b": (100, 64)}
+    assert effective_bits(layers, set(), g64) == 4.25
+    assert effective_bits(layers, {"b"}, g64) == (300 * 4.25 + 100 * 16) / 400
+    assert effective_bits(layers, {"a", "b"}, g64) == 16
+
+
+def test_size_counts_tied_weights_once(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "m"))
+    all16 = sum(p.numel() for p in model.parameters()) * 2 / 2**20
+    assert size_mib(model, {}, set(), W4G) == pytest.approx(all16)
+    down = model.model.layers[0].mlp.down_proj
+    layers = {"model.layers.0.mlp.down_proj": (down.weight.numel(), down.in_features)}
+    saved = down.weight.numel() * (16 - bits_per_weight(W4G, down.in_features)) / 8 / 2**20
+    assert size_mib(model, layers, set(), W4G) == pytest.approx(all16 - saved)
+    assert size_mib(model, layers, set(layers), W4G) == pytest.approx(all16)
+
+
+def screens_for(threshold: int, n: int, max_evals: int) -> list[Screen]:
+    """bisect against a fake screen that passes from `threshold` kept layers on."""
+
+    def screen(k):
+        return Screen(kept=k, passed=k >= threshold, worst_slack=k - threshold, teams={}, effective_bits=4.0, seconds=0)
+
+    return bisect(n, max_evals, screen)
+
+
+def test_bisection_finds_the_fewest_kept_layers_within_the_budget():
+    assert next_k(0, 210) == 14 and next_k(12, 14) == 13 and next_k(0, 2) == 1
+    done = screens_for(13, 210, 10)
+    assert [s.kept for s in done] == [0, 14, 4, 7, 10, 12, 13]  # geometric cuts: sensitivity is concentrated
+    assert choose(done) == (done[-1], True)
+    assert [s.kept for s in screens_for(0, 210, 10)] == [0]  # the base recipe already passes: keep none
+    short = screens_for(13, 210, 3)
+    assert [s.kept for s in short] == [0, 14, 4] and choose(short)[0].kept == 14
+
+
+def test_no_passing_screen_keeps_the_one_with_the_most_slack():
+    done = screens_for(500, 210, 3)  # nothing short of every layer passes
+    assert [s.kept for s in done] == [0, 14, 54] and not any(s.passed for s in done)
+    chosen, passed = choose(done)
+    assert (chosen.kept, passed) == (54, False)
+
+
+def test_mixed_recipe_adds_the_kept_layers_to_ignore_and_llm_compressor_reads_it(tmp_path):
+    base = tmp_path / "int4.yaml"
+    base.write_text(
+        "quant_stage:\n  quant_modifiers:\n    GPTQModifier:\n      ignore: [lm_head]\n      config_groups:\n"
+        "        group_0:\n          targets: [Linear]\n          weights: {num_bits: 4, type: int, symmetric: true,"
+        " strategy: group, group_size: 64}\n"
+    )
+    out = tmp_path / "mixed.yaml"
+    out.write_text(mixed_recipe(base, ["model.layers.3.mlp.down_proj", "model.layers.0.self_attn.q_proj"], "a\nb"))
+    assert out.read_text().startswith("# a\n# b\n")
+    recipe = load_recipe("int4-mixed", out)
+    assert recipe.modifiers[0].ignore == ["lm_head", "model.layers.3.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
+
+
+def test_sensitivity_ranks_every_layer_restores_the_weights_and_scores_an_exact_layer_zero(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "m"), dtype=torch.float32).eval()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    exact = "model.layers.1.mlp.up_proj"
+    with torch.no_grad():
+        linears[exact].weight.zero_()  # zeros are exact in int4: quantizing it changes nothing
+    before = {n: m.weight.clone() for n, m in linears.items()}
+    batches = [torch.tensor([[3, 4, 5, 9, 6, 8, 2, 7, 10, 11, 12, 13, 3, 4, 5, 9]])]
+    ranking = sensitivity(model, linears, W4G, batches)
+    assert set(ranking) == set(linears) and len(ranking) == 2 * 7
+    values = list(ranking.values())
+    assert values == sorted(values, reverse=True) and values[0] > 0
+    assert ranking[exact] == pytest.approx(0.0, abs=1e-7) and values[0] > 1e3 * max(ranking[exact], 1e-9)
+    assert all(v >= -1e-7 and math.isfinite(v) for v in values)
+    assert all(torch.equal(before[n], m.weight) for n, m in linears.items())
