@@ -144,28 +144,16 @@ def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE
     """
     from datasets import Dataset
 
+    from quantgate.jsonl import read_jsonl
+
     if not path.is_file():
         raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
+    rerun = "re-run the calibrate stage (`dvc repro calibrate`)"
     texts = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise QuantgateError(
-            f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); re-run the calibrate stage"
-        ) from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            texts.append(row["text"] if isinstance(row["text"], str) else None)
-        except (ValueError, KeyError, TypeError):
-            texts.append(None)
-        if texts[-1] is None:
-            raise QuantgateError(
-                f'{path}:{number}: expected {{"text": "<conversation>", ...}}; re-run the calibrate stage '
-                "(`dvc repro calibrate`)"
-            )
+    for number, row in read_jsonl(path, rerun):
+        if not (isinstance(row, dict) and isinstance(row.get("text"), str)):
+            raise QuantgateError(f'{path}:{number}: expected {{"text": "<conversation>", ...}}; {rerun}')
+        texts.append(row["text"])
     if len(texts) < c.samples:
         raise QuantgateError(
             f"{path}: {len(texts)} calibration conversations, {c.samples} asked for (quantize.*.calibration.samples); "

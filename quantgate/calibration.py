@@ -9,11 +9,11 @@ prompt, a generated answer) may contain a string of any team's eval documents.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from quantgate.errors import QuantgateError
+from quantgate.jsonl import read_jsonl
 from quantgate.teams import Team
 
 TEAM_FILE = "calibration.jsonl"  # optional, in a team's folder
@@ -41,6 +41,14 @@ def _data_files(config: dict) -> list[Path]:
     return [Path(f) for f in _strings(files)]
 
 
+def _is_chat(messages) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)
+    )
+
+
 def eval_strings(teams: list[Team]) -> dict[str, str]:
     """Every string field of every team's eval documents, normalized (lower case, single spaces), mapped to
     where it is (`<file>:<line>`). Strings under MIN_OVERLAP_CHARS characters are left out."""
@@ -50,11 +58,7 @@ def eval_strings(teams: list[Team]) -> dict[str, str]:
             for path in _data_files(task.config):
                 if path.suffix != ".jsonl" or not path.is_file():
                     continue
-                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                    try:
-                        doc = json.loads(line)
-                    except ValueError:
-                        continue  # validate has refused such files already
+                for number, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`"):
                     for s in _strings(doc):
                         if len(n := _norm(s)) >= MIN_OVERLAP_CHARS:
                             found.setdefault(n, f"{path}:{number}")
@@ -81,27 +85,10 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
             continue
         if strings is None:
             strings = eval_strings(teams)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as exc:
-            raise QuantgateError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
+        for number, row in read_jsonl(path, f"save it as UTF-8, one {SHAPE} per line"):
             where = f"{path}:{number}"
-            try:
-                messages = json.loads(line)["messages"]
-                ok = (
-                    isinstance(messages, list)
-                    and messages
-                    and all(
-                        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-                        for m in messages
-                    )
-                )
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok:
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not _is_chat(messages):
                 raise QuantgateError(f"{where}: expected {SHAPE}")
             if found := overlap(" ".join(m["content"] for m in messages), strings):
                 raise QuantgateError(

@@ -29,16 +29,22 @@ def first_line(evals, team: str, field: str) -> str:
 @pytest.mark.parametrize(
     "line, error",
     [
-        ("{'messages': []}", "expected " + SHAPE),
-        ('{"messages": "hi"}', "expected " + SHAPE),
-        ('{"messages": [{"role": "bot", "content": "hi"}]}', "expected " + SHAPE),
-        ('{"messages": [{"role": "user"}]}', "expected " + SHAPE),
-        ('[{"role": "user", "content": "hi"}]', "expected " + SHAPE),
+        (
+            b"{'messages': []}",
+            "invalid JSON (Expecting property name enclosed in double quotes at column 2); save it as UTF-8, "
+            f"one {SHAPE} per line",
+        ),
+        (b'{"messages": "caf\xe9"}', f"not UTF-8 (byte 0xe9); save it as UTF-8, one {SHAPE} per line"),
+        (b'{"messages": "hi"}', "expected " + SHAPE),
+        (b'{"messages": []}', "expected " + SHAPE),
+        (b'{"messages": [{"role": "bot", "content": "hi"}]}', "expected " + SHAPE),
+        (b'{"messages": [{"role": "user"}]}', "expected " + SHAPE),
+        (b'[{"role": "user", "content": "hi"}]', "expected " + SHAPE),
     ],
 )
 def test_validate_stage_refuses_a_bad_line_naming_file_line_and_fix(example_evals, tmp_path, monkeypatch, line, error):
     path = example_evals / "support" / TEAM_FILE
-    path.write_text(json.dumps(GOOD) + "\n" + line + "\n")
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + line + b"\n")
     with pytest.raises(QuantgateError) as err:
         run_validate(example_evals, tmp_path, monkeypatch)
     assert str(err.value) == f"{path}:2: {error}"
