@@ -11,7 +11,6 @@ End-to-end latency = request sent to last byte; TTFT (streaming only) = to the f
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import threading
 import time
@@ -26,6 +25,7 @@ import numpy as np
 from httpx_sse import aconnect_sse
 
 from quantgate.errors import QuantgateError
+from quantgate.jsonl import read_jsonl
 from quantgate.teams import load_teams
 
 KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
@@ -110,7 +110,7 @@ def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[str]:
         for task in team.tasks:
             split = task.config.get("test_split") or task.config.get("validation_split")
             path = Path(task.config["dataset_kwargs"]["data_files"][split])
-            docs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            docs = [doc for _, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`")]
             try:
                 prompts += [render(task.config.get("doc_to_text"), d) for d in docs[:limit]]
             except jinja2.TemplateError as exc:

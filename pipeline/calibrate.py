@@ -8,7 +8,8 @@ topic). The answered turns, in a seeded shuffle, are packed into multi-turn conv
 `min_tokens` tokens under the model's chat template, so calibration sees the chat traffic the model
 serves. A team may add its own conversations in `evals/<team>/calibration.jsonl` (one
 `{"messages": [...]}` per line); they come first. Neither may contain a team's eval document:
-calibrating on the data that gates the build leaks the test into the build.
+calibrating on the data that gates the build leaks the test into the build. The team files are checked
+here and in the validate stage by one function (quantgate/calibration.py).
 
 Output: OUT_JSONL, one `{"source", "text", "tokens"}` object per conversation (`text` with the chat
 template applied; `tokens` in the 16-bit build's tokenizer).
@@ -18,21 +19,18 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from quantgate.calibration import eval_strings, overlap, team_conversations
 from quantgate.console import LOG_DIR, progress
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import Frozen, load_block, parse, read_yaml
 from quantgate.serving import ServeParams, vllm_server
-from quantgate.teams import Team, load_teams
-
-TEAM_FILE = "calibration.jsonl"  # optional, in a team's folder
-MIN_OVERLAP_CHARS = 20  # shorter eval strings ("Paris", "42") occur in any text by chance
+from quantgate.teams import load_teams
 
 
 class CalibrateParams(Frozen):
@@ -57,10 +55,6 @@ class PromptSet(Frozen):
         return tasks
 
 
-def _norm(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip().lower()
-
-
 def load_prompts(path: Path) -> list[str]:
     """Every task applied to every topic of the prompt file at `path`, tasks varying fastest.
 
@@ -72,47 +66,6 @@ def load_prompts(path: Path) -> list[str]:
     return [task.replace("{topic}", topic) for topic in spec.topics for task in spec.tasks]
 
 
-def _strings(value) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, list):
-        return [s for v in value for s in _strings(v)]
-    return []
-
-
-def _data_files(config: dict) -> list[Path]:
-    files = (config.get("dataset_kwargs") or {}).get("data_files") or []
-    return [Path(f) for f in _strings(files)]
-
-
-def eval_strings(teams: list[Team]) -> dict[str, str]:
-    """Every string field of every team's eval documents, normalized (lower case, single spaces), mapped to
-    where it is (`<file>:<line>`). Strings under MIN_OVERLAP_CHARS characters are left out."""
-    found: dict[str, str] = {}
-    for team in teams:
-        for task in team.tasks:
-            for path in _data_files(task.config):
-                if path.suffix != ".jsonl" or not path.is_file():
-                    continue
-                for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                    try:
-                        doc = json.loads(line)
-                    except ValueError:
-                        continue  # validate has refused such files already
-                    for s in _strings(doc):
-                        if len(n := _norm(s)) >= MIN_OVERLAP_CHARS:
-                            found.setdefault(n, f"{path}:{number}")
-    return found
-
-
-def overlap(text: str, strings: dict[str, str]) -> str | None:
-    """Where an eval document found in `text` lives (`<file>:<line>`), or None."""
-    norm = _norm(text)
-    return next((where for s, where in strings.items() if s in norm), None)
-
-
 def check_prompts(prompts: list[str], path: Path, strings: dict[str, str]) -> None:
     """Raise QuantgateError if a prompt contains a team's eval document (names both places)."""
     for prompt in prompts:
@@ -121,51 +74,6 @@ def check_prompts(prompts: list[str], path: Path, strings: dict[str, str]) -> No
                 f"{path}: the calibration prompt {prompt[:60]!r} contains the eval document at {where}; calibrating "
                 "on eval data leaks the test into the build: reword the topic or task"
             )
-
-
-def team_conversations(teams: list[Team], strings: dict[str, str]) -> list[tuple[str, list[dict]]]:
-    """The conversations of every `evals/<team>/calibration.jsonl`: (source `<file>:<line>`, messages).
-
-    Raises QuantgateError naming the file and line of a malformed conversation or one that contains an eval
-    document of any team.
-    """
-    out = []
-    for team in teams:
-        path = team.path / TEAM_FILE
-        if not path.is_file():
-            continue
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as exc:
-            raise QuantgateError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                messages = json.loads(line)["messages"]
-                ok = (
-                    isinstance(messages, list)
-                    and messages
-                    and all(
-                        isinstance(m, dict)
-                        and m.get("role") in ("system", "user", "assistant")
-                        and isinstance(m.get("content"), str)
-                        for m in messages
-                    )
-                )
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok:
-                shape = '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'
-                raise QuantgateError(f"{where}: expected {shape}")
-            if found := overlap(" ".join(m["content"] for m in messages), strings):
-                raise QuantgateError(
-                    f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
-                    "eval data leaks the test into the build: remove it"
-                )
-            out.append((where, messages))
-    return out
 
 
 def tokens(tokenizer, messages: list[dict]) -> int:

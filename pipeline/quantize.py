@@ -21,14 +21,13 @@ from typing import Literal
 from pydantic import Field
 
 from quantgate.console import log_progress, per_build
+from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
 from quantgate.manifest import read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
 from quantgate.precision import native_16bit
 from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
-
-CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
 
 
 class Calibration(Frozen):
@@ -61,34 +60,8 @@ def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE
     """
     from datasets import Dataset
 
-    if not path.is_file():
-        raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
-    texts = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise QuantgateError(
-            f"{path}: not UTF-8 ({exc.reason} at byte {exc.start}); re-run the calibrate stage"
-        ) from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            texts.append(row["text"] if isinstance(row["text"], str) else None)
-        except (ValueError, KeyError, TypeError):
-            texts.append(None)
-        if texts[-1] is None:
-            raise QuantgateError(
-                f'{path}:{number}: expected {{"text": "<conversation>", ...}}; re-run the calibrate stage '
-                "(`dvc repro calibrate`)"
-            )
-    if len(texts) < c.samples:
-        raise QuantgateError(
-            f"{path}: {len(texts)} calibration conversations, {c.samples} asked for (quantize.*.calibration.samples); "
-            "raise calibrate.samples or lower it"
-        )
-    return Dataset.from_dict({"text": texts[: c.samples]}).map(
+    texts = calibration_texts(path, c.samples, "quantize.*.calibration.samples")
+    return Dataset.from_dict({"text": texts}).map(
         lambda s: tokenizer(s["text"], max_length=c.seq_len, truncation=True, add_special_tokens=False),
         remove_columns=["text"],
     )

@@ -42,6 +42,7 @@ import yaml
 from pydantic import Field
 
 from quantgate.console import progress
+from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.errors import QuantgateError, run_main
 from quantgate.judging import GateBlock, judge
 from quantgate.params import Frozen, load_block, load_builds, read_yaml
@@ -53,7 +54,6 @@ from quantgate.serving import ServeParams
 from quantgate.stats import Verdict
 from quantgate.teams import Team, load_teams
 
-CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
 RECIPE, RESULT, TRACE = "recipe.yaml", "search.json", "trace.md"
 
 
@@ -129,20 +129,10 @@ def size_mib(model, layers: dict[str, tuple[int, int]], kept: set[str], args) ->
 def calibration_ids(tokenizer, path: Path, samples: int, seq_len: int) -> list:
     """The first `samples` calibration conversations of `path`, tokenized, each a (1, <= seq_len) tensor.
 
-    Raises QuantgateError if the file is missing or short."""
-    import json
-
-    if not path.is_file():
-        raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
-    texts = [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if len(texts) < samples:
-        raise QuantgateError(
-            f"{path}: {len(texts)} conversations, search.kl_samples asks for {samples}; lower it or raise "
-            "calibrate.samples"
-        )
+    Raises QuantgateError if the file is missing, malformed or short (quantgate.calibration)."""
     return [
         tokenizer(t, return_tensors="pt", add_special_tokens=False, truncation=True, max_length=seq_len).input_ids
-        for t in texts[:samples]
+        for t in calibration_texts(path, samples, "search.kl_samples")
     ]
 
 

@@ -4,8 +4,10 @@ Run by DVC: `python -m pipeline.validate EVALS_DIR OUT_JSON` (first stage in dvc
 
 A bad eval set stops `dvc repro` here, with every problem named (team, file:line, fix),
 before any build is prepared, evaluated or registered, so no team's results and no registry
-entry are touched. On success it writes a summary of the teams (policy, tasks, document
-counts, folder digests) that the report and the registry read.
+entry are touched. A team's optional calibration conversations (`evals/<team>/calibration.jsonl`) are
+checked as the calibrate stage checks them (quantgate/calibration.py): one conversation per line, none
+containing any team's eval document. On success it writes a summary of the teams (policy, tasks,
+document counts, folder digests) that the report and the registry read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from quantgate.calibration import team_conversations
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import load_builds
 from quantgate.results import TeamSummary, write_teams
@@ -50,11 +53,15 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
-    teams = summary(load_teams(evals_dir))
+    loaded = load_teams(evals_dir)
+    own = team_conversations(loaded)
+    teams = summary(loaded)
     write_teams(out_json, teams)
     print(f"validate: builds {', '.join(builds)}: each quantized build has its quantize block")
     for name, t in teams.items():
         print(f"validate: {name}: ok, {t.n_docs} docs, metric {t.metric}, owner {t.owner}")
+    if own:
+        print(f"validate: {len(own)} team calibration conversations: ok, none contains an eval document")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ so `quantgate evals validate` can print all of them at once.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 from scipy import stats
 
 from quantgate import sandbox
+from quantgate.jsonl import BadLine, decode, parse_line
 from quantgate.templates import RENDERED, check_document, key_locator
 
 MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
@@ -254,39 +254,28 @@ def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
 
 
 def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
-    """(problems, [(line, document)]) of one JSONL data file.
+    """(problems, [(line, document)]) of one JSONL data file, every bad line listed.
 
-    Checks: size limit, UTF-8, blank lines, invalid JSON, lines that are not JSON objects.
+    Checks: size limit, blank lines, lines that are not JSON objects, and the JSONL rules of
+    quantgate/jsonl.py (UTF-8, JSON, nesting, unpaired surrogates).
     """
     raw = data_path.read_bytes()
     if len(raw) > MAX_DATA_BYTES:
         return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"], []
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        return [f"{data_path}:{line}: not UTF-8 (byte 0x{raw[exc.start]:02x}); save the file as UTF-8"], []
+        lines = decode(raw).split("\n")
+    except BadLine as exc:
+        return [exc.at(data_path)], []
     problems, docs = [], []
-    lines = text.split("\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             if n < len(lines):  # a final newline is fine
                 problems.append(f"{data_path}:{n}: blank line; remove it")
             continue
         try:
-            doc = json.loads(line)
-            json.dumps(doc, ensure_ascii=False).encode("utf-8")  # lone surrogates ("\ud800") break the loader
-        except json.JSONDecodeError as exc:
-            problems.append(f"{data_path}:{n}: invalid JSON ({exc.msg} at column {exc.colno})")
-            continue
-        except RecursionError:
-            problems.append(f"{data_path}:{n}: JSON nested too deeply; flatten the document")
-            continue
-        except UnicodeEncodeError as exc:
-            problems.append(
-                f"{data_path}:{n}: a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800); "
-                "write real characters"
-            )
+            doc = parse_line(n, line)
+        except BadLine as exc:
+            problems.append(exc.at(data_path))
             continue
         if not isinstance(doc, dict):
             problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")

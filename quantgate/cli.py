@@ -95,14 +95,21 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
 @evals.command()
 @click.argument("path", type=click.Path(path_type=Path), default=Path("evals"))
 def validate(path: Path) -> None:
-    """Check the team eval sets under PATH (or one team folder) without running a model."""
+    """Check the team eval sets under PATH (or one team folder) without running a model.
+
+    A team's calibration.jsonl is checked too (against the eval documents of the teams checked: run it on
+    the whole folder, as `dvc repro` does, to check it against every team's)."""
+    from quantgate.calibration import team_conversations
     from quantgate.teams import POLICY_FILE, load_team, load_teams
 
     with command_errors():
         teams = [load_team(path)] if (path / POLICY_FILE).is_file() else load_teams(path)
+        own = team_conversations(teams)
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")
+    if own:
+        click.echo(f"ok: {len(own)} team calibration conversations, none contains an eval document")
 
 
 @cli.group()

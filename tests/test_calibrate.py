@@ -1,4 +1,5 @@
-"""The calibrate stage's checks and packing, on the example team sets and a tiny tokenizer (no server)."""
+"""The calibrate stage's checks and packing, on the example team sets and a tiny tokenizer (no server).
+Team calibration files: tests/test_calibration.py."""
 
 import json
 import shutil
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import pipeline.calibrate as cal
+from quantgate.calibration import eval_strings
 from quantgate.errors import QuantgateError
 from quantgate.teams import load_teams
 from tests.tiny import tiny_tokenizer
@@ -24,7 +26,7 @@ def evals(tmp_path):
 def test_shipped_prompts_are_many_and_quote_no_eval_document(evals):
     prompts = cal.load_prompts(REPO / "recipes/calibration/prompts.yaml")
     assert len(prompts) == len(set(prompts)) >= 512  # two answers a conversation, 256 conversations
-    strings = cal.eval_strings(load_teams(evals))
+    strings = eval_strings(load_teams(evals))
     assert len(strings) > 500  # every question and message of the example sets
     cal.check_prompts(prompts, Path("prompts.yaml"), strings)  # raises on an overlap
 
@@ -33,7 +35,7 @@ def test_a_prompt_quoting_an_eval_document_is_refused_with_both_places(evals, tm
     doc = json.loads((evals / "support/data.jsonl").read_text().splitlines()[4])
     path = tmp_path / "prompts.yaml"
     path.write_text(f'topics: ["{doc["message"].upper()}"]\ntasks: ["Reply to: {{topic}}"]\n')
-    strings = cal.eval_strings(load_teams(evals))
+    strings = eval_strings(load_teams(evals))
     with pytest.raises(
         QuantgateError,
         match=r"prompts.yaml: the calibration prompt .* contains the eval document at "
@@ -58,26 +60,6 @@ def test_bad_prompt_file_names_the_file_and_field(tmp_path, text, message):
     assert "prompts.yaml" in str(err.value) and message in str(err.value)
     with pytest.raises(QuantgateError, match="calibration prompt file not found"):
         cal.load_prompts(tmp_path / "missing.yaml")
-
-
-def test_team_calibration_file_is_read_checked_and_refused_on_overlap(evals):
-    teams = load_teams(evals)
-    strings = cal.eval_strings(teams)
-    good = {"messages": [{"role": "user", "content": "Where is my parcel?"}, {"role": "assistant", "content": "Hi!"}]}
-    (evals / "support" / cal.TEAM_FILE).write_text(json.dumps(good) + "\n\n")
-    assert cal.team_conversations(teams, strings) == [(f"{evals}/support/calibration.jsonl:1", good["messages"])]
-    (evals / "support" / cal.TEAM_FILE).write_text(json.dumps(good) + '\n{"messages": "hi"}\n')
-    with pytest.raises(QuantgateError, match=r"support/calibration.jsonl:2: expected \{\"messages\""):
-        cal.team_conversations(teams, strings)
-    question = json.loads((evals / "search/data.jsonl").read_text().splitlines()[0])["question"]
-    leak = {"messages": [{"role": "user", "content": f"Quiz: {question}"}]}
-    (evals / "support" / cal.TEAM_FILE).write_text(json.dumps(leak) + "\n")
-    with pytest.raises(
-        QuantgateError,
-        match=r"calibration.jsonl:1: this calibration conversation contains the eval "
-        r"document at .*search/data.jsonl:1",
-    ):
-        cal.team_conversations(teams, strings)
 
 
 def test_generate_packs_turns_into_conversations_of_min_tokens_and_leaves_out_leaks(monkeypatch):

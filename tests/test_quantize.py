@@ -171,9 +171,15 @@ def test_missing_recipe_or_calibration_is_refused_before_the_model_loads(src, tm
             calibration_file=tmp_path / "missing.jsonl",
         )
     bad = tmp_path / "bad.jsonl"
-    for line in ('{"source": "x", "text": "broken', '{"source": "x"}', '{"text": 5}'):
+    shape = r"expected \{\"text\": \"<conversation>\", ...\}"
+    for line, problem in (
+        ('{"source": "x", "text": "broken', r"invalid JSON \(Unterminated string starting at column 25\)"),
+        ('{"source": "x"}', shape),
+        ('{"text": 5}', shape),
+        ("[]", shape),
+    ):
         bad.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
-        with pytest.raises(QuantgateError, match=r"bad.jsonl:2: expected \{\"text\": \"<conversation>\""):
+        with pytest.raises(QuantgateError, match=rf"bad.jsonl:2: {problem}; re-run the calibrate stage \(`dvc repro"):
             quantize(
                 "int8",
                 src,

@@ -1,0 +1,99 @@
+"""A team's calibration conversations (`evals/<team>/calibration.jsonl`, optional) and the rule that keeps
+eval documents out of calibration data.
+
+The validate stage and `quantgate evals validate` check a team's file when it is submitted; the calibrate
+stage checks it again with the same function and puts its conversations first. Calibrating on the documents
+that gate a build leaks the test into the build, so no calibration text (a team's conversation, a shipped
+prompt, a generated answer) may contain a string of any team's eval documents.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from quantgate.errors import QuantgateError
+from quantgate.jsonl import read_jsonl
+from quantgate.teams import Team
+
+TEAM_FILE = "calibration.jsonl"  # optional, in a team's folder
+MIN_OVERLAP_CHARS = 20  # shorter eval strings ("Paris", "42") occur in any text by chance
+ROLES = ("system", "user", "assistant")
+SHAPE = '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'  # one line of TEAM_FILE
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _data_files(config: dict) -> list[Path]:
+    files = (config.get("dataset_kwargs") or {}).get("data_files") or []
+    return [Path(f) for f in _strings(files)]
+
+
+def _is_chat(messages) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)
+    )
+
+
+def eval_strings(teams: list[Team]) -> dict[str, str]:
+    """Every string field of every team's eval documents, normalized (lower case, single spaces), mapped to
+    where it is (`<file>:<line>`). Strings under MIN_OVERLAP_CHARS characters are left out."""
+    found: dict[str, str] = {}
+    for team in teams:
+        for task in team.tasks:
+            for path in _data_files(task.config):
+                if path.suffix != ".jsonl" or not path.is_file():
+                    continue
+                for number, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`"):
+                    for s in _strings(doc):
+                        if len(n := _norm(s)) >= MIN_OVERLAP_CHARS:
+                            found.setdefault(n, f"{path}:{number}")
+    return found
+
+
+def overlap(text: str, strings: dict[str, str]) -> str | None:
+    """Where an eval document found in `text` lives (`<file>:<line>`), or None."""
+    norm = _norm(text)
+    return next((where for s, where in strings.items() if s in norm), None)
+
+
+def team_conversations(teams: list[Team], strings: dict[str, str] | None = None) -> list[tuple[str, list[dict]]]:
+    """The conversations of every team's TEAM_FILE, in team order: (source `<file>:<line>`, messages).
+
+    `strings` are eval_strings(teams); without them they are read here, and only if some team has the file.
+    Raises QuantgateError naming the file and line of a malformed conversation or one that contains an eval
+    document of any team in `teams`.
+    """
+    out = []
+    for team in teams:
+        path = team.path / TEAM_FILE
+        if not path.is_file():
+            continue
+        if strings is None:
+            strings = eval_strings(teams)
+        for number, row in read_jsonl(path, f"save it as UTF-8, one {SHAPE} per line"):
+            where = f"{path}:{number}"
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if not _is_chat(messages):
+                raise QuantgateError(f"{where}: expected {SHAPE}")
+            if found := overlap(" ".join(m["content"] for m in messages), strings):
+                raise QuantgateError(
+                    f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
+                    "eval data leaks the test into the build: remove it"
+                )
+            out.append((where, messages))
+    return out

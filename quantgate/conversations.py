@@ -1,0 +1,36 @@
+"""The calibrate stage's conversations (results/calibration.jsonl), as the calibrated recipes read them.
+
+One JSON object per line, `{"text": <the conversation in the 16-bit build's chat template>, ...}`, in a
+fixed order: quantize (GPTQ, SmoothQuant, AWQ) and search (the per-layer KL ranking) both take the first N.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantgate.errors import QuantgateError
+from quantgate.jsonl import read_jsonl
+
+CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
+
+
+def calibration_texts(path: Path, samples: int, field: str) -> list[str]:
+    """The first `samples` conversations (chat-templated text) of the calibrate stage's file at `path`.
+
+    `field` names the params field that asked for `samples` (e.g. quantize.int4.calibration.samples).
+    Raises QuantgateError in one line if the file is missing, a line is not {"text": ...}, or it is short.
+    """
+    if not path.is_file():
+        raise QuantgateError(f"{path}: no calibration conversations; run the calibrate stage (`dvc repro calibrate`)")
+    rerun = "re-run the calibrate stage (`dvc repro calibrate`)"
+    texts = []
+    for number, row in read_jsonl(path, rerun):
+        if not (isinstance(row, dict) and isinstance(row.get("text"), str)):
+            raise QuantgateError(f'{path}:{number}: expected {{"text": "<conversation>", ...}}; {rerun}')
+        texts.append(row["text"])
+    if len(texts) < samples:
+        raise QuantgateError(
+            f"{path}: {len(texts)} calibration conversations, {samples} asked for ({field}); "
+            "raise calibrate.samples or lower it"
+        )
+    return texts[:samples]

@@ -1,0 +1,67 @@
+"""JSON Lines files (one JSON value per line, UTF-8): the project's one reader and its line rules.
+
+`read_jsonl` stops at the first bad line with one error, `<path>:<line>: <problem>; <what to do>`, the
+caller saying what to do. Team data files go through checks.read_docs, which applies the same rules
+(`decode`, `parse_line`) but lists every bad line at once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from quantgate.errors import QuantgateError
+
+
+class BadLine(ValueError):
+    """Line `number` of a JSONL file is not a JSON value: `problem` says what is wrong, `fix` what to do
+    when the data alone say it (empty otherwise)."""
+
+    def __init__(self, number: int, problem: str, fix: str = "") -> None:
+        super().__init__(f"{number}: {problem}")
+        self.number, self.problem, self.fix = number, problem, fix
+
+    def at(self, path: Path, fix: str = "") -> str:
+        """The one-line error for the file at `path`, with `fix` (or this line's own fix, if any)."""
+        fix = fix or self.fix
+        return f"{path}:{self.number}: {self.problem}" + (f"; {fix}" if fix else "")
+
+
+def decode(raw: bytes) -> str:
+    """`raw` as UTF-8. Raises BadLine at the line of the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        number = raw[: exc.start].count(b"\n") + 1
+        raise BadLine(number, f"not UTF-8 (byte 0x{raw[exc.start]:02x})", "save the file as UTF-8") from None
+
+
+def parse_line(number: int, line: str) -> object:
+    """The JSON value of line `number`. Raises BadLine if it is not JSON, is nested too deeply for the parser,
+    or holds an unpaired surrogate (`"\\ud800"`: json reads it, but no UTF-8 writer or dataset loader does)."""
+    try:
+        value = json.loads(line)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except json.JSONDecodeError as exc:
+        # "Unterminated string starting at" names its position itself
+        raise BadLine(number, f"invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
+    except RecursionError:
+        raise BadLine(number, "JSON nested too deeply", "flatten the document") from None
+    except UnicodeEncodeError as exc:
+        raise BadLine(
+            number, f"a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800)", "write real characters"
+        ) from None
+    return value
+
+
+def read_jsonl(path: Path, what_to_do: str) -> list[tuple[int, object]]:
+    """(line number, value) of every line of the JSONL file at `path`; blank lines are skipped.
+
+    Raises QuantgateError in one line, `<path>:<line>: <problem>; <what_to_do>`, at the first byte that is
+    not UTF-8 or the first line that is not JSON (parse_line).
+    """
+    try:
+        lines = decode(Path(path).read_bytes()).split("\n")
+        return [(number, parse_line(number, line)) for number, line in enumerate(lines, 1) if line.strip()]
+    except BadLine as exc:
+        raise QuantgateError(exc.at(path, what_to_do)) from None

@@ -1,0 +1,34 @@
+"""The kernel's JSONL reader: values with their line numbers, and one-line errors naming file, line and fix."""
+
+import pytest
+
+from quantgate.errors import QuantgateError
+from quantgate.jsonl import read_jsonl
+
+FIX = "re-run the stage"
+
+
+def test_values_with_line_numbers_blank_lines_skipped(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"a": 1}\n\n  \n[2, "é"]\r\n"a\u2028b"\n', encoding="utf-8")  # lines end at \n only
+    assert read_jsonl(path, FIX) == [(1, {"a": 1}), (4, [2, "é"]), (5, "a\u2028b")]
+    path.write_bytes(b"")
+    assert read_jsonl(path, FIX) == []
+
+
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        (b'{"a": 1}\n{"a": \n', "2: invalid JSON (Expecting value at column 7)"),
+        (b'{"a": 1}\n\n{"a": "caf\xe9"}\n', "3: not UTF-8 (byte 0xe9)"),
+        (b'{"a": "\\ud800"}\n', "1: a string holds an unpaired surrogate (surrogates not allowed, e.g. \\ud800)"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "1: JSON nested too deeply"),
+    ],
+)
+def test_bad_line_is_one_line_naming_file_line_problem_and_fix(tmp_path, raw, error):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(raw)
+    with pytest.raises(QuantgateError) as err:
+        read_jsonl(path, FIX)
+    assert str(err.value).startswith(f"{path}:{error}") and str(err.value).endswith(f"; {FIX}")
+    assert "\n" not in str(err.value)
