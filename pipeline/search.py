@@ -17,10 +17,11 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    backend) on the first `screen_limit` documents of every team, against the 16-bit build on the same
    documents, and passes a team when the gate's judge (quantgate/judging.py) does not FAIL it and its
    point drop is at most `screen_fraction` of the team's margin: a subset this small cannot show
-   non-inferiority at the gate's confidence (an identical build is INCONCLUSIVE on 100 documents).
-   k = 0 is screened first, then the interval (largest failing k, smallest passing k) is cut at its
-   geometric mean, since sensitivity is concentrated in few layers; k = every layer is the 16-bit build
-   itself and is never screened. At most `max_evals` candidates are screened.
+   non-inferiority at the gate's confidence (the example search team needs 52 documents before even
+   an identical build can PASS: results/teams.json min_docs). k = 0 is screened first, then the
+   interval (largest failing k, smallest passing k) is cut at its geometric mean, since sensitivity is
+   concentrated in few layers; k = every layer is the 16-bit build itself and is never screened. At most
+   `max_evals` candidates are screened.
 3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
    module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
    evaluate and the gate then confirm it on the full sets like any build. Round-to-nearest screening loses
@@ -63,10 +64,10 @@ class SearchParams(Frozen):
     build: str = "int4-mixed"  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
     base: str = "int4"  # the build whose recipe (scheme, method, calibration) the search starts from
     max_evals: int = Field(default=4, ge=1)  # candidates screened at most
-    screen_limit: int = Field(default=100, gt=0)  # first documents of each team's tasks per screen
+    screen_limit: int = Field(default=40, gt=0)  # first documents of each team's tasks per screen
     screen_fraction: float = Field(default=0.5, gt=0, le=1)  # a team passes the screen at drop <= this x margin
-    kl_samples: int = Field(default=8, gt=0)  # calibration conversations for the sensitivity ranking
-    kl_seq_len: int = Field(default=256, gt=0)  # tokens of each
+    kl_samples: int = Field(default=4, gt=0)  # calibration conversations for the sensitivity ranking
+    kl_seq_len: int = Field(default=128, gt=0)  # tokens of each
 
 
 class BaseBuild(Frozen):
