@@ -9,8 +9,9 @@ export PATH := $(VENV):$(PATH)
 setup:
 	@scripts/setup.sh
 
+# -q: DVC's own per-stage lines (Running stage, Updating lock file) stay out; each stage prints its own
 demo: setup
-	dvc repro
+	dvc repro -q
 	@quantgate report
 	@quantgate status
 

@@ -8,6 +8,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 
 from pipeline.search import (
+    BlockCache,
     bisect,
     bits_per_weight,
     choose,
@@ -129,3 +130,23 @@ def test_sensitivity_ranks_every_layer_restores_the_weights_and_scores_an_exact_
     assert ranking[exact] == pytest.approx(0.0, abs=1e-7) and values[0] > 1e3 * max(ranking[exact], 1e-9)
     assert all(v >= -1e-7 and math.isfinite(v) for v in values)
     assert all(torch.equal(before[n], m.weight) for n, m in linears.items())
+
+
+def test_a_pass_started_at_any_block_gives_the_full_forward_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "m"), dtype=torch.float32).eval()
+    batches = [torch.tensor([[3, 4, 5, 9, 6, 8]]), torch.tensor([[7, 10, 11, 12, 2, 3, 4, 5]])]
+    cache = BlockCache(model, batches)
+    assert cache.start_of("model.layers.1.mlp.down_proj") == 1 and cache.start_of("lm_head") == 0
+    with torch.no_grad():
+        for b, ids in enumerate(batches):
+            full = model(input_ids=ids, use_cache=False).logits
+            for start in (0, 1):
+                assert torch.allclose(cache.logits(b, start), full, atol=1e-5)
+            down = model.model.layers[1].mlp.down_proj
+            saved = down.weight.data.clone()
+            down.weight.data = saved * 3  # a change in block 1 shows in a pass started there
+            assert torch.allclose(cache.logits(b, 1), model(input_ids=ids, use_cache=False).logits, atol=1e-5)
+            assert not torch.allclose(cache.logits(b, 1), full, atol=1e-5)
+            down.weight.data = saved
