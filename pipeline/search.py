@@ -1,7 +1,7 @@
 """Stage `search`: the recipe of build int4-mixed, by a mixed-precision fallback search.
 
 Run by DVC: `python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR` (params block `search`; it also
-reads the base build's `quantize.<base>.recipe`, `evaluate.harness`, `evaluate.serve` and `gate`).
+reads `evaluate.harness`, `evaluate.serve` and `gate`).
 
 INT4 damage is not spread evenly over a model: a few Linear layers cost most of it. The search keeps the
 fewest most sensitive layers in 16-bit (the recipe's `ignore`) such that every team still passes, as
@@ -48,7 +48,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.judging import GateBlock, judge
 from quantgate.params import Frozen, load_block, load_builds, read_yaml
 from quantgate.precision import native_16bit
-from quantgate.recipes import load_recipe, weight_schemes
+from quantgate.recipes import check_group_size, load_recipe, weight_schemes
 from quantgate.results import Screen, SearchResult, TeamScores, write_search
 from quantgate.scoring import HarnessParams, run_team
 from quantgate.serving import ServeParams
@@ -62,19 +62,12 @@ class SearchParams(Frozen):
     """params.yaml block `search`."""
 
     build: str = "int4-mixed"  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
-    base: str = "int4"  # the build whose recipe (scheme, method, calibration) the search starts from
+    recipe: str = "recipes/int4.yaml"  # the recipe (scheme, method) the search falls back from: int4's
     max_evals: int = Field(default=4, ge=1)  # candidates screened at most
     screen_limit: int = Field(default=40, gt=0)  # first documents of each team's tasks per screen
     screen_fraction: float = Field(default=0.5, gt=0, le=1)  # a team passes the screen at drop <= this x margin
     kl_samples: int = Field(default=4, gt=0)  # calibration conversations for the sensitivity ranking
     kl_seq_len: int = Field(default=128, gt=0)  # tokens of each
-
-
-class BaseBuild(Frozen):
-    """The base build's block `quantize.<base>` (only the recipe matters here)."""
-
-    recipe: str
-    calibration: dict | None = None
 
 
 def rtn(weight, args):
@@ -92,7 +85,9 @@ def rtn(weight, args):
     elif args.strategy == "channel":
         low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
     else:
-        raise QuantgateError(f"search: weight strategy {args.strategy!r} not supported; use group or channel")
+        raise QuantgateError(
+            f"search.recipe: weight strategy {args.strategy!r} not supported by the search; use group or channel"
+        )
     zero = torch.zeros_like(low)
     scale, zero_point = calculate_qparams(torch.minimum(low, zero), torch.maximum(high, zero), args)
     return fake_quantize(weight, scale, zero_point, args)
@@ -295,18 +290,17 @@ def hf_lm(model, tokenizer, harness: HarnessParams, max_length: int):
 def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> SearchResult:
     """Run the search (module docstring) and write OUT_DIR/recipe.yaml, search.json and trace.md.
 
-    Raises QuantgateError for a bad base recipe or block, a missing calibration file, or a team whose
-    16-bit screening run errors."""
+    Raises QuantgateError for a bad recipe (search.recipe), a group size that does not divide a layer, a
+    missing calibration file, or a team whose 16-bit screening run errors."""
     import torch
     from compressed_tensors.utils.match import match_named_modules
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = load_block(f"quantize.{p.base}", BaseBuild)
-    base_path = Path(base.recipe)
-    recipe = load_recipe(p.base, base_path)
+    base_path = Path(p.recipe)
+    recipe = load_recipe(p.build, base_path, "search.recipe")
     schemes = [(s, ignore) for s, ignore in weight_schemes(recipe) if s.weights is not None]
     if not schemes:
-        raise QuantgateError(f"{base_path} (search.base {p.base}): no weight quantization to fall back from")
+        raise QuantgateError(f"{base_path} (search.recipe): no weight quantization to fall back from")
     scheme, ignore = schemes[0]
     args = scheme.weights
     harness = load_block("evaluate.harness", HarnessParams).model_copy(update={"limit": p.screen_limit})
@@ -321,6 +315,8 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         name: m for name, m in match_named_modules(model, scheme.targets, ignore) if isinstance(m, torch.nn.Linear)
     }
     layers = {name: (m.weight.numel(), m.in_features) for name, m in linears.items()}
+    if args.strategy == "group":  # before minutes of ranking, as quantize checks it
+        check_group_size(model, args.group_size, ignore, f"{base_path} (search.recipe)", scheme.targets)
     batches = calibration_ids(tokenizer, CALIBRATION_FILE, p.kl_samples, p.kl_seq_len)
 
     started = time.monotonic()
@@ -366,7 +362,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
             m.weight.data = originals[name]
     result = SearchResult(
         build=p.build,
-        base=p.base,
+        recipe=p.recipe,
         passed=passed,
         chosen=chosen.kept,
         kept_layers=kept,
@@ -394,7 +390,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
     """The search as markdown: every screen (kept layers, bits, per-team drop vs margin), then the choice."""
     teams = list(r.screens[0].teams) if r.screens else []
     lines = [
-        f"# Search trace: {r.build} from {r.base}",
+        f"# Search trace: {r.build} from {r.recipe}",
         "",
         f"{r.layers} layers ranked by KL; screens on the first {p.screen_limit} documents per task, a team "
         f"passes at drop <= {p.screen_fraction} x margin; {r.evaluations} of at most {p.max_evals} screens.",
@@ -421,7 +417,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
 def skip(out_dir: Path, p: SearchParams, builds: list[str]) -> SearchResult:
     """The outs when `p.build` is not a build of this run: a recipe file that says so, and the result."""
     why = f"{p.build} is not in params.yaml builds {builds}"
-    result = SearchResult(build=p.build, base=p.base, skipped=why)
+    result = SearchResult(build=p.build, recipe=p.recipe, skipped=why)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / RECIPE).write_text(f"# search skipped: {why}; no build reads this file\n")
     write_search(out_dir / RESULT, result)

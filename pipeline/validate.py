@@ -15,9 +15,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from quantgate.calibration import team_conversations
+from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import load_builds
+from quantgate.params import PARAMS_FILE, load_builds, read_yaml
 from quantgate.results import TeamSummary, write_teams
 from quantgate.teams import Team, load_teams, min_docs
 
@@ -46,6 +46,29 @@ def summary(teams: list[Team]) -> dict[str, TeamSummary]:
     return out
 
 
+SEARCH_RECIPE = "results/search/recipe.yaml"  # the search stage's out (dvc.yaml), int4-mixed's recipe
+
+
+def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError unless exactly the build named by `search.build` reads the search's recipe:
+    when that build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is."""
+    data = read_yaml(path)
+    target = (data.get("search") or {}).get("build")
+    readers = [
+        b for b, q in (data.get("quantize") or {}).items() if isinstance(q, dict) and q.get("recipe") == SEARCH_RECIPE
+    ]
+    if stray := [b for b in readers if b != target]:
+        raise QuantgateError(
+            f"{path}: quantize.{stray[0]}.recipe is {SEARCH_RECIPE}, which the search writes for search.build "
+            f"({target}) only; set search.build: {stray[0]} or give quantize.{stray[0]} its own recipe"
+        )
+    if target in builds and target not in readers:
+        raise QuantgateError(
+            f"{path}: search.build {target} is a build, so quantize.{target}.recipe must be {SEARCH_RECIPE} "
+            "(the search stage writes it)"
+        )
+
+
 def main() -> None:
     if len(sys.argv) != 3:
         raise QuantgateError("usage: python -m pipeline.validate EVALS_DIR OUT_JSON")
@@ -53,6 +76,7 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
+    check_search(builds)
     loaded = load_teams(evals_dir)
     own = team_conversations(loaded)
     teams = summary(loaded)
@@ -61,7 +85,7 @@ def main() -> None:
     for name, t in teams.items():
         print(f"validate: {name}: ok, {t.n_docs} docs, metric {t.metric}, owner {t.owner}")
     if own:
-        print(f"validate: {len(own)} team calibration conversations: ok, none contains an eval document")
+        print(f"validate: {len(own)} team calibration conversations: ok, {CHECKED}")
 
 
 if __name__ == "__main__":

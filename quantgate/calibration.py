@@ -18,6 +18,7 @@ from quantgate.teams import Team
 
 TEAM_FILE = "calibration.jsonl"  # optional, in a team's folder
 MIN_OVERLAP_CHARS = 20  # shorter eval strings ("Paris", "42") occur in any text by chance
+CHECKED = f"none quotes {MIN_OVERLAP_CHARS}+ characters of an eval document"  # what a pass says
 ROLES = ("system", "user", "assistant")
 SHAPE = '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'  # one line of TEAM_FILE
 
@@ -56,7 +57,7 @@ def eval_strings(teams: list[Team]) -> dict[str, str]:
     for team in teams:
         for task in team.tasks:
             for path in _data_files(task.config):
-                if path.suffix != ".jsonl" or not path.is_file():
+                if not path.is_file():  # data files are JSONL whatever their suffix (checks.read_docs)
                     continue
                 for number, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`"):
                     for s in _strings(doc):
@@ -81,6 +82,8 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
     out = []
     for team in teams:
         path = team.path / TEAM_FILE
+        if path.exists() and not path.is_file():
+            raise QuantgateError(f"{path}: not a file; {TEAM_FILE} is one JSON object per line ({SHAPE})")
         if not path.is_file():
             continue
         if strings is None:

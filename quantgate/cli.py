@@ -99,7 +99,7 @@ def validate(path: Path) -> None:
 
     A team's calibration.jsonl is checked too (against the eval documents of the teams checked: run it on
     the whole folder, as `dvc repro` does, to check it against every team's)."""
-    from quantgate.calibration import team_conversations
+    from quantgate.calibration import CHECKED, team_conversations
     from quantgate.teams import POLICY_FILE, load_team, load_teams
 
     with command_errors():
@@ -109,7 +109,8 @@ def validate(path: Path) -> None:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")
     if own:
-        click.echo(f"ok: {len(own)} team calibration conversations, none contains an eval document")
+        scope = " of this team" if (path / POLICY_FILE).is_file() else ""  # one team folder: its own docs only
+        click.echo(f"ok: {len(own)} team calibration conversations, {CHECKED}{scope}")
 
 
 @cli.group()

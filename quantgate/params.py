@@ -69,10 +69,12 @@ def read_yaml(path: Path) -> object:
         raise QuantgateError(f"{path}: invalid YAML: nested too deeply; flatten it") from None
     except yaml.constructor.ConstructorError as exc:
         mark = exc.problem_mark
-        raise QuantgateError(
-            f"{path}:{mark.line + 1}: invalid YAML: {exc.problem}; custom tags (like !function) "
-            "are not allowed: write plain YAML"
-        ) from None
+        tail = (
+            ""
+            if exc.problem.startswith("duplicate key")
+            else "; custom tags (like !function) are not allowed: write plain YAML"
+        )
+        raise QuantgateError(f"{path}:{mark.line + 1}: invalid YAML: {exc.problem}{tail}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -14,16 +14,17 @@ from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
 
 
-def load_recipe(build: str, path: Path):
+def load_recipe(build: str, path: Path, field: str | None = None):
     """Parse the recipe YAML at `path` with llm-compressor (llmcompressor.recipe.Recipe).
 
-    Returns the Recipe. Raises QuantgateError in one line naming the file (quantize.<build>.recipe) when
+    Returns the Recipe. Raises QuantgateError in one line naming the file and `field` (default
+    quantize.<build>.recipe) when
     it is missing, not YAML, names an unknown modifier, gives a modifier a bad argument, or has none.
     """
     from llmcompressor.recipe import Recipe
     from pydantic import ValidationError
 
-    where = f"{path} (quantize.{build}.recipe)"
+    where = f"{path} ({field or f'quantize.{build}.recipe'})"
     if not path.is_file():
         raise QuantgateError(f"{where}: recipe file not found; add it under recipes/ or fix the path")
     if not isinstance(read_yaml(path), dict):  # read_yaml names the line of a YAML error
@@ -77,6 +78,8 @@ def check_group_size(
     import torch
     from compressed_tensors.utils.match import match_named_modules
 
+    if group_size <= 0:
+        raise QuantgateError(f"{where}: group_size {group_size} must be positive (e.g. 32, 64 or 128)")
     widths = {
         name: m.in_features
         for name, m in match_named_modules(model, targets or ["Linear"], ignore)
@@ -86,7 +89,8 @@ def check_group_size(
     if bad:
         g = reduce(math.gcd, widths.values())
         ok = [2**k for k in range(4, 12) if g % 2**k == 0]
+        fix = f"use one of {ok}" if ok else "no power-of-two group from 16 divides them all: use strategy channel"
         raise QuantgateError(
             f"{where}: group_size {group_size} does not divide the input width {bad[0][1]} of layer "
-            f"{bad[0][0]} ({len(bad)} layers affected); use one of {ok} (gcd of widths = {g})"
+            f"{bad[0][0]} ({len(bad)} layers affected); {fix} (gcd of widths = {g})"
         )

@@ -219,7 +219,7 @@ class SearchResult(Document):
     """results/search/search.json: the mixed-precision fallback search behind one build's recipe."""
 
     build: str  # the build whose recipe the search wrote (params search.build)
-    base: str  # the build whose recipe it started from (search.base)
+    recipe: str  # the recipe it fell back from (search.recipe)
     skipped: str | None = None  # why no search ran (the build is not in params.yaml `builds`)
     passed: bool = False  # a screened candidate passed every team
     chosen: int | None = None  # layers kept 16-bit in the recipe

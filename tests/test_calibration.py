@@ -100,3 +100,22 @@ def test_validate_command_checks_the_file_too(example_evals):
     path.write_text('{"messages": "hi"}\n')
     res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "support")])
     assert res.exit_code == 1 and f"{path}:1: expected {SHAPE}" in res.output, res.output
+
+
+def test_a_folder_named_calibration_jsonl_is_refused(example_evals, tmp_path, monkeypatch):
+    path = example_evals / "support" / TEAM_FILE
+    path.mkdir()
+    with pytest.raises(QuantgateError) as err:
+        run_validate(example_evals, tmp_path, monkeypatch)
+    assert str(err.value) == f"{path}: not a file; {TEAM_FILE} is one JSON object per line ({SHAPE})"
+
+
+def test_eval_data_in_a_json_suffixed_file_is_protected_too(example_evals):
+    data = example_evals / "search" / "data.jsonl"
+    renamed = data.rename(data.with_suffix(".json"))
+    task = example_evals / "search" / "capitals.yaml"
+    task.write_text(task.read_text().replace("data.jsonl", "data.json"))
+    strings = eval_strings(load_teams(example_evals))
+    first = json.loads(renamed.read_text().splitlines()[0])
+    long_fields = [v for v in first.values() if isinstance(v, str) and len(v) >= 20]
+    assert long_fields and all(" ".join(v.split()).lower() in strings for v in long_fields)

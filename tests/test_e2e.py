@@ -42,7 +42,7 @@ def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mi
     from quantgate.recipes import load_recipe
 
     result = json.loads((project / "results/search/search.json").read_text())
-    assert result["build"] == "int4-mixed" and result["base"] == "int4" and result["skipped"] is None
+    assert result["build"] == "int4-mixed" and result["recipe"] == "recipes/int4.yaml" and result["skipped"] is None
     assert result["layers"] == 30 * 7 == len(result["sensitivity"])  # SmolLM2-135M: 30 blocks x 7 Linears
     kl = list(result["sensitivity"].values())
     assert kl == sorted(kl, reverse=True) and kl[-1] >= 0 and kl[0] > 0

@@ -126,6 +126,11 @@ def test_group_size_check_follows_the_recipe_targets(tmp_path):
         check_group_size(model, 64, ["lm_head"], "recipe.yaml", ["Linear"])
     check_group_size(model, 64, ["lm_head"], "recipe.yaml", ["re:.*self_attn.*"])  # no error: 64 divides 64
     check_group_size(model, 64, ["lm_head", "re:.*down_proj$"], "recipe.yaml", ["Linear"])
+    with pytest.raises(QuantgateError, match=r"recipe.yaml: group_size 0 must be positive"):
+        check_group_size(model, 0, ["lm_head"], "recipe.yaml")
+    odd = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "odd", hidden=72, intermediate=100))
+    with pytest.raises(QuantgateError, match=r"no power-of-two group from 16 divides them all: use strategy channel"):
+        check_group_size(odd, 16, ["lm_head"], "recipe.yaml")
 
 
 @pytest.mark.parametrize(

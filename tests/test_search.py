@@ -43,7 +43,10 @@ def test_rtn_puts_each_group_on_at_most_16_levels_within_half_a_step():
 
 
 def test_rtn_refuses_a_strategy_it_cannot_fake():
-    with pytest.raises(QuantgateError, match="weight strategy 'tensor' not supported; use group or channel"):
+    with pytest.raises(
+        QuantgateError,
+        match="search.recipe: weight strategy 'tensor' not supported by the search; use group or channel",
+    ):
         rtn(torch.randn(4, 16), QuantizationArgs(num_bits=8, type="int", strategy="tensor"))
 
 
@@ -150,3 +153,31 @@ def test_a_pass_started_at_any_block_gives_the_full_forward_logits(tmp_path):
             assert torch.allclose(cache.logits(b, 1), model(input_ids=ids, use_cache=False).logits, atol=1e-5)
             assert not torch.allclose(cache.logits(b, 1), full, atol=1e-5)
             down.weight.data = saved
+
+
+@pytest.mark.parametrize(
+    "quantize, builds, message",
+    [
+        (
+            "int4-mixed: {recipe: recipes/int4.yaml}",
+            ["fp16", "int4-mixed"],
+            r"search.build int4-mixed is a build, so quantize.int4-mixed.recipe must be results/search/recipe.yaml",
+        ),
+        (
+            "int4_mixed: {recipe: results/search/recipe.yaml}",
+            ["fp16", "int4_mixed"],
+            r"quantize.int4_mixed.recipe is results/search/recipe.yaml, which the search writes for search.build "
+            r"\(int4-mixed\) only; set search.build: int4_mixed",
+        ),
+    ],
+)
+def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tmp_path, quantize, builds, message):
+    from pipeline.validate import check_search
+
+    params = tmp_path / "params.yaml"
+    params.write_text(f"search:\n  build: int4-mixed\nquantize:\n  {quantize}\n")
+    with pytest.raises(QuantgateError, match=message):
+        check_search(builds, params)
+    params.write_text("search:\n  build: int4-mixed\nquantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n")
+    check_search(["fp16", "int4-mixed"], params)  # the default pairing
+    check_search(["fp16"], tmp_path / "params.yaml")  # the search build dropped: its block must go too (load_builds)
