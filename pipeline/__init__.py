@@ -1,2 +1,2 @@
-"""quantgate pipeline: exactly the DVC stages of dvc.yaml (validate, prepare, quantize, evaluate, gate,
-register) and their private helpers."""
+"""quantgate pipeline: exactly the DVC stages of dvc.yaml (validate, prepare, calibrate, search, quantize,
+evaluate, gate, register) and their private helpers."""
