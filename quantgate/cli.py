@@ -35,7 +35,9 @@ def report(gate_json: Path) -> None:
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     with command_errors():
         result = read_gate(gate_json)
-    lines = [table(result), precision_line(result)] + [f"{build}: {b.verdict}" for build, b in result.builds.items()]
+    lines = [table(result), precision_line(result)] + [
+        f"{build}: {b.verdict}" + (f" ({b.reason})" if b.reason else "") for build, b in result.builds.items()
+    ]
     click.echo("\n".join(lines))
 
 

@@ -233,3 +233,26 @@ def test_report_says_whether_each_set_decides(tmp_path, teams):
         f"- search: builds disagree with the baseline on up to 10.0% of documents; at that rate an equally good "
         f"build PASSes with probability {p:.0%} on n=200 (90% needs {need} documents)"
     ) in text
+
+
+def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(tmp_path, teams):
+    from quantgate.results import SearchResult, write_search
+
+    scores = [1.0, 0.0] * 100
+    for build in ("fp16", "int4", "int4-mixed"):
+        write_scores(tmp_path / "eval", build, "search", scores)
+    params = GateParams(baseline="fp16", candidates=["int4", "int4-mixed"], bootstrap_resamples=1000)
+    search_file = tmp_path / "search.json"
+    found = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", passed=True, chosen=3, layers=210)
+    write_search(search_file, found)
+    assert gate(tmp_path / "eval", teams, params, search_file).builds["int4-mixed"].verdict == "PASS"
+    write_search(search_file, found.model_copy(update={"passed": False, "chosen": 54, "evaluations": 4}))
+    result = gate(tmp_path / "eval", teams, params, search_file)
+    b = result.builds["int4-mixed"]
+    assert (b.verdict, b.shippable) == ("FAIL", False) and b.teams["search"].verdict == "PASS"  # the team row stays
+    assert b.reason == (
+        "the search kept 54 of 210 layers 16-bit, but none of its 4 screened candidates passed every team "
+        "(results/search/trace.md); raise search.max_evals or change the base recipe"
+    )
+    assert result.builds["int4"].verdict == "PASS"  # another build's search result is not its own
+    assert f"  - {b.reason}" in report(result)
