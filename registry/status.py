@@ -47,6 +47,9 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
             f"{held.get('lock.host', '?')}) for {held['age_s']:.0f} s"
         )
     found = sorted(mlflow_client.search_model_versions(f"name='{model_name}'"), key=lambda m: -int(m.version))
+    left = runs.unregistered(mlflow_client, model_name)
+    names = [mv.tags.get(tags.BUILD, "?") for mv in found] + [r.data.tags.get(tags.BUILD, "?") for r in left]
+    w = max([6, *map(len, names)])  # one build column for versions and runs (int4-mixed is 10 wide)
     for mv in found:
         t = mv.tags
         per_team = " ".join(f"{team}={verdict}" for team, verdict in tags.team_verdicts(t).items())
@@ -55,7 +58,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         cell, why = _approval_cell(mv, recorded)
         why = why or verdict_problem(t.get(tags.VERDICT), recorded)  # also on rows nobody approved
         lines.append(
-            f"  v{mv.version:<3} {t.get('build', '?'):<6} {t.get('scheme', '?'):<12} "
+            f"  v{mv.version:<3} {t.get(tags.BUILD, '?'):<{w}} {t.get('scheme', '?'):<12} "
             f"gate={t.get(tags.VERDICT, '?'):<12}"
             f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip()
         )
@@ -63,7 +66,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
             lines.append(f"        {why}")
         if override := t.get(tags.REGISTERED_OVERRIDE):
             lines.append(f"        registered by {t.get(tags.REGISTERED_BY, '?')} overriding the gate: {override}")
-    if left := runs.unregistered(mlflow_client, model_name):
+    if left:
         lines.append(
             "  not registered (gate did not PASS; to ship one anyway: quantgate register RUN_ID --override REASON):"
         )
@@ -71,7 +74,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         t = run.data.tags
         per_team = " ".join(f"{team}={verdict}" for team, verdict in tags.team_verdicts(t).items())
         lines.append(
-            f"  -    {t.get(tags.BUILD, '?'):<6} {t.get(tags.SCHEME, '?'):<12} "
+            f"  -    {t.get(tags.BUILD, '?'):<{w}} {t.get(tags.SCHEME, '?'):<12} "
             f"gate={run.data.params.get(tags.VERDICT, '?'):<12} run {run.info.run_id:<32} {per_team}".rstrip()
         )
     return lines
