@@ -35,8 +35,9 @@ def test_stages_expand_foreach_in_file_order():
         "evaluate@fp8",
         "evaluate@int8",
         "evaluate@int4",
+        "evaluate@int4-mixed",
     ]
-    assert names.index("calibrate") < names.index("quantize@fp8")
+    assert names.index("calibrate") < names.index("search") < names.index("quantize@fp8")
     assert names.index("quantize@int4") < names.index("evaluate@fp16") < names.index("gate")
 
 
