@@ -133,7 +133,8 @@ def calibration_ids(tokenizer, path: Path, samples: int, seq_len: int) -> list:
 
 
 class BlockCache:
-    """Forward passes that start at a decoder block, from the block inputs a reference pass recorded.
+    """Forward passes that start at a decoder block, from the block inputs a reference pass recorded
+    (`reference`: that pass's logits, one (1, tokens, vocab) tensor per batch).
 
     A Linear in block i leaves blocks 0..i-1 unchanged, so its quantized pass can start at block i: about
     half the work of a full pass on average. Works for models laid out as `model.model.layers` (decoder
@@ -148,20 +149,20 @@ class BlockCache:
         inner = getattr(model, "model", None)
         self.blocks = getattr(inner, "layers", None)
         self.norm = getattr(inner, "norm", None)
-        self.inputs: list[list] = [[] for _ in batches]  # [batch][block] = (args, kwargs)
-        if self.blocks is None or self.norm is None or getattr(model, "lm_head", None) is None:
+        if self.norm is None or getattr(model, "lm_head", None) is None:
             self.blocks = None
-            return
+        self.inputs: list[list] = [[] for _ in batches]  # [batch][block] = (args, kwargs)
         current: list = []
         hooks = [
             block.register_forward_pre_hook(lambda _m, a, kw: current.append((a, kw)), with_kwargs=True)
-            for block in self.blocks
+            for block in (self.blocks or [])
         ]
-        try:
+        try:  # one full pass per batch records the block inputs and gives the reference logits
             with torch.no_grad():
+                self.reference = []
                 for b, ids in enumerate(batches):
                     current.clear()
-                    model(input_ids=ids, use_cache=False)
+                    self.reference.append(model(input_ids=ids, use_cache=False).logits)
                     self.inputs[b] = list(current)
         finally:
             for h in hooks:
@@ -197,7 +198,7 @@ def sensitivity(model, linears: dict, args, batches: list) -> dict[str, float]:
 
     with torch.no_grad():
         cache = BlockCache(model, batches)
-        reference = [cache.logits(b, 0).float().log_softmax(-1) for b in range(len(batches))]
+        reference = [logits.float().log_softmax(-1) for logits in cache.reference]
         probs = [r.exp() for r in reference]  # once, not once per layer
         tokens = sum(r.shape[1] for r in reference)
         scores = {}

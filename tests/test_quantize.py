@@ -167,14 +167,18 @@ def test_missing_recipe_or_calibration_is_refused_before_the_model_loads(src, tm
     ):
         quantize("int8", src, tmp_path / "out", QuantizeParams(recipe=str(REPO / "recipes/int8.yaml")))
     c = Calibration(samples=4, seq_len=32)
-    with pytest.raises(QuantgateError, match=r"missing.jsonl: no calibration conversations; run the calibrate stage"):
+
+    def int8_from(calibration_file):
         quantize(
             "int8",
             src,
             tmp_path / "out",
             QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c),
-            calibration_file=tmp_path / "missing.jsonl",
+            calibration_file=calibration_file,
         )
+
+    with pytest.raises(QuantgateError, match=r"missing.jsonl: no calibration conversations; run the calibrate stage"):
+        int8_from(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     shape = r"expected \{\"text\": \"<conversation>\", ...\}"
     for line, problem in (
@@ -185,13 +189,7 @@ def test_missing_recipe_or_calibration_is_refused_before_the_model_loads(src, tm
     ):
         bad.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
         with pytest.raises(QuantgateError, match=rf"bad.jsonl:2: {problem}; re-run the calibrate stage \(`dvc repro"):
-            quantize(
-                "int8",
-                src,
-                tmp_path / "out",
-                QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c),
-                calibration_file=bad,
-            )
+            int8_from(bad)
     assert not (tmp_path / "out").exists()
 
 

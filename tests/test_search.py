@@ -145,6 +145,7 @@ def test_a_pass_started_at_any_block_gives_the_full_forward_logits(tmp_path):
     with torch.no_grad():
         for b, ids in enumerate(batches):
             full = model(input_ids=ids, use_cache=False).logits
+            assert torch.allclose(cache.reference[b], full, atol=1e-5)  # the recording pass is the reference
             for start in (0, 1):
                 assert torch.allclose(cache.logits(b, start), full, atol=1e-5)
             down = model.model.layers[1].mlp.down_proj
