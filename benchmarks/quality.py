@@ -30,7 +30,8 @@ Columns (one row per team and build):
   size_mib      weight files of the build
   quantize_s    seconds pipeline.quantize took for this build in --work (load, oneshot, save; a build
                 left by an earlier run keeps that run's time); "reused" = the pipeline's build in --models
-Results also go to benchmarks/results/quality.json.
+A build whose quantization fails (an llm-compressor error) is left out of the table and named
+with the error in the notes; the sweep goes on. Results also go to benchmarks/results/quality.json.
 """
 
 from __future__ import annotations
@@ -194,8 +195,13 @@ def main() -> None:
     engine, why = choose_engine(args.engine, params.serve.python, requested)
     builds = {"fp16": (src, None)}
     plan = build_params(args.only.split(",") if args.only else None)
+    failed: dict[str, str] = {}  # build -> why quantization failed (the sweep goes on without it)
     for build, p in plan.items():
-        builds[build] = ensure_build(build, p, src, args.models, args.work, args.calibration)
+        try:
+            builds[build] = ensure_build(build, p, src, args.models, args.work, args.calibration)
+        except Exception as exc:  # a library's own error (e.g. a modifier that needs a GPU): record, go on
+            failed[build] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"quality: {build}: quantization failed: {failed[build]}", flush=True)
     scores = args.work / "scores"
     shutil.rmtree(scores, ignore_errors=True)
     eval_s = {b: score_build(engine, b, d, teams, params, scores) for b, (d, _) in builds.items()}
@@ -231,6 +237,7 @@ def main() -> None:
         f"dtype {params.serve.dtype}",
         "scoring seconds per build (all teams): " + ", ".join(f"{b} {s:.0f}" for b, s in eval_s.items()),
         "builds: " + ", ".join(f"{b}={d}" for b, (d, _) in builds.items()),
+        *(f"{b} ({plan[b].recipe}): not built, quantization failed: {why}" for b, why in failed.items()),
         f"scores documents under {scores}",
     ]
     report(
@@ -244,6 +251,7 @@ def main() -> None:
             "dtype": params.serve.dtype,
             "builds": {b: {"dir": str(d), "quantize_s": rounded(q, 1)} for b, (d, q) in builds.items()},
             "scoring_s": {b: round(s, 1) for b, s in eval_s.items()},
+            "failed": failed,
             "gate": gate.model_dump(),
         },
         notes=notes,
