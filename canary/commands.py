@@ -199,4 +199,55 @@ def run(
         sys.exit(3)
 
 
+@click.command("serve")
+@click.argument("model")
+@click.option("--host", default=None, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1).")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path),
+    default=Path(".quantgate/serve"),
+    show_default=True,
+    help="Verified artifacts, server logs and pids, one folder per version.",
+)
+def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> None:
+    """Serve MODEL's registry aliases behind one OpenAI endpoint until Ctrl-C or SIGTERM.
+
+    production (else fallback) takes the traffic, fallback/previous/candidate are kept warm
+    (params.yaml `fleet`), alias changes are followed within a second, a failed production
+    request is retried on fallback, and dead servers are restarted.
+    """
+    import signal
+    import threading
+
+    from canary.gateway import run_gateway
+    from canary.policy import load_policy
+    from canary.standing import load_fleet_params
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
+    from registry import store
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with command_errors():
+            params = load_fleet_params()
+            params = params.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v is not None})
+            run_gateway(
+                store.client(existing=True),
+                model,
+                load_block("evaluate.serve", ServeParams),
+                params,
+                load_policy(),
+                work_dir,
+                log=click.echo,
+                stop=stop,
+            )
+    except KeyboardInterrupt:
+        click.echo("serve: stopped (Ctrl-C)")
+
+
 COMMANDS = [load, run]
+SERVE = [serve]  # top-level `quantgate serve`

@@ -56,16 +56,19 @@ class ServingFleet:
         """
         if version in self.backends:
             return self.backends[version]
-        vdir = self.work_dir / f"v{version}"
-        model_dir = verify_version(self.client, self.model, version, vdir / "artifacts")
-        log(f"canary: v{version} weights verified against the registry; starting its vLLM server ({role})")
-        params = serve_params(self.serve, getattr(self.policy.servers, role))
-        name = f"{self.model}-v{version}"
-        server = self._stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
-        self.pids[version] = server.pid
-        self.backends[version] = Backend(url=server.base_url, model=name, label=f"v{version}")
-        log(f"canary: v{version} serving at {server.base_url}")
-        return self.backends[version]
+        override = getattr(self.policy.servers, role)
+        backend, pid = open_server(
+            self._stack,
+            self.client,
+            self.model,
+            version,
+            serve_params(self.serve, override),
+            self.work_dir,
+            role,
+            lambda line: log(f"canary: {line}"),
+        )
+        self.pids[version], self.backends[version] = pid, backend
+        return backend
 
     def reuse(self, version: str, url: str) -> Backend:
         """Use a running OpenAI server at `url` (…/v1) for `version`; raises QuantgateError if it does not answer."""
@@ -82,14 +85,7 @@ class ServingFleet:
     def alive(self, version: str) -> bool:
         """False when a server this fleet started for `version` has exited (reused ones: True)."""
         pid = self.pids.get(version)
-        if pid is None:
-            return True
-        import psutil
-
-        try:  # a dead child stays a zombie until its Popen reaps it on stop()
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
+        return True if pid is None else process_alive(pid)
 
     def resolver(self, stable_default: str) -> Callable[[], Mapping[str, Backend | None]]:
         """resolve() for the router: backends from the registry aliases at each call.
@@ -111,3 +107,39 @@ class ServingFleet:
             }
 
         return resolve
+
+
+def open_server(
+    stack: contextlib.ExitStack,
+    mlflow_client,
+    model_name: str,
+    version: str,
+    params: ServeParams,
+    work_dir: Path,
+    role: str,
+    log=print,
+) -> tuple[Backend, int]:
+    """Verify `version`'s registered artifacts (downloaded to WORK_DIR/v<version>/artifacts) and
+    start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
+    (Backend labelled "v<version>", served as "<model>-v<version>", API server pid).
+
+    Raises QuantgateError if the weights do not verify or the server does not start.
+    """
+    vdir = Path(work_dir) / f"v{version}"
+    shutil.rmtree(vdir / "artifacts", ignore_errors=True)  # a restart downloads and verifies again
+    model_dir = verify_version(mlflow_client, model_name, version, vdir / "artifacts")
+    log(f"v{version} weights verified against the registry; starting its vLLM server ({role})")
+    name = f"{model_name}-v{version}"
+    server = stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
+    log(f"v{version} serving at {server.base_url}")
+    return Backend(url=server.base_url, model=name, label=f"v{version}"), server.pid
+
+
+def process_alive(pid: int) -> bool:
+    """False when process `pid` has exited (a dead child stays a zombie until its Popen reaps it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -33,13 +33,13 @@ class Sample:
     None with fewer than 2 tokens. status 0 = no HTTP response (timeout, refused)."""
 
     t: float
-    role: str  # "stable" | "candidate" | "shadow"
+    role: str  # "stable" | "candidate" | "fallback" (a retry on the fp16 build) | "shadow"
     label: str  # the backend's label, e.g. the model version
     ok: bool  # outcome in OK_OUTCOMES
     status: int
     ttft_s: float | None
     tpot_s: float | None
-    retried: bool  # this stable attempt retried a failed candidate attempt
+    retried: bool  # this attempt retried a failed attempt on the backend before it
     total_s: float
     stream: bool
     outcome: str
@@ -62,7 +62,9 @@ class Recorder:
         self._requests = Counter(
             "canary_requests", "Backend attempts by role and outcome", ["role", "outcome"], registry=r
         )
-        self._retries = Counter("canary_retries", "Failed candidate requests retried on stable", registry=r)
+        self._retries = Counter(
+            "canary_retries", "Requests retried on the next backend (candidate -> stable -> fallback)", registry=r
+        )
         self._ttft = Histogram(
             "canary_ttft_seconds", "Time to first stream chunk", ["role"], buckets=TTFT_BUCKETS, registry=r
         )

@@ -9,15 +9,16 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   passed through unchanged, so they name the build that answered. Client headers are not
   forwarded (backends are internal); the response headers x-canary-role/-backend/-retried
   say who answered.
-- Retry: a candidate attempt that fails (connection error, timeout, HTTP 5xx, or a stream
-  that ends or reports an error before its first chunk) is retried once on stable, so the
-  client sees stable's answer. The router waits for the candidate's first chunk before
-  answering; a candidate stream that breaks (outcome "cut") or reports an engine error after
-  that is resumed on stable: stable continues the text already sent (canary.payloads.
-  continuation) and its chunks follow in the same response, so the client sees one whole
-  answer. A stable stream that breaks, or a stream that cannot be continued (Router._resume),
-  ends with an SSE `error` event. 4xx are the request's fault: passed
-  through, not retried, counted as ok.
+- Retry: each request has a chain of backends (`attempts`): the candidate when the split
+  chose it, stable, then the fp16 `fallback` build (the shadow backend) when it is another
+  server. An attempt that fails (connection error, timeout, HTTP 5xx, or a stream that ends or
+  reports an error before its first chunk) moves to the next, so the client sees the next
+  one's answer. The router waits for a stream's first chunk before answering; a stream that
+  breaks (outcome "cut") or reports an engine error after that is resumed on the next
+  backend: it continues the text already sent (canary.payloads.continuation) and its chunks
+  follow in the same response, so the client sees one whole answer. The last backend's
+  stream that breaks, or a stream that cannot be continued (Router._resume), ends with an SSE
+  `error` event. 4xx are the request's fault: passed through, not retried, counted as ok.
 - Timeouts (policy): connect_timeout_s to connect; request_timeout_s for a whole
   non-streaming answer, for a stream's first chunk, and between later chunks.
 - Shadow: a `shadow_fraction` sample of greedy requests (canary.payloads.is_greedy:
@@ -40,6 +41,7 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
@@ -107,6 +109,20 @@ def fleet_of(backends: Mapping[str, Backend | None]) -> Fleet:
         if backends.get(role) is not None and not isinstance(backends[role], Backend):
             raise QuantgateError(f"resolve() returned a {type(backends[role]).__name__} for {role}, not a Backend")
     return Fleet(backends["stable"], backends.get("candidate"), backends.get("shadow"))
+
+
+Chain = list[tuple[str, Backend]]  # (role, backend) to try in turn; see attempts()
+
+
+def attempts(fleet: Fleet, to_candidate: bool) -> Chain:
+    """The backends one request may use, in order: the candidate (when the split chose it), stable,
+    then the `fallback` build (fleet.shadow) when it is another server. A request that fails before
+    its first byte moves to the next; a stream that breaks later is finished there (Router._resume)."""
+    chain = [("candidate", fleet.candidate)] if to_candidate and fleet.candidate is not None else []
+    chain.append(("stable", fleet.stable))
+    if fleet.shadow is not None and fleet.shadow.url != fleet.stable.url:
+        chain.append(("fallback", fleet.shadow))
+    return chain
 
 
 def error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
@@ -209,10 +225,13 @@ class Router:
         model_name: str = "quantgate",
         seed: int | None = None,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
+        health: Callable[[], dict] | None = None,
     ):
         self.policy = policy
         self.model_name = model_name  # the name /v1/models shows; clients may send any
         self.recorder = Recorder()
+        self.registry = self.recorder.registry  # /metrics: add collectors here (e.g. the standing fleet's)
+        self._health_extra = health  # more /health fields, e.g. the standing fleet's servers
         self.resolve_error: str | None = None  # the last resolve() failure, None after a success
         self._resolve = resolve
         self._interval = resolve_interval_s
@@ -221,6 +240,7 @@ class Router:
         self._fleet: Fleet | None = None
         self._client: httpx.AsyncClient | None = None
         self._shadow_tasks: set[asyncio.Task] = set()
+        self._inflight: collections.Counter[str] = collections.Counter()  # open attempts by backend URL
         self.recorder.set_weight(0.0)
         self.app = Starlette(
             lifespan=self._lifespan,
@@ -250,6 +270,10 @@ class Router:
     def fleet(self) -> Fleet | None:
         """The backends of the last successful resolve (None before the router started)."""
         return self._fleet
+
+    def inflight(self, backend: Backend) -> int:
+        """Attempts on `backend` that have started and not ended (a server is drained at 0)."""
+        return self._inflight[backend.url]
 
     def samples_since(self, t: float) -> list[Sample]:
         """Backend attempts that started at or after `t` (time.time() seconds)."""
@@ -317,6 +341,8 @@ class Router:
             "shadow": f and f.shadow and f.shadow.label,
             "resolve_error": self.resolve_error,
         }
+        if self._health_extra is not None:
+            doc.update(await asyncio.to_thread(self._health_extra))
         return JSONResponse(doc, 200 if f else 503)
 
     async def _metrics(self, request: Request) -> Response:
@@ -335,12 +361,12 @@ class Router:
             return error(503, "no backends resolved yet")
         path = request.url.path.removeprefix("/v1")
         attempt = self._stream if body.get("stream") is True else self._unary
-        if fleet.candidate is not None and self._rng.random() * 100 < self._weight:
-            response, failed = await attempt(fleet, "candidate", path, body, retried=False)
+        chain = attempts(fleet, fleet.candidate is not None and self._rng.random() * 100 < self._weight)
+        for i in range(len(chain)):
+            response, failed = await attempt(fleet, chain[i:], path, body, retried=i > 0)
             if not failed:
-                return response
-            return (await attempt(fleet, "stable", path, body, retried=True))[0]
-        return (await attempt(fleet, "stable", path, body, retried=False))[0]
+                break
+        return response
 
     # --- one backend attempt; returns (response for the client, failed = retry it) ---
     def _record(
@@ -357,6 +383,7 @@ class Router:
         ttft: float | None = None,
         tokens: int | None = None,
     ) -> None:
+        self._inflight[backend.url] -= 1
         total = time.perf_counter() - t0
         tpot = (total - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
         self.recorder.add(
@@ -381,6 +408,7 @@ class Router:
         Returns (httpx response or None, outcome, the body as a dict or None if it is not a JSON object).
         """
         t, t0 = time.time(), time.perf_counter()
+        self._inflight[backend.url] += 1  # _record ends the attempt
         payload = {**body, "model": backend.model}
         try:
             async with asyncio.timeout(self.policy.request_timeout_s):
@@ -397,8 +425,8 @@ class Router:
         self._record(backend, role, t, t0, outcome, r.status_code, stream=False, retried=retried, tokens=tokens)
         return r, outcome, doc
 
-    async def _unary(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
-        backend = fleet.candidate if role == "candidate" else fleet.stable
+    async def _unary(self, fleet: Fleet, chain: Chain, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+        role, backend = chain[0]
         headers = _who(role, backend, retried)
         r, outcome, doc = await self._post(backend, role, path, body, retried)
         if r is None:
@@ -417,6 +445,7 @@ class Router:
         no answer (timeout, connection error, a stream without events).
         """
         upstream = None
+        self._inflight[backend.url] += 1  # the caller's _record ends the attempt
         try:
             async with asyncio.timeout(self.policy.request_timeout_s):
                 upstream = await self._client.send(
@@ -449,8 +478,8 @@ class Router:
             await upstream.aclose()
         return opened
 
-    async def _stream(self, fleet: Fleet, role: str, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
-        backend = fleet.candidate if role == "candidate" else fleet.stable
+    async def _stream(self, fleet: Fleet, chain: Chain, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+        role, backend = chain[0]
         headers = _who(role, backend, retried)
         state = _Stream(wants_usage=bool(_stream_options(body).get("include_usage")))
         payload = _upstream_payload(body, backend.model)
@@ -461,8 +490,7 @@ class Router:
             if not state.failed:
                 relay = self._relay(
                     fleet,
-                    role,
-                    backend,
+                    chain,
                     path,
                     body,
                     o,
@@ -485,8 +513,7 @@ class Router:
     async def _relay(
         self,
         fleet: Fleet,
-        role: str,
-        backend: Backend,
+        chain: Chain,
         path: str,
         body: dict,
         opened: _Opened,
@@ -500,18 +527,20 @@ class Router:
     ) -> AsyncIterator[bytes]:
         """Send the stream on (`first` = the first event's bytes, already observed) and record it.
 
-        A candidate stream that breaks, or reports an engine error, after its first chunk is
-        finished on stable (`_resume`); a stable stream that does ends with an SSE `error` event.
+        A stream that breaks, or reports an engine error, after its first chunk is finished on
+        the next backend of `chain` (`_resume`: candidate -> stable -> fallback); the last
+        backend's stream that does ends with an SSE `error` event.
         """
+        (role, backend), rest = chain[0], chain[1:]
         outcome = "cancelled"  # stays so if the client goes away mid-stream
-        resumable = role == "candidate"
+        resumable = bool(rest)
         try:
             if first is not None:
                 yield first
             async for ev in opened.events:
                 out = state.observe(ev)
                 if state.failed and resumable:
-                    break  # do not pass the candidate's error on: stable finishes the answer
+                    break  # do not pass the error on: the next backend finishes the answer
                 if out is not None:
                     yield out
             if state.failed:
@@ -531,24 +560,30 @@ class Router:
             tokens = state.tokens if state.tokens is not None else state.chunks
             self._record(backend, role, t, t0, outcome, 200, stream=True, retried=retried, ttft=ttft, tokens=tokens)
         if resumable and outcome in ("cut", "server_error"):
-            async with aclosing(self._resume(fleet, path, body, state)) as rest:  # closed if the client leaves
-                async for out in rest:
+            async with aclosing(
+                self._resume(fleet, rest, role, path, body, state)
+            ) as tail:  # closed if the client leaves
+                async for out in tail:
                     yield out
         elif role == "candidate" and outcome == "ok":
             self._maybe_shadow(fleet, path, body, "".join(state.text))
 
-    async def _resume(self, fleet: Fleet, path: str, body: dict, broken: _Stream) -> AsyncIterator[bytes]:
-        """Finish on stable a candidate stream that broke after its first chunk reached the client.
+    async def _resume(
+        self, fleet: Fleet, chain: Chain, broken_role: str, path: str, body: dict, broken: _Stream
+    ) -> AsyncIterator[bytes]:
+        """Finish on chain[0] (stable for a candidate, fallback for stable) a stream of `broken_role`
+        that broke after its first chunk reached the client.
 
-        Stable gets canary.payloads.continuation of the request (the text sent so far as prompt
-        suffix or final assistant message, token limits lowered by the chunks sent) and its chunks
-        follow the candidate's in the same response; its usage chunk counts the candidate's tokens
-        as completion tokens. Recorded as a retried stable attempt without TTFT/TPOT (its first
-        token is not the client's). A stream whose answer was already whole (a finish_reason, the
-        usage chunk or [DONE] went by) or that has no tokens left just ends with [DONE]. A request
-        that cannot be continued (see continuation; also tool-call or reasoning deltas sent), or a
-        stable that fails too (a 4xx to the continuation included: it is the router's request),
-        ends the stream with an SSE `error` event.
+        The next backend gets canary.payloads.continuation of the request (the text sent so far as
+        prompt suffix or final assistant message, token limits lowered by the chunks sent) and its
+        chunks follow the broken stream's in the same response; its usage chunk counts the broken
+        stream's tokens as completion tokens. Recorded as a retried attempt of chain[0]'s role
+        without TTFT/TPOT (its first token is not the client's). A stream whose answer was already
+        whole (a finish_reason, the usage chunk or [DONE] went by) or that has no tokens left just
+        ends with [DONE]. A next backend that fails before its first chunk (a 4xx to the
+        continuation included: it is the router's request) passes it on to the one after it; a
+        request that cannot be continued (see continuation; also tool-call or reasoning deltas
+        sent), or a last backend that fails too, ends the stream with an SSE `error` event.
         """
         if broken.done:
             return  # the stream was whole; only the connection's end was lost
@@ -559,30 +594,35 @@ class Router:
         chat = path == "/chat/completions"
         cont = continuation(body, "".join(broken.text), broken.chunks, chat=chat) if broken.plain else None
         if cont is None:  # several choices included (continuation refuses them)
-            yield _broke("candidate backend stream broke and the request cannot be continued on stable")
+            yield _broke(f"{broken_role} backend stream broke and the request cannot be continued on {chain[0][0]}")
             return
-        stable = fleet.stable
+        role, nxt = chain[0]
         state = _Stream(wants_usage=broken.wants_usage, resumed=True, resumed_from=broken.chunks)
-        payload = _upstream_payload(cont, stable.model)
+        payload = _upstream_payload(cont, nxt.model)
         t, t0 = time.time(), time.perf_counter()
         try:
-            o = await self._open(stable, path, payload)
-        except BaseException:  # the client went away while stable was asked
-            self._record(stable, "stable", t, t0, "cancelled", 0, stream=True, retried=True)
+            o = await self._open(nxt, path, payload)
+        except BaseException:  # the client went away while the next backend was asked
+            self._record(nxt, role, t, t0, "cancelled", 0, stream=True, retried=True)
             raise
         first = state.observe(o.first) if o.first is not None else None
         if o.first is None or state.failed:
             if o.upstream is not None:
                 await o.upstream.aclose()
             outcome = "server_error" if o.first is not None or o.outcome == "client_error" else o.outcome
-            self._record(stable, "stable", t, t0, outcome, o.status_seen, stream=True, retried=True)
+            self._record(nxt, role, t, t0, outcome, o.status_seen, stream=True, retried=True)
+            if len(chain) > 1:  # the next backend failed before its first chunk: try the one after it
+                async with aclosing(self._resume(fleet, chain[1:], broken_role, path, body, broken)) as tail:
+                    async for out in tail:
+                        yield out
+                return
             why = _error_message(o.content) or o.what or "sent an error as its first chunk"
-            yield _broke(f"candidate backend stream broke and stable could not continue it: {why}")
+            yield _broke(f"{broken_role} backend stream broke and {role} could not continue it: {why}")
             return
         async with aclosing(
-            self._relay(fleet, "stable", stable, path, cont, o, first, state, t=t, t0=t0, ttft=None, retried=True)
-        ) as rest:
-            async for out in rest:
+            self._relay(fleet, chain, path, cont, o, first, state, t=t, t0=t0, ttft=None, retried=True)
+        ) as tail:
+            async for out in tail:
                 yield out
 
     # --- shadow ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ quantgate evals validate [PATH]  check team eval sets without running a model
 quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
 quantgate promote|rollback|history MODEL   aliases and their audit trail
 quantgate canary load --url URL            replay eval prompts through the router
+quantgate serve MODEL                      the standing gateway: serves the registry aliases (canary/gateway.py)
 """
 
 from __future__ import annotations
@@ -123,9 +124,10 @@ def canary() -> None:
 def _wire() -> None:
     """Commands that live beside their logic (registry/commands.py, canary/commands.py)."""
     from canary.commands import COMMANDS as CANARY
+    from canary.commands import SERVE
     from registry.commands import COMMANDS as REGISTRY
 
-    for command in REGISTRY:
+    for command in [*REGISTRY, *SERVE]:
         cli.add_command(command)
     for command in CANARY:
         canary.add_command(command)

@@ -530,6 +530,79 @@ def test_stable_stream_cut_ends_with_an_error_event(fakes):
     assert (s.role, s.outcome) == ("stable", "cut")
 
 
+# --- the fp16 `fallback` (the shadow backend) as the last retry ---------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_failed_stable_is_retried_on_fallback(fakes, stream):
+    fakes["stable"].reset(status=503)
+    with running(fleet(fakes, candidate=None, shadow="shadow")) as (router, client):
+        r, text, _ = complete(client, stream=stream)
+    assert r.status_code == 200 and text == fakes["shadow"].default_text
+    assert served_by(r) == "fallback" and r.headers["x-canary-backend"] == "shadow-label"
+    assert r.headers["x-canary-retried"] == "1" and fakes["shadow"].seen[0]["model"] == "shadow-served"
+    assert [(s.role, s.outcome, s.retried) for s in router.samples_since(0)] == [
+        ("stable", "server_error", False),
+        ("fallback", "ok", True),
+    ]
+
+
+def test_candidate_then_stable_failing_is_answered_by_fallback(fakes):
+    resolve = lambda: {"stable": dead_backend(), "candidate": dead_backend(), "shadow": fakes["shadow"].backend}  # noqa: E731
+    with running(resolve, weight=100) as (router, client):
+        r, text, _ = complete(client, chat=True)
+    assert r.status_code == 200 and text == fakes["shadow"].default_text and served_by(r) == "fallback"
+    assert [s.role for s in router.samples_since(0)] == ["candidate", "stable", "fallback"]
+
+
+def test_fallback_that_is_stable_itself_is_not_asked_twice(fakes):
+    fakes["stable"].reset(status=503)
+    with running(lambda: {"stable": fakes["stable"].backend, "shadow": fakes["stable"].backend}) as (router, client):
+        r, _, _ = complete(client)
+    assert r.status_code == 503 and len(fakes["stable"].seen) == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stable_stream_cut_is_finished_on_fallback(fakes, chat):
+    fakes["stable"].reset(cut_after=2)
+    with running(fleet(fakes, candidate=None, shadow="shadow")) as (router, client):
+        r, text, events = complete(client, stream=True, chat=chat)
+    assert r.status_code == 200 and text == "the stable" + "the candidate answer is five"
+    assert events[-1].data == "[DONE]" and not any(e.event == "error" for e in events)
+    (asked,) = fakes["shadow"].seen
+    assert asked["max_tokens"] == 8 - 2 and asked["model"] == "shadow-served"
+    assert [(s.role, s.outcome) for s in sorted(router.samples_since(0), key=lambda s: s.t)] == [
+        ("stable", "cut"),
+        ("fallback", "ok"),
+    ]
+
+
+def test_candidate_stream_cut_with_stable_down_is_finished_on_fallback(fakes):
+    fakes["candidate"].reset(cut_after=1)
+    resolve = lambda: {  # noqa: E731
+        "stable": dead_backend(),
+        "candidate": fakes["candidate"].backend,
+        "shadow": fakes["shadow"].backend,
+    }
+    with running(resolve, weight=100) as (router, client):
+        _, text, events = complete(client, stream=True)
+    assert text == "the" + "the candidate answer is five" and events[-1].data == "[DONE]"
+    assert sorted(s.role for s in router.samples_since(0)) == ["candidate", "fallback", "stable"]
+
+
+def test_inflight_counts_open_attempts_per_backend(fakes):
+    fakes["stable"].reset(delay_s=1.0)
+    with running(fleet(fakes, candidate=None)) as (router, client):
+        import threading
+
+        t = threading.Thread(target=complete, args=(client,))
+        t.start()
+        wait_until = time.monotonic() + 3
+        while router.inflight(fakes["stable"].backend) == 0 and time.monotonic() < wait_until:
+            time.sleep(0.02)
+        assert router.inflight(fakes["stable"].backend) == 1
+        t.join()
+        assert router.inflight(fakes["stable"].backend) == 0
+
+
 # --- streaming pass-through and latency samples -------------------------------------------
 @pytest.mark.parametrize("chat", [False, True])
 def test_stream_passes_through_the_same_chunks(fakes, chat):

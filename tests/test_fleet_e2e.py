@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import REPO, run, w4a16_servable
+from tests.conftest import REPO, approved_version, run, w4a16_servable
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
@@ -144,7 +144,7 @@ def fleet(project, tmp_path_factory):
     from quantgate.params import load_block
     from quantgate.results import BuildGate, GateResult, TeamComparison, read_teams
     from quantgate.serving import ServeParams
-    from registry import approval, runs, store
+    from registry import store
 
     cwd = os.getcwd()
     os.chdir(project)  # register() and lineage read params.yaml / git of the project
@@ -168,31 +168,12 @@ def fleet(project, tmp_path_factory):
     reg = json.loads((project / "results/registry.json").read_text())
     n_docs = json.loads((project / "results/teams.json").read_text())["search"]["n_docs"]
 
-    def version_of(build: str, entry: dict) -> str:
-        """The build's version; one whose gate did not PASS is a run only, registered here by override."""
-        if "version" in entry:
-            return str(entry["version"])
-        mv = runs.registered_as(client, entry["run_id"]) or runs.register_run(
-            client, entry["run_id"], "e2e-test", f"test: {build} did not PASS on {n_docs}-doc sets (CI limit)"
-        )
-        return str(mv.version)
-
     v = {
         "fp16": str(reg["builds"]["fp16"]["version"]),
-        GOOD: version_of(GOOD, reg["builds"].get(GOOD) or reg["unregistered"][GOOD]),
-        "broken": version_of("broken", out["unregistered"]["broken"]),
+        GOOD: approved_version(client, MODEL, GOOD, reg["builds"].get(GOOD) or reg["unregistered"][GOOD], n_docs),
+        "broken": approved_version(client, MODEL, "broken", out["unregistered"]["broken"], n_docs),
     }
     assert out["builds"]["fp16"]["reused"] and v["broken"] not in (v["fp16"], v[GOOD])
-    for build in (GOOD, "broken"):
-        if not approval.approval_of(client, MODEL, v[build]).approved:
-            approval.approve(
-                client,
-                MODEL,
-                v[build],
-                "e2e-test",
-                "canary end-to-end test",
-                override_reason=f"test: {build} did not PASS on {n_docs}-doc sets (CI limit)",
-            )
     serve = load_block("evaluate.serve", ServeParams)
     started = time.monotonic()
     with ServingFleet(client, MODEL, serve, fast_policy(), tmp_path_factory.mktemp("fleet")) as f:

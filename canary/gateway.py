@@ -1,0 +1,120 @@
+"""`quantgate serve MODEL`: the standing OpenAI gateway in front of the fleet that follows the registry.
+
+1. Stop vLLM servers a killed earlier gateway left behind (their process groups are recorded
+   under the work dir; `reap_orphans`).
+2. Start the serving build's server first (production, else fallback: canary.standing.plan),
+   so the gateway listens as soon as one build answers; a serving build that cannot be served
+   (weights that do not verify, a server that does not start) is passed over for the next.
+3. Listen (canary.router.Router with the fleet's resolve(): production traffic, retried on the
+   fp16 `fallback` when production fails; a canary's split when `candidate` is set) and
+   reconcile every `fleet.poll_s` until stopped (SIGTERM, Ctrl-C, or `stop`): warm the other
+   planned builds, restart dead servers, drain and stop unplanned ones.
+4. On the way out, stop taking requests, then stop every server.
+/health adds the fleet ({version: url, pid, why, restarts, up_s}); /metrics adds
+quantgate_fleet_servers{version,why} and quantgate_fleet_restarts{version}.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import Gauge
+
+from canary.policy import CanaryPolicy
+from canary.router import Router
+from canary.server import RouterServer
+from canary.standing import FleetParams, StandingFleet
+from quantgate.serving import ServeParams
+
+PIDS = "server.pid"  # per version folder: the vLLM API server's pid (= its process group id)
+
+
+def reap_orphans(work_dir: Path, log: Callable[[str], None] = print) -> int:
+    """Kill the vLLM process groups recorded in WORK_DIR/v*/server.pid whose leader still runs
+    vLLM (an earlier gateway that was killed could not stop them); returns how many."""
+    import psutil
+
+    killed = 0
+    for pidfile in Path(work_dir).glob(f"v*/{PIDS}"):
+        try:
+            pid = int(pidfile.read_text())
+            alive = "vllm" in " ".join(psutil.Process(pid).cmdline())
+        except (ValueError, OSError, psutil.Error):
+            alive = False
+        if alive:
+            log(f"{pidfile.parent.name}: stopping the vLLM server (pid {pid}) an earlier gateway left running")
+            os.killpg(pid, signal.SIGKILL)
+            killed += 1
+        pidfile.unlink(missing_ok=True)
+    return killed
+
+
+def run_gateway(
+    mlflow_client,
+    model_name: str,
+    serve: ServeParams,
+    params: FleetParams,
+    policy: CanaryPolicy,
+    work_dir: Path,
+    *,
+    log: Callable[[str], None] = print,
+    stop: threading.Event | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve `model_name` from the registry until `stop` is set or Ctrl-C (module docstring).
+
+    `policy` gives the router's timeouts and shadow settings; `on_ready(url)` is called once the
+    gateway listens. Raises QuantgateError if the address cannot be bound; every server it
+    started is stopped on every exit path.
+    """
+    stop = stop or threading.Event()
+    work_dir = Path(work_dir)
+    reap_orphans(work_dir, log)
+    router: Router | None = None
+    fleet = StandingFleet(
+        mlflow_client,
+        model_name,
+        serve,
+        params,
+        work_dir,
+        log=log,
+        inflight=lambda b: router.inflight(b) if router else 0,
+        on_start=lambda version, pid: (work_dir / f"v{version}" / PIDS).write_text(f"{pid}\n"),
+    )
+    try:
+        while not fleet.status():  # the serving build first; the loop below warms the others
+            fleet.reconcile(max_starts=1)
+            if not fleet.status() and stop.wait(params.restart_backoff_s):
+                return
+        router = Router(fleet.resolve, policy, model_name=model_name, health=lambda: {"fleet": fleet.status()})
+        servers = Gauge(
+            "quantgate_fleet_servers",
+            "Warm vLLM servers by version and why",
+            ["version", "why"],
+            registry=router.registry,
+        )
+        restarts = Gauge(
+            "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
+        )
+        with RouterServer(router, params.host, params.port) as gateway:
+            log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
+            if on_ready:
+                on_ready(gateway.url)
+            while not stop.wait(params.poll_s):
+                try:
+                    fleet.reconcile()
+                except Exception as exc:  # the registry unreachable for a while: keep serving what is warm
+                    log(f"serve: reconcile failed, keeping the warm servers: {type(exc).__name__}: {exc}")
+                    time.sleep(params.restart_backoff_s)
+                servers.clear()
+                for version, s in fleet.status().items():
+                    servers.labels(version, s["why"]).set(1)
+                    restarts.labels(version).set(s["restarts"])
+    finally:
+        fleet.close()
+        log("serve: every server stopped")

@@ -1,0 +1,195 @@
+"""The standing fleet's plan and reconcile loop, with the registry's aliases and the vLLM servers
+replaced by a dict and `sleep` processes (the real ones: tests/test_serve_e2e.py)."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+import canary.standing as standing
+from canary.gateway import PIDS, reap_orphans
+from canary.router import Backend
+from canary.standing import FleetParams, StandingFleet, load_fleet_params, plan
+from quantgate.errors import QuantgateError
+from quantgate.serving import ServeParams
+
+P = FleetParams()
+
+
+@pytest.mark.parametrize(
+    "now,params,expected",
+    [
+        ({"fallback": "1"}, P, [("1", "serving")]),
+        (
+            {"production": "3", "fallback": "1", "previous": "2"},
+            P,
+            [("3", "serving"), ("1", "fallback"), ("2", "previous")],
+        ),
+        (  # a candidate is warmer than previous; the cap keeps the first three
+            {"production": "3", "fallback": "1", "previous": "2", "candidate": "4"},
+            P,
+            [("3", "serving"), ("1", "fallback"), ("4", "candidate")],
+        ),
+        ({"production": "3", "fallback": "1", "previous": "1"}, P, [("3", "serving"), ("1", "fallback")]),
+        (
+            {"production": "3", "fallback": "1", "previous": "2"},
+            FleetParams(keep_previous=False),
+            [("3", "serving"), ("1", "fallback")],
+        ),
+        ({"production": "3", "fallback": "1"}, FleetParams(max_servers=1), [("3", "serving")]),
+        ({}, P, []),
+    ],
+)
+def test_plan_orders_dedupes_and_caps(now, params, expected):
+    assert plan(now, params) == expected
+
+
+def test_params_block_loads_and_names_a_bad_field(tmp_path):
+    assert load_fleet_params().max_servers == 3
+    bad = tmp_path / "params.yaml"
+    bad.write_text("fleet:\n  max_servers: 0\n")
+    with pytest.raises(QuantgateError, match=r"params.yaml:2: fleet.max_servers"):
+        load_fleet_params(bad)
+
+
+class Fakes:
+    """Aliases as a dict; each started 'server' is a `sleep` process in its own group."""
+
+    def __init__(self, monkeypatch, fail: set[str] | None = None):
+        self.aliases: dict[str, str] = {}
+        self.started: list[str] = []
+        self.fail = fail or set()
+        self.inflight: dict[str, int] = {}
+        monkeypatch.setattr(standing.aliases, "current", lambda client, model: dict(self.aliases))
+        monkeypatch.setattr(standing, "open_server", self.open_server)
+
+    def open_server(self, stack, client, model, version, params, work_dir, role, log):
+        if version in self.fail:
+            raise QuantgateError(f"{model} v{version}: weights do not verify")
+        proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+        stack.callback(lambda: (proc.kill(), proc.wait()))
+        self.started.append(version)
+        return Backend(f"http://127.0.0.1:1/v{version}", f"m-v{version}", f"v{version}"), proc.pid
+
+    def fleet(self, tmp_path, **params) -> StandingFleet:
+        p = FleetParams(**{"drain_s": 1.0, "restart_backoff_s": 0.0, **params})
+        return StandingFleet(
+            None,
+            "m",
+            ServeParams(),
+            p,
+            tmp_path,
+            log=lambda line: None,
+            inflight=lambda b: self.inflight.get(b.label, 0),
+        )
+
+
+def test_reconcile_starts_the_plan_and_resolve_routes_production(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch)
+    f.aliases = {"production": "3", "fallback": "1", "previous": "2"}
+    fleet = f.fleet(tmp_path)
+    try:
+        fleet.reconcile(max_starts=1)
+        assert f.started == ["3"] and fleet.resolve()["stable"].label == "v3" and fleet.resolve()["shadow"] is None
+        fleet.reconcile()
+        assert f.started == ["3", "1", "2"]
+        r = fleet.resolve()
+        assert (r["stable"].label, r["shadow"].label, r["candidate"]) == ("v3", "v1", None)
+        assert {v: s["why"] for v, s in fleet.status().items()} == {"3": "serving", "1": "fallback", "2": "previous"}
+        f.aliases = {"production": "2", "fallback": "1"}  # a rollback to a warm version: no start
+        assert fleet.resolve()["stable"].label == "v2"
+        fleet.reconcile()
+        assert f.started == ["3", "1", "2"] and set(fleet.status()) == {"2", "1"}
+    finally:
+        fleet.close()
+    assert fleet.status() == {}
+
+
+def test_a_cold_production_is_served_by_previous_until_it_is_warm(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch)
+    f.aliases = {"production": "3", "fallback": "1", "previous": "2"}
+    fleet = f.fleet(tmp_path)
+    try:
+        fleet.reconcile()
+        f.aliases = {"production": "4", "fallback": "1", "previous": "3"}  # promoted a cold v4
+        assert fleet.resolve()["stable"].label == "v3"
+        fleet.reconcile()
+        assert fleet.resolve()["stable"].label == "v4"
+    finally:
+        fleet.close()
+
+
+def test_a_dead_server_leaves_routing_and_is_restarted(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch)
+    f.aliases = {"production": "3", "fallback": "1"}
+    fleet = f.fleet(tmp_path)
+    try:
+        fleet.reconcile()
+        pid = fleet.status()["3"]["pid"]
+        os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while standing.process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fleet.reconcile()
+        s = fleet.status()["3"]
+        assert s["pid"] != pid and s["restarts"] == 1 and f.started == ["3", "1", "3"]
+    finally:
+        fleet.close()
+
+
+def test_a_version_that_cannot_be_served_is_passed_over_then_retried(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch, fail={"3"})
+    f.aliases = {"production": "3", "fallback": "1"}
+    fleet = f.fleet(tmp_path, restart_backoff_s=60.0)
+    try:
+        fleet.reconcile(max_starts=1)  # v3 fails: nothing warm yet
+        with pytest.raises(QuantgateError, match="no vLLM server is warm"):
+            fleet.resolve()
+        fleet.reconcile(max_starts=1)  # v3 is in its back-off: the fallback is started
+        assert f.started == ["1"] and fleet.resolve()["stable"].label == "v1"
+        assert "weights do not verify" in fleet.failures["3"][1]
+    finally:
+        fleet.close()
+
+
+def test_an_unplanned_server_is_drained_before_it_stops(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch)
+    f.aliases = {"production": "3", "fallback": "1"}
+    fleet = f.fleet(tmp_path, drain_s=0.6)
+    try:
+        fleet.reconcile()
+        f.aliases = {"fallback": "1"}
+        f.inflight["v3"] = 1  # a request that never ends: the drain waits drain_s, then stops
+        t0 = time.monotonic()
+        fleet.reconcile()
+        assert 0.6 <= time.monotonic() - t0 < 3 and set(fleet.status()) == {"1"}
+        f.aliases = {"production": "3", "fallback": "1"}
+        fleet.reconcile()
+        f.inflight["v3"] = 0
+        f.aliases = {"fallback": "1"}
+        t0 = time.monotonic()
+        fleet.reconcile()  # nothing in flight: stopped at once
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        fleet.close()
+
+
+def test_reap_orphans_kills_only_recorded_vllm_groups(tmp_path):
+    leader = subprocess.Popen(
+        ["bash", "-c", "exec -a vllm.entrypoints.openai.api_server sleep 300"], start_new_session=True
+    )
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        for version, proc in (("1", leader), ("2", other)):
+            (tmp_path / f"v{version}").mkdir()
+            (tmp_path / f"v{version}" / PIDS).write_text(f"{proc.pid}\n")
+        time.sleep(0.2)
+        assert reap_orphans(tmp_path, log=lambda line: None) == 1
+        assert leader.wait(timeout=5) == -signal.SIGKILL and other.poll() is None
+        assert not list(tmp_path.glob(f"v*/{PIDS}"))
+    finally:
+        for p in (leader, other):
+            p.kill()
+            p.wait()

@@ -1,0 +1,232 @@
+"""`quantgate serve` end to end: the real CLI as a long-running process, real vLLM servers on
+loopback, the registry of the shared `dvc repro` (tests/conftest.py `project`), bounded greedy
+load throughout (tests/test_fleet_e2e.py `Load`).
+
+In order, on one gateway: it serves the fp16 build; a candidate alias warms the int8 build
+(W8A8, which every CPU kind serves); `quantgate promote` moves traffic to it within 1 s of the
+alias write; its vLLM server is killed and the fallback answers while it is restarted;
+`quantgate rollback` moves traffic back within 1 s and the unplanned server is drained and
+stopped; SIGTERM stops the gateway and every server. No client request fails.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import approved_version, project_env, run
+from tests.test_fleet_e2e import MODEL, Load
+
+pytestmark = pytest.mark.e2e
+SERVED = "int8"  # W8A8: vLLM serves it on AVX2, AVX512 and GPUs alike
+
+
+def wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen, log) -> dict:
+    """Poll `check()` (a dict or None) every 0.5 s until it answers; fail with the gateway's log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"quantgate serve exited ({proc.returncode}) waiting for {what}:\n{log.read_text()[-3000:]}")
+        try:
+            if (got := check()) is not None:
+                return got
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"no {what} after {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def gateway(project, tmp_path_factory):
+    """(url, registry client, {build: version}, the serve process, its log) with fp16 serving."""
+    from quantgate.serving import free_port
+    from registry import aliases, store
+
+    client = store.client(f"sqlite:///{project / 'mlflow.db'}")
+    reg = json.loads((project / "results/registry.json").read_text())
+    n_docs = json.loads((project / "results/teams.json").read_text())["search"]["n_docs"]
+    entry = reg["builds"].get(SERVED) or reg["unregistered"][SERVED]
+    v = {"fp16": str(reg["builds"]["fp16"]["version"]), SERVED: approved_version(client, MODEL, SERVED, entry, n_docs)}
+    now = aliases.current(client, MODEL)
+    if now.get("production") not in (None, v["fp16"]):  # an earlier test left another build in production
+        aliases.rollback(client, MODEL, "e2e-test", "serve e2e starts from the fp16 build", to="fallback")
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["quantgate", "serve", MODEL, "--port", str(port), "--work-dir", str(log.parent / "work")],
+            cwd=project,
+            env=project_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    try:
+        wait_for("healthy gateway", lambda: _health(url) or None, 600, proc, log)
+        print(f"\nserve: gateway healthy {time.monotonic() - started:.0f} s after start")
+        yield {"url": url, "client": client, "v": v, "proc": proc, "log": log}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _health(url: str) -> dict:
+    r = httpx.get(f"{url}/health", timeout=5)
+    return r.json() if r.status_code == 200 else {}
+
+
+def _flip_latency(load: Load, client, action: str, new: str, old: str) -> tuple[float, float]:
+    """(s from the alias write to the first request served by `new`, s to the last one sent to `old`)."""
+    from registry import audit
+
+    event = [e for e in audit.history(client, MODEL) if e.action == action and e.alias == "production"][-1]
+    flip = event.done_at.timestamp()
+    after = sorted((r for r in load.results if r["sent"] >= flip), key=lambda r: r["sent"])
+    first_new = next(r["sent"] for r in after if r["backend"] == f"v{new}") - flip
+    last_old = max((r["sent"] for r in after if r["backend"] == f"v{old}"), default=flip) - flip
+    return first_new, last_old
+
+
+def test_serves_fallback_then_warms_a_candidate(gateway):
+    from registry import aliases
+
+    g, v = gateway, gateway["v"]
+    h = _health(g["url"])
+    assert h["stable"] == f"v{v['fp16']}" and v["fp16"] in h["fleet"]
+    r = httpx.post(
+        f"{g['url']}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert r.headers["x-canary-backend"] == f"v{v['fp16']}"
+    aliases.set_candidate(g["client"], MODEL, v[SERVED], "e2e-test", "serve e2e: warm the build before promoting it")
+    h = wait_for(
+        "warm candidate", lambda: (h := _health(g["url"])) and v[SERVED] in h["fleet"] and h, 600, g["proc"], g["log"]
+    )
+    assert h["fleet"][v[SERVED]]["why"] == "candidate"
+
+
+def test_promote_moves_traffic_within_a_second_without_errors(gateway, project):
+    g, v = gateway, gateway["v"]
+    with Load(g["url"]) as load:
+        time.sleep(5)
+        run(
+            [
+                "quantgate",
+                "promote",
+                MODEL,
+                v[SERVED],
+                "--expect-production",
+                "none",
+                "--by",
+                "e2e-test",
+                "--reason",
+                "serve e2e: promote",
+            ],
+            project,
+        )
+        time.sleep(5)
+    first_new, last_old = _flip_latency(load, g["client"], "promote", v[SERVED], v["fp16"])
+    print(
+        f"\npromote: {len(load.results)} requests, {len(load.failed)} failed; first on v{v[SERVED]} "
+        f"{first_new:.2f} s after the alias write, last on v{v['fp16']} {last_old:.2f} s"
+    )
+    assert not load.failed, load.failed[:3]
+    assert first_new < 1.0 and last_old < 1.0
+
+
+def test_killed_production_server_is_answered_by_fallback_and_restarted(gateway):
+    g, v = gateway, gateway["v"]
+    pid = _health(g["url"])["fleet"][v[SERVED]]["pid"]
+    with Load(g["url"]) as load:
+        time.sleep(3)
+        os.killpg(pid, signal.SIGKILL)
+        killed = time.time()
+        h = wait_for(
+            "restarted production server",
+            lambda: (h := _health(g["url"])) and h["fleet"].get(v[SERVED], {}).get("restarts") == 1 and h,
+            600,
+            g["proc"],
+            g["log"],
+        )
+        restarted = time.time()
+        time.sleep(5)
+    during = [r for r in load.results if killed <= r["sent"] < restarted]
+    by = {b: sum(r["backend"] == b for r in during) for b in {r["backend"] for r in during}}
+    print(
+        f"\nkill: {len(load.results)} requests, {len(load.failed)} failed; "
+        f"restarted in {restarted - killed:.0f} s; served meanwhile by {by}"
+    )
+    assert not load.failed, load.failed[:3]
+    assert h["fleet"][v[SERVED]]["pid"] != pid and h["stable"] == f"v{v[SERVED]}"
+    assert by.get(f"v{v['fp16']}", 0) > 0  # the fallback answered while production was down
+
+
+def test_rollback_moves_traffic_back_and_drains_the_old_server(gateway, project):
+    g, v = gateway, gateway["v"]
+    old_pid = _health(g["url"])["fleet"][v[SERVED]]["pid"]
+    with Load(g["url"]) as load:
+        time.sleep(5)
+        run(["quantgate", "rollback", MODEL, "--by", "e2e-test", "--reason", "serve e2e: rollback"], project)
+        time.sleep(5)
+    first_new, last_old = _flip_latency(load, g["client"], "rollback", v["fp16"], v[SERVED])
+    print(
+        f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; first on v{v['fp16']} "
+        f"{first_new:.2f} s after the alias write, last on v{v[SERVED]} {last_old:.2f} s"
+    )
+    assert not load.failed, load.failed[:3]
+    assert first_new < 1.0 and last_old < 1.0
+    h = wait_for(
+        "drained server",
+        lambda: (h := _health(g["url"])) and v[SERVED] not in h["fleet"] and h,
+        120,
+        g["proc"],
+        g["log"],
+    )
+    assert (
+        set(h["fleet"]) == {v["fp16"]}
+        and not psutil.pid_exists(old_pid)
+        or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+    )
+
+
+def test_memory_of_the_standing_fleet(gateway):
+    """Report memory (not a timed target): RSS of each warm server's process group and of the gateway."""
+    h = _health(gateway["url"])
+    total = 0
+    for version, s in h["fleet"].items():
+        rss = sum(p.memory_info().rss for p in psutil.process_iter() if _pgid(p.pid) == s["pid"])
+        total += rss
+        print(f"\nmemory: v{version} ({s['why']}) vLLM server {rss / 2**30:.2f} GiB RSS")
+    me = psutil.Process(gateway["proc"].pid).memory_info().rss
+    print(
+        f"memory: servers {total / 2**30:.2f} GiB + gateway {me / 2**30:.2f} GiB; "
+        f"machine {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    )
+    assert 0 < total + me < psutil.virtual_memory().total
+
+
+def test_sigterm_stops_the_gateway_and_every_server(gateway):
+    pids = [s["pid"] for s in _health(gateway["url"])["fleet"].values()]
+    gateway["proc"].send_signal(signal.SIGTERM)
+    assert gateway["proc"].wait(timeout=120) == 0
+    assert "serve: every server stopped" in gateway["log"].read_text()
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
