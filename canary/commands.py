@@ -223,6 +223,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
     import threading
 
     from canary.gateway import run_gateway
+    from canary.limits import load_limits
     from canary.policy import load_policy
     from canary.standing import load_fleet_params
     from quantgate.params import load_block
@@ -241,6 +242,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
                 load_block("evaluate.serve", ServeParams),
                 params,
                 load_policy(),
+                load_limits(),
                 work_dir,
                 log=click.echo,
                 stop=stop,

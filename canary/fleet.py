@@ -57,7 +57,7 @@ class ServingFleet:
         if version in self.backends:
             return self.backends[version]
         override = getattr(self.policy.servers, role)
-        backend, pid = open_server(
+        backend, pid, _ = open_server(
             self._stack,
             self.client,
             self.model,
@@ -118,10 +118,10 @@ def open_server(
     work_dir: Path,
     role: str,
     log=print,
-) -> tuple[Backend, int]:
+) -> tuple[Backend, int, Path]:
     """Verify `version`'s registered artifacts (downloaded to WORK_DIR/v<version>/artifacts) and
     start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
-    (Backend labelled "v<version>", served as "<model>-v<version>", API server pid).
+    (Backend labelled "v<version>", served as "<model>-v<version>", API server pid, model dir).
 
     Raises QuantgateError if the weights do not verify or the server does not start.
     """
@@ -132,7 +132,7 @@ def open_server(
     name = f"{model_name}-v{version}"
     server = stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
     log(f"v{version} serving at {server.base_url}")
-    return Backend(url=server.base_url, model=name, label=f"v{version}"), server.pid
+    return Backend(url=server.base_url, model=name, label=f"v{version}"), server.pid, model_dir
 
 
 def process_alive(pid: int) -> bool:

@@ -6,7 +6,8 @@
    so the gateway listens as soon as one build answers; a serving build that cannot be served
    (weights that do not verify, a server that does not start) is passed over for the next.
 3. Listen (canary.router.Router with the fleet's resolve(): production traffic, retried on the
-   fp16 `fallback` when production fails; a canary's split when `candidate` is set) and
+   fp16 `fallback` when production fails; a canary's split when `candidate` is set; the
+   `limits` of params.yaml: 400 over the context ceiling or output cap, 429 over a team's rate) and
    reconcile every `fleet.poll_s` until stopped (SIGTERM, Ctrl-C, or `stop`): warm the other
    planned builds, restart dead servers, drain and stop unplanned ones.
 4. On the way out, stop taking requests, then stop every server.
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
+from canary.limits import Limiter, Limits, tokenizer_counter
 from canary.policy import CanaryPolicy
 from canary.router import Router
 from canary.server import RouterServer
@@ -60,6 +62,7 @@ def run_gateway(
     serve: ServeParams,
     params: FleetParams,
     policy: CanaryPolicy,
+    limits: Limits,
     work_dir: Path,
     *,
     log: Callable[[str], None] = print,
@@ -68,9 +71,10 @@ def run_gateway(
 ) -> None:
     """Serve `model_name` from the registry until `stop` is set or Ctrl-C (module docstring).
 
-    `policy` gives the router's timeouts and shadow settings; `on_ready(url)` is called once the
-    gateway listens. Raises QuantgateError if the address cannot be bound; every server it
-    started is stopped on every exit path.
+    `policy` gives the router's timeouts and shadow settings, `limits` what one request and one
+    team may ask (canary.limits; prompts counted with the first warm build's tokenizer);
+    `on_ready(url)` is called once the gateway listens. Raises QuantgateError if the address
+    cannot be bound; every server it started is stopped on every exit path.
     """
     stop = stop or threading.Event()
     work_dir = Path(work_dir)
@@ -91,7 +95,10 @@ def run_gateway(
             fleet.reconcile(max_starts=1)
             if not fleet.status() and stop.wait(params.restart_backoff_s):
                 return
-        router = Router(fleet.resolve, policy, model_name=model_name, health=lambda: {"fleet": fleet.status()})
+        limiter = Limiter(limits, tokenizer_counter(fleet.model_dir()))
+        router = Router(
+            fleet.resolve, policy, model_name=model_name, health=lambda: {"fleet": fleet.status()}, limits=limiter
+        )
         servers = Gauge(
             "quantgate_fleet_servers",
             "Warm vLLM servers by version and why",

@@ -84,6 +84,18 @@ class Recorder:
             ["result"],
             registry=r,
         )
+        self._limit = Gauge(
+            "canary_limit",
+            "Configured limits per team (canary/limits.py; rps, burst, *_tokens)",
+            ["team", "limit"],
+            registry=r,
+        )
+        self._rejected = Counter(
+            "canary_rejected_requests",
+            "Requests refused by the limits, by team and reason",
+            ["team", "reason"],
+            registry=r,
+        )
         self._samples: deque[Sample] = deque(maxlen=max_kept)
         self._shadows: deque[ShadowSample] = deque(maxlen=max_kept)
         self._lock = threading.Lock()
@@ -107,6 +119,14 @@ class Recorder:
     def shadow_not_compared(self, reason: str) -> None:
         """Count a sampled request that was not compared: "error" (shadow failed) or "skipped" (too many in flight)."""
         self._shadow.labels(reason).inc()
+
+    def set_limits(self, rows: list[tuple[str, str, float]]) -> None:
+        """Show (team, limit, value) rows, canary.limits.Limits.gauges()."""
+        for team, limit, value in rows:
+            self._limit.labels(team, limit).set(value)
+
+    def rejected(self, team: str, reason: str) -> None:
+        self._rejected.labels(team, reason).inc()
 
     def set_weight(self, percent: float) -> None:
         self._weight.set(percent)

@@ -31,6 +31,9 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   at startup (failure = the router does not start) and then every RESOLVE_INTERVAL_S, so a
   registry alias flip moves traffic within interval + resolve time. A failing resolve keeps
   the last answer and is reported in /health.
+- Limits (canary.limits, optional): a request over the output cap or the context ceiling gets a
+  400, one over its team's rate a 429 with Retry-After, before any backend is chosen; one
+  without max_tokens gets the cap set for it.
 - Samples (canary.metrics.Sample): one per backend attempt. Streaming TTFT = first SSE
   chunk from the backend; TPOT = (total - TTFT) / (completion_tokens - 1), tokens from the
   usage chunk: the router adds stream_options.include_usage and drops the usage-only chunk
@@ -58,6 +61,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from canary.limits import Limiter
 from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
 from canary.payloads import (
     chunk_text,
@@ -226,8 +230,10 @@ class Router:
         seed: int | None = None,
         resolve_interval_s: float = RESOLVE_INTERVAL_S,
         health: Callable[[], dict] | None = None,
+        limits: Limiter | None = None,
     ):
         self.policy = policy
+        self.limits = limits  # None = no limits (canary.limits: context, output cap, per-team rate)
         self.model_name = model_name  # the name /v1/models shows; clients may send any
         self.recorder = Recorder()
         self.registry = self.recorder.registry  # /metrics: add collectors here (e.g. the standing fleet's)
@@ -242,6 +248,8 @@ class Router:
         self._shadow_tasks: set[asyncio.Task] = set()
         self._inflight: collections.Counter[str] = collections.Counter()  # open attempts by backend URL
         self.recorder.set_weight(0.0)
+        if limits is not None:
+            self.recorder.set_limits(limits.limits.gauges())
         self.app = Starlette(
             lifespan=self._lifespan,
             routes=[
@@ -356,10 +364,13 @@ class Router:
             return error(400, "request body is not valid JSON")
         if not isinstance(body, dict):
             return error(400, "request body must be a JSON object")
+        path = request.url.path.removeprefix("/v1")
+        if self.limits is not None and (no := self.limits.check(path, body, request.headers)) is not None:
+            self.recorder.rejected(no.team, no.reason)
+            return error(no.status, no.message, no.headers)
         fleet = self._fleet
         if fleet is None:
             return error(503, "no backends resolved yet")
-        path = request.url.path.removeprefix("/v1")
         attempt = self._stream if body.get("stream") is True else self._unary
         chain = attempts(fleet, fleet.candidate is not None and self._rng.random() * 100 < self._weight)
         for i in range(len(chain)):

@@ -91,6 +91,7 @@ class Running:
     pid: int
     why: str
     stack: contextlib.ExitStack
+    model_dir: Path  # the verified weights it serves
     started_at: float = field(default_factory=time.time)
     restarts: int = 0
 
@@ -151,6 +152,11 @@ class StandingFleet:
                 for v, r in self._servers.items()
             }
 
+    def model_dir(self) -> Path | None:
+        """The verified weights of one warm server (every build shares the tokenizer), None if none is warm."""
+        with self._lock:
+            return next((r.model_dir for r in self._servers.values()), None)
+
     # --- making the servers match the plan -----------------------------------------
     def reconcile(self, max_starts: int | None = None) -> list[tuple[str, str]]:
         """One pass (see the module docstring), starting at most `max_starts` servers (None = all
@@ -184,7 +190,7 @@ class StandingFleet:
         override = self.params.servers.serving if why == SERVING else self.params.servers.warm
         stack = contextlib.ExitStack()
         try:
-            backend, pid = open_server(
+            backend, pid, model_dir = open_server(
                 stack,
                 self.client,
                 self.model,
@@ -202,7 +208,9 @@ class StandingFleet:
         self.failures.pop(version, None)
         self.on_start(version, pid)
         with self._lock:
-            self._servers[version] = Running(backend, pid, why, stack, restarts=self._restarts.get(version, 0))
+            self._servers[version] = Running(
+                backend, pid, why, stack, model_dir, restarts=self._restarts.get(version, 0)
+            )
 
     def _stop(self, version: str, drain: bool) -> None:
         with self._lock:

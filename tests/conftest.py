@@ -141,4 +141,3 @@ def approved_version(client, model: str, build: str, entry: dict, n_docs: int) -
     if not approval.approval_of(client, model, version).approved:
         approval.approve(client, model, version, "e2e-test", "end-to-end test", override_reason=why)
     return version
-

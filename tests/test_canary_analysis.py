@@ -165,12 +165,12 @@ def test_policy_defaults_load_from_params_yaml():
     assert 0 < p.alpha < 0.5 and p.min_samples >= 2 and p.shadow_compare_words >= 1
 
 
-def write_params(tmp_path, **changes) -> Path:
+def write_params(tmp_path, block="canary", **changes) -> Path:
+    """A copy of params.yaml with block `block` changed: a__b=v sets block.a.b to v."""
     doc = yaml.safe_load((REPO / "params.yaml").read_text())
-    block = doc["canary"]
     for dotted, value in changes.items():
         *parents, key = dotted.split("__")
-        target = block
+        target = doc[block]
         for p in parents:
             target = target[p]
         target[key] = value

@@ -167,8 +167,8 @@ def dead_backend() -> Backend:
 
 
 @contextmanager
-def running(resolve, weight=0.0, resolve_interval_s=0.5, **policy):
-    """A started router; yields (router, http client with the router's base URL)."""
+def running(resolve, weight=0.0, resolve_interval_s=0.5, limits=None, **policy):
+    """A started router (`limits`: a canary.limits.Limiter); yields (router, http client with its base URL)."""
     router = Router(
         resolve,
         CanaryPolicy(
@@ -177,6 +177,7 @@ def running(resolve, weight=0.0, resolve_interval_s=0.5, **policy):
         model_name="smollm",
         seed=7,
         resolve_interval_s=resolve_interval_s,
+        limits=limits,
     )
     router.set_weight(weight)
     server = RouterServer(router).start()

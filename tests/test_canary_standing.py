@@ -71,7 +71,7 @@ class Fakes:
         proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
         stack.callback(lambda: (proc.kill(), proc.wait()))
         self.started.append(version)
-        return Backend(f"http://127.0.0.1:1/v{version}", f"m-v{version}", f"v{version}"), proc.pid
+        return Backend(f"http://127.0.0.1:1/v{version}", f"m-v{version}", f"v{version}"), proc.pid, work_dir
 
     def fleet(self, tmp_path, **params) -> StandingFleet:
         p = FleetParams(**{"drain_s": 1.0, "restart_backoff_s": 0.0, **params})
