@@ -124,3 +124,28 @@ def project(tmp_path_factory):
     print(f"\ne2e: dvc repro took {time.monotonic() - started:.0f} s")
     (root / "repro.log").write_text(out.stdout + out.stderr)
     return root
+
+
+def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
+    """A build directory as the quantize stage leaves it, without torch: `shards` real
+    safetensors weight files (small random tensors), a config and build.json."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from quantgate.manifest import write_manifest
+
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for i in range(shards):
+        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"layers.{i}.weight": rng.standard_normal((64, 64)).astype(np.float16)}, str(path / name))
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    write_manifest(
+        path,
+        build=build,
+        scheme=build.upper(),
+        dtype="float16",
+        base_model={"id": "tiny-llama", "sha256": "0" * 64},
+        recipe={"source": "test"},
+    )
+    return path
