@@ -8,6 +8,7 @@ quantgate evals validate [PATH]  check team eval sets without running a model
 quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
 quantgate promote|rollback|history MODEL   aliases and their audit trail
 quantgate canary load --url URL            replay eval prompts through the router
+quantgate canary render MODEL VERSION --format gateway-api   the canary's steps as HTTPRoutes (canary/commands.py)
 """
 
 from __future__ import annotations
