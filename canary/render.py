@@ -36,9 +36,10 @@ def dns_label(text: str, what: str) -> str:
     starts with a digit or is over 63 characters."""
     label = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     if not label or not label[0].isalpha() or len(label) > 63:
+        fix = "another --service template" if what == "service name" else "a shorter name"
         raise QuantgateError(
             f"{what} {text!r} gives {label!r}, not a DNS label (a letter first, [a-z0-9-], at most 63 "
-            f"characters); use a shorter name or another --service template"
+            f"characters); use {fix}"
         )
     return label
 

@@ -1,5 +1,6 @@
-"""Shared fixtures: example team folders, scores documents written in the test, and the
-end-to-end project (one real `dvc repro`) shared by tests/test_e2e.py and tests/test_fleet_e2e.py."""
+"""Shared fixtures: example team folders, scores documents written in the test, tiny safetensors
+builds a real registry accepts (`safetensors_build`), and the end-to-end project (one real
+`dvc repro`) shared by tests/test_e2e.py and tests/test_fleet_e2e.py."""
 
 import json
 import os
