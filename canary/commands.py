@@ -1,5 +1,10 @@
 """Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
 
+    quantgate canary run MODEL VERSION [--load-rps RPS]    the canary here: promote or abort
+    quantgate canary load --url URL --rps RPS --duration S replay eval prompts through a router
+    quantgate canary render MODEL VERSION --format gateway-api [--step N|rollback] [--out FILE]
+                                                           the same steps as HTTPRoutes for a cluster
+
 Thin: parse, call canary/, print; errors take the CLI's one path, quantgate.errors.command_errors (one line,
 exit 1), never a traceback. `canary load` exits 1 when any request failed; `canary run` 3 on abort.
 """
@@ -13,7 +18,7 @@ from pathlib import Path
 import click
 
 from canary.load import APIS
-from quantgate.errors import command_errors
+from quantgate.errors import QuantgateError, command_errors
 from registry.commands import version_arg
 
 
@@ -251,5 +256,77 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
         click.echo("serve: stopped (Ctrl-C)")
 
 
-COMMANDS = [load, run]
+def _step(ctx, param, value: str | None) -> str | None:
+    if value is None or value == "rollback" or (value.isdigit() and int(value) >= 1):
+        return value
+    raise click.BadParameter(f"{value!r}: give a step number (1, 2, ...) or rollback")
+
+
+@click.command("render")
+@click.argument("model")
+@click.argument("version", callback=version_arg)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["gateway-api"]),
+    required=True,
+    help="gateway-api: one Kubernetes Gateway API HTTPRoute per policy step, then a rollback route.",
+)
+@click.option("--gateway", default="inference-gateway", show_default=True, help="The Gateway the route attaches to.")
+@click.option("--namespace", default="default", show_default=True, help="Namespace of the route, Gateway and Services.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="The Services' port.")
+@click.option(
+    "--service",
+    default="{model}-v{version}",
+    show_default=True,
+    help="Service name template ({model}, {version}), made a DNS label.",
+)
+@click.option("--step", callback=_step, metavar="N|rollback", help="Only this step's route (default: every route).")
+@click.option("--out", type=click.Path(path_type=Path), help="Write here (default: stdout).")
+def render(
+    model: str,
+    version: str,
+    fmt: str,
+    gateway: str,
+    namespace: str,
+    port: int,
+    service: str,
+    step: str | None,
+    out: Path | None,
+) -> None:
+    """Write the canary of MODEL VERSION as multi-document YAML for a cluster's rollout engine.
+
+    Stable is resolved as `canary run` does (alias `production`, else `fallback`); VERSION must be
+    approved and not already stable. Steps come from params.yaml `canary`. Nothing in the registry
+    changes, and no analysis runs: whoever applies the routes judges each step (canary/README.md).
+    """
+    import yaml
+
+    from canary.controller import preflight
+    from canary.policy import load_policy
+    from canary.render import http_routes
+    from registry import store
+
+    with command_errors():
+        steps = load_policy().steps
+        if step not in (None, "rollback") and int(step) > len(steps):
+            raise QuantgateError(f"--step {step}: the canary policy has {len(steps)} steps (params.yaml canary.steps)")
+        stable, _, _ = preflight(store.client(existing=True), model, version)
+        routes = http_routes(
+            model, stable, version, steps, gateway=gateway, namespace=namespace, port=port, service=service
+        )
+        if step is not None:
+            routes = [routes[-1 if step == "rollback" else int(step) - 1]]
+        text = yaml.safe_dump_all(routes, sort_keys=False)
+        if out is None:
+            click.echo(text, nl=False)
+            return
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            raise QuantgateError(f"cannot write {out}: {exc.strerror or exc}; give a writable --out") from None
+    click.echo(f"wrote {len(routes)} HTTPRoute(s) for {model} v{stable} -> v{version} to {out}", err=True)
+
+
+COMMANDS = [load, run, render]
 SERVE = [serve]  # top-level `quantgate serve`

@@ -9,6 +9,7 @@ quantgate approve|revoke MODEL VERSION     release-manager approval (registry/co
 quantgate promote|rollback|history MODEL   aliases and their audit trail
 quantgate canary load --url URL            replay eval prompts through the router
 quantgate serve MODEL                      the standing gateway: serves the registry aliases (canary/gateway.py)
+quantgate canary render MODEL VERSION --format gateway-api   the canary's steps as HTTPRoutes (canary/commands.py)
 """
 
 from __future__ import annotations

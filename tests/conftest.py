@@ -1,5 +1,6 @@
-"""Shared fixtures: example team folders, scores documents written in the test, and the
-end-to-end project (one real `dvc repro`) shared by tests/test_e2e.py and tests/test_fleet_e2e.py."""
+"""Shared fixtures: example team folders, scores documents written in the test, tiny safetensors
+builds a real registry accepts (`safetensors_build`), and the end-to-end project (one real
+`dvc repro`) shared by tests/test_e2e.py and tests/test_fleet_e2e.py."""
 
 import json
 import os
@@ -141,3 +142,28 @@ def approved_version(client, model: str, build: str, entry: dict, n_docs: int) -
     if not approval.approval_of(client, model, version).approved:
         approval.approve(client, model, version, "e2e-test", "end-to-end test", override_reason=why)
     return version
+
+
+def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
+    """A build directory as the quantize stage leaves it, without torch: `shards` real
+    safetensors weight files (small random tensors), a config and build.json."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from quantgate.manifest import write_manifest
+
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for i in range(shards):
+        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"layers.{i}.weight": rng.standard_normal((64, 64)).astype(np.float16)}, str(path / name))
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    write_manifest(
+        path,
+        build=build,
+        scheme=build.upper(),
+        dtype="float16",
+        base_model={"id": "tiny-llama", "sha256": "0" * 64},
+        recipe={"source": "test"},
+    )
+    return path

@@ -3,7 +3,6 @@ on loopback (sqlite backend, local artifacts). Real versions come from pipeline.
 small safetensors builds (no torch: the registry only hashes and moves files); each test
 registers its own model name, so the tests share one store per backend."""
 
-import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -30,6 +29,7 @@ from registry import aliases, approval, audit, lock, runs, store
 from registry.status import status_lines
 from registry.verify import verify_version
 from tests import registry_race
+from tests.conftest import safetensors_build
 from tests.test_register import gate_result, team_summary
 
 SERVER_START_S = 180  # a cold `mlflow server` takes ~20 s on a busy 2-core machine
@@ -99,31 +99,6 @@ def mlflow_server(tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
-    """A build directory as the quantize stage leaves it, without torch: `shards` real
-    safetensors weight files (small random tensors), a config and build.json."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    from quantgate.manifest import write_manifest
-
-    path.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    for i in range(shards):
-        name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({f"layers.{i}.weight": rng.standard_normal((64, 64)).astype(np.float16)}, str(path / name))
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    write_manifest(
-        path,
-        build=build,
-        scheme=build.upper(),
-        dtype="float16",
-        base_model={"id": "tiny-llama", "sha256": "0" * 64},
-        recipe={"source": "test"},
-    )
-    return path
 
 
 @pytest.fixture(scope="module")

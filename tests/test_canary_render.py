@@ -1,0 +1,206 @@
+"""`quantgate canary render --format gateway-api`: the HTTPRoutes parsed back from the YAML
+(structure, exact weights per step, DNS-label names), and the command against a real sqlite
+registry made by pipeline.register from tiny safetensors builds (stable = production, else
+fallback; refusals are one line, exit 1)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from canary.render import http_routes, service_name, weights
+from pipeline.register import RegisterParams, register
+from quantgate.cli import cli
+from quantgate.errors import QuantgateError
+from registry import aliases, approval, store
+from tests.conftest import safetensors_build
+from tests.test_register import gate_result, team_summary
+
+MODEL = "smollm2-135m-instruct"
+STEPS = [5, 25, 50, 100]  # params.yaml's default canary.steps
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+ROUTE = dict(gateway="inference-gateway", namespace="llm", port=8000)
+
+
+def split(doc: dict) -> dict[str, int]:
+    """{service: weight} of a route's one rule."""
+    [rule] = doc["spec"]["rules"]
+    return {ref["name"]: ref["weight"] for ref in rule["backendRefs"]}
+
+
+def test_one_route_per_step_then_rollback_with_exact_weights():
+    docs = list(yaml.safe_load_all(yaml.safe_dump_all(http_routes(MODEL, "1", "2", STEPS, **ROUTE))))
+    stable, candidate = f"{MODEL}-v1", f"{MODEL}-v2"
+    assert [split(d) for d in docs] == [
+        {stable: 95, candidate: 5},
+        {stable: 75, candidate: 25},
+        {stable: 50, candidate: 50},
+        {stable: 0, candidate: 100},
+        {stable: 100, candidate: 0},  # rollback
+    ]
+    for i, d in enumerate(docs):
+        step = str(i + 1) if i < len(STEPS) else "rollback"
+        assert (d["apiVersion"], d["kind"]) == ("gateway.networking.k8s.io/v1", "HTTPRoute")
+        meta = d["metadata"]
+        assert (meta["name"], meta["namespace"]) == (MODEL, "llm")  # one route, re-applied per step
+        assert meta["labels"] == {
+            "app.kubernetes.io/name": MODEL,
+            "app.kubernetes.io/managed-by": "quantgate",
+            "quantgate/stable-version": "1",
+            "quantgate/candidate-version": "2",
+            "quantgate/step": step,
+        }
+        percent = STEPS[i] if i < len(STEPS) else 0
+        assert meta["annotations"] == {
+            "quantgate/model": MODEL,
+            "quantgate/step": f"{step}/4" if i < len(STEPS) else "rollback",
+            "quantgate/candidate-percent": str(percent),
+        }
+        assert d["spec"]["parentRefs"] == [{"name": "inference-gateway", "namespace": "llm"}]
+        [rule] = d["spec"]["rules"]
+        assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+        assert [(r["kind"], r["port"]) for r in rule["backendRefs"]] == [("Service", 8000)] * 2
+        assert all(isinstance(r["weight"], int) for r in rule["backendRefs"])
+        assert all(DNS_LABEL.fullmatch(n) for n in [meta["name"], *split(d)])
+
+
+def test_fractional_percents_are_exact_out_of_10000_and_more_decimals_refused():
+    assert weights(5) == (95, 5) and weights(5.0) == (95, 5) and weights(0) == (100, 0)
+    assert weights(0.5) == (9950, 50) and weights(12.25) == (8775, 1225) and weights(0.29) == (9971, 29)
+    with pytest.raises(QuantgateError, match=r"step 0.125%: Gateway API weights are integers; .* at most 2 decimals"):
+        weights(0.125)
+    docs = http_routes(MODEL, "1", "2", [0.5, 10, 100], **ROUTE)
+    assert [split(d)[f"{MODEL}-v2"] for d in docs] == [50, 10, 100, 0]
+    assert docs[0]["metadata"]["annotations"]["quantgate/candidate-percent"] == "0.5"
+
+
+def test_service_names_are_dns_labels_or_refused():
+    assert service_name("HuggingFaceTB/SmolLM2-135M-Instruct", "3") == "huggingfacetb-smollm2-135m-instruct-v3"
+    assert service_name(MODEL, "3", "{model}-v{version}-predictor") == f"{MODEL}-v3-predictor"
+    for model, template in [("a" * 61, "{model}-v{version}"), (MODEL, "{version}"), ("7b-chat", "{model}")]:
+        with pytest.raises(QuantgateError, match=r"service name .* not a DNS label \(a letter first, .* 63 char"):
+            service_name(model, "1", template)
+    with pytest.raises(QuantgateError, match="model name '__' gives '', not a DNS label"):
+        http_routes("__", "1", "2", STEPS, **ROUTE)
+    with pytest.raises(QuantgateError, match=r"service template '\{name\}-\{version\}': 'name'; use only"):
+        service_name(MODEL, "1", "{name}-{version}")
+    with pytest.raises(QuantgateError, match="namespace 'Prod' is not a DNS label"):
+        http_routes(MODEL, "1", "2", STEPS, **(ROUTE | {"namespace": "Prod"}))
+    with pytest.raises(QuantgateError, match="v1 is already the stable build"):
+        http_routes(MODEL, "1", "1", STEPS, **ROUTE)
+
+
+@pytest.fixture(scope="module")
+def sqlite_registry(tmp_path_factory) -> Path:
+    """A project folder with a sqlite registry: fp16 = v1 (`fallback`), int4 = v2 and fp8 = v3
+    (approved), int8 = v4 (PASS, not approved)."""
+    root = tmp_path_factory.mktemp("render")
+    models = root / "models"
+    for seed, build in enumerate(("fp16", "int4", "fp8", "int8")):
+        safetensors_build(models / build, build, seed, 1)
+    (root / "params.yaml").write_text("register: {}\ncanary:\n  steps: [5, 25, 50, 100]\n")
+    (root / "dvc.lock").write_text("schema: '2.0'\n")
+    (root / "results/eval").mkdir(parents=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+        out = register(
+            models,
+            gate_result({"int4": "PASS", "fp8": "PASS", "int8": "PASS"}),
+            "# report",
+            root / "results/eval",
+            RegisterParams(model_name=MODEL, experiment="builds"),
+            {"search": team_summary("5e" * 32)},
+        )
+        assert [out["builds"][b]["version"] for b in ("fp16", "int4", "fp8", "int8")] == ["1", "2", "3", "4"]
+        client = store.client()
+        for v in ("2", "3"):
+            approval.approve(client, MODEL, v, "alice", "gate PASS")
+    return root
+
+
+@pytest.fixture
+def project(sqlite_registry, monkeypatch):
+    """The registry's folder as the working directory; aliases reset to fallback = v1 only."""
+    monkeypatch.chdir(sqlite_registry)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{sqlite_registry}/mlflow.db")
+    client = store.client()
+    for alias in ("production", "previous", "candidate"):
+        client.delete_registered_model_alias(MODEL, alias)
+    client.set_registered_model_alias(MODEL, "fallback", "1")
+    return client
+
+
+def render(*args: str):
+    return CliRunner().invoke(cli, ["canary", "render", MODEL, *args])
+
+
+def one_line_error(result, message: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [f"Error: {message}"]
+
+
+def test_render_against_fallback_when_there_is_no_production(project):
+    result = render("2", "--format", "gateway-api", "--namespace", "llm")
+    assert result.exit_code == 0, result.output
+    docs = list(yaml.safe_load_all(result.output))
+    assert [split(d) for d in docs][:2] == [
+        {f"{MODEL}-v1": 95, f"{MODEL}-v2": 5},
+        {f"{MODEL}-v1": 75, f"{MODEL}-v2": 25},
+    ]
+    assert len(docs) == 5 and {d["metadata"]["namespace"] for d in docs} == {"llm"}
+    assert aliases.current(project, MODEL) == {"fallback": "1"}  # rendering changes nothing
+
+
+def test_render_against_production_one_step_to_a_file(project, tmp_path):
+    project.set_registered_model_alias(MODEL, "production", "2")
+    out = tmp_path / "route.yaml"
+    result = render("v3", "--format", "gateway-api", "--step", "2", "--port", "8080", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert f"wrote 1 HTTPRoute(s) for {MODEL} v2 -> v3 to {out}" in result.output
+    [doc] = yaml.safe_load_all(out.read_text())
+    assert split(doc) == {f"{MODEL}-v2": 75, f"{MODEL}-v3": 25}
+    assert {r["port"] for r in doc["spec"]["rules"][0]["backendRefs"]} == {8080}
+    [rollback] = yaml.safe_load_all(render("3", "--format", "gateway-api", "--step", "rollback").output)
+    assert split(rollback) == {f"{MODEL}-v2": 100, f"{MODEL}-v3": 0}
+
+
+def test_render_refusals_are_one_line(project, tmp_path):
+    one_line_error(
+        render("9", "--format", "gateway-api"),
+        f"{MODEL} v9 does not exist (never registered, or deleted); see `quantgate status {MODEL}`",
+    )
+    one_line_error(
+        render("4", "--format", "gateway-api"),
+        f"{MODEL} v4: not approved (no `approval` tag); a release manager approves with "
+        f"`quantgate approve {MODEL} 4 --reason ...`",
+    )
+    project.set_registered_model_alias(MODEL, "production", "2")
+    one_line_error(
+        render("2", "--format", "gateway-api"),
+        f"{MODEL} v2 already is the stable build (production); nothing to canary",
+    )
+    project.delete_registered_model_alias(MODEL, "fallback")
+    one_line_error(
+        render("3", "--format", "gateway-api"),
+        f"{MODEL} has no `fallback` alias (the 16-bit build); run `dvc repro` first",
+    )
+    project.set_registered_model_alias(MODEL, "fallback", "1")
+    one_line_error(
+        render("3", "--format", "gateway-api", "--step", "5"),
+        "--step 5: the canary policy has 4 steps (params.yaml canary.steps)",
+    )
+    result = render("3", "--format", "gateway-api", "--out", str(tmp_path))  # a directory
+    one_line_error(result, f"cannot write {tmp_path}: Is a directory; give a writable --out")
+    result = render("3", "--format", "gateway-api", "--out", str(tmp_path / "missing" / "route.yaml"))
+    assert result.exit_code == 1 and "No such file or directory; give a writable --out" in result.output
+    # a bad --format or --step is a click usage error (exit 2) naming the option, as for every command
+    for args, message in [
+        (("--format", "istio"), "Invalid value for '--format': 'istio' is not 'gateway-api'."),
+        (("--format", "gateway-api", "--step", "0"), "Invalid value for '--step': '0': give a step number"),
+    ]:
+        result = render("3", *args)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert result.output.strip().splitlines()[-1].startswith(f"Error: {message}")
