@@ -225,7 +225,6 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
     request is retried on fallback, and dead servers are restarted.
     """
     import signal
-    import threading
 
     from canary.gateway import run_gateway
     from canary.limits import load_limits
@@ -235,8 +234,10 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
     from quantgate.serving import ServeParams
     from registry import store
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    def terminate(signum, frame):  # SIGTERM as Ctrl-C: also interrupts a server start in progress
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
         with command_errors():
             params = load_fleet_params()
@@ -250,10 +251,9 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
                 load_limits(),
                 work_dir,
                 log=click.echo,
-                stop=stop,
             )
     except KeyboardInterrupt:
-        click.echo("serve: stopped (Ctrl-C)")
+        click.echo("serve: stopped (Ctrl-C or SIGTERM)")
 
 
 def _step(ctx, param, value: str | None) -> str | None:

@@ -27,13 +27,14 @@ SERVED = "int8"  # W8A8: vLLM serves it on AVX2, AVX512 and GPUs alike
 
 
 def wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen, log) -> dict:
-    """Poll `check()` (a dict or None) every 0.5 s until it answers; fail with the gateway's log."""
+    """Poll `check()` every 0.5 s until it returns something truthy (a /health document);
+    fail with the gateway's log."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"quantgate serve exited ({proc.returncode}) waiting for {what}:\n{log.read_text()[-3000:]}")
         try:
-            if (got := check()) is not None:
+            if got := check():
                 return got
         except httpx.HTTPError:
             pass
@@ -78,6 +79,9 @@ def gateway(project, tmp_path_factory):
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        from canary.gateway import reap_orphans
+
+        reap_orphans(log.parent / "work")  # a gateway that had to be killed leaves its servers
 
 
 def _health(url: str) -> dict:
