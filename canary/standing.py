@@ -42,10 +42,11 @@ SERVING = "serving"  # the plan's name for the version that takes production tra
 
 
 class FleetServers(Frozen):
-    """Per-server changes to `evaluate.serve`: the serving build's server, and every warm one."""
+    """Per-server changes to `evaluate.serve`: the serving build's server, and every warm one
+    (their cpu_cores give way to FleetParams.cpu_core_sets when that is set)."""
 
-    serving: ServerOverride = ServerOverride(cpu_cores="0")
-    warm: ServerOverride = ServerOverride(cpu_cores="1")
+    serving: ServerOverride = ServerOverride()
+    warm: ServerOverride = ServerOverride()
 
 
 class FleetParams(Frozen):
@@ -58,6 +59,9 @@ class FleetParams(Frozen):
     poll_s: float = Field(default=0.5, gt=0)  # seconds between reconcile passes (registry reads)
     drain_s: float = Field(default=30, ge=0)  # seconds a replaced server may finish in-flight requests
     restart_backoff_s: float = Field(default=5, ge=0)  # after a failed start, before the next try
+    # vLLM CPU: core sets (VLLM_CPU_OMP_THREADS_BIND) handed out to servers, each new server taking
+    # the set fewest running servers use; [] = vLLM's own binding (every server on the same cores)
+    cpu_core_sets: list[str] = ["0", "1"]
     servers: FleetServers = FleetServers()
 
 
@@ -92,6 +96,7 @@ class Running:
     why: str
     stack: contextlib.ExitStack
     model_dir: Path  # the verified weights it serves
+    cores: str | None  # VLLM_CPU_OMP_THREADS_BIND it was started with
     started_at: float = field(default_factory=time.time)
     restarts: int = 0
 
@@ -139,13 +144,14 @@ class StandingFleet:
         }
 
     def status(self) -> dict[str, dict]:
-        """{version: {url, pid, why, restarts, up_s}} of the warm servers."""
+        """{version: {url, pid, why, cores, restarts, up_s}} of the warm servers."""
         with self._lock:
             return {
                 v: {
                     "url": r.backend.url,
                     "pid": r.pid,
                     "why": r.why,
+                    "cores": r.cores,
                     "restarts": r.restarts,
                     "up_s": round(time.time() - r.started_at, 1),
                 }
@@ -186,8 +192,21 @@ class StandingFleet:
             self._start(version, why)
         return wanted
 
+    def cores_for_next(self) -> str | None:
+        """The cpu_core_sets entry fewest running servers use (ties: the first), None without sets.
+        Two servers bound to one core starve each other: a server starting beside a busy one
+        on the same core took minutes instead of ~35 s here."""
+        sets = self.params.cpu_core_sets
+        if not sets:
+            return None
+        with self._lock:
+            used = [r.cores for r in self._servers.values()]
+        return min(sets, key=lambda c: (used.count(c), sets.index(c)))
+
     def _start(self, version: str, why: str) -> None:
         override = self.params.servers.serving if why == SERVING else self.params.servers.warm
+        if (cores := self.cores_for_next()) is not None:
+            override = override.model_copy(update={"cpu_cores": cores})
         stack = contextlib.ExitStack()
         try:
             backend, pid, model_dir = open_server(
@@ -209,7 +228,7 @@ class StandingFleet:
         self.on_start(version, pid)
         with self._lock:
             self._servers[version] = Running(
-                backend, pid, why, stack, model_dir, restarts=self._restarts.get(version, 0)
+                backend, pid, why, stack, model_dir, override.cpu_cores, restarts=self._restarts.get(version, 0)
             )
 
     def _stop(self, version: str, drain: bool) -> None:

@@ -193,3 +193,22 @@ def test_reap_orphans_kills_only_recorded_vllm_groups(tmp_path):
         for p in (leader, other):
             p.kill()
             p.wait()
+
+
+def test_each_new_server_takes_the_least_used_core_set(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch)
+    f.aliases = {"production": "3", "fallback": "1", "previous": "2"}
+    fleet = f.fleet(tmp_path)
+    try:
+        fleet.reconcile()
+        assert {v: s["cores"] for v, s in fleet.status().items()} == {"3": "0", "1": "1", "2": "0"}
+        os.killpg(fleet.status()["3"]["pid"], signal.SIGKILL)
+        time.sleep(0.2)
+        fleet.reconcile()  # v3 restarts beside v1 (core 1) and v2 (core 0): a tie, the first set
+        assert fleet.status()["3"]["cores"] == "0"
+        fleet.close()
+        fleet = f.fleet(tmp_path, cpu_core_sets=[])
+        fleet.reconcile()
+        assert {s["cores"] for s in fleet.status().values()} == {None}
+    finally:
+        fleet.close()
