@@ -11,7 +11,7 @@
    reconcile every `fleet.poll_s` until stopped (SIGTERM, Ctrl-C, or `stop`): warm the other
    planned builds, restart dead servers, drain and stop unplanned ones.
 4. On the way out, stop taking requests, then stop every server.
-/health adds the fleet ({version: url, pid, why, restarts, up_s}); /metrics adds
+/health adds the fleet ({version: url, pid, why, cores, restarts, up_s}) and the gateway's pid; /metrics adds
 quantgate_fleet_servers{version,why} and quantgate_fleet_restarts{version}.
 """
 
@@ -97,7 +97,11 @@ def run_gateway(
                 return
         limiter = Limiter(limits, tokenizer_counter(fleet.model_dir()))
         router = Router(
-            fleet.resolve, policy, model_name=model_name, health=lambda: {"fleet": fleet.status()}, limits=limiter
+            fleet.resolve,
+            policy,
+            model_name=model_name,
+            health=lambda: {"fleet": fleet.status(), "pid": os.getpid()},
+            limits=limiter,
         )
         servers = Gauge(
             "quantgate_fleet_servers",

@@ -122,7 +122,10 @@ def test_serves_fallback_then_warms_a_candidate(gateway):
 
 
 def test_promote_moves_traffic_within_a_second_without_errors(gateway, project):
+    from registry import aliases
+
     g, v = gateway, gateway["v"]
+    production = aliases.current(g["client"], MODEL).get("production", "none")  # fp16 or none (the fixture)
     with Load(g["url"]) as load:
         time.sleep(5)
         run(
@@ -132,7 +135,7 @@ def test_promote_moves_traffic_within_a_second_without_errors(gateway, project):
                 MODEL,
                 v[SERVED],
                 "--expect-production",
-                "none",
+                production,
                 "--by",
                 "e2e-test",
                 "--reason",
