@@ -162,7 +162,12 @@ def test_killed_production_server_is_answered_by_fallback_and_restarted(gateway)
         killed = time.time()
         h = wait_for(
             "restarted production server",
-            lambda: (h := _health(g["url"])) and h["fleet"].get(v[SERVED], {}).get("restarts") == 1 and h,
+            lambda: (
+                (h := _health(g["url"]))
+                and h["fleet"].get(v[SERVED], {}).get("restarts") == 1
+                and h["stable"] == f"v{v[SERVED]}"  # the router routes to it again
+                and h
+            ),
             600,
             g["proc"],
             g["log"],
