@@ -31,4 +31,5 @@ bench: setup
 	python -m benchmarks.eval_engine --models .bench/pipeline_cost/models --work .bench/eval_engine
 	python -m benchmarks.serving --models .bench/pipeline_cost/models
 	python -m benchmarks.quality --models .bench/pipeline_cost/models --work .bench/quality
+	python -m benchmarks.canary_sim
 	python -m benchmarks.numbers --out benchmarks/results/numbers.md --readme README.md

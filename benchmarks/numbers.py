@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from quantgate.errors import QuantgateError, run_main
 
-ORDER = ("pipeline_cost", "incremental", "eval_engine", "serving", "quality")
+ORDER = ("pipeline_cost", "incremental", "eval_engine", "serving", "quality", "canary_sim")
 START, END = "<!-- numbers:start -->", "<!-- numbers:end -->"
 # README view per result: (columns kept, indices of the notes kept); the full tables are in --out
 README_VIEW = {
@@ -49,6 +49,18 @@ README_VIEW = {
         [0],
     ),
     "quality": (["team", "build", "n", "fp16", "candidate", "recovery_pct", "ci_low", "ci_high", "verdict"], [0, 1]),
+    "canary_sim": (
+        [
+            "scenario",
+            "canaries",
+            "aborted %",
+            "95% CI",
+            "on a FAIL %",
+            "candidate requests to abort (median / p90)",
+            "minutes (median / p90)",
+        ],
+        [0, 1],
+    ),
 }
 
 

@@ -1,46 +1,68 @@
 """Judge one canary step: the candidate against stable, from the router's samples.
 
-Checks, each a one-sided test at level `policy.alpha`:
+`policy.alpha` bounds the probability that a canary of a build meeting every threshold aborts on
+a false FAIL, over all its checks, steps and looks. It is spent evenly (Bonferroni): each of the
+4 checks gets alpha / (4 * len(steps)) per step (`fail_level`), however often it is looked at.
+
 - error_rate: share of candidate attempts that failed (5xx, timeout, connection error, a
-  stream cut after its first byte), counted before the retry on stable. Exact binomial test
-  of H1: rate > max_error_rate, p = P(X >= k | n, max_error_rate)
-  (scipy.stats.binomtest, alternative="greater").
-- ttft_p95_ratio / tpot_p95_ratio: p95(candidate) / p95(stable) over successful streaming
-  attempts (p95: numpy.percentile, linear interpolation, Hyndman & Fan type 7), with the
-  Mann-Whitney U test of H1: candidate latencies are stochastically greater than stable's
-  (H. B. Mann & D. R. Whitney, Ann. Math. Statist. 18:50-60, 1947;
-  scipy.stats.mannwhitneyu, alternative="greater"; exact for small samples without ties,
-  normal approximation with tie correction otherwise).
+  stream cut after its first byte), counted before the retry on stable, against p0 =
+  max_error_rate. A mixture sequential probability ratio test (mSPRT; H. Robbins, "Statistical
+  methods related to the law of the iterated logarithm", Ann. Math. Statist. 41:1397-1409, 1970;
+  R. Johari et al., "Peeking at A/B tests", KDD 2017; M. Lindon et al., "Rapid regression
+  detection in software deployments through sequential testing", KDD 2022, for canaries): after
+  k failures in n attempts, in arrival order,
+
+      Lambda_n = integral_{p0}^{1} q^k (1-q)^(n-k) pi(q) dq / (p0^k (1-p0)^(n-k)),
+
+  pi = the uniform density on (p0, 1] (a Beta(1, 1) truncated to the alternative), so
+      Lambda_n = B(k+1, n-k+1) * P(Beta(k+1, n-k+1) > p0) / ((1-p0) * p0^k * (1-p0)^(n-k)).
+  For a true rate p <= p0 each factor's mean is p q/p0 + (1-p)(1-q)/(1-p0) <= 1 (q > p0), so
+  Lambda is a nonnegative supermartingale with Lambda_0 = 1, and Ville's inequality gives
+  P(sup_n Lambda_n >= 1/level) <= level: the always-valid p-value p_n = min(1, 1/max_{m<=n}
+  Lambda_m) may be read after every request. FAIL when p_n <= fail_level.
 - shadow_agreement: share of sampled greedy candidate answers equal to the fp16 build's on
-  the first policy.shadow_compare_words words. Exact binomial test of H1: agreement <
-  min_shadow_agreement, p = P(X <= k | n, min_shadow_agreement) (alternative="less").
+  the first policy.shadow_compare_words words: the same test on disagreements, p0 = 1 -
+  min_shadow_agreement.
+- ttft_p95_ratio / tpot_p95_ratio: p95(candidate) / p95(stable) over successful streaming
+  attempts (p95: numpy.percentile, linear interpolation, Hyndman & Fan type 7). Test: Mann-Whitney
+  U of H1: candidate latencies are stochastically greater than threshold x stable's (H. B. Mann &
+  D. R. Whitney, Ann. Math. Statist. 18:50-60, 1947; scipy.stats.mannwhitneyu,
+  alternative="greater"; exact for small samples without ties, normal approximation with tie
+  correction otherwise). Not always-valid, so the level is split again over the most looks a
+  step allows (alpha spending, Bonferroni): fail_level / ceil(max_step_s / check_interval_s).
 
-Verdict of a check: INCONCLUSIVE with fewer than policy.min_samples samples (per role for
-latency); FAIL when the estimate is beyond the threshold AND the test is significant (p <
-alpha); INCONCLUSIVE when it is beyond but not significant (more data may decide); PASS
-when the estimate is within the threshold. So FAIL needs evidence and PASS needs
-min_samples. A step: any FAIL -> FAIL, else any INCONCLUSIVE -> INCONCLUSIVE, else PASS.
-
-alpha holds per check and per look: four checks looked at several times per step make a
-false FAIL more likely than alpha, which policy.failure_limit (FAILs before abort) offsets.
+Verdict of a check: FAIL when the test rejects at its level (at any sample size: the guarantee
+holds at every n; for latency also the ratio beyond the threshold). PASS with at least
+policy.min_samples samples (per role for latency) and, for latency, the ratio within the
+threshold; for a binomial check, a count of failures (disagreements) no larger than a build
+exactly at the threshold shows half the time, P(X >= k | n, p0) >= 1/2, so that one error in 90
+requests does not hold a step whose 1 % threshold 90 requests cannot resolve. Else INCONCLUSIVE
+(more data may decide). PASS means "no evidence of harm at min_samples", not proof that the
+threshold is met: proving an error rate below 1 % takes about 300 clean requests
+(0.99^n <= 0.05). What min_samples buys in power is in canary/README.md and
+benchmarks/canary_sim.py. A step: any FAIL -> FAIL, else any INCONCLUSIVE -> INCONCLUSIVE, else PASS.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 from canary.metrics import Sample, ShadowSample
 from canary.policy import CanaryPolicy
 from quantgate.stats import Verdict
 
+CHECKS = 4  # error_rate, ttft_p95_ratio, tpot_p95_ratio, shadow_agreement: alpha is split over them
+
 
 @dataclass(frozen=True)
 class Check:
-    """One check of one step. value None = no data; p_value None = not tested (too few samples);
+    """One check of one step. value None = no data; p_value None = not tested (no data, or a
+    latency ratio within its threshold, which cannot FAIL);
     n = candidate samples (latency text also gives stable's)."""
 
     name: str
@@ -58,6 +80,41 @@ class StepResult:
     checks: tuple[Check, ...]
 
 
+def fail_level(policy: CanaryPolicy) -> float:
+    """The level of a binomial check in one step: alpha / (checks x steps), for any number of looks."""
+    return policy.alpha / (CHECKS * len(policy.steps))
+
+
+def looks_per_step(policy: CanaryPolicy) -> int:
+    """The most looks a step can have: ceil(max_step_s / check_interval_s)."""
+    return max(1, math.ceil(policy.max_step_s / policy.check_interval_s - 1e-9))
+
+
+def latency_level(policy: CanaryPolicy) -> float:
+    """The level of one latency test at one look: fail_level / looks_per_step (Bonferroni)."""
+    return fail_level(policy) / looks_per_step(policy)
+
+
+def mixture_log_lr(k, n, p0: float):
+    """log Lambda_n of the module docstring (uniform mixture over (p0, 1] against p0) after k
+    events in n trials; numpy arrays or numbers. +inf when p0 = 0 and k > 0."""
+    k, n = np.asarray(k, dtype=float), np.asarray(n, dtype=float)
+    a, b = k + 1, n - k + 1
+    with np.errstate(divide="ignore"):
+        tail = np.log(special.betaincc(a, b, p0))  # P(Beta(a, b) > p0); -inf when it underflows
+        return special.betaln(a, b) + tail - math.log1p(-p0) - special.xlogy(k, p0) - special.xlog1py(n - k, -p0)
+
+
+def always_valid_p(events: Sequence[bool], p0: float) -> float:
+    """min(1, 1 / max_m Lambda_m) over the prefixes of `events` (True = a failure or a
+    disagreement, in arrival order) against rate p0; 1.0 for no events."""
+    if not len(events):
+        return 1.0
+    k = np.cumsum(np.asarray(events, dtype=float))
+    log_lr = mixture_log_lr(k, np.arange(1, len(k) + 1), p0)
+    return float(min(1.0, math.exp(-max(0.0, float(np.max(log_lr))))))
+
+
 def _judge(
     name: str,
     value: float | None,
@@ -65,23 +122,28 @@ def _judge(
     p: float | None,
     n: int,
     n_text: str,
-    enough: bool,
     higher_is_worse: bool,
-    alpha: float,
+    level: float,
     fmt: str,
+    *,
+    passes: bool,
+    fail_within: bool = False,
 ) -> Check:
-    """Apply the verdict rule of the module docstring and write the check's line."""
+    """Apply the verdict rule of the module docstring and write the check's line. passes: the
+    PASS condition (min_samples and the estimate within the threshold, or close enough);
+    fail_within: a rejection FAILs even when the estimate is now within the threshold (a
+    sequential test whose boundary was crossed at an earlier sample)."""
     if value is None:
         return Check(
             name, None, threshold, None, n, Verdict.INCONCLUSIVE, f"{name} - ({n_text}) {Verdict.INCONCLUSIVE.value}"
         )
     beyond = value > threshold if higher_is_worse else value < threshold
-    if not enough:
-        verdict = Verdict.INCONCLUSIVE
-    elif not beyond:
+    if p is not None and p <= level and (beyond or fail_within):
+        verdict = Verdict.FAIL
+    elif passes:
         verdict = Verdict.PASS
     else:
-        verdict = Verdict.FAIL if p is not None and p < alpha else Verdict.INCONCLUSIVE
+        verdict = Verdict.INCONCLUSIVE
     op = (">" if beyond else "<=") if higher_is_worse else ("<" if beyond else ">=")
     p_text = f", p={p:.2g}" if p is not None else ""
     return Check(
@@ -95,25 +157,29 @@ def _judge(
     )
 
 
-def error_rate_check(samples: Iterable[Sample], policy: CanaryPolicy) -> Check:
-    """Candidate failure rate against policy.max_error_rate (exact binomial test, one-sided)."""
-    cand = [s for s in samples if s.role == "candidate"]
-    n, k = len(cand), sum(not s.ok for s in cand)
+def _rate_check(name: str, bad: list[bool], threshold: float, policy: CanaryPolicy, higher_is_worse: bool) -> Check:
+    """A binomial check from outcomes in arrival order (True = a failure / a disagreement): the
+    share of failures at most `threshold`, or the share of agreements at least `threshold`.
+    PASS with min_samples and a count of `bad` no larger than the boundary rate p0 gives half
+    the time, P(X >= k | n, p0) >= 1/2 (so 1 failure in 69+ requests passes a 1 % threshold)."""
+    n, k = len(bad), sum(bad)
     enough = n >= policy.min_samples
-    p = stats.binomtest(k, n, policy.max_error_rate, alternative="greater").pvalue if enough else None
+    p0 = threshold if higher_is_worse else 1 - threshold  # the boundary rate of `bad`
+    value = ((k if higher_is_worse else n - k) / n) if n else None
     n_text = f"n={n}" if enough else f"n={n} < min {policy.min_samples}"
+    p = always_valid_p(bad, p0) if n else None
+    typical = bool(n) and float(stats.binom.sf(k - 1, n, p0)) >= 0.5
+    fmt = ".3f" if higher_is_worse else ".2f"
     return _judge(
-        "error_rate",
-        k / n if n else None,
-        policy.max_error_rate,
-        p,
-        n,
-        n_text,
-        enough,
-        higher_is_worse=True,
-        alpha=policy.alpha,
-        fmt=".3f",
-    )
+        name, value, threshold, p, n, n_text, higher_is_worse, fail_level(policy), fmt,
+        passes=enough and typical, fail_within=True,
+    )  # fmt: skip
+
+
+def error_rate_check(samples: Iterable[Sample], policy: CanaryPolicy) -> Check:
+    """Candidate failure rate against policy.max_error_rate (mSPRT, always-valid p)."""
+    failed = [not s.ok for s in samples if s.role == "candidate"]
+    return _rate_check("error_rate", failed, policy.max_error_rate, policy, higher_is_worse=True)
 
 
 def p95_ratio(candidate: Sequence[float], stable: Sequence[float]) -> float:
@@ -125,7 +191,8 @@ def p95_ratio(candidate: Sequence[float], stable: Sequence[float]) -> float:
 
 
 def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) -> Check:
-    """p95 ratio of `metric` ("ttft" or "tpot") with the one-sided Mann-Whitney U test."""
+    """p95 ratio of `metric` ("ttft" or "tpot"); one-sided Mann-Whitney U of candidate against
+    threshold x stable, at latency_level(policy)."""
     threshold = {"ttft": policy.max_ttft_p95_ratio, "tpot": policy.max_tpot_p95_ratio}[metric]
     values: dict[str, list[float]] = {"candidate": [], "stable": []}
     for s in samples:
@@ -135,41 +202,19 @@ def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) 
     cand, stab = values["candidate"], values["stable"]
     enough = min(len(cand), len(stab)) >= policy.min_samples
     ratio = p95_ratio(cand, stab) if cand and stab else None
-    p = float(stats.mannwhitneyu(cand, stab, alternative="greater").pvalue) if enough else None
+    beyond = ratio is not None and ratio > threshold  # only then can it FAIL: test only then
+    p = float(stats.mannwhitneyu(cand, np.asarray(stab) * threshold, alternative="greater").pvalue) if beyond else None
     n_text = f"n={len(cand)}/{len(stab)}" + ("" if enough else f" < min {policy.min_samples}")
+    passes = enough and ratio is not None and ratio <= threshold
     return _judge(
-        f"{metric}_p95_ratio",
-        ratio,
-        threshold,
-        p,
-        len(cand),
-        n_text,
-        enough,
-        higher_is_worse=True,
-        alpha=policy.alpha,
-        fmt=".2f",
+        f"{metric}_p95_ratio", ratio, threshold, p, len(cand), n_text, True, latency_level(policy), ".2f", passes=passes
     )
 
 
 def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy) -> Check:
-    """Agreement with the fp16 build against policy.min_shadow_agreement (exact binomial test, one-sided)."""
-    shadows = list(shadows)
-    n, k = len(shadows), sum(s.agree for s in shadows)
-    enough = n >= policy.min_samples
-    p = stats.binomtest(k, n, policy.min_shadow_agreement, alternative="less").pvalue if enough else None
-    n_text = f"n={n}" if enough else f"n={n} < min {policy.min_samples}"
-    return _judge(
-        "shadow_agreement",
-        k / n if n else None,
-        policy.min_shadow_agreement,
-        p,
-        n,
-        n_text,
-        enough,
-        higher_is_worse=False,
-        alpha=policy.alpha,
-        fmt=".2f",
-    )
+    """Agreement with the fp16 build against policy.min_shadow_agreement (mSPRT on disagreements)."""
+    disagree = [not s.agree for s in shadows]
+    return _rate_check("shadow_agreement", disagree, policy.min_shadow_agreement, policy, higher_is_worse=False)
 
 
 def combine(checks: Iterable[Check]) -> Verdict:

@@ -156,6 +156,7 @@ def run(
 
     from canary.controller import run_canary
     from canary.load import prompts_from_evals, replay
+    from canary.plan import Traffic
     from canary.policy import load_policy
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
@@ -192,6 +193,8 @@ def run(
                 reuse=reuse,
                 on_router=start_load if load_rps else None,
                 log=click.echo,
+                # every --load-api alternates streaming and not; all of it is greedy
+                traffic=Traffic(load_rps, 0.5, 1.0, "--load-rps") if load_rps else None,
             )
     except KeyboardInterrupt:
         raise click.ClickException(

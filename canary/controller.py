@@ -4,13 +4,17 @@
    is not already stable, and a `fallback` exists. Stable = `production`, else `fallback`.
 2. Serve stable, the fp16 `fallback` (the shadow; shared when it is stable) and the candidate
    from their verified registry artifacts (canary/fleet.py); point alias `candidate` at VERSION.
-3. Route through canary/router.py; for each policy step set the weight, look at the step's
+3. Plan (canary/plan.py) from the traffic: given (`--load-rps`), or measured over measure_s at
+   0 % once the router runs; say how long the canary will take, and refuse (QuantgateError)
+   a plan whose steps cannot reach min_samples within max_step_s.
+4. Route through canary/router.py; for each policy step set the weight, look at the step's
    samples every check_interval_s (canary/analysis.py, one live line per check), and end the
-   step when it has lasted min_step_s with min_requests_per_step candidate requests and PASSes.
-   At 100 % stable gets no traffic: its latencies from the earlier steps are the reference.
-   Abort on failure_limit FAIL looks in a step, a candidate server that exits, an INCONCLUSIVE
-   step under `inconclusive: abort` or past max_step_s, or Ctrl-C.
-4. Promote (registry/aliases.promote: production -> VERSION, old production -> previous,
+   step at the first look after min_step_s where every check PASSes (each needs min_samples,
+   which takes the planned seconds). At 100 % stable gets no traffic: its latencies from the
+   earlier steps are the reference. Abort on a FAIL (each check's test holds its level over
+   every look), a candidate server that exits, an INCONCLUSIVE step at its planned end under
+   `inconclusive: abort` or at max_step_s, or Ctrl-C (`step_decision`).
+5. Promote (registry/aliases.promote: production -> VERSION, old production -> previous,
    compare-and-set against the production seen in step 1) or abort (weight 0, `candidate`
    cleared, other aliases unchanged). Both are audit runs that name this canary's MLflow run
    (experiment `quantgate-canary`), which holds the policy and every step's metrics.
@@ -27,6 +31,7 @@ from pathlib import Path
 
 from canary.analysis import analyze, live_line
 from canary.fleet import ServingFleet
+from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
 from canary.policy import CanaryPolicy
 from canary.router import Router
 from canary.server import RouterServer
@@ -107,21 +112,35 @@ def step_samples(router: Router, t0: float, run_t0: float, min_samples: int) -> 
     return samples
 
 
+def step_decision(verdict: Verdict, elapsed_s: float, step: StepPlan, policy: CanaryPolicy) -> str:
+    """What a look at a step decides: "fail" (abort), "pass" (next step), "end" (abort:
+    INCONCLUSIVE at the step's end) or "hold" (look again); pure."""
+    if verdict is Verdict.FAIL:
+        return "fail"
+    if elapsed_s >= policy.min_step_s and verdict is Verdict.PASS:
+        return "pass"
+    if elapsed_s >= policy.max_step_s or (policy.inconclusive == "abort" and elapsed_s >= step.end_s):
+        return "end"
+    return "hold"
+
+
 def _run_steps(
     router: Router,
     fleet: ServingFleet,
     policy: CanaryPolicy,
+    steps: tuple[StepPlan, ...],
     version: str,
     log,
     stop: threading.Event,
     record: Callable[[int, dict], None],
 ) -> int:
-    """Walk the policy steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
+    """Walk the planned steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
     run_t0 = time.time()
-    for i, percent in enumerate(policy.steps, 1):
+    for step in steps:
+        i, percent = step.step, step.percent
         router.set_weight(percent)
-        t0, fails = time.time(), 0
-        log(f"canary: step {i}/{len(policy.steps)}: {percent:g}% of traffic to v{version}")
+        t0 = time.time()
+        log(f"canary: step {i}/{len(steps)}: {percent:g}% of traffic to v{version} (planned {step.seconds:.0f} s)")
         while True:
             if stop.wait(policy.check_interval_s):
                 raise Aborted("stopped by the operator (Ctrl-C)", i, percent)
@@ -132,32 +151,33 @@ def _run_steps(
                 log(live_line(i, percent, check))
             elapsed = time.time() - t0
             n_cand = sum(s.role == "candidate" for s in router.samples_since(t0))
-            if result.verdict is Verdict.FAIL:
-                fails += 1
-                if fails >= policy.failure_limit:
-                    record(i, _step_metrics(result, router, t0, percent))
-                    failed = "; ".join(c.text for c in result.checks if c.verdict is Verdict.FAIL)
-                    raise Aborted(
-                        f"step {i} FAILed {fails} looks (failure_limit {policy.failure_limit}): {failed}", i, percent
-                    )
-                continue
-            ready = elapsed >= policy.min_step_s and n_cand >= policy.min_requests_per_step
-            if ready and result.verdict is Verdict.PASS:
+            decision = step_decision(result.verdict, elapsed, step, policy)
+            if decision != "hold":
                 record(i, _step_metrics(result, router, t0, percent))
+            if decision == "fail":
+                failed = "; ".join(c.text for c in result.checks if c.verdict is Verdict.FAIL)
+                raise Aborted(f"step {i} FAILed after {elapsed:.0f} s: {failed}", i, percent)
+            if decision == "pass":
                 log(f"canary: step {i} PASS after {elapsed:.0f} s, {n_cand} candidate requests")
                 break
-            if ready and policy.inconclusive == "abort":
-                record(i, _step_metrics(result, router, t0, percent))
-                raise Aborted(f"step {i} INCONCLUSIVE at its end (inconclusive: abort)", i, percent)
-            if elapsed >= policy.max_step_s:
-                record(i, _step_metrics(result, router, t0, percent))
+            if decision == "end":
+                why = "max_step_s" if elapsed >= policy.max_step_s else "its planned end (inconclusive: abort)"
                 raise Aborted(
-                    f"step {i} still {result.verdict.value} after max_step_s={policy.max_step_s:g} s "
+                    f"step {i} still {result.verdict.value} after {elapsed:.0f} s, at {why} "
                     f"({n_cand} candidate requests)",
                     i,
                     percent,
                 )
-    return len(policy.steps)
+    return len(steps)
+
+
+def _measure(router: Router, policy: CanaryPolicy, stop: threading.Event, log) -> Traffic:
+    """The offered traffic over measure_s at 0 % to the candidate (before step 1)."""
+    log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
+    t0 = time.time()
+    if stop.wait(policy.measure_s):
+        raise Aborted("stopped by the operator (Ctrl-C)", 0, 0.0)
+    return measured_traffic(router.samples_since(t0), time.time() - t0)
 
 
 def run_canary(
@@ -173,17 +193,22 @@ def run_canary(
     log=print,
     stop: threading.Event | None = None,
     on_router: Callable[[str], Callable[[], None] | None] | None = None,
+    traffic: Traffic | None = None,
 ) -> Outcome:
     """Run one canary of `version` of `model_name` (see the module docstring).
 
     `reuse` maps versions to URLs of servers already running (not verified, not stopped);
     `on_router(url)` is called once the router answers (e.g. to start load) and may return a
     callable run before the router stops (e.g. to stop that load); setting `stop` aborts
-    like Ctrl-C. Raises QuantgateError before any alias or server changes when the
-    preflight fails; afterwards every failure is an abort recorded in the registry.
+    like Ctrl-C. `traffic` (e.g. the --load-rps rate) plans the steps before anything starts;
+    None measures it over measure_s once the router runs. Raises QuantgateError before any
+    alias or server changes when the preflight fails or a given traffic cannot finish the plan;
+    a measured traffic that cannot is refused the same way after the candidate alias was set
+    (and cleared again); every other failure is an abort recorded in the registry.
     """
     version = versions.version_number(version)
     stable, production, fallback = preflight(mlflow_client, model_name, version)
+    steps = require_feasible(policy, traffic) if traffic is not None else None
     stop = stop or threading.Event()
     exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
     run_id = mlflow_client.create_run(
@@ -205,6 +230,8 @@ def run_canary(
             mlflow_client.log_metric(run_id, key, float(value), step=step)
 
     log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
+    if steps is not None:
+        log(plan_line(policy, traffic, steps))
     outcome, status = None, "FAILED"
     candidate_set = False
     try:
@@ -221,7 +248,11 @@ def run_canary(
                 log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
                 before_stop = on_router(server.url) if on_router else None
                 try:
-                    step = _run_steps(router, fleet, policy, version, log, stop, record)
+                    if steps is None:
+                        traffic = _measure(router, policy, stop, log)
+                        steps = require_feasible(policy, traffic)
+                        log(plan_line(policy, traffic, steps))
+                    step = _run_steps(router, fleet, policy, steps, version, log, stop, record)
                     changes = aliases.promote(
                         mlflow_client,
                         model_name,

@@ -39,20 +39,21 @@ class RouterAddress(Frozen):
 class CanaryPolicy(Frozen):
     """How a candidate build is moved through the fleet and judged at each step."""
 
-    steps: list[float] = Field(default=[5, 25, 50, 100], min_length=1)  # % of traffic to the candidate
-    min_requests_per_step: int = Field(default=100, ge=1)  # candidate requests before a step may end
-    min_step_s: float = Field(default=60, gt=0)
+    steps: list[float] = Field(default=[10, 25, 50, 100], min_length=1)  # % of traffic to the candidate
+    min_step_s: float = Field(default=60, gt=0)  # a step lasts at least this long, whatever the traffic
     max_step_s: float = Field(default=900, gt=0)
     check_interval_s: float = Field(default=5, gt=0)  # seconds between looks at a step's samples
+    measure_s: float = Field(default=30, gt=0)  # traffic measured at 0 % before step 1 when no rate is given
     max_error_rate: float = Field(default=0.01, ge=0, lt=1)  # candidate 5xx/timeout/refused share
     max_ttft_p95_ratio: float = Field(default=1.5, gt=0)  # candidate p95 / stable p95
     max_tpot_p95_ratio: float = Field(default=1.5, gt=0)
     min_shadow_agreement: float = Field(default=0.7, gt=0, le=1)  # vs the fp16 build, greedy requests
-    min_samples: int = Field(default=20, ge=2)  # per role and check; fewer -> INCONCLUSIVE
-    alpha: float = Field(default=0.05, gt=0, lt=0.5)  # per check and per look
-    failure_limit: int = Field(default=2, ge=1)  # FAIL step verdicts within one step before abort
-    inconclusive: Literal["abort", "hold"] = "hold"  # at min time: abort, or collect until max_step_s
-    shadow_fraction: float = Field(default=0.2, ge=0, le=1)  # of greedy candidate requests
+    min_samples: int = Field(default=20, ge=2)  # per role and check before a check may PASS
+    alpha: float = Field(default=0.05, gt=0, lt=0.5)  # false FAIL of a build meeting every threshold, per canary
+    min_requests_per_step: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
+    failure_limit: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
+    inconclusive: Literal["abort", "hold"] = "hold"  # at the step's planned end: abort, or collect until max_step_s
+    shadow_fraction: float = Field(default=0.5, ge=0, le=1)  # of greedy candidate requests
     shadow_compare_words: int = Field(default=8, ge=1)
     request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt; see canary/router.py
     connect_timeout_s: float = Field(default=5, gt=0)
@@ -67,6 +68,15 @@ class CanaryPolicy(Frozen):
         if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"steps must increase strictly, got {steps}")
         return steps
+
+    @field_validator("min_requests_per_step", "failure_limit", mode="before")
+    @classmethod
+    def _removed(cls, v: object, info: ValidationInfo) -> None:
+        why = {
+            "min_requests_per_step": "a step's length now follows from min_samples and the traffic (canary/plan.py)",
+            "failure_limit": "one FAIL aborts: each check's test holds alpha over every look (canary/analysis.py)",
+        }[info.field_name]
+        raise ValueError(f"removed in issue 16: {why}; delete this key")
 
     @field_validator("max_step_s")
     @classmethod

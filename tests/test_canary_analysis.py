@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scipy import stats
 
 from canary.analysis import Check, analyze, combine, error_rate_check, latency_check, live_line, p95_ratio, shadow_check
 from canary.metrics import Sample, ShadowSample
@@ -16,6 +17,7 @@ from quantgate.stats import Verdict
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = CanaryPolicy()  # min_samples 20, alpha 0.05, max_error_rate 0.01, ratios 1.5, agreement 0.7
+LEVEL = 0.05 / (4 * 4)  # fail_level: alpha over 4 checks x 4 steps
 
 
 def sample(role="candidate", ok=True, ttft=None, tpot=None):
@@ -38,28 +40,42 @@ def errors(k, n, role="candidate"):
     return [sample(role, ok=i >= k) for i in range(n)]
 
 
-def binom_upper_tail(k, n, p):
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
-
-
 def binom_lower_tail(k, n, p):
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(0, k + 1))
 
 
-# --- error rate: exact one-sided binomial -------------------------------------------------
-def test_error_rate_fail_matches_hand_computed_binomial_tail():
+def mixture_lr(k, n, p0):
+    """Lambda_n by hand: integral_{p0}^1 q^k (1-q)^(n-k) dq / (1-p0) / (p0^k (1-p0)^(n-k)), with
+    integral_{p0}^1 q^k (1-q)^(n-k) dq = k! (n-k)! / (n+1)! * P(Bin(n+1, p0) <= k)."""
+    integral = math.factorial(k) * math.factorial(n - k) / math.factorial(n + 1) * binom_lower_tail(k, n + 1, p0)
+    return integral / (1 - p0) / (p0**k * (1 - p0) ** (n - k))
+
+
+def always_valid(bad, p0):
+    """min(1, 1 / max over prefixes of Lambda), by hand."""
+    k, best = 0, 0.0
+    for n, b in enumerate(bad, 1):
+        k += b
+        best = max(best, mixture_lr(k, n, p0))
+    return min(1.0, 1 / best)
+
+
+# --- error rate: mixture SPRT (always-valid p) ----------------------------------------------
+def test_error_rate_fail_matches_hand_computed_mixture_likelihood_ratio():
     c = error_rate_check(errors(3, 20) + errors(5, 50, role="stable"), POLICY)  # stable samples are ignored
-    # P(X >= 3 | n=20, p=0.01) = 1 - P(X <= 2)
-    expected = 1 - (0.99**20 + 20 * 0.01 * 0.99**19 + 190 * 0.01**2 * 0.99**18)
-    assert c.p_value == pytest.approx(expected, rel=1e-9) == pytest.approx(binom_upper_tail(3, 20, 0.01))
+    # the 3 failures come first: the largest Lambda is after them, 1/4 * P(Bin(4, .01) <= 3) / (0.99 * 0.01^3)
+    expected = always_valid([True] * 3 + [False] * 17, 0.01)
+    assert expected == pytest.approx(0.99e-6 / (0.25 * (1 - 0.01**4)), rel=1e-9)
+    assert c.p_value == pytest.approx(expected, rel=1e-9) and expected <= LEVEL
     assert (c.value, c.n, c.verdict) == (0.15, 20, Verdict.FAIL)
     assert c.text == f"error_rate 0.150 > 0.010 (n=20, p={expected:.2g}) FAIL"
 
 
 def test_error_rate_above_threshold_but_not_significant_is_inconclusive():
     c = error_rate_check(errors(1, 20), POLICY)
-    assert c.p_value == pytest.approx(1 - 0.99**20)  # 0.18
+    assert c.p_value == pytest.approx(0.01 * 0.99 / 0.5 / (1 - 0.01**2))  # 1/Lambda_1: 0.0198
     assert c.verdict is Verdict.INCONCLUSIVE and c.value == 0.05
+    assert LEVEL < c.p_value  # one failure in 20 is not evidence at the canary's level
 
 
 def test_error_rate_at_threshold_passes_and_zero_errors_have_p_one():
@@ -69,32 +85,56 @@ def test_error_rate_at_threshold_passes_and_zero_errors_have_p_one():
     assert zero.p_value == 1.0 and zero.verdict is Verdict.PASS
 
 
-def test_error_rate_too_few_samples_is_inconclusive_even_if_all_fail():
-    c = error_rate_check(errors(5, 5), POLICY)
-    assert c.verdict is Verdict.INCONCLUSIVE and c.p_value is None
-    assert c.text == "error_rate 1.000 > 0.010 (n=5 < min 20) INCONCLUSIVE"
+def test_one_error_passes_a_threshold_the_sample_cannot_resolve():
+    # 1 failure in 90: 1.1 % > 1 %, but a build exactly at 1 % shows >= 1 failure in 90 with P = 0.60
+    late = error_rate_check(errors(0, 89) + errors(1, 1), POLICY)
+    assert late.value == pytest.approx(1 / 90) and late.verdict is Verdict.PASS and "0.011 > 0.010" in late.text
+    early = error_rate_check(errors(1, 40), POLICY)  # P(X >= 1 | 40, 0.01) = 0.33: too many for 40
+    assert early.verdict is Verdict.INCONCLUSIVE
+
+
+def test_error_rate_too_few_samples_never_passes_but_overwhelming_evidence_fails():
+    few = error_rate_check(errors(0, 5), POLICY)
+    assert (
+        few.verdict is Verdict.INCONCLUSIVE and few.text == "error_rate 0.000 <= 0.010 (n=5 < min 20, p=1) INCONCLUSIVE"
+    )
+    one = error_rate_check(errors(1, 1), POLICY)  # Lambda_1 = 50.5: not enough at the level 0.0031
+    assert one.verdict is Verdict.INCONCLUSIVE and one.p_value == pytest.approx(1 / mixture_lr(1, 1, 0.01))
+    dead = error_rate_check(errors(5, 5), POLICY)  # a dead server: valid at any n, no min_samples
+    assert dead.verdict is Verdict.FAIL and dead.text.startswith("error_rate 1.000 > 0.010 (n=5 < min 20, p=")
     none = error_rate_check([], POLICY)
     assert none.value is None and none.text == "error_rate - (n=0 < min 20) INCONCLUSIVE"
 
 
-# --- shadow agreement: exact one-sided binomial --------------------------------------------
-def shadows(k, n):
-    return [ShadowSample(t=0.0, agree=i < k, candidate="v2", shadow="v1") for i in range(n)]
+# --- shadow agreement: the same test on disagreements ----------------------------------------
+def shadows(k, n, agree_first=True):
+    agree = [i < k for i in range(n)]
+    return [ShadowSample(t=0.0, agree=a, candidate="v2", shadow="v1") for a in (agree if agree_first else agree[::-1])]
 
 
 def test_shadow_agreement_fail_and_live_line():
-    c = shadow_check(shadows(15, 37), POLICY)
-    expected = binom_lower_tail(15, 37, 0.7)  # P(X <= 15 | n=37, p=0.7)
-    assert c.p_value == pytest.approx(expected, rel=1e-9) and expected < 0.001
-    assert c.verdict is Verdict.FAIL and c.value == pytest.approx(15 / 37)
-    assert live_line(2, 25.0, c) == f"step 2 (25%): shadow_agreement 0.41 < 0.70 (n=37, p={expected:.2g}) FAIL"
+    c = shadow_check(shadows(10, 37), POLICY)
+    expected = always_valid([False] * 10 + [True] * 27, 0.3)  # disagreements against 1 - 0.7
+    assert c.p_value == pytest.approx(expected, rel=1e-9) and expected < LEVEL
+    assert c.verdict is Verdict.FAIL and c.value == pytest.approx(10 / 37)
+    assert live_line(2, 25.0, c) == f"step 2 (25%): shadow_agreement 0.27 < 0.70 (n=37, p={expected:.2g}) FAIL"
+    weaker = shadow_check(shadows(15, 37), POLICY)  # 0.41 of 37: p = 0.0037, just short of the level
+    assert weaker.p_value == pytest.approx(always_valid([False] * 15 + [True] * 22, 0.3), rel=1e-9)
+    assert weaker.verdict is Verdict.INCONCLUSIVE and LEVEL < weaker.p_value < 0.01
+
+
+def test_shadow_fail_holds_once_the_boundary_was_crossed():
+    # 12 disagreements first cross the boundary; 30 agreements afterwards do not undo it
+    c = shadow_check(shadows(30, 42, agree_first=False), CanaryPolicy(min_shadow_agreement=0.5))
+    assert c.value == pytest.approx(30 / 42) and c.verdict is Verdict.FAIL and "0.71 >= 0.50" in c.text
 
 
 def test_shadow_agreement_boundary_and_pass():
     at = shadow_check(shadows(14, 20), POLICY)  # exactly 0.70
     assert at.verdict is Verdict.PASS and at.text.startswith("shadow_agreement 0.70 >= 0.70 (n=20")
-    below = shadow_check(shadows(13, 20), POLICY)  # 0.65, P(X <= 13 | 20, 0.7) = 0.39: not significant
-    assert below.p_value == pytest.approx(binom_lower_tail(13, 20, 0.7)) and below.verdict is Verdict.INCONCLUSIVE
+    below = shadow_check(shadows(13, 20), POLICY)  # 0.65: P(X <= 13 | 20, 0.7) = 0.39 < 1/2, no evidence either
+    assert below.p_value == pytest.approx(always_valid([False] * 13 + [True] * 7, 0.3), rel=1e-9)
+    assert below.verdict is Verdict.INCONCLUSIVE and binom_lower_tail(13, 20, 0.7) < 0.5
 
 
 # --- latency: p95 ratio + one-sided Mann-Whitney U -------------------------------------------
@@ -103,21 +143,36 @@ def latencies(cand, stab, metric="ttft"):
 
 
 def test_mann_whitney_clearly_separated_small_samples_exact_p():
-    # 5 vs 5, every candidate value above every stable one: exact p = 1 / C(10, 5) = 1/252
-    c = latency_check(latencies([10, 11, 12, 13, 14], [1, 2, 3, 4, 5]), CanaryPolicy(min_samples=5), "ttft")
+    # 5 vs 5, every candidate value above every 1.5 x stable one: exact p = 1 / C(10, 5) = 1/252
+    cand, stab = [10, 11, 12, 13, 14], [1, 2, 3, 4, 5]
+    one_look = CanaryPolicy(min_samples=5, steps=[50], min_step_s=5, max_step_s=5, check_interval_s=5)  # 0.05 / 4
+    c = latency_check(latencies(cand, stab), one_look, "ttft")
     assert c.p_value == pytest.approx(1 / 252)
-    assert c.value == pytest.approx(p95_ratio([10, 11, 12, 13, 14], [1, 2, 3, 4, 5])) == pytest.approx(13.8 / 4.8)
+    assert c.value == pytest.approx(p95_ratio(cand, stab)) == pytest.approx(13.8 / 4.8)
     assert c.verdict is Verdict.FAIL and c.text == "ttft_p95_ratio 2.88 > 1.50 (n=5/5, p=0.004) FAIL"
+    # the default plan allows 4 steps x 180 looks: 1/252 is no evidence at 0.05 / 4 / 4 / 180
+    many = latency_check(latencies(cand, stab), CanaryPolicy(min_samples=5), "ttft")
+    assert many.p_value == pytest.approx(1 / 252) and many.verdict is Verdict.INCONCLUSIVE
 
 
-def test_identical_samples_pass_with_p_one():
+def test_mann_whitney_tests_against_threshold_times_stable():
+    # every candidate value is 2x a stable one: above stable, but only just above 1.5x it
+    stab = [1.0 + i / 10 for i in range(30)]
+    c = latency_check(latencies([2 * v for v in stab], stab), POLICY, "ttft")
+    expected = stats.mannwhitneyu([2 * v for v in stab], [1.5 * v for v in stab], alternative="greater").pvalue
+    assert c.value == pytest.approx(2.0) and c.p_value == pytest.approx(expected)
+
+
+def test_identical_samples_pass_untested():
     c = latency_check(latencies([0.2] * 25, [0.2] * 25, "tpot"), POLICY, "tpot")
-    assert c.name == "tpot_p95_ratio" and c.value == 1.0 and c.p_value == 1.0 and c.verdict is Verdict.PASS
+    assert c.name == "tpot_p95_ratio" and c.value == 1.0 and c.verdict is Verdict.PASS
+    assert c.p_value is None  # within the threshold a latency check cannot FAIL, so it is not tested
 
 
 def test_ratio_at_threshold_passes_even_when_significantly_slower():
     c = latency_check(latencies([3.0] * 20, [2.0] * 20), POLICY, "ttft")
-    assert c.value == 1.5 and c.p_value < 1e-6 and c.verdict is Verdict.PASS
+    assert c.value == 1.5 and c.verdict is Verdict.PASS
+    assert stats.mannwhitneyu([3.0] * 20, [2.0] * 20, alternative="greater").pvalue < 1e-6  # slower than 1x
 
 
 def test_high_ratio_from_an_outlier_without_significance_is_inconclusive():
@@ -136,6 +191,10 @@ def test_latency_uses_only_successful_samples_with_a_value_and_needs_both_roles(
     assert latency_check(data, POLICY, "ttft").value == 1.0
     few = latency_check(latencies([1.0] * 20, [1.0] * 3), POLICY, "ttft")
     assert few.verdict is Verdict.INCONCLUSIVE and few.p_value is None and "(n=20/3 < min 20)" in few.text
+    # too few to PASS, tested for FAIL: exact p = 1 / C(23, 3), no evidence at 1.7e-05 per look
+    slow = latency_check(latencies([9.0, 9.1, 9.2], [1.0 + i / 100 for i in range(20)]), POLICY, "ttft")
+    assert slow.verdict is Verdict.INCONCLUSIVE and slow.p_value == pytest.approx(1 / math.comb(23, 3))
+    assert "(n=3/20 < min 20, p=" in slow.text
 
 
 # --- step verdict ---------------------------------------------------------------------------
@@ -154,14 +213,14 @@ def test_analyze_a_healthy_step_passes():
     data = errors(0, 40) + errors(0, 40, role="stable")
     data += [sample(r, ttft=0.1 + i / 100, tpot=0.02) for r in ("candidate", "stable") for i in range(25)]
     result = analyze(data, shadows(20, 25), POLICY)
-    assert result.verdict is Verdict.PASS
+    assert result.verdict is Verdict.PASS, [c.text for c in result.checks]
     assert [c.name for c in result.checks] == ["error_rate", "ttft_p95_ratio", "tpot_p95_ratio", "shadow_agreement"]
 
 
 # --- policy ---------------------------------------------------------------------------------
 def test_policy_defaults_load_from_params_yaml():
     p = load_policy(REPO / "params.yaml")
-    assert p.steps == [5, 25, 50, 100] and p.inconclusive in ("abort", "hold")
+    assert p.steps == [10, 25, 50, 100] and p.inconclusive in ("abort", "hold")
     assert 0 < p.alpha < 0.5 and p.min_samples >= 2 and p.shadow_compare_words >= 1
 
 
@@ -191,6 +250,9 @@ def write_params(tmp_path, block="canary", **changes) -> Path:
         ({"inconclusive": "maybe"}, "canary.inconclusive"),
         ({"shadow_fraction": 2}, "canary.shadow_fraction"),
         ({"bogus": 1}, "canary.bogus"),
+        ({"failure_limit": 2}, "canary.failure_limit"),
+        ({"min_requests_per_step": 100}, "canary.min_requests_per_step"),
+        ({"measure_s": 0}, "canary.measure_s"),
         ({"servers__stable__port": 70000}, "canary.servers.stable.port"),
         ({"router__hots": "x"}, "canary.router.hots"),
     ],
@@ -199,6 +261,12 @@ def test_bad_policy_values_name_the_field(tmp_path, changes, field):
     with pytest.raises(QuantgateError) as exc:
         load_policy(write_params(tmp_path, **changes))
     assert re.search(rf"params.yaml:\d+: {re.escape(field)}: ", str(exc.value))  # file, line, field
+
+
+@pytest.mark.parametrize("key", ["failure_limit", "min_requests_per_step"])
+def test_removed_keys_say_why_and_what_to_do(tmp_path, key):
+    with pytest.raises(QuantgateError, match=rf"canary.{key}: .*removed in issue 16: .*; delete this key"):
+        load_policy(write_params(tmp_path, **{key: 2}))
 
 
 def test_missing_canary_block_is_named(tmp_path):

@@ -19,7 +19,7 @@ from tests.conftest import safetensors_build
 from tests.test_register import gate_result, team_summary
 
 MODEL = "smollm2-135m-instruct"
-STEPS = [5, 25, 50, 100]  # params.yaml's default canary.steps
+STEPS = [5, 25, 50, 100]  # a four-step plan (params.yaml's default before issue 16)
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
 ROUTE = dict(gateway="inference-gateway", namespace="llm", port=8000)
 

@@ -33,17 +33,9 @@ def fast_policy(**over):
     from canary.policy import load_policy
 
     p = load_policy(REPO / "params.yaml").model_dump()
-    p.update(
-        min_requests_per_step=2,
-        min_step_s=3,
-        max_step_s=240,
-        min_samples=2,
-        check_interval_s=2,
-        shadow_fraction=1.0,
-        shadow_compare_words=2,
-        min_shadow_agreement=0.5,
-        request_timeout_s=120,
-    )
+    from benchmarks.canary_sim import FAST  # simulated there too (the "e2e" rows)
+
+    p.update(FAST, request_timeout_s=120)
     if GOOD == "fp8":  # vLLM's CPU FP8 path decodes ~12x slower than fp16 on AVX2 (benchmarks/):
         p.update(max_ttft_p95_ratio=50, max_tpot_p95_ratio=50)  # judge quality and errors here, not speed
     p["router"]["port"] = 0

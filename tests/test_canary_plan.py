@@ -1,0 +1,150 @@
+"""The canary's sequential tests over many looks (seeded simulations), the plan from the traffic
+(feasible, refused, the start line) and the controller's step decision."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.canary_sim import FAST
+from canary.analysis import always_valid_p, fail_level, mixture_log_lr, shadow_check
+from canary.controller import step_decision
+from canary.metrics import Sample, ShadowSample
+from canary.plan import SLACK, StepPlan, Traffic, measured_traffic, plan, plan_line, refusal, require_feasible
+from canary.policy import CanaryPolicy, load_policy
+from quantgate.errors import QuantgateError
+from quantgate.stats import Verdict
+
+REPO = Path(__file__).resolve().parents[1]
+README_EXAMPLE = Traffic(1.0, 0.5, 1.0, "--load-rps")  # `quantgate canary run MODEL 2 --load-rps 1`
+
+
+# --- the mixture SPRT ---------------------------------------------------------------------
+def crossed(rng, rate: float, p0: float, streams: int, n: int, level: float) -> np.ndarray:
+    """For each of `streams` Bernoulli(rate) streams of length n: did sup_m Lambda_m reach 1/level?"""
+    k = np.cumsum(rng.random((streams, n)) < rate, axis=1)
+    log_lr = mixture_log_lr(k, np.arange(1, n + 1)[None, :], p0)
+    return log_lr.max(axis=1) >= math.log(1 / level)
+
+
+@pytest.mark.parametrize("p0", [0.01, 0.3, 0.5])  # max_error_rate; 1 - min_shadow_agreement (default, e2e)
+def test_type_one_error_over_every_look_stays_below_level(p0):
+    """A build exactly at the threshold, looked at after every one of 600 samples: the share of
+    streams that ever FAIL stays <= the level (Ville's inequality), here 0.05."""
+    hits = crossed(np.random.default_rng(16), p0, p0, streams=1000, n=600, level=0.05)
+    assert hits.mean() <= 0.05 + 2 * math.sqrt(0.05 * 0.95 / 1000)  # within 2 sd of the bound
+    better = crossed(np.random.default_rng(17), p0 / 2, p0, streams=300, n=600, level=0.05)
+    assert better.mean() <= 0.05  # a build better than the threshold (the composite null): the same bound
+
+
+def test_lambda_is_one_before_any_sample_and_shrinks_for_a_good_stream():
+    assert mixture_log_lr(0, 0, 0.3) == pytest.approx(0.0)
+    assert mixture_log_lr(0, 300, 0.01) == pytest.approx(-math.log(301))  # Lambda = 1 / (n + 1) with no events
+    assert always_valid_p([], 0.3) == 1.0 and always_valid_p([False] * 50, 0.3) == 1.0
+
+
+def test_a_clearly_broken_stream_fails_within_a_bounded_number_of_samples():
+    """Shadow agreement 0.3 against min 0.7 at the default level: FAIL within 60 comparisons in
+    >= 95 % of seeded streams, and every stream within 150."""
+    policy, rng, needed = CanaryPolicy(), np.random.default_rng(3), []
+    level = fail_level(policy)
+    for _ in range(200):
+        disagree = rng.random(150) >= 0.3
+        k = np.cumsum(disagree)
+        log_lr = mixture_log_lr(k, np.arange(1, 151), 0.3)
+        first = np.flatnonzero(log_lr >= math.log(1 / level))
+        needed.append(first[0] + 1 if len(first) else math.inf)
+    assert max(needed) <= 150 and np.percentile(needed, 95) <= 60
+    stream = [ShadowSample(t=0.0, agree=bool(a), candidate="c", shadow="f") for a in rng.random(60) < 0.3]
+    assert shadow_check(stream, policy).verdict is Verdict.FAIL or sum(s.agree for s in stream) > 0.45 * 60
+
+
+def test_a_clearly_good_stream_passes_at_min_samples():
+    good = [ShadowSample(t=0.0, agree=i % 10 != 0, candidate="c", shadow="f") for i in range(20)]  # 0.9
+    c = shadow_check(good, CanaryPolicy())
+    assert c.verdict is Verdict.PASS and c.p_value > fail_level(CanaryPolicy())  # one early disagreement: p 0.46
+
+
+# --- the plan -----------------------------------------------------------------------------
+def test_the_readme_example_is_feasible_with_the_defaults_and_says_how_long():
+    policy = load_policy(REPO / "params.yaml")
+    steps = require_feasible(policy, README_EXAMPLE)
+    # step 1: 20 candidate streams at 1 req/s x 50 % streaming x 10 % = 400 s
+    assert [s.seconds for s in steps] == [400, 160, 80, policy.min_step_s]
+    assert steps[0].limiting == "latency (candidate streams)" and steps[-1].limiting == "min_step_s"
+    assert sum(s.seconds for s in steps) <= 30 * 60 and all(s.end_s <= policy.max_step_s for s in steps)
+    line = plan_line(policy, README_EXAMPLE, steps)
+    assert line.startswith("canary: at 1 req/s (--load-rps; 50% streaming, 100% greedy) this plan needs about 12 min")
+    assert "step 1 (10%): 400 s, step 2 (25%): 160 s" in line and "p <= 0.0031" in line
+
+
+def test_the_old_defaults_are_refused_with_the_params_to_change():
+    old = CanaryPolicy(steps=[5, 25, 50, 100], shadow_fraction=0.2)
+    steps = plan(old, README_EXAMPLE)
+    assert steps[0].seconds == pytest.approx(20 / (1.0 * 0.2 * 0.05))  # 2000 s of shadow comparisons
+    with pytest.raises(QuantgateError) as exc:
+        require_feasible(old, README_EXAMPLE)
+    assert str(exc.value) == (
+        "canary plan cannot finish: at 1 req/s (--load-rps) step 1 (5%) needs about 2000 s for min_samples=20 of "
+        "shadow_agreement, over max_step_s=900 / 1.5; change canary.shadow_fraction, canary.steps, "
+        "canary.min_samples or canary.max_step_s, or send more traffic"
+    )
+    assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "policy,fix",
+    [
+        (CanaryPolicy(steps=[100]), "canary.steps (a lower share first)"),  # stable never gets a stream
+        (CanaryPolicy(shadow_fraction=0), "canary.shadow_fraction"),
+        (CanaryPolicy(min_step_s=700, max_step_s=900), "canary.min_step_s or canary.max_step_s"),
+    ],
+)
+def test_plans_that_cannot_finish_name_the_fix(policy, fix):
+    why = refusal(policy, README_EXAMPLE, plan(policy, README_EXAMPLE))
+    assert why is not None and fix in why and why.startswith("canary plan cannot finish: at 1 req/s")
+
+
+def test_more_traffic_shortens_the_plan_and_min_step_s_is_the_floor():
+    steps = plan(CanaryPolicy(), Traffic(100.0))
+    assert all(s.seconds == 60 and s.limiting == "min_step_s" for s in steps)
+    assert refusal(CanaryPolicy(), Traffic(0.6), plan(CanaryPolicy(), Traffic(0.6))) is not None  # 667 s x 1.5
+
+
+def test_the_e2e_fast_policy_is_feasible_at_its_load():
+    fast = load_policy(REPO / "params.yaml").model_copy(update=FAST)  # tests/test_fleet_e2e.py fast_policy()
+    steps = require_feasible(fast, Traffic(1.5))
+    assert steps[0].seconds == pytest.approx(2 / (1.5 * 0.5 * 0.1)) and steps[0].end_s < 240
+
+
+def sample(role="stable", stream=True, retried=False):
+    return Sample(0.0, role, role, True, 200, None, None, retried, 1.0, stream, "ok")
+
+
+def test_measured_traffic_counts_first_attempts_and_their_streaming_share():
+    samples = [sample(stream=i % 4 == 0) for i in range(60)] + [sample(retried=True)] * 5 + [sample("shadow")] * 9
+    t = measured_traffic(samples, 30.0)
+    assert (t.rps, t.stream_share, t.greedy_share) == (2.0, 0.25, 1.0) and t.source == "measured over 30 s"
+    with pytest.raises(QuantgateError, match=r"no requests reached the router in 30 s \(canary.measure_s\)"):
+        measured_traffic([sample("shadow")], 30.0)
+
+
+# --- the step decision --------------------------------------------------------------------
+STEP = StepPlan(1, 10.0, 400.0, "latency (candidate streams)")
+
+
+@pytest.mark.parametrize(
+    "verdict,elapsed,inconclusive,expected",
+    [
+        (Verdict.FAIL, 5, "hold", "fail"),  # one FAIL aborts: no failure_limit
+        (Verdict.PASS, 30, "hold", "hold"),  # before min_step_s (60)
+        (Verdict.PASS, 60, "hold", "pass"),
+        (Verdict.INCONCLUSIVE, 400 * SLACK, "hold", "hold"),
+        (Verdict.INCONCLUSIVE, 400 * SLACK, "abort", "end"),  # the step's planned end
+        (Verdict.INCONCLUSIVE, 599, "abort", "hold"),
+        (Verdict.INCONCLUSIVE, 900, "hold", "end"),  # max_step_s
+    ],
+)
+def test_step_decision(verdict, elapsed, inconclusive, expected):
+    assert step_decision(verdict, elapsed, STEP, CanaryPolicy(inconclusive=inconclusive)) == expected
