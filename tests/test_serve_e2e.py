@@ -121,6 +121,24 @@ def test_serves_fallback_then_warms_a_candidate(gateway):
     assert h["fleet"][v[SERVED]]["why"] == "candidate"
 
 
+def test_memory_of_the_standing_fleet(gateway):
+    """Report memory (not a timed target) with the fp16 build serving and the candidate warm: RSS of each
+    warm server's process group and of the gateway."""
+    assert len(_health(gateway["url"])["fleet"]) == 2
+    h = _health(gateway["url"])
+    total = 0
+    for version, s in h["fleet"].items():
+        rss = sum(p.memory_info().rss for p in psutil.process_iter() if _pgid(p.pid) == s["pid"])
+        total += rss
+        print(f"\nmemory: v{version} ({s['why']}) vLLM server {rss / 2**30:.2f} GiB RSS")
+    me = psutil.Process(gateway["proc"].pid).memory_info().rss
+    print(
+        f"memory: servers {total / 2**30:.2f} GiB + gateway {me / 2**30:.2f} GiB; "
+        f"machine {psutil.virtual_memory().total / 2**30:.0f} GiB"
+    )
+    assert 0 < total + me < psutil.virtual_memory().total
+
+
 def test_promote_moves_traffic_within_a_second_without_errors(gateway, project):
     from registry import aliases
 
@@ -211,22 +229,6 @@ def test_rollback_moves_traffic_back_and_drains_the_old_server(gateway, project)
         and not psutil.pid_exists(old_pid)
         or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
     )
-
-
-def test_memory_of_the_standing_fleet(gateway):
-    """Report memory (not a timed target): RSS of each warm server's process group and of the gateway."""
-    h = _health(gateway["url"])
-    total = 0
-    for version, s in h["fleet"].items():
-        rss = sum(p.memory_info().rss for p in psutil.process_iter() if _pgid(p.pid) == s["pid"])
-        total += rss
-        print(f"\nmemory: v{version} ({s['why']}) vLLM server {rss / 2**30:.2f} GiB RSS")
-    me = psutil.Process(gateway["proc"].pid).memory_info().rss
-    print(
-        f"memory: servers {total / 2**30:.2f} GiB + gateway {me / 2**30:.2f} GiB; "
-        f"machine {psutil.virtual_memory().total / 2**30:.0f} GiB"
-    )
-    assert 0 < total + me < psutil.virtual_memory().total
 
 
 def test_sigterm_stops_the_gateway_and_every_server(gateway):
