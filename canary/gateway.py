@@ -127,5 +127,5 @@ def run_gateway(
                     servers.labels(version, s["why"]).set(1)
                     restarts.labels(version).set(s["restarts"])
     finally:
-        fleet.close()
-        log("serve: every server stopped")
+        if fleet.close():
+            log("serve: every server stopped")

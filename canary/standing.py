@@ -243,7 +243,9 @@ class StandingFleet:
         running.stack.close()
         self.log(f"v{version}: server stopped")
 
-    def close(self) -> None:
-        """Stop every server (no drain: the gateway has stopped taking requests)."""
-        for version in list(self._servers):
+    def close(self) -> int:
+        """Stop every server (no drain: the gateway has stopped taking requests); returns how many."""
+        versions = list(self._servers)
+        for version in versions:
             self._stop(version, drain=False)
+        return len(versions)
