@@ -57,6 +57,12 @@ class CanaryPolicy(Frozen):
     shadow_compare_words: int = Field(default=8, ge=1)
     request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt; see canary/router.py
     connect_timeout_s: float = Field(default=5, gt=0)
+    # on a running gateway (`canary run --gateway`): seconds for the candidate's server to get warm,
+    # for a gateway that restarted or stopped answering to come back (then the step resumes, else
+    # abort), and without a heartbeat before another process records the canary as aborted
+    warm_timeout_s: float = Field(default=600, gt=0)
+    gateway_lost_s: float = Field(default=300, gt=0)
+    stale_after_s: float = Field(default=120, gt=0)
     router: RouterAddress = RouterAddress()
     servers: Servers = Servers()
 
