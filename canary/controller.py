@@ -320,6 +320,7 @@ def _open_run(
     status = Status(mlflow_client, run_id)
     status.set(Phase.INITIALIZING)
     log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
+    log(f"canary: checks {', '.join(map(str, policy.checks()))} at steps {', '.join(f'{p:g}%' for p in policy.steps)}")
     return Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, run_id), status
 
 

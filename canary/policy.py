@@ -6,6 +6,7 @@ Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (quantg
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -34,6 +35,21 @@ class Servers(Frozen):
 class RouterAddress(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)  # 0 = a free port
+
+
+@dataclass(frozen=True)
+class CheckRange:
+    """One check as Flagger / Argo Rollouts write it: a metric and the range it must stay in
+    (None = unbounded on that side); a view of CanaryPolicy's thresholds, see `checks()`."""
+
+    name: str  # as canary/analysis.py names the check
+    min: float | None
+    max: float | None
+
+    def __str__(self) -> str:
+        lo = f"{self.min:g} <= " if self.min is not None else ""
+        hi = f" <= {self.max:g}" if self.max is not None else ""
+        return f"{lo}{self.name}{hi}"
 
 
 class CanaryPolicy(Frozen):
@@ -65,6 +81,15 @@ class CanaryPolicy(Frozen):
     stale_after_s: float = Field(default=120, gt=0)
     router: RouterAddress = RouterAddress()
     servers: Servers = Servers()
+
+    def checks(self) -> tuple[CheckRange, ...]:
+        """The thresholds as checks with ranges, in canary/analysis.py's order (a view; params unchanged)."""
+        return (
+            CheckRange("error_rate", None, self.max_error_rate),
+            CheckRange("ttft_p95_ratio", None, self.max_ttft_p95_ratio),
+            CheckRange("tpot_p95_ratio", None, self.max_tpot_p95_ratio),
+            CheckRange("shadow_agreement", self.min_shadow_agreement, None),
+        )
 
     @field_validator("steps")
     @classmethod

@@ -356,3 +356,22 @@ def test_a_canary_whose_controller_died_is_recorded_as_aborted(project):  # noqa
     assert client.get_run(runs["alive"]).data.tags["canary.phase"] == "progressing"
     assert reap_stale(client, MODEL, 120, "tester", lines.append) == []  # once only
     client.set_tag(runs["alive"], "canary.phase", canary_status.Phase.ABORTED.value)  # leave no live run behind
+
+
+def test_canary_run_gateway_refusals_are_one_line(project, tmp_path, monkeypatch):  # noqa: F811
+    from click.testing import CliRunner
+
+    from canary.commands import run
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    gw = ["--gateway", "http://127.0.0.1:9"]
+    for args, message in (
+        (["--reuse", "1=http://127.0.0.1:9/v1"], "--reuse is for a canary with its own servers"),
+        (["--token-file", str(tmp_path / "none")], "no admin token: $QUANTGATE_ADMIN_TOKEN is unset"),
+    ):
+        result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, *args])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
+    (tmp_path / "token").write_text("t\n")
+    result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, "--token-file", str(tmp_path / "token")])
+    assert result.exit_code == 1 and "did not answer" in result.output, result.output
+    assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
