@@ -362,8 +362,8 @@ def _walk(
     finally:
         try:
             split.set_weight(0)
-        except GatewayUnreachable:
-            pass  # a gateway that comes back starts at 0 %
+        except QuantgateError as exc:  # unreachable, or restarted with another token: it starts at 0 %
+            log(f"canary: could not set the gateway's weight to 0: {exc}")
         if before_stop:
             before_stop()
 
