@@ -101,17 +101,9 @@ def admin_app(router, state: Callable[[], dict], token: str) -> Starlette:
         return endpoint
 
     async def get_state(request: Request) -> JSONResponse:
-        fleet = router.fleet
-        label = lambda b: b.label if b is not None else None  # noqa: E731
-        return JSONResponse(
-            {
-                **state(),
-                "weight": router.weight,
-                "stable": label(fleet.stable) if fleet else None,
-                "candidate": label(fleet.candidate) if fleet else None,
-                "shadow": label(fleet.shadow) if fleet else None,
-            }
-        )
+        backends = dataclasses.asdict(router.fleet) if router.fleet else {}
+        labels = {role: (backends.get(role) or {}).get("label") for role in ("stable", "candidate", "shadow")}
+        return JSONResponse({**state(), "weight": router.weight, **labels})
 
     async def put_weight(request: Request) -> JSONResponse:
         try:

@@ -263,7 +263,8 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
 
     production (else fallback) takes the traffic, fallback/previous/candidate are kept warm
     (params.yaml `fleet`), alias changes are followed within a second, a failed production
-    request is retried on fallback, and dead servers are restarted.
+    request is retried on fallback, and dead servers are restarted. An admin endpoint (fleet.admin,
+    loopback, bearer token) lets `quantgate canary run --gateway` set the split and read the samples.
     """
     import signal
 

@@ -47,7 +47,10 @@ class Gateway:
         self.router = Router(self.resolve, self.policy, resolve_interval_s=0.1)
         self.public = RouterServer(self.router, "127.0.0.1", self.public_port, grace_s=1).start()
         started = time.time()
-        state = lambda: {"url": self.public.url, "pid": os.getpid(), "started_at": started, "fleet": self.fleet()}  # noqa: E731
+
+        def state():
+            return {"url": self.public.url, "pid": os.getpid(), "started_at": started, "fleet": self.fleet()}
+
         self.admin = AppServer(admin_app(self.router, state, TOKEN), "127.0.0.1", self.admin_port, grace_s=1).start()
         return self
 
