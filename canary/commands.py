@@ -1,6 +1,7 @@
 """Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
 
     quantgate canary run MODEL VERSION [--load-rps RPS]    the canary here: promote or abort
+    quantgate canary run MODEL VERSION --gateway ADMIN_URL the canary on a running `quantgate serve`
     quantgate canary load --url URL --rps RPS --duration S replay eval prompts through a router
     quantgate canary render MODEL VERSION --format gateway-api [--step N|rollback] [--out FILE]
                                                            the same steps as HTTPRoutes for a cluster
@@ -137,6 +138,21 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     show_default=True,
     help="Verified artifacts and server logs, one folder per canary run.",
 )
+@click.option(
+    "--gateway",
+    "admin_url",
+    default=None,
+    metavar="ADMIN_URL",
+    help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
+    "(its servers and router; no --reuse).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path),
+    default=Path(".quantgate/serve/admin.token"),
+    show_default=True,
+    help="The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
+)
 def run(
     model: str,
     version: str,
@@ -147,14 +163,18 @@ def run(
     load_api: str,
     evals_dir: Path,
     work_dir: Path,
+    admin_url: str | None,
+    token_file: Path,
 ) -> None:
     """Canary MODEL VERSION through the policy steps (params.yaml `canary`); promote or abort.
 
+    Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
     import threading
 
-    from canary.controller import run_canary
+    from canary.admin import read_token
+    from canary.controller import run_canary, run_canary_on_gateway
     from canary.load import prompts_from_evals, replay
     from canary.plan import Traffic
     from canary.policy import load_policy
@@ -180,22 +200,33 @@ def run(
 
         return stop
 
+    # every --load-api alternates streaming and not; all of it is greedy
+    common = dict(
+        on_router=start_load if load_rps else None,
+        log=click.echo,
+        traffic=Traffic(load_rps, 0.5, 1.0, "--load-rps") if load_rps else None,
+    )
     try:
         with command_errors():
-            outcome = run_canary(
-                store.client(existing=True),
-                model,
-                version,
-                load_policy(),
-                load_block("evaluate.serve", ServeParams),
-                by,
-                work_dir,
-                reuse=reuse,
-                on_router=start_load if load_rps else None,
-                log=click.echo,
-                # every --load-api alternates streaming and not; all of it is greedy
-                traffic=Traffic(load_rps, 0.5, 1.0, "--load-rps") if load_rps else None,
-            )
+            if admin_url and reuse:
+                raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
+            if admin_url:
+                outcome = run_canary_on_gateway(
+                    store.client(existing=True), model, version, load_policy(), by, admin_url,
+                    read_token(token_file), **common,
+                )  # fmt: skip
+            else:
+                outcome = run_canary(
+                    store.client(existing=True),
+                    model,
+                    version,
+                    load_policy(),
+                    load_block("evaluate.serve", ServeParams),
+                    by,
+                    work_dir,
+                    reuse=reuse,
+                    **common,
+                )
     except KeyboardInterrupt:
         raise click.ClickException(
             f"canary of {model} v{version} interrupted: aborted, candidate alias cleared"
@@ -220,12 +251,20 @@ def run(
     show_default=True,
     help="Verified artifacts, server logs and pids, one folder per version.",
 )
-def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> None:
+@click.option(
+    "--admin-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Admin endpoint port (default: fleet.admin.port; 0: free). Token: $QUANTGATE_ADMIN_TOKEN, "
+    "else WORK_DIR/admin.token.",
+)
+def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_port: int | None) -> None:
     """Serve MODEL's registry aliases behind one OpenAI endpoint until Ctrl-C or SIGTERM.
 
     production (else fallback) takes the traffic, fallback/previous/candidate are kept warm
     (params.yaml `fleet`), alias changes are followed within a second, a failed production
-    request is retried on fallback, and dead servers are restarted.
+    request is retried on fallback, and dead servers are restarted. An admin endpoint (fleet.admin,
+    loopback, bearer token) lets `quantgate canary run --gateway` set the split and read the samples.
     """
     import signal
 
@@ -245,6 +284,8 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path) -> Non
         with command_errors():
             params = load_fleet_params()
             params = params.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v is not None})
+            if admin_port is not None:
+                params = params.model_copy(update={"admin": params.admin.model_copy(update={"port": admin_port})})
             run_gateway(
                 store.client(existing=True),
                 model,

@@ -19,28 +19,37 @@
    cleared, other aliases unchanged). Both are audit runs that name this canary's MLflow run
    (experiment `quantgate-canary`), which holds the policy and every step's metrics.
 Every server started here is stopped on every exit path.
+
+On a running gateway (`run_canary_on_gateway`, `canary run --gateway`) step 2 is the gateway's:
+setting `candidate` makes it warm the version, and the steps drive its split through its admin
+endpoint (canary/admin.py, `GatewaySplit`); the step loop and analysis are the same
+(`_run_steps` over a `Split`). Either way the run's status (phase, step, weight, failed checks,
+controller, heartbeat) is persisted as tags on its MLflow run (canary/status.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+from canary.admin import GatewayUnreachable, RemoteRouter
 from canary.analysis import analyze, live_line
 from canary.fleet import ServingFleet
 from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
 from canary.policy import CanaryPolicy
 from canary.router import Router
 from canary.server import RouterServer
+from canary.status import EXPERIMENT, Phase, Status, reap_stale
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 from quantgate.stats import Verdict
 from registry import aliases, approval, store, tags, versions
-
-EXPERIMENT = "quantgate-canary"
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,7 @@ def preflight(mlflow_client, model_name: str, version: str) -> tuple[str, str | 
     return stable, production, fallback
 
 
-def _step_metrics(result, router: Router, t0: float, percent: float) -> dict[str, float]:
+def _step_metrics(result, router, t0: float, percent: float) -> dict[str, float]:
     samples = router.samples_since(t0)
     out = {
         "weight_pct": percent,
@@ -102,7 +111,7 @@ def _step_metrics(result, router: Router, t0: float, percent: float) -> dict[str
     return out
 
 
-def step_samples(router: Router, t0: float, run_t0: float, min_samples: int) -> list:
+def step_samples(router, t0: float, run_t0: float, min_samples: int) -> list:
     """The samples of the step that began at `t0`; when it has fewer than `min_samples` stable
     streaming answers (at 100 % stable gets no traffic), stable's samples from the earlier
     steps of this run are added as the latency reference."""
@@ -124,39 +133,132 @@ def step_decision(verdict: Verdict, elapsed_s: float, step: StepPlan, policy: Ca
     return "hold"
 
 
+class Split(Protocol):
+    """What the step loop drives: this process's Router (`LocalSplit`) or a running gateway's
+    (`GatewaySplit`, over canary/admin.py)."""
+
+    def set_weight(self, percent: float) -> None: ...
+    def samples_since(self, t: float) -> list: ...
+    def shadows_since(self, t: float) -> list: ...
+    def alive(self, version: str) -> bool: ...
+    def recover(self, percent: float) -> str | None: ...
+
+
+@dataclass
+class LocalSplit:
+    """This process's Router and ServingFleet: nothing to recover (they live and die with it)."""
+
+    router: Router
+    fleet: ServingFleet
+
+    def set_weight(self, percent: float) -> None:
+        self.router.set_weight(percent)
+
+    def samples_since(self, t: float) -> list:
+        return self.router.samples_since(t)
+
+    def shadows_since(self, t: float) -> list:
+        return self.router.shadows_since(t)
+
+    def alive(self, version: str) -> bool:
+        return self.fleet.alive(version)
+
+    def recover(self, percent: float) -> str | None:
+        return None
+
+
+class GatewaySplit(RemoteRouter):
+    """A running gateway's split (canary.admin.RemoteRouter) that notices a restart.
+
+    `recover(percent)` at each look: None while the gateway is the one seen at the start
+    (same pid and start time) at `percent`; else (it restarted: weight back to 0, or it does
+    not answer) it waits up to `lost_s` for the gateway to answer with `version` warm, sets
+    `percent` again and returns why; raises GatewayUnreachable if it does not come back in time.
+    """
+
+    def __init__(self, url: str, token: str, version: str, lost_s: float, beat: Callable[[], None] = lambda: None):
+        super().__init__(url, token)
+        self.version, self.lost_s, self.beat = version, lost_s, beat
+        self.seen: tuple | None = None  # (pid, started_at) of the gateway the canary runs on
+
+    def _identity(self, s: dict) -> tuple:
+        return s.get("pid"), s.get("started_at")
+
+    def attach(self, state: dict) -> None:
+        self.seen = self._identity(state)
+
+    def recover(self, percent: float) -> str | None:
+        try:
+            s = self.state()
+            if self._identity(s) == self.seen and s["weight"] == percent:
+                return None
+            why = (
+                f"the gateway restarted (weight {s['weight']:g}%, not {percent:g}%)"
+                if self._identity(s) != self.seen
+                else f"the gateway's weight was {s['weight']:g}%, not {percent:g}%"
+            )
+        except GatewayUnreachable as exc:
+            why = f"the gateway stopped answering ({exc})"
+        try:
+            s = self.wait_warm(self.version, self.lost_s, beat=self.beat)
+        except GatewayUnreachable as exc:
+            raise GatewayUnreachable(f"{why}; not back within gateway_lost_s={self.lost_s:g} s: {exc}") from None
+        self.attach(s)
+        self.set_weight(percent)
+        return why
+
+
 def _run_steps(
-    router: Router,
-    fleet: ServingFleet,
+    split: Split,
     policy: CanaryPolicy,
     steps: tuple[StepPlan, ...],
     version: str,
     log,
     stop: threading.Event,
     record: Callable[[int, dict], None],
+    status: Status,
 ) -> int:
     """Walk the planned steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
     run_t0 = time.time()
     for step in steps:
         i, percent = step.step, step.percent
-        router.set_weight(percent)
+        try:
+            split.set_weight(percent)
+        except GatewayUnreachable:
+            pass  # the first look's recover() waits for the gateway and sets it
+        status.set(Phase.PROGRESSING, step=i, weight=percent)
         t0 = time.time()
         log(f"canary: step {i}/{len(steps)}: {percent:g}% of traffic to v{version} (planned {step.seconds:.0f} s)")
         while True:
             if stop.wait(policy.check_interval_s):
                 raise Aborted("stopped by the operator (Ctrl-C)", i, percent)
-            if not fleet.alive(version):
-                raise Aborted(f"the candidate's vLLM server (v{version}) exited", i, percent)
-            result = analyze(step_samples(router, t0, run_t0, policy.min_samples), router.shadows_since(t0), policy)
+            try:
+                resumed = split.recover(percent)
+            except QuantgateError as exc:
+                raise Aborted(str(exc), i, percent) from None
+            if resumed is not None:  # the gateway came back: this step starts over at its weight
+                log(f"canary: step {i} resumed at {percent:g}%: {resumed}")
+                status.set(resumed=f"step {i}: {resumed}")
+                t0 = run_t0 = time.time()  # the new gateway's samples only
+                continue
+            try:
+                if not split.alive(version):
+                    raise Aborted(f"the candidate's vLLM server (v{version}) exited", i, percent)
+                status.beat()
+                result = analyze(step_samples(split, t0, run_t0, policy.min_samples), split.shadows_since(t0), policy)
+                n_cand = sum(s.role == "candidate" for s in split.samples_since(t0))
+                elapsed = time.time() - t0
+                decision = step_decision(result.verdict, elapsed, step, policy)
+                if decision != "hold":
+                    record(i, _step_metrics(result, split, t0, percent))
+            except GatewayUnreachable:
+                continue  # gone between two calls: the next look's recover() waits for it
             for check in result.checks:
                 log(live_line(i, percent, check))
-            elapsed = time.time() - t0
-            n_cand = sum(s.role == "candidate" for s in router.samples_since(t0))
-            decision = step_decision(result.verdict, elapsed, step, policy)
-            if decision != "hold":
-                record(i, _step_metrics(result, router, t0, percent))
             if decision == "fail":
-                failed = "; ".join(c.text for c in result.checks if c.verdict is Verdict.FAIL)
-                raise Aborted(f"step {i} FAILed after {elapsed:.0f} s: {failed}", i, percent)
+                failed = [c for c in result.checks if c.verdict is Verdict.FAIL]
+                status.set(failed_checks=",".join(c.name for c in failed))
+                raise Aborted(f"step {i} FAILed after {elapsed:.0f} s: {'; '.join(c.text for c in failed)}", i, percent)
             if decision == "pass":
                 log(f"canary: step {i} PASS after {elapsed:.0f} s, {n_cand} candidate requests")
                 break
@@ -171,13 +273,154 @@ def _run_steps(
     return len(steps)
 
 
-def _measure(router: Router, policy: CanaryPolicy, stop: threading.Event, log) -> Traffic:
+def _measure(split: Split, policy: CanaryPolicy, stop: threading.Event, log) -> Traffic:
     """The offered traffic over measure_s at 0 % to the candidate (before step 1)."""
     log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
     t0 = time.time()
     if stop.wait(policy.measure_s):
         raise Aborted("stopped by the operator (Ctrl-C)", 0, 0.0)
-    return measured_traffic(router.samples_since(t0), time.time() - t0)
+    return measured_traffic(split.samples_since(t0), time.time() - t0)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One canary: `version` of `model` against `stable` (production, else fallback) with the fp16
+    `fallback` as shadow, under `policy`, run `by` someone; `run_id` is its MLflow run."""
+
+    client: object
+    model: str
+    version: str
+    stable: str
+    production: str | None
+    fallback: str
+    policy: CanaryPolicy
+    by: str
+    run_id: str = ""
+
+
+def _open_run(
+    mlflow_client, model_name: str, version: str, builds: tuple, policy: CanaryPolicy, by: str, log
+) -> tuple[Spec, Status]:
+    """The canary's MLflow run, phase initializing; `builds` = preflight()'s (stable, production, fallback)."""
+    stable, production, fallback = builds
+    exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
+    run_id = mlflow_client.create_run(
+        exp_id,
+        run_name=f"canary-{model_name}-v{version}",
+        tags={
+            "model": model_name,
+            "candidate_version": version,
+            "stable_version": stable,
+            "fallback_version": fallback,
+            "by": by,
+        },
+    ).info.run_id
+    for key, value in policy.model_dump(exclude={"router", "servers"}).items():
+        mlflow_client.log_param(run_id, key, str(value))
+    status = Status(mlflow_client, run_id)
+    status.set(Phase.INITIALIZING)
+    log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
+    log(f"canary: checks {', '.join(map(str, policy.checks()))} at steps {', '.join(f'{p:g}%' for p in policy.steps)}")
+    return Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, run_id), status
+
+
+def _walk(
+    spec: Spec, split: Split, steps, traffic, log, stop: threading.Event, status: Status, on_router=None, url=None
+) -> Outcome:
+    """Plan (from `traffic`, else measured), walk the steps, promote; an abort is an Outcome too.
+    `on_router(url)` is called first (its callable, if any, last). The split is set back to 0 %
+    on every exit. Raises QuantgateError for a plan that cannot finish."""
+    client, policy, run_id = spec.client, spec.policy, spec.run_id
+    before_stop = on_router(url) if on_router and url else None
+
+    def record(step: int, metrics: dict) -> None:
+        for key, value in metrics.items():
+            client.log_metric(run_id, key, float(value), step=step)
+
+    try:
+        if steps is None:
+            traffic = _measure(split, policy, stop, log)
+            steps = require_feasible(policy, traffic)
+            log(plan_line(policy, traffic, steps))
+        step = _run_steps(split, policy, steps, spec.version, log, stop, record, status)
+        status.set(Phase.PROMOTING)
+        changes = aliases.promote(
+            client,
+            spec.model,
+            spec.version,
+            spec.production,
+            spec.by,
+            f"canary run {run_id} passed {step} steps",
+            canary_run_id=run_id,
+        )
+        return Outcome("promoted", step, policy.steps[-1], "passed every step", run_id, tuple(map(str, changes)))
+    except Aborted as exc:
+        reason, step, percent = exc.args
+        return Outcome("aborted", step, percent, reason, run_id)
+    except aliases.AliasConflict as exc:
+        return Outcome("aborted", len(policy.steps), policy.steps[-1], str(exc), run_id)
+    finally:
+        try:
+            split.set_weight(0)
+        except QuantgateError as exc:  # unreachable, or restarted with another token: it starts at 0 %
+            log(f"canary: could not set the gateway's weight to 0: {exc}")
+        if before_stop:
+            before_stop()
+
+
+class _Ledger:
+    """How a canary run is ending, for _recorded: its outcome, MLflow status, and whether it set `candidate`."""
+
+    outcome: Outcome | None = None
+    run_status: str = "FAILED"
+    candidate_set: bool = False
+
+
+@contextlib.contextmanager
+def _recorded(spec: Spec, status: Status) -> Iterator[_Ledger]:
+    """Record the canary's end however it comes (`_finish`): an error or Ctrl-C is an abort at step 0, re-raised."""
+    ledger = _Ledger()
+    try:
+        yield ledger
+        ledger.run_status = "FINISHED"
+    except KeyboardInterrupt:
+        ledger.outcome, ledger.run_status = Outcome("aborted", 0, 0.0, "interrupted (Ctrl-C)", spec.run_id), "KILLED"
+        raise
+    except QuantgateError as exc:
+        ledger.outcome = Outcome("aborted", 0, 0.0, str(exc), spec.run_id)
+        raise
+    finally:
+        ledger.outcome = _finish(spec, status, ledger.outcome, ledger.run_status, ledger.candidate_set)
+
+
+def _finish(spec: Spec, status: Status, outcome: Outcome | None, run_status: str, candidate_set: bool) -> Outcome:
+    """Clear `candidate` if this canary set it and did not promote; record the outcome, phase and end of the run."""
+    client, run_id = spec.client, spec.run_id
+    if candidate_set and not (outcome and outcome.decision == "promoted"):
+        cleared = aliases.clear_candidate(
+            client,
+            spec.model,
+            spec.by,
+            f"canary run {run_id} aborted: {outcome.reason if outcome else 'error'}",
+            canary_run_id=run_id,
+        )
+        if outcome is not None:
+            outcome = dataclasses.replace(outcome, changes=tuple(map(str, cleared)))
+    if outcome is not None:
+        client.set_tag(run_id, "outcome", outcome.decision)
+        client.set_tag(run_id, "outcome.reason", outcome.reason[:500])
+        client.log_metric(run_id, "stopped_at_step", outcome.step)
+    promoted = outcome is not None and outcome.decision == "promoted"
+    status.set(Phase.PROMOTED if promoted else Phase.ABORTED, weight=0.0)
+    client.set_terminated(run_id, status=run_status)
+    return outcome
+
+
+def _report(outcome: Outcome, log) -> Outcome:
+    log(f"canary: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%): {outcome.reason}")
+    for change in outcome.changes:
+        log(f"canary: alias {change}")
+    return outcome
 
 
 def run_canary(
@@ -195,7 +438,7 @@ def run_canary(
     on_router: Callable[[str], Callable[[], None] | None] | None = None,
     traffic: Traffic | None = None,
 ) -> Outcome:
-    """Run one canary of `version` of `model_name` (see the module docstring).
+    """Run one canary of `version` of `model_name` with its own servers and router (see the module docstring).
 
     `reuse` maps versions to URLs of servers already running (not verified, not stopped);
     `on_router(url)` is called once the router answers (e.g. to start load) and may return a
@@ -207,101 +450,78 @@ def run_canary(
     (and cleared again); every other failure is an abort recorded in the registry.
     """
     version = versions.version_number(version)
-    stable, production, fallback = preflight(mlflow_client, model_name, version)
+    builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, traffic) if traffic is not None else None
+    spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
     stop = stop or threading.Event()
-    exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
-    run_id = mlflow_client.create_run(
-        exp_id,
-        run_name=f"canary-{model_name}-v{version}",
-        tags={
-            "model": model_name,
-            "candidate_version": version,
-            "stable_version": stable,
-            "fallback_version": fallback,
-            "by": by,
-        },
-    ).info.run_id
-    for key, value in policy.model_dump(exclude={"router", "servers"}).items():
-        mlflow_client.log_param(run_id, key, str(value))
-
-    def record(step: int, metrics: dict) -> None:
-        for key, value in metrics.items():
-            mlflow_client.log_metric(run_id, key, float(value), step=step)
-
-    log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
     if steps is not None:
         log(plan_line(policy, traffic, steps))
-    outcome, status = None, "FAILED"
-    candidate_set = False
-    try:
-        with ServingFleet(mlflow_client, model_name, serve, policy, Path(work_dir) / run_id) as fleet:
+    with _recorded(spec, status) as run:
+        with ServingFleet(mlflow_client, model_name, serve, policy, Path(work_dir) / spec.run_id) as fleet:
             for v, url in (reuse or {}).items():
                 fleet.reuse(versions.version_number(v), url)
-            fleet.start(stable, "stable", log)
-            fleet.start(fallback, "shadow", log)
+            fleet.start(spec.stable, "stable", log)
+            fleet.start(spec.fallback, "shadow", log)
             fleet.start(version, "candidate", log)
-            aliases.set_candidate(mlflow_client, model_name, version, by, f"canary run {run_id}", canary_run_id=run_id)
-            candidate_set = True
-            router = Router(fleet.resolver(stable), policy, model_name=model_name)
+            aliases.set_candidate(
+                mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
+            )
+            run.candidate_set = True
+            router = Router(fleet.resolver(spec.stable), policy, model_name=model_name)
             with RouterServer(router, policy.router.host, policy.router.port) as server:
                 log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
-                before_stop = on_router(server.url) if on_router else None
-                try:
-                    if steps is None:
-                        traffic = _measure(router, policy, stop, log)
-                        steps = require_feasible(policy, traffic)
-                        log(plan_line(policy, traffic, steps))
-                    step = _run_steps(router, fleet, policy, steps, version, log, stop, record)
-                    changes = aliases.promote(
-                        mlflow_client,
-                        model_name,
-                        version,
-                        production,
-                        by,
-                        f"canary run {run_id} passed {step} steps",
-                        canary_run_id=run_id,
-                    )
-                    candidate_set = False
-                    outcome = Outcome(
-                        "promoted", step, policy.steps[-1], "passed every step", run_id, tuple(map(str, changes))
-                    )
-                except Aborted as exc:
-                    reason, step, percent = exc.args
-                    outcome = Outcome("aborted", step, percent, reason, run_id)
-                except aliases.AliasConflict as exc:
-                    outcome = Outcome("aborted", len(policy.steps), policy.steps[-1], str(exc), run_id)
-                finally:
-                    router.set_weight(0)
-                    if before_stop:
-                        before_stop()
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        outcome = Outcome("aborted", 0, 0.0, "interrupted (Ctrl-C)", run_id)
-        status = "KILLED"
-        raise
-    except QuantgateError as exc:
-        outcome = Outcome("aborted", 0, 0.0, str(exc), run_id)
-        raise
-    finally:
-        if candidate_set:
-            cleared = aliases.clear_candidate(
-                mlflow_client,
-                model_name,
-                by,
-                f"canary run {run_id} aborted: {outcome.reason if outcome else 'error'}",
-                canary_run_id=run_id,
+                split = LocalSplit(router, fleet)
+                run.outcome = _walk(spec, split, steps, traffic, log, stop, status, on_router, server.url)
+    return _report(run.outcome, log)
+
+
+def run_canary_on_gateway(
+    mlflow_client,
+    model_name: str,
+    version,
+    policy: CanaryPolicy,
+    by: str,
+    admin_url: str,
+    token: str,
+    *,
+    log=print,
+    stop: threading.Event | None = None,
+    on_router: Callable[[str], Callable[[], None] | None] | None = None,
+    traffic: Traffic | None = None,
+) -> Outcome:
+    """Run one canary of `version` on the running `quantgate serve` whose admin endpoint is `admin_url`.
+
+    As run_canary, except that the servers and the router are the gateway's: canary runs of
+    this model whose controller died are recorded as aborted first (canary.status.reap_stale);
+    setting `candidate` makes the gateway warm the version (waited for up to warm_timeout_s);
+    the steps set the gateway's weight through its admin endpoint and analyse its samples;
+    a gateway that restarts or stops answering mid-step is waited for up to gateway_lost_s,
+    then the step resumes at its weight (tag canary.resumed), else the canary aborts.
+    `on_router(url)` gets the gateway's public URL.
+    """
+    version = versions.version_number(version)
+    builds = preflight(mlflow_client, model_name, version)
+    steps = require_feasible(policy, traffic) if traffic is not None else None
+    with contextlib.closing(GatewaySplit(admin_url, token, version, policy.gateway_lost_s)) as split:
+        split.state()  # unreachable or a wrong token: QuantgateError before anything changes
+
+        def weight_zero(p: float) -> None:
+            with contextlib.suppress(QuantgateError):
+                split.set_weight(p)
+
+        reap_stale(mlflow_client, model_name, policy.stale_after_s, by, log, set_weight=weight_zero)
+        spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
+        split.beat, stop = status.beat, stop or threading.Event()
+        if steps is not None:
+            log(plan_line(policy, traffic, steps))
+        with _recorded(spec, status) as run:
+            aliases.set_candidate(
+                mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
             )
-            if outcome is not None:
-                outcome = Outcome(
-                    outcome.decision, outcome.step, outcome.percent, outcome.reason, run_id, tuple(map(str, cleared))
-                )
-        if outcome is not None:
-            mlflow_client.set_tag(run_id, "outcome", outcome.decision)
-            mlflow_client.set_tag(run_id, "outcome.reason", outcome.reason[:500])
-            mlflow_client.log_metric(run_id, "stopped_at_step", outcome.step)
-        mlflow_client.set_terminated(run_id, status=status)
-    log(f"canary: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%): {outcome.reason}")
-    for change in outcome.changes:
-        log(f"canary: alias {change}")
-    return outcome
+            run.candidate_set = True
+            log(f"canary: waiting for the gateway {admin_url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
+            state = split.wait_warm(version, policy.warm_timeout_s, stop, beat=status.beat)
+            split.attach(state)
+            log(f"canary: v{version} is warm on the gateway {state.get('url')}/v1")
+            run.outcome = _walk(spec, split, steps, traffic, log, stop, status, on_router, state.get("url"))
+    return _report(run.outcome, log)

@@ -13,6 +13,11 @@
 4. On the way out, stop taking requests, then stop every server.
 /health adds the fleet ({version: url, pid, why, cores, restarts, up_s}) and the gateway's pid; /metrics adds
 quantgate_fleet_servers{version,why} and quantgate_fleet_restarts{version}.
+Next to the public endpoint, the admin endpoint (canary/admin.py) at `fleet.admin` (loopback by
+default, a bearer token: $QUANTGATE_ADMIN_TOKEN or WORK_DIR/admin.token) lets a canary controller
+in another process set the split and read the samples. A gateway starts at 0 % to the candidate;
+canary runs of the model whose controller stopped beating are recorded as aborted at start
+(canary.status.reap_stale), and a live controller resumes its step on the restarted gateway.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
+from canary.admin import admin_app, admin_token
+from canary.fleet import process_alive
 from canary.limits import Limiter, Limits, tokenizer_counter
 from canary.policy import CanaryPolicy
 from canary.router import Router
-from canary.server import RouterServer
+from canary.server import AppServer, RouterServer
 from canary.standing import FleetParams, StandingFleet
+from canary.status import reap_stale
 from quantgate.serving import ServeParams
 
 PIDS = "server.pid"  # per version folder: the vLLM API server's pid (= its process group id)
@@ -79,6 +87,12 @@ def run_gateway(
     stop = stop or threading.Event()
     work_dir = Path(work_dir)
     reap_orphans(work_dir, log)
+    token = admin_token(work_dir, log)
+    started_at = time.time()
+    try:
+        reap_stale(mlflow_client, model_name, policy.stale_after_s, "quantgate serve", log)
+    except Exception as exc:  # the registry unreachable: serve anyway; the next canary run reaps
+        log(f"serve: could not check for canaries left by a dead controller: {type(exc).__name__}: {exc}")
     router: Router | None = None
     fleet = StandingFleet(
         mlflow_client,
@@ -112,8 +126,17 @@ def run_gateway(
         restarts = Gauge(
             "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
         )
-        with RouterServer(router, params.host, params.port) as gateway:
+        public: dict[str, str] = {}
+
+        def state() -> dict:
+            fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}
+            return {**public, "pid": os.getpid(), "started_at": started_at, "fleet": fleet_now}
+
+        admin = AppServer(admin_app(router, state, token), params.admin.host, params.admin.port)
+        with RouterServer(router, params.host, params.port) as gateway, admin:
+            public["url"] = gateway.url
             log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
+            log(f"serve: admin endpoint at {admin.url}/admin (bearer token; canary run --gateway {admin.url})")
             if on_ready:
                 on_ready(gateway.url)
             while not stop.wait(params.poll_s):

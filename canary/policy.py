@@ -6,6 +6,7 @@ Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (quantg
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +37,21 @@ class RouterAddress(Frozen):
     port: int = Field(default=8080, ge=0, le=65535)  # 0 = a free port
 
 
+@dataclass(frozen=True)
+class CheckRange:
+    """One check as Flagger / Argo Rollouts write it: a metric and the range it must stay in
+    (None = unbounded on that side); a view of CanaryPolicy's thresholds, see `checks()`."""
+
+    name: str  # as canary/analysis.py names the check
+    min: float | None
+    max: float | None
+
+    def __str__(self) -> str:
+        lo = f"{self.min:g} <= " if self.min is not None else ""
+        hi = f" <= {self.max:g}" if self.max is not None else ""
+        return f"{lo}{self.name}{hi}"
+
+
 class CanaryPolicy(Frozen):
     """How a candidate build is moved through the fleet and judged at each step."""
 
@@ -57,8 +73,23 @@ class CanaryPolicy(Frozen):
     shadow_compare_words: int = Field(default=8, ge=1)
     request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt; see canary/router.py
     connect_timeout_s: float = Field(default=5, gt=0)
+    # on a running gateway (`canary run --gateway`): seconds for the candidate's server to get warm,
+    # for a gateway that restarted or stopped answering to come back (then the step resumes, else
+    # abort), and without a heartbeat before another process records the canary as aborted
+    warm_timeout_s: float = Field(default=600, gt=0)
+    gateway_lost_s: float = Field(default=300, gt=0)
+    stale_after_s: float = Field(default=120, gt=0)
     router: RouterAddress = RouterAddress()
     servers: Servers = Servers()
+
+    def checks(self) -> tuple[CheckRange, ...]:
+        """The thresholds as checks with ranges, in canary/analysis.py's order (a view; params unchanged)."""
+        return (
+            CheckRange("error_rate", None, self.max_error_rate),
+            CheckRange("ttft_p95_ratio", None, self.max_ttft_p95_ratio),
+            CheckRange("tpot_p95_ratio", None, self.max_tpot_p95_ratio),
+            CheckRange("shadow_agreement", self.min_shadow_agreement, None),
+        )
 
     @field_validator("steps")
     @classmethod

@@ -49,6 +49,13 @@ class FleetServers(Frozen):
     warm: ServerOverride = ServerOverride()
 
 
+class AdminAddress(Frozen):
+    """The gateway's admin endpoint (canary/admin.py): loopback by default; elsewhere is the operator's choice."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8001, ge=0, le=65535)  # 0 = a free port
+
+
 class FleetParams(Frozen):
     """params.yaml block `fleet`: the gateway's address and what the standing fleet keeps warm."""
 
@@ -63,6 +70,7 @@ class FleetParams(Frozen):
     # the set fewest running servers use; [] = vLLM's own binding (every server on the same cores)
     cpu_core_sets: list[str] = ["0", "1"]
     servers: FleetServers = FleetServers()
+    admin: AdminAddress = AdminAddress()
 
 
 def load_fleet_params(path: Path = PARAMS_FILE) -> FleetParams:

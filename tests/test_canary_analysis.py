@@ -280,3 +280,15 @@ def test_serve_params_applies_a_roles_port_and_appends_its_args():
     p = serve_params(base, ServerOverride(port=9001, extra_args=["--max-num-seqs", "8"]))
     assert p.port == 9001 and p.extra_args == ["--enforce-eager", "--max-num-seqs", "8"]
     assert p.dtype == base.dtype and base.port == 0
+
+
+def test_policy_checks_are_the_thresholds_as_ranges_in_the_analysis_order():
+    policy = CanaryPolicy(max_error_rate=0.02, min_shadow_agreement=0.8)
+    checks = policy.checks()
+    assert [c.name for c in checks] == [c.name for c in analyze([], [], policy).checks]
+    assert [str(c) for c in checks] == [
+        "error_rate <= 0.02",
+        "ttft_p95_ratio <= 1.5",
+        "tpot_p95_ratio <= 1.5",
+        "0.8 <= shadow_agreement",
+    ]

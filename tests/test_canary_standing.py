@@ -212,3 +212,54 @@ def test_each_new_server_takes_the_least_used_core_set(monkeypatch, tmp_path):
         assert {s["cores"] for s in fleet.status().values()} == {None}
     finally:
         fleet.close()
+
+
+def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_path):
+    """run_gateway with `sleep` servers: the admin endpoint next to the public one, its token in
+    WORK_DIR/admin.token (0600), the fleet's servers alive in /admin/state, the weight settable."""
+    import re
+    import stat
+    import threading
+
+    import httpx
+
+    from canary import gateway
+    from canary.limits import Limits
+    from canary.policy import CanaryPolicy
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    monkeypatch.setattr(gateway, "tokenizer_counter", lambda model_dir: lambda path, body: 1)
+    f = Fakes(monkeypatch)
+    f.aliases = {"fallback": "1", "candidate": "2"}
+    for v in f.aliases.values():
+        (tmp_path / f"v{v}").mkdir()  # open_server makes it for a real server (pid files go there)
+    params = FleetParams(port=0, admin={"port": 0}, restart_backoff_s=0.0, poll_s=0.1)
+    lines, stop, ready = [], threading.Event(), threading.Event()
+    t = threading.Thread(
+        target=gateway.run_gateway,
+        args=(None, "m", ServeParams(), params, CanaryPolicy(), Limits(), tmp_path),
+        kwargs={"log": lines.append, "stop": stop, "on_ready": lambda url: ready.set()},
+        daemon=True,
+    )
+    t.start()
+    try:
+        assert ready.wait(30), lines
+        admin = next(re.search(r"admin endpoint at (\S+)/admin", line) for line in lines if "admin endpoint" in line)
+        token_file = tmp_path / "admin.token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        auth = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+        assert httpx.get(f"{admin[1]}/admin/state").status_code == 401
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            s = httpx.get(f"{admin[1]}/admin/state", headers=auth).json()
+            if s["candidate"] == "v2":
+                break
+            time.sleep(0.1)
+        assert (s["stable"], s["candidate"], s["weight"]) == ("v1", "v2", 0)
+        assert s["fleet"]["2"]["alive"] and s["fleet"]["2"]["why"] == "candidate" and s["url"].startswith("http")
+        assert httpx.put(f"{admin[1]}/admin/weight", json={"percent": 30}, headers=auth).json() == {"weight": 30}
+        assert any("could not check for canaries" in line for line in lines)  # no registry here: serves anyway
+    finally:
+        stop.set()
+        t.join(30)
+    assert not t.is_alive() and "serve: every server stopped" in lines

@@ -6,7 +6,8 @@ In order, on one gateway: it serves the fp16 build; a candidate alias warms the 
 (W8A8, which every CPU kind serves); `quantgate promote` moves traffic to it within 1 s of the
 alias write; its vLLM server is killed and the fallback answers while it is restarted;
 `quantgate rollback` moves traffic back within 1 s and the unplanned server is drained and
-stopped; SIGTERM stops the gateway and every server. No client request fails.
+stopped; a canary of the int8 build on the running gateway (`canary run --gateway`: its admin
+endpoint) promotes; SIGTERM stops the gateway and every server. No client request fails.
 """
 
 import json
@@ -24,6 +25,7 @@ from tests.test_fleet_e2e import MODEL, Load
 
 pytestmark = pytest.mark.e2e
 SERVED = "int8"  # W8A8: vLLM serves it on AVX2, AVX512 and GPUs alike
+ADMIN_TOKEN = "e2e-admin-token"
 
 
 def wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen, log) -> dict:
@@ -56,13 +58,14 @@ def gateway(project, tmp_path_factory):
     now = aliases.current(client, MODEL)
     if now.get("production") not in (None, v["fp16"]):  # an earlier test left another build in production
         aliases.rollback(client, MODEL, "e2e-test", "serve e2e starts from the fp16 build", to="fallback")
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            ["quantgate", "serve", MODEL, "--port", str(port), "--work-dir", str(log.parent / "work")],
+            ["quantgate", "serve", MODEL, "--port", str(port), "--admin-port", str(admin_port)]
+            + ["--work-dir", str(log.parent / "work")],
             cwd=project,
-            env=project_env(),
+            env={**project_env(), "QUANTGATE_ADMIN_TOKEN": ADMIN_TOKEN},
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -71,7 +74,8 @@ def gateway(project, tmp_path_factory):
     try:
         wait_for("healthy gateway", lambda: _health(url) or None, 600, proc, log)
         print(f"\nserve: gateway healthy {time.monotonic() - started:.0f} s after start")
-        yield {"url": url, "client": client, "v": v, "proc": proc, "log": log}
+        admin = f"http://127.0.0.1:{admin_port}"
+        yield {"url": url, "admin": admin, "client": client, "v": v, "proc": proc, "log": log}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -229,6 +233,40 @@ def test_rollback_moves_traffic_back_and_drains_the_old_server(gateway, project)
         and not psutil.pid_exists(old_pid)
         or psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
     )
+
+
+def test_a_canary_on_the_running_gateway_promotes(gateway):
+    """Issue 16 (c): after the rollback (fp16 production, int8 drained), `canary run --gateway` of the
+    approved int8 build on this gateway warms it through the `candidate` alias, walks the steps through
+    the admin endpoint under load, and promotes. Fast policy (tests/test_fleet_e2e.py), latency
+    thresholds relaxed: this judges errors and agreement with fp16 on a CPU, not speed."""
+    from canary.controller import run_canary_on_gateway
+    from registry import aliases
+    from tests.test_fleet_e2e import fast_policy
+
+    g, v = gateway, gateway["v"]
+    assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
+    policy = fast_policy(max_ttft_p95_ratio=50, max_tpot_p95_ratio=50, warm_timeout_s=600)
+    lines: list[str] = []
+    started = time.monotonic()
+    with Load(g["url"]) as load:
+        outcome = run_canary_on_gateway(
+            g["client"], MODEL, v[SERVED], policy, "e2e-test", g["admin"], ADMIN_TOKEN, log=lines.append
+        )
+    print(
+        f"\ncanary on the gateway: {outcome.decision} at step {outcome.step} after "
+        f"{time.monotonic() - started:.0f} s, {len(load.results)} requests, {len(load.failed)} failed"
+    )
+    assert outcome.decision == "promoted", "\n".join(lines[-30:])
+    assert aliases.current(g["client"], MODEL).get("production") == v[SERVED]
+    tags = g["client"].get_run(outcome.run_id).data.tags
+    assert tags["canary.phase"] == "promoted" and tags["canary.step"] == str(len(policy.steps))
+    assert not load.failed, load.failed[:3]
+    h = wait_for(
+        "promoted build serving", lambda: (h := _health(g["url"])) and h["stable"] == f"v{v[SERVED]}" and h, 60,
+        g["proc"], g["log"],
+    )  # fmt: skip
+    assert h["candidate"] is None
 
 
 def test_sigterm_stops_the_gateway_and_every_server(gateway):

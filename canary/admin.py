@@ -1,0 +1,203 @@
+"""The gateway's admin endpoint, and the client a canary controller in another process drives it with.
+
+`quantgate serve` serves `admin_app(...)` on its own AppServer at params.yaml `fleet.admin`
+(127.0.0.1:8001 by default: loopback only; binding it elsewhere is the operator's choice, and
+then the token is all that guards the split). Every request needs `Authorization: Bearer
+<token>` (hmac.compare_digest); else 401. The token: env QUANTGATE_ADMIN_TOKEN, else one
+generated at start and written to WORK_DIR/admin.token (mode 0600; `admin_token`).
+
+    GET /admin/state                 {url, pid, started_at, weight, stable, candidate, shadow,
+                                      fleet: {version: {url, pid, why, ..., alive}}}
+    PUT /admin/weight {"percent": p} set the candidate's share (0-100; else 400)
+    GET /admin/samples?since=EPOCH_S {samples: [Sample...], shadows: [ShadowSample...]} (canary.metrics)
+
+`RemoteRouter` is that API as the controller's split (set_weight, samples_since, shadows_since,
+alive), so canary/controller.py walks the same steps with the same analysis against a running
+gateway as against its own Router.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from canary.metrics import Sample, ShadowSample
+from quantgate.errors import QuantgateError
+
+TOKEN_ENV = "QUANTGATE_ADMIN_TOKEN"
+TOKEN_FILE = "admin.token"  # in the gateway's work dir
+
+
+def admin_token(work_dir: Path, log: Callable[[str], None] = print) -> str:
+    """$QUANTGATE_ADMIN_TOKEN, else a new random token written to WORK_DIR/admin.token (0600)."""
+    if token := os.environ.get(TOKEN_ENV, "").strip():
+        log(f"serve: admin token from ${TOKEN_ENV}")
+        return token
+    token = secrets.token_urlsafe(32)
+    path = Path(work_dir) / TOKEN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file keeps its mode through O_CREAT
+        f.write(token + "\n")
+    log(f"serve: admin token written to {path} (mode 0600)")
+    return token
+
+
+def read_token(token_file: Path) -> str:
+    """$QUANTGATE_ADMIN_TOKEN, else the token in `token_file`; QuantgateError if neither."""
+    if token := os.environ.get(TOKEN_ENV, "").strip():
+        return token
+    try:
+        return Path(token_file).read_text().strip()
+    except OSError as exc:
+        raise QuantgateError(
+            f"no admin token: ${TOKEN_ENV} is unset and {token_file} cannot be read ({exc.strerror}); "
+            f"give --token-file (the gateway writes WORK_DIR/{TOKEN_FILE})"
+        ) from None
+
+
+def samples_doc(samples: list[Sample], shadows: list[ShadowSample]) -> dict:
+    return {"samples": [dataclasses.asdict(s) for s in samples], "shadows": [dataclasses.asdict(s) for s in shadows]}
+
+
+def samples_of(doc: dict) -> tuple[list[Sample], list[ShadowSample]]:
+    """The inverse of samples_doc."""
+    return [Sample(**s) for s in doc["samples"]], [ShadowSample(**s) for s in doc["shadows"]]
+
+
+def _refused(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status)
+
+
+def admin_app(router, state: Callable[[], dict], token: str) -> Starlette:
+    """The admin routes over `router` (canary.router.Router); `state()` adds the gateway's own
+    fields (url, pid, started_at, fleet) to /admin/state."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(handler):
+        async def endpoint(request: Request):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                why = "no Authorization header" if not given else "a wrong token"
+                return _refused(
+                    f"admin endpoint: {why}; send `Authorization: Bearer <token>` "
+                    f"(${TOKEN_ENV} or the gateway's {TOKEN_FILE})",
+                    401,
+                )
+            return await handler(request)
+
+        return endpoint
+
+    async def get_state(request: Request) -> JSONResponse:
+        backends = dataclasses.asdict(router.fleet) if router.fleet else {}
+        labels = {role: (backends.get(role) or {}).get("label") for role in ("stable", "candidate", "shadow")}
+        return JSONResponse({**state(), "weight": router.weight, **labels})
+
+    async def put_weight(request: Request) -> JSONResponse:
+        try:
+            percent = (await request.json())["percent"]
+            ok = isinstance(percent, int | float) and not isinstance(percent, bool) and 0 <= percent <= 100
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            return _refused('give {"percent": p} with p a number from 0 to 100', 400)
+        router.set_weight(float(percent))
+        return JSONResponse({"weight": router.weight})
+
+    async def get_samples(request: Request) -> JSONResponse:
+        try:
+            since = float(request.query_params.get("since", "0"))
+        except ValueError:
+            return _refused("since: epoch seconds, e.g. ?since=1764600000.5", 400)
+        return JSONResponse(samples_doc(router.samples_since(since), router.shadows_since(since)))
+
+    return Starlette(
+        routes=[
+            Route("/admin/state", guarded(get_state), methods=["GET"]),
+            Route("/admin/weight", guarded(put_weight), methods=["PUT"]),
+            Route("/admin/samples", guarded(get_samples), methods=["GET"]),
+        ]
+    )
+
+
+class GatewayUnreachable(QuantgateError):
+    """The admin endpoint did not answer (the gateway is down or restarting)."""
+
+
+class RemoteRouter:
+    """A running gateway's split, over its admin endpoint: the controller's side of admin_app."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 10.0):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s, trust_env=False
+        )
+
+    def _call(self, method: str, path: str, **kw) -> dict:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise GatewayUnreachable(f"admin endpoint {self.url} did not answer ({type(exc).__name__})") from None
+        if r.status_code != 200:
+            try:
+                why = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                why = r.text[:200]
+            raise QuantgateError(f"admin endpoint {self.url}{path}: HTTP {r.status_code}: {why}")
+        return r.json()
+
+    def state(self) -> dict:
+        return self._call("GET", "/admin/state")
+
+    def set_weight(self, percent: float) -> None:
+        self._call("PUT", "/admin/weight", json={"percent": percent})
+
+    def samples_since(self, t: float) -> list[Sample]:
+        return samples_of(self._call("GET", "/admin/samples", params={"since": repr(t)}))[0]
+
+    def shadows_since(self, t: float) -> list[ShadowSample]:
+        return samples_of(self._call("GET", "/admin/samples", params={"since": repr(t)}))[1]
+
+    def alive(self, version: str) -> bool:
+        """The gateway runs a live server for `version`."""
+        return bool(self.state()["fleet"].get(version, {}).get("alive"))
+
+    def warm(self, version: str, state: dict | None = None) -> bool:
+        """The gateway's router routes the candidate share to `version`'s live server."""
+        s = state or self.state()
+        return s.get("candidate") == f"v{version}" and bool(s["fleet"].get(version, {}).get("alive"))
+
+    def wait_warm(self, version: str, timeout_s: float, stop=None, beat: Callable[[], None] = lambda: None) -> dict:
+        """Poll /admin/state until `version` is warm (an unreachable gateway is polled again);
+        returns that state. Raises GatewayUnreachable or QuantgateError after timeout_s."""
+        deadline, last = time.monotonic() + timeout_s, "no answer yet"
+        while True:
+            try:
+                s = self.state()
+                if self.warm(version, s):
+                    return s
+                last = f"candidate {s.get('candidate')}, fleet {sorted(s['fleet'])}"
+            except GatewayUnreachable as exc:
+                last = str(exc)
+            if time.monotonic() > deadline:
+                raise GatewayUnreachable(f"v{version} not warm on the gateway after {timeout_s:g} s ({last})")
+            beat()
+            if stop is not None and stop.wait(1.0):
+                raise QuantgateError("stopped by the operator (Ctrl-C)")
+            if stop is None:
+                time.sleep(1.0)
+
+    def close(self) -> None:
+        self._http.close()

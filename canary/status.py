@@ -1,0 +1,116 @@
+"""A canary's persisted status: tags on its MLflow run (experiment `quantgate-canary`), like
+Flagger's Canary .status, so another process can see, and clean up after, a controller that died.
+
+    canary.phase          initializing | progressing | promoting | promoted | aborted
+    canary.step           1-based step now (0 = before traffic)
+    canary.weight         percent of traffic the controller has set
+    canary.failed_checks  the checks that FAILed, comma-separated ("" = none)
+    canary.controller     host:pid of the controller
+    canary.heartbeat      epoch seconds of the controller's last look (every check_interval_s)
+    canary.resumed        why the controller resumed a step (the gateway restarted), if it did
+    canary.aborted        why the run was aborted by someone other than its controller
+
+`reap_stale`: a run still initializing or progressing whose heartbeat is older than
+`stale_after_s` has lost its controller; it is recorded as aborted ("controller gone since
+..."), and `candidate` is cleared when it still points at that run's version.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from enum import Enum
+
+from registry import aliases
+
+EXPERIMENT = "quantgate-canary"
+PREFIX = "canary."
+
+
+class Phase(str, Enum):
+    INITIALIZING = "initializing"
+    PROGRESSING = "progressing"
+    PROMOTING = "promoting"
+    PROMOTED = "promoted"
+    ABORTED = "aborted"
+
+
+LIVE = (Phase.INITIALIZING.value, Phase.PROGRESSING.value)  # a controller should be beating
+
+
+class Status:
+    """The status tags of one canary run; `set(...)` writes them all with a fresh heartbeat."""
+
+    def __init__(self, mlflow_client, run_id: str):
+        self.client, self.run_id = mlflow_client, run_id
+        self.fields: dict[str, str] = {
+            "phase": Phase.INITIALIZING.value,
+            "step": "0",
+            "weight": "0",
+            "failed_checks": "",
+            "controller": f"{socket.gethostname()}:{os.getpid()}",
+        }
+
+    def set(self, phase: Phase | None = None, **fields) -> None:
+        """Change the phase and/or fields (step, weight, failed_checks, resumed, ...) and write them."""
+        if phase is not None:
+            self.fields["phase"] = phase.value
+        self.fields.update({k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in fields.items()})
+        self._write(self.fields)
+
+    def beat(self) -> None:
+        self._write({})
+
+    def _write(self, fields: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(PREFIX + k, v[:500]) for k, v in fields.items()]
+        tags.append(RunTag(PREFIX + "heartbeat", f"{time.time():.1f}"))
+        self.client.log_batch(self.run_id, tags=tags)
+
+
+def reap_stale(
+    mlflow_client,
+    model_name: str,
+    stale_after_s: float,
+    by: str,
+    log: Callable[[str], None] = print,
+    set_weight: Callable[[float], None] | None = None,
+) -> list[str]:
+    """Record as aborted every canary run of `model_name` still initializing or progressing with a
+    heartbeat older than stale_after_s; clear `candidate` if it points at such a run's version
+    (and set the weight 0 through `set_weight`, when given). Returns the run ids."""
+    exp = mlflow_client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        return []
+    runs = mlflow_client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{model_name}'")
+    now, reaped = time.time(), []
+    for run in runs:
+        t = run.data.tags
+        if t.get(PREFIX + "phase") not in LIVE:
+            continue
+        try:
+            beat = float(t.get(PREFIX + "heartbeat", "0"))
+        except ValueError:
+            beat = 0.0
+        if now - beat < stale_after_s:
+            continue
+        run_id, version = run.info.run_id, t.get("candidate_version")
+        since = datetime.fromtimestamp(beat, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if beat else "its start"
+        reason = f"controller gone since {since} ({t.get(PREFIX + 'controller', 'unknown')})"
+        Status(mlflow_client, run_id).set(Phase.ABORTED, aborted=reason, weight=0.0)
+        mlflow_client.set_tag(run_id, "outcome", "aborted")
+        mlflow_client.set_tag(run_id, "outcome.reason", reason)
+        mlflow_client.set_terminated(run_id, status="KILLED")
+        cleared = ""
+        if version and aliases.current(mlflow_client, model_name).get(aliases.CANDIDATE) == version:
+            if set_weight is not None:
+                set_weight(0.0)
+            aliases.clear_candidate(mlflow_client, model_name, by, f"canary run {run_id}: {reason}", run_id)
+            cleared = f", weight 0, candidate v{version} cleared"
+        log(f"canary: run {run_id} (v{version}) recorded as aborted: {reason}{cleared}")
+        reaped.append(run_id)
+    return reaped

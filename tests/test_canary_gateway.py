@@ -1,0 +1,380 @@
+"""The gateway's admin endpoint and a canary driven through it (canary/admin.py, canary/status.py,
+controller.run_canary_on_gateway), with fake OpenAI backends and a sqlite registry: no vLLM
+(the real one: tests/test_serve_e2e.py)."""
+
+import os
+import stat
+import threading
+import time
+
+import httpx
+import pytest
+
+from canary import status as canary_status
+from canary.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
+from canary.analysis import analyze
+from canary.controller import Aborted, GatewaySplit, _run_steps, run_canary_on_gateway
+from canary.metrics import Sample, ShadowSample
+from canary.plan import StepPlan, Traffic
+from canary.policy import CanaryPolicy
+from canary.router import Backend, Router
+from canary.server import AppServer, RouterServer
+from canary.status import EXPERIMENT, Phase, Status, reap_stale
+from quantgate.errors import QuantgateError
+from quantgate.serving import free_port
+from registry import aliases, store
+from tests.test_canary_render import MODEL, project, sqlite_registry  # noqa: F401 (fixtures)
+from tests.test_canary_router import Fake
+
+TOKEN = "s3cret-token"
+STABLE = Backend("http://127.0.0.1:9/v1", "m-v1", "v1")
+CANDIDATE = Backend("http://127.0.0.1:9/v1", "m-v2", "v2")
+
+
+def sample(t: float, role: str = "candidate", ok: bool = True) -> Sample:
+    return Sample(t, role, "v2", ok, 200 if ok else 500, 0.1, 0.01, False, 0.5, True, "ok" if ok else "server_error")
+
+
+class Gateway:
+    """A Router (resolve() given) with its admin app on AppServers, restartable on the same admin port."""
+
+    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, policy: CanaryPolicy | None = None):
+        self.resolve, self.fleet, self.policy = resolve, fleet, policy or CanaryPolicy()
+        self.admin_port, self.public_port = free_port(), free_port()
+        self.router = self.public = self.admin = None
+
+    def start(self) -> "Gateway":
+        self.router = Router(self.resolve, self.policy, resolve_interval_s=0.1)
+        self.public = RouterServer(self.router, "127.0.0.1", self.public_port, grace_s=1).start()
+        started = time.time()
+
+        def state():
+            return {"url": self.public.url, "pid": os.getpid(), "started_at": started, "fleet": self.fleet()}
+
+        self.admin = AppServer(admin_app(self.router, state, TOKEN), "127.0.0.1", self.admin_port, grace_s=1).start()
+        return self
+
+    def stop(self) -> None:
+        for s in (self.admin, self.public):
+            if s is not None:
+                s.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+
+@pytest.fixture
+def gateway():
+    g = Gateway(lambda: {"stable": STABLE, "candidate": CANDIDATE}).start()
+    yield g
+    g.stop()
+
+
+def test_admin_needs_the_token(gateway):
+    for headers, why in (({}, "no Authorization header"), ({"Authorization": "Bearer nope"}, "a wrong token")):
+        r = httpx.get(f"{gateway.url}/admin/state", headers=headers)
+        assert r.status_code == 401 and why in r.json()["error"]["message"]
+        assert "QUANTGATE_ADMIN_TOKEN" in r.json()["error"]["message"]
+    r = httpx.put(f"{gateway.url}/admin/weight", json={"percent": 50}, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and gateway.router.weight == 0
+    r = httpx.get(f"{gateway.url}/admin/state", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200
+    s = r.json()
+    assert (s["weight"], s["stable"], s["candidate"], s["shadow"]) == (0, "v1", "v2", None)
+    assert s["fleet"] == {"2": {"alive": True}} and s["url"] == gateway.public.url
+
+
+def test_weight_is_set_and_validated(gateway):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for bad in ({"percent": 101}, {"percent": -1}, {"percent": "10"}, {"percent": True}, {}, [10]):
+        r = httpx.put(f"{gateway.url}/admin/weight", json=bad, headers=auth)
+        assert r.status_code == 400 and "0 to 100" in r.json()["error"]["message"], bad
+    r = httpx.put(f"{gateway.url}/admin/weight", content=b"not json", headers=auth)
+    assert r.status_code == 400
+    r = httpx.put(f"{gateway.url}/admin/weight", json={"percent": 25}, headers=auth)
+    assert r.status_code == 200 and gateway.router.weight == 25
+
+
+def test_remote_router_round_trips_samples_into_the_analysis(gateway):
+    now = time.time()
+    rec = gateway.router.recorder
+    local = [sample(now - 10, "stable"), sample(now, "candidate"), sample(now + 0.001, "candidate", ok=False)]
+    local += [sample(now + 0.002, "stable")]
+    for s in local:
+        rec.add(s)
+    shadows = [ShadowSample(now, True, "v2", "v1"), ShadowSample(now + 1, False, "v2", "v1")]
+    for s in shadows:
+        rec.add_shadow(s)
+    remote = RemoteRouter(gateway.url, TOKEN)
+    try:
+        assert remote.samples_since(now) == local[1:] and remote.samples_since(0) == local
+        assert remote.shadows_since(now) == shadows and remote.shadows_since(now + 0.5) == shadows[1:]
+        policy = CanaryPolicy(min_samples=2)
+        assert analyze(remote.samples_since(0), remote.shadows_since(0), policy) == analyze(local, shadows, policy)
+        remote.set_weight(40)
+        assert gateway.router.weight == 40 and remote.state()["weight"] == 40
+        assert remote.alive("2") and not remote.alive("3") and remote.warm("2") and not remote.warm("1")
+    finally:
+        remote.close()
+    bad = RemoteRouter(gateway.url, "wrong")
+    with pytest.raises(QuantgateError, match="HTTP 401: admin endpoint: a wrong token"):
+        bad.state()
+    bad.close()
+
+
+def test_token_from_env_or_a_0600_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    token = admin_token(tmp_path, log=lambda line: None)
+    f = tmp_path / "admin.token"
+    assert f.read_text().strip() == token and len(token) > 30
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and read_token(f) == token
+    assert admin_token(tmp_path, log=lambda line: None) != token  # a new one each start
+    monkeypatch.setenv("QUANTGATE_ADMIN_TOKEN", "from-env")
+    assert admin_token(tmp_path, log=lambda line: None) == "from-env" and read_token(tmp_path / "none") == "from-env"
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN")
+    with pytest.raises(QuantgateError, match="no admin token"):
+        read_token(tmp_path / "none")
+
+
+def test_a_restarted_gateway_is_waited_for_and_the_weight_set_again(gateway):
+    split = GatewaySplit(gateway.url, TOKEN, "2", lost_s=10)
+    try:
+        split.set_weight(25)
+        split.attach(split.state())
+        assert split.recover(25) is None  # nothing happened
+        gateway.stop()  # the gateway dies ...
+        restart = threading.Timer(1.0, gateway.start)  # ... and comes back at 0 % a second later
+        restart.start()
+        why = split.recover(25)
+        restart.join()
+        assert "stopped answering" in why and gateway.router.weight == 25
+        gateway.router.set_weight(0)  # a restart between two looks: the admin endpoint answers at 0 %
+        assert "weight was 0%, not 25%" in split.recover(25) and gateway.router.weight == 25
+    finally:
+        split.close()
+
+
+def test_a_gateway_that_does_not_come_back_in_time_aborts(gateway):
+    split = GatewaySplit(gateway.url, TOKEN, "2", lost_s=1)
+    split.attach(split.state())
+    gateway.stop()
+    t0 = time.monotonic()
+    with pytest.raises(GatewayUnreachable, match="not back within gateway_lost_s=1 s"):
+        split.recover(10)
+    assert time.monotonic() - t0 < 5
+    split.close()
+
+
+class FakeSplit:
+    def __init__(self, recovers):
+        self.recovers, self.weights = list(recovers), []
+
+    def set_weight(self, p):
+        self.weights.append(p)
+
+    def samples_since(self, t):
+        return []
+
+    def shadows_since(self, t):
+        return []
+
+    def alive(self, version):
+        return True
+
+    def recover(self, percent):
+        r = self.recovers.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+
+class FakeStatus:
+    def __init__(self):
+        self.sets, self.beats = [], 0
+
+    def set(self, phase=None, **fields):
+        self.sets.append((phase, fields))
+
+    def beat(self):
+        self.beats += 1
+
+
+def test_the_step_loop_resumes_once_then_aborts_when_the_gateway_is_lost():
+    policy = CanaryPolicy(steps=[10, 100], check_interval_s=0.01, min_step_s=0.01, max_step_s=60)
+    split = FakeSplit([None, "the gateway restarted (weight 0%, not 10%)", None, GatewayUnreachable("gone")])
+    status = FakeStatus()
+    plan = (StepPlan(1, 10, 1.0, "x"), StepPlan(2, 100, 1.0, "x"))
+    with pytest.raises(Aborted) as exc:
+        _run_steps(split, policy, plan, "2", lambda line: None, threading.Event(), lambda i, m: None, status)
+    assert exc.value.args == ("gone", 1, 10)
+    assert (Phase.PROGRESSING, {"step": 1, "weight": 10}) in status.sets
+    assert (None, {"resumed": "step 1: the gateway restarted (weight 0%, not 10%)"}) in status.sets
+    assert status.beats == 2 and split.weights == [10]
+
+
+# --- a whole canary on a fake gateway, with the registry of tests/test_canary_render.py ---
+
+
+@pytest.fixture
+def fake_fleet(project):  # noqa: F811
+    """{version: Fake backend}: v1 (fp16, fallback), v2 answers as v1 does, v3 answers HTTP 500."""
+    fakes = {v: Fake(f"v{v}", "the same answer every time") for v in ("1", "2", "3")}
+    for f in fakes.values():
+        f.server.start()
+    fakes["3"].reset(status=500)
+    yield fakes
+    for f in fakes.values():
+        f.server.stop()
+
+
+def registry_gateway(client, fakes) -> Gateway:
+    def backend(v):
+        return Backend(f"{fakes[v].server.url}/v1", f"m-v{v}", f"v{v}") if v else None
+
+    def resolve():
+        now = aliases.current(client, MODEL)
+        return {
+            "stable": backend(now.get("production") or now["fallback"]),
+            "candidate": backend(now.get("candidate")),
+            "shadow": backend(now["fallback"]),
+        }
+
+    def fleet():
+        return {v: {"alive": True} for v in aliases.current(client, MODEL).values()}
+
+    return Gateway(resolve, fleet, CanaryPolicy(shadow_fraction=1.0, shadow_compare_words=2)).start()
+
+
+FAST = CanaryPolicy(
+    steps=[50, 100],
+    min_step_s=0.5,
+    max_step_s=30,
+    check_interval_s=0.3,
+    min_samples=3,
+    shadow_fraction=1.0,
+    shadow_compare_words=2,
+    min_shadow_agreement=0.5,
+    max_ttft_p95_ratio=50,  # fake backends on a busy machine: judge errors and agreement, not speed
+    max_tpot_p95_ratio=50,
+    warm_timeout_s=20,
+    gateway_lost_s=5,
+    stale_after_s=60,
+)
+
+
+def load(url: str, stop: threading.Event) -> threading.Thread:
+    def send():
+        with httpx.Client(timeout=10) as c:
+            i = 0
+            while not stop.is_set():
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+                try:
+                    c.post(f"{url}/v1/chat/completions", json={**body, "stream": bool(i % 2), "max_tokens": 4})
+                except httpx.HTTPError:
+                    pass  # the gateway is restarting
+                i += 1
+                time.sleep(0.02)
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture
+def on_gateway(project, fake_fleet):  # noqa: F811
+    """run(version, during=None) -> (outcome, log lines, gateway): a canary on a fake gateway under
+    load; `during(gateway)` runs in a thread once the candidate is warm."""
+    client = project
+    g = registry_gateway(client, fake_fleet)
+
+    def run(version: str, during=None):
+        stop, lines = threading.Event(), []
+
+        def on_router(url):
+            t = load(url, stop)
+            if during:
+                threading.Thread(target=during, args=(g,), daemon=True).start()
+            return lambda: (stop.set(), t.join())
+
+        outcome = run_canary_on_gateway(
+            client, MODEL, version, FAST, "tester", g.url, TOKEN, log=lines.append, on_router=on_router,
+            traffic=Traffic(20, 0.5, 1.0, "test"),
+        )  # fmt: skip
+        return outcome, lines, client.get_run(outcome.run_id).data.tags
+
+    yield run
+    g.stop()
+
+
+def test_an_approved_build_promotes_on_the_gateway(on_gateway, project):  # noqa: F811
+    outcome, lines, tags = on_gateway("2")
+    assert outcome.decision == "promoted", outcome.reason
+    now = aliases.current(project, MODEL)
+    assert now.get("production") == "2" and "candidate" not in now
+    assert tags["canary.phase"] == "promoted" and tags["canary.step"] == "2" and tags["canary.failed_checks"] == ""
+    assert tags["canary.controller"].endswith(f":{os.getpid()}") and float(tags["canary.heartbeat"]) > time.time() - 60
+    assert "canary.resumed" not in tags
+
+
+def test_a_broken_build_aborts_at_step_1_with_the_weight_back_to_0(on_gateway, project):  # noqa: F811
+    outcome, lines, tags = on_gateway("3")
+    assert (outcome.decision, outcome.step) == ("aborted", 1), lines
+    assert "error_rate" in outcome.reason and "candidate" not in aliases.current(project, MODEL)
+    assert "production" not in aliases.current(project, MODEL)
+    assert (tags["canary.phase"], tags["canary.step"], tags["canary.weight"]) == ("aborted", "1", "0")
+    assert "error_rate" in tags["canary.failed_checks"]
+
+
+def test_a_gateway_restarted_mid_canary_resumes_the_step_and_promotes(on_gateway, project):  # noqa: F811
+    def restart(g):
+        time.sleep(0.4)
+        g.stop()  # a killed `quantgate serve` comes back at 0 % to the candidate
+        time.sleep(1.0)
+        g.start()
+
+    outcome, lines, tags = on_gateway("2", during=restart)
+    assert outcome.decision == "promoted", outcome.reason
+    assert tags["canary.resumed"].startswith("step 1: the gateway"), tags.get("canary.resumed")
+    assert any("resumed at 50%" in line for line in lines)
+
+
+def test_a_canary_whose_controller_died_is_recorded_as_aborted(project):  # noqa: F811
+    client = project
+    exp = store.experiment_id(client, EXPERIMENT, client.tracking_uri)
+    runs = {}
+    for name, beat_age in (("dead", 600), ("alive", 1)):
+        run_id = client.create_run(exp, tags={"model": MODEL, "candidate_version": "2"}).info.run_id
+        Status(client, run_id).set(Phase.PROGRESSING, step=1, weight=10.0)
+        client.set_tag(run_id, "canary.heartbeat", f"{time.time() - beat_age:.1f}")
+        runs[name] = run_id
+    aliases.set_candidate(client, MODEL, "2", "tester", "a canary", canary_run_id=runs["dead"], verify=False)
+    weights, lines = [], []
+    reaped = reap_stale(client, MODEL, 120, "tester", lines.append, set_weight=weights.append)
+    assert reaped == [runs["dead"]] and weights == [0.0] and "candidate" not in aliases.current(client, MODEL)
+    tags = client.get_run(runs["dead"]).data.tags
+    assert tags["canary.phase"] == "aborted" and tags["canary.aborted"].startswith("controller gone since ")
+    assert tags["outcome"] == "aborted" and client.get_run(runs["dead"]).info.status == "KILLED"
+    assert len(lines) == 1 and "recorded as aborted: controller gone since" in lines[0] and "cleared" in lines[0]
+    assert client.get_run(runs["alive"]).data.tags["canary.phase"] == "progressing"
+    assert reap_stale(client, MODEL, 120, "tester", lines.append) == []  # once only
+    client.set_tag(runs["alive"], "canary.phase", canary_status.Phase.ABORTED.value)  # leave no live run behind
+
+
+def test_canary_run_gateway_refusals_are_one_line(project, tmp_path, monkeypatch):  # noqa: F811
+    from click.testing import CliRunner
+
+    from canary.commands import run
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    gw = ["--gateway", "http://127.0.0.1:9"]
+    for args, message in (
+        (["--reuse", "1=http://127.0.0.1:9/v1"], "--reuse is for a canary with its own servers"),
+        (["--token-file", str(tmp_path / "none")], "no admin token: $QUANTGATE_ADMIN_TOKEN is unset"),
+    ):
+        result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, *args])
+        assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
+    (tmp_path / "token").write_text("t\n")
+    result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, "--token-file", str(tmp_path / "token")])
+    assert result.exit_code == 1 and "did not answer" in result.output, result.output
+    assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
