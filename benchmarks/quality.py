@@ -16,7 +16,7 @@ kernel, so hf is a valid quality engine.
 Run (CPU or GPU, same script):
     .venv/bin/python -m benchmarks.quality [--engine auto|vllm|hf] [--limit N] [--work DIR]
         [--models models] [--evals evals] [--calibration results/calibration.jsonl] [--only b1,b2]
-        [--cpu-cores 0]
+        [--cpu-cores 0] [--reuse-scores]
 
 Columns (one row per team and build):
   team, build   team folder; candidate build (baseline is fp16)
@@ -147,6 +147,11 @@ def score_build(engine: str, build: str, model_dir: Path, teams, params: Evaluat
     return time.monotonic() - started
 
 
+def scored(build_dir: Path, teams) -> bool:
+    """True if every team has a scores.json under `build_dir` (WORK/scores/<build>)."""
+    return all((build_dir / t.name / "scores.json").is_file() for t in teams)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="auto", help="auto | vllm | hf (default auto)")
@@ -171,6 +176,11 @@ def main() -> None:
         help="the calibrate stage's conversations (default results/calibration.jsonl)",
     )
     ap.add_argument("--only", default=None, help="comma-separated builds to run (default: all)")
+    ap.add_argument(
+        "--reuse-scores",
+        action="store_true",
+        help="keep WORK/scores and score only builds without them (re-judge, e.g. after a margin change)",
+    )
     ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -203,8 +213,12 @@ def main() -> None:
             failed[build] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"quality: {build}: quantization failed: {failed[build]}", flush=True)
     scores = args.work / "scores"
-    shutil.rmtree(scores, ignore_errors=True)
-    eval_s = {b: score_build(engine, b, d, teams, params, scores) for b, (d, _) in builds.items()}
+    if not args.reuse_scores:
+        shutil.rmtree(scores, ignore_errors=True)
+    eval_s = {
+        b: 0.0 if args.reuse_scores and scored(scores / b, teams) else score_build(engine, b, d, teams, params, scores)
+        for b, (d, _) in builds.items()
+    }
 
     gate = load_params()
     gate = gate.model_copy(update={"candidates": [b for b in builds if b != gate.baseline]})
@@ -226,7 +240,7 @@ def main() -> None:
                     "recovery_pct": rounded(r.recovery_pct, 1),
                     "ci_low": rounded(ci[0], 1),
                     "ci_high": rounded(ci[1], 1),
-                    "verdict": r.verdict.value,
+                    "verdict": str(getattr(r.verdict, "value", r.verdict)),  # documents keep enums as str
                     "size_mib": round(size_mib(builds[build][0]), 1),
                     "quantize_s": "reused" if q is None else rounded(q, 1),
                 }
