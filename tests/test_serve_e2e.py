@@ -247,6 +247,13 @@ def test_a_canary_on_the_running_gateway_promotes(gateway):
     g, v = gateway, gateway["v"]
     assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
     policy = fast_policy(max_ttft_p95_ratio=50, max_tpot_p95_ratio=50, warm_timeout_s=600)
+    # warm the candidate before the load starts: a vLLM CPU server starting beside another one that is
+    # busy answering was seen starved for minutes here (its engine process pinned to the busy core);
+    # canary run then finds `candidate` already set and warm
+    aliases.set_candidate(g["client"], MODEL, v[SERVED], "e2e-test", "serve e2e: warm the canary's build")
+    wait_for(
+        "warm candidate", lambda: (h := _health(g["url"])) and v[SERVED] in h["fleet"] and h, 600, g["proc"], g["log"]
+    )
     lines: list[str] = []
     started = time.monotonic()
     with Load(g["url"]) as load:
