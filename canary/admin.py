@@ -140,21 +140,28 @@ class RemoteRouter:
     """A running gateway's split, over its admin endpoint: the controller's side of admin_app."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 10.0):
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s, trust_env=False
-        )
+        self.url = url.rstrip("/").removesuffix("/admin")  # serve's log line names .../admin
+        if not token:
+            raise QuantgateError("the admin token is empty: set $QUANTGATE_ADMIN_TOKEN or give a --token-file with it")
+        try:
+            self._http = httpx.Client(
+                base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s, trust_env=False
+            )
+        except httpx.InvalidURL as exc:
+            raise QuantgateError(f"--gateway {url!r}: not a URL ({exc})") from None
 
     def _call(self, method: str, path: str, **kw) -> dict:
         try:
             r = self._http.request(method, path, **kw)
+        except httpx.InvalidURL as exc:
+            raise QuantgateError(f"--gateway {self.url!r}: not a URL ({exc})") from None
         except httpx.HTTPError as exc:
             raise GatewayUnreachable(f"admin endpoint {self.url} did not answer ({type(exc).__name__})") from None
         if r.status_code != 200:
             try:
                 why = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
-                why = r.text[:200]
+                why = " ".join(r.text.split())[:200]  # one line, even for an HTML page
             raise QuantgateError(f"admin endpoint {self.url}{path}: HTTP {r.status_code}: {why}")
         return r.json()
 

@@ -208,6 +208,11 @@ def run(
     )
     try:
         with command_errors():
+            if admin_url is not None and not admin_url.strip().startswith(("http://", "https://")):
+                raise QuantgateError(
+                    f"--gateway {admin_url!r}: give the admin endpoint's http(s) URL, e.g. http://127.0.0.1:8001 "
+                    "(`quantgate serve` prints it)"
+                )
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
             if admin_url:

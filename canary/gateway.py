@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from canary.router import Router
 from canary.server import AppServer, RouterServer
 from canary.standing import FleetParams, StandingFleet
 from canary.status import reap_stale
+from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 
 PIDS = "server.pid"  # per version folder: the vLLM API server's pid (= its process group id)
@@ -64,6 +66,31 @@ def reap_orphans(work_dir: Path, log: Callable[[str], None] = print) -> int:
     return killed
 
 
+def check_bindable(host: str, port: int, what: str) -> None:
+    """Raises QuantgateError naming `what` when `host`:`port` cannot be bound now (port 0: always fine)."""
+    if not port:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise QuantgateError(
+                f"{what}: cannot listen on {host}:{port} ({exc.strerror}); free it or pick another"
+            ) from None
+
+
+def warm_first(fleet: StandingFleet, params: FleetParams, stop: threading.Event) -> bool:
+    """Start planned versions, most important first, until one is warm: one that fails (weights that
+    do not verify, a server that does not start) is passed over at once for the next; only when every
+    planned version is in its back-off is there a wait. Returns False if `stop` was set first."""
+    while not fleet.status():
+        fleet.reconcile(max_starts=1)
+        if not fleet.status() and not fleet.attempted and stop.wait(params.restart_backoff_s):
+            return False
+    return True
+
+
 def run_gateway(
     mlflow_client,
     model_name: str,
@@ -86,6 +113,16 @@ def run_gateway(
     """
     stop = stop or threading.Event()
     work_dir = Path(work_dir)
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QuantgateError(f"--work-dir {work_dir}: {exc.strerror}; give a writable folder") from None
+    for what, host, port in (
+        ("fleet.port", params.host, params.port),
+        ("fleet.admin", params.admin.host, params.admin.port),
+    ):
+        check_bindable(host, port, what)  # before a server takes minutes to start
+    Limiter(limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
     reap_orphans(work_dir, log)
     token = admin_token(work_dir, log)
     started_at = time.time()
@@ -105,10 +142,8 @@ def run_gateway(
         on_start=lambda version, pid: (work_dir / f"v{version}" / PIDS).write_text(f"{pid}\n"),
     )
     try:
-        while not fleet.status():  # the serving build first; the loop below warms the others
-            fleet.reconcile(max_starts=1)
-            if not fleet.status() and stop.wait(params.restart_backoff_s):
-                return
+        if not warm_first(fleet, params, stop):
+            return
         limiter = Limiter(limits, tokenizer_counter(fleet.model_dir()))
         router = Router(
             fleet.resolve,

@@ -80,6 +80,17 @@ class CanaryPolicy(Frozen):
     gateway_lost_s: float = Field(default=300, gt=0)
     stale_after_s: float = Field(default=120, gt=0)
     router: RouterAddress = RouterAddress()
+
+    @field_validator("stale_after_s")
+    @classmethod
+    def _above_the_heartbeat(cls, v: float, info: ValidationInfo) -> float:
+        beat = info.data.get("check_interval_s")
+        if beat is not None and v < 3 * beat:  # a live controller beats once per look
+            raise ValueError(
+                f"must be >= 3 x check_interval_s ({3 * beat:g} s), or live canaries are reaped; got {v:g}"
+            )
+        return v
+
     servers: Servers = Servers()
 
     def checks(self) -> tuple[CheckRange, ...]:

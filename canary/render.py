@@ -55,9 +55,17 @@ def require_dns_label(name: str, what: str) -> str:
 def service_name(model: str, version: str, template: str = SERVICE_TEMPLATE) -> str:
     """The Service serving `version` of `model`: `template` with {model} and {version} filled in,
     as a DNS label (see `dns_label`). Raises QuantgateError for other placeholders."""
+    import string
+
+    fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    if "version" not in fields or any(f not in ("model", "version") for f in fields):
+        raise QuantgateError(
+            f"service template {template!r}: use only {{model}} and {{version}}, and {{version}} at least "
+            f"(stable and candidate need different Services), e.g. {SERVICE_TEMPLATE}"
+        )
     try:
         text = template.format(model=model, version=version)
-    except (KeyError, IndexError, ValueError) as exc:
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
         raise QuantgateError(
             f"service template {template!r}: {exc}; use only {{model}} and {{version}}, e.g. {SERVICE_TEMPLATE}"
         ) from None

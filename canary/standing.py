@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from canary.fleet import open_server, process_alive
 from canary.policy import ServerOverride, serve_params
@@ -71,6 +71,12 @@ class FleetParams(Frozen):
     cpu_core_sets: list[str] = ["0", "1"]
     servers: FleetServers = FleetServers()
     admin: AdminAddress = AdminAddress()
+
+    @model_validator(mode="after")
+    def _own_port(self) -> FleetParams:  # an after-validator: it also sees a default admin port
+        if self.admin.port and self.admin.port == self.port:
+            raise ValueError(f"admin.port {self.port} is also fleet.port; give the admin endpoint its own port")
+        return self
 
 
 def load_fleet_params(path: Path = PARAMS_FILE) -> FleetParams:
@@ -130,6 +136,7 @@ class StandingFleet:
         self._servers: dict[str, Running] = {}
         self._restarts: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.attempted = 0  # starts tried by the last reconcile pass
 
     # --- the router's view ---------------------------------------------------------
     def resolve(self) -> dict[str, Backend | None]:
@@ -198,6 +205,7 @@ class StandingFleet:
                 break
             starts += 1
             self._start(version, why)
+        self.attempted = starts
         return wanted
 
     def cores_for_next(self) -> str | None:

@@ -9,6 +9,8 @@ import time
 
 import httpx
 import pytest
+from click.testing import CliRunner
+from pydantic import ValidationError
 
 from canary import status as canary_status
 from canary.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
@@ -20,6 +22,7 @@ from canary.policy import CanaryPolicy
 from canary.router import Backend, Router
 from canary.server import AppServer, RouterServer
 from canary.status import EXPERIMENT, Phase, Status, reap_stale
+from quantgate.cli import cli
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
 from registry import aliases, store
@@ -378,3 +381,15 @@ def test_canary_run_gateway_refusals_are_one_line(project, tmp_path, monkeypatch
     result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, "--token-file", str(tmp_path / "token")])
     assert result.exit_code == 1 and "did not answer" in result.output, result.output
     assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
+
+
+def test_stale_after_must_leave_room_for_the_heartbeat():
+    with pytest.raises(ValidationError, match=r"(?s)stale_after_s.*>= 3 x check_interval_s"):
+        CanaryPolicy(check_interval_s=5, stale_after_s=1)
+
+
+@pytest.mark.parametrize("url", ["", "127.0.0.1:8001", "ftp://x"])
+def test_gateway_must_be_an_http_url(url):
+    r = CliRunner().invoke(cli, ["canary", "run", "m", "2", "--by", "t", "--gateway", url])
+    assert r.exit_code == 1 and "give the admin endpoint's http(s) URL" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output

@@ -79,12 +79,12 @@ def test_fractional_percents_are_exact_out_of_10000_and_more_decimals_refused():
 def test_service_names_are_dns_labels_or_refused():
     assert service_name("HuggingFaceTB/SmolLM2-135M-Instruct", "3") == "huggingfacetb-smollm2-135m-instruct-v3"
     assert service_name(MODEL, "3", "{model}-v{version}-predictor") == f"{MODEL}-v3-predictor"
-    for model, template in [("a" * 61, "{model}-v{version}"), (MODEL, "{version}"), ("7b-chat", "{model}")]:
+    for model, template in [("a" * 61, "{model}-v{version}"), (MODEL, "{version}"), ("7b-chat", "{model}-{version}")]:
         with pytest.raises(QuantgateError, match=r"service name .* not a DNS label \(a letter first, .* 63 char"):
             service_name(model, "1", template)
     with pytest.raises(QuantgateError, match="model name '__' gives '', not a DNS label"):
         http_routes("__", "1", "2", STEPS, **ROUTE)
-    with pytest.raises(QuantgateError, match=r"service template '\{name\}-\{version\}': 'name'; use only"):
+    with pytest.raises(QuantgateError, match=r"service template '\{name\}-\{version\}': use only"):
         service_name(MODEL, "1", "{name}-{version}")
     with pytest.raises(QuantgateError, match="namespace 'Prod' is not a DNS label"):
         http_routes(MODEL, "1", "2", STEPS, **(ROUTE | {"namespace": "Prod"}))
@@ -204,3 +204,9 @@ def test_render_refusals_are_one_line(project, tmp_path):
         result = render("3", *args)
         assert result.exit_code == 2 and "Traceback" not in result.output
         assert result.output.strip().splitlines()[-1].startswith(f"Error: {message}")
+
+
+@pytest.mark.parametrize("template", ["{model}", "static-name", "{version.real}", "{model[0]}-{version}"])
+def test_service_templates_that_cannot_tell_the_versions_apart_are_refused(template):
+    with pytest.raises(QuantgateError, match="use only {model} and {version}"):
+        service_name("smollm2", "2", template)

@@ -263,3 +263,36 @@ def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_pat
         stop.set()
         t.join(30)
     assert not t.is_alive() and "serve: every server stopped" in lines
+
+
+def test_warm_first_passes_a_failing_serving_build_over_at_once(monkeypatch, tmp_path):
+    import threading
+
+    from canary.gateway import warm_first
+
+    f = Fakes(monkeypatch, fail={"3"})
+    f.aliases = {"production": "3", "fallback": "1"}
+    fleet = f.fleet(tmp_path, restart_backoff_s=60.0)
+    try:
+        t0 = time.monotonic()
+        assert warm_first(fleet, fleet.params, threading.Event())
+        assert time.monotonic() - t0 < 5 and set(fleet.status()) == {"1"}
+    finally:
+        fleet.close()
+
+
+def test_ports_are_checked_before_any_server_starts(tmp_path):
+    import socket
+
+    from canary.gateway import check_bindable
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(QuantgateError, match=rf"fleet.port: cannot listen on 127.0.0.1:{port}"):
+            check_bindable("127.0.0.1", port, "fleet.port")
+    bad = tmp_path / "params.yaml"
+    bad.write_text("fleet:\n  port: 8001\n")
+    with pytest.raises(QuantgateError, match="fleet: .*admin.port 8001 is also fleet.port"):
+        load_fleet_params(bad)
