@@ -10,6 +10,8 @@ generated at start and written to WORK_DIR/admin.token (mode 0600; `admin_token`
                                       fleet: {version: {url, pid, why, ..., alive}}}
     PUT /admin/weight {"percent": p} set the candidate's share (0-100; else 400)
     GET /admin/samples?since=EPOCH_S {samples: [Sample...], shadows: [ShadowSample...]} (canary.metrics)
+    POST /admin/webhook              MLflow registry webhook deliveries (canary/webhook.py): signed
+                                     with the webhook's HMAC secret instead of the bearer token
 
 `RemoteRouter` is that API as the controller's split (set_weight, samples_since, shadows_since,
 alive), so canary/controller.py walks the same steps with the same analysis against a running
@@ -33,6 +35,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from canary.metrics import Sample, ShadowSample
+from canary.webhook import PATH as WEBHOOK_PATH
 from quantgate.errors import QuantgateError
 
 TOKEN_ENV = "QUANTGATE_ADMIN_TOKEN"
@@ -81,9 +84,10 @@ def _refused(message: str, status: int) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status)
 
 
-def admin_app(router, state: Callable[[], dict], token: str) -> Starlette:
+def admin_app(router, state: Callable[[], dict], token: str, webhook=None) -> Starlette:
     """The admin routes over `router` (canary.router.Router); `state()` adds the gateway's own
-    fields (url, pid, started_at, fleet) to /admin/state."""
+    fields (url, pid, started_at, fleet) to /admin/state. `webhook`: the endpoint of a
+    canary.webhook.Receiver, served at POST /admin/webhook (None: no such route, 404)."""
     expected = f"Bearer {token}".encode()
 
     def guarded(handler):
@@ -123,13 +127,14 @@ def admin_app(router, state: Callable[[], dict], token: str) -> Starlette:
             return _refused("since: epoch seconds, e.g. ?since=1764600000.5", 400)
         return JSONResponse(samples_doc(router.samples_since(since), router.shadows_since(since)))
 
-    return Starlette(
-        routes=[
-            Route("/admin/state", guarded(get_state), methods=["GET"]),
-            Route("/admin/weight", guarded(put_weight), methods=["PUT"]),
-            Route("/admin/samples", guarded(get_samples), methods=["GET"]),
-        ]
-    )
+    routes = [
+        Route("/admin/state", guarded(get_state), methods=["GET"]),
+        Route("/admin/weight", guarded(put_weight), methods=["PUT"]),
+        Route("/admin/samples", guarded(get_samples), methods=["GET"]),
+    ]
+    if webhook is not None:  # the registry server holds no bearer token: the delivery's HMAC guards it
+        routes.append(Route(WEBHOOK_PATH, webhook, methods=["POST"]))
+    return Starlette(routes=routes)
 
 
 class GatewayUnreachable(QuantgateError):

@@ -118,17 +118,24 @@ def open_server(
     work_dir: Path,
     role: str,
     log=print,
+    verified: Path | None = None,
 ) -> tuple[Backend, int, Path]:
     """Verify `version`'s registered artifacts (downloaded to WORK_DIR/v<version>/artifacts) and
     start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
     (Backend labelled "v<version>", served as "<model>-v<version>", API server pid, model dir).
+    `verified`: the version's weights as the caller already verified them (canary/standing.py
+    keeps them per digest): served from there, not downloaded again.
 
     Raises QuantgateError if the weights do not verify or the server does not start.
     """
     vdir = Path(work_dir) / f"v{version}"
-    shutil.rmtree(vdir / "artifacts", ignore_errors=True)  # a restart downloads and verifies again
-    model_dir = verify_version(mlflow_client, model_name, version, vdir / "artifacts")
-    log(f"v{version} weights verified against the registry; starting its vLLM server ({role})")
+    if verified is None:
+        shutil.rmtree(vdir / "artifacts", ignore_errors=True)  # a restart downloads and verifies again
+        model_dir = verify_version(mlflow_client, model_name, version, vdir / "artifacts")
+        log(f"v{version} weights verified against the registry; starting its vLLM server ({role})")
+    else:
+        model_dir = verified
+        log(f"v{version}: starting its vLLM server ({role})")
     name = f"{model_name}-v{version}"
     server = stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
     log(f"v{version} serving at {server.base_url}")

@@ -9,8 +9,10 @@
    fp16 `fallback` when production fails; a canary's split when `candidate` is set; the
    `limits` of params.yaml: 400 over the context ceiling or output cap, 429 over a team's rate) and
    reconcile every `fleet.poll_s` until stopped (SIGTERM, Ctrl-C, or `stop`): warm the other
-   planned builds, restart dead servers, drain and stop unplanned ones.
-4. On the way out, stop taking requests, then stop every server.
+   planned builds, restart dead servers, drain and stop unplanned ones. With an `mlflow server`
+   registry (`fleet.webhook: auto`) it registers an MLflow webhook for alias changes first
+   (canary/webhook.py), and each delivery runs the reconcile pass and the router's resolve at once.
+4. On the way out, stop taking requests, delete the webhook, then stop every server.
 /health adds the fleet ({version: url, pid, why, cores, restarts, up_s}) and the gateway's pid; /metrics adds
 quantgate_fleet_servers{version,why} and quantgate_fleet_restarts{version}.
 Next to the public endpoint, the admin endpoint (canary/admin.py) at `fleet.admin` (loopback by
@@ -23,6 +25,7 @@ canary runs of the model whose controller stopped beating are recorded as aborte
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -40,6 +43,8 @@ from canary.router import Router
 from canary.server import AppServer, RouterServer
 from canary.standing import FleetParams, StandingFleet
 from canary.status import reap_stale
+from canary.webhook import PATH as WEBHOOK_PATH
+from canary.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 
@@ -83,12 +88,52 @@ def check_bindable(host: str, port: int, what: str) -> None:
 def warm_first(fleet: StandingFleet, params: FleetParams, stop: threading.Event) -> bool:
     """Start planned versions, most important first, until one is warm: one that fails (weights that
     do not verify, a server that does not start) is passed over at once for the next; only when every
-    planned version is in its back-off is there a wait. Returns False if `stop` was set first."""
+    planned version is in its back-off is there a wait, until the first is due (with nothing planned:
+    fleet.poll_s). Returns False if `stop` was set first."""
     while not fleet.status():
         fleet.reconcile(max_starts=1)
-        if not fleet.status() and not fleet.attempted and stop.wait(params.restart_backoff_s):
-            return False
+        if not fleet.status() and not fleet.attempted:
+            wait_s = fleet.next_retry_in()
+            if stop.wait(params.poll_s if wait_s is None else max(wait_s, 0.05)):
+                return False
     return True
+
+
+class Planner:
+    """When the reconcile loop runs next: every `poll_s`, or at once after `wake()` (a registry
+    webhook). `stop` ends the wait within `tick_s`."""
+
+    def __init__(self, stop: threading.Event, poll_s: float, tick_s: float = 0.2):
+        self.stop, self.poll_s, self.tick_s = stop, poll_s, tick_s
+        self._wake = threading.Event()
+        self.woken = 0  # passes started by wake()
+
+    def wake(self) -> None:
+        """Run the next pass now (thread-safe)."""
+        self._wake.set()
+
+    def wait(self) -> bool:
+        """Block until the next pass is due; False when `stop` is set."""
+        deadline = time.monotonic() + self.poll_s
+        while not self.stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            if self._wake.wait(min(left, self.tick_s)):
+                self._wake.clear()
+                self.woken += 1
+                return True
+        return False
+
+
+def webhook_url(params: FleetParams, admin_url: str) -> str:
+    """The URL the registry server calls: fleet.webhook_url, else the admin endpoint's /admin/webhook
+    (a wildcard admin host, 0.0.0.0 or ::, is called on loopback)."""
+    if params.webhook_url:
+        return params.webhook_url
+    port = admin_url.rsplit(":", 1)[1]
+    host = "127.0.0.1" if params.admin.host in ("0.0.0.0", "::", "") else params.admin.host
+    return f"http://{host}:{port}{WEBHOOK_PATH}"
 
 
 def run_gateway(
@@ -131,6 +176,11 @@ def run_gateway(
     except Exception as exc:  # the registry unreachable: serve anyway; the next canary run reaps
         log(f"serve: could not check for canaries left by a dead controller: {type(exc).__name__}: {exc}")
     router: Router | None = None
+    planner = Planner(stop, params.poll_s)
+    webhook: Registration | None = None
+    hooked = params.webhook == "auto" and registry_server(mlflow_client)
+    if params.webhook == "auto" and not hooked:
+        log(f"serve: the registry is not an `mlflow server` (no webhooks): polling it every {params.poll_s:g} s")
     fleet = StandingFleet(
         mlflow_client,
         model_name,
@@ -167,14 +217,27 @@ def run_gateway(
             fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}
             return {**public, "pid": os.getpid(), "started_at": started_at, "fleet": fleet_now}
 
-        admin = AppServer(admin_app(router, state, token), params.admin.host, params.admin.port)
+        def on_alias(alias: str, version: str | None) -> None:  # a registry webhook: plan and route now
+            planner.wake()
+            router.refresh_soon()
+            log(f"serve: registry webhook: {alias} -> {'v' + version if version else 'deleted'}; planning now")
+
+        secret = secrets.token_urlsafe(32)  # new at each start: only this gateway's webhook signs with it
+        receiver = Receiver(secret, model_name, on_alias) if hooked else None
+        admin = AppServer(
+            admin_app(router, state, token, receiver.endpoint if receiver else None),
+            params.admin.host,
+            params.admin.port,
+        )
         with RouterServer(router, params.host, params.port) as gateway, admin:
             public["url"] = gateway.url
             log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
             log(f"serve: admin endpoint at {admin.url}/admin (bearer token; canary run --gateway {admin.url})")
+            if receiver is not None:
+                webhook = register(mlflow_client, model_name, webhook_url(params, admin.url), secret, log)
             if on_ready:
                 on_ready(gateway.url)
-            while not stop.wait(params.poll_s):
+            while planner.wait():
                 try:
                     fleet.reconcile()
                 except Exception as exc:  # the registry unreachable for a while: keep serving what is warm
@@ -185,5 +248,7 @@ def run_gateway(
                     servers.labels(version, s["why"]).set(1)
                     restarts.labels(version).set(s["restarts"])
     finally:
+        if webhook is not None:
+            webhook.close()
         if fleet.close():
             log("serve: every server stopped")

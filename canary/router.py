@@ -29,8 +29,9 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
 - Resolve: `resolve()` (a blocking callable, run in a worker thread) returns
   {"stable": Backend, "candidate": Backend | None, "shadow": Backend | None}; it is called
   at startup (failure = the router does not start) and then every RESOLVE_INTERVAL_S, so a
-  registry alias flip moves traffic within interval + resolve time. A failing resolve keeps
-  the last answer and is reported in /health.
+  registry alias flip moves traffic within interval + resolve time (`refresh_soon()`, e.g. on a
+  registry webhook, resolves at once). A failing resolve keeps the last answer and is reported
+  in /health.
 - Limits (canary.limits, optional): a request over the output cap or the context ceiling gets a
   400, one over its team's rate a 429 with Retry-After, before any backend is chosen; one
   without max_tokens gets the cap set for it.
@@ -50,7 +51,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
 import anyio
@@ -245,6 +246,8 @@ class Router:
         self._weight = 0.0
         self._fleet: Fleet | None = None
         self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the app's, for refresh_soon from other threads
+        self._refresh_now: asyncio.Event | None = None
         self._shadow_tasks: set[asyncio.Task] = set()
         self._inflight: collections.Counter[str] = collections.Counter()  # open attempts by backend URL
         self.recorder.set_weight(0.0)
@@ -279,6 +282,14 @@ class Router:
         """The backends of the last successful resolve (None before the router started)."""
         return self._fleet
 
+    def refresh_soon(self) -> None:
+        """Resolve the backends now instead of at the next interval (e.g. on a registry webhook).
+        Safe from any thread; does nothing before the router started."""
+        loop, event = self._loop, self._refresh_now
+        if loop is not None and event is not None:
+            with suppress(RuntimeError):  # the loop closed: the router has stopped
+                loop.call_soon_threadsafe(event.set)
+
     def inflight(self, backend: Backend) -> int:
         """Attempts on `backend` that have started and not ended (a server is drained at 0)."""
         return self._inflight[backend.url]
@@ -305,6 +316,7 @@ class Router:
             self.resolve_error = f"{type(exc).__name__}: {exc}"
             await self._client.aclose()
             raise
+        self._loop, self._refresh_now = asyncio.get_running_loop(), asyncio.Event()
         refresher = asyncio.create_task(self._refresh_forever())
         try:
             yield
@@ -317,7 +329,11 @@ class Router:
 
     async def _refresh_forever(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
+            try:  # the interval, or less when refresh_soon() is called
+                await asyncio.wait_for(self._refresh_now.wait(), self._interval)
+            except TimeoutError:
+                pass
+            self._refresh_now.clear()
             try:
                 fleet = fleet_of(await asyncio.to_thread(self._resolve))
             except Exception as exc:  # resolve() is the controller's code (e.g. a registry call):

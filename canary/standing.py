@@ -6,8 +6,11 @@ Which versions are kept warm is a plan recomputed from the aliases on every pass
 `keep_previous`), each version once, at most `max_servers` in all. `StandingFleet.reconcile()`
 makes the running servers match it:
 - a planned version without a server is verified against its registered weight digests
-  (registry/verify.py) and started (canary.fleet.open_server); a start that fails is retried
-  after `restart_backoff_s`;
+  (registry/verify.py) and started (canary.fleet.open_server). A verification is kept per
+  (version, registered weights_sha256), so a later start of the same weights (a server that died,
+  a start that failed) does not download and hash the whole model again. A start that fails is
+  tried again after `restart_backoff_s`, doubling after each failure up to `restart_backoff_max_s`;
+  the log has one line when a version starts failing, when the reason changes, and when it serves;
 - a server whose process died is dropped from routing at once, then started again (counted in
   `restarts`);
 - a server no longer planned leaves routing first, is drained (its in-flight requests, as the
@@ -22,21 +25,26 @@ Aliases that point at the same version share one server.
 from __future__ import annotations
 
 import contextlib
+import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from canary.fleet import open_server, process_alive
 from canary.policy import ServerOverride, serve_params
 from canary.router import Backend
+from canary.webhook import PATH
 from quantgate.errors import QuantgateError
 from quantgate.params import PARAMS_FILE, Frozen, load_block
 from quantgate.serving import ServeParams
-from registry import aliases
+from registry import aliases, tags, versions
+from registry.verify import verify_version
 
 SERVING = "serving"  # the plan's name for the version that takes production traffic
 
@@ -66,16 +74,34 @@ class FleetParams(Frozen):
     poll_s: float = Field(default=0.5, gt=0)  # seconds between reconcile passes (registry reads)
     drain_s: float = Field(default=30, ge=0)  # seconds a replaced server may finish in-flight requests
     restart_backoff_s: float = Field(default=5, ge=0)  # after a failed start, before the next try
+    restart_backoff_max_s: float = Field(default=300, ge=0)  # the back-off doubles per failure up to this
+    # MLflow registry webhooks (canary/webhook.py): auto = register one when the registry is an
+    # `mlflow server` (http(s) URI), so alias changes wake the planner at once; off = poll only
+    webhook: Literal["auto", "off"] = "auto"
+    webhook_url: str | None = None  # what the registry server calls; None = http://<admin host:port>/admin/webhook
     # vLLM CPU: core sets (VLLM_CPU_OMP_THREADS_BIND) handed out to servers, each new server taking
     # the set fewest running servers use; [] = vLLM's own binding (every server on the same cores)
     cpu_core_sets: list[str] = ["0", "1"]
     servers: FleetServers = FleetServers()
     admin: AdminAddress = AdminAddress()
 
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", v):
+            example = f"http://gw:8001{PATH}"
+            raise ValueError(f"must be an http(s) URL the registry server reaches, e.g. {example}; got {v!r}")
+        return v
+
     @model_validator(mode="after")
-    def _own_port(self) -> FleetParams:  # an after-validator: it also sees a default admin port
+    def _consistent(self) -> FleetParams:  # an after-validator: it also sees a default admin port
         if self.admin.port and self.admin.port == self.port:
             raise ValueError(f"admin.port {self.port} is also fleet.port; give the admin endpoint its own port")
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_max_s {self.restart_backoff_max_s:g} is below restart_backoff_s "
+                f"{self.restart_backoff_s:g}; the cap must be at least the first back-off"
+            )
         return self
 
 
@@ -99,6 +125,16 @@ def plan(now: dict[str, str], params: FleetParams) -> list[tuple[str, str]]:
         if version is not None and version not in {v for v, _ in out}:
             out.append((version, why))
     return out[: params.max_servers]
+
+
+@dataclass
+class Failing:
+    """A planned version that could not be served: failed tries in a row, the last reason, and
+    when (the fleet's clock, s) the next try is due."""
+
+    tries: int
+    why: str
+    next_try: float
 
 
 @dataclass
@@ -129,10 +165,13 @@ class StandingFleet:
         log: Callable[[str], None] = print,
         inflight: Callable[[Backend], int] = lambda b: 0,
         on_start: Callable[[str, int], None] = lambda version, pid: None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.client, self.model, self.serve, self.params = mlflow_client, model_name, serve, params
         self.work_dir, self.log, self.inflight, self.on_start = Path(work_dir), log, inflight, on_start
-        self.failures: dict[str, tuple[float, str]] = {}  # version -> (when, why) of the last failed start
+        self.clock = clock  # seconds, for the back-off
+        self.failures: dict[str, Failing] = {}  # versions whose last start failed
+        self._verified: dict[str, tuple[str | None, Path]] = {}  # version -> (weights_sha256, verified dir)
         self._servers: dict[str, Running] = {}
         self._restarts: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -198,8 +237,8 @@ class StandingFleet:
                 if version in self._servers:
                     self._servers[version].why = why
                     continue
-            failed = self.failures.get(version)
-            if failed and time.time() - failed[0] < self.params.restart_backoff_s:
+            failing = self.failures.get(version)
+            if failing and self.clock() < failing.next_try:
                 continue
             if max_starts is not None and starts >= max_starts:
                 break
@@ -207,6 +246,12 @@ class StandingFleet:
             self._start(version, why)
         self.attempted = starts
         return wanted
+
+    def next_retry_in(self) -> float | None:
+        """Seconds until the next retry of a version whose start failed is due (0: now), None if none failed."""
+        if not self.failures:
+            return None
+        return max(0.0, min(f.next_try for f in self.failures.values()) - self.clock())
 
     def cores_for_next(self) -> str | None:
         """The cpu_core_sets entry fewest running servers use (ties: the first), None without sets.
@@ -223,6 +268,8 @@ class StandingFleet:
         override = self.params.servers.serving if why == SERVING else self.params.servers.warm
         if (cores := self.cores_for_next()) is not None:
             override = override.model_copy(update={"cpu_cores": cores})
+        failing = self.failures.get(version)
+        log = self.log if failing is None else (lambda line: None)  # a retry logs only a change of state
         stack = contextlib.ExitStack()
         try:
             backend, pid, model_dir = open_server(
@@ -233,19 +280,54 @@ class StandingFleet:
                 serve_params(self.serve, override),
                 self.work_dir,
                 why,
-                self.log,
+                log,
+                verified=self._verified_weights(version, log),
             )
         except QuantgateError as exc:
             stack.close()
-            self.failures[version] = (time.time(), str(exc))
-            self.log(f"v{version}: not served: {exc}")
+            self._failed(version, str(exc))
             return
+        if failing is not None:
+            self.log(f"v{version}: serving after {failing.tries} failed start(s)")
         self.failures.pop(version, None)
         self.on_start(version, pid)
         with self._lock:
             self._servers[version] = Running(
                 backend, pid, why, stack, model_dir, override.cpu_cores, restarts=self._restarts.get(version, 0)
             )
+
+    def _verified_weights(self, version: str, log: Callable[[str], None]) -> Path:
+        """`version`'s weights, downloaded to WORK_DIR/v<version>/artifacts and checked against its
+        registered digests (registry/verify.py) once per (version, weights_sha256 tag): a later call
+        while the tag is the same returns the same folder without hashing it again. Raises
+        QuantgateError when they do not verify (nothing is kept then)."""
+        digest = versions.require_version(self.client, self.model, version).tags.get(tags.WEIGHTS)
+        known = self._verified.get(version)
+        if known is not None and known[0] == digest and known[1].is_dir():
+            return known[1]
+        self._verified.pop(version, None)
+        dest = self.work_dir / f"v{version}" / "artifacts"
+        shutil.rmtree(dest, ignore_errors=True)
+        model_dir = verify_version(self.client, self.model, version, dest)
+        log(f"v{version}: weights verified against the registry (weights_sha256 {str(digest)[:12]}...)")
+        self._verified[version] = (digest, model_dir)
+        return model_dir
+
+    def _failed(self, version: str, why: str) -> None:
+        """Record a failed start: the next try after restart_backoff_s x 2^(tries - 1), at most
+        restart_backoff_max_s; one log line when the version starts failing or the reason changes."""
+        before = self.failures.get(version)
+        tries = before.tries + 1 if before else 1
+        p = self.params
+        delay = min(p.restart_backoff_s * 2 ** min(tries - 1, 32), p.restart_backoff_max_s)
+        self.failures[version] = Failing(tries, why, self.clock() + delay)
+        if before is None:
+            self.log(
+                f"v{version}: not served: {why}; next try in {delay:g} s, "
+                f"then after twice as long each time, up to {p.restart_backoff_max_s:g} s"
+            )
+        elif why != before.why:
+            self.log(f"v{version}: still not served after {tries} tries, now: {why}; next try in {delay:g} s")
 
     def _stop(self, version: str, drain: bool) -> None:
         with self._lock:

@@ -97,6 +97,12 @@ def sqlite_registry(tmp_path_factory) -> Path:
     """A project folder with a sqlite registry: fp16 = v1 (`fallback`), int4 = v2 and fp8 = v3
     (approved), int8 = v4 (PASS, not approved)."""
     root = tmp_path_factory.mktemp("render")
+    return tiny_registry(root, f"sqlite:///{root}/mlflow.db")
+
+
+def tiny_registry(root: Path, uri: str) -> Path:
+    """The registry of `sqlite_registry` (tiny safetensors builds, versions 1-4) at tracking URI
+    `uri` (sqlite, or an `mlflow server`), its project folder `root`."""
     models = root / "models"
     for seed, build in enumerate(("fp16", "int4", "fp8", "int8")):
         safetensors_build(models / build, build, seed, 1)
@@ -105,7 +111,7 @@ def sqlite_registry(tmp_path_factory) -> Path:
     (root / "results/eval").mkdir(parents=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
         out = register(
             models,
             gate_result({"int4": "PASS", "fp8": "PASS", "int8": "PASS"}),

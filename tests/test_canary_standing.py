@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -54,24 +55,46 @@ def test_params_block_loads_and_names_a_bad_field(tmp_path):
         load_fleet_params(bad)
 
 
-class Fakes:
-    """Aliases as a dict; each started 'server' is a `sleep` process in its own group."""
+def sleep_server(stack, version: str) -> tuple[Backend, int]:
+    """A stand-in for a version's vLLM server: a `sleep` process in its own group, stopped with `stack`."""
+    proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    stack.callback(lambda: (proc.kill(), proc.wait()))
+    return Backend(f"http://127.0.0.1:1/v{version}", f"m-v{version}", f"v{version}"), proc.pid
 
-    def __init__(self, monkeypatch, fail: set[str] | None = None):
+
+class Fakes:
+    """Aliases as a dict; each version's registered digest in `digests`; verifying writes the
+    destination folder (or fails for versions in `fail`); each started 'server' is a `sleep`
+    process in its own group (or fails to start for versions in `fail_start`)."""
+
+    def __init__(self, monkeypatch, fail: set[str] | None = None, fail_start: set[str] | None = None):
         self.aliases: dict[str, str] = {}
+        self.digests: dict[str, str] = {}
         self.started: list[str] = []
-        self.fail = fail or set()
+        self.verified: list[str] = []
+        self.fail, self.fail_start = fail or set(), fail_start or set()
         self.inflight: dict[str, int] = {}
         monkeypatch.setattr(standing.aliases, "current", lambda client, model: dict(self.aliases))
+        monkeypatch.setattr(standing.versions, "require_version", self.require_version)
+        monkeypatch.setattr(standing, "verify_version", self.verify_version)
         monkeypatch.setattr(standing, "open_server", self.open_server)
 
-    def open_server(self, stack, client, model, version, params, work_dir, role, log):
+    def require_version(self, client, model, version):
+        return SimpleNamespace(tags={"weights_sha256": self.digests.get(version, "d" * 64)})
+
+    def verify_version(self, client, model, version, dest):
+        self.verified.append(version)
         if version in self.fail:
             raise QuantgateError(f"{model} v{version}: weights do not verify")
-        proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
-        stack.callback(lambda: (proc.kill(), proc.wait()))
+        (dest / "model").mkdir(parents=True)
+        return dest / "model"
+
+    def open_server(self, stack, client, model, version, params, work_dir, role, log, verified):
+        assert verified.is_dir()  # standing.py verified the weights first
+        if version in self.fail_start:
+            raise QuantgateError(f"v{version}: the vLLM server exited during start-up")
         self.started.append(version)
-        return Backend(f"http://127.0.0.1:1/v{version}", f"m-v{version}", f"v{version}"), proc.pid, work_dir
+        return (*sleep_server(stack, version), verified)
 
     def fleet(self, tmp_path, **params) -> StandingFleet:
         p = FleetParams(**{"drain_s": 1.0, "restart_backoff_s": 0.0, **params})
@@ -135,6 +158,7 @@ def test_a_dead_server_leaves_routing_and_is_restarted(monkeypatch, tmp_path):
         fleet.reconcile()
         s = fleet.status()["3"]
         assert s["pid"] != pid and s["restarts"] == 1 and f.started == ["3", "1", "3"]
+        assert f.verified == ["3", "1"]  # restarted from the weights verified before: not hashed again
     finally:
         fleet.close()
 
@@ -149,7 +173,43 @@ def test_a_version_that_cannot_be_served_is_passed_over_then_retried(monkeypatch
             fleet.resolve()
         fleet.reconcile(max_starts=1)  # v3 is in its back-off: the fallback is started
         assert f.started == ["1"] and fleet.resolve()["stable"].label == "v1"
-        assert "weights do not verify" in fleet.failures["3"][1]
+        assert "weights do not verify" in fleet.failures["3"].why
+    finally:
+        fleet.close()
+
+
+def test_a_failing_start_is_verified_once_and_backs_off_exponentially(monkeypatch, tmp_path):
+    f = Fakes(monkeypatch, fail_start={"3"})
+    f.aliases = {"production": "3", "fallback": "1"}
+    now, lines = [0.0], []
+    params = FleetParams(restart_backoff_s=5, restart_backoff_max_s=30)
+    fleet = StandingFleet(None, "m", ServeParams(), params, tmp_path, log=lines.append, clock=lambda: now[0])
+    try:
+        tried_at = []
+        for t in range(200):  # 200 s, one pass a second
+            now[0] = float(t)
+            before = fleet.failures.get("3")
+            fleet.reconcile()
+            if fleet.failures["3"].tries != (before.tries if before else 0):
+                tried_at.append(t)
+        assert tried_at == [0, 5, 15, 35, 65, 95, 125, 155, 185]  # +5, +10, +20, then the 30 s cap
+        assert f.verified.count("3") == 1  # its weights were hashed once, not once per try
+        assert fleet.next_retry_in() == 215 - 199 and f.started == ["1"]
+        assert [line for line in lines if line.startswith("v3")] == [
+            "v3: weights verified against the registry (weights_sha256 dddddddddddd...)",
+            "v3: not served: v3: the vLLM server exited during start-up; next try in 5 s, "
+            "then after twice as long each time, up to 30 s",
+        ]  # one line when it starts failing, none per try
+        f.digests["3"], f.fail = "e" * 64, {"3"}  # new weights registered under v3: verified again, and bad
+        now[0] = 215.0
+        fleet.reconcile()
+        assert f.verified.count("3") == 2 and fleet.failures["3"].tries == 10
+        assert lines[-1] == "v3: still not served after 10 tries, now: m v3: weights do not verify; next try in 30 s"
+        f.fail, f.fail_start = set(), set()
+        now[0] = 245.0
+        fleet.reconcile()
+        assert f.started == ["1", "3"] and "3" not in fleet.failures and fleet.next_retry_in() is None
+        assert lines[-1] == "v3: serving after 10 failed start(s)"
     finally:
         fleet.close()
 

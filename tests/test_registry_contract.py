@@ -5,14 +5,7 @@ registers its own model name, so the tests share one store per backend."""
 
 import multiprocessing
 import multiprocessing.forkserver
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import metadata
@@ -25,80 +18,21 @@ import pytest
 from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, sha256_file
+from quantgate.serving import free_port
 from registry import aliases, approval, audit, lock, runs, store
 from registry.status import status_lines
 from registry.verify import verify_version
 from tests import registry_race
 from tests.conftest import safetensors_build
+from tests.mlflow_server import mlflow_server as launch_mlflow_server
 from tests.test_register import gate_result, team_summary
-
-SERVER_START_S = 180  # a cold `mlflow server` takes ~20 s on a busy 2-core machine
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    uri: str
-    artifacts: Path
-    log: Path
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + SERVER_START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        pytest.fail(f"mlflow server not healthy after {SERVER_START_S} s:\n{self.log.read_text()[-3000:]}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on 127.0.0.1, launched at once (it starts while the sqlite tests run)."""
-    root = tmp_path_factory.mktemp("server")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no background job runner processes
-    log = root / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("mlflow")),
-                "server",
-                "--backend-store-uri",
-                f"sqlite:///{root}/mlflow.db",
-                "--artifacts-destination",
-                str(root / "artifacts"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--workers",
-                "1",
-            ],
-            cwd=root,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    yield Server(proc, f"http://127.0.0.1:{port}", root / "artifacts", log)
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with launch_mlflow_server(tmp_path_factory.mktemp("server")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -671,7 +605,7 @@ def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, mo
         and f"no params.yaml in {tmp_path}: run from the project folder, or name the model" in res.output
     )
     assert list(tmp_path.iterdir()) == []
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens: one line in seconds, not MLflow's minutes of retries
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: one line in seconds, not MLflow's minutes of retries
     res = CliRunner().invoke(cli, ["history", "m"], env={"MLFLOW_TRACKING_URI": dead})
     assert res.exit_code == 1 and f"MLflow server at {dead} is not reachable (ConnectError)" in res.output
 
