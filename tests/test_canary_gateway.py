@@ -185,6 +185,9 @@ class FakeSplit:
     def alive(self, version):
         return True
 
+    def engine(self, version):
+        return None
+
     def recover(self, percent):
         r = self.recovers.pop(0)
         if isinstance(r, Exception):
@@ -244,7 +247,7 @@ def registry_gateway(client, fakes) -> Gateway:
         }
 
     def fleet():
-        return {v: {"alive": True} for v in aliases.current(client, MODEL).values()}
+        return {v: {"alive": True, "url": f"{fakes[v].server.url}/v1"} for v in aliases.current(client, MODEL).values()}
 
     return Gateway(resolve, fleet, CanaryPolicy(shadow_fraction=1.0, shadow_compare_words=2)).start()
 
@@ -257,12 +260,13 @@ FAST = CanaryPolicy(
     min_samples=3,
     shadow_fraction=1.0,
     shadow_compare_words=2,
-    min_shadow_agreement=0.5,
-    max_ttft_p95_ratio=50,  # fake backends on a busy machine: judge errors and agreement, not speed
-    max_tpot_p95_ratio=50,
     warm_timeout_s=20,
     gateway_lost_s=5,
     stale_after_s=60,
+).with_bounds(
+    shadow_agreement=0.5,
+    ttft_p95_ratio=50,  # fake backends on a busy machine: judge errors and agreement, not speed
+    tpot_p95_ratio=50,
 )
 
 

@@ -246,7 +246,7 @@ def test_a_canary_on_the_running_gateway_promotes(gateway):
 
     g, v = gateway, gateway["v"]
     assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
-    policy = fast_policy(max_ttft_p95_ratio=50, max_tpot_p95_ratio=50, warm_timeout_s=600)
+    policy = fast_policy(ttft_p95_ratio=50, tpot_p95_ratio=50, warm_timeout_s=600)
     # warm the candidate before the load starts: a vLLM CPU server starting beside another one that is
     # busy answering was seen starved for minutes here (its engine process pinned to the busy core);
     # canary run then finds `candidate` already set and warm
