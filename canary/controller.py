@@ -47,9 +47,9 @@ from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_
 from canary.policy import CHECK_KINDS, GAUGES, CanaryPolicy, CanaryTopology
 from canary.router import Router
 from canary.server import RouterServer
-from canary.status import EXPERIMENT, Phase, Status, reap_stale
+from canary.status import EXPERIMENT, Phase, Status, live_run, reap_stale
 from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams
+from quantgate.serving import ServeParams, serving_versions
 from quantgate.stats import Verdict
 from registry import aliases, approval, store, tags, versions
 
@@ -317,7 +317,16 @@ class Spec:
 def _open_run(
     mlflow_client, model_name: str, version: str, builds: tuple, policy: CanaryPolicy, by: str, log
 ) -> tuple[Spec, Status]:
-    """The canary's MLflow run, phase initializing; `builds` = preflight()'s (stable, production, fallback)."""
+    """The canary's MLflow run, phase initializing; `builds` = preflight()'s (stable, production, fallback).
+    Raises QuantgateError while another canary of the model is live (one at a time)."""
+    other = live_run(mlflow_client, model_name, policy.stale_after_s)
+    if other is not None:
+        t = other.data.tags
+        raise QuantgateError(
+            f"a canary of {model_name} is in progress: v{t.get('candidate_version')}, run {other.info.run_id} "
+            f"({t.get('canary.phase')}, step {t.get('canary.step')}, controller {t.get('canary.controller')}); "
+            "wait for it to promote or abort, or stop it (Ctrl-C in its terminal)"
+        )
     stable, production, fallback = builds
     exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
     run_id = mlflow_client.create_run(
@@ -472,6 +481,8 @@ def run_canary(
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, traffic) if traffic is not None else None
+    if not {builds[0], builds[2], version} <= set(map(versions.version_number, reuse or {})):
+        serving_versions(serve.python)  # a server will start: its env must work before the run is opened
     spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
     stop, where = stop or threading.Event(), topology or CanaryTopology()
     if steps is not None:
@@ -523,7 +534,9 @@ def run_canary_on_gateway(
     builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, traffic) if traffic is not None else None
     with contextlib.closing(GatewaySplit(admin_url, token, version, policy.gateway_lost_s)) as split:
-        split.state()  # unreachable or a wrong token: QuantgateError before anything changes
+        serves = split.state().get("model")  # unreachable or a wrong token: QuantgateError before any change
+        if serves is not None and serves != model_name:
+            raise QuantgateError(f"the gateway at {admin_url} serves {serves}, not {model_name}: give its own gateway")
 
         def weight_zero(p: float) -> None:
             with contextlib.suppress(QuantgateError):
