@@ -10,7 +10,9 @@ generator alternates), goes to the candidate with the step's share, fails with t
 error rate, and a streamed one has a TTFT and a TPOT drawn from a lognormal (TTFT median
 0.2 s, sigma 0.4; TPOT median 0.1 s, sigma 0.2; the candidate's scaled by `slower`). A greedy
 candidate request is shadowed with probability shadow_fraction and agrees with the fp16 build
-with probability `agreement`. Seeded; runs in about a minute:
+with probability `agreement`. The candidate's vLLM gauges (vllm_requests_waiting,
+vllm_kv_cache_usage) read as an idle server's at every look: they are thresholds, not tests,
+and spend none of alpha. Seeded; runs in about a minute:
 
     .venv/bin/python -m benchmarks.canary_sim [--canaries 300] [--seed 0]
 """
@@ -27,6 +29,7 @@ import numpy as np
 from benchmarks.common import report
 from canary.analysis import analyze, fail_level, latency_level
 from canary.controller import step_decision
+from canary.engine import EngineSample
 from canary.metrics import Sample, ShadowSample
 from canary.plan import Traffic, plan
 from canary.policy import CanaryPolicy, load_policy
@@ -118,6 +121,10 @@ def simulate(sc: Scenario, rng) -> Run:
         samples, shadows = _requests(rng, sc, policy.max_step_s + policy.check_interval_s, step.percent / 100, clock)
         times = np.array([s.t for s in samples])
         shadow_times = np.array([s.t for s in shadows])
+        # the candidate's vLLM gauges, one scrape per look: an idle server (no queue, little KV
+        # in use) at these rates; the gauge checks then PASS after gauge_looks looks
+        looks_max = int(policy.max_step_s / policy.check_interval_s) + 2
+        idle = [EngineSample(clock + (n + 1) * policy.check_interval_s, "c", 0.0, 0.02) for n in range(looks_max)]
         k = 0
         while True:
             k += 1
@@ -126,7 +133,7 @@ def simulate(sc: Scenario, rng) -> Run:
             now = samples[:i]
             if sum(s.role == "stable" and s.ttft_s is not None for s in now) < policy.min_samples:
                 now = now + earlier_stable
-            result = analyze(now, shadows[:j], policy)
+            result = analyze(now, shadows[:j], policy, idle[:k])
             looks += 1
             decision = step_decision(result.verdict, elapsed, step, policy)
             if decision == "hold":
@@ -161,13 +168,14 @@ FAST = dict(
     check_interval_s=2,
     shadow_fraction=1.0,
     shadow_compare_words=2,
-    min_shadow_agreement=0.5,
 )
+FAST_BOUNDS = dict(shadow_agreement=0.5)
 
 
 def scenarios(base: CanaryPolicy) -> list[Scenario]:
-    fast = base.model_copy(update=FAST)
-    at_limit = Build(error_rate=base.max_error_rate, agreement=base.min_shadow_agreement, slower=1.5)
+    fast = base.model_copy(update=FAST).with_bounds(**FAST_BOUNDS)
+    err, agree = base.check("error_rate").bound, base.check("shadow_agreement").bound
+    at_limit = Build(error_rate=err, agreement=agree, slower=1.5)
     return [
         Scenario("A/A, defaults, 1 rps (README example)", base, 1.0, Build(), share=1.0),
         Scenario("at every threshold, defaults, 1 rps", base, 1.0, at_limit, stable_error_rate=0.0, share=0.1),

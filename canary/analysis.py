@@ -1,12 +1,14 @@
 """Judge one canary step: the candidate against stable, from the router's samples.
 
+The checks are `policy.checks`, a list of ranges (canary/policy.py); each is judged as below.
 `policy.alpha` bounds the probability that a canary of a build meeting every threshold aborts on
-a false FAIL, over all its checks, steps and looks. It is spent evenly (Bonferroni): each of the
-4 checks gets alpha / (4 * len(steps)) per step (`fail_level`), however often it is looked at.
+a false FAIL, over all its statistical checks, steps and looks. It is spent evenly (Bonferroni):
+each of the k listed statistical checks (error_rate, the latency ratios, shadow_agreement) gets
+alpha / (k * len(steps)) per step (`fail_level`), however often it is looked at.
 
 - error_rate: share of candidate attempts that failed (5xx, timeout, connection error, a
   stream cut after its first byte), counted before the retry on stable, against p0 =
-  max_error_rate. A mixture sequential probability ratio test (mSPRT; H. Robbins, "Statistical
+  error_rate's max. A mixture sequential probability ratio test (mSPRT; H. Robbins, "Statistical
   methods related to the law of the iterated logarithm", Ann. Math. Statist. 41:1397-1409, 1970;
   R. Johari et al., "Peeking at A/B tests", KDD 2017; M. Lindon et al., "Rapid regression
   detection in software deployments through sequential testing", KDD 2022, for canaries): after
@@ -22,7 +24,7 @@ a false FAIL, over all its checks, steps and looks. It is spent evenly (Bonferro
   Lambda_m) may be read after every request. FAIL when p_n <= fail_level.
 - shadow_agreement: share of sampled greedy candidate answers equal to the fp16 build's on
   the first policy.shadow_compare_words words: the same test on disagreements, p0 = 1 -
-  min_shadow_agreement.
+  shadow_agreement's min.
 - ttft_p95_ratio / tpot_p95_ratio: p95(candidate) / p95(stable) over successful streaming
   attempts (p95: numpy.percentile, linear interpolation, Hyndman & Fan type 7). Test: Mann-Whitney
   U of H1: candidate latencies are stochastically greater than threshold x stable's (H. B. Mann &
@@ -30,6 +32,11 @@ a false FAIL, over all its checks, steps and looks. It is spent evenly (Bonferro
   alternative="greater"; exact for small samples without ties, normal approximation with tie
   correction otherwise). Not always-valid, so the level is split again over the most looks a
   step allows (alpha spending, Bonferroni): fail_level / ceil(max_step_s / check_interval_s).
+
+- vllm_requests_waiting / vllm_kv_cache_usage: the candidate vLLM server's own gauges
+  (canary/engine.py), one scrape per look. Not a statistical test, so outside alpha: FAIL when
+  the gauge stayed above its max at each of the last policy.gauge_looks looks (a sustained queue
+  or a full KV cache, not a burst); PASS with gauge_looks scrapes otherwise.
 
 Verdict of a check: FAIL when the test rejects at its level (at any sample size: the guarantee
 holds at every n; for latency also the ratio beyond the threshold). PASS with at least
@@ -52,11 +59,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special, stats
 
+from canary.engine import EngineSample
 from canary.metrics import Sample, ShadowSample
-from canary.policy import CanaryPolicy
+from canary.policy import STATISTICAL, CanaryPolicy
 from quantgate.stats import Verdict
-
-CHECKS = 4  # error_rate, ttft_p95_ratio, tpot_p95_ratio, shadow_agreement: alpha is split over them
 
 
 @dataclass(frozen=True)
@@ -80,9 +86,15 @@ class StepResult:
     checks: tuple[Check, ...]
 
 
+def statistical_checks(policy: CanaryPolicy) -> int:
+    """How many listed checks share policy.alpha (at least 1: error_rate is always listed)."""
+    return sum(c.name in STATISTICAL for c in policy.checks)
+
+
 def fail_level(policy: CanaryPolicy) -> float:
-    """The level of a binomial check in one step: alpha / (checks x steps), for any number of looks."""
-    return policy.alpha / (CHECKS * len(policy.steps))
+    """The level of a binomial check in one step: alpha / (statistical checks x steps), for any
+    number of looks."""
+    return policy.alpha / (statistical_checks(policy) * len(policy.steps))
 
 
 def looks_per_step(policy: CanaryPolicy) -> int:
@@ -176,10 +188,17 @@ def _rate_check(name: str, bad: list[bool], threshold: float, policy: CanaryPoli
     )  # fmt: skip
 
 
+def _bound(policy: CanaryPolicy, name: str) -> float:
+    check = policy.check(name)
+    if check is None:
+        raise ValueError(f"the policy does not list {name}")
+    return check.bound
+
+
 def error_rate_check(samples: Iterable[Sample], policy: CanaryPolicy) -> Check:
-    """Candidate failure rate against policy.max_error_rate (mSPRT, always-valid p)."""
+    """Candidate failure rate against error_rate's max (mSPRT, always-valid p)."""
     failed = [not s.ok for s in samples if s.role == "candidate"]
-    return _rate_check("error_rate", failed, policy.max_error_rate, policy, higher_is_worse=True)
+    return _rate_check("error_rate", failed, _bound(policy, "error_rate"), policy, higher_is_worse=True)
 
 
 def p95_ratio(candidate: Sequence[float], stable: Sequence[float]) -> float:
@@ -193,7 +212,7 @@ def p95_ratio(candidate: Sequence[float], stable: Sequence[float]) -> float:
 def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) -> Check:
     """p95 ratio of `metric` ("ttft" or "tpot"); one-sided Mann-Whitney U of candidate against
     threshold x stable, at latency_level(policy)."""
-    threshold = {"ttft": policy.max_ttft_p95_ratio, "tpot": policy.max_tpot_p95_ratio}[metric]
+    threshold = _bound(policy, f"{metric}_p95_ratio")
     values: dict[str, list[float]] = {"candidate": [], "stable": []}
     for s in samples:
         v = getattr(s, f"{metric}_s")
@@ -212,9 +231,30 @@ def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) 
 
 
 def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy) -> Check:
-    """Agreement with the fp16 build against policy.min_shadow_agreement (mSPRT on disagreements)."""
+    """Agreement with the fp16 build against shadow_agreement's min (mSPRT on disagreements)."""
     disagree = [not s.agree for s in shadows]
-    return _rate_check("shadow_agreement", disagree, policy.min_shadow_agreement, policy, higher_is_worse=False)
+    return _rate_check("shadow_agreement", disagree, _bound(policy, "shadow_agreement"), policy, higher_is_worse=False)
+
+
+def gauge_check(engine: Sequence[EngineSample], policy: CanaryPolicy, name: str) -> Check:
+    """A vLLM gauge of the candidate (`vllm_requests_waiting` or `vllm_kv_cache_usage`) against
+    its max: FAIL when above it at each of the last policy.gauge_looks scrapes, PASS with that
+    many scrapes otherwise (module docstring). `value` is the lowest of those last scrapes, the
+    level the gauge held; n = scrapes with the gauge."""
+    threshold, k = _bound(policy, name), policy.gauge_looks
+    field = {"vllm_requests_waiting": "waiting", "vllm_kv_cache_usage": "kv_usage"}[name]
+    values = [v for v in (getattr(e, field) for e in engine) if v is not None]
+    n = len(values)
+    fmt = ".0f" if field == "waiting" else ".2f"
+    if n < k:
+        last = f"{values[-1]:{fmt}}" if values else "-"
+        why = "no /metrics scrape of the candidate yet" if not values else f"n={n} < gauge_looks {k}"
+        return Check(name, None, threshold, None, n, Verdict.INCONCLUSIVE, f"{name} {last} ({why}) INCONCLUSIVE")
+    held = min(values[-k:])
+    verdict = Verdict.FAIL if held > threshold else Verdict.PASS
+    op = ">" if held > threshold else "<="
+    text = f"{name} {held:{fmt}} {op} {threshold:{fmt}} (lowest of the last {k} looks, n={n}) {verdict.value}"
+    return Check(name, held, threshold, None, n, verdict, text)
 
 
 def combine(checks: Iterable[Check]) -> Verdict:
@@ -225,14 +265,23 @@ def combine(checks: Iterable[Check]) -> Verdict:
     return Verdict.INCONCLUSIVE if Verdict.INCONCLUSIVE in verdicts else Verdict.PASS
 
 
-def analyze(samples: Sequence[Sample], shadows: Sequence[ShadowSample], policy: CanaryPolicy) -> StepResult:
-    """All checks of a step from its samples (e.g. router.samples_since(step_start))."""
-    checks = (
-        error_rate_check(samples, policy),
-        latency_check(samples, policy, "ttft"),
-        latency_check(samples, policy, "tpot"),
-        shadow_check(shadows, policy),
-    )
+def analyze(
+    samples: Sequence[Sample],
+    shadows: Sequence[ShadowSample],
+    policy: CanaryPolicy,
+    engine: Sequence[EngineSample] = (),
+) -> StepResult:
+    """The listed checks of a step, in policy.checks' order, from its samples (e.g.
+    router.samples_since(step_start)) and the candidate's vLLM scrapes of the step."""
+    judge = {
+        "error_rate": lambda: error_rate_check(samples, policy),
+        "ttft_p95_ratio": lambda: latency_check(samples, policy, "ttft"),
+        "tpot_p95_ratio": lambda: latency_check(samples, policy, "tpot"),
+        "shadow_agreement": lambda: shadow_check(shadows, policy),
+        "vllm_requests_waiting": lambda: gauge_check(engine, policy, "vllm_requests_waiting"),
+        "vllm_kv_cache_usage": lambda: gauge_check(engine, policy, "vllm_kv_cache_usage"),
+    }
+    checks = tuple(judge[c.name]() for c in policy.checks)
     return StepResult(combine(checks), checks)
 
 

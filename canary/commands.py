@@ -177,7 +177,7 @@ def run(
     from canary.controller import run_canary, run_canary_on_gateway
     from canary.load import prompts_from_evals, replay
     from canary.plan import Traffic
-    from canary.policy import load_policy
+    from canary.policy import load_policy, load_topology
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import store
@@ -229,6 +229,7 @@ def run(
                     load_block("evaluate.serve", ServeParams),
                     by,
                     work_dir,
+                    topology=load_topology(),
                     reuse=reuse,
                     **common,
                 )

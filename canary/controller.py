@@ -8,7 +8,8 @@
    0 % once the router runs; say how long the canary will take, and refuse (QuantgateError)
    a plan whose steps cannot reach min_samples within max_step_s.
 4. Route through canary/router.py; for each policy step set the weight, look at the step's
-   samples every check_interval_s (canary/analysis.py, one live line per check), and end the
+   samples and the candidate vLLM server's gauges (canary/engine.py) every check_interval_s
+   (canary/analysis.py, one live line per check), and end the
    step at the first look after min_step_s where every check PASSes (each needs min_samples,
    which takes the planned seconds). At 100 % stable gets no traffic: its latencies from the
    earlier steps are the reference. Abort on a FAIL (each check's test holds its level over
@@ -40,14 +41,15 @@ from typing import Protocol
 
 from canary.admin import GatewayUnreachable, RemoteRouter
 from canary.analysis import analyze, live_line
+from canary.engine import EngineSample, scrape
 from canary.fleet import ServingFleet
 from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
-from canary.policy import CanaryPolicy
+from canary.policy import CHECK_KINDS, GAUGES, CanaryPolicy, CanaryTopology
 from canary.router import Router
 from canary.server import RouterServer
-from canary.status import EXPERIMENT, Phase, Status, reap_stale
+from canary.status import EXPERIMENT, Phase, Status, live_run, reap_stale
 from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams
+from quantgate.serving import ServeParams, serving_versions
 from quantgate.stats import Verdict
 from registry import aliases, approval, store, tags, versions
 
@@ -142,6 +144,7 @@ class Split(Protocol):
     def shadows_since(self, t: float) -> list: ...
     def alive(self, version: str) -> bool: ...
     def recover(self, percent: float) -> str | None: ...
+    def engine(self, version: str) -> EngineSample | None: ...
 
 
 @dataclass
@@ -166,6 +169,10 @@ class LocalSplit:
     def recover(self, percent: float) -> str | None:
         return None
 
+    def engine(self, version: str) -> EngineSample | None:
+        backend = self.fleet.backends.get(version)
+        return scrape(backend.url, f"v{version}") if backend else None
+
 
 class GatewaySplit(RemoteRouter):
     """A running gateway's split (canary.admin.RemoteRouter) that notices a restart.
@@ -186,6 +193,10 @@ class GatewaySplit(RemoteRouter):
 
     def attach(self, state: dict) -> None:
         self.seen = self._identity(state)
+
+    def engine(self, version: str) -> EngineSample | None:
+        url = self.state()["fleet"].get(version, {}).get("url")  # the gateway's vLLM server, as it reports it
+        return scrape(url, f"v{version}") if url else None
 
     def recover(self, percent: float) -> str | None:
         try:
@@ -220,6 +231,7 @@ def _run_steps(
 ) -> int:
     """Walk the planned steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
     run_t0 = time.time()
+    gauges = any(policy.check(n) for n in GAUGES)
     for step in steps:
         i, percent = step.step, step.percent
         try:
@@ -227,7 +239,7 @@ def _run_steps(
         except GatewayUnreachable:
             pass  # the first look's recover() waits for the gateway and sets it
         status.set(Phase.PROGRESSING, step=i, weight=percent)
-        t0 = time.time()
+        t0, engine = time.time(), []
         log(f"canary: step {i}/{len(steps)}: {percent:g}% of traffic to v{version} (planned {step.seconds:.0f} s)")
         while True:
             if stop.wait(policy.check_interval_s):
@@ -240,12 +252,16 @@ def _run_steps(
                 log(f"canary: step {i} resumed at {percent:g}%: {resumed}")
                 status.set(resumed=f"step {i}: {resumed}")
                 t0 = run_t0 = time.time()  # the new gateway's samples only
+                engine = []
                 continue
             try:
                 if not split.alive(version):
                     raise Aborted(f"the candidate's vLLM server (v{version}) exited", i, percent)
                 status.beat()
-                result = analyze(step_samples(split, t0, run_t0, policy.min_samples), split.shadows_since(t0), policy)
+                scraped = split.engine(version) if gauges else None
+                engine += [scraped] if scraped else []
+                samples = step_samples(split, t0, run_t0, policy.min_samples)
+                result = analyze(samples, split.shadows_since(t0), policy, engine)
                 n_cand = sum(s.role == "candidate" for s in split.samples_since(t0))
                 elapsed = time.time() - t0
                 decision = step_decision(result.verdict, elapsed, step, policy)
@@ -301,7 +317,16 @@ class Spec:
 def _open_run(
     mlflow_client, model_name: str, version: str, builds: tuple, policy: CanaryPolicy, by: str, log
 ) -> tuple[Spec, Status]:
-    """The canary's MLflow run, phase initializing; `builds` = preflight()'s (stable, production, fallback)."""
+    """The canary's MLflow run, phase initializing; `builds` = preflight()'s (stable, production, fallback).
+    Raises QuantgateError while another canary of the model is live (one at a time)."""
+    other = live_run(mlflow_client, model_name, policy.stale_after_s)
+    if other is not None:
+        t = other.data.tags
+        raise QuantgateError(
+            f"a canary of {model_name} is in progress: v{t.get('candidate_version')}, run {other.info.run_id} "
+            f"({t.get('canary.phase')}, step {t.get('canary.step')}, controller {t.get('canary.controller')}); "
+            "wait for it to promote or abort, or stop it (Ctrl-C in its terminal)"
+        )
     stable, production, fallback = builds
     exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
     run_id = mlflow_client.create_run(
@@ -315,12 +340,14 @@ def _open_run(
             "by": by,
         },
     ).info.run_id
-    for key, value in policy.model_dump(exclude={"router", "servers"}).items():
+    for key, value in policy.model_dump(exclude={"checks"}).items():
         mlflow_client.log_param(run_id, key, str(value))
+    for check in policy.checks:  # one param per check, e.g. check.error_rate = "max 0.01"
+        mlflow_client.log_param(run_id, f"check.{check.name}", f"{CHECK_KINDS[check.name][0]} {check.bound:g}")
     status = Status(mlflow_client, run_id)
     status.set(Phase.INITIALIZING)
     log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
-    log(f"canary: checks {', '.join(map(str, policy.checks()))} at steps {', '.join(f'{p:g}%' for p in policy.steps)}")
+    log(f"canary: checks {', '.join(map(str, policy.checks))} at steps {', '.join(f'{p:g}%' for p in policy.steps)}")
     return Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, run_id), status
 
 
@@ -432,6 +459,7 @@ def run_canary(
     by: str,
     work_dir: Path,
     *,
+    topology: CanaryTopology | None = None,
     reuse: dict[str, str] | None = None,
     log=print,
     stop: threading.Event | None = None,
@@ -440,6 +468,7 @@ def run_canary(
 ) -> Outcome:
     """Run one canary of `version` of `model_name` with its own servers and router (see the module docstring).
 
+    `topology` (params.yaml `canary_topology`; None = its defaults) places the router and the servers;
     `reuse` maps versions to URLs of servers already running (not verified, not stopped);
     `on_router(url)` is called once the router answers (e.g. to start load) and may return a
     callable run before the router stops (e.g. to stop that load); setting `stop` aborts
@@ -452,12 +481,14 @@ def run_canary(
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, traffic) if traffic is not None else None
+    if not {builds[0], builds[2], version} <= set(map(versions.version_number, reuse or {})):
+        serving_versions(serve.python)  # a server will start: its env must work before the run is opened
     spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
-    stop = stop or threading.Event()
+    stop, where = stop or threading.Event(), topology or CanaryTopology()
     if steps is not None:
         log(plan_line(policy, traffic, steps))
     with _recorded(spec, status) as run:
-        with ServingFleet(mlflow_client, model_name, serve, policy, Path(work_dir) / spec.run_id) as fleet:
+        with ServingFleet(mlflow_client, model_name, serve, where.servers, Path(work_dir) / spec.run_id) as fleet:
             for v, url in (reuse or {}).items():
                 fleet.reuse(versions.version_number(v), url)
             fleet.start(spec.stable, "stable", log)
@@ -468,7 +499,7 @@ def run_canary(
             )
             run.candidate_set = True
             router = Router(fleet.resolver(spec.stable), policy, model_name=model_name)
-            with RouterServer(router, policy.router.host, policy.router.port) as server:
+            with RouterServer(router, where.router.host, where.router.port) as server:
                 log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
                 split = LocalSplit(router, fleet)
                 run.outcome = _walk(spec, split, steps, traffic, log, stop, status, on_router, server.url)
@@ -503,7 +534,9 @@ def run_canary_on_gateway(
     builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, traffic) if traffic is not None else None
     with contextlib.closing(GatewaySplit(admin_url, token, version, policy.gateway_lost_s)) as split:
-        split.state()  # unreachable or a wrong token: QuantgateError before anything changes
+        serves = split.state().get("model")  # unreachable or a wrong token: QuantgateError before any change
+        if serves is not None and serves != model_name:
+            raise QuantgateError(f"the gateway at {admin_url} serves {serves}, not {model_name}: give its own gateway")
 
         def weight_zero(p: float) -> None:
             with contextlib.suppress(QuantgateError):

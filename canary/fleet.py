@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from canary.policy import CanaryPolicy, serve_params
+from canary.policy import Servers, serve_params
 from canary.router import Backend
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams, vllm_server
@@ -26,8 +26,8 @@ from registry.verify import verify_version
 class ServingFleet:
     """Servers by version ("3" -> Backend); use as a context manager."""
 
-    def __init__(self, mlflow_client, model_name: str, serve: ServeParams, policy: CanaryPolicy, work_dir: Path):
-        self.client, self.model, self.serve, self.policy = mlflow_client, model_name, serve, policy
+    def __init__(self, mlflow_client, model_name: str, serve: ServeParams, servers: Servers, work_dir: Path):
+        self.client, self.model, self.serve, self.servers = mlflow_client, model_name, serve, servers
         self.work_dir = Path(work_dir)
         self.backends: dict[str, Backend] = {}
         self.pids: dict[str, int] = {}
@@ -50,13 +50,13 @@ class ServingFleet:
 
     def start(self, version: str, role: str, log=print) -> Backend:
         """Verify `version`'s artifacts and serve them with the `role` server settings
-        (policy.servers.<role>); returns its Backend. Reuses a server already in the fleet.
+        (canary_topology.servers.<role>); returns its Backend. Reuses a server already in the fleet.
 
         Raises QuantgateError if the weights do not verify or the server does not start.
         """
         if version in self.backends:
             return self.backends[version]
-        override = getattr(self.policy.servers, role)
+        override = getattr(self.servers, role)
         backend, pid, _ = open_server(
             self._stack,
             self.client,

@@ -211,7 +211,7 @@ def run_gateway(
         restarts = Gauge(
             "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
         )
-        public: dict[str, str] = {}
+        public: dict[str, str] = {"model": model_name}
 
         def state() -> dict:
             fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}

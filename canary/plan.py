@@ -10,7 +10,9 @@ step i at p % of traffic gets per second
                       stable's streams of the earlier steps are the reference)
     shadow_agreement  r g f p/100 comparisons (f = shadow_fraction)
 
-so step i needs t_i = max(min_step_s, min_samples / (the slowest of those rates)) seconds.
+(only the checks policy.checks lists), and the vLLM gauge checks one scrape per look, so step i
+needs t_i = max(min_step_s, min_samples / (the slowest of those rates), gauge_looks x
+check_interval_s) seconds.
 The wait for the m-th sample of a Poisson stream is Gamma(m, rate), sd / mean = 1/sqrt(m)
 (22 % at m = 20), so a plan is refused when some t_i * SLACK > max_step_s: a step planned
 that close to its limit would often end on max_step_s instead of a verdict. A step whose
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 from canary.analysis import fail_level, latency_level
 from canary.metrics import Sample
-from canary.policy import CanaryPolicy
+from canary.policy import GAUGES, CanaryPolicy
 from quantgate.errors import QuantgateError
 
 SLACK = 1.5  # a step is planned to need at most max_step_s / SLACK
@@ -63,24 +65,29 @@ _FIXES = {
     "latency (stable streams)": "canary.steps (a lower share first), canary.min_samples or canary.max_step_s",
     "shadow_agreement": "canary.shadow_fraction, canary.steps, canary.min_samples or canary.max_step_s",
     "min_step_s": "canary.min_step_s or canary.max_step_s",
+    "vLLM gauges (gauge_looks)": "canary.gauge_looks, canary.check_interval_s or canary.max_step_s",
 }
 
 
 def plan(policy: CanaryPolicy, traffic: Traffic) -> tuple[StepPlan, ...]:
     """Each step's seconds at `traffic` (module docstring); pure."""
     m, r, out = policy.min_samples, traffic.rps, []
+    latency = any(policy.check(n) for n in ("ttft_p95_ratio", "tpot_p95_ratio"))
+    gauges = any(policy.check(n) for n in GAUGES)
     stable_before = 0.0  # stable streams collected in the earlier steps
     for i, percent in enumerate(policy.steps, 1):
         share = percent / 100
-        rates = {
-            "error_rate": r * share,
-            "latency (candidate streams)": r * traffic.stream_share * share,
-            "shadow_agreement": r * traffic.greedy_share * policy.shadow_fraction * share,
-        }
+        rates = {"error_rate": r * share}  # always listed
+        if latency:
+            rates["latency (candidate streams)"] = r * traffic.stream_share * share
+        if policy.check("shadow_agreement"):
+            rates["shadow_agreement"] = r * traffic.greedy_share * policy.shadow_fraction * share
         stable_rate = r * traffic.stream_share * (1 - share)
-        if stable_rate > 0 or stable_before < m:
+        if latency and (stable_rate > 0 or stable_before < m):
             rates["latency (stable streams)"] = stable_rate
         needs = {name: (m / rate if rate > 0 else float("inf")) for name, rate in rates.items()}
+        if gauges:  # one scrape per look
+            needs["vLLM gauges (gauge_looks)"] = policy.gauge_looks * policy.check_interval_s
         limiting = max(needs, key=needs.get)
         seconds, limiting = (
             (policy.min_step_s, "min_step_s") if needs[limiting] <= policy.min_step_s else (needs[limiting], limiting)

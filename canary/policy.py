@@ -6,11 +6,10 @@ Errors name the line and field, e.g. "params.yaml:60: canary.steps: ..." (quantg
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from quantgate.params import PARAMS_FILE, Frozen, load_block
 from quantgate.serving import ServeParams, no_dtype_arg
@@ -37,19 +36,75 @@ class RouterAddress(Frozen):
     port: int = Field(default=8080, ge=0, le=65535)  # 0 = a free port
 
 
-@dataclass(frozen=True)
-class CheckRange:
-    """One check as Flagger / Argo Rollouts write it: a metric and the range it must stay in
-    (None = unbounded on that side); a view of CanaryPolicy's thresholds, see `checks()`."""
+# name -> (the side its range is bounded on, the values that bound may take as an interval
+# written in the usual notation, what it measures)
+CHECK_KINDS: dict[str, tuple[str, str, str]] = {
+    "error_rate": ("max", "[0, 1)", "share of candidate attempts failing (5xx, timeout, refused)"),
+    "ttft_p95_ratio": ("max", "(0, inf)", "p95 time to first token, candidate / stable (streams)"),
+    "tpot_p95_ratio": ("max", "(0, inf)", "p95 time per output token, candidate / stable"),
+    "shadow_agreement": ("min", "(0, 1]", "greedy candidate answers equal to the fp16 build's"),
+    "vllm_requests_waiting": ("max", "[0, inf)", "candidate vLLM's queue: vllm:num_requests_waiting"),
+    "vllm_kv_cache_usage": ("max", "(0, 1]", "candidate vLLM's KV-cache use: vllm:kv_cache_usage_perc, 0-1"),
+}
+STATISTICAL = ("error_rate", "ttft_p95_ratio", "tpot_p95_ratio", "shadow_agreement")  # share policy.alpha
+GAUGES = ("vllm_requests_waiting", "vllm_kv_cache_usage")  # scraped from the candidate's own /metrics
 
-    name: str  # as canary/analysis.py names the check
-    min: float | None
-    max: float | None
+
+def _within(x: float, interval: str) -> bool:
+    """x in an interval written "[0, 1)", "(0, inf)", ..."""
+    lo, hi = (float(v) for v in interval[1:-1].split(","))
+    above = x >= lo if interval[0] == "[" else x > lo
+    below = x <= hi if interval[-1] == "]" else x < hi
+    return above and below
+
+
+class CheckRange(Frozen):
+    """One check as Flagger / Argo Rollouts write it: a metric and the range it must stay in,
+    e.g. `{name: error_rate, max: 0.01}` or `{name: shadow_agreement, min: 0.7}`. Each metric is
+    bounded on one side (CHECK_KINDS); how it is judged is canary/analysis.py's."""
+
+    name: Literal[tuple(CHECK_KINDS)]  # type: ignore[valid-type]
+    min: float | None = None
+    max: float | None = None
+
+    @model_validator(mode="after")
+    def _one_side(self) -> "CheckRange":
+        side, interval, what = CHECK_KINDS[self.name]
+        other = "min" if side == "max" else "max"
+        if getattr(self, other) is not None:
+            raise ValueError(f"{self.name} ({what}) is bounded by `{side}` only; remove `{other}`")
+        bound = getattr(self, side)
+        if bound is None:
+            raise ValueError(f"{self.name} needs `{side}`, e.g. {{name: {self.name}, {side}: ...}}")
+        if not _within(bound, interval):
+            raise ValueError(f"{self.name}.{side} must be in {interval}, got {bound:g}")
+        return self
+
+    @property
+    def bound(self) -> float:
+        """The threshold: `max` or `min`, whichever the metric is bounded by."""
+        return self.max if self.max is not None else self.min  # type: ignore[return-value]
 
     def __str__(self) -> str:
         lo = f"{self.min:g} <= " if self.min is not None else ""
         hi = f" <= {self.max:g}" if self.max is not None else ""
         return f"{lo}{self.name}{hi}"
+
+
+DEFAULT_CHECKS = (
+    CheckRange(name="error_rate", max=0.01),
+    CheckRange(name="ttft_p95_ratio", max=1.5),
+    CheckRange(name="tpot_p95_ratio", max=1.5),
+    CheckRange(name="shadow_agreement", min=0.7),
+    CheckRange(name="vllm_requests_waiting", max=4),
+    CheckRange(name="vllm_kv_cache_usage", max=0.9),
+)
+_MOVED_TO_CHECKS = {
+    "max_error_rate": "error_rate, max",
+    "max_ttft_p95_ratio": "ttft_p95_ratio, max",
+    "max_tpot_p95_ratio": "tpot_p95_ratio, max",
+    "min_shadow_agreement": "shadow_agreement, min",
+}
 
 
 class CanaryPolicy(Frozen):
@@ -60,10 +115,8 @@ class CanaryPolicy(Frozen):
     max_step_s: float = Field(default=900, gt=0)
     check_interval_s: float = Field(default=5, gt=0)  # seconds between looks at a step's samples
     measure_s: float = Field(default=30, gt=0)  # traffic measured at 0 % before step 1 when no rate is given
-    max_error_rate: float = Field(default=0.01, ge=0, lt=1)  # candidate 5xx/timeout/refused share
-    max_ttft_p95_ratio: float = Field(default=1.5, gt=0)  # candidate p95 / stable p95
-    max_tpot_p95_ratio: float = Field(default=1.5, gt=0)
-    min_shadow_agreement: float = Field(default=0.7, gt=0, le=1)  # vs the fp16 build, greedy requests
+    checks: list[CheckRange] = Field(default=list(DEFAULT_CHECKS), min_length=1)  # Flagger/Argo-style ranges
+    gauge_looks: int = Field(default=3, ge=1)  # a vLLM gauge check FAILs above its max at this many looks in a row
     min_samples: int = Field(default=20, ge=2)  # per role and check before a check may PASS
     alpha: float = Field(default=0.05, gt=0, lt=0.5)  # false FAIL of a build meeting every threshold, per canary
     min_requests_per_step: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
@@ -79,7 +132,24 @@ class CanaryPolicy(Frozen):
     warm_timeout_s: float = Field(default=600, gt=0)
     gateway_lost_s: float = Field(default=300, gt=0)
     stale_after_s: float = Field(default=120, gt=0)
-    router: RouterAddress = RouterAddress()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for key in ("router", "servers"):
+                if key in data:
+                    raise ValueError(
+                        f"canary.{key} moved to the block `canary_topology` (ports and cores apart from the "
+                        f"policy, issue 16): move it there"
+                    )
+            for key, (name, side) in ((k, v.split(", ")) for k, v in _MOVED_TO_CHECKS.items()):
+                if key in data:
+                    raise ValueError(
+                        f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {side}: "
+                        f"{data[key]}}}`; delete {key}"
+                    )
+        return data
 
     @field_validator("stale_after_s")
     @classmethod
@@ -91,16 +161,32 @@ class CanaryPolicy(Frozen):
             )
         return v
 
-    servers: Servers = Servers()
+    def check(self, name: str) -> CheckRange | None:
+        """The listed check called `name`, or None when the policy does not judge it."""
+        return next((c for c in self.checks if c.name == name), None)
 
-    def checks(self) -> tuple[CheckRange, ...]:
-        """The thresholds as checks with ranges, in canary/analysis.py's order (a view; params unchanged)."""
-        return (
-            CheckRange("error_rate", None, self.max_error_rate),
-            CheckRange("ttft_p95_ratio", None, self.max_ttft_p95_ratio),
-            CheckRange("tpot_p95_ratio", None, self.max_tpot_p95_ratio),
-            CheckRange("shadow_agreement", self.min_shadow_agreement, None),
-        )
+    def with_bounds(self, **bounds: float) -> "CanaryPolicy":
+        """A copy with the named listed checks' bounds replaced, e.g. with_bounds(ttft_p95_ratio=50).
+        Raises ValueError for a name the policy does not list."""
+        unknown = set(bounds) - {c.name for c in self.checks}
+        if unknown:
+            raise ValueError(f"not listed in canary.checks: {', '.join(sorted(unknown))}")
+        checks = [
+            c.model_copy(update={CHECK_KINDS[c.name][0]: float(bounds[c.name])}) if c.name in bounds else c
+            for c in self.checks
+        ]
+        return self.model_copy(update={"checks": checks})
+
+    @field_validator("checks")
+    @classmethod
+    def _error_rate_and_once_each(cls, checks: list[CheckRange]) -> list[CheckRange]:
+        names = [c.name for c in checks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"each check once; {', '.join(twice)} is listed twice")
+        if "error_rate" not in names:  # fail closed: a canary that cannot see failures must not promote
+            raise ValueError("error_rate must be listed (e.g. `- {name: error_rate, max: 0.01}`)")
+        return checks
 
     @field_validator("steps")
     @classmethod
@@ -109,6 +195,8 @@ class CanaryPolicy(Frozen):
             raise ValueError(f"each step is a percent of traffic in (0, 100], got {steps}")
         if any(a >= b for a, b in zip(steps, steps[1:], strict=False)):
             raise ValueError(f"steps must increase strictly, got {steps}")
+        if steps[-1] != 100:  # promotion moves production: the candidate must have carried all of it
+            raise ValueError(f"the last step must be 100 (all traffic on the candidate before promotion), got {steps}")
         return steps
 
     @field_validator("min_requests_per_step", "failure_limit", mode="before")
@@ -129,9 +217,23 @@ class CanaryPolicy(Frozen):
         return v
 
 
+class CanaryTopology(Frozen):
+    """Where a canary runs (block `canary_topology`): the router's address and each role's vLLM
+    server changes; kept apart from the policy's thresholds (block `canary`)."""
+
+    router: RouterAddress = RouterAddress()
+    servers: Servers = Servers()
+
+
 def load_policy(path: Path = PARAMS_FILE) -> CanaryPolicy:
     """Block `canary` of params.yaml. Raises QuantgateError naming params.yaml:<line>: canary.<field>."""
     return load_block("canary", CanaryPolicy, path)
+
+
+def load_topology(path: Path = PARAMS_FILE) -> CanaryTopology:
+    """Block `canary_topology` of params.yaml. Raises QuantgateError naming
+    params.yaml:<line>: canary_topology.<field>."""
+    return load_block("canary_topology", CanaryTopology, path)
 
 
 def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:

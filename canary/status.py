@@ -10,6 +10,8 @@ Flagger's Canary .status, so another process can see, and clean up after, a cont
     canary.resumed        why the controller resumed a step (the gateway restarted), if it did
     canary.aborted        why the run was aborted by someone other than its controller
 
+`live_run`: the canary of a model whose controller is beating, if any (one canary per model
+at a time: a second `canary run` is refused while it lives).
 `reap_stale`: a run still initializing or progressing whose heartbeat is older than
 `stale_after_s` has lost its controller; it is recorded as aborted ("controller gone since
 ..."), and `candidate` is cleared when it still points at that run's version.
@@ -72,6 +74,31 @@ class Status:
         self.client.log_batch(self.run_id, tags=tags)
 
 
+def _heartbeat(tags: dict) -> float:
+    try:
+        return float(tags.get(PREFIX + "heartbeat", "0"))
+    except ValueError:
+        return 0.0
+
+
+def _model_runs(mlflow_client, model_name: str) -> list:
+    exp = mlflow_client.get_experiment_by_name(EXPERIMENT)
+    if exp is None:
+        return []
+    return mlflow_client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{model_name}'")
+
+
+def live_run(mlflow_client, model_name: str, stale_after_s: float):
+    """The MLflow run of `model_name`'s canary that is initializing or progressing with a heartbeat
+    younger than stale_after_s (its controller is alive), or None."""
+    now = time.time()
+    for run in _model_runs(mlflow_client, model_name):
+        t = run.data.tags
+        if t.get(PREFIX + "phase") in LIVE and now - _heartbeat(t) < stale_after_s:
+            return run
+    return None
+
+
 def reap_stale(
     mlflow_client,
     model_name: str,
@@ -83,19 +110,12 @@ def reap_stale(
     """Record as aborted every canary run of `model_name` still initializing or progressing with a
     heartbeat older than stale_after_s; clear `candidate` if it points at such a run's version
     (and set the weight 0 through `set_weight`, when given). Returns the run ids."""
-    exp = mlflow_client.get_experiment_by_name(EXPERIMENT)
-    if exp is None:
-        return []
-    runs = mlflow_client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{model_name}'")
     now, reaped = time.time(), []
-    for run in runs:
+    for run in _model_runs(mlflow_client, model_name):
         t = run.data.tags
         if t.get(PREFIX + "phase") not in LIVE:
             continue
-        try:
-            beat = float(t.get(PREFIX + "heartbeat", "0"))
-        except ValueError:
-            beat = 0.0
+        beat = _heartbeat(t)
         if now - beat < stale_after_s:
             continue
         run_id, version = run.info.run_id, t.get("candidate_version")

@@ -8,12 +8,25 @@ import pytest
 import yaml
 from scipy import stats
 
-from canary.analysis import Check, analyze, combine, error_rate_check, latency_check, live_line, p95_ratio, shadow_check
+from canary.analysis import (
+    Check,
+    analyze,
+    combine,
+    error_rate_check,
+    fail_level,
+    gauge_check,
+    latency_check,
+    live_line,
+    p95_ratio,
+    shadow_check,
+)
+from canary.engine import EngineSample, parse
 from canary.metrics import Sample, ShadowSample
-from canary.policy import CanaryPolicy, ServerOverride, load_policy, serve_params
+from canary.policy import CanaryPolicy, ServerOverride, load_policy, load_topology, serve_params
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 from quantgate.stats import Verdict
+from tests.test_canary_router import vllm_exposition
 
 REPO = Path(__file__).resolve().parents[1]
 POLICY = CanaryPolicy()  # min_samples 20, alpha 0.05, max_error_rate 0.01, ratios 1.5, agreement 0.7
@@ -79,7 +92,7 @@ def test_error_rate_above_threshold_but_not_significant_is_inconclusive():
 
 
 def test_error_rate_at_threshold_passes_and_zero_errors_have_p_one():
-    at = error_rate_check(errors(1, 20), CanaryPolicy(max_error_rate=0.05))
+    at = error_rate_check(errors(1, 20), CanaryPolicy().with_bounds(error_rate=0.05))
     assert at.value == 0.05 and at.verdict is Verdict.PASS and "0.050 <= 0.050" in at.text
     zero = error_rate_check(errors(0, 20), POLICY)
     assert zero.p_value == 1.0 and zero.verdict is Verdict.PASS
@@ -125,7 +138,7 @@ def test_shadow_agreement_fail_and_live_line():
 
 def test_shadow_fail_holds_once_the_boundary_was_crossed():
     # 12 disagreements first cross the boundary; 30 agreements afterwards do not undo it
-    c = shadow_check(shadows(30, 42, agree_first=False), CanaryPolicy(min_shadow_agreement=0.5))
+    c = shadow_check(shadows(30, 42, agree_first=False), CanaryPolicy().with_bounds(shadow_agreement=0.5))
     assert c.value == pytest.approx(30 / 42) and c.verdict is Verdict.FAIL and "0.71 >= 0.50" in c.text
 
 
@@ -145,7 +158,7 @@ def latencies(cand, stab, metric="ttft"):
 def test_mann_whitney_clearly_separated_small_samples_exact_p():
     # 5 vs 5, every candidate value above every 1.5 x stable one: exact p = 1 / C(10, 5) = 1/252
     cand, stab = [10, 11, 12, 13, 14], [1, 2, 3, 4, 5]
-    one_look = CanaryPolicy(min_samples=5, steps=[50], min_step_s=5, max_step_s=5, check_interval_s=5)  # 0.05 / 4
+    one_look = CanaryPolicy(min_samples=5, steps=[100], min_step_s=5, max_step_s=5, check_interval_s=5)  # 0.05 / 4
     c = latency_check(latencies(cand, stab), one_look, "ttft")
     assert c.p_value == pytest.approx(1 / 252)
     assert c.value == pytest.approx(p95_ratio(cand, stab)) == pytest.approx(13.8 / 4.8)
@@ -212,15 +225,50 @@ def test_combine_any_fail_then_any_inconclusive_then_pass():
 def test_analyze_a_healthy_step_passes():
     data = errors(0, 40) + errors(0, 40, role="stable")
     data += [sample(r, ttft=0.1 + i / 100, tpot=0.02) for r in ("candidate", "stable") for i in range(25)]
-    result = analyze(data, shadows(20, 25), POLICY)
+    result = analyze(data, shadows(20, 25), POLICY, engine(waiting=[0, 1, 0], kv=[0.1, 0.2, 0.1]))
     assert result.verdict is Verdict.PASS, [c.text for c in result.checks]
-    assert [c.name for c in result.checks] == ["error_rate", "ttft_p95_ratio", "tpot_p95_ratio", "shadow_agreement"]
+    assert [c.name for c in result.checks] == [
+        "error_rate",
+        "ttft_p95_ratio",
+        "tpot_p95_ratio",
+        "shadow_agreement",
+        "vllm_requests_waiting",
+        "vllm_kv_cache_usage",
+    ]
+
+
+def engine(waiting, kv):
+    return [EngineSample(float(i), "v2", w, u) for i, (w, u) in enumerate(zip(waiting, kv, strict=True))]
+
+
+def test_a_vllm_gauge_fails_only_when_held_above_its_max_for_gauge_looks_looks():
+    policy = CanaryPolicy()  # waiting max 4, kv max 0.9, gauge_looks 3
+    burst = gauge_check(engine([0, 9, 9, 3], [0.1] * 4), policy, "vllm_requests_waiting")
+    assert burst.verdict is Verdict.PASS and burst.value == 3  # the lowest of the last 3 looks
+    held = gauge_check(engine([0, 5, 6, 9], [0.1] * 4), policy, "vllm_requests_waiting")
+    assert held.verdict is Verdict.FAIL and held.value == 5
+    assert held.text == "vllm_requests_waiting 5 > 4 (lowest of the last 3 looks, n=4) FAIL"
+    full = gauge_check(engine([0] * 3, [0.95, 0.97, 0.99]), policy, "vllm_kv_cache_usage")
+    assert full.verdict is Verdict.FAIL and full.value == pytest.approx(0.95)
+    few = gauge_check(engine([9, 9], [0.1, 0.1]), policy, "vllm_requests_waiting")
+    assert few.verdict is Verdict.INCONCLUSIVE and "n=2 < gauge_looks 3" in few.text
+    none = gauge_check([EngineSample(0.0, "v2", None, None)], policy, "vllm_kv_cache_usage")
+    assert none.verdict is Verdict.INCONCLUSIVE and "no /metrics scrape of the candidate yet" in none.text
+
+
+def test_the_vllm_gauges_are_read_from_a_real_exposition():
+    text = vllm_exposition(waiting=2, kv_usage=0.37)
+    s = parse(text + text.replace('engine="0"', 'engine="1"'), "v2", 5.0)  # two engines: queues add up
+    assert (s.waiting, s.kv_usage, s.t) == (4.0, 0.37, 5.0)
+    assert parse("# nothing of vLLM here\n", "v2", 0.0).waiting is None
 
 
 # --- policy ---------------------------------------------------------------------------------
 def test_policy_defaults_load_from_params_yaml():
     p = load_policy(REPO / "params.yaml")
     assert p.steps == [10, 25, 50, 100] and p.inconclusive in ("abort", "hold")
+    assert p.checks == CanaryPolicy().checks  # params.yaml lists the defaults
+    assert load_topology(REPO / "params.yaml").servers.candidate.cpu_cores == "1"
     assert 0 < p.alpha < 0.5 and p.min_samples >= 2 and p.shadow_compare_words >= 1
 
 
@@ -245,7 +293,18 @@ def write_params(tmp_path, block="canary", **changes) -> Path:
         ({"steps": [5, 150]}, "canary.steps"),
         ({"steps": []}, "canary.steps"),
         ({"alpha": 0.7}, "canary.alpha"),
-        ({"max_error_rate": -0.1}, "canary.max_error_rate"),
+        ({"checks": [{"name": "error_rate", "max": -0.1}]}, "canary.checks.0"),
+        ({"checks": [{"name": "error_rate", "min": 0.1}]}, "canary.checks.0"),
+        ({"checks": [{"name": "latency", "max": 2}]}, "canary.checks.0.name"),
+        ({"checks": [{"name": "ttft_p95_ratio", "max": 2}]}, "canary.checks"),
+        ({"checks": [{"name": "error_rate", "max": 0.1}, {"name": "error_rate", "max": 0.2}]}, "canary.checks"),
+        ({"checks": [{"name": "error_rate", "max": 0.1, "min": 0}]}, "canary.checks.0"),
+        (
+            {"checks": [{"name": "error_rate", "max": 0.1}, {"name": "vllm_kv_cache_usage", "max": 2}]},
+            "canary.checks.1",
+        ),
+        ({"steps": [10, 50]}, "canary.steps"),
+        ({"gauge_looks": 0}, "canary.gauge_looks"),
         ({"min_step_s": 300, "max_step_s": 120}, "canary.max_step_s"),
         ({"inconclusive": "maybe"}, "canary.inconclusive"),
         ({"shadow_fraction": 2}, "canary.shadow_fraction"),
@@ -253,14 +312,39 @@ def write_params(tmp_path, block="canary", **changes) -> Path:
         ({"failure_limit": 2}, "canary.failure_limit"),
         ({"min_requests_per_step": 100}, "canary.min_requests_per_step"),
         ({"measure_s": 0}, "canary.measure_s"),
-        ({"servers__stable__port": 70000}, "canary.servers.stable.port"),
-        ({"router__hots": "x"}, "canary.router.hots"),
     ],
 )
 def test_bad_policy_values_name_the_field(tmp_path, changes, field):
     with pytest.raises(QuantgateError) as exc:
         load_policy(write_params(tmp_path, **changes))
     assert re.search(rf"params.yaml:\d+: {re.escape(field)}: ", str(exc.value))  # file, line, field
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"servers__stable__port": 70000}, "canary_topology.servers.stable.port"),
+        ({"router__hots": "x"}, "canary_topology.router.hots"),
+    ],
+)
+def test_bad_topology_values_name_the_field(tmp_path, changes, field):
+    with pytest.raises(QuantgateError) as exc:
+        load_topology(write_params(tmp_path, block="canary_topology", **changes))
+    assert re.search(rf"params.yaml:\d+: {re.escape(field)}: ", str(exc.value))
+
+
+@pytest.mark.parametrize(
+    "key,value,says",
+    [
+        ("max_error_rate", 0.02, "is now an entry of canary.checks: `- {name: error_rate, max: 0.02}`"),
+        ("min_shadow_agreement", 0.8, "`- {name: shadow_agreement, min: 0.8}`"),
+        ("router", {"port": 0}, "canary.router moved to the block `canary_topology`"),
+        ("servers", {}, "canary.servers moved to the block `canary_topology`"),
+    ],
+)
+def test_keys_of_the_old_policy_say_where_they_went(tmp_path, key, value, says):
+    with pytest.raises(QuantgateError, match=re.escape(says)):
+        load_policy(write_params(tmp_path, **{key: value}))
 
 
 @pytest.mark.parametrize("key", ["failure_limit", "min_requests_per_step"])
@@ -282,13 +366,27 @@ def test_serve_params_applies_a_roles_port_and_appends_its_args():
     assert p.dtype == base.dtype and base.port == 0
 
 
-def test_policy_checks_are_the_thresholds_as_ranges_in_the_analysis_order():
-    policy = CanaryPolicy(max_error_rate=0.02, min_shadow_agreement=0.8)
-    checks = policy.checks()
-    assert [c.name for c in checks] == [c.name for c in analyze([], [], policy).checks]
-    assert [str(c) for c in checks] == [
+def test_the_policy_is_its_list_of_checks_judged_in_that_order():
+    policy = CanaryPolicy().with_bounds(error_rate=0.02, shadow_agreement=0.8)
+    assert [c.name for c in policy.checks] == [c.name for c in analyze([], [], policy).checks]
+    assert [str(c) for c in policy.checks] == [
         "error_rate <= 0.02",
         "ttft_p95_ratio <= 1.5",
         "tpot_p95_ratio <= 1.5",
         "0.8 <= shadow_agreement",
+        "vllm_requests_waiting <= 4",
+        "vllm_kv_cache_usage <= 0.9",
     ]
+    assert fail_level(policy) == pytest.approx(0.05 / (4 * 4))  # gauges spend no alpha
+
+
+def test_a_check_left_out_is_not_judged_and_alpha_is_split_over_the_rest():
+    policy = CanaryPolicy.model_validate(
+        {"checks": [{"name": "shadow_agreement", "min": 0.6}, {"name": "error_rate", "max": 0.05}]}
+    )
+    result = analyze(errors(0, 30), shadows(25, 30), policy)  # no latencies, no gauges: not asked for
+    assert [c.name for c in result.checks] == ["shadow_agreement", "error_rate"]
+    assert result.verdict is Verdict.PASS, [c.text for c in result.checks]
+    assert fail_level(policy) == pytest.approx(0.05 / (2 * 4))
+    with pytest.raises(ValueError, match="not listed in canary.checks: ttft_p95_ratio"):
+        policy.with_bounds(ttft_p95_ratio=2)

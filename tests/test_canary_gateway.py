@@ -41,8 +41,8 @@ def sample(t: float, role: str = "candidate", ok: bool = True) -> Sample:
 class Gateway:
     """A Router (resolve() given) with its admin app on AppServers, restartable on the same admin port."""
 
-    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, policy: CanaryPolicy | None = None):
-        self.resolve, self.fleet, self.policy = resolve, fleet, policy or CanaryPolicy()
+    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, policy: CanaryPolicy | None = None, model=None):
+        self.resolve, self.fleet, self.policy, self.model = resolve, fleet, policy or CanaryPolicy(), model
         self.admin_port, self.public_port = free_port(), free_port()
         self.router = self.public = self.admin = None
 
@@ -52,7 +52,8 @@ class Gateway:
         started = time.time()
 
         def state():
-            return {"url": self.public.url, "pid": os.getpid(), "started_at": started, "fleet": self.fleet()}
+            s = {"url": self.public.url, "pid": os.getpid(), "started_at": started, "fleet": self.fleet()}
+            return {**s, "model": self.model} if self.model else s
 
         self.admin = AppServer(admin_app(self.router, state, TOKEN), "127.0.0.1", self.admin_port, grace_s=1).start()
         return self
@@ -185,6 +186,9 @@ class FakeSplit:
     def alive(self, version):
         return True
 
+    def engine(self, version):
+        return None
+
     def recover(self, percent):
         r = self.recovers.pop(0)
         if isinstance(r, Exception):
@@ -244,7 +248,7 @@ def registry_gateway(client, fakes) -> Gateway:
         }
 
     def fleet():
-        return {v: {"alive": True} for v in aliases.current(client, MODEL).values()}
+        return {v: {"alive": True, "url": f"{fakes[v].server.url}/v1"} for v in aliases.current(client, MODEL).values()}
 
     return Gateway(resolve, fleet, CanaryPolicy(shadow_fraction=1.0, shadow_compare_words=2)).start()
 
@@ -257,12 +261,13 @@ FAST = CanaryPolicy(
     min_samples=3,
     shadow_fraction=1.0,
     shadow_compare_words=2,
-    min_shadow_agreement=0.5,
-    max_ttft_p95_ratio=50,  # fake backends on a busy machine: judge errors and agreement, not speed
-    max_tpot_p95_ratio=50,
     warm_timeout_s=20,
     gateway_lost_s=5,
     stale_after_s=60,
+).with_bounds(
+    shadow_agreement=0.5,
+    ttft_p95_ratio=50,  # fake backends on a busy machine: judge errors and agreement, not speed
+    tpot_p95_ratio=50,
 )
 
 
@@ -393,3 +398,47 @@ def test_gateway_must_be_an_http_url(url):
     r = CliRunner().invoke(cli, ["canary", "run", "m", "2", "--by", "t", "--gateway", url])
     assert r.exit_code == 1 and "give the admin endpoint's http(s) URL" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+def canary_runs(client) -> int:
+    exp = client.get_experiment_by_name(EXPERIMENT)
+    return len(client.search_runs([exp.experiment_id])) if exp else 0
+
+
+def test_a_second_canary_of_the_model_is_refused_while_one_is_live(project, fake_fleet):  # noqa: F811
+    client = project
+    exp = store.experiment_id(client, EXPERIMENT, client.tracking_uri)
+    live = client.create_run(exp, tags={"model": MODEL, "candidate_version": "3"}).info.run_id
+    Status(client, live).set(Phase.PROGRESSING, step=2, weight=25.0)  # a fresh heartbeat
+    g = registry_gateway(client, fake_fleet)
+    try:
+        before = canary_runs(client)
+        with pytest.raises(
+            QuantgateError, match=rf"a canary of {MODEL} is in progress: v3, run {live} \(progressing, step 2"
+        ):
+            run_canary_on_gateway(client, MODEL, "2", FAST, "tester", g.url, TOKEN, log=lambda line: None)
+        assert canary_runs(client) == before and "candidate" not in aliases.current(client, MODEL)
+    finally:
+        g.stop()
+        client.set_tag(live, "canary.phase", Phase.ABORTED.value)
+
+
+def test_a_gateway_serving_another_model_is_refused_before_any_change(project):  # noqa: F811
+    g = Gateway(lambda: {"stable": STABLE}, model="other-model").start()
+    try:
+        before = canary_runs(project)
+        with pytest.raises(QuantgateError, match=f"serves other-model, not {MODEL}: give its own gateway"):
+            run_canary_on_gateway(project, MODEL, "2", FAST, "tester", g.url, TOKEN, log=lambda line: None)
+        assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
+    finally:
+        g.stop()
+
+
+def test_a_local_canary_without_a_serving_env_opens_no_run(project, tmp_path):  # noqa: F811
+    from canary.controller import run_canary
+    from quantgate.serving import ServeParams
+
+    before = canary_runs(project)
+    with pytest.raises(QuantgateError, match="serving python '/nonexistent/python' cannot report its vLLM platform"):
+        run_canary(project, MODEL, "2", FAST, ServeParams(python="/nonexistent/python"), "tester", tmp_path)
+    assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)

@@ -148,3 +148,20 @@ STEP = StepPlan(1, 10.0, 400.0, "latency (candidate streams)")
 )
 def test_step_decision(verdict, elapsed, inconclusive, expected):
     assert step_decision(verdict, elapsed, STEP, CanaryPolicy(inconclusive=inconclusive)) == expected
+
+
+def test_a_plan_waits_only_for_the_checks_the_policy_lists():
+    only_errors = CanaryPolicy.model_validate({"checks": [{"name": "error_rate", "max": 0.05}], "min_step_s": 1})
+    steps = plan(only_errors, Traffic(2.0, stream_share=0.5))  # no latency, no shadow: error_rate's samples
+    assert steps[0].limiting == "error_rate" and steps[0].seconds == pytest.approx(20 / (2.0 * 0.10))
+    gauges = CanaryPolicy.model_validate(
+        {
+            "checks": [{"name": "error_rate", "max": 0.05}, {"name": "vllm_kv_cache_usage", "max": 0.9}],
+            "min_step_s": 1,
+            "gauge_looks": 30,
+            "check_interval_s": 5,
+        }
+    )
+    last = plan(gauges, Traffic(100.0))[-1]  # at 100 req/s the samples come at once; 30 looks take 150 s
+    assert last.limiting == "vLLM gauges (gauge_looks)" and last.seconds == 150
+    assert "canary.gauge_looks" in refusal(gauges.model_copy(update={"max_step_s": 200}), Traffic(100.0), [last])

@@ -18,7 +18,7 @@ from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 from scipy import stats
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from canary.commands import COMMANDS, load
@@ -45,6 +45,21 @@ class Behaviour:
     error_chunk: bool = False  # stream an error object first, as vLLM does on engine errors
     error_after: int | None = None  # chunks sent before an error object in the stream
     script: list | None = None  # stream exactly these: dicts (chunks), "DONE", "CUT" (die), "END" (close)
+    waiting: float = 0.0  # vllm:num_requests_waiting on /metrics
+    kv_usage: float = 0.05  # vllm:kv_cache_usage_perc on /metrics
+
+
+def vllm_exposition(waiting: float, kv_usage: float) -> str:
+    """/metrics as vLLM 0.32 writes the two gauges the canary reads (one engine)."""
+    labels = '{engine="0",model_name="m"}'
+    return (
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{labels} {waiting}\n"
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{labels} {kv_usage}\n"
+    )
 
 
 def sse(doc) -> bytes:
@@ -61,9 +76,13 @@ class Fake:
             routes=[
                 Route("/v1/completions", self.answer, methods=["POST"]),
                 Route("/v1/chat/completions", self.answer, methods=["POST"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
             ]
         )
         self.server = AppServer(app, grace_s=1)
+
+    async def metrics(self, request):
+        return PlainTextResponse(vllm_exposition(self.behaviour.waiting, self.behaviour.kv_usage))
 
     @property
     def backend(self) -> Backend:
