@@ -40,7 +40,7 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator
 
 from quantgate.errors import QuantgateError
-from quantgate.params import PARAMS_FILE, Frozen, load_block, parse, read_yaml
+from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, read_yaml
 from quantgate.serving import ServeParams
 
 ANONYMOUS = "anonymous"  # the team of requests that name none, or none with its own rate limit
@@ -83,7 +83,11 @@ class Limits(Frozen):
 
     @field_validator("team_header")
     @classmethod
-    def _lower_case(cls, v: str) -> str:
+    def _header_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", v):  # an RFC 9110 token
+            raise ValueError(
+                f"{v!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~; no spaces or colons)"
+            )
         return v.lower()
 
     def rate(self, team: str) -> tuple[Rate, str]:
@@ -105,15 +109,46 @@ class Limits(Frozen):
 
 
 def load_limits(path: Path = PARAMS_FILE) -> Limits:
-    """Block `limits` of params.yaml, max_context_tokens null resolved to evaluate.serve.max_model_len.
+    """Block `limits` of params.yaml, max_context_tokens null resolved to evaluate.serve.max_model_len
+    (the tokens a served build's vLLM server accepts).
 
-    Raises QuantgateError naming params.yaml:<line>: limits.<field>.
+    Raises QuantgateError naming params.yaml:<line> and the field that is wrong: limits.<field>, or
+    evaluate.serve.max_model_len when the ceiling comes from it. A max_context_tokens above
+    max_model_len is refused (vLLM would refuse those requests itself, with its own 400); with
+    max_model_len -1 (vLLM fits the length at start, unknown here) max_context_tokens must be set.
     """
     limits = load_block("limits", Limits, path)
-    if limits.max_context_tokens is not None:
-        return limits
-    ceiling = load_block("evaluate.serve", ServeParams, path).max_model_len
-    return parse(Limits, {**limits.model_dump(), "max_context_tokens": ceiling}, str(path), path, ("limits",))
+    model_len = load_block("evaluate.serve", ServeParams, path).max_model_len
+    lines = key_lines(path)
+
+    def refuse(key: tuple[str, ...], message: str) -> QuantgateError:
+        line = lines.get(key) or lines.get(key[:-1])
+        return QuantgateError(f"{path}{f':{line}' if line else ''}: {'.'.join(key)}: {message}")
+
+    known = model_len >= 2  # vLLM: -1 = fit to memory at start; 0 and 1 leave no room for a prompt
+    ceiling = limits.max_context_tokens
+    if ceiling is None:
+        if not known:
+            raise refuse(
+                ("limits", "max_context_tokens"),
+                f"null takes evaluate.serve.max_model_len, which is {model_len}"
+                + (" (vLLM's own length, known only once a server runs)" if model_len == -1 else "")
+                + "; set limits.max_context_tokens to the tokens a request may use, e.g. 2048",
+            )
+        if limits.max_output_tokens >= model_len:
+            raise refuse(
+                ("limits", "max_output_tokens"),
+                f"{limits.max_output_tokens} leaves no room for a prompt under the context ceiling, "
+                f"evaluate.serve.max_model_len {model_len} (limits.max_context_tokens is null); lower it",
+            )
+        return limits.model_copy(update={"max_context_tokens": model_len})
+    if known and ceiling > model_len:
+        raise refuse(
+            ("limits", "max_context_tokens"),
+            f"{ceiling} is over evaluate.serve.max_model_len {model_len}, the most a served build accepts; "
+            f"lower it to at most {model_len}, or null to use max_model_len",
+        )
+    return limits
 
 
 class TokenBucket:

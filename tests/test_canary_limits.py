@@ -273,7 +273,7 @@ def test_params_defaults_load_and_a_null_ceiling_is_the_served_max_model_len(tmp
     serve = yaml.safe_load((REPO / "params.yaml").read_text())["evaluate"]["serve"]
     assert limits.max_context_tokens == serve["max_model_len"] and limits.max_output_tokens < serve["max_model_len"]
     assert limits.team_header == "x-team" and limits.rate_limits.default.burst >= 1
-    assert load_limits(write_params(tmp_path, "limits", max_context_tokens=4096)).max_context_tokens == 4096
+    assert load_limits(write_params(tmp_path, "limits", max_context_tokens=1024)).max_context_tokens == 1024
 
 
 @pytest.mark.parametrize(
@@ -293,6 +293,64 @@ def test_bad_limits_name_the_params_line_and_field(tmp_path, changes, field):
     with pytest.raises(QuantgateError) as exc:
         load_limits(write_params(tmp_path, "limits", **changes))
     assert re.search(rf"params.yaml:\d+: {re.escape(field)}: ", str(exc.value)), str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "model_len, limits, message",
+    [
+        (
+            2048,
+            {"max_context_tokens": 4096},
+            "limits.max_context_tokens: 4096 is over evaluate.serve.max_model_len 2048, the most a served build "
+            "accepts; lower it to at most 2048, or null to use max_model_len",
+        ),
+        (
+            -1,
+            {"max_context_tokens": None},
+            "limits.max_context_tokens: null takes evaluate.serve.max_model_len, which is -1 (vLLM's own length, "
+            "known only once a server runs); set limits.max_context_tokens to the tokens a request may use, e.g. 2048",
+        ),
+        (
+            256,
+            {"max_context_tokens": None, "max_output_tokens": 512},
+            "limits.max_output_tokens: 512 leaves no room for a prompt under the context ceiling, "
+            "evaluate.serve.max_model_len 256 (limits.max_context_tokens is null); lower it",
+        ),
+        (
+            2048,
+            {"team_header": "x team:"},
+            "limits.team_header: Value error, 'x team:' is not an HTTP header name (letters, digits and "
+            "!#$%&'*+-.^_`|~; no spaces or colons)",
+        ),
+    ],
+)
+def test_the_ceiling_is_checked_against_the_served_length_and_errors_name_the_right_field(
+    tmp_path, model_len, limits, message
+):
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    doc["evaluate"]["serve"]["max_model_len"] = model_len
+    doc["limits"].update(limits)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(QuantgateError) as exc:
+        load_limits(path)
+    field = message.split(":")[0]
+    line = next(
+        i
+        for i, text in enumerate(path.read_text().splitlines(), 1)
+        if text.strip().startswith(field.split(".")[1] + ":")
+    )
+    assert str(exc.value) == f"{path}:{line}: {message}"
+
+
+def test_an_explicit_ceiling_with_vllms_own_length_is_taken_as_given(tmp_path):
+    doc = yaml.safe_load((REPO / "params.yaml").read_text())
+    doc["evaluate"]["serve"]["max_model_len"] = -1
+    doc["limits"].update(max_context_tokens=8192, team_header="X-Team_2")
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    limits = load_limits(path)
+    assert (limits.max_context_tokens, limits.team_header) == (8192, "x-team_2")
 
 
 def test_a_ceiling_without_a_counter_is_refused():
