@@ -20,7 +20,7 @@ import click
 
 from canary.load import APIS
 from quantgate.errors import QuantgateError, command_errors
-from registry.commands import version_arg
+from registry.commands import by_arg, version_arg
 
 
 @click.command("load")
@@ -106,6 +106,7 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     "--by",
     default=lambda: os.environ.get("USER"),
     required=True,
+    callback=by_arg,
     show_default="$USER",
     help="Who runs the canary (recorded in the audit).",
 )

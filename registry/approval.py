@@ -123,7 +123,7 @@ def require_text(**values: str | None) -> None:
     """QuantgateError naming the first option (--by, --reason, ...) that is empty or blank."""
     for name, value in values.items():
         if not (value or "").strip():
-            hint = " (it defaults to $USER, which is not set here: pass --by NAME)" if name == "by" else ""
+            hint = ": name who is acting, e.g. --by alice (it defaults to $USER)" if name == "by" else ""
             raise QuantgateError(f"--{name} must not be empty{hint}")
 
 

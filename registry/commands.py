@@ -51,10 +51,21 @@ def version_arg(ctx, param, value: str) -> str:
     return v
 
 
+def by_arg(ctx, param, value: str | None) -> str:
+    """--by: who acts (recorded), stripped. Raises click.ClickException (one line, naming --by) for a
+    blank name, before the registry is touched; says when the blank came from $USER, its default."""
+    if value is None or not value.strip():
+        from_user = ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT
+        why = "its default, $USER, is unset or empty here" if from_user else "it is empty"
+        raise click.ClickException(f"--by: {why}; name who is acting (it is recorded), e.g. --by alice")
+    return value.strip()
+
+
 _by = click.option(
     "--by",
     default=lambda: os.environ.get("USER"),
     required=True,
+    callback=by_arg,
     show_default="$USER",
     help="Who is acting (recorded).",
 )

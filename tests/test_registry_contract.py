@@ -631,3 +631,30 @@ def test_version_argument_rejects_non_numbers():
     assert result.exit_code == 2 and "'latest' is not a model version; give its number, e.g. 3 or v3" in result.output
     result = CliRunner().invoke(promote, ["m", "2", "--expect-production", "garbage", "--reason", "r", "--by", "a"])
     assert result.exit_code == 2 and "e.g. 3 or v3 or none" in result.output
+
+
+@pytest.mark.parametrize("command", ["register", "approve", "revoke", "promote", "rollback", "canary run"])
+def test_an_empty_by_is_refused_in_one_line_before_the_registry(command, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from quantgate.cli import cli
+
+    args = {
+        "register": ["0" * 32, "--override", "x"],
+        "approve": ["m", "1", "--reason", "r"],
+        "revoke": ["m", "1", "--reason", "r"],
+        "promote": ["m", "1", "--expect-production", "none", "--reason", "r"],
+        "rollback": ["m", "--reason", "r"],
+        "canary run": ["m", "1"],
+    }[command]
+    monkeypatch.chdir(tmp_path)  # no registry here: a refusal that reached it would say so instead
+    for by, env, why in (
+        (["--by", ""], {"USER": "dora"}, "it is empty"),
+        (["--by", "  "], {"USER": "dora"}, "it is empty"),
+        ([], {"USER": ""}, "its default, $USER, is unset or empty here"),
+    ):
+        result = CliRunner().invoke(cli, [*command.split(), *args, *by], env=env)
+        assert result.exit_code == 1 and result.output.splitlines() == [
+            f"Error: --by: {why}; name who is acting (it is recorded), e.g. --by alice"
+        ], result.output
+    assert list(tmp_path.iterdir()) == []
