@@ -161,7 +161,10 @@ class RemoteRouter:
         except httpx.InvalidURL as exc:
             raise QuantgateError(f"--gateway {self.url!r}: not a URL ({exc})") from None
         except httpx.HTTPError as exc:
-            raise GatewayUnreachable(f"admin endpoint {self.url} did not answer ({type(exc).__name__})") from None
+            raise GatewayUnreachable(
+                f"admin endpoint {self.url} did not answer ({type(exc).__name__}); is `quantgate serve` running "
+                "there? it logs its admin endpoint's URL at start"
+            ) from None
         if r.status_code != 200:
             try:
                 why = r.json()["error"]["message"]

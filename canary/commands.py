@@ -268,10 +268,19 @@ def run(
 def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_port: int | None) -> None:
     """Serve MODEL's registry aliases behind one OpenAI endpoint until Ctrl-C or SIGTERM.
 
-    production (else fallback) takes the traffic, fallback/previous/candidate are kept warm
-    (params.yaml `fleet`), alias changes are followed within a second, a failed production
-    request is retried on fallback, and dead servers are restarted. An admin endpoint (fleet.admin,
-    loopback, bearer token) lets `quantgate canary run --gateway` set the split and read the samples.
+    Run it from the project folder: the registry is $MLFLOW_TRACKING_URI (default ./mlflow.db),
+    settings are params.yaml `fleet` and `limits`. production (else fallback) takes the traffic;
+    fallback, candidate and previous are kept warm, each from weights verified against the
+    registry. Alias changes (promote, rollback, a canary) are followed within a second: a poll
+    every fleet.poll_s, and at once through an MLflow webhook when the registry is an `mlflow
+    server` (fleet.webhook). A failed production request is retried on fallback, dead servers are
+    restarted. An admin endpoint (fleet.admin, loopback, bearer token) lets `quantgate canary run
+    --gateway` set the split and read the samples.
+
+    \b
+    Example:
+      quantgate serve smollm2-135m-instruct        # OpenAI API at http://127.0.0.1:8000/v1
+      curl -s localhost:8000/health                # the serving version and the warm servers
     """
     import signal
 

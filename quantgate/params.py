@@ -54,7 +54,8 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise QuantgateError(f"{path}: file not found") from None
+        where = f" in {Path.cwd()}; run from the project folder" if not path.is_absolute() else ""
+        raise QuantgateError(f"{path}: file not found{where}") from None
     except UnicodeDecodeError as exc:
         raise QuantgateError(f"{path}: not UTF-8 (byte {exc.start}); save it as UTF-8") from None
 

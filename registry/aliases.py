@@ -63,7 +63,11 @@ def current(mlflow_client, model_name: str) -> dict[str, str]:
     except MlflowException as exc:
         if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
             raise
-        raise QuantgateError(f"model {model_name!r} is not registered at this tracking URI") from None
+        where = getattr(mlflow_client, "tracking_uri", None) or "this tracking URI"
+        raise QuantgateError(
+            f"model {model_name!r} is not registered at {where}; check the name (params.yaml "
+            "register.model_name) or MLFLOW_TRACKING_URI"
+        ) from None
     return {a: str(v) for a, v in (rm.aliases or {}).items() if a in ALIASES}
 
 

@@ -385,6 +385,7 @@ def test_canary_run_gateway_refusals_are_one_line(project, tmp_path, monkeypatch
     (tmp_path / "token").write_text("t\n")
     result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, "--token-file", str(tmp_path / "token")])
     assert result.exit_code == 1 and "did not answer" in result.output, result.output
+    assert "is `quantgate serve` running there?" in result.output
     assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
 
 

@@ -356,3 +356,12 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
     bad.write_text("fleet:\n  port: 8001\n")
     with pytest.raises(QuantgateError, match="fleet: .*admin.port 8001 is also fleet.port"):
         load_fleet_params(bad)
+
+
+def test_serve_outside_the_project_says_where_it_looked(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(QuantgateError) as exc:
+        load_fleet_params(Path("params.yaml"))
+    assert str(exc.value) == f"params.yaml: file not found in {tmp_path}; run from the project folder"

@@ -585,6 +585,11 @@ def test_commands_print_errors_without_traceback(reg):
     assert res.exit_code == 0 and "production=none" in res.output
     res = runner.invoke(history, [r.model, "--at", "yesterday"])
     assert res.exit_code == 2 and "is not an ISO time" in res.output
+    res = runner.invoke(history, ["no-such-model"])  # a typo: the error says where it looked
+    assert res.exit_code == 1 and res.output.splitlines() == [
+        f"Error: model 'no-such-model' is not registered at {r.backend.uri}; check the name "
+        "(params.yaml register.model_name) or MLFLOW_TRACKING_URI"
+    ]
 
 
 def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, monkeypatch):
