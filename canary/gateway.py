@@ -133,6 +133,7 @@ def webhook_url(params: FleetParams, admin_url: str) -> str:
         return params.webhook_url
     port = admin_url.rsplit(":", 1)[1]
     host = "127.0.0.1" if params.admin.host in ("0.0.0.0", "::", "") else params.admin.host
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
     return f"http://{host}:{port}{WEBHOOK_PATH}"
 
 
