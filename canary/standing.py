@@ -127,6 +127,11 @@ def plan(now: dict[str, str], params: FleetParams) -> list[tuple[str, str]]:
     return out[: params.max_servers]
 
 
+def _kind(why: str) -> str:
+    """A failure's reason without its numbers: a server log's timestamps, pids and ports differ per try."""
+    return re.sub(r"\d+", "#", why)
+
+
 @dataclass
 class Failing:
     """A planned version that could not be served: failed tries in a row, the last reason, and
@@ -326,7 +331,7 @@ class StandingFleet:
                 f"v{version}: not served: {why}; next try in {delay:g} s, "
                 f"then after twice as long each time, up to {p.restart_backoff_max_s:g} s"
             )
-        elif why != before.why:
+        elif _kind(why) != _kind(before.why):
             self.log(f"v{version}: still not served after {tries} tries, now: {why}; next try in {delay:g} s")
 
     def _stop(self, version: str, drain: bool) -> None:

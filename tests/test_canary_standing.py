@@ -73,6 +73,7 @@ class Fakes:
         self.started: list[str] = []
         self.verified: list[str] = []
         self.fail, self.fail_start = fail or set(), fail_start or set()
+        self.failed_starts = 0
         self.inflight: dict[str, int] = {}
         monkeypatch.setattr(standing.aliases, "current", lambda client, model: dict(self.aliases))
         monkeypatch.setattr(standing.versions, "require_version", self.require_version)
@@ -91,8 +92,11 @@ class Fakes:
 
     def open_server(self, stack, client, model, version, params, work_dir, role, log, verified):
         assert verified.is_dir()  # standing.py verified the weights first
-        if version in self.fail_start:
-            raise QuantgateError(f"v{version}: the vLLM server exited during start-up")
+        if version in self.fail_start:  # as vLLM's log says it: a pid (and a time) that differ per try
+            self.failed_starts += 1
+            raise QuantgateError(
+                f"v{version}: the vLLM server exited during start-up: ERROR [pid {self.failed_starts}]"
+            )
         self.started.append(version)
         return (*sleep_server(stack, version), verified)
 
@@ -193,13 +197,13 @@ def test_a_failing_start_is_verified_once_and_backs_off_exponentially(monkeypatc
             if fleet.failures["3"].tries != (before.tries if before else 0):
                 tried_at.append(t)
         assert tried_at == [0, 5, 15, 35, 65, 95, 125, 155, 185]  # +5, +10, +20, then the 30 s cap
-        assert f.verified.count("3") == 1  # its weights were hashed once, not once per try
+        assert f.verified.count("3") == 1 and f.failed_starts == 9  # weights hashed once, not once per try
         assert fleet.next_retry_in() == 215 - 199 and f.started == ["1"]
         assert [line for line in lines if line.startswith("v3")] == [
             "v3: weights verified against the registry (weights_sha256 dddddddddddd...)",
-            "v3: not served: v3: the vLLM server exited during start-up; next try in 5 s, "
+            "v3: not served: v3: the vLLM server exited during start-up: ERROR [pid 1]; next try in 5 s, "
             "then after twice as long each time, up to 30 s",
-        ]  # one line when it starts failing, none per try
+        ]  # one line when it starts failing, none per try (numbers in the reason aside)
         f.digests["3"], f.fail = "e" * 64, {"3"}  # new weights registered under v3: verified again, and bad
         now[0] = 215.0
         fleet.reconcile()
