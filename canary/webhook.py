@@ -15,10 +15,11 @@ Each delivery (`Receiver`) is checked as MLflow signs it (mlflow/webhooks/delive
 Standard Webhooks scheme, https://www.standardwebhooks.com): header X-MLflow-Signature is
 "v1,<base64 HMAC-SHA256(secret, f'{delivery_id}.{timestamp}.{body}')>" (several may be given,
 space-separated), X-MLflow-Timestamp the Unix seconds it was sent, X-MLflow-Delivery-Id a UUID.
-A missing or malformed header or body answers 400, a wrong signature or a timestamp more than
-MAX_AGE_S (300 s) from now 401 (a replay), each with a one-line message; a delivery id seen within
-that window answers 200 and is not acted on again. A valid event for the served model calls
-`on_alias(alias, version)` (version None for a deletion); other models' events answer 200, ignored.
+A missing or malformed header or body answers 400 (a body over 64 KiB: 413, unread), a wrong
+signature or a timestamp more than MAX_AGE_S (300 s) from now 401 (a replay), each with a one-line
+message; a delivery id seen within that window answers 200 and is not acted on again. A valid
+event for the served model calls `on_alias(alias, version)` (version None for a deletion); other
+models' events answer 200, ignored.
 
 The server side needs (MLflow 3.17): MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https for an http callback
 URL (the default allows https only), MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true for a loopback or
@@ -46,6 +47,7 @@ EVENTS = ("model_version_alias.created", "model_version_alias.deleted")
 SIGNATURE, TIMESTAMP, DELIVERY_ID = "x-mlflow-signature", "x-mlflow-timestamp", "x-mlflow-delivery-id"
 MAX_AGE_S = 300  # a delivery older (or further in the future) than this is refused as a replay
 PATH = "/admin/webhook"  # on the admin endpoint (canary/admin.py)
+MAX_BODY = 65536  # bytes; larger deliveries are refused unread
 
 
 class Rejected(Exception):
@@ -80,7 +82,8 @@ def verify(secret: str, headers: Mapping[str, str], body: bytes, now: float, max
         raise Rejected(401, f"webhook: {SIGNATURE} does not match this gateway's secret")
     age = now - int(timestamp)
     if abs(age) > max_age_s:
-        raise Rejected(401, f"webhook: sent {age:.0f} s ago, outside +-{max_age_s:g} s; refused as a replay")
+        when = f"sent {age:.0f} s ago" if age > 0 else f"dated {-age:.0f} s ahead"
+        raise Rejected(401, f"webhook: {when}, outside +-{max_age_s:g} s; refused as a replay")
     try:
         payload = json.loads(body)
     except ValueError:
@@ -128,7 +131,12 @@ class Receiver:
 
     async def endpoint(self, request: Request) -> JSONResponse:
         try:
-            return JSONResponse(self.handle(request.headers, await request.body()))
+            body = b""
+            async for chunk in request.stream():  # an alias event is ~200 bytes: read no more than MAX_BODY
+                body += chunk
+                if len(body) > MAX_BODY:
+                    raise Rejected(413, f"webhook: the body is over {MAX_BODY} bytes")
+            return JSONResponse(self.handle(request.headers, body))
         except Rejected as exc:
             return JSONResponse({"error": {"message": exc.message, "code": exc.status}}, exc.status)
 
