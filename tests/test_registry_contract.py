@@ -1,7 +1,8 @@
-"""The registry contract against real MLflow: an embedded sqlite store and an `mlflow server`
-on loopback (sqlite backend, local artifacts). Real versions come from pipeline.register on
-small safetensors builds (no torch: the registry only hashes and moves files); each test
-registers its own model name, so the tests share one store per backend."""
+"""The registry contract against real MLflow on three backends: an embedded sqlite store, an
+`mlflow server` over sqlite with local artifacts, and an `mlflow server` over a real PostgreSQL with
+artifacts in a real S3-compatible store (tests/services.py; all on loopback). Real versions come
+from pipeline.register on small safetensors builds (no torch: the registry only hashes and moves
+files); each test registers its own model name, so the tests share one store per backend."""
 
 import multiprocessing
 import multiprocessing.forkserver
