@@ -719,6 +719,7 @@ def test_unreachable_database_or_object_store_and_wrong_credentials_are_one_line
         took = time.monotonic() - started
         assert res.exit_code == 1 and message in res.output and len(res.output.splitlines()) == 1, res.output
         assert took < 10, f"{took:.1f} s for: {res.output}"
-    # the same server with the right key answers (the model does not exist: MLflow says so)
-    res = CliRunner().invoke(cli, ["history", "no-such-model"], env=at_server)
-    assert "refused" not in res.output and "not reachable" not in res.output, res.output
+    # the same server with the right key, and the database itself as the tracking URI, answer
+    for env in (at_server, {"MLFLOW_TRACKING_URI": postgres.uri}):
+        res = CliRunner().invoke(cli, ["history", "no-such-model"], env=env)
+        assert res.output == "Error: model 'no-such-model' is not registered at this tracking URI\n", res.output
