@@ -47,6 +47,7 @@ Path(sys.argv[2]).write_text(json.dumps({"sha256": hashlib.sha256(weights).hexdi
 
 
 def dvc(args: list[str], cwd: Path, env: dict[str, str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run `dvc ARGS` in `cwd`; with check, fail the test with DVC's output when it fails."""
     p = subprocess.run([DVC, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     if check and p.returncode != 0:
         pytest.fail(f"dvc {' '.join(args)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
