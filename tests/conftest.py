@@ -167,3 +167,28 @@ def safetensors_build(path: Path, build: str, seed: int, shards: int) -> Path:
         recipe={"source": "test"},
     )
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL on 127.0.0.1 for the whole session (tests/services.py); skipped, saying
+    why, on a machine without PostgreSQL's server binaries."""
+    from tests import services
+
+    if services.postgres_bin() is None:
+        pytest.skip("no PostgreSQL server binaries (initdb, postgres): apt-get install postgresql")
+    pg = services.start_postgres()
+    yield pg
+    services.stop(pg.proc, signal.SIGINT)  # PostgreSQL's fast shutdown
+    shutil.rmtree(pg.data, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory):
+    """A real S3-compatible server (moto, IAM authentication on) on 127.0.0.1 for the whole session,
+    with bucket `quantgate` and one access key (tests/services.py)."""
+    from tests import services
+
+    store = services.start_object_store(tmp_path_factory.mktemp("s3"))
+    yield store
+    services.stop(store.proc)

@@ -26,7 +26,7 @@ from canary.standing import FleetParams
 from canary.webhook import Receiver, Rejected, register, sign, verify, webhook_name
 from quantgate.serving import ServeParams, free_port
 from registry import store
-from tests.mlflow_server import mlflow_server
+from tests.services import sqlite_mlflow_server
 from tests.test_canary_render import MODEL, tiny_registry
 from tests.test_canary_standing import sleep_server
 
@@ -231,7 +231,7 @@ def server_registry(tmp_path_factory):
     root = tmp_path_factory.mktemp("webhook")
     for d in ("server", "project"):
         (root / d).mkdir()
-    with mlflow_server(root / "server", WEBHOOK_ENV) as server:
+    with sqlite_mlflow_server(root / "server", WEBHOOK_ENV) as server:
         server.wait_ready()
         yield tiny_registry(root / "project", server.uri), server
 

@@ -1,12 +1,14 @@
-"""The registry contract against real MLflow: an embedded sqlite store and an `mlflow server`
-on loopback (sqlite backend, local artifacts). Real versions come from pipeline.register on
-small safetensors builds (no torch: the registry only hashes and moves files); each test
-registers its own model name, so the tests share one store per backend."""
+"""The registry contract against real MLflow on three backends: an embedded sqlite store, an
+`mlflow server` over sqlite with local artifacts, and an `mlflow server` over a real PostgreSQL with
+artifacts in a real S3-compatible store (tests/services.py; all on loopback). Real versions come
+from pipeline.register on small safetensors builds (no torch: the registry only hashes and moves
+files); each test registers its own model name, so the tests share one store per backend."""
 
 import multiprocessing
 import multiprocessing.forkserver
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from importlib import metadata
 from pathlib import Path
@@ -18,21 +20,32 @@ import pytest
 from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, sha256_file
-from quantgate.serving import free_port
 from registry import aliases, approval, audit, lock, runs, store
 from registry.status import status_lines
 from registry.verify import verify_version
-from tests import registry_race
+from tests import registry_race, services
 from tests.conftest import safetensors_build
-from tests.mlflow_server import mlflow_server as launch_mlflow_server
 from tests.test_register import gate_result, team_summary
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1, launched at once (it starts while the sqlite tests run)."""
-    with launch_mlflow_server(tmp_path_factory.mktemp("server")) as server:
+    """`mlflow server` on 127.0.0.1 over sqlite with local artifacts, launched at once (it starts while
+    the sqlite tests run)."""
+    with services.sqlite_mlflow_server(tmp_path_factory.mktemp("server")) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def pg_server(request, tmp_path_factory):
+    """`mlflow server` over the session's PostgreSQL with artifacts in the session's S3 store: clients
+    read and write s3://quantgate/mlflow themselves (--no-serve-artifacts, the usual set-up at scale)."""
+    pg, s3 = request.getfixturevalue("postgres"), request.getfixturevalue("object_store")
+    root = tmp_path_factory.mktemp("pg-server")
+    artifacts = ["--default-artifact-root", f"s3://{s3.bucket}/mlflow", "--no-serve-artifacts"]
+    server = services.launch_mlflow_server(root, pg.uri, artifacts, s3.env())
+    yield server, s3
+    services.stop(server.proc)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +62,28 @@ class Backend:
     name: str
     uri: str
     root: Path  # working directory of the pipeline (params.yaml, dvc.lock, results/)
-    artifacts: Path  # where the server keeps artifacts (sqlite: ./mlartifacts under root)
+    artifacts: Path | None  # where a file-based store keeps artifacts (sqlite: ./mlartifacts under root)
+    s3: services.ObjectStore | None = None  # the object store holding the artifacts instead
+    env: dict[str, str] = field(default_factory=dict)  # what a client needs besides MLFLOW_TRACKING_URI
 
     def artifact_file(self, client, mv, name: str) -> Path:
-        """The file in the artifact store behind `model/<name>` of version `mv`."""
+        """The file in a file-based artifact store behind `model/<name>` of version `mv`."""
         uri = client.get_run(mv.run_id).info.artifact_uri
         rel = re.sub(r"^(mlflow-artifacts:|file://)", "", uri).lstrip("/")
         base = Path("/" + rel) if uri.startswith("file:") else self.artifacts / rel
         return base / "model" / name
+
+    def overwrite_tail(self, client, mv, name: str, tail: bytes) -> None:
+        """Overwrite the last bytes of the stored `model/<name>` of `mv`, in place (file or S3 object)."""
+        if self.s3 is None:
+            with open(self.artifact_file(client, mv, name), "r+b") as f:
+                f.seek(-len(tail), 2)
+                f.write(tail)
+            return
+        bucket, _, prefix = client.get_run(mv.run_id).info.artifact_uri.removeprefix("s3://").partition("/")
+        key = f"{prefix}/model/{name}"
+        body = self.s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+        self.s3.client().put_object(Bucket=bucket, Key=key, Body=body[: -len(tail)] + tail)
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +96,29 @@ def forkserver():
     return ctx
 
 
-@pytest.fixture(scope="module", params=["sqlite", "server"])
+BACKENDS = [
+    "sqlite",
+    "server",
+    pytest.param("postgres", marks=pytest.mark.services),
+]  # embedded sqlite; mlflow server on sqlite; on PostgreSQL + S3
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
 def backend(request, mlflow_server, forkserver, tmp_path_factory) -> Backend:
+    if services.postgres_bin() and any(i.nodeid.endswith("[postgres]") for i in request.session.items):
+        request.getfixturevalue("pg_server")  # launched now, so it starts while the sqlite tests run
     root = tmp_path_factory.mktemp(request.param)
     (root / "params.yaml").write_text("register: {}\n")
     (root / "dvc.lock").write_text("schema: '2.0'\n")
     (root / "results/eval").mkdir(parents=True)
     if request.param == "sqlite":
         return Backend("sqlite", f"sqlite:///{root}/mlflow.db", root, root / "mlartifacts")
-    mlflow_server.wait_ready()
-    return Backend("server", mlflow_server.uri, root, mlflow_server.artifacts)
+    if request.param == "server":
+        mlflow_server.wait_ready()
+        return Backend("server", mlflow_server.uri, root, mlflow_server.log.parent / "artifacts")
+    server, s3 = request.getfixturevalue("pg_server")  # skips, saying why, without PostgreSQL
+    server.wait_ready()
+    return Backend("postgres", server.uri, root, None, s3, s3.env())
 
 
 TEAMS = {"search": team_summary("5e" * 32)}
@@ -108,6 +148,8 @@ def reg(backend, builds, monkeypatch, request):
     """A function registering the tiny builds under a model name unique to the test."""
     monkeypatch.chdir(backend.root)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", backend.uri)
+    for key, value in backend.env.items():
+        monkeypatch.setenv(key, value)
     client = store.client()
     model = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
 
@@ -347,7 +389,10 @@ def test_concurrent_promotions_from_two_processes_one_wins(reg, forkserver):
         approval.approve(r.client, r.model, v, "rm", "gate PASS")
     barrier, queue = forkserver.Barrier(2), forkserver.Queue()
     procs = [
-        forkserver.Process(target=registry_race.promote_at_barrier, args=(r.backend.uri, r.model, v, barrier, queue))
+        forkserver.Process(
+            target=registry_race.promote_at_barrier,
+            args=(r.backend.uri, r.backend.env, r.model, v, barrier, queue),
+        )
         for v in (a, b)
     ]
     for p in procs:
@@ -435,14 +480,16 @@ def test_tampered_weights_refused_for_serving(reg, tmp_path):
     v = r.version("int4")
     approval.approve(r.client, r.model, v, "rm", "gate PASS")
     mv = r.client.get_model_version(r.model, v)
+    if r.backend.s3 is not None:  # the weights are objects in the S3 store, read by the client itself
+        uri = r.client.get_run(mv.run_id).info.artifact_uri
+        assert uri.startswith(f"s3://{r.backend.s3.bucket}/mlflow/")
+        listed = r.backend.s3.client().list_objects_v2(Bucket=r.backend.s3.bucket, Prefix=uri[5:].partition("/")[2])
+        assert {o["Key"].rsplit("/", 1)[1] for o in listed["Contents"]} >= {SHARD1, SHARD2}
     local = verify_version(r.client, r.model, v, tmp_path / "ok")
     assert {p.name: sha256_file(p) for p in local.glob("*.safetensors")} == {
         k.removeprefix("weights_sha256."): d for k, d in mv.tags.items() if k.startswith("weights_sha256.")
     }
-    stored = r.backend.artifact_file(r.client, mv, SHARD2)
-    with open(stored, "r+b") as f:
-        f.seek(-8, 2)
-        f.write(b"\x01" * 8)
+    r.backend.overwrite_tail(r.client, mv, SHARD2, b"\x01" * 8)
     with pytest.raises(
         QuantgateError,
         match=rf"{r.model} v{v}: model/{SHARD2} in the artifact store has sha256 .* "
@@ -498,7 +545,7 @@ def test_alias_to_missing_or_deleted_version_refused(reg):
     assert a not in aliases.current(r.client, r.model).values()
 
 
-@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.services)], indirect=True)
 def test_lock_busy_names_holder_and_stale_lock_is_broken(reg):
     r = reg({})
     first = lock.acquire(r.client, r.model, "promote v2 by alice")
@@ -610,7 +657,7 @@ def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, mo
         and f"no params.yaml in {tmp_path}: run from the project folder, or name the model" in res.output
     )
     assert list(tmp_path.iterdir()) == []
-    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: one line in seconds, not MLflow's minutes of retries
+    dead = f"http://127.0.0.1:{services.free_port()}"  # nothing listens: one line in seconds, not minutes of retries
     res = CliRunner().invoke(cli, ["history", "m"], env={"MLFLOW_TRACKING_URI": dead})
     assert res.exit_code == 1 and f"MLflow server at {dead} is not reachable (ConnectError)" in res.output
 
@@ -663,3 +710,45 @@ def test_an_empty_by_is_refused_in_one_line_before_the_registry(command, tmp_pat
             f"Error: --by: {why}; name who is acting (it is recorded), e.g. --by alice"
         ], result.output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.services
+def test_unreachable_database_or_object_store_and_wrong_credentials_are_one_line_in_seconds(pg_server, postgres):
+    from click.testing import CliRunner
+
+    from quantgate.cli import cli
+
+    server, s3 = pg_server
+    server.wait_ready()
+    dead = services.free_port()  # nothing listens there
+    at_server = {**s3.env(), "MLFLOW_TRACKING_URI": server.uri}
+    for env, message in (
+        (
+            {"MLFLOW_TRACKING_URI": f"postgresql://quantgate:secret@127.0.0.1:{dead}/mlflow"},
+            f"database at postgresql://quantgate:***@127.0.0.1:{dead}/mlflow is not reachable (connection failed: ",
+        ),
+        (
+            {"MLFLOW_TRACKING_URI": postgres.uri.replace("/mlflow", "/nope")},
+            'is not reachable (connection failed: connection to server at "127.0.0.1", port '
+            f'{postgres.port} failed: FATAL: database "nope" does not exist); start it or fix MLFLOW_TRACKING_URI',
+        ),
+        (
+            at_server | {"MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{dead}"},
+            f"object store at http://127.0.0.1:{dead} is not reachable (EndpointConnectionError); start it or fix",
+        ),
+        (
+            at_server | {"AWS_SECRET_ACCESS_KEY": "wrong"},
+            f"the object store at {s3.endpoint} refused the credentials (SignatureDoesNotMatch); fix AWS_ACCESS_KEY_ID",
+        ),
+        (at_server | {"AWS_ACCESS_KEY_ID": "AKIA" + "X" * 16}, "refused the credentials (InvalidAccessKeyId)"),
+    ):
+        started = time.monotonic()
+        res = CliRunner().invoke(cli, ["history", "m"], env=env)
+        took = time.monotonic() - started
+        assert res.exit_code == 1 and message in res.output and len(res.output.splitlines()) == 1, res.output
+        assert took < 10, f"{took:.1f} s for: {res.output}"
+    # the same server with the right key, and the database itself as the tracking URI, answer
+    for env in (at_server, {"MLFLOW_TRACKING_URI": postgres.uri}):
+        res = CliRunner().invoke(cli, ["history", "no-such-model"], env=env)
+        assert res.output.startswith("Error: model 'no-such-model' is not registered at "), res.output
+        assert len(res.output.splitlines()) == 1, res.output
