@@ -14,6 +14,7 @@ Each parses, calls registry/, prints; a QuantgateError or an MLflow error is one
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -30,9 +31,16 @@ def _errors() -> Iterator[None]:
     from registry import store
 
     with command_errors(
-        also=(MlflowException,), describe=lambda exc: f"MLflow at {store.tracking_uri()}: {exc.message}"
+        also=(MlflowException,), describe=lambda exc: f"MLflow at {store.tracking_uri()}: {one_line(exc.message)}"
     ):
         yield
+
+
+def one_line(message: str) -> str:
+    """An MLflow error message as one line, without the SQL statement and driver text a database
+    error carries (e.g. psycopg's `StringDataRightTruncation ... [SQL: INSERT ...]`)."""
+    text = re.split(r"\(psycopg|\(sqlite3\.|\[SQL:|\(Background on this error", message)[0]
+    return " ".join(text.split())[:500] or "error"
 
 
 def _client():
@@ -45,7 +53,7 @@ def version_arg(ctx, param, value: str) -> str:
     """A model version as MLflow numbers it: "3" and "v3" both give "3"."""
     v = value.strip()
     v = v[1:] if v[:1] in ("v", "V") else v
-    if not v.isdigit():
+    if not (v.isascii() and v.isdigit()):  # str.isdigit() also accepts "²" and "١"
         extra = " or none" if param.name == "expect_production" else ""
         raise click.BadParameter(f"{value!r} is not a model version; give its number, e.g. 3 or v3{extra}")
     return v

@@ -117,7 +117,7 @@ def register_run(mlflow_client, run_id: str, by: str, override_reason: str | Non
             f"run {run_id} (build {build} of {model}): gate.verdict is {verdict}, not PASS, so it was not "
             f"registered; to ship it anyway: quantgate register {run_id} --override REASON (recorded and audited)"
         )
-    with lock.held(mlflow_client, model, f"register by {by}") as lk:
+    with lock.held(mlflow_client, model, f"register by {by}", by=by) as lk:
         run = build_run(mlflow_client, run_id)  # again, under the lock: not registered meanwhile
         with tempfile.TemporaryDirectory() as tmp:
             verify.verify_run(mlflow_client, run, Path(tmp))

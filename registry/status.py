@@ -32,7 +32,9 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         raise QuantgateError(f"{model_name!r} is quantgate's registry lock, not a model")
     try:
         rm = mlflow_client.get_registered_model(model_name)
-    except MlflowException:
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise  # any other answer (a server error, a refusal) is reported as the server said it
         raise QuantgateError(f"model {model_name!r} is not registered at this tracking URI; run `dvc repro`") from None
     by_version: dict[str, list[str]] = {}
     for alias, version in (rm.aliases or {}).items():

@@ -25,7 +25,7 @@ FALLBACK = "fallback"
 def version_number(version) -> str:
     """ "3", 3 or "v3" -> "3"; raise QuantgateError for anything else."""
     text = str(version).strip().lower().removeprefix("v")
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit() also accepts "²" and "١"
         raise QuantgateError(f"{version!r} is not a model version number (e.g. 3 or v3)")
     return str(int(text))
 
