@@ -10,7 +10,8 @@ A version counts as approved only when approval=approved, by and reason are fill
 gate.verdict is PASS or BASELINE or an override reason is recorded. The verdict is the one
 recorded as a param of the build's run at registration (registry.versions.recorded_verdict);
 a gate.verdict tag that differs from it (edited in the UI) makes the version NOT approved.
-Versions registered before the param existed have only the tag, which is read as before.
+Versions registered before the param existed have only the tag, which is read as before; a
+version whose run is gone (purged by `mlflow gc`) has lost its record and is NOT approved.
 Anything else (missing, revoked, an unknown value, an override missing) reads as NOT
 approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
@@ -107,6 +108,12 @@ def verdict_problem(tag: str | None, recorded: str | None) -> str | None:
     quantgate recorded it: its tag is all there is, and is read as before)."""
     if recorded is None or tag == recorded:
         return None
+    if recorded.startswith(versions.GONE):
+        return (
+            f"the build's run {recorded.removeprefix(versions.GONE)} is gone (purged by `mlflow gc`?), so the "
+            f"verdict it recorded cannot be read and the gate.verdict tag ({tag or 'missing'}) is not trusted; "
+            f"register the build again (`dvc repro`)"
+        )
     shown = "missing" if tag is None else repr(tag)
     return (
         f"tag gate.verdict is {shown} but the build's run recorded {recorded!r} at registration (the tag was "

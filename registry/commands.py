@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import click
 
@@ -201,6 +201,10 @@ def rollback(model: str, by: str, reason: str, to: str) -> None:
 def _when(ctx, param, value: str | None) -> datetime | None:
     if value is None:
         return None
+    if value.strip().lower() == "now":
+        from registry.audit import utc_now
+
+        return utc_now()
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -210,7 +214,11 @@ def _when(ctx, param, value: str | None) -> datetime | None:
 @click.command()
 @click.argument("model")
 @click.option(
-    "--at", "at", callback=_when, metavar="ISO-TIME", help="Show the aliases as they were at this time (no zone = UTC)."
+    "--at",
+    "at",
+    callback=_when,
+    metavar="ISO-TIME|now",
+    help="Show the aliases as they were at this time (no zone = UTC).",
 )
 def history(model: str, at: datetime | None) -> None:
     """The audited alias and approval changes of MODEL, oldest first."""
@@ -220,14 +228,26 @@ def history(model: str, at: datetime | None) -> None:
         client = _client()
         aliases.current(client, model)  # QuantgateError if the model is not registered here
         if at is not None:
+            live = at >= audit.utc_now() - timedelta(seconds=5)  # "now": what the registry can serve
+            existing = {str(mv.version) for mv in client.search_model_versions(f"name='{model}'")}
             for alias, version in aliases.aliases_at(client, model, at).items():
-                click.echo(f"{alias}={'v' + version if version else 'none'}")
+                click.echo(f"{alias}={_shown(version, existing, live)}")
             return
         events = audit.history(client, model)
     for e in events:
         click.echo(e.line())
     if not events:
         click.echo(f"{model}: no audited changes")
+
+
+def _shown(version: str | None, existing: set[str], live: bool) -> str:
+    """An alias's version from the audit trail as `history --at` prints it; a version deleted
+    outside quantgate since (the trail cannot know) is said, and is none when asked about now."""
+    if version is None:
+        return "none"
+    if version in existing:
+        return f"v{version}"
+    return f"none (v{version} per the audit trail, deleted since)" if live else f"v{version} (deleted since)"
 
 
 COMMANDS = [register, approve, revoke, promote, rollback, history]

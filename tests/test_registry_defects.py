@@ -2,6 +2,7 @@
 real embedded sqlite registry (the 503 test: a real HTTP server on loopback that answers 503)."""
 
 import http.server
+import os
 import re
 import subprocess
 import sys
@@ -198,6 +199,7 @@ def test_status_into_a_closed_pipe_exits_quietly(reg):
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout, not the env's editable install
     )
     assert p.stderr == "" and p.returncode in (0, 1, 141), (p.returncode, p.stderr)
 
