@@ -8,7 +8,9 @@
     quantgate history MODEL [--at ISO-TIME]
 
 Each parses, calls registry/, prints; a QuantgateError or an MLflow error is one line, no traceback.
-`--by` defaults to $USER. The registry is `MLFLOW_TRACKING_URI` (default ./mlflow.db).
+`--by` defaults to $USER; against a server that authenticates, its user is recorded instead
+and must have EDIT or MANAGE on the model (registry/access.py). The registry is
+`MLFLOW_TRACKING_URI` (default ./mlflow.db).
 """
 
 from __future__ import annotations
@@ -49,6 +51,26 @@ def _client():
     return store.client(existing=True)
 
 
+def _acting(by: str, model: str | None, action: str) -> tuple[object, str]:
+    """(client, who is recorded): against a server that authenticates, its user, whose
+    permission on `model` is checked first (registry/access.py); else `--by` as given."""
+    from click.core import ParameterSource
+
+    from registry import access, store
+
+    client = _client()
+    uri = store.tracking_uri()
+    user = access.authenticated_user(uri)
+    if user is None:
+        return client, by
+    if model is not None:
+        access.require_permission(uri, user, model, action)
+    given = click.get_current_context().get_parameter_source("by") is not ParameterSource.DEFAULT
+    if given and by != user:
+        click.echo(f"note: the MLflow server authenticates you as {user}; recorded as {user}, not --by {by}", err=True)
+    return client, user
+
+
 def version_arg(ctx, param, value: str) -> str:
     """A model version as MLflow numbers it: "3" and "v3" both give "3"."""
     v = value.strip()
@@ -83,7 +105,8 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
     from registry import runs, tags
 
     with _errors():
-        mv = runs.register_run(_client(), run_id, by, override_reason)
+        client, by = _acting(by, None, "register")  # the server checks EDIT on the model itself
+        mv = runs.register_run(client, run_id, by, override_reason)
     override = mv.tags.get(tags.REGISTERED_OVERRIDE)
     click.echo(
         f"{mv.name} v{mv.version}: registered build {mv.tags[tags.BUILD]} from run {run_id}, "
@@ -114,7 +137,8 @@ def approve(model: str, version: str, by: str, reason: str, override_reason: str
     from registry import approval
 
     with _errors():
-        a = approval.approve(_client(), model, version, by, reason, override_reason)
+        client, by = _acting(by, model, "approve")
+        a = approval.approve(client, model, version, by, reason, override_reason)
     click.echo(
         f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
         + (" (the same approval; nothing recorded)" if a.unchanged else "")
@@ -133,7 +157,7 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
     from registry import aliases, approval, versions
 
     with _errors():
-        client = _client()
+        client, by = _acting(by, model, "revoke")
         a = approval.revoke(client, model, version, by, reason)
         serving = sorted(
             al
@@ -176,7 +200,8 @@ def promote(
     from registry import aliases
 
     with _errors():
-        changes = aliases.promote(_client(), model, version, expect_production, by, reason, canary_run_id)
+        client, by = _acting(by, model, "promote")
+        changes = aliases.promote(client, model, version, expect_production, by, reason, canary_run_id)
     for c in changes:
         click.echo(f"{model}: {c}")
     if not changes:
@@ -193,7 +218,8 @@ def rollback(model: str, by: str, reason: str, to: str) -> None:
     from registry import aliases
 
     with _errors():
-        changes = aliases.rollback(_client(), model, by, reason, to)
+        client, by = _acting(by, model, "rollback")
+        changes = aliases.rollback(client, model, by, reason, to)
     for c in changes:
         click.echo(f"{model}: {c}")
 
