@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import click
 
@@ -230,6 +230,7 @@ def _when(ctx, param, value: str | None) -> datetime | None:
     if value.strip().lower() == "now":
         from registry.audit import utc_now
 
+        ctx.meta["history_at_now"] = True
         return utc_now()
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -254,7 +255,7 @@ def history(model: str, at: datetime | None) -> None:
         client = _client()
         aliases.current(client, model)  # QuantgateError if the model is not registered here
         if at is not None:
-            live = at >= audit.utc_now() - timedelta(seconds=5)  # "now": what the registry can serve
+            live = click.get_current_context().meta.get("history_at_now", False) or at >= audit.utc_now()
             existing = {str(mv.version) for mv in client.search_model_versions(f"name='{model}'")}
             for alias, version in aliases.aliases_at(client, model, at).items():
                 click.echo(f"{alias}={_shown(version, existing, live)}")

@@ -3,7 +3,6 @@
 that registers, a release manager with MANAGE on the model, and a user with the default READ."""
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from click.testing import CliRunner
 
 from pipeline.register import RegisterParams, register
 from quantgate.cli import cli
+from quantgate.serving import stop
 from registry import aliases, approval, audit, store
 from tests.conftest import safetensors_build
 from tests.test_register import gate_result, team_summary
@@ -79,12 +79,7 @@ def server(tmp_path_factory):
                 time.sleep(0.5)
         yield uri
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc, grace_s=15)
 
 
 @pytest.fixture(scope="module")

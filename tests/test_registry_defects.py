@@ -190,6 +190,9 @@ def test_a_deleted_production_version_is_reported(reg):
     assert result.exit_code == 0, result.output
     assert f"production=none (v{v} per the audit trail, deleted since)" in result.output
     assert f"production=v{v}\n" not in result.output
+    past = aliases.audit.history(client, model)[-1].at.isoformat()  # when it was promoted: it existed then
+    result = _invoke("history", model, "--at", past)
+    assert f"production=v{v} (deleted since)" in result.output, result.output
 
 
 def test_status_into_a_closed_pipe_exits_quietly(reg):
@@ -222,3 +225,24 @@ def test_a_purged_build_run_does_not_let_an_edited_verdict_pass(reg, tmp_path):
         approval.approve(client, model, v, "rm", "looks fine")
     assert approval.approval_of(client, model, v).approved is False
     assert any(f"run {run_id} is gone" in x for x in status_lines(client, model))
+
+
+def test_database_error_text_is_cut_from_one_line_errors():
+    from registry.commands import one_line
+
+    raw = (
+        "(psycopg.errors.StringDataRightTruncation) value too long for type character varying(5000)\n"
+        "[SQL: INSERT INTO registered_model_tags (key, value, name) VALUES (%(key)s, ...)]"
+    )
+    assert one_line("API request failed: " + raw) == "API request failed:"
+    assert one_line("model version 'x' not found\n  more") == "model version 'x' not found more"
+
+
+def test_text_limits_fit_every_place_the_text_is_written():
+    from mlflow.utils import validation
+
+    # --by goes into the lock's registered-model tag (varchar(5000) on PostgreSQL) as "promote vN by NAME"
+    assert approval.MAX_NAME <= validation.MAX_ENTITY_KEY_LENGTH and approval.MAX_NAME + 40 < 5000
+    # --reason / --override go into audit params and version tags
+    assert audit.MAX_TEXT <= min(validation.MAX_PARAM_VAL_LENGTH, validation.MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH)
+    approval.require_text(by="b" * approval.MAX_NAME, reason="r" * audit.MAX_TEXT)  # the limits themselves pass
