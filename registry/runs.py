@@ -21,7 +21,7 @@ from pathlib import Path
 
 from quantgate.errors import QuantgateError
 from registry import audit, lock, tags, verify, versions
-from registry.approval import require_text
+from registry.approval import check_length, require_text
 
 
 def find_run(mlflow_client, exp_id: str, model_name: str, weights_digest: str, evidence_digest: str) -> str | None:
@@ -107,6 +107,7 @@ def register_run(mlflow_client, run_id: str, by: str, override_reason: str | Non
     registered, a missing override, or weights that do not match.
     """
     require_text(by=by)
+    check_length(override=override_reason)
     run = build_run(mlflow_client, run_id)
     model, build = run.data.tags[tags.MODEL], run.data.tags[tags.BUILD]
     verdict = run.data.params[tags.VERDICT]  # the verdict of record (run tags can be edited)

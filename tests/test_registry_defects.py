@@ -246,3 +246,11 @@ def test_text_limits_fit_every_place_the_text_is_written():
     # --reason / --override go into audit params and version tags
     assert audit.MAX_TEXT <= min(validation.MAX_PARAM_VAL_LENGTH, validation.MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH)
     approval.require_text(by="b" * approval.MAX_NAME, reason="r" * audit.MAX_TEXT)  # the limits themselves pass
+
+
+def test_register_refuses_an_overlong_override_before_writing(reg):
+    client, model, out = reg({"int4": "FAIL"})
+    run_id = out["unregistered"]["int4"]["run_id"]
+    result = _invoke("register", run_id, "--override", "o" * 5001, "--by", "rm")
+    _one_line_error(result, "--override is 5001 characters", "at most 5000")
+    assert len(client.search_model_versions(f"name='{model}'")) == 1  # the baseline only
