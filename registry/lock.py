@@ -112,9 +112,9 @@ def _break_stale(mlflow_client, model_name: str, stale: dict, by: str, stale_aft
     If what we renamed is not the lock we judged stale (it was replaced in between), put it
     back; the caller retries acquiring.
     """
-    stale_token = stale.get("lock.token", "")
     from mlflow.exceptions import MlflowException
 
+    stale_token = stale.get("lock.token", "")
     name = lock_name(model_name)
     grave = f"{name}.stale.{uuid.uuid4().hex[:12]}"
     try:
