@@ -65,8 +65,9 @@ def status(model: str | None) -> None:
                     f"model: quantgate status MODEL"
                 )
             model = load_block("register", RegisterParams).model_name
-        for line in status_lines(store.client(existing=True), model):
-            click.echo(line)
+        lines = status_lines(store.client(existing=True), model)
+    for line in lines:  # printed outside: a closed pipe (`| head`) is click's quiet exit, not an MLflow error
+        click.echo(line)
 
 
 @cli.group()

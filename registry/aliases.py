@@ -176,7 +176,7 @@ def promote(
     _require_run(mlflow_client, canary_run_id)
     if verify:
         _verified(mlflow_client, model_name, version)  # slow (download): before taking the lock
-    with lock.held(mlflow_client, model_name, f"promote v{version} by {by}") as held:
+    with lock.held(mlflow_client, model_name, f"promote v{version} by {by}", by=by) as held:
         now = current(mlflow_client, model_name)
         prod = now.get(PRODUCTION)
         if prod != expected:
@@ -226,7 +226,7 @@ def rollback(
     target = current(mlflow_client, model_name).get(to)
     if verify and target is not None:
         _verified(mlflow_client, model_name, target)
-    with lock.held(mlflow_client, model_name, f"rollback to {to} by {by}") as held:
+    with lock.held(mlflow_client, model_name, f"rollback to {to} by {by}", by=by) as held:
         now = current(mlflow_client, model_name)
         prod = now.get(PRODUCTION)
         if prod is None:
@@ -261,7 +261,7 @@ def set_candidate(
     _require_run(mlflow_client, canary_run_id)
     if verify:
         _verified(mlflow_client, model_name, version)
-    with lock.held(mlflow_client, model_name, f"candidate v{version} by {by}") as held:
+    with lock.held(mlflow_client, model_name, f"candidate v{version} by {by}", by=by) as held:
         now = current(mlflow_client, model_name)
         if now.get(CANDIDATE) == version:
             return []
@@ -283,7 +283,7 @@ def clear_candidate(
 ) -> list[Change]:
     """Remove `candidate` (canary aborted or done); no-op when it is not set."""
     _require_text(by=by, reason=reason)
-    with lock.held(mlflow_client, model_name, f"clear candidate by {by}") as held:
+    with lock.held(mlflow_client, model_name, f"clear candidate by {by}", by=by) as held:
         old = current(mlflow_client, model_name).get(CANDIDATE)
         if old is None:
             return []
@@ -315,7 +315,7 @@ def set_fallback(mlflow_client, model_name: str, version, by: str, reason: str) 
             f"{model_name} v{version} is not the baseline build (gate.verdict="
             f"{recorded or mv.tags.get(tags.VERDICT, 'missing')}); {FALLBACK!r} is the 16-bit build"
         )
-    with lock.held(mlflow_client, model_name, f"fallback v{version} by {by}") as held:
+    with lock.held(mlflow_client, model_name, f"fallback v{version} by {by}", by=by) as held:
         old = current(mlflow_client, model_name).get(FALLBACK)
         if old == version:
             return []

@@ -10,7 +10,8 @@ A version counts as approved only when approval=approved, by and reason are fill
 gate.verdict is PASS or BASELINE or an override reason is recorded. The verdict is the one
 recorded as a param of the build's run at registration (registry.versions.recorded_verdict);
 a gate.verdict tag that differs from it (edited in the UI) makes the version NOT approved.
-Versions registered before the param existed have only the tag, which is read as before.
+Versions registered before the param existed have only the tag, which is read as before; a
+version whose run is gone (purged by `mlflow gc`) has lost its record and is NOT approved.
 Anything else (missing, revoked, an unknown value, an override missing) reads as NOT
 approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
@@ -27,6 +28,7 @@ from registry.tags import PASSING, VERDICT
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
 APPROVED, REVOKED = "approved", "revoked"
+MAX_NAME = 250  # characters of a name (--by); MLflow's own limit on keys and user names
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,12 @@ def verdict_problem(tag: str | None, recorded: str | None) -> str | None:
     quantgate recorded it: its tag is all there is, and is read as before)."""
     if recorded is None or tag == recorded:
         return None
+    if recorded.startswith(versions.GONE):
+        return (
+            f"the build's run {recorded.removeprefix(versions.GONE)} is gone (purged by `mlflow gc`?), so the "
+            f"verdict it recorded cannot be read and the gate.verdict tag ({tag or 'missing'}) is not trusted; "
+            f"register the build again (`dvc repro`)"
+        )
     shown = "missing" if tag is None else repr(tag)
     return (
         f"tag gate.verdict is {shown} but the build's run recorded {recorded!r} at registration (the tag was "
@@ -119,12 +127,29 @@ def approval_of(mlflow_client, model_name: str, version) -> Approval:
     return read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv))
 
 
+def check_length(**values: str | None) -> None:
+    """QuantgateError naming the first option that is longer than the registry keeps (None is fine).
+
+    Checked before anything is written: a name (--by) goes into the lock's registered-model tag
+    and the audit run's user tag, free text into audit params (MLflow keeps 6000 characters; the
+    registered-model tag column is varchar(5000) on PostgreSQL), so nothing is cut or half-written.
+    """
+    for name, value in values.items():
+        limit = MAX_NAME if name == "by" else audit.MAX_TEXT
+        if value is not None and len(value) > limit:
+            raise QuantgateError(
+                f"--{name} is {len(value)} characters; the registry keeps at most {limit}: shorten it "
+                f"(link to a longer document instead)"
+            )
+
+
 def require_text(**values: str | None) -> None:
-    """QuantgateError naming the first option (--by, --reason, ...) that is empty or blank."""
+    """QuantgateError naming the first option (--by, --reason, ...) that is empty, blank or too long."""
     for name, value in values.items():
         if not (value or "").strip():
             hint = ": name who is acting, e.g. --by alice (it defaults to $USER)" if name == "by" else ""
             raise QuantgateError(f"--{name} must not be empty{hint}")
+    check_length(**values)
 
 
 def approve(
@@ -139,7 +164,8 @@ def approve(
     Raises QuantgateError when the version is missing or the override is missing.
     """
     require_text(by=by, reason=reason)
-    with lock.held(mlflow_client, model_name, f"approve by {by}") as lk:
+    check_length(override=override_reason)
+    with lock.held(mlflow_client, model_name, f"approve by {by}", by=by) as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         verdict, recorded = mv.tags.get(VERDICT, "missing"), versions.recorded_verdict(mlflow_client, mv)
         if (problem := verdict_problem(mv.tags.get(VERDICT), recorded)) is not None:
@@ -171,15 +197,9 @@ def approve(
             override_reason=override_reason,
         ):
             lk.check()
-            for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
-                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
-            if override_reason:
-                mlflow_client.set_model_version_tag(model_name, mv.version, OVERRIDE, override_reason)
-            elif OVERRIDE in mv.tags:
-                mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
-            mlflow_client.set_model_version_tag(
-                model_name, mv.version, TAG, APPROVED
-            )  # last: counts only when complete
+            writes = {BY: by, REASON: reason, AT: at.isoformat(timespec="milliseconds"), OVERRIDE: override_reason}
+            writes[TAG] = APPROVED  # last: counts only when complete
+            _write_all(mlflow_client, model_name, mv, writes)
     return approval_of(mlflow_client, model_name, mv.version)
 
 
@@ -190,7 +210,7 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     rollback (`quantgate rollback`), but it can no longer be promoted or made candidate.
     """
     require_text(by=by, reason=reason)
-    with lock.held(mlflow_client, model_name, f"revoke by {by}") as lk:
+    with lock.held(mlflow_client, model_name, f"revoke by {by}", by=by) as lk:
         mv = versions.require_version(mlflow_client, model_name, version)
         at = audit.utc_now()
         with audit.audited(
@@ -204,9 +224,31 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
             version=mv.version,
         ):
             lk.check()
-            mlflow_client.set_model_version_tag(model_name, mv.version, TAG, REVOKED)  # first: fail closed
-            for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
-                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
-            if OVERRIDE in mv.tags:
-                mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
+            writes = {TAG: REVOKED}  # first: fail closed
+            writes.update({BY: by, REASON: reason, AT: at.isoformat(timespec="milliseconds"), OVERRIDE: None})
+            _write_all(mlflow_client, model_name, mv, writes)
     return approval_of(mlflow_client, model_name, mv.version)
+
+
+def _write_all(mlflow_client, model_name: str, mv, writes: dict[str, str | None]) -> None:
+    """Set (None: delete) the approval tags in order; if one write fails, put back every tag
+    already written as it was on `mv`, so the version never reads half of two approvals."""
+    done: list[str] = []
+    try:
+        for key, value in writes.items():
+            _set_tag(mlflow_client, model_name, mv.version, key, value, present=key in mv.tags)
+            done.append(key)
+    except BaseException:
+        for key in sorted(done, key=lambda k: k == TAG):  # the approval tag last, once the rest is back
+            try:
+                _set_tag(mlflow_client, model_name, mv.version, key, mv.tags.get(key), present=True)
+            except Exception:  # best effort; the original error is what matters
+                pass
+        raise
+
+
+def _set_tag(mlflow_client, model_name: str, version: str, key: str, value: str | None, present: bool) -> None:
+    if value is not None:
+        mlflow_client.set_model_version_tag(model_name, version, key, value)
+    elif present:
+        mlflow_client.delete_model_version_tag(model_name, version, key)

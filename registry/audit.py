@@ -2,7 +2,8 @@
 
 Runs live in experiment `quantgate-audit`. Each run's params (immutable once logged) are:
   action (promote, rollback, set_candidate, clear_candidate, set_fallback, approve, revoke,
-  register), model, by, at (UTC ISO, milliseconds), reason, step (order within one action), op
+  register, break_lock: a stale lock broken, its holder named in reason), model, by, at (UTC
+  ISO, milliseconds), reason, step (order within one action), op
   (one id per action), and where they apply: alias, from_version, to_version ("none" = unset),
   version (approve/revoke/register), override_reason, canary_run_id, approved_by (promote),
   build_run_id (register: the build run a version was made from by override).
@@ -70,11 +71,10 @@ class Event:
 
     def line(self) -> str:
         """One human line: `2025-01-01T10:00:00.000+00:00 promote production v1 -> v2 by alice: reason`."""
-        what = (
-            f"{self.alias} {version_label(self.from_version)} -> {version_label(self.to_version)}"
-            if self.alias
-            else f"v{self.version}"
-        )
+        if self.alias:
+            what = f"{self.alias} {version_label(self.from_version)} -> {version_label(self.to_version)}"
+        else:
+            what = f"v{self.version}" if self.version else "lock"  # break_lock names no version
         extra = "".join(
             [
                 f" [override: {self.override_reason}]" if self.override_reason else "",
@@ -141,6 +141,8 @@ def begin(
         f"{version_label(fields.get('to_version'))}"
         if fields.get("alias")
         else f"{action} v{fields.get('version')}"
+        if fields.get("version")
+        else action
     )
     run = mlflow_client.create_run(
         experiment_id(mlflow_client),

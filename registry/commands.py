@@ -8,12 +8,15 @@
     quantgate history MODEL [--at ISO-TIME]
 
 Each parses, calls registry/, prints; a QuantgateError or an MLflow error is one line, no traceback.
-`--by` defaults to $USER. The registry is `MLFLOW_TRACKING_URI` (default ./mlflow.db).
+`--by` defaults to $USER; against a server that authenticates, its user is recorded instead
+and must have EDIT or MANAGE on the model (registry/access.py). The registry is
+`MLFLOW_TRACKING_URI` (default ./mlflow.db).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -30,9 +33,16 @@ def _errors() -> Iterator[None]:
     from registry import store
 
     with command_errors(
-        also=(MlflowException,), describe=lambda exc: f"MLflow at {store.tracking_uri()}: {exc.message}"
+        also=(MlflowException,), describe=lambda exc: f"MLflow at {store.tracking_uri()}: {one_line(exc.message)}"
     ):
         yield
+
+
+def one_line(message: str) -> str:
+    """An MLflow error message as one line, without the SQL statement and driver text a database
+    error carries (e.g. psycopg's `StringDataRightTruncation ... [SQL: INSERT ...]`)."""
+    text = re.split(r"\(psycopg|\(sqlite3\.|\[SQL:|\(Background on this error", message)[0]
+    return " ".join(text.split())[:500] or "error"
 
 
 def _client():
@@ -41,11 +51,31 @@ def _client():
     return store.client(existing=True)
 
 
+def _acting(by: str, model: str | None, action: str) -> tuple[object, str]:
+    """(client, who is recorded): against a server that authenticates, its user, whose
+    permission on `model` is checked first (registry/access.py); else `--by` as given."""
+    from click.core import ParameterSource
+
+    from registry import access, store
+
+    client = _client()
+    uri = store.tracking_uri()
+    user = access.authenticated_user(uri)
+    if user is None:
+        return client, by
+    if model is not None:
+        access.require_permission(uri, user, model, action)
+    given = click.get_current_context().get_parameter_source("by") is not ParameterSource.DEFAULT
+    if given and by != user:
+        click.echo(f"note: the MLflow server authenticates you as {user}; recorded as {user}, not --by {by}", err=True)
+    return client, user
+
+
 def version_arg(ctx, param, value: str) -> str:
     """A model version as MLflow numbers it: "3" and "v3" both give "3"."""
     v = value.strip()
     v = v[1:] if v[:1] in ("v", "V") else v
-    if not v.isdigit():
+    if not (v.isascii() and v.isdigit()):  # str.isdigit() also accepts "²" and "١"
         extra = " or none" if param.name == "expect_production" else ""
         raise click.BadParameter(f"{value!r} is not a model version; give its number, e.g. 3 or v3{extra}")
     return v
@@ -86,7 +116,8 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
     from registry import runs, tags
 
     with _errors():
-        mv = runs.register_run(_client(), run_id, by, override_reason)
+        client, by = _acting(by, None, "register")  # the server checks EDIT on the model itself
+        mv = runs.register_run(client, run_id, by, override_reason)
     override = mv.tags.get(tags.REGISTERED_OVERRIDE)
     click.echo(
         f"{mv.name} v{mv.version}: registered build {mv.tags[tags.BUILD]} from run {run_id}, "
@@ -117,7 +148,8 @@ def approve(model: str, version: str, by: str, reason: str, override_reason: str
     from registry import approval
 
     with _errors():
-        a = approval.approve(_client(), model, version, by, reason, override_reason)
+        client, by = _acting(by, model, "approve")
+        a = approval.approve(client, model, version, by, reason, override_reason)
     click.echo(
         f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
         + (" (the same approval; nothing recorded)" if a.unchanged else "")
@@ -136,7 +168,7 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
     from registry import aliases, approval, versions
 
     with _errors():
-        client = _client()
+        client, by = _acting(by, model, "revoke")
         a = approval.revoke(client, model, version, by, reason)
         serving = sorted(
             al
@@ -179,7 +211,8 @@ def promote(
     from registry import aliases
 
     with _errors():
-        changes = aliases.promote(_client(), model, version, expect_production, by, reason, canary_run_id)
+        client, by = _acting(by, model, "promote")
+        changes = aliases.promote(client, model, version, expect_production, by, reason, canary_run_id)
     for c in changes:
         click.echo(f"{model}: {c}")
     if not changes:
@@ -196,7 +229,8 @@ def rollback(model: str, by: str, reason: str, to: str) -> None:
     from registry import aliases
 
     with _errors():
-        changes = aliases.rollback(_client(), model, by, reason, to)
+        client, by = _acting(by, model, "rollback")
+        changes = aliases.rollback(client, model, by, reason, to)
     for c in changes:
         click.echo(f"{model}: {c}")
 
@@ -204,6 +238,11 @@ def rollback(model: str, by: str, reason: str, to: str) -> None:
 def _when(ctx, param, value: str | None) -> datetime | None:
     if value is None:
         return None
+    if value.strip().lower() == "now":
+        from registry.audit import utc_now
+
+        ctx.meta["history_at_now"] = True
+        return utc_now()
     try:
         return datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -213,7 +252,11 @@ def _when(ctx, param, value: str | None) -> datetime | None:
 @click.command()
 @click.argument("model")
 @click.option(
-    "--at", "at", callback=_when, metavar="ISO-TIME", help="Show the aliases as they were at this time (no zone = UTC)."
+    "--at",
+    "at",
+    callback=_when,
+    metavar="ISO-TIME|now",
+    help="Show the aliases as they were at this time (no zone = UTC).",
 )
 def history(model: str, at: datetime | None) -> None:
     """The audited alias and approval changes of MODEL, oldest first."""
@@ -223,14 +266,26 @@ def history(model: str, at: datetime | None) -> None:
         client = _client()
         aliases.current(client, model)  # QuantgateError if the model is not registered here
         if at is not None:
+            live = click.get_current_context().meta.get("history_at_now", False) or at >= audit.utc_now()
+            existing = {str(mv.version) for mv in client.search_model_versions(f"name='{model}'")}
             for alias, version in aliases.aliases_at(client, model, at).items():
-                click.echo(f"{alias}={'v' + version if version else 'none'}")
+                click.echo(f"{alias}={_shown(version, existing, live)}")
             return
         events = audit.history(client, model)
     for e in events:
         click.echo(e.line())
     if not events:
         click.echo(f"{model}: no audited changes")
+
+
+def _shown(version: str | None, existing: set[str], live: bool) -> str:
+    """An alias's version from the audit trail as `history --at` prints it; a version deleted
+    outside quantgate since (the trail cannot know) is said, and is none when asked about now."""
+    if version is None:
+        return "none"
+    if version in existing:
+        return f"v{version}"
+    return f"none (v{version} per the audit trail, deleted since)" if live else f"v{version} (deleted since)"
 
 
 COMMANDS = [register, approve, revoke, promote, rollback, history]

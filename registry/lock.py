@@ -8,7 +8,8 @@ The lock carries tags lock.holder, lock.pid, lock.host, lock.at (UTC ISO) and lo
 
 A lock older than STALE_AFTER_S (by its registry creation time) belongs to a process that
 died; the next caller breaks it by renaming it to a unique name (only one breaker can rename
-it), checking that it renamed the lock it judged stale, and deleting it. Clocks are assumed
+it), checking that it renamed the lock it judged stale, and deleting it; it says so on stderr
+and records an audit run (action break_lock, naming the dead holder). Clocks are assumed
 to agree to well under STALE_AFTER_S (NTP). By hand: delete registered model
 `<model>.quantgate-lock` in the UI once you know its holder is gone.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from quantgate.errors import QuantgateError
+from registry import audit
 
 LOCK_SUFFIX = ".quantgate-lock"
 STALE_AFTER_S = 120.0  # seconds; any change under the lock takes seconds
@@ -60,13 +63,16 @@ def holder_of(mlflow_client, model_name: str) -> dict | None:
         if _code(exc) == "RESOURCE_DOES_NOT_EXIST":
             return None
         raise
-    return {**rm.tags, "age_s": time.time() - rm.creation_timestamp / 1000}
+    created = datetime.fromtimestamp(rm.creation_timestamp / 1000, timezone.utc).isoformat(timespec="milliseconds")
+    return {**rm.tags, "age_s": time.time() - rm.creation_timestamp / 1000, "created": created}
 
 
 def _describe(tags: dict) -> str:
+    """The holder, its lock.at tag (its own clock) and the registry's creation time, which staleness uses."""
     return (
         f"{tags.get('lock.holder', '?')} (pid {tags.get('lock.pid', '?')} on {tags.get('lock.host', '?')}, "
-        f"since {tags.get('lock.at', '?')})"
+        f"lock.at {tags.get('lock.at', '?')}, created {tags.get('created', '?')} in the registry, "
+        f"{tags.get('age_s', 0):.0f} s ago)"
     )
 
 
@@ -99,14 +105,16 @@ class Lock:
                     raise
 
 
-def _break_stale(mlflow_client, model_name: str, stale_token: str) -> None:
-    """Rename the stale lock away (atomic: one breaker wins), then delete it.
+def _break_stale(mlflow_client, model_name: str, stale: dict, by: str, stale_after_s: float) -> None:
+    """Rename the stale lock away (atomic: one breaker wins), delete it, say so on stderr and
+    record it as an audit run (action break_lock): its holder died mid-change.
 
     If what we renamed is not the lock we judged stale (it was replaced in between), put it
     back; the caller retries acquiring.
     """
     from mlflow.exceptions import MlflowException
 
+    stale_token = stale.get("lock.token", "")
     name = lock_name(model_name)
     grave = f"{name}.stale.{uuid.uuid4().hex[:12]}"
     try:
@@ -122,12 +130,27 @@ def _break_stale(mlflow_client, model_name: str, stale_token: str) -> None:
         except MlflowException:
             pass  # a third process took the name meanwhile; the renamed lock's holder fails its check()
     mlflow_client.delete_registered_model(grave)
+    reason = (
+        f"stale registry lock of {_describe(stale)} broken after {stale_after_s:.0f} s: its process died "
+        f"mid-change; check the aliases and approvals"
+    )
+    print(f"warning: {model_name}: broke a {reason}", file=sys.stderr, flush=True)
+    with audit.audited(
+        mlflow_client, model_name, action="break_lock", by=by, reason=reason, at=audit.utc_now(), op=uuid.uuid4().hex
+    ):
+        pass
 
 
 def acquire(
-    mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S, stale_after_s: float = STALE_AFTER_S
+    mlflow_client,
+    model_name: str,
+    holder: str,
+    wait_s: float = WAIT_S,
+    stale_after_s: float = STALE_AFTER_S,
+    by: str | None = None,
 ) -> Lock:
-    """Take the lock on `model_name` for `holder`, waiting up to `wait_s` seconds.
+    """Take the lock on `model_name` for `holder` (a description, e.g. "promote v3 by alice"),
+    waiting up to `wait_s` seconds; `by` (default `holder`) is who is recorded if a stale lock is broken.
 
     Raises LockBusy (a QuantgateError) naming the holder when it stays held.
     """
@@ -159,7 +182,7 @@ def acquire(
         if current is None:
             continue
         if current["age_s"] > stale_after_s:
-            _break_stale(mlflow_client, model_name, current.get("lock.token", ""))
+            _break_stale(mlflow_client, model_name, current, by or holder, stale_after_s)
             continue
         if time.monotonic() > deadline:
             raise LockBusy(
@@ -171,9 +194,9 @@ def acquire(
 
 
 @contextmanager
-def held(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S) -> Iterator[Lock]:
-    """`with held(client, model, who) as lock:` acquire, run, release (also on error)."""
-    lock = acquire(mlflow_client, model_name, holder, wait_s)
+def held(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S, by: str | None = None) -> Iterator[Lock]:
+    """`with held(client, model, what, by=who) as lock:` acquire, run, release (also on error)."""
+    lock = acquire(mlflow_client, model_name, holder, wait_s, by=by)
     try:
         yield lock
     finally:

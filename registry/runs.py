@@ -21,7 +21,7 @@ from pathlib import Path
 
 from quantgate.errors import QuantgateError
 from registry import audit, lock, tags, verify, versions
-from registry.approval import require_text
+from registry.approval import check_length, require_text
 
 
 def find_run(mlflow_client, exp_id: str, model_name: str, weights_digest: str, evidence_digest: str) -> str | None:
@@ -107,6 +107,7 @@ def register_run(mlflow_client, run_id: str, by: str, override_reason: str | Non
     registered, a missing override, or weights that do not match.
     """
     require_text(by=by)
+    check_length(override=override_reason)
     run = build_run(mlflow_client, run_id)
     model, build = run.data.tags[tags.MODEL], run.data.tags[tags.BUILD]
     verdict = run.data.params[tags.VERDICT]  # the verdict of record (run tags can be edited)
@@ -117,7 +118,7 @@ def register_run(mlflow_client, run_id: str, by: str, override_reason: str | Non
             f"run {run_id} (build {build} of {model}): gate.verdict is {verdict}, not PASS, so it was not "
             f"registered; to ship it anyway: quantgate register {run_id} --override REASON (recorded and audited)"
         )
-    with lock.held(mlflow_client, model, f"register by {by}") as lk:
+    with lock.held(mlflow_client, model, f"register by {by}", by=by) as lk:
         run = build_run(mlflow_client, run_id)  # again, under the lock: not registered meanwhile
         with tempfile.TemporaryDirectory() as tmp:
             verify.verify_run(mlflow_client, run, Path(tmp))

@@ -4,7 +4,7 @@ the last register stage left unregistered (registry/runs.py)."""
 from __future__ import annotations
 
 from quantgate.errors import QuantgateError
-from registry import lock, runs, tags, versions
+from registry import aliases, audit, lock, runs, tags, versions
 from registry.approval import read_approval, verdict_problem
 
 
@@ -20,6 +20,20 @@ def _approval_cell(mv, recorded: str | None) -> tuple[str, str | None]:
     return "NOT-APPROVED", a.why
 
 
+def _deleted_warnings(mlflow_client, model_name: str, existing: set[str]) -> list[str]:
+    """A warning per alias whose audited version no longer exists (deleted outside quantgate:
+    MLflow drops the alias with the version, so nothing says it served)."""
+    lines = []
+    for alias, v in aliases.aliases_at(mlflow_client, model_name, audit.utc_now()).items():
+        if v is not None and v not in existing:
+            fix = f"; promote a build: quantgate promote {model_name} VERSION" if alias == aliases.PRODUCTION else ""
+            lines.append(
+                f"  warning: the audit trail says {alias}=v{v}, but v{v} no longer exists "
+                f"(deleted outside quantgate){fix}"
+            )
+    return lines
+
+
 def status_lines(mlflow_client, model_name: str) -> list[str]:
     """Lines describing every version of `model_name`, newest first, a held lock if any, then the
     builds of the last register stage that are runs only, with their verdicts and run ids.
@@ -32,7 +46,9 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         raise QuantgateError(f"{model_name!r} is quantgate's registry lock, not a model")
     try:
         rm = mlflow_client.get_registered_model(model_name)
-    except MlflowException:
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise  # any other answer (a server error, a refusal) is reported as the server said it
         raise QuantgateError(f"model {model_name!r} is not registered at this tracking URI; run `dvc repro`") from None
     by_version: dict[str, list[str]] = {}
     for alias, version in (rm.aliases or {}).items():
@@ -47,20 +63,21 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
             f"{held.get('lock.host', '?')}) for {held['age_s']:.0f} s"
         )
     found = sorted(mlflow_client.search_model_versions(f"name='{model_name}'"), key=lambda m: -int(m.version))
+    lines += _deleted_warnings(mlflow_client, model_name, {str(mv.version) for mv in found})
     left = runs.unregistered(mlflow_client, model_name)
     names = [mv.tags.get(tags.BUILD, "?") for mv in found] + [r.data.tags.get(tags.BUILD, "?") for r in left]
     w = max([6, *map(len, names)])  # one build column for versions and runs (int4-mixed is 10 wide)
     for mv in found:
         t = mv.tags
         per_team = " ".join(f"{team}={verdict}" for team, verdict in tags.team_verdicts(t).items())
-        aliases = ",".join(sorted(by_version.get(str(mv.version), [])))
+        held_by = ",".join(sorted(by_version.get(str(mv.version), [])))
         recorded = versions.recorded_verdict(mlflow_client, mv)
         cell, why = _approval_cell(mv, recorded)
         why = why or verdict_problem(t.get(tags.VERDICT), recorded)  # also on rows nobody approved
         lines.append(
             f"  v{mv.version:<3} {t.get(tags.BUILD, '?'):<{w}} {t.get('scheme', '?'):<12} "
             f"gate={t.get(tags.VERDICT, '?'):<12}"
-            f" {cell:<24} {per_team} {('[' + aliases + ']') if aliases else ''}".rstrip()
+            f" {cell:<24} {per_team} {('[' + held_by + ']') if held_by else ''}".rstrip()
         )
         if why:
             lines.append(f"        {why}")

@@ -26,16 +26,24 @@ def tracking_uri() -> str:
 
 
 def reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Raise QuantgateError in seconds when no server answers at `uri` (any HTTP answer counts);
-    MLflow's own client would retry with backoff for minutes before saying so."""
+    """Raise QuantgateError in seconds when no server answers at `uri`, or when it answers its
+    health check with a server error (5xx: say a proxy with no healthy upstream), quoting that
+    answer; MLflow's own client would retry with backoff for minutes before saying so.
+    Other answers (200, or 401/404 from a proxy that guards /health) count as reachable."""
     import httpx
 
     try:
-        httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+        r = httpx.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise QuantgateError(
             f"MLflow server at {uri} is not reachable ({type(exc).__name__}); start it or fix MLFLOW_TRACKING_URI"
         ) from None
+    if r.status_code >= 500:
+        said = " ".join(r.text.split())[:300] or r.reason_phrase
+        raise QuantgateError(
+            f"MLflow server at {uri} answered {r.status_code} ({said}); check the server (or the proxy in "
+            f"front of it) and MLFLOW_TRACKING_URI"
+        )
 
 
 def database_reachable(uri: str, timeout_s: float = 5.0) -> None:

@@ -25,7 +25,7 @@ FALLBACK = "fallback"
 def version_number(version) -> str:
     """ "3", 3 or "v3" -> "3"; raise QuantgateError for anything else."""
     text = str(version).strip().lower().removeprefix("v")
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit() also accepts "²" and "١"
         raise QuantgateError(f"{version!r} is not a model version number (e.g. 3 or v3)")
     return str(int(text))
 
@@ -104,18 +104,24 @@ def log_build_run(
     return run_id, f"{mlflow_client.get_run(run_id).info.artifact_uri}/model"
 
 
+GONE = "gone:"  # recorded_verdict of a version whose run no longer exists: GONE + run id
+
+
 def recorded_verdict(mlflow_client, mv) -> str | None:
     """The gate verdict logged as a param of version `mv`'s run at registration; None when
-    there is none (a run registered before quantgate recorded it, or the run is gone).
-    Raises nothing: a registry that cannot answer reads as "no record"."""
+    the run has none (registered before quantgate recorded it); GONE + run id when the run no
+    longer exists (purged by `mlflow gc`): the record cannot be read, and a version without
+    its record is read as NOT approved (registry/approval.py). Other registry errors propagate."""
     from mlflow.exceptions import MlflowException
 
     if not mv.run_id:
         return None
     try:
         return mlflow_client.get_run(mv.run_id).data.params.get(VERDICT)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return GONE + mv.run_id
 
 
 def record_verdict(mlflow_client, run_id: str, verdict: str) -> None:

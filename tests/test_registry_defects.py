@@ -1,0 +1,256 @@
+"""Registry defects found by trying quantgate as a new user would (issue 18, item 7), each against a
+real embedded sqlite registry (the 503 test: a real HTTP server on loopback that answers 503)."""
+
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.register import RegisterParams, register
+from quantgate.cli import cli
+from quantgate.errors import QuantgateError
+from registry import aliases, approval, audit, lock, runs, store, versions
+from registry.status import status_lines
+from tests.conftest import safetensors_build
+from tests.test_register import gate_result, team_summary
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> Path:
+    models = tmp_path_factory.mktemp("builds")
+    for seed, build in enumerate(("fp16", "int4", "fp8")):
+        safetensors_build(models / build, build, seed, 1)
+    return models
+
+
+@pytest.fixture
+def reg(builds, tmp_path, monkeypatch, request):
+    """register(verdicts) -> (client, model, register stage output) in a fresh sqlite registry."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("register: {}\n")
+    (tmp_path / "results/eval").mkdir(parents=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    model = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
+
+    def run(verdicts: dict[str, str]):
+        out = register(
+            builds,
+            gate_result(verdicts),
+            "# report",
+            tmp_path / "results/eval",
+            RegisterParams(model_name=model, experiment="builds"),
+            {"search": team_summary("5e" * 32)},
+        )
+        return store.client(), model, out
+
+    return run
+
+
+def _invoke(*args: str):
+    result = CliRunner().invoke(cli, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def _one_line_error(result, *fragments: str) -> None:
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert len([x for x in lines if x.startswith("Error")]) == 1 and "Traceback" not in result.output, result.output
+    for f in fragments:
+        assert f in result.output, result.output
+
+
+def test_overlong_reason_is_refused_before_anything_is_written(reg):
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    approval.approve(client, model, v, "alice", "gate PASS")
+    before = client.get_model_version(model, v).tags
+    n_events = len(audit.history(client, model))
+    result = _invoke("approve", model, v, "--reason", "x" * 102_400, "--by", "zoë")
+    _one_line_error(result, "--reason is 102400 characters", "at most 5000")
+    result = _invoke("approve", model, v, "--reason", "fine", "--by", "z" * 6000)
+    _one_line_error(result, "--by is 6000 characters", "at most 250")
+    assert client.get_model_version(model, v).tags == before  # still alice's approval, whole
+    assert approval.approval_of(client, model, v).by == "alice"
+    exp = client.get_experiment_by_name(audit.AUDIT_EXPERIMENT)
+    assert len(client.search_runs([exp.experiment_id])) == n_events  # no FAILED audit run either
+
+
+def test_a_failed_tag_write_restores_the_previous_approval(reg):
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    approval.approve(client, model, v, "alice", "gate PASS")
+    before = client.get_model_version(model, v).tags
+
+    class FailsOnReason:  # the real client, whose write of approval.reason fails (a dropped connection)
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+        def set_model_version_tag(self, name, version, key, value):
+            if key == approval.REASON:
+                raise ConnectionError("connection reset")
+            client.set_model_version_tag(name, version, key, value)
+
+    with pytest.raises(ConnectionError):
+        approval.approve(FailsOnReason(), model, v, "zoë", "new reason")
+    assert client.get_model_version(model, v).tags == before
+    assert [e.by for e in audit.history(client, model) if e.action == "approve"] == ["alice"]
+
+
+class _Unavailable(http.server.BaseHTTPRequestHandler):
+    def _answer(self):
+        body = b"upstream connect error: no healthy upstream"
+        self.send_response(503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def unavailable_uri():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_answering_503_is_reported_quickly_with_its_error(unavailable_uri, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", unavailable_uri)
+    for args in (("status", "m"), ("history", "m"), ("approve", "m", "1", "--reason", "r", "--by", "a")):
+        t0 = time.monotonic()
+        result = _invoke(*args)
+        took = time.monotonic() - t0
+        _one_line_error(result, f"MLflow server at {unavailable_uri} answered 503", "no healthy upstream")
+        assert "not registered" not in result.output and took < 10, (args, took)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("approve", "m", "²", "--reason", "r", "--by", "a"),
+        ("promote", "m", "²", "--expect-production", "none", "--reason", "r", "--by", "a"),
+        ("promote", "m", "1", "--expect-production", "²", "--reason", "r", "--by", "a"),
+        ("revoke", "m", "v١", "--reason", "r", "--by", "a"),
+    ],
+)
+def test_unicode_digits_are_not_version_numbers(args, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/none.db")
+    result = _invoke(*args)
+    assert result.exit_code == 2 and "is not a model version" in result.output, result.output
+    with pytest.raises(QuantgateError, match="is not a model version number"):
+        versions.version_number("²")
+
+
+def test_breaking_a_stale_lock_is_said_and_audited(reg, capsys):
+    client, model, _ = reg({})
+    first = lock.acquire(client, model, "promote v2 by alice", by="alice")
+    created = lock.holder_of(client, model)["created"]
+    with pytest.raises(lock.LockBusy) as busy:
+        lock.acquire(client, model, "bob", wait_s=0.3)
+    assert f"lock.at {first_at(client, model)}" in str(busy.value) and f"created {created}" in str(busy.value)
+    capsys.readouterr()
+    second = lock.acquire(client, model, "approve v3 by carol", by="carol", stale_after_s=-1)
+    said = capsys.readouterr().err
+    assert "broke a stale registry lock" in said and "promote v2 by alice" in said and f"created {created}" in said
+    [event] = [e for e in audit.history(client, model) if e.action == "break_lock"]
+    assert (event.action, event.by) == ("break_lock", "carol") and "promote v2 by alice" in event.reason
+    assert event.line().endswith(event.reason) and " lock " in event.line()
+    second.release()
+    first.release()
+
+
+def first_at(client, model) -> str:
+    return lock.holder_of(client, model)["lock.at"]
+
+
+def test_a_deleted_production_version_is_reported(reg):
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    approval.approve(client, model, v, "rm", "gate PASS")
+    aliases.promote(client, model, v, None, "rm", "go", verify=False)
+    client.delete_model_version(model, v)  # the plain MLflow client, outside quantgate
+    lines = status_lines(client, model)
+    assert any(f"warning: the audit trail says production=v{v}, but v{v} no longer exists" in x for x in lines), lines
+    result = _invoke("history", model, "--at", "now")
+    assert result.exit_code == 0, result.output
+    assert f"production=none (v{v} per the audit trail, deleted since)" in result.output
+    assert f"production=v{v}\n" not in result.output
+    past = aliases.audit.history(client, model)[-1].at.isoformat()  # when it was promoted: it existed then
+    result = _invoke("history", model, "--at", past)
+    assert f"production=v{v} (deleted since)" in result.output, result.output
+
+
+def test_status_into_a_closed_pipe_exits_quietly(reg):
+    client, model, _ = reg({"int4": "PASS"})
+    p = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m quantgate.cli status {model} | true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout, not the env's editable install
+    )
+    assert p.stderr == "" and p.returncode in (0, 1, 141), (p.returncode, p.stderr)
+
+
+def test_a_purged_build_run_does_not_let_an_edited_verdict_pass(reg, tmp_path):
+    client, model, out = reg({"int4": "FAIL"})
+    run_id = out["unregistered"]["int4"]["run_id"]
+    v = str(runs.register_run(client, run_id, "rm", "ship it anyway").version)
+    client.delete_run(run_id)
+    gc = subprocess.run(
+        [str(Path(sys.executable).with_name("mlflow")), "gc", "--backend-store-uri", store.tracking_uri()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert gc.returncode == 0, gc.stderr[-2000:]
+    client.set_model_version_tag(model, v, "gate.verdict", "PASS")  # edited in the UI
+    with pytest.raises(QuantgateError, match=rf"build's run {run_id} is gone"):
+        approval.approve(client, model, v, "rm", "looks fine")
+    assert approval.approval_of(client, model, v).approved is False
+    assert any(f"run {run_id} is gone" in x for x in status_lines(client, model))
+
+
+def test_database_error_text_is_cut_from_one_line_errors():
+    from registry.commands import one_line
+
+    raw = (
+        "(psycopg.errors.StringDataRightTruncation) value too long for type character varying(5000)\n"
+        "[SQL: INSERT INTO registered_model_tags (key, value, name) VALUES (%(key)s, ...)]"
+    )
+    assert one_line("API request failed: " + raw) == "API request failed:"
+    assert one_line("model version 'x' not found\n  more") == "model version 'x' not found more"
+
+
+def test_text_limits_fit_every_place_the_text_is_written():
+    from mlflow.utils import validation
+
+    # --by goes into the lock's registered-model tag (varchar(5000) on PostgreSQL) as "promote vN by NAME"
+    assert approval.MAX_NAME <= validation.MAX_ENTITY_KEY_LENGTH and approval.MAX_NAME + 40 < 5000
+    # --reason / --override go into audit params and version tags
+    assert audit.MAX_TEXT <= min(validation.MAX_PARAM_VAL_LENGTH, validation.MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH)
+    approval.require_text(by="b" * approval.MAX_NAME, reason="r" * audit.MAX_TEXT)  # the limits themselves pass
+
+
+def test_register_refuses_an_overlong_override_before_writing(reg):
+    client, model, out = reg({"int4": "FAIL"})
+    run_id = out["unregistered"]["int4"]["run_id"]
+    result = _invoke("register", run_id, "--override", "o" * 5001, "--by", "rm")
+    _one_line_error(result, "--override is 5001 characters", "at most 5000")
+    assert len(client.search_model_versions(f"name='{model}'")) == 1  # the baseline only
