@@ -139,6 +139,46 @@ def one_line(exc: BaseException) -> str:
     return msg if isinstance(exc, QuantgateError) else f"{type(exc).__name__}: {msg}"
 
 
+def serving_config(
+    build: str, model_dir: Path, weights_digest: str, params: EvaluateParams
+) -> tuple[dict, ServingRecord, dict | None]:
+    """(precision record, serving record, remote endpoint evidence or None) of `build`.
+
+    Local: the run's precision rule and the `auto` serving values resolved here (quantgate/precision.py).
+    Remote (`params.endpoints[build]`): check_endpoint first, so a wrong build is refused before
+    anything is scored or read from the cache; the dtype is the one the endpoint entry declares.
+    Raises QuantgateError (serving env unusable, GPU missing, endpoint refused or unreachable).
+    """
+    endpoint = params.endpoints.get(build)
+    if endpoint is None:
+        precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
+        precision.update(runtime_record(params.serve, model_dir))
+        serving = ServingRecord(
+            versions=serving_versions(params.serve.python),
+            dtype=precision["dtype"],
+            max_model_len=params.serve.max_model_len,
+            extra_args=params.serve.extra_args,
+        )
+        return precision, serving, None
+    remote = check_endpoint(build, weights_digest, endpoint, os.environ.get("OPENAI_API_KEY", ""))
+    print(f"evaluate[{build}]: {endpoint.url} serves {remote['served']} (vLLM {remote['vllm']})", flush=True)
+    precision = {
+        "dtype": endpoint.dtype,
+        "requested": endpoint.dtype,
+        "why": f"remote endpoint: evaluate.endpoints.{build}.dtype (the deployment's --dtype)",
+        "device": "remote",
+        "endpoint": endpoint.url,
+    }
+    serving = ServingRecord(
+        versions={"vllm": remote["vllm"]},
+        dtype=endpoint.dtype,
+        max_model_len=remote["max_model_len"] or params.serve.max_model_len,
+        extra_args=[],
+        endpoint=endpoint.url,
+    )
+    return precision, serving, remote
+
+
 @contextmanager
 def scoring_server(
     build: str, model_dir: Path, out_dir: Path, serve: ServeParams, remote: dict | None
@@ -166,34 +206,7 @@ def evaluate(
     manifest = verify_weights(model_dir)
     model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
-    endpoint = params.endpoints.get(build)
-    if endpoint is None:
-        precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
-        precision.update(runtime_record(params.serve, model_dir))
-        serving = ServingRecord(
-            versions=serving_versions(params.serve.python),
-            dtype=precision["dtype"],
-            max_model_len=params.serve.max_model_len,
-            extra_args=params.serve.extra_args,
-        )
-        remote = None
-    else:  # checked before anything is scored or read from the cache
-        remote = check_endpoint(build, manifest["weights_digest"], endpoint, os.environ.get("OPENAI_API_KEY", ""))
-        print(f"evaluate[{build}]: {endpoint.url} serves {remote['served']} (vLLM {remote['vllm']})", flush=True)
-        precision = {
-            "dtype": endpoint.dtype,
-            "requested": endpoint.dtype,
-            "why": f"remote endpoint: evaluate.endpoints.{build}.dtype (the deployment's --dtype)",
-            "device": "remote",
-            "endpoint": endpoint.url,
-        }
-        serving = ServingRecord(
-            versions={"vllm": remote["vllm"]},
-            dtype=endpoint.dtype,
-            max_model_len=remote["max_model_len"] or params.serve.max_model_len,
-            extra_args=[],
-            endpoint=endpoint.url,
-        )
+    precision, serving, remote = serving_config(build, model_dir, manifest["weights_digest"], params)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     if remote:
