@@ -22,8 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 NEEDED = ("torch", "transformers", "llmcompressor", "compressed_tensors", "datasets", "gguf", "accelerate", "yaml")
-DEVICE = os.environ.get("QUANTGATE_GPU_CHECK_DEVICE", "cuda")  # "cpu" only to try this script itself on a CPU
-CALIBRATION_SAMPLES = 64  # texts x CALIBRATION_SEQ_LEN tokens for GPTQ
+# "cpu" (and few samples) only to try this script itself on a CPU
+DEVICE = os.environ.get("QUANTGATE_GPU_CHECK_DEVICE", "cuda")
+CALIBRATION_SAMPLES = int(os.environ.get("QUANTGATE_GPU_CHECK_SAMPLES", 64))  # texts x CALIBRATION_SEQ_LEN for GPTQ
 CALIBRATION_SEQ_LEN = 256
 EXPECT = "Paris"  # greedy answer to pipeline/smoke.py's prompt, "What is the capital of France?"
 

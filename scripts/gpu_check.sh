@@ -6,6 +6,7 @@
 # Python: $PYTHON, else .venv/bin/python, else python3 (needs torch with CUDA, transformers, llmcompressor,
 # compressed-tensors, datasets, gguf, accelerate). At most 8 minutes (GPU_CHECK_TIMEOUT_S, seconds).
 # Exit 0: every check held; 1: a check failed (named); 2: it cannot run here (no GPU, a package missing).
+# To try the script itself on a CPU: QUANTGATE_GPU_CHECK_DEVICE=cpu QUANTGATE_GPU_CHECK_SAMPLES=4 (slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
