@@ -4,10 +4,15 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv/bin
 export PATH := $(VENV):$(PATH)
 
-.PHONY: setup demo test test-unit bench
+.PHONY: setup demo test test-unit bench gpu-check
 
 setup:
 	@scripts/setup.sh
+
+# On any GPU machine at hand (torch with CUDA, llm-compressor; no vLLM, no network): quantize the default model
+# there and check the builds, at most 8 minutes (scripts/gpu_check.sh). Fails in one line without a GPU.
+gpu-check:
+	@scripts/gpu_check.sh
 
 # -q: DVC's own per-stage lines (Running stage, Updating lock file) stay out; each stage prints its own
 demo: setup

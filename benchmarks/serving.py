@@ -4,7 +4,7 @@ throughput / latency on vLLM, for fp16, fp8 and int4, with ratios to fp16 from t
 How to run (repository root, after `make setup`):
   CPU:  .venv/bin/python -m benchmarks.serving [--cpu-cores 1]   # defaults fit ~12 min on 2 cores
   GPU:  .venv/bin/python -m benchmarks.serving --input-len 512 --output-len 256 --prompts-per-concurrency 64
-        (params.yaml evaluate.serve sets dtype/extra_args; on a GPU use bfloat16 and drop --enforce-eager)
+        (evaluate.serve's auto dtype, enforce_eager, kv_cache_gib give bfloat16, CUDA graphs, vLLM's KV sizing)
 On a CPU shared with other vLLM servers, pass --cpu-cores with a core nobody else binds.
 
 Each build's server is started with quantgate.serving.vllm_server (params.yaml `evaluate.serve`),
@@ -265,7 +265,8 @@ def main() -> None:
     notes.append("mem GiB: 'load' = vLLM model-loading line, 'rss' = server process-tree RSS after startup")
     notes.append(
         f"total wall {time.monotonic() - started:.0f} s; serve params: dtype {serve.dtype}, "
-        f"kv_cache_gib {serve.kv_cache_gib}, extra_args {serve.extra_args}, cpu_cores {serve.cpu_cores}"
+        f"kv_cache_gib {serve.kv_cache_gib}, enforce_eager {serve.enforce_eager}, extra_args {serve.extra_args}, "
+        f"cpu_cores {serve.cpu_cores}"
     )
     report(
         name="serving",

@@ -33,7 +33,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -41,12 +42,21 @@ from quantgate.console import per_build, progress
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
-from quantgate.params import Frozen, load_block
+from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.precision import precision_record
 from quantgate.results import SAMPLES, SCORES, ServingRecord, TeamScores, read_scores, write_scores
 from quantgate.scoring import HarnessParams, effective_limit, run_team
-from quantgate.serving import ServeParams, ServerStartError, serving_versions, vllm_server
+from quantgate.serving import (
+    Endpoint,
+    ServeParams,
+    Server,
+    ServerStartError,
+    check_endpoint,
+    runtime_record,
+    serving_versions,
+    vllm_server,
+)
 from quantgate.teams import Team, load_teams
 
 CACHE_DIR = Path(".quantgate/cache/eval")
@@ -56,6 +66,10 @@ TIMING = "timing.json"  # per build: server start vs scoring seconds (benchmarks
 class EvaluateParams(Frozen):
     serve: ServeParams = ServeParams()
     harness: HarnessParams = HarnessParams()
+    endpoints: dict[str, Endpoint] = {}  # build -> a vLLM deployment elsewhere, scored instead of a local server
+
+
+ENDPOINT = "endpoint.json"  # results/eval/<build>/endpoint.json: the remote endpoint a build was scored on
 
 
 def cache_key(weights_digest: str, team: Team, harness: HarnessParams, serve_config: dict, model_files: str) -> str:
@@ -125,26 +139,78 @@ def one_line(exc: BaseException) -> str:
     return msg if isinstance(exc, QuantgateError) else f"{type(exc).__name__}: {msg}"
 
 
+def serving_config(
+    build: str, model_dir: Path, weights_digest: str, params: EvaluateParams
+) -> tuple[dict, ServingRecord, dict | None]:
+    """(precision record, serving record, remote endpoint evidence or None) of `build`.
+
+    Local: the run's precision rule and the `auto` serving values resolved here (quantgate/precision.py).
+    Remote (`params.endpoints[build]`): check_endpoint first, so a wrong build is refused before
+    anything is scored or read from the cache; the dtype is the one the endpoint entry declares.
+    Raises QuantgateError (serving env unusable, GPU missing, endpoint refused or unreachable).
+    """
+    endpoint = params.endpoints.get(build)
+    if endpoint is None:
+        precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
+        precision.update(runtime_record(params.serve, model_dir))
+        serving = ServingRecord(
+            versions=serving_versions(params.serve.python),
+            dtype=precision["dtype"],
+            max_model_len=params.serve.max_model_len,
+            extra_args=params.serve.extra_args,
+        )
+        return precision, serving, None
+    remote = check_endpoint(build, weights_digest, endpoint, os.environ.get("OPENAI_API_KEY", ""))
+    print(f"evaluate[{build}]: {endpoint.url} serves {remote['served']} (vLLM {remote['vllm']})", flush=True)
+    precision = {
+        "dtype": endpoint.dtype,
+        "requested": endpoint.dtype,
+        "why": f"remote endpoint: evaluate.endpoints.{build}.dtype (the deployment's --dtype)",
+        "device": "remote",
+        "endpoint": endpoint.url,
+    }
+    serving = ServingRecord(
+        versions={"vllm": remote["vllm"]},
+        dtype=endpoint.dtype,
+        max_model_len=remote["max_model_len"] or params.serve.max_model_len,
+        extra_args=[],
+        endpoint=endpoint.url,
+    )
+    return precision, serving, remote
+
+
+@contextmanager
+def scoring_server(
+    build: str, model_dir: Path, out_dir: Path, serve: ServeParams, remote: dict | None
+) -> Iterator[Server]:
+    """The server a build is scored on: the checked remote endpoint (`remote`, from check_endpoint),
+    else a vLLM server started here for the block (its log: OUT_DIR/server.log)."""
+    if remote:
+        yield Server(base_url=remote["url"], name=remote["served"], log_path=out_dir / ENDPOINT)
+        return
+    with vllm_server(serve, model_dir.resolve(), build, out_dir / "server.log") as server:
+        yield server
+
+
 def evaluate(
     build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params: EvaluateParams
 ) -> dict[str, TeamScores]:
     """Evaluate `build` on every team; write OUT_DIR/<team>/; return {team: its scores}.
 
-    Raises QuantgateError on bad input (missing build, bad team folder). Server start
-    failures and per-team errors are recorded in the documents, not raised.
+    With `params.endpoints[build]` the build is scored on that remote vLLM deployment, after
+    check_endpoint: OUT_DIR/endpoint.json records it, no server is started here.
+    Raises QuantgateError on bad input (missing build, bad team folder, an endpoint that does not
+    serve this build or cannot be reached). Server start failures and per-team errors are
+    recorded in the documents, not raised.
     """
     manifest = verify_weights(model_dir)
     model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
-    precision = precision_record(params.serve.python, params.serve.dtype)  # one rule for every build of a run
-    serving = ServingRecord(
-        versions=serving_versions(params.serve.python),
-        dtype=precision["dtype"],
-        max_model_len=params.serve.max_model_len,
-        extra_args=params.serve.extra_args,
-    )
+    precision, serving, remote = serving_config(build, model_dir, manifest["weights_digest"], params)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
+    if remote:
+        (out_dir / ENDPOINT).write_text(json.dumps(remote, indent=1) + "\n")
     docs, pending = {}, []
     timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
     for team in teams:
@@ -160,10 +226,10 @@ def evaluate(
     if pending:
         started = time.monotonic()
         try:
-            with vllm_server(params.serve, model_dir.resolve(), build, out_dir / "server.log") as server:
+            with scoring_server(build, model_dir, out_dir, params.serve, remote) as server:
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
-                lm = make_lm(server, model_dir.resolve(), params.harness, params.serve.max_model_len)
+                lm = make_lm(server, model_dir.resolve(), params.harness, serving.max_model_len)
                 for team, key in progress(pending, desc=f"evaluate[{build}]: scoring", unit="team"):
                     scoring = time.monotonic()
                     try:
@@ -236,6 +302,18 @@ def drop_credentials(environ: MutableMapping[str, str]) -> list[str]:
     return gone
 
 
+def check_endpoint_builds(params: EvaluateParams, builds: list[str], path: Path = PARAMS_FILE) -> None:
+    """Raises QuantgateError (params.yaml line) for an evaluate.endpoints key that is not in `builds`:
+    a typo would silently score that build on a local server instead."""
+    for build in params.endpoints:
+        if build not in builds:
+            line = key_lines(path).get(("evaluate", "endpoints", build))
+            raise QuantgateError(
+                f"{path}:{line}: evaluate.endpoints.{build}: not a build of this run (builds: {builds}); "
+                "fix the name or drop it"
+            )
+
+
 def main() -> None:
     if len(sys.argv) != 5:
         raise QuantgateError("usage: python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR")
@@ -244,7 +322,9 @@ def main() -> None:
         logging.getLogger(__name__).info("running without %s", ", ".join(gone))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    docs = evaluate(build, model_dir, evals_dir, out_dir, load_block("evaluate", EvaluateParams))
+    params = load_block("evaluate", EvaluateParams)
+    check_endpoint_builds(params, load_builds())
+    docs = evaluate(build, model_dir, evals_dir, out_dir, params)
     for team, scores in sorted(docs.items()):
         if scores.status == "ok":
             summary = ", ".join(f"{t}={v.score:.3f} (n={v.n})" for t, v in scores.tasks.items())

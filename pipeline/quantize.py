@@ -12,16 +12,18 @@ unchanged, plus build.json, whose recipe record holds the recipe file's sha256 (
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from quantgate.console import log_progress, per_build
 from quantgate.conversations import CALIBRATION_FILE, calibration_texts
+from quantgate.devices import check_devices, visible_devices
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
 from quantgate.manifest import read_manifest, write_manifest
@@ -39,6 +41,9 @@ class Calibration(Frozen):
 class QuantizeParams(Frozen):
     recipe: str  # llm-compressor recipe YAML, e.g. recipes/int4.yaml
     calibration: Calibration | None = None  # required when the recipe needs data
+    devices: str = "auto"  # GPUs llm-compressor uses (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
+
+    _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
 
 
 def scheme_label(config: dict) -> str:
@@ -104,6 +109,8 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     # calibrate in float32 where 16-bit arithmetic is emulated; the build is cast back before it is saved
     work_dtype = dtype if native_16bit() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(src, dtype=work_dtype)
+    if torch.cuda.is_available() and not (p.calibration and p.calibration.pipeline == "sequential"):
+        model.to("cuda")  # `basic` and data-free recipes run where the model is; `sequential` onloads layer by layer
     tokenizer = AutoTokenizer.from_pretrained(src)
     # validate before spending minutes on calibration
     for scheme, ignore in weight_schemes(recipe):
@@ -149,8 +156,11 @@ def main() -> None:
     if len(sys.argv) != 4:
         raise QuantgateError("usage: python -m pipeline.quantize BUILD SRC_DIR OUT_DIR")
     build, src, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    params = load_block(f"quantize.{build}", QuantizeParams)
+    if (cuda := visible_devices(params.devices, f"quantize.{build}.devices")) is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda  # before torch is imported
     with log_progress(r"Quantizing (\d+) module", desc=f"quantize[{build}]: GPTQ", unit="module"):
-        manifest = quantize(build, src, out, load_block(f"quantize.{build}", QuantizeParams))
+        manifest = quantize(build, src, out, params)
     print(f"quantize[{build}]: wrote {out}, {manifest['scheme']} (digest {manifest['weights_digest'][:12]})")
 
 

@@ -14,6 +14,7 @@ def smoke_generate(model, tokenizer, prompt: str = "What is the capital of Franc
         ids = ids["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = ids.to(model.device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()

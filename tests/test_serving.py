@@ -38,12 +38,14 @@ AVX512_NO_BF16 = Platform(
     "cpu", native_bf16=False, kernel_library="_C_AVX512", w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"}
 )
 GPU = Platform("NVIDIA H200")
+# SmolLM2-135M-Instruct's config.json (the attention shape)
+SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 
 
 def build(tmp_path: Path, name: str, group: dict | None) -> Path:
     d = tmp_path / name
     d.mkdir()
-    config = {"architectures": ["LlamaForCausalLM"]}
+    config = {"architectures": ["LlamaForCausalLM"], **SMOLLM2}
     if group is not None:
         config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
     (d / "config.json").write_text(json.dumps(config))
