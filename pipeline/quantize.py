@@ -24,9 +24,9 @@ from quantgate.console import log_progress, per_build
 from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
-from quantgate.manifest import read_manifest, write_manifest
+from quantgate.manifest import MANIFEST, read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
-from quantgate.precision import native_16bit
+from quantgate.precision import KvCacheDtype, native_16bit
 from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
 
 
@@ -39,6 +39,7 @@ class Calibration(Frozen):
 class QuantizeParams(Frozen):
     recipe: str  # llm-compressor recipe YAML, e.g. recipes/int4.yaml
     calibration: Calibration | None = None  # required when the recipe needs data
+    kv_cache_dtype: KvCacheDtype = "auto"  # vLLM --kv-cache-dtype every server of this build uses (build.json)
 
 
 def scheme_label(config: dict) -> str:
@@ -135,7 +136,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
-    return write_manifest(
+    manifest = write_manifest(
         out,
         build=build,
         scheme=scheme_label(config),
@@ -143,6 +144,10 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
         base_model=base["base_model"],
         recipe=recipe_record(p, recipe_path, base["weights_digest"]),
     )
+    if p.kv_cache_dtype != "auto":  # how vLLM holds this build's KV cache: every server of it reads it here
+        manifest["kv_cache_dtype"] = p.kv_cache_dtype
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def main() -> None:
