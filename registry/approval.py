@@ -14,6 +14,11 @@ Versions registered before the param existed have only the tag, which is read as
 Anything else (missing, revoked, an unknown value, an override missing) reads as NOT
 approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
+
+The gate's recommendation (tags `recommended` yes/no/baseline and `recommendation`, registry/tags.py: PASS
+for every team AND cheaper to serve than the 16-bit build where it was measured) is a separate field: it
+never makes or blocks an approval. A release manager may override a "no" with a reason
+(`quantgate approve ... --recommend REASON`): tags recommendation.override_{by,reason,at}, audited.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ from dataclasses import dataclass, replace
 
 from quantgate.errors import QuantgateError
 from registry import audit, lock, versions
-from registry.tags import PASSING, VERDICT
+from registry.tags import PASSING, RECOMMENDATION, RECOMMENDED, VERDICT
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
 APPROVED, REVOKED = "approved", "revoked"
+RECO_BY, RECO_REASON, RECO_AT = (
+    "recommendation.override_by",
+    "recommendation.override_reason",
+    "recommendation.override_at",
+)
 
 
 @dataclass(frozen=True)
@@ -210,3 +220,42 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
             if OVERRIDE in mv.tags:
                 mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
     return approval_of(mlflow_client, model_name, mv.version)
+
+
+def read_recommendation(tags: dict[str, str]) -> tuple[str, str]:
+    """(short cell, one line) for a version's recommendation: "yes" / "no" / "baseline" as the gate recorded
+    it, "override" when a release manager overrode a "no" (who and why), "-" when none was recorded (a version
+    registered before builds were profiled)."""
+    gate_says, why = tags.get(RECOMMENDED), tags.get(RECOMMENDATION, "")
+    by, reason = (tags.get(RECO_BY) or "").strip(), (tags.get(RECO_REASON) or "").strip()
+    if by and reason:
+        return "override", f"recommended by {by}'s override: {reason} (the gate said {gate_says or '-'}: {why})"
+    if gate_says is None:
+        return "-", "no recommendation recorded (registered before builds were profiled)"
+    if gate_says == "baseline":
+        return "baseline", "the 16-bit baseline: the builds are priced against it"
+    return gate_says, f"{'recommended' if gate_says == 'yes' else 'not recommended'}: {why}"
+
+
+def override_recommendation(mlflow_client, model_name: str, version, by: str, reason: str) -> tuple[str, str]:
+    """Record that `by` recommends `version` whatever the gate's cost policy said, and why (tags and an audit
+    run); return read_recommendation of the version afterwards. Raises QuantgateError for a missing version
+    or an empty --by / reason."""
+    require_text(by=by, recommend=reason)
+    with lock.held(mlflow_client, model_name, f"recommend by {by}") as lk:
+        mv = versions.require_version(mlflow_client, model_name, version)
+        at = audit.utc_now()
+        with audit.audited(
+            mlflow_client,
+            model_name,
+            action="recommend",
+            by=by,
+            reason=reason,
+            at=at,
+            op=uuid.uuid4().hex,
+            version=mv.version,
+        ):
+            lk.check()
+            for key, value in ((RECO_BY, by), (RECO_REASON, reason), (RECO_AT, at.isoformat(timespec="milliseconds"))):
+                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
+    return read_recommendation(versions.require_version(mlflow_client, model_name, mv.version).tags)

@@ -1,7 +1,7 @@
 """Release-manager commands: register, approve, revoke, promote, rollback, history (wired into `quantgate`).
 
     quantgate register RUN_ID --override REASON [--by NAME]
-    quantgate approve MODEL VERSION --reason TEXT [--by NAME] [--override REASON]
+    quantgate approve MODEL VERSION --reason TEXT [--by NAME] [--override REASON] [--recommend REASON]
     quantgate revoke MODEL VERSION --reason TEXT [--by NAME]
     quantgate promote MODEL VERSION --expect-production VERSION|none --reason TEXT [--by NAME] [--canary-run-id ID]
     quantgate rollback MODEL --reason TEXT [--by NAME] [--to previous|fallback]
@@ -101,16 +101,30 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
     metavar="REASON",
     help="Approve although gate.verdict is not PASS; REASON is recorded.",
 )
-def approve(model: str, version: str, by: str, reason: str, override_reason: str | None) -> None:
-    """Approve MODEL VERSION for serving (needed before promote and candidate)."""
-    from registry import approval
+@click.option(
+    "--recommend",
+    "recommend_reason",
+    metavar="REASON",
+    help="Override the gate's recommendation (cheaper than 16-bit where measured) to yes; REASON is recorded.",
+)
+def approve(
+    model: str, version: str, by: str, reason: str, override_reason: str | None, recommend_reason: str | None
+) -> None:
+    """Approve MODEL VERSION for serving (needed before promote and candidate); shows its recommendation."""
+    from registry import approval, versions
 
     with _errors():
-        a = approval.approve(_client(), model, version, by, reason, override_reason)
+        client = _client()
+        a = approval.approve(client, model, version, by, reason, override_reason)
+        if recommend_reason is not None:
+            _, reco = approval.override_recommendation(client, model, version, by, recommend_reason)
+        else:
+            _, reco = approval.read_recommendation(versions.require_version(client, model, version).tags)
     click.echo(
         f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
         + (" (the same approval; nothing recorded)" if a.unchanged else "")
     )
+    click.echo(f"{model} v{version}: {reco}")
     if override_reason and not a.override:
         click.echo("note: the version passes its gate; --override was not needed and is not recorded")
 
