@@ -190,6 +190,7 @@ def cost_points(result: GateResult) -> list[dict]:
                 "build": build,
                 "usd_per_mtok": c.usd_per_mtok,
                 "worst_recovery_pct": None if rec is None else round(rec, 2),
+                "verdict": g.verdict if g else "BASELINE",
                 "recommended": bool(g and g.recommended),
             }
         )

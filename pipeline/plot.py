@@ -86,8 +86,9 @@ def recovery_plot(result: GateResult, path: Path) -> None:
 
 def cost_plot(points: list[dict], unprofiled: dict[str, str], path: Path) -> None:
     """Write the quality-vs-cost PNG to `path`: per profiled build (pipeline/buys.py `cost_points`), its
-    worst-team recovery % (y; the baseline at 100) against its $ per 1M output tokens (x); recommended builds
-    as stars. `unprofiled` ({build: reason}) is listed under the axes, so a build without a cost is visible."""
+    worst-team recovery % (y; the baseline at 100) against its $ per 1M output tokens (x), labelled with its
+    verdict; recommended builds as stars. `unprofiled` ({build: reason}) is listed under the axes, so a build
+    without a cost is visible."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,7 +98,8 @@ def cost_plot(points: list[dict], unprofiled: dict[str, str], path: Path) -> Non
     for p in points:
         y = p["worst_recovery_pct"] if p["worst_recovery_pct"] is not None else 0.0
         ax.plot([p["usd_per_mtok"]], [y], "*" if p["recommended"] else "o", markersize=12 if p["recommended"] else 7)
-        ax.annotate(p["build"], (p["usd_per_mtok"], y), xytext=(6, 4), textcoords="offset points", fontsize=9)
+        label = f"{p['build']} ({p['verdict']})"
+        ax.annotate(label, (p["usd_per_mtok"], y), xytext=(6, 4), textcoords="offset points", fontsize=9)
     ax.axhline(100.0, color="black", linewidth=0.8)
     ax.set_xlabel("$ per 1M output tokens (cost params, measured throughput)")
     ax.set_ylabel("worst team's recovery vs 16-bit (%)")

@@ -24,6 +24,7 @@ never makes or blocks an approval. A release manager may override a "no" with a 
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from quantgate.errors import QuantgateError
@@ -193,6 +194,21 @@ def approve(
     return approval_of(mlflow_client, model_name, mv.version)
 
 
+@contextmanager
+def _version_change(mlflow_client, model_name: str, version, by: str, reason: str, action: str):
+    """An audited change of one READY version under the registry lock: yields (the version, the change's UTC time);
+    the block writes the tags. Raises QuantgateError for a missing version or a lock held by another change."""
+    with lock.held(mlflow_client, model_name, f"{action} by {by}") as lk:
+        mv = versions.require_version(mlflow_client, model_name, version)
+        at = audit.utc_now()
+        op = uuid.uuid4().hex
+        with audit.audited(
+            mlflow_client, model_name, action=action, by=by, reason=reason, at=at, op=op, version=mv.version
+        ):
+            lk.check()
+            yield mv, at
+
+
 def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> Approval:
     """Revoke the approval of `version` (also a veto on a version never approved).
 
@@ -200,25 +216,12 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     rollback (`quantgate rollback`), but it can no longer be promoted or made candidate.
     """
     require_text(by=by, reason=reason)
-    with lock.held(mlflow_client, model_name, f"revoke by {by}") as lk:
-        mv = versions.require_version(mlflow_client, model_name, version)
-        at = audit.utc_now()
-        with audit.audited(
-            mlflow_client,
-            model_name,
-            action="revoke",
-            by=by,
-            reason=reason,
-            at=at,
-            op=uuid.uuid4().hex,
-            version=mv.version,
-        ):
-            lk.check()
-            mlflow_client.set_model_version_tag(model_name, mv.version, TAG, REVOKED)  # first: fail closed
-            for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
-                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
-            if OVERRIDE in mv.tags:
-                mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
+    with _version_change(mlflow_client, model_name, version, by, reason, "revoke") as (mv, at):
+        mlflow_client.set_model_version_tag(model_name, mv.version, TAG, REVOKED)  # first: fail closed
+        for key, value in ((BY, by), (REASON, reason), (AT, at.isoformat(timespec="milliseconds"))):
+            mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
+        if OVERRIDE in mv.tags:
+            mlflow_client.delete_model_version_tag(model_name, mv.version, OVERRIDE)
     return approval_of(mlflow_client, model_name, mv.version)
 
 
@@ -242,20 +245,7 @@ def override_recommendation(mlflow_client, model_name: str, version, by: str, re
     run); return read_recommendation of the version afterwards. Raises QuantgateError for a missing version
     or an empty --by / reason."""
     require_text(by=by, recommend=reason)
-    with lock.held(mlflow_client, model_name, f"recommend by {by}") as lk:
-        mv = versions.require_version(mlflow_client, model_name, version)
-        at = audit.utc_now()
-        with audit.audited(
-            mlflow_client,
-            model_name,
-            action="recommend",
-            by=by,
-            reason=reason,
-            at=at,
-            op=uuid.uuid4().hex,
-            version=mv.version,
-        ):
-            lk.check()
-            for key, value in ((RECO_BY, by), (RECO_REASON, reason), (RECO_AT, at.isoformat(timespec="milliseconds"))):
-                mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
+    with _version_change(mlflow_client, model_name, version, by, reason, "recommend") as (mv, at):
+        for key, value in ((RECO_BY, by), (RECO_REASON, reason), (RECO_AT, at.isoformat(timespec="milliseconds"))):
+            mlflow_client.set_model_version_tag(model_name, mv.version, key, value)
     return read_recommendation(versions.require_version(mlflow_client, model_name, mv.version).tags)
