@@ -82,8 +82,8 @@ def artifact_link(run_id: str, path: str) -> str:
 def version_description(result: GateResult, build: str, run_id: str, report_md: str) -> str:
     """The model version's description for the MLflow UI: `build` first (verdict, recommendation, its quality
     rows, what it buys beside the baseline, the plots as links to run `run_id`'s artifacts), then the whole gate
-    report (`report_md`, its relative image links rewritten to the artifacts) for the other builds. Paths are
-    the project's, never the machine's."""
+    report (`report_md`, without its relative image links, which do not resolve in the UI) for the other builds.
+    Paths are the project's, never the machine's."""
     g = result.builds.get(build)
     head = f"# {build}: " + (
         "16-bit baseline (gate BASELINE)"
@@ -110,7 +110,7 @@ def version_description(result: GateResult, build: str, run_id: str, report_md: 
         "# All builds",
         "",
     ]
-    body = re.sub(r"\]\(([\w.-]+\.png)\)", lambda m: f"]({artifact_link(run_id, m.group(1))})", report_md)
+    body = re.sub(r"^!\[[^\]]*\]\([\w.-]+\.png\)\n\n?", "", report_md, flags=re.M)  # the plots are linked above
     return project_relative("\n".join(out) + body.removeprefix("# quantgate gate report\n"))
 
 

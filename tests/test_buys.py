@@ -156,7 +156,8 @@ def test_version_description_puts_this_build_first_and_links_the_run_artifacts(p
     assert first_table < text.index("# All builds") < text.index("| int8 | search |")
     assert text.index("| fp8 | 155.7 |") < text.index("| fp16 | 256.6 |") < text.index("# All builds")
     assert "](get-artifact?path=gate_cost.png&run_uuid=RUN123)" in text
-    assert "](gate_recovery.png)" not in text and "](get-artifact?path=gate_recovery.png&run_uuid=RUN123)" in text
+    assert "](gate_recovery.png)" not in text and "](gate_cost.png)" not in text  # a relative image is broken there
+    assert text.count("](get-artifact?path=gate_recovery.png&run_uuid=RUN123)") == 1
     assert str(tmp_path) not in text and "- int4: models/int4 cannot be served" in text
 
 
