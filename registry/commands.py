@@ -114,6 +114,8 @@ def approve(
     from registry import approval, versions
 
     with _errors():
+        if recommend_reason is not None:  # refused before anything is written
+            approval.require_text(recommend=recommend_reason)
         client = _client()
         a = approval.approve(client, model, version, by, reason, override_reason)
         if recommend_reason is not None:

@@ -268,6 +268,25 @@ def test_approval_refused_for_fail_then_override_recorded(reg):
         aliases.promote(r.client, r.model, v, None, "alice", "go")
 
 
+def test_recommendation_override_is_recorded_audited_and_shown(reg):
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    v = r.version("int4")
+    assert approval.read_recommendation(r.client.get_model_version(r.model, v).tags)[0] == "-"  # not priced here
+    with pytest.raises(QuantgateError, match="--recommend must not be empty"):
+        approval.override_recommendation(r.client, r.model, v, "alice", " ")
+    cell, line = approval.override_recommendation(r.client, r.model, v, "alice", "the GPU fleet runs it natively")
+    assert cell == "override" and line.startswith("recommended by alice's override: the GPU fleet runs it natively")
+    t = r.client.get_model_version(r.model, v).tags
+    assert (t["recommendation.override_by"], t["recommendation.override_reason"]) == (
+        "alice",
+        "the GPU fleet runs it natively",
+    )
+    [e] = events(r, action="recommend")
+    assert (e.version, e.by, e.reason) == (v, "alice", "the GPU fleet runs it natively")
+    assert "approval" not in t  # a recommendation approves nothing
+    assert any(f"v{v} " in ln and "reco=override" in ln for ln in status_lines(r.client, r.model))
+
+
 def test_a_build_that_did_not_pass_is_registered_only_by_override(reg, tmp_path):
     r = reg({"int4": "PASS", "fp8": "FAIL"})
     run_id = r.run_id("fp8")
