@@ -133,7 +133,7 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
                 )
         return BuildProfile(status="profiled", loads=loads, **record)
     except (QuantgateError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
-        reason = project_relative(str(exc).split(" (log: ")[0].strip().splitlines()[0])
+        reason = project_relative((str(exc).strip() or type(exc).__name__).split(" (log: ")[0].splitlines()[0])
         if isinstance(exc, subprocess.TimeoutExpired):
             reason = f"vllm bench serve took longer than profile.timeout_s ({params.timeout_s} s)"
         print(f"profile[{build}]: unprofiled: {reason}", file=sys.stderr, flush=True)
