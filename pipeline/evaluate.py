@@ -213,8 +213,11 @@ def evaluate(
         (out_dir / ENDPOINT).write_text(json.dumps(remote, indent=1) + "\n")
     docs, pending = {}, []
     timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
+    serve_config = serving.dump()
+    if (kv := manifest.get("kv_cache_dtype", "auto")) != "auto":  # a build's KV dtype changes what it computes
+        serve_config["kv_cache_dtype"] = kv
     for team in teams:
-        key = cache_key(manifest["weights_digest"], team, params.harness, serving.dump(), model_files)
+        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config, model_files)
         cached = CACHE_DIR / key
         if (cached / SCORES).is_file():
             shutil.copytree(cached, out_dir / team.name)

@@ -1,12 +1,18 @@
 """Stage `gate`: a verdict per (build, team) and per build from paired per-sample scores.
 
-Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG` (params block `gate`).
+Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG PROFILE_DIR COST_PNG COST_JSON`
+(params blocks `gate`, `cost`, and `builds`).
 
 For every candidate build and every team under evals/, the candidate's per-document scores
 are paired with the baseline (16-bit) build's on the same documents and judged against the
 team's non-inferiority margin (quantgate/stats.py). It fails closed: a missing result file,
 an evaluation error, a different document set, or a NaN score is a FAIL with the reason.
 A build is shippable only if every team PASSes.
+
+Beside the quality verdicts it prices each build's profile (PROFILE_DIR/<build>.json, the profile stage's)
+with the `cost` block (pipeline/buys.py): the "what it buys" table in the report and gate.json's `buys`,
+the quality-vs-cost plot (COST_PNG, and its data COST_JSON for `dvc plots`), and per candidate the
+separate `recommended` field: PASS for every team AND cheaper per 1M output tokens than the baseline here.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.plot import recovery_plot
-from quantgate.errors import QuantgateError, run_main
+from pipeline import buys
+from pipeline.plot import cost_plot, recovery_plot
+from pipeline.report import table
+from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
@@ -133,7 +141,7 @@ def gate(eval_dir: Path, teams: list[Team], params: GateParams, search_file: Pat
                 comparisons[team.name] = judge(team, base_scores, cand_scores, params, build)
             except QuantgateError as exc:
                 comparisons[team.name] = TeamComparison(
-                    verdict=Verdict.FAIL, metric=team.policy.metric, reason=str(exc)
+                    verdict=Verdict.FAIL, metric=team.policy.metric, reason=project_relative(str(exc))
                 )
         worst = max((Verdict(c.verdict) for c in comparisons.values()), key=SEVERITY.index)
         if why := search_problem(search_file, build):
@@ -141,29 +149,6 @@ def gate(eval_dir: Path, teams: list[Team], params: GateParams, search_file: Pat
         else:
             builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons)
     return GateResult(baseline=params.baseline, precision=precision, builds=builds)
-
-
-def fmt(x, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def table(result: GateResult) -> str:
-    """The gate result as a markdown table (one row per build and team). One sign convention:
-    `drop` and its CI are how much worse the build is (positive = worse), as the margin bounds it."""
-    lines = [
-        "| build | team | metric | n | fp16 | candidate | drop (+ = worse) | drop CI | margin | recovery % | p (NI) "
-        "| verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for build, b in result.builds.items():
-        for team, c in b.teams.items():
-            ci = f"[{c.lower:+.3f}, {c.upper:+.3f}]" if c.compared else "-"
-            lines.append(
-                f"| {build} | {team} | {c.metric} | {fmt(c.n, 'd')} | {fmt(c.baseline)} | "
-                f"{fmt(c.candidate)} | {fmt(c.drop, '+.3f')} | {ci} | {fmt(c.margin)} | "
-                f"{fmt(c.recovery_pct, '.1f')} | {fmt(c.p_value, '.3g')} | {c.verdict} |"
-            )
-    return "\n".join(lines)
 
 
 def precision_line(result: GateResult) -> str:
@@ -203,8 +188,9 @@ def power_lines(result: GateResult, power: float = 0.9) -> list[str]:
     return lines
 
 
-def report(result: GateResult, plot_name: str | None = None) -> str:
-    """The markdown gate report: summary per build, the table, the plot link, every reason."""
+def report(result: GateResult, plot_name: str | None = None, cost_plot_name: str | None = None) -> str:
+    """The markdown gate report: summary per build, the quality table, the plot link, what each build buys
+    (when profiled) and its plot link, every reason. Image links are relative to the report's folder."""
     out = [
         "# quantgate gate report",
         "",
@@ -215,12 +201,19 @@ def report(result: GateResult, plot_name: str | None = None) -> str:
         "",
     ]
     for build, b in result.builds.items():
-        out.append(f"- **{build}**: {b.verdict} ({'shippable' if b.shippable else 'not shippable'})")
+        rec = "" if b.recommended is None else f"; {'recommended' if b.recommended else 'not recommended'}"
+        out.append(f"- **{build}**: {b.verdict} ({'shippable' if b.shippable else 'not shippable'}{rec})")
         if b.reason:
             out.append(f"  - {b.reason}")
+        if b.recommendation:
+            out.append(f"  - recommendation: {b.recommendation}")
     out += ["", table(result), ""]
     if plot_name:
         out += [f"![recovery per team and build]({plot_name})", ""]
+    if result.buys:
+        out += ["## What it buys when served", "", buys.buys_table(result), "", BUYS_NOTE, ""]
+        if cost_plot_name:
+            out += [f"![quality vs cost per build]({cost_plot_name})", ""]
     out += ["## Reasons", ""]
     for build, b in result.builds.items():
         for team, c in b.teams.items():
@@ -230,18 +223,44 @@ def report(result: GateResult, plot_name: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+BUYS_NOTE = (
+    "Measured by the profile stage on the serving engine at the run's precision (results/profile/<build>.json); "
+    "priced with params.yaml `cost` (pipeline/buys.py): tok/s, TTFT and TPOT at the largest profiled concurrency "
+    "C; req/device = vLLM's KV tokens // cost.context_tokens; devices for cost.qps by Little's law, the larger "
+    "of the memory and batch-cap bounds; `x` = this build / the baseline. Recommended = PASS for every team "
+    "and fewer $ per 1M output tokens than the baseline here."
+)
+
+USAGE = (
+    "usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG PROFILE_DIR COST_PNG COST_JSON"
+)
+
+
 def main() -> None:
-    if len(sys.argv) != 6:
-        raise QuantgateError("usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG")
-    eval_dir, evals_dir, metrics_path, report_path, plot_path = map(Path, sys.argv[1:])
-    result = gate(eval_dir, load_teams(evals_dir), load_params(), SEARCH_RESULT)
+    if len(sys.argv) != 9:
+        raise QuantgateError(USAGE)
+    eval_dir, evals_dir, metrics_path, report_path, plot_path, profile_dir, cost_png, cost_json = map(
+        Path, sys.argv[1:]
+    )
+    params = load_params()
+    profiles = buys.read_profiles(profile_dir, [params.baseline, *params.candidates])
+    cost = buys.load_cost(profiles[params.baseline])
+    result = buys.apply(gate(eval_dir, load_teams(evals_dir), params, SEARCH_RESULT), profiles, cost)
     write_gate(metrics_path, result)
-    report_path.write_text(report(result, plot_path.name))
+    report_path.write_text(report(result, plot_path.name, cost_png.name))
     recovery_plot(result, plot_path)
+    points = buys.cost_points(result)
+    cost_json.write_text(json.dumps(points, indent=1) + "\n")
+    cost_plot(points, {b: c.reason or "?" for b, c in result.buys.items() if c.status != "profiled"}, cost_png)
     print(table(result))
     print(precision_line(result))
+    print(buys.buys_table(result))
     for build, b in result.builds.items():
-        print(f"gate: {build}: {b.verdict}" + (f" ({b.reason})" if b.reason else ""))
+        print(
+            f"gate: {build}: {b.verdict}"
+            + (f" ({b.reason})" if b.reason else "")
+            + (f"; {'recommended' if b.recommended else 'not recommended'}: {b.recommendation}")
+        )
 
 
 if __name__ == "__main__":

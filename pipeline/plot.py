@@ -82,3 +82,35 @@ def recovery_plot(result: GateResult, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def cost_plot(points: list[dict], unprofiled: dict[str, str], path: Path) -> None:
+    """Write the quality-vs-cost PNG to `path`: per profiled build (pipeline/buys.py `cost_points`), its
+    worst-team recovery % (y; the baseline at 100) against its $ per 1M output tokens (x), labelled with its
+    verdict; recommended builds as stars. `unprofiled` ({build: reason}) is listed under the axes, so a build
+    without a cost is visible."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5 + 0.25 * len(unprofiled)), dpi=110)
+    for p in points:
+        y = p["worst_recovery_pct"] if p["worst_recovery_pct"] is not None else 0.0
+        ax.plot([p["usd_per_mtok"]], [y], "*" if p["recommended"] else "o", markersize=12 if p["recommended"] else 7)
+        label = f"{p['build']} ({p['verdict']})"
+        ax.annotate(label, (p["usd_per_mtok"], y), xytext=(6, 4), textcoords="offset points", fontsize=9)
+    ax.axhline(100.0, color="black", linewidth=0.8)
+    ax.margins(x=0.25, y=0.1)  # room for the labels right of the points
+    ax.set_xlabel("$ per 1M output tokens (cost params, measured throughput)")
+    ax.set_ylabel("worst team's recovery vs 16-bit (%)")
+    ax.set_title("quantgate: quality vs cost per build (star = recommended)")
+    if unprofiled:
+        note = "\n".join(f"unprofiled: {b}: {why[:110]}" for b, why in sorted(unprofiled.items()))
+        fig.text(0.01, 0.01, note, fontsize=7, color="tab:red", va="bottom")
+        fig.subplots_adjust(bottom=0.15 + 0.05 * len(unprofiled))
+    else:
+        fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)

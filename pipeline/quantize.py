@@ -26,9 +26,9 @@ from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.devices import check_devices, visible_devices
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import sha256_file
-from quantgate.manifest import read_manifest, write_manifest
+from quantgate.manifest import MANIFEST, read_manifest, write_manifest
 from quantgate.params import Frozen, load_block
-from quantgate.precision import native_16bit
+from quantgate.precision import KvCacheDtype, native_16bit
 from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
 
 
@@ -44,6 +44,7 @@ class QuantizeParams(Frozen):
     devices: str = "auto"  # GPUs llm-compressor uses (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
 
     _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
+    kv_cache_dtype: KvCacheDtype = "auto"  # vLLM --kv-cache-dtype every server of this build uses (build.json)
 
 
 def scheme_label(config: dict) -> str:
@@ -142,7 +143,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
-    return write_manifest(
+    manifest = write_manifest(
         out,
         build=build,
         scheme=scheme_label(config),
@@ -150,6 +151,10 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
         base_model=base["base_model"],
         recipe=recipe_record(p, recipe_path, base["weights_digest"]),
     )
+    if p.kv_cache_dtype != "auto":  # how vLLM holds this build's KV cache: every server of it reads it here
+        manifest["kv_cache_dtype"] = p.kv_cache_dtype
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Stage `register`: the builds that may ship into the MLflow registry, every build's evidence into MLflow.
 
-Run by DVC: `python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG TEAMS_JSON EVAL_DIR OUT_JSON`
+Run by DVC: `python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG COST_PNG TEAMS_JSON EVAL_DIR OUT_JSON`
 (params block `register`).
 
 Every build is logged as a run (weights, gate report, per-team evidence, lineage and gate tags).
@@ -9,16 +9,24 @@ registered model, with the same tags; the baseline carries alias `fallback`. A b
 not PASS stays a run only, listed by `quantgate status`; a release manager who ships it anyway
 registers it with `quantgate register RUN_ID --override REASON` (registry/runs.py). Registering
 is not approving (registry/approval.py). Nothing is promoted here. Re-running with the same
-weights and evidence reuses the existing version or run.
+weights and evidence reuses the existing version or run (its what-it-buys tags are brought up to date).
+
+A version's description is written for the MLflow UI (`version_description`): this build first (its
+verdict, recommendation, quality rows and what it buys beside the baseline), the plots as links to the
+run's artifacts the UI serves (`get-artifact?path=...&run_uuid=...`, relative to the UI's own address),
+then the whole gate report for the other builds.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
-from quantgate.errors import QuantgateError, run_main
+from pipeline.buys import buys_table
+from pipeline.report import table
+from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.manifest import verify_weights
 from quantgate.params import Frozen, load_block
 from quantgate.precision import RECORD as PRECISION
@@ -54,6 +62,8 @@ def tags_of(
         **tags.gate_tags(build_gate, teams),
         tags.MODEL: model_name,
     }
+    if "kv_cache_dtype" in manifest:  # how every server of this build holds its KV cache
+        build_tags["kv_cache_dtype"] = manifest["kv_cache_dtype"]
     if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
         build_tags[tags.EVAL_DTYPE] = json.loads(record.read_text())["dtype"]
     gate_evidence = {t: c.dump() for t, c in build_gate.teams.items()} if build_gate else {"baseline": build}
@@ -61,6 +71,47 @@ def tags_of(
         {"gate": gate_evidence, "teams": {t: s.dump() for t, s in teams.items()}}
     )
     return build_tags
+
+
+def artifact_link(run_id: str, path: str) -> str:
+    """The URL of run artifact `path` as the MLflow UI serves it (mlflow/server: route `/get-artifact`, args
+    `path` and `run_uuid`), relative, so it resolves against whatever address (and static prefix) the UI has."""
+    return f"get-artifact?path={path}&run_uuid={run_id}"
+
+
+def version_description(result: GateResult, build: str, run_id: str, report_md: str) -> str:
+    """The model version's description for the MLflow UI: `build` first (verdict, recommendation, its quality
+    rows, what it buys beside the baseline, the plots as links to run `run_id`'s artifacts), then the whole gate
+    report (`report_md`, without its relative image links, which do not resolve in the UI) for the other builds.
+    Paths are the project's, never the machine's."""
+    g = result.builds.get(build)
+    head = f"# {build}: " + (
+        "16-bit baseline (gate BASELINE)"
+        if g is None
+        else f"gate {g.verdict}" + ("" if g.recommended is None else f", {'' if g.recommended else 'not '}recommended")
+    )
+    out = [head, ""]
+    if g is not None and g.recommendation:
+        out += [f"Recommendation: {g.recommendation}.", ""]
+    if g is not None:
+        out += [table(result, [build]), ""]
+    if result.buys:
+        shown = [build] + ([result.baseline] if build != result.baseline else [])
+        out += ["## What it buys when served", "", buys_table(result, shown), ""]
+    out += [
+        f"![quality vs cost per build]({artifact_link(run_id, 'gate_cost.png')})",
+        "",
+        f"![recovery per team and build]({artifact_link(run_id, 'gate_recovery.png')})",
+        "",
+        f"Full report: [gate_report.md]({artifact_link(run_id, 'gate_report.md')}) (run artifact).",
+        "",
+        "---",
+        "",
+        "# All builds",
+        "",
+    ]
+    body = re.sub(r"^!\[[^\]]*\]\([\w.-]+\.png\)\n\n?", "", report_md, flags=re.M)  # the plots are linked above
+    return project_relative("\n".join(out) + body.removeprefix("# quantgate gate report\n"))
 
 
 def register(
@@ -93,6 +144,8 @@ def register(
     for build in builds:
         build_gate = gate_result.builds.get(build)
         build_tags = tags_of(build, manifests[build], build_gate, teams, eval_dir, params.model_name)
+        buys = tags.buys_tags(gate_result.buys.get(build), build_gate)  # not evidence: updated on reuse
+        build_tags |= buys
         verdict, key = build_tags[tags.VERDICT], (build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
         existing = versions.find_version(client, params.model_name, *key)
         ships = existing is not None or verdict in tags.PASSING  # a version already, or one to make
@@ -102,6 +155,8 @@ def register(
         reused = run_id is not None
         if reused:
             versions.record_verdict(client, run_id, verdict)  # back-fills older runs
+            versions.update_tags(client, run_id, buys, params.model_name, existing.version if existing else None)
+            versions.log_report(client, run_id, report_md, evidence_files)  # the plots the description links
         else:
             metrics = {
                 f"{team}.{k}": v
@@ -120,7 +175,10 @@ def register(
                 f"(to ship it anyway: quantgate register {run_id} --override REASON)"
             )
             continue
-        mv = existing or versions.register_version(client, params.model_name, run_id, source, build_tags, report_md)
+        description = version_description(gate_result, build, run_id, report_md)
+        if existing is not None:
+            client.update_model_version(params.model_name, existing.version, description=description[:4900])
+        mv = existing or versions.register_version(client, params.model_name, run_id, source, build_tags, description)
         out["builds"][build] = {"version": str(mv.version), **entry}
         print(
             f"register: {build}: "
@@ -137,14 +195,14 @@ def register(
     return out
 
 
-USAGE = "python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG TEAMS_JSON EVAL_DIR OUT_JSON"
+USAGE = "python -m pipeline.register MODELS_DIR GATE_JSON REPORT_MD PLOT_PNG COST_PNG TEAMS_JSON EVAL_DIR OUT_JSON"
 
 
 def main() -> None:
-    if len(sys.argv) != 8:
+    if len(sys.argv) != 9:
         raise QuantgateError(f"usage: {USAGE}")
-    models_dir, gate_json, report_md, plot_png, teams_json, eval_dir, out_json = map(Path, sys.argv[1:])
-    for f in (gate_json, report_md, plot_png, teams_json):
+    models_dir, gate_json, report_md, plot_png, cost_png, teams_json, eval_dir, out_json = map(Path, sys.argv[1:])
+    for f in (gate_json, report_md, plot_png, cost_png, teams_json):
         if not f.is_file():
             raise QuantgateError(f"{f} not found: run `dvc repro` (the gate and validate stages write it)")
     result = register(
@@ -154,7 +212,7 @@ def main() -> None:
         eval_dir,
         load_block("register", RegisterParams),
         read_teams(teams_json),
-        [plot_png, teams_json],
+        [plot_png, cost_png, teams_json],
     )
     out_json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -30,6 +30,7 @@ def cli() -> None:
 @click.option("--gate-json", type=click.Path(path_type=Path), default=Path("results/gate.json"), show_default=True)
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
+    from pipeline.buys import buys_table
     from pipeline.gate import precision_line, table
     from quantgate.results import read_gate
 
@@ -37,8 +38,14 @@ def report(gate_json: Path) -> None:
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     with command_errors():
         result = read_gate(gate_json)
-    lines = [table(result), precision_line(result)] + [
-        f"{build}: {b.verdict}" + (f" ({b.reason})" if b.reason else "") for build, b in result.builds.items()
+    lines = [table(result), precision_line(result)]
+    if result.buys:
+        lines.append(buys_table(result))
+    lines += [
+        f"{build}: {b.verdict}"
+        + (f" ({b.reason})" if b.reason else "")
+        + ("" if b.recommended is None else f"; {'' if b.recommended else 'not '}recommended: {b.recommendation}")
+        for build, b in result.builds.items()
     ]
     click.echo("\n".join(lines))
 

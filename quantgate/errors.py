@@ -13,6 +13,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from quantgate.console import stage_log
 
@@ -68,3 +69,9 @@ def command_errors(
         raise click.ClickException(str(exc)) from None
     except also as exc:
         raise click.ClickException(describe(exc)) from None
+
+
+def project_relative(text: str, root: Path | None = None) -> str:
+    """`text` (a reason, a message) with the project's absolute path `root` (default: the working directory,
+    where DVC runs every stage) removed, so records name `models/int4`, not the clone's full path."""
+    return text.replace(f"{(root or Path.cwd()).resolve()}/", "").replace(f"{root or Path.cwd()}/", "")

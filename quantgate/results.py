@@ -5,6 +5,7 @@
 - results/gate.json: `GateResult` (gate writes it; register and `quantgate report` read it).
 - results/search/search.json: `SearchResult` (search writes it; the gate reads whether it found a
   passing candidate).
+- results/profile/<build>.json: `BuildProfile` (profile writes it; the gate prices it with the cost model).
 
 Names: a *build* (fp16, fp8, int4) is judged against the *baseline* build, per *team*; one
 (build, team) judgement is a `TeamComparison` with a *verdict*. A document is dumped with the
@@ -175,20 +176,57 @@ class TeamComparison(Document):
 
 
 class BuildGate(Document):
-    """The gate's judgement of one build: the worst team verdict, and one comparison per team."""
+    """The gate's judgement of one build: the worst team verdict, and one comparison per team.
+    `recommended` (None before the gate priced builds) is a separate field from the verdict: non-inferior
+    for every team AND cheaper to serve than the baseline on the measured platform; `recommendation` says why."""
 
     verdict: Verdict
     shippable: bool
     teams: dict[str, TeamComparison]
     reason: str | None = None  # why the build FAILs whatever its teams' verdicts (its search found nothing)
+    recommended: bool | None = None
+    recommendation: str | None = None
+
+
+class BuildCost(Document):
+    """What one build buys when served (pipeline/buys.py): the profile priced by the `cost` params block.
+
+    Units: USD per 1M output tokens; output tokens/s of one device at `concurrency` requests in flight;
+    KV tokens (vLLM's report); requests of cost.context_tokens that fit in the KV cache of one device;
+    requests in flight for cost.qps (Little's law); devices for that load (memory / batch-cap bound,
+    `devices` the larger). `*_x` fields are this build / the baseline's (None where either is missing).
+    An unprofiled build has status "unprofiled", its reason, and no figures."""
+
+    status: Literal["profiled", "unprofiled"]
+    reason: str | None = None
+    weights_mib: float | None = None
+    kv_cache_dtype: str = "auto"
+    kv_tokens: int | None = None
+    requests_per_device: int | None = None
+    concurrency: int | None = None
+    output_tokens_per_s: float | None = None
+    ttft_ms_p50: float | None = None
+    tpot_ms_p50: float | None = None
+    usd_per_mtok: float | None = None
+    in_flight: float | None = None
+    devices_memory: int | None = None
+    devices_batch: int | None = None
+    devices: int | None = None
+    bound: str | None = None
+    usd_per_mtok_x: float | None = None
+    devices_x: float | None = None
+    weights_x: float | None = None
+    kv_tokens_x: float | None = None
 
 
 class GateResult(Document):
-    """results/gate.json: every candidate build judged against the baseline build, per team."""
+    """results/gate.json: every candidate build judged against the baseline build, per team, and what
+    each build (the baseline too) buys when served (`buys`, empty when the gate ran without profiles)."""
 
     baseline: str
     precision: ServedPrecision | None  # None when no build could be compared
     builds: dict[str, BuildGate]
+    buys: dict[str, BuildCost] = {}
 
 
 def write_gate(path: Path, result: GateResult) -> None:
@@ -200,6 +238,66 @@ def write_gate(path: Path, result: GateResult) -> None:
 def read_gate(path: Path) -> GateResult:
     """Read results/gate.json; raises QuantgateError if it is missing or not a gate result."""
     return _read(path, TypeAdapter(GateResult), "gate result", "gate")
+
+
+# results/profile/<build>.json
+
+
+class LoadPoint(Document):
+    """vLLM's serving benchmark at one concurrency (quantgate/loadgen.py): output tokens/s, requests/s,
+    TTFT and TPOT percentiles in ms over the requests sent (`prompts`)."""
+
+    concurrency: int
+    prompts: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_ms_p50: float
+    ttft_ms_p99: float
+    tpot_ms_p50: float
+    tpot_ms_p99: float
+
+
+class BuildProfile(Document):
+    """results/profile/<build>.json: what one build costs to hold and how fast it serves, measured on the
+    serving engine at the run's precision (pipeline/profile.py). An unprofiled build (no server, failed
+    benchmark) has status "unprofiled" and the one-line reason; its figures are None.
+
+    Units: MiB of weights on disk; GiB of weights as vLLM reports them (`weights_source`: its "model
+    loading" or "checkpoint size" line); KV tokens as vLLM reports them (`kv_tokens`) and from the
+    arithmetic (`kv_tokens_arithmetic` = KV space / `kv_bytes_per_token`, quantgate/cost.py; CPU only,
+    where the KV space is evaluate.serve.kv_cache_gib); `max_concurrency`: vLLM's requests of
+    `max_concurrency_at` tokens that fit; `server_rss_gib`: the server's process tree after start-up."""
+
+    build: str
+    status: Literal["profiled", "unprofiled"]
+    reason: str | None = None
+    dtype: str | None = None  # activation precision served at
+    kv_cache_dtype: str = "auto"
+    input_len: int
+    output_len: int
+    seed: int
+    weights_mib: float | None = None
+    weights_gib: float | None = None
+    weights_source: str | None = None
+    kv_tokens: int | None = None
+    kv_tokens_arithmetic: int | None = None
+    kv_bytes_per_token: int | None = None
+    kv_shape: dict[str, int | None] | None = None  # quantgate.cost.KVShape of config.json (layers, kv_heads, ...)
+    max_concurrency: float | None = None
+    max_concurrency_at: int | None = None
+    server_rss_gib: float | None = None
+    loads: dict[str, LoadPoint] = {}  # "c<concurrency>" -> its figures (named keys: `dvc metrics show` reads them)
+
+
+def write_profile(path: Path, profile: BuildProfile) -> None:
+    """Write results/profile/<build>.json (a DVC metrics file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
+
+
+def read_profile(path: Path) -> BuildProfile:
+    """Read results/profile/<build>.json; raises QuantgateError if it is missing or not a profile."""
+    return _read(path, TypeAdapter(BuildProfile), "build profile", "profile")
 
 
 # results/search/search.json

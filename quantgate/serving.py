@@ -8,6 +8,7 @@ The server is always stopped when the `with` block exits, on error and Ctrl-C to
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -29,9 +30,11 @@ from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
 from quantgate.precision import (
     GIB,
+    KV_CACHE_DTYPES,
     NEEDS_16BIT,
     Dtype,
     is_w4a16,
+    kv_cache_problem,
     probe,
     resolve_dtype,
     resolve_eager,
@@ -47,6 +50,11 @@ def no_dtype_arg(args: list[str]) -> list[str]:
     evaluate and canary alike, gets its precision from evaluate.serve.dtype by one rule."""
     for a in args:
         flag = a.split("=", 1)[0]
+        if flag.startswith("--kv-c") and "--kv-cache-dtype".startswith(flag):
+            raise ValueError(
+                f"{a!r}: the KV-cache dtype belongs to the build (quantize.<build>.kv_cache_dtype, recorded in its "
+                f"build.json), not to extra_args"
+            )
         # vLLM's argparse takes unique prefixes (--dtyp, --dt); --config and --hf-overrides can set it too
         if (flag.startswith("--dt") and "--dtype".startswith(flag)) or flag == "--config" or flag == "--hf-overrides":
             raise ValueError(f"{a!r}: the dtype is set by evaluate.serve.dtype (auto or a dtype), not in extra_args")
@@ -141,10 +149,33 @@ def runtime_record(params: ServeParams, model_dir: Path) -> dict:
     }
 
 
+def kv_cache_dtype(model_dir: Path) -> str:
+    """The build's vLLM --kv-cache-dtype: `kv_cache_dtype` of model_dir/build.json (the quantize stage
+    records quantize.<build>.kv_cache_dtype there when it is not auto), else "auto" (also for a
+    directory without build.json). Raises ServerStartError for a value vLLM does not take here."""
+    try:
+        value = json.loads((Path(model_dir) / "build.json").read_text()).get("kv_cache_dtype", "auto")
+    except (OSError, ValueError, AttributeError):
+        return "auto"
+    if value not in KV_CACHE_DTYPES:
+        raise ServerStartError(
+            f"{model_dir}/build.json: kv_cache_dtype {value!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return value
+
+
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
-    """Fail in seconds, not after a server start, for a W4A16 build this serving env cannot run
-    at `params.dtype` (resolved). Raises ServerStartError with the reason that holds here
-    (quantgate.precision.w4a16_problem); `requested` is evaluate.serve.dtype as written."""
+    """Fail in seconds, not after a server start, for a build this serving env cannot run: a W4A16
+    build at `params.dtype` (resolved), or a KV-cache dtype the processor lacks. Raises
+    ServerStartError with the reason that holds here (quantgate.precision.w4a16_problem,
+    kv_cache_problem); `requested` is evaluate.serve.dtype as written."""
+    if (kv := kv_cache_dtype(model_dir)) != "auto":
+        try:
+            problem = kv_cache_problem(probe(params.python), kv)
+        except QuantgateError as exc:
+            raise ServerStartError(str(exc)) from None
+        if problem:
+            raise ServerStartError(f"vLLM cannot serve {model_dir} here: {problem} (checked before starting a server)")
     if not is_w4a16(model_dir):
         return
     try:
@@ -192,6 +223,7 @@ def command(params: ServeParams, model_dir: Path, name: str, port: int, gpu: boo
         *(["--enforce-eager"] if params.enforce_eager is True else []),
         # on a GPU an explicit size; on a CPU vllm_server sets VLLM_CPU_KVCACHE_SPACE
         *(["--kv-cache-memory-bytes", str(params.kv_cache_gib * GIB)] if gpu and params.kv_cache_gib else []),
+        *(["--kv-cache-dtype", kv] if (kv := kv_cache_dtype(model_dir)) != "auto" else []),
         *params.extra_args,
     ]
 
@@ -247,9 +279,10 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         while True:
             waiting.update()
             if proc.poll() is not None:
+                why = hint(log_path.read_text(errors="replace")) or last_error_line(log_path)
                 raise ServerStartError(
                     f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
-                    f"healthy: {last_error_line(log_path)} (log: {log_path})"
+                    f"healthy: {why} (log: {log_path})"
                 )
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
@@ -274,6 +307,9 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
 # alone appears both when the op is missing and when it lacks the dtype).
 HINTS = {
     r"cpu_gemm_wna16\" not implemented for '(Float|Double)'": NEEDS_16BIT,
+    r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX": (
+        "vLLM CPU has no FP8 KV cache on this processor (it needs AVX-512 or AMX)"
+    ),
     r"No such operator _C::cpu_gemm_wna16|has no attribute 'cpu_gemm_wna16'": (
         "this vLLM CPU build has no W4A16 kernel (cpu_gemm_wna16) in the library it loaded for this processor"
     ),

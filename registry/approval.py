@@ -15,20 +15,31 @@ version whose run is gone (purged by `mlflow gc`) has lost its record and is NOT
 Anything else (missing, revoked, an unknown value, an override missing) reads as NOT
 approved, with the reason why.
 The CLI also records each approve/revoke as an audit run; a UI edit is not audited.
+
+The gate's recommendation (tags `recommended` yes/no/baseline and `recommendation`, registry/tags.py: PASS
+for every team AND cheaper to serve than the 16-bit build where it was measured) is a separate field: it
+never makes or blocks an approval. A release manager may override a "no" with a reason
+(`quantgate approve ... --recommend REASON`): tags recommendation.override_{by,reason,at}, audited.
 """
 
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from quantgate.errors import QuantgateError
 from registry import audit, lock, versions
-from registry.tags import PASSING, VERDICT
+from registry.tags import PASSING, RECOMMENDATION, RECOMMENDED, VERDICT
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
 APPROVED, REVOKED = "approved", "revoked"
 MAX_NAME = 250  # characters of a name (--by); MLflow's own limit on keys and user names
+RECO_BY, RECO_REASON, RECO_AT = (
+    "recommendation.override_by",
+    "recommendation.override_reason",
+    "recommendation.override_at",
+)
 
 
 @dataclass(frozen=True)
@@ -203,6 +214,21 @@ def approve(
     return approval_of(mlflow_client, model_name, mv.version)
 
 
+@contextmanager
+def _version_change(mlflow_client, model_name: str, version, by: str, reason: str, action: str):
+    """An audited change of one READY version under the registry lock: yields (the version, the change's UTC time);
+    the block writes the tags. Raises QuantgateError for a missing version or a lock held by another change."""
+    with lock.held(mlflow_client, model_name, f"{action} by {by}", by=by) as lk:
+        mv = versions.require_version(mlflow_client, model_name, version)
+        at = audit.utc_now()
+        op = uuid.uuid4().hex
+        with audit.audited(
+            mlflow_client, model_name, action=action, by=by, reason=reason, at=at, op=op, version=mv.version
+        ):
+            lk.check()
+            yield mv, at
+
+
 def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> Approval:
     """Revoke the approval of `version` (also a veto on a version never approved).
 
@@ -210,23 +236,10 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     rollback (`quantgate rollback`), but it can no longer be promoted or made candidate.
     """
     require_text(by=by, reason=reason)
-    with lock.held(mlflow_client, model_name, f"revoke by {by}", by=by) as lk:
-        mv = versions.require_version(mlflow_client, model_name, version)
-        at = audit.utc_now()
-        with audit.audited(
-            mlflow_client,
-            model_name,
-            action="revoke",
-            by=by,
-            reason=reason,
-            at=at,
-            op=uuid.uuid4().hex,
-            version=mv.version,
-        ):
-            lk.check()
-            writes = {TAG: REVOKED}  # first: fail closed
-            writes.update({BY: by, REASON: reason, AT: at.isoformat(timespec="milliseconds"), OVERRIDE: None})
-            _write_all(mlflow_client, model_name, mv, writes)
+    with _version_change(mlflow_client, model_name, version, by, reason, "revoke") as (mv, at):
+        writes = {TAG: REVOKED}  # first: fail closed
+        writes.update({BY: by, REASON: reason, AT: at.isoformat(timespec="milliseconds"), OVERRIDE: None})
+        _write_all(mlflow_client, model_name, mv, writes)
     return approval_of(mlflow_client, model_name, mv.version)
 
 
@@ -252,3 +265,29 @@ def _set_tag(mlflow_client, model_name: str, version: str, key: str, value: str 
         mlflow_client.set_model_version_tag(model_name, version, key, value)
     elif present:
         mlflow_client.delete_model_version_tag(model_name, version, key)
+
+
+def read_recommendation(tags: dict[str, str]) -> tuple[str, str]:
+    """(short cell, one line) for a version's recommendation: "yes" / "no" / "baseline" as the gate recorded
+    it, "override" when a release manager overrode a "no" (who and why), "-" when none was recorded (a version
+    registered before builds were profiled)."""
+    gate_says, why = tags.get(RECOMMENDED), tags.get(RECOMMENDATION, "")
+    by, reason = (tags.get(RECO_BY) or "").strip(), (tags.get(RECO_REASON) or "").strip()
+    if by and reason:
+        return "override", f"recommended by {by}'s override: {reason} (the gate said {gate_says or '-'}: {why})"
+    if gate_says is None:
+        return "-", "no recommendation recorded (registered before builds were profiled)"
+    if gate_says == "baseline":
+        return "baseline", "the 16-bit baseline: the builds are priced against it"
+    return gate_says, f"{'recommended' if gate_says == 'yes' else 'not recommended'}: {why}"
+
+
+def override_recommendation(mlflow_client, model_name: str, version, by: str, reason: str) -> tuple[str, str]:
+    """Record that `by` recommends `version` whatever the gate's cost policy said, and why (tags and an audit
+    run); return read_recommendation of the version afterwards. Raises QuantgateError for a missing version
+    or an empty --by / reason."""
+    require_text(by=by, recommend=reason)
+    with _version_change(mlflow_client, model_name, version, by, reason, "recommend") as (mv, at):
+        writes = {RECO_BY: by, RECO_REASON: reason, RECO_AT: at.isoformat(timespec="milliseconds")}
+        _write_all(mlflow_client, model_name, mv, writes)
+    return read_recommendation(versions.require_version(mlflow_client, model_name, mv.version).tags)

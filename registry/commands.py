@@ -1,7 +1,7 @@
 """Release-manager commands: register, approve, revoke, promote, rollback, history (wired into `quantgate`).
 
     quantgate register RUN_ID --override REASON [--by NAME]
-    quantgate approve MODEL VERSION --reason TEXT [--by NAME] [--override REASON]
+    quantgate approve MODEL VERSION --reason TEXT [--by NAME] [--override REASON] [--recommend REASON]
     quantgate revoke MODEL VERSION --reason TEXT [--by NAME]
     quantgate promote MODEL VERSION --expect-production VERSION|none --reason TEXT [--by NAME] [--canary-run-id ID]
     quantgate rollback MODEL --reason TEXT [--by NAME] [--to previous|fallback]
@@ -84,9 +84,12 @@ def version_arg(ctx, param, value: str) -> str:
 def by_arg(ctx, param, value: str | None) -> str:
     """--by: who acts (recorded), stripped. Raises click.ClickException (one line, naming --by) for a
     blank name, before the registry is touched; says when the blank came from $USER, its default."""
+    from_user = ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT
+    if from_user and (value is None or not value.strip()):  # e.g. CI: the MLflow user, when one is set
+        value = os.environ.get("MLFLOW_TRACKING_USERNAME")
     if value is None or not value.strip():
-        from_user = ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT
-        why = "its default, $USER, is unset or empty here" if from_user else "it is empty"
+        default = "its default, $USER (else $MLFLOW_TRACKING_USERNAME), is unset or empty here"
+        why = default if from_user else "it is empty"
         raise click.ClickException(f"--by: {why}; name who is acting (it is recorded), e.g. --by alice")
     return value.strip()
 
@@ -96,7 +99,7 @@ _by = click.option(
     default=lambda: os.environ.get("USER"),
     required=True,
     callback=by_arg,
-    show_default="$USER",
+    show_default="$USER, else $MLFLOW_TRACKING_USERNAME",
     help="Who is acting (recorded).",
 )
 _reason = click.option("--reason", required=True, help="Why (recorded).")
@@ -143,17 +146,32 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
     metavar="REASON",
     help="Approve although gate.verdict is not PASS; REASON is recorded.",
 )
-def approve(model: str, version: str, by: str, reason: str, override_reason: str | None) -> None:
-    """Approve MODEL VERSION for serving (needed before promote and candidate)."""
-    from registry import approval
+@click.option(
+    "--recommend",
+    "recommend_reason",
+    metavar="REASON",
+    help="Override the gate's recommendation (cheaper than 16-bit where measured) to yes; REASON is recorded.",
+)
+def approve(
+    model: str, version: str, by: str, reason: str, override_reason: str | None, recommend_reason: str | None
+) -> None:
+    """Approve MODEL VERSION for serving (needed before promote and candidate); shows its recommendation."""
+    from registry import approval, versions
 
     with _errors():
+        if recommend_reason is not None:  # refused before anything is written
+            approval.require_text(recommend=recommend_reason)
         client, by = _acting(by, model, "approve")
         a = approval.approve(client, model, version, by, reason, override_reason)
+        if recommend_reason is not None:
+            _, reco = approval.override_recommendation(client, model, version, by, recommend_reason)
+        else:
+            _, reco = approval.read_recommendation(versions.require_version(client, model, version).tags)
     click.echo(
         f"{model} v{version}: {'already ' if a.unchanged else ''}{a.why}"
         + (" (the same approval; nothing recorded)" if a.unchanged else "")
     )
+    click.echo(f"{model} v{version}: {reco}")
     if override_reason and not a.override:
         click.echo("note: the version passes its gate; --override was not needed and is not recorded")
 

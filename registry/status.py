@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from quantgate.errors import QuantgateError
 from registry import aliases, audit, lock, runs, tags, versions
-from registry.approval import read_approval, verdict_problem
+from registry.approval import read_approval, read_recommendation, verdict_problem
 
 
 def _approval_cell(mv, recorded: str | None) -> tuple[str, str | None]:
@@ -32,6 +32,19 @@ def _deleted_warnings(mlflow_client, model_name: str, existing: set[str]) -> lis
                 f"(deleted outside quantgate){fix}"
             )
     return lines
+
+
+def buys_cell(t: dict[str, str]) -> str:
+    """The what-it-buys column: "$<per 1M tokens> (<x> fp16) reco=<yes|no|override|baseline>", or
+    "unprofiled reco=no" / "-" when the version or run has no such tags (registry/tags.py buys.*)."""
+    reco, _ = read_recommendation(t)
+    if t.get("buys.status") == "profiled" and "buys.usd_per_mtok" in t:
+        x = t.get("buys.usd_per_mtok_x")
+        price = f"${float(t['buys.usd_per_mtok']):.3f}" + (f" ({float(x):.2f}x)" if x else "")
+        return f"{price} reco={reco}"
+    if t.get("buys.status") == "unprofiled":
+        return f"unprofiled reco={reco}"
+    return "-" if reco == "-" else f"reco={reco}"
 
 
 def status_lines(mlflow_client, model_name: str) -> list[str]:
@@ -76,7 +89,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         why = why or verdict_problem(t.get(tags.VERDICT), recorded)  # also on rows nobody approved
         lines.append(
             f"  v{mv.version:<3} {t.get(tags.BUILD, '?'):<{w}} {t.get('scheme', '?'):<12} "
-            f"gate={t.get(tags.VERDICT, '?'):<12}"
+            f"gate={t.get(tags.VERDICT, '?'):<12} {buys_cell(t):<29}"
             f" {cell:<24} {per_team} {('[' + held_by + ']') if held_by else ''}".rstrip()
         )
         if why:
@@ -92,6 +105,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         per_team = " ".join(f"{team}={verdict}" for team, verdict in tags.team_verdicts(t).items())
         lines.append(
             f"  -    {t.get(tags.BUILD, '?'):<{w}} {t.get(tags.SCHEME, '?'):<12} "
-            f"gate={run.data.params.get(tags.VERDICT, '?'):<12} run {run.info.run_id:<32} {per_team}".rstrip()
+            f"gate={run.data.params.get(tags.VERDICT, '?'):<12} {buys_cell(t):<29} run {run.info.run_id:<32} "
+            f"{per_team}".rstrip()
         )
     return lines

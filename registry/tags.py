@@ -6,7 +6,10 @@ Tags on every model version (searchable in the UI and with `search_model_version
   weights_sha256.<file>, base_model.id, base_model.sha256, recipe, git_commit, dvc_lock_sha256,
   params_sha256, version.<library> for the pipeline stack, version.serving.<library>,
   gate.verdict, gate.<team>.{verdict,metric,delta,ci,recovery_pct,reason,team_sha256},
-  eval.dtype, evidence_sha256; approval tags: registry/approval.py.
+  eval.dtype, evidence_sha256, recommended ("yes" | "no" | "baseline") and recommendation (why),
+  buys.{status,reason,usd_per_mtok,usd_per_mtok_x,output_tokens_per_s,kv_tokens,kv_tokens_x,
+  requests_per_device,devices,devices_x,weights_mib,kv_cache_dtype} (what the build buys when served,
+  pipeline/buys.py; updated on a version that is reused); approval tags: registry/approval.py.
 Every build's run (in the register experiment) has the same tags plus quantgate.model; a version
 registered by override (registry/runs.py) also has registration.{by,at,override_reason}. The
 registered model has tag quantgate.unregistered_runs: the build runs the last register stage left
@@ -22,7 +25,7 @@ from pathlib import Path
 
 from quantgate.hashing import sha256_file
 from quantgate.params import PARAMS_FILE
-from quantgate.results import BuildGate, TeamSummary
+from quantgate.results import BuildCost, BuildGate, TeamSummary
 
 VERDICT = "gate.verdict"  # version tag and run param (the run param is the verdict of record)
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
@@ -33,6 +36,22 @@ EVAL_DTYPE, EVIDENCE = "eval.dtype", "evidence_sha256"
 MODEL = "quantgate.model"  # on a build run: the registered model it was built for
 UNREGISTERED = "quantgate.unregistered_runs"  # registered-model tag, see the module docstring
 REGISTERED_BY, REGISTERED_AT, REGISTERED_OVERRIDE = "registration.by", "registration.at", "registration.override_reason"
+
+RECOMMENDED, RECOMMENDATION = "recommended", "recommendation"  # the gate's cost policy, apart from its verdict
+BUYS_FIELDS = (
+    "status",
+    "reason",
+    "usd_per_mtok",
+    "usd_per_mtok_x",
+    "output_tokens_per_s",
+    "kv_tokens",
+    "kv_tokens_x",
+    "requests_per_device",
+    "devices",
+    "devices_x",
+    "weights_mib",
+    "kv_cache_dtype",
+)
 
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
 
@@ -107,3 +126,19 @@ def gate_tags(build_gate: BuildGate | None, teams: dict[str, TeamSummary]) -> di
         else:
             tags[team_tag(team, "reason")] = c.reason[:500]
     return tags
+
+
+def buys_tags(cost: BuildCost | None, build_gate: BuildGate | None) -> dict[str, str]:
+    """What the build buys (buys.<field>, BuildCost of gate.json's `buys`) and the recommendation as tags;
+    `build_gate` None = the baseline (recommended "baseline"). Empty when the gate priced nothing."""
+    out = {}
+    if cost is not None:
+        for field in BUYS_FIELDS:
+            if (value := getattr(cost, field)) is not None:
+                out[f"buys.{field}"] = str(value)[:500]
+    if build_gate is None:
+        return {**out, RECOMMENDED: "baseline"} if cost is not None else out
+    if build_gate.recommended is not None:
+        out[RECOMMENDED] = "yes" if build_gate.recommended else "no"
+        out[RECOMMENDATION] = (build_gate.recommendation or "")[:500]
+    return out

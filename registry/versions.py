@@ -89,12 +89,7 @@ def log_build_run(
         for key, value in metrics.items():
             mlflow_client.log_metric(run_id, key, value)
         mlflow_client.log_artifacts(run_id, str(model_dir), artifact_path="model")
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "gate_report.md").write_text(report_md)
-            mlflow_client.log_artifact(run_id, str(Path(tmp) / "gate_report.md"))
-        for f in extra_files:
-            if Path(f).is_file():
-                mlflow_client.log_artifact(run_id, str(f))
+        log_report(mlflow_client, run_id, report_md, extra_files)
         if evidence_dir is not None and evidence_dir.is_dir():
             mlflow_client.log_artifacts(run_id, str(evidence_dir), artifact_path="evidence")
     except BaseException:
@@ -105,6 +100,17 @@ def log_build_run(
 
 
 GONE = "gone:"  # recorded_verdict of a version whose run no longer exists: GONE + run id
+
+
+def log_report(mlflow_client, run_id: str, report_md: str, extra_files: Iterable[Path] = ()) -> None:
+    """Log the gate report (as gate_report.md) and `extra_files` (the plots, the team summary) at the root of
+    run `run_id`'s artifacts, replacing older copies (a reused run gets the current report and plots)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "gate_report.md").write_text(report_md)
+        mlflow_client.log_artifact(run_id, str(Path(tmp) / "gate_report.md"))
+    for f in extra_files:
+        if Path(f).is_file():
+            mlflow_client.log_artifact(run_id, str(f))
 
 
 def recorded_verdict(mlflow_client, mv) -> str | None:
@@ -136,6 +142,15 @@ def record_verdict(mlflow_client, run_id: str, verdict: str) -> None:
             f"run {run_id} recorded gate.verdict={have} but the gate now says {verdict} for the "
             f"same weights and evidence; register cannot reuse it"
         )
+
+
+def update_tags(mlflow_client, run_id: str, values: dict[str, str], model_name: str, version=None) -> None:
+    """Set `values` as tags of run `run_id` and, when given, of `model_name` version `version` (figures that
+    are not evidence, such as what a build buys, brought up to date on a reused run or version)."""
+    for key, value in values.items():
+        mlflow_client.set_tag(run_id, key, value)
+        if version is not None:
+            mlflow_client.set_model_version_tag(model_name, str(version), key, value)
 
 
 def register_version(mlflow_client, model_name: str, run_id: str, source: str, tags: dict, description: str):

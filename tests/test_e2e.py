@@ -110,6 +110,35 @@ def test_gate_table_and_metrics(project):
     assert f"| fp8 | billing | exact_match | {LIMIT} |" in out and "int4: " in out
 
 
+def test_profile_metrics_what_it_buys_and_the_recommendation(project):
+    from quantgate.precision import probe
+
+    on_cpu = probe(".venv-serve/bin/python").is_cpu
+    for build in SCORED:
+        prof = json.loads((project / f"results/profile/{build}.json").read_text())
+        assert prof["status"] == "profiled", prof.get("reason")
+        if on_cpu:  # vLLM's own KV capacity matches the arithmetic (KV heads, not query heads) within 1 %
+            assert abs(prof["kv_tokens"] - prof["kv_tokens_arithmetic"]) / prof["kv_tokens_arithmetic"] < 0.01
+        assert prof["max_concurrency_at"] == 2048 and prof["max_concurrency"] > 1
+        for point in prof["loads"].values():
+            assert point["output_tokens_per_s"] > 0 and 0 < point["ttft_ms_p50"] <= point["ttft_ms_p99"]
+            assert 0 < point["tpot_ms_p50"] <= point["tpot_ms_p99"]
+    for build in [b for b in W4A16 if b not in SCORED]:  # unprofiled with the reason, and not recommended
+        prof = json.loads((project / f"results/profile/{build}.json").read_text())
+        assert prof["status"] == "unprofiled" and PRECISION["w4a16_problem"] in prof["reason"]
+        assert str(project) not in prof["reason"]
+    gate = json.loads((project / "results/gate.json").read_text())
+    assert set(gate["buys"]) == {"fp16", "fp8", "int8", "int4", "int4-mixed"}
+    for build, b in gate["builds"].items():
+        cheaper = (gate["buys"][build].get("usd_per_mtok_x") or 99) < 1
+        assert b["recommended"] is (b["verdict"] == "PASS" and cheaper), (build, b["recommendation"])
+    report = (project / "results/gate_report.md").read_text()
+    assert "## What it buys when served" in report and str(project) not in report
+    assert (project / "results/gate_cost.png").read_bytes()[:4] == b"\x89PNG"
+    shown = run(["dvc", "metrics", "show"], project).stdout
+    assert "results/profile/fp16.json" in shown and "kv_tokens" in shown
+
+
 def test_registry_holds_versions_with_lineage_and_fallback(project):
     from mlflow import MlflowClient
 
@@ -134,7 +163,7 @@ def test_registry_holds_versions_with_lineage_and_fallback(project):
         if build in versions:
             assert versions[build].run_id == entry["run_id"] and versions[build].tags["gate.verdict"] == verdict
         artifacts = {f.path for f in client.list_artifacts(entry["run_id"])}
-        assert {"model", "gate_report.md", "gate_recovery.png", "teams.json", "evidence"} <= artifacts
+        assert {"model", "gate_report.md", "gate_recovery.png", "gate_cost.png", "teams.json", "evidence"} <= artifacts
     fp16 = versions["fp16"]
     manifest = json.loads((project / "models/fp16/build.json").read_text())
     assert fp16.tags["weights_sha256"] == manifest["weights_digest"]
@@ -181,6 +210,9 @@ def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_pat
             str(tmp_path / "g.json"),
             str(tmp_path / "g.md"),
             str(tmp_path / "g.png"),
+            str(project / "results/profile"),
+            str(tmp_path / "g_cost.png"),
+            str(tmp_path / "g_cost.json"),
         ],
         project,
     )

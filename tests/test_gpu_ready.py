@@ -140,7 +140,7 @@ def test_quantize_stage_refuses_a_missing_gpu_in_one_line(tmp_path):
         shutil.copy(REPO / f, tmp_path / f)
     text = (tmp_path / "params.yaml").read_text()
     (tmp_path / "params.yaml").write_text(
-        text.replace("recipe: recipes/fp8.yaml", "recipe: recipes/fp8.yaml\n    devices: '0'")
+        text.replace("recipe: recipes/fp8.yaml", "recipe: recipes/fp8.yaml\n    devices: '0'", 1)  # the fp8 block's
     )
     env = dict(os.environ, PATH="/usr/bin:/bin", PYTHONPATH=str(REPO))  # no nvidia-smi
     out = subprocess.run(

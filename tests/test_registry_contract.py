@@ -244,13 +244,33 @@ def test_approval_refused_for_fail_then_override_recorded(reg):
         aliases.promote(r.client, r.model, v, None, "alice", "go")
 
 
+def test_recommendation_override_is_recorded_audited_and_shown(reg):
+    r = reg({"int4": "PASS", "fp8": "FAIL"})
+    v = r.version("int4")
+    assert approval.read_recommendation(r.client.get_model_version(r.model, v).tags)[0] == "-"  # not priced here
+    with pytest.raises(QuantgateError, match="--recommend must not be empty"):
+        approval.override_recommendation(r.client, r.model, v, "alice", " ")
+    cell, line = approval.override_recommendation(r.client, r.model, v, "alice", "the GPU fleet runs it natively")
+    assert cell == "override" and line.startswith("recommended by alice's override: the GPU fleet runs it natively")
+    t = r.client.get_model_version(r.model, v).tags
+    assert (t["recommendation.override_by"], t["recommendation.override_reason"]) == (
+        "alice",
+        "the GPU fleet runs it natively",
+    )
+    [e] = events(r, action="recommend")
+    assert (e.version, e.by, e.reason) == (v, "alice", "the GPU fleet runs it natively")
+    assert "approval" not in t  # a recommendation approves nothing
+    assert any(f"v{v} " in ln and "reco=override" in ln for ln in status_lines(r.client, r.model))
+
+
 def test_a_build_that_did_not_pass_is_registered_only_by_override(reg, tmp_path):
     r = reg({"int4": "PASS", "fp8": "FAIL"})
     run_id = r.run_id("fp8")
     assert r.client.search_model_versions(f"run_id='{run_id}'") == []
     lines = status_lines(r.client, r.model)
     assert "quantgate register RUN_ID --override REASON" in lines[-2]
-    assert re.fullmatch(rf"  -    fp8    FP8          gate=FAIL         run {run_id} search=FAIL", lines[-1])
+    no_buys = f"{'-':<29}"  # what-it-buys column: this registry's runs were not profiled
+    assert re.fullmatch(rf"  -    fp8    FP8          gate=FAIL         {no_buys} run {run_id} search=FAIL", lines[-1])
     with pytest.raises(
         QuantgateError,
         match=rf"run {run_id} \(build fp8 of {r.model}\): gate.verdict is FAIL, not PASS, so it was not registered; "
@@ -703,7 +723,7 @@ def test_an_empty_by_is_refused_in_one_line_before_the_registry(command, tmp_pat
     for by, env, why in (
         (["--by", ""], {"USER": "dora"}, "it is empty"),
         (["--by", "  "], {"USER": "dora"}, "it is empty"),
-        ([], {"USER": ""}, "its default, $USER, is unset or empty here"),
+        ([], {"USER": ""}, "its default, $USER (else $MLFLOW_TRACKING_USERNAME), is unset or empty here"),
     ):
         result = CliRunner().invoke(cli, [*command.split(), *args, *by], env=env)
         assert result.exit_code == 1 and result.output.splitlines() == [

@@ -1,0 +1,155 @@
+"""Stage `profile@<build>`: what one build costs to hold and how fast it serves, on the serving engine.
+
+Run by DVC: `python -m pipeline.profile BUILD MODEL_DIR OUT_JSON` (params blocks `profile`, `evaluate.serve`).
+
+The build is started in a vLLM OpenAI server exactly as the evaluate stage serves it (quantgate/serving.py:
+same serving env, precision, max_model_len, KV-cache size and the build's own kv_cache_dtype). From vLLM's
+start-up report it records the weights memory, the KV-cache capacity in tokens and the most concurrent
+requests of max_model_len tokens that fit; beside vLLM's KV figure, the arithmetic one (quantgate/cost.py:
+2 x layers x KV heads x head dim x bytes per element, from the build's config.json; CPU, where the KV
+space is evaluate.serve.kv_cache_gib). Then vLLM's own serving benchmark (`vllm bench serve`, through
+quantgate/loadgen.py, the code benchmarks/serving.py runs) at each of `profile.concurrency`: output
+tokens/s and TTFT/TPOT p50/p99 on a fixed random prompt set (`profile.seed`).
+
+A build that cannot be served here (W4A16 on an AVX2-only CPU, an FP8 KV cache without AVX-512, a server
+that does not start, a benchmark that fails) gets a record with status "unprofiled" and the one-line
+reason; the stage still succeeds, so the rest of `dvc repro` runs. The gate then does not recommend that
+build; its quality verdict is the evaluate stage's business. The server's log is
+results/logs/profile@<build>.server.log (no DVC output).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from pydantic import Field
+
+from quantgate.console import per_build
+from quantgate.cost import KVShape, kv_bytes_per_token, kv_capacity_tokens, kv_dtype_bytes
+from quantgate.errors import QuantgateError, project_relative, run_main
+from quantgate.loadgen import Load, bench, disk_mib, startup_report, tree_rss_gib
+from quantgate.params import Frozen, load_block
+from quantgate.precision import probe
+from quantgate.results import BuildProfile, LoadPoint, write_profile
+from quantgate.serving import ServeParams, kv_cache_dtype, resolved, vllm_server
+
+LOGS = Path("results/logs")
+
+
+class ProfileParams(Frozen):
+    """params.yaml block `profile`: the load each build is measured under (defaults: ~1-2 min per build
+    on 2 CPU cores, server start included)."""
+
+    concurrency: list[int] = Field(default=[1, 8], min_length=1)  # requests in flight, one benchmark each
+    prompts_per_concurrency: int = Field(default=2, ge=1)  # N: each concurrency C sends max(N, C) prompts
+    input_len: int = Field(default=32, ge=1)  # prompt tokens (random, fixed by seed)
+    output_len: int = Field(default=16, ge=1)  # generated tokens per request (ignore_eos)
+    seed: int = 1234  # the prompt set: every build gets the same prompts
+    timeout_s: int = Field(default=600, ge=1)  # per benchmark run, seconds
+    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the server; None = evaluate.serve's
+
+
+def arithmetic_kv(model_dir: Path, serve: ServeParams, kv_dtype: str, on_cpu: bool) -> dict:
+    """{kv_shape, kv_bytes_per_token, kv_tokens_arithmetic} for the build's config.json at the served
+    precision (quantgate/cost.py); kv_tokens_arithmetic = tokens that fit in evaluate.serve.kv_cache_gib
+    GiB, None off a CPU (a GPU's KV space is what its memory leaves). Raises QuantgateError naming the
+    config field that is missing, or kv_cache_dtype when it cannot be sized."""
+    shape = KVShape.from_config(json.loads((model_dir / "config.json").read_text()), f"{model_dir}/config.json")
+    per_token = kv_bytes_per_token(shape, kv_dtype_bytes(kv_dtype, serve.dtype))
+    return {
+        "kv_shape": asdict(shape),
+        "kv_bytes_per_token": per_token,
+        "kv_tokens_arithmetic": kv_capacity_tokens(serve.kv_cache_gib * 2**30, per_token) if on_cpu else None,
+    }
+
+
+def load_point(c: int, n: int, r: dict) -> LoadPoint:
+    """One benchmark result (vLLM's result JSON, quantgate.loadgen.bench) as a LoadPoint, rounded for reading."""
+    return LoadPoint(
+        concurrency=c,
+        prompts=n,
+        output_tokens_per_s=round(r["output_throughput"], 3),
+        requests_per_s=round(r["request_throughput"], 4),
+        ttft_ms_p50=round(r["p50_ttft_ms"], 1),
+        ttft_ms_p99=round(r["p99_ttft_ms"], 1),
+        tpot_ms_p50=round(r["p50_tpot_ms"], 1),
+        tpot_ms_p99=round(r["p99_tpot_ms"], 1),
+    )
+
+
+def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams) -> BuildProfile:
+    """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile.
+
+    Never raises for a build that cannot be served or measured: that is an "unprofiled" record with the
+    reason (paths relative to the project). Raises QuantgateError only for a missing build directory.
+    """
+    if not (model_dir / "config.json").is_file():
+        raise QuantgateError(f"{model_dir}/config.json not found: run `dvc repro` (prepare / quantize make the build)")
+    if params.cpu_cores:
+        serve = serve.model_copy(update={"cpu_cores": params.cpu_cores})
+    record = {
+        "build": build,
+        "input_len": params.input_len,
+        "output_len": params.output_len,
+        "seed": params.seed,
+        "weights_mib": disk_mib(model_dir),
+    }
+    load = Load(params.input_len, params.output_len, params.seed, params.timeout_s)
+    try:
+        kv_dtype = record["kv_cache_dtype"] = kv_cache_dtype(model_dir)
+        serve = resolved(serve, model_dir)  # dtype, eager mode and the KV space as the server gets them
+        record["dtype"] = serve.dtype
+        record |= arithmetic_kv(model_dir, serve, kv_dtype, probe(serve.python).is_cpu)
+        LOGS.mkdir(parents=True, exist_ok=True)
+        with (
+            tempfile.TemporaryDirectory(prefix="profile-") as tmp,
+            vllm_server(serve, model_dir.resolve(), build, LOGS / f"profile@{build}.server.log") as server,
+        ):
+            facts = startup_report(server.log_path.read_text(errors="replace"))
+            record |= {
+                "kv_tokens": facts.kv_tokens,
+                "max_concurrency": facts.max_concurrency,
+                "max_concurrency_at": facts.max_concurrency_at,
+                "weights_gib": facts.weights_gib,
+                "weights_source": facts.weights_source,
+                "server_rss_gib": tree_rss_gib(server.pid),
+            }
+            arithmetic = record["kv_tokens_arithmetic"]
+            print(f"profile[{build}]: vLLM reports {facts.kv_tokens} KV tokens (arithmetic: {arithmetic})", flush=True)
+            loads = {}
+            for c in params.concurrency:
+                n = max(params.prompts_per_concurrency, c)
+                r = bench(serve.python, server.base_url, build, model_dir.resolve(), c, n, load, Path(tmp))
+                loads[f"c{c}"] = p = load_point(c, n, r)
+                print(
+                    f"profile[{build}]: C={c}: {p.output_tokens_per_s:.1f} tok/s, TTFT p50 {p.ttft_ms_p50:.0f} ms, "
+                    f"TPOT p50 {p.tpot_ms_p50:.0f} ms",
+                    flush=True,
+                )
+        return BuildProfile(status="profiled", loads=loads, **record)
+    except (QuantgateError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
+        reason = project_relative((str(exc).strip() or type(exc).__name__).split(" (log: ")[0].splitlines()[0])
+        if isinstance(exc, subprocess.TimeoutExpired):
+            reason = f"vllm bench serve took longer than profile.timeout_s ({params.timeout_s} s)"
+        print(f"profile[{build}]: unprofiled: {reason}", file=sys.stderr, flush=True)
+        return BuildProfile(status="unprofiled", reason=reason, **record)
+
+
+def main() -> None:
+    if len(sys.argv) != 4:
+        raise QuantgateError("usage: python -m pipeline.profile BUILD MODEL_DIR OUT_JSON")
+    build, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    params = load_block("profile", ProfileParams)
+    serve = load_block("evaluate.serve", ServeParams)
+    result = profile(build, model_dir, serve, params)
+    write_profile(out, result)
+    print(f"profile[{build}]: {result.status}" + (f" ({result.reason})" if result.reason else "") + f"; wrote {out}")
+
+
+if __name__ == "__main__":
+    run_main(main, log=per_build("profile"))

