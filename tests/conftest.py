@@ -64,6 +64,7 @@ LIMIT = 12  # docs per task: real numbers through every stage, small enough for 
 CALIBRATION = {"samples": 8, "min_tokens": 128, "max_answer_tokens": 96}
 SMALL_CALIBRATION = {"samples": 8, "seq_len": 128, "pipeline": "sequential"}
 SEARCH = {"max_evals": 2, "screen_limit": LIMIT, "kl_samples": 2, "kl_seq_len": 64}  # the search, scaled down
+PROFILE = {"concurrency": [1, 2], "output_len": 8}  # the profile stages, scaled down (most of it is the server start)
 
 
 SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
@@ -118,7 +119,7 @@ def project(tmp_path_factory):
     root = scratch_project(
         tmp_path_factory.mktemp("e2e") / "quantgate",
         limit=LIMIT,
-        params={"calibrate": CALIBRATION, "quantize": small, "search": SEARCH},
+        params={"calibrate": CALIBRATION, "quantize": small, "search": SEARCH, "profile": PROFILE},
     )
     started = time.monotonic()
     out = run(["dvc", "repro"], root)
