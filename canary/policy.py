@@ -99,11 +99,12 @@ DEFAULT_CHECKS = (
     CheckRange(name="vllm_requests_waiting", max=4),
     CheckRange(name="vllm_kv_cache_usage", max=0.9),
 )
+# the policy's keys before issue 16, and the check each became (its side is CHECK_KINDS')
 _MOVED_TO_CHECKS = {
-    "max_error_rate": "error_rate, max",
-    "max_ttft_p95_ratio": "ttft_p95_ratio, max",
-    "max_tpot_p95_ratio": "tpot_p95_ratio, max",
-    "min_shadow_agreement": "shadow_agreement, min",
+    "max_error_rate": "error_rate",
+    "max_ttft_p95_ratio": "ttft_p95_ratio",
+    "max_tpot_p95_ratio": "tpot_p95_ratio",
+    "min_shadow_agreement": "shadow_agreement",
 }
 
 
@@ -143,10 +144,10 @@ class CanaryPolicy(Frozen):
                         f"canary.{key} moved to the block `canary_topology` (ports and cores apart from the "
                         f"policy, issue 16): move it there"
                     )
-            for key, (name, side) in ((k, v.split(", ")) for k, v in _MOVED_TO_CHECKS.items()):
+            for key, name in _MOVED_TO_CHECKS.items():
                 if key in data:
                     raise ValueError(
-                        f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {side}: "
+                        f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {CHECK_KINDS[name][0]}: "
                         f"{data[key]}}}`; delete {key}"
                     )
         return data
