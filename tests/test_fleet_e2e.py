@@ -102,11 +102,21 @@ class Load:
                 ok = (
                     r.status_code == 200 and ("[DONE]" in text if stream else "choices" in text) and "error" not in text
                 )
-                label = r.headers.get("x-canary-backend")
+                label, status = r.headers.get("x-canary-backend"), r.status_code
+                role = f"{r.headers.get('x-canary-role')} retried={r.headers.get('x-canary-retried')}"
         except httpx.HTTPError as exc:
-            ok, label, text = False, None, type(exc).__name__
+            ok, label, status, role, text = False, None, None, None, type(exc).__name__
         self.results.append(
-            {"sent": sent, "done": time.time(), "ok": ok, "backend": label, "detail": "" if ok else text[:200]}
+            {
+                "sent": sent,
+                "done": time.time(),
+                "ok": ok,
+                "backend": label,
+                "status": status,
+                "role": role,
+                "stream": stream,
+                "detail": "" if ok else text[-300:],
+            }
         )
 
     def _run(self) -> None:
