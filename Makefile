@@ -23,7 +23,7 @@ demo: setup
 test: setup
 	ruff check .
 	ruff format --check .
-	python -m pytest tests
+	python -m pytest tests --durations=15
 
 test-unit: setup
 	python -m pytest tests -m "not e2e"
