@@ -142,22 +142,16 @@ class Load:
         return [r for r in self.results if not r["ok"]]
 
 
-@pytest.fixture(scope="module")
-def fleet(project, tmp_path_factory):
-    """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
-    from canary.fleet import ServingFleet
+def register_broken(project: Path, client) -> str:
+    """The broken build (models/fp16 with its embedding rows permuted) registered from the project
+    (cwd = `project`: register() reads its params.yaml and git) and approved by a recorded
+    override; its version. A second call finds the same weights registered and returns that version."""
     from pipeline.register import RegisterParams, register
     from quantgate.params import load_block
     from quantgate.results import BuildGate, GateResult, TeamComparison, read_teams
-    from quantgate.serving import ServeParams
-    from registry import store
 
-    cwd = os.getcwd()
-    os.chdir(project)  # register() and lineage read params.yaml / git of the project
-    uri = f"sqlite:///{project / 'mlflow.db'}"
-    client = store.client(uri)
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    permute_embeddings(project / "models/fp16", project / "models/broken")
+    if not (project / "models/broken").is_dir():
+        permute_embeddings(project / "models/fp16", project / "models/broken")
     search = TeamComparison(verdict="FAIL", metric="acc", reason="deliberately broken test build, never evaluated")
     out = register(
         project / "models",
@@ -168,18 +162,35 @@ def fleet(project, tmp_path_factory):
         ),
         "# broken test build",
         project / "results/eval",
-        load_block("register", RegisterParams),
+        load_block("register", RegisterParams, project / "params.yaml"),
         read_teams(project / "results/teams.json"),
     )
+    assert out["builds"]["fp16"]["reused"]
+    n_docs = json.loads((project / "results/teams.json").read_text())["search"]["n_docs"]
+    return approved_version(client, MODEL, "broken", out["unregistered"]["broken"], n_docs)
+
+
+@pytest.fixture(scope="module")
+def fleet(project, tmp_path_factory):
+    """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
+    from canary.fleet import ServingFleet
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
+    from registry import store
+
+    cwd = os.getcwd()
+    os.chdir(project)  # register() and lineage read params.yaml / git of the project
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = store.client(uri)
+    os.environ["MLFLOW_TRACKING_URI"] = uri
     reg = json.loads((project / "results/registry.json").read_text())
     n_docs = json.loads((project / "results/teams.json").read_text())["search"]["n_docs"]
-
     v = {
         "fp16": str(reg["builds"]["fp16"]["version"]),
         GOOD: approved_version(client, MODEL, GOOD, reg["builds"].get(GOOD) or reg["unregistered"][GOOD], n_docs),
-        "broken": approved_version(client, MODEL, "broken", out["unregistered"]["broken"], n_docs),
+        "broken": register_broken(project, client),
     }
-    assert out["builds"]["fp16"]["reused"] and v["broken"] not in (v["fp16"], v[GOOD])
+    assert v["broken"] not in (v["fp16"], v[GOOD])
     serve = load_block("evaluate.serve", ServeParams)
     started = time.monotonic()
     with ServingFleet(client, MODEL, serve, e2e_topology().servers, tmp_path_factory.mktemp("fleet")) as f:

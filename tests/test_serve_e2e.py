@@ -240,6 +240,66 @@ def test_rollback_moves_traffic_back_and_drains_the_old_server(gateway, project)
     )
 
 
+def _broken_version(g, project) -> str:
+    """The approved broken test build's version: the one test_fleet_e2e registered, else registered now."""
+    from registry import approval
+    from tests.test_fleet_e2e import register_broken
+
+    found = [mv for mv in g["client"].search_model_versions(f"name='{MODEL}'") if mv.tags.get("build") == "broken"]
+    if found:
+        version = str(max(int(mv.version) for mv in found))
+        assert approval.approval_of(g["client"], MODEL, version).approved
+        return version
+    cwd, uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(project)  # register() reads the project's params.yaml and git, and its registry
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{project / 'mlflow.db'}"
+    try:
+        return register_broken(project, g["client"])
+    finally:
+        os.chdir(cwd)
+        if uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = uri
+
+
+def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project):
+    """Issue 16 (c): `canary run --gateway` of an approved but broken build (embedding rows permuted:
+    it loads and answers garbage) on the running gateway aborts at step 1 on shadow agreement,
+    sets the gateway's weight back to 0, leaves production as it was, and clients see no error
+    (a garbage answer is an answer; the check is what catches it)."""
+    from canary.admin import RemoteRouter
+    from canary.controller import run_canary_on_gateway
+    from registry import aliases
+    from tests.test_fleet_e2e import fast_policy
+
+    g, v = gateway, gateway["v"]
+    assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
+    broken = _broken_version(g, project)
+    aliases.set_candidate(g["client"], MODEL, broken, "e2e-test", "serve e2e: warm the broken build")
+    wait_for(
+        "warm broken build", lambda: (h := _health(g["url"])) and broken in h["fleet"] and h, 600, g["proc"], g["log"]
+    )
+    policy = fast_policy(ttft_p95_ratio=50, tpot_p95_ratio=50, warm_timeout_s=600)
+    lines: list[str] = []
+    with Load(g["url"]) as load:
+        outcome = run_canary_on_gateway(
+            g["client"], MODEL, broken, policy, "e2e-test", g["admin"], ADMIN_TOKEN, log=lines.append
+        )
+    print(f"\nbroken build on the gateway: {outcome.decision} at step {outcome.step}: {outcome.reason}")
+    assert outcome.decision == "aborted" and outcome.step == 1, "\n".join(lines[-30:])
+    assert "shadow_agreement" in outcome.reason and "FAIL" in outcome.reason, outcome.reason
+    assert RemoteRouter(g["admin"], ADMIN_TOKEN).state()["weight"] == 0
+    now = aliases.current(g["client"], MODEL)
+    assert now.get("production") == v["fp16"] and now.get("candidate") is None
+    assert g["client"].get_run(outcome.run_id).data.tags["canary.phase"] == "aborted"
+    assert not load.failed, load.failed[:3]
+    wait_for(
+        "broken build drained", lambda: (h := _health(g["url"])) and broken not in h["fleet"] and h, 120,
+        g["proc"], g["log"],
+    )  # fmt: skip
+
+
 def test_a_canary_on_the_running_gateway_promotes(gateway):
     """Issue 16 (c): after the rollback (fp16 production, int8 drained), `canary run --gateway` of the
     approved int8 build on this gateway warms it through the `candidate` alias, walks the steps through
