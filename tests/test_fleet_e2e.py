@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from pytest import MonkeyPatch
 
 from tests.conftest import REPO, approved_version, run, w4a16_servable
 
@@ -143,9 +144,26 @@ class Load:
 
 
 def register_broken(project: Path, client) -> str:
-    """The broken build (models/fp16 with its embedding rows permuted) registered from the project
-    (cwd = `project`: register() reads its params.yaml and git) and approved by a recorded
-    override; its version. A second call finds the same weights registered and returns that version."""
+    """The version of the broken build (models/fp16 with its embedding rows permuted), approved by
+    a recorded override: the one already in `project`'s registry (tag build=broken), else registered
+    now from the project (register() reads its params.yaml, git and registry: cwd and
+    MLFLOW_TRACKING_URI are set to the project's for the call and restored after)."""
+    from registry import approval
+
+    found = [
+        int(mv.version) for mv in client.search_model_versions(f"name='{MODEL}'") if mv.tags.get("build") == "broken"
+    ]
+    if found:
+        version = str(max(found))
+        assert approval.approval_of(client, MODEL, version).approved
+        return version
+    with MonkeyPatch.context() as mp:
+        mp.chdir(project)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+        return _register_broken(project, client)
+
+
+def _register_broken(project: Path, client) -> str:
     from pipeline.register import RegisterParams, register
     from quantgate.params import load_block
     from quantgate.results import BuildGate, GateResult, TeamComparison, read_teams

@@ -240,29 +240,6 @@ def test_rollback_moves_traffic_back_and_drains_the_old_server(gateway, project)
     )
 
 
-def _broken_version(g, project) -> str:
-    """The approved broken test build's version: the one test_fleet_e2e registered, else registered now."""
-    from registry import approval
-    from tests.test_fleet_e2e import register_broken
-
-    found = [mv for mv in g["client"].search_model_versions(f"name='{MODEL}'") if mv.tags.get("build") == "broken"]
-    if found:
-        version = str(max(int(mv.version) for mv in found))
-        assert approval.approval_of(g["client"], MODEL, version).approved
-        return version
-    cwd, uri = os.getcwd(), os.environ.get("MLFLOW_TRACKING_URI")
-    os.chdir(project)  # register() reads the project's params.yaml and git, and its registry
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{project / 'mlflow.db'}"
-    try:
-        return register_broken(project, g["client"])
-    finally:
-        os.chdir(cwd)
-        if uri is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = uri
-
-
 def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project):
     """Issue 16 (c): `canary run --gateway` of an approved but broken build (embedding rows permuted:
     it loads and answers garbage) on the running gateway aborts at step 1 on shadow agreement,
@@ -271,11 +248,11 @@ def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project
     from canary.admin import RemoteRouter
     from canary.controller import run_canary_on_gateway
     from registry import aliases
-    from tests.test_fleet_e2e import fast_policy
+    from tests.test_fleet_e2e import fast_policy, register_broken
 
     g, v = gateway, gateway["v"]
     assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
-    broken = _broken_version(g, project)
+    broken = register_broken(project, g["client"])  # the fleet e2e's, when it ran first
     aliases.set_candidate(g["client"], MODEL, broken, "e2e-test", "serve e2e: warm the broken build")
     wait_for(
         "warm broken build", lambda: (h := _health(g["url"])) and broken in h["fleet"] and h, 600, g["proc"], g["log"]
