@@ -151,20 +151,24 @@ def worst_recovery(g: BuildGate) -> float | None:
 
 
 def buys_table(result: GateResult, builds: list[str] | None = None) -> str:
-    """The "what it buys" markdown table: one row per build (`builds`, default: baseline then candidates)."""
+    """The "what it buys" markdown table: one row per build (`builds`, default: baseline then candidates).
+    An unprofiled build's row says "unprofiled [n]" with dashes for its figures; its reason is note [n] under
+    the table, so a long reason does not stretch one cell across the table."""
     order = builds or [result.baseline, *result.builds]
     lines = [
         "| build | weights MiB | KV tokens | req/device | tok/s (C) | TTFT / TPOT ms p50 | $ / 1M tok | devices "
         "(memory / batch) | $ x | devices x | recommended |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for build in order:
         c = result.buys.get(build)
         g = result.builds.get(build)
         rec = "baseline" if build == result.baseline else ("yes" if g and g.recommended else "no")
         if c is None or c.status != "profiled":
-            reason = (c.reason if c else "no profile") or "?"
-            lines.append(f"| {build} | {fmt(c and c.weights_mib, '.1f')} | unprofiled: {reason} ||||||||{rec} |")
+            notes.append(f"- [{len(notes) + 1}] {build} unprofiled: {(c.reason if c else 'no profile') or '?'}")
+            dashes = " - |" * 7
+            lines.append(f"| {build} | {fmt(c and c.weights_mib, '.1f')} | unprofiled [{len(notes)}] |{dashes} {rec} |")
             continue
         devices = f"{fmt(c.devices, 'd')} ({fmt(c.devices_memory, 'd')} / {fmt(c.devices_batch, 'd')})"
         lines.append(
@@ -172,7 +176,7 @@ def buys_table(result: GateResult, builds: list[str] | None = None) -> str:
             f"{c.output_tokens_per_s:.1f} ({c.concurrency}) | {c.ttft_ms_p50:.0f} / {c.tpot_ms_p50:.0f} | "
             f"{c.usd_per_mtok:.3f} | {devices} | {fmt(c.usd_per_mtok_x, '.2f')} | {fmt(c.devices_x, '.2f')} | {rec} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def cost_points(result: GateResult) -> list[dict]:

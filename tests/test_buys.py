@@ -134,7 +134,11 @@ def test_priced_gate_result_report_plot_and_metrics(priced, tmp_path):
     assert int8.usd_per_mtok_x == pytest.approx(40 / 31, abs=1e-3) and int8.weights_x == pytest.approx(0.624, abs=1e-3)
     md = report(priced, "gate_recovery.png", "gate_cost.png")
     assert "## What it buys when served" in md and "![quality vs cost per build](gate_cost.png)" in md
-    assert "| int4 | 107.9 | unprofiled: no W4A16 kernel here ||||||||no |" in md
+    table = md.split("## What it buys when served")[1]
+    assert "| int4 | 107.9 | unprofiled [1] | - | - | - | - | - | - | - | no |" in table
+    assert "\n- [1] int4 unprofiled: no W4A16 kernel here\n" in table  # the reason under the table, not in a cell
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert {line.count("|") for line in rows} == {12}  # every row has the header's 11 cells
     assert "| fp8 | 155.7 | 46,592 | 22 | 80.0 (8) | 500 / 60 | 0.347 | 1 (1 / 1) | 0.50 | 1.00 | yes |" in md
     write_gate(tmp_path / "gate.json", priced)  # DVC metrics: the figures travel, and read back
     assert read_gate(tmp_path / "gate.json").buys["fp8"].usd_per_mtok == pytest.approx(0.3472, abs=1e-4)
