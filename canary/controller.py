@@ -43,6 +43,7 @@ from canary.admin import GatewayUnreachable, RemoteRouter
 from canary.analysis import analyze, live_line
 from canary.engine import EngineSample, scrape
 from canary.fleet import ServingFleet
+from canary.forecast import latency_forecast
 from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
 from canary.policy import CHECK_KINDS, GAUGES, CanaryPolicy, CanaryTopology
 from canary.router import Router
@@ -348,6 +349,15 @@ def _open_run(
     status.set(Phase.INITIALIZING)
     log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
     log(f"canary: checks {', '.join(map(str, policy.checks))} at steps {', '.join(f'{p:g}%' for p in policy.steps)}")
+    forecast = latency_forecast(
+        policy,
+        (stable, mlflow_client.get_model_version(model_name, stable).tags),
+        (version, mlflow_client.get_model_version(model_name, version).tags),
+    )
+    for line in forecast:
+        log(f"canary: forecast: {line}")
+    if forecast:
+        mlflow_client.set_tag(run_id, "canary.forecast", " | ".join(forecast)[:5000])
     return Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, run_id), status
 
 

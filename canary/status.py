@@ -9,6 +9,7 @@ Flagger's Canary .status, so another process can see, and clean up after, a cont
     canary.heartbeat      epoch seconds of the controller's last look (every check_interval_s)
     canary.resumed        why the controller resumed a step (the gateway restarted), if it did
     canary.aborted        why the run was aborted by someone other than its controller
+    canary.forecast       the latency checks the versions' profiles say it will likely fail (canary/forecast.py)
 
 `live_run`: the canary of a model whose controller is beating, if any (one canary per model
 at a time: a second `canary run` is refused while it lives).

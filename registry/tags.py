@@ -8,8 +8,10 @@ Tags on every model version (searchable in the UI and with `search_model_version
   gate.verdict, gate.<team>.{verdict,metric,delta,ci,recovery_pct,reason,team_sha256},
   eval.dtype, evidence_sha256, recommended ("yes" | "no" | "baseline") and recommendation (why),
   buys.{status,reason,usd_per_mtok,usd_per_mtok_x,output_tokens_per_s,kv_tokens,kv_tokens_x,
-  requests_per_device,devices,devices_x,weights_mib,kv_cache_dtype} (what the build buys when served,
-  pipeline/buys.py; updated on a version that is reused); approval tags: registry/approval.py.
+  requests_per_device,devices,devices_x,weights_mib,kv_cache_dtype,concurrency,ttft_ms_p50,tpot_ms_p50}
+  (what the build buys when served, pipeline/buys.py; updated on a version that is reused; the latencies
+  are the profile's p50s in ms at `concurrency` requests in flight, canary/forecast.py reads them);
+  approval tags: registry/approval.py.
 Every build's run (in the register experiment) has the same tags plus quantgate.model; a version
 registered by override (registry/runs.py) also has registration.{by,at,override_reason}. The
 registered model has tag quantgate.unregistered_runs: the build runs the last register stage left
@@ -51,6 +53,9 @@ BUYS_FIELDS = (
     "devices_x",
     "weights_mib",
     "kv_cache_dtype",
+    "concurrency",
+    "ttft_ms_p50",
+    "tpot_ms_p50",
 )
 
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]

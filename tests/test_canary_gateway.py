@@ -325,6 +325,27 @@ def test_an_approved_build_promotes_on_the_gateway(on_gateway, project):  # noqa
     assert "canary.resumed" not in tags
 
 
+def test_a_candidate_profiled_too_slow_is_forecast_at_the_start_and_still_judged_live(on_gateway, project):  # noqa: F811
+    """The versions' profile tags (register stage) say v2 decodes 60x slower than v1, above FAST's
+    tpot_p95_ratio max 50: the canary says so before step 1 and records it, but the live checks decide
+    (the fake backends are equally fast), so it promotes."""
+    figures = {"1": "10", "2": "600"}
+    for v, tpot in figures.items():
+        for key, value in {"buys.status": "profiled", "buys.concurrency": "8", "buys.tpot_ms_p50": tpot}.items():
+            project.set_model_version_tag(MODEL, v, key, value)
+    try:
+        outcome, lines, tags = on_gateway("2")
+    finally:
+        for v in figures:
+            for key in ("buys.status", "buys.concurrency", "buys.tpot_ms_p50"):
+                project.delete_model_version_tag(MODEL, v, key)
+    forecast = [line for line in lines if line.startswith("canary: forecast: ")]
+    assert len(forecast) == 1 and "60.00x, above tpot_p95_ratio max 50" in forecast[0], lines
+    assert lines.index(forecast[0]) < next(i for i, line in enumerate(lines) if "step 1/" in line)
+    assert tags["canary.forecast"] == forecast[0].removeprefix("canary: forecast: ")
+    assert outcome.decision == "promoted", outcome.reason
+
+
 def test_a_broken_build_aborts_at_step_1_with_the_weight_back_to_0(on_gateway, project):  # noqa: F811
     outcome, lines, tags = on_gateway("3")
     assert (outcome.decision, outcome.step) == ("aborted", 1), lines
