@@ -170,6 +170,14 @@ def test_registry_holds_versions_with_lineage_and_fallback(project):
     assert fp16.tags["dtype"] == "bfloat16"
     assert len(fp16.tags["git_commit"]) >= 40 and fp16.tags["version.lm_eval"] and fp16.tags["version.serving.vllm"]
     assert client.get_model_version_by_alias(name, "fallback").version == fp16.version
+    top = max(
+        json.loads((project / "results/profile/fp16.json").read_text())["loads"].values(),
+        key=lambda p: p["concurrency"],
+    )
+    assert fp16.tags["buys.concurrency"] == str(top["concurrency"])  # what canary/forecast.py reads
+    assert (float(fp16.tags["buys.ttft_ms_p50"]), float(fp16.tags["buys.tpot_ms_p50"])) == pytest.approx(
+        (top["ttft_ms_p50"], top["tpot_ms_p50"])
+    )
     status = run(["quantgate", "status"], project).stdout
     assert "[fallback]" in status
     for build, entry in reg["unregistered"].items():  # below the versions, with verdict and run id
