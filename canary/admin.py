@@ -137,6 +137,9 @@ def admin_app(router, state: Callable[[], dict], token: str, webhook=None) -> St
     return Starlette(routes=routes)
 
 
+NOT_SERVE = "it is not a `quantgate serve` admin endpoint: give the admin URL `quantgate serve` logs at start"
+
+
 class GatewayUnreachable(QuantgateError):
     """The admin endpoint did not answer (the gateway is down or restarting)."""
 
@@ -170,11 +173,23 @@ class RemoteRouter:
                 why = r.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 why = " ".join(r.text.split())[:200]  # one line, even for an HTML page
-            raise QuantgateError(f"admin endpoint {self.url}{path}: HTTP {r.status_code}: {why}")
-        return r.json()
+            hint = (
+                "; is that `quantgate serve`'s admin endpoint? it logs its URL at start" if r.status_code == 404 else ""
+            )
+            raise QuantgateError(f"admin endpoint {self.url}{path}: HTTP {r.status_code}: {why}{hint}")
+        try:
+            return r.json()
+        except ValueError:
+            raise QuantgateError(f"admin endpoint {self.url}{path}: the answer is not JSON; {NOT_SERVE}") from None
 
     def state(self) -> dict:
-        return self._call("GET", "/admin/state")
+        """GET /admin/state; QuantgateError if the answer is not a gateway's state (another server answers)."""
+        s = self._call("GET", "/admin/state")
+        if not (isinstance(s, dict) and isinstance(s.get("fleet"), dict) and "weight" in s):
+            raise QuantgateError(
+                f"admin endpoint {self.url}/admin/state: no weight and fleet in the answer; {NOT_SERVE}"
+            )
+        return s
 
     def set_weight(self, percent: float) -> None:
         self._call("PUT", "/admin/weight", json={"percent": percent})

@@ -12,6 +12,7 @@ exit 1), never a traceback. `canary load` exits 1 when any request failed; `cana
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,10 +24,27 @@ from quantgate.errors import QuantgateError, command_errors
 from registry.commands import by_arg, version_arg
 
 
+class Positive(click.FloatRange):
+    """A finite number above 0, at most `max` (click's FloatRange lets nan and inf through)."""
+
+    def __init__(self, max: float):
+        super().__init__(min=0, min_open=True, max=max)
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+RATE = Positive(1000)  # requests/s: one load process on loopback offers far less than this
+SECONDS = Positive(7 * 24 * 3600)
+
+
 @click.command("load")
 @click.option("--url", required=True, help="Router (or any OpenAI server) base URL, e.g. http://127.0.0.1:8080")
-@click.option("--rps", type=click.FloatRange(min=0, min_open=True), required=True, help="Requests per second offered.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), required=True, help="Seconds of sending.")
+@click.option("--rps", type=RATE, required=True, help="Requests per second offered.")
+@click.option("--duration", type=SECONDS, required=True, help="Seconds of sending.")
 @click.option(
     "--evals",
     "evals_dir",
@@ -41,7 +59,7 @@ from registry.commands import by_arg, version_arg
 @click.option(
     "--timeout",
     "timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=SECONDS,
     default=60.0,
     show_default=True,
     help="Seconds per request.",
@@ -119,7 +137,7 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option(
     "--load-rps",
-    type=click.FloatRange(min=0, min_open=True),
+    type=RATE,
     default=None,
     help="Also replay eval-set prompts through the router at this rate (demos, tests).",
 )

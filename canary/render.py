@@ -57,7 +57,10 @@ def service_name(model: str, version: str, template: str = SERVICE_TEMPLATE) -> 
     as a DNS label (see `dns_label`). Raises QuantgateError for other placeholders."""
     import string
 
-    fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as exc:  # unbalanced braces: "{model", "{version}}"
+        raise QuantgateError(f"service template {template!r}: {exc}; e.g. {SERVICE_TEMPLATE}") from None
     if "version" not in fields or any(f not in ("model", "version") for f in fields):
         raise QuantgateError(
             f"service template {template!r}: use only {{model}} and {{version}}, and {{version}} at least "

@@ -19,7 +19,7 @@ import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 
 import click
 
@@ -262,9 +262,10 @@ def _when(ctx, param, value: str | None) -> datetime | None:
         ctx.meta["history_at_now"] = True
         return utc_now()
     try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+        at = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise click.BadParameter(f"{value!r} is not an ISO time (e.g. 2025-06-01T12:00:00Z; no zone = UTC)") from None
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)  # as --help says: no zone = UTC
 
 
 @click.command()

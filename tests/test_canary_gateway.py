@@ -464,3 +464,30 @@ def test_a_local_canary_without_a_serving_env_opens_no_run(project, tmp_path):  
     with pytest.raises(QuantgateError, match="serving python '/nonexistent/python' cannot report its vLLM platform"):
         run_canary(project, MODEL, "2", FAST, ServeParams(python="/nonexistent/python"), "tester", tmp_path)
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
+
+
+def test_a_server_that_is_not_a_quantgate_admin_endpoint_is_refused_before_any_change(project):  # noqa: F811
+    """`--gateway` at another HTTP server (an OpenAI server answering 200 JSON to any GET, or a 404 one):
+    one line saying it is not `quantgate serve`'s admin endpoint, no canary run opened, no alias set."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def ok(request):
+        return JSONResponse({"object": "list", "data": []})
+
+    async def html(request):
+        return PlainTextResponse("<html>hello</html>")
+
+    app = Starlette(routes=[Route("/admin/state", ok), Route("/admin/html/admin/state", html)])
+    before = canary_runs(project)
+    with AppServer(app, "127.0.0.1", free_port(), grace_s=1) as server:
+        for url, message in (
+            (server.url, f"admin endpoint {server.url}/admin/state: no weight and fleet in the answer; it is not"),
+            (f"{server.url}/admin/html", "/admin/state: the answer is not JSON; it is not a `quantgate serve` admin"),
+            (f"{server.url}/elsewhere", "HTTP 404: Not Found; is that `quantgate serve`'s admin endpoint?"),
+        ):
+            with pytest.raises(QuantgateError, match="^[^\n]*$") as exc:
+                run_canary_on_gateway(project, MODEL, "2", CanaryPolicy(), "tester", url, TOKEN, log=lambda _: None)
+            assert message in str(exc.value), str(exc.value)
+    assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)

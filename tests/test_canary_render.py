@@ -216,3 +216,15 @@ def test_render_refusals_are_one_line(project, tmp_path):
 def test_service_templates_that_cannot_tell_the_versions_apart_are_refused(template):
     with pytest.raises(QuantgateError, match="use only {model} and {version}"):
         service_name("smollm2", "2", template)
+
+
+@pytest.mark.parametrize("template", ["{model", "{version}}", "v{version}-}"])
+def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(project, template):
+    with pytest.raises(QuantgateError, match=r"service template .*: (expected '\}'|Single '\}')"):
+        service_name("smollm2", "2", template)
+    one_line_error(
+        render("2", "--format", "gateway-api", "--service", template),
+        f"service template {template!r}: "
+        + ("expected '}' before end of string" if template == "{model" else "Single '}' encountered in format string")
+        + "; e.g. {model}-v{version}",
+    )

@@ -857,3 +857,20 @@ def test_replay_api_picks_the_endpoints(fakes, api, kinds):
 def test_replay_rejects_an_unknown_api():
     with pytest.raises(QuantgateError, match="api must be one of both, chat, completions, got 'grpc'"):
         replay("http://127.0.0.1:9", ["x"], rps=1, duration_s=1, api="grpc")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e308", "0", "-1"])
+def test_rates_and_durations_must_be_finite_and_positive(value):
+    """`canary load --rps inf` once flooded without end (expovariate(inf) = 0), `--rps nan` "sent" one
+    request at "nan rps": now a usage error naming the option, before anything is sent."""
+    from quantgate.cli import cli
+
+    url = f"http://127.0.0.1:{free_port()}"
+    for option, args in (
+        ("--rps", ["canary", "load", "--url", url, "--rps", value, "--duration", "1"]),
+        ("--duration", ["canary", "load", "--url", url, "--rps", "1", "--duration", value]),
+        ("--load-rps", ["canary", "run", "m", "2", "--by", "t", "--load-rps", value]),
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, (args, result.output)
+        assert "Traceback" not in result.output

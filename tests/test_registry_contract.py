@@ -650,6 +650,9 @@ def test_commands_print_errors_without_traceback(reg):
     assert res.exit_code == 0 and "promote production none -> v" in res.output and "approve v" in res.output
     res = runner.invoke(history, [r.model, "--at", "2000-01-01T00:00:00Z"])
     assert res.exit_code == 0 and "production=none" in res.output
+    for naive in ("2000-01-01T00:00:00", "2000-01-01"):  # no zone = UTC, as --help says (was a TypeError)
+        res = runner.invoke(history, [r.model, "--at", naive])
+        assert res.exit_code == 0 and "production=none" in res.output, res.output
     res = runner.invoke(history, [r.model, "--at", "yesterday"])
     assert res.exit_code == 2 and "is not an ISO time" in res.output
     res = runner.invoke(history, ["no-such-model"])  # a typo: the error says where it looked
