@@ -202,9 +202,9 @@ def run(
     from registry import store
 
     stop_load = threading.Event()
+    prompts: list = []
 
     def start_load(url: str):
-        prompts = prompts_from_evals(evals_dir)
         t = threading.Thread(
             target=replay,
             args=(url, prompts, load_rps, 24 * 3600.0),
@@ -234,6 +234,8 @@ def run(
                 )
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
+            if load_rps:  # a bad --evals is refused before any run, alias or server
+                prompts.extend(prompts_from_evals(evals_dir))
             if admin_url:
                 outcome = run_canary_on_gateway(
                     store.client(existing=True), model, version, load_policy(), by, admin_url,

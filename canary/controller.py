@@ -42,7 +42,7 @@ from typing import Protocol
 from canary.admin import GatewayUnreachable, RemoteRouter
 from canary.analysis import analyze, live_line
 from canary.engine import EngineSample, scrape
-from canary.fleet import ServingFleet
+from canary.fleet import ServingFleet, reused_backend
 from canary.forecast import latency_forecast
 from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
 from canary.policy import CHECK_KINDS, GAUGES, CanaryPolicy, CanaryTopology
@@ -491,7 +491,9 @@ def run_canary(
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, traffic) if traffic is not None else None
-    if not {builds[0], builds[2], version} <= set(map(versions.version_number, reuse or {})):
+    # a --reuse URL that does not answer is refused before any run, alias or server
+    reused = {versions.version_number(v): reused_backend(v, url) for v, url in (reuse or {}).items()}
+    if not {builds[0], builds[2], version} <= set(reused):
         serving_versions(serve.python)  # a server will start: its env must work before the run is opened
     spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
     stop, where = stop or threading.Event(), topology or CanaryTopology()
@@ -499,8 +501,8 @@ def run_canary(
         log(plan_line(policy, traffic, steps))
     with _recorded(spec, status) as run:
         with ServingFleet(mlflow_client, model_name, serve, where.servers, Path(work_dir) / spec.run_id) as fleet:
-            for v, url in (reuse or {}).items():
-                fleet.reuse(versions.version_number(v), url)
+            for v, backend in reused.items():
+                fleet.reuse(v, backend)
             fleet.start(spec.stable, "stable", log)
             fleet.start(spec.fallback, "shadow", log)
             fleet.start(version, "candidate", log)

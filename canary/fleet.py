@@ -23,6 +23,19 @@ from registry import aliases
 from registry.verify import verify_version
 
 
+def reused_backend(version: str, url: str) -> Backend:
+    """The running OpenAI server at `url` (…/v1) as `version`'s backend (`--reuse VERSION=URL`; not verified);
+    raises QuantgateError if it does not answer /models with a model."""
+    url = url.rstrip("/")
+    try:
+        r = httpx.get(f"{url}/models", timeout=10)
+        r.raise_for_status()
+        name = r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise QuantgateError(f"--reuse v{version}={url}: no OpenAI server answers /models there ({exc})") from None
+    return Backend(url=url, model=name, label=f"v{version}")
+
+
 class ServingFleet:
     """Servers by version ("3" -> Backend); use as a context manager."""
 
@@ -70,17 +83,10 @@ class ServingFleet:
         self.pids[version], self.backends[version] = pid, backend
         return backend
 
-    def reuse(self, version: str, url: str) -> Backend:
-        """Use a running OpenAI server at `url` (…/v1) for `version`; raises QuantgateError if it does not answer."""
-        url = url.rstrip("/")
-        try:
-            r = httpx.get(f"{url}/models", timeout=10)
-            r.raise_for_status()
-            name = r.json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-            raise QuantgateError(f"--reuse v{version}={url}: no OpenAI server answers /models there ({exc})") from None
-        self.backends[version] = Backend(url=url, model=name, label=f"v{version}")
-        return self.backends[version]
+    def reuse(self, version: str, backend: Backend) -> Backend:
+        """Use a running server (`reused_backend`'s) for `version` instead of starting one."""
+        self.backends[version] = backend
+        return backend
 
     def alive(self, version: str) -> bool:
         """False when a server this fleet started for `version` has exited (reused ones: True)."""

@@ -466,6 +466,25 @@ def test_a_local_canary_without_a_serving_env_opens_no_run(project, tmp_path):  
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 
 
+def test_a_dead_reuse_url_or_a_bad_evals_folder_is_refused_before_any_run(project, tmp_path):  # noqa: F811
+    """Both were found only after the canary's MLflow run was opened and `candidate` set (and, without
+    --reuse, after three vLLM servers started); now one line and no change."""
+    from canary.controller import run_canary
+    from quantgate.serving import ServeParams
+
+    before, dead = canary_runs(project), f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(QuantgateError, match=rf"^--reuse v1={dead}: no OpenAI server answers /models there \("):
+        run_canary(
+            project, MODEL, "2", FAST, ServeParams(python="/nonexistent/python"), "t", tmp_path, reuse={"1": dead}
+        )
+    args = ["canary", "run", MODEL, "2", "--by", "t", "--load-rps", "1", "--evals", str(tmp_path / "none")]
+    result = CliRunner().invoke(cli, [*args, "--reuse", f"1={dead}"])
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        f"Error: {tmp_path / 'none'}: not a folder of team eval sets; see evals/README.md"
+    ], result.output
+    assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
+
+
 def test_a_server_that_is_not_a_quantgate_admin_endpoint_is_refused_before_any_change(project):  # noqa: F811
     """`--gateway` at another HTTP server (an OpenAI server answering 200 JSON to any GET, or a 404 one):
     one line saying it is not `quantgate serve`'s admin endpoint, no canary run opened, no alias set."""
