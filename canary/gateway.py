@@ -72,9 +72,7 @@ def reap_orphans(work_dir: Path, log: Callable[[str], None] = print) -> int:
 
 
 def check_bindable(host: str, port: int, what: str) -> None:
-    """Raises QuantgateError naming `what` when `host`:`port` cannot be bound now (port 0: always fine)."""
-    if not port:
-        return
+    """Raises QuantgateError naming `what` when `host`:`port` cannot be bound now (port 0: the host is checked)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -168,6 +166,11 @@ def run_gateway(
         ("fleet.admin", params.admin.host, params.admin.port),
     ):
         check_bindable(host, port, what)  # before a server takes minutes to start
+    if params.port and params.port == params.admin.port:
+        raise QuantgateError(
+            f"fleet.port and fleet.admin.port are both {params.port}: the gateway and its admin endpoint need "
+            "a port each (--port, --admin-port)"
+        )
     Limiter(limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
     reap_orphans(work_dir, log)
     token = admin_token(work_dir, log)

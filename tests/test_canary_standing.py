@@ -12,7 +12,7 @@ import pytest
 import canary.standing as standing
 from canary.gateway import PIDS, reap_orphans
 from canary.router import Backend
-from canary.standing import FleetParams, StandingFleet, load_fleet_params, plan
+from canary.standing import AdminAddress, FleetParams, StandingFleet, load_fleet_params, plan
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 
@@ -356,6 +356,18 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
         port = busy.getsockname()[1]
         with pytest.raises(QuantgateError, match=rf"fleet.port: cannot listen on 127.0.0.1:{port}"):
             check_bindable("127.0.0.1", port, "fleet.port")
+    with pytest.raises(QuantgateError, match=r"^fleet.host: cannot listen on 999.1.1.1:0 \("):  # port 0: host checked
+        check_bindable("999.1.1.1", 0, "fleet.host")
+    from canary.gateway import run_gateway
+    from canary.limits import Limits
+    from canary.policy import CanaryPolicy
+    from quantgate.serving import ServeParams
+
+    same = FleetParams().model_copy(
+        update={"port": 18999, "admin": AdminAddress(port=18999)}
+    )  # as --port, --admin-port
+    with pytest.raises(QuantgateError, match="fleet.port and fleet.admin.port are both 18999: .* a port each"):
+        run_gateway(None, "m", ServeParams(), same, CanaryPolicy(), Limits(), tmp_path / "work", log=lambda _: None)
     bad = tmp_path / "params.yaml"
     bad.write_text("fleet:\n  port: 8001\n")
     with pytest.raises(QuantgateError, match="fleet: .*admin.port 8001 is also fleet.port"):
