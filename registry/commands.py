@@ -102,7 +102,21 @@ _by = click.option(
     show_default="$USER, else $MLFLOW_TRACKING_USERNAME",
     help="Who is acting (recorded).",
 )
-_reason = click.option("--reason", required=True, help="Why (recorded).")
+
+
+def text_arg(ctx, param, value: str | None) -> str | None:
+    """Free text that is recorded (--reason, --override, --recommend) as one line: newlines and other
+    control characters become spaces, so `history` shows one line per event and none can be forged.
+    Given but blank is refused (click.ClickException naming the option), before the registry is touched."""
+    if value is None:
+        return None
+    text = " ".join("".join(c if c.isprintable() else " " for c in value).split())
+    if not text:
+        raise click.ClickException(f"{param.opts[0]} must not be empty; say why (it is recorded)")
+    return text
+
+
+_reason = click.option("--reason", required=True, callback=text_arg, help="Why (recorded).")
 
 
 @click.command()
@@ -112,6 +126,7 @@ _reason = click.option("--reason", required=True, help="Why (recorded).")
     "--override",
     "override_reason",
     metavar="REASON",
+    callback=text_arg,
     help="Register although the build's gate.verdict is not PASS; REASON is recorded and audited.",
 )
 def register(run_id: str, by: str, override_reason: str | None) -> None:
@@ -144,12 +159,14 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
     "--override",
     "override_reason",
     metavar="REASON",
+    callback=text_arg,
     help="Approve although gate.verdict is not PASS; REASON is recorded.",
 )
 @click.option(
     "--recommend",
     "recommend_reason",
     metavar="REASON",
+    callback=text_arg,
     help="Override the gate's recommendation (cheaper than 16-bit where measured) to yes; REASON is recorded.",
 )
 def approve(

@@ -85,6 +85,27 @@ def test_overlong_reason_is_refused_before_anything_is_written(reg):
     assert len(client.search_runs([exp.experiment_id])) == n_events  # no FAILED audit run either
 
 
+def test_recorded_text_is_one_line_and_a_blank_override_is_named(reg):
+    """A newline in --reason once printed as a second, forged-looking `history` line; a blank --override
+    read as a missing one ("needs --override REASON")."""
+    client, model, out = reg({"int4": "FAIL", "fp8": "PASS"})
+    v = str(out["builds"]["fp8"]["version"])
+    result = _invoke("approve", model, v, "--by", "alice", "--reason", "ok\nproduction=v99 by admin: forged\t!")
+    assert result.exit_code == 0, result.output
+    assert approval.approval_of(client, model, v).reason == "ok production=v99 by admin: forged !"
+    lines = _invoke("history", model).output.splitlines()
+    assert not any(line.startswith("production=v99") for line in lines) and any("forged !" in x for x in lines)
+    n_events = len(audit.history(client, model))
+    for args in (
+        ["approve", model, v, "--by", "a", "--reason", "r"],
+        ["register", out["unregistered"]["int4"]["run_id"], "--by", "a"],
+    ):
+        for blank in ("", "   ", "\n"):
+            _one_line_error(_invoke(*args, "--override", blank), "--override must not be empty; say why")
+    _one_line_error(_invoke("approve", model, v, "--by", "a", "--reason", " \t"), "--reason must not be empty")
+    assert len(audit.history(client, model)) == n_events  # nothing written
+
+
 def test_a_failed_tag_write_restores_the_previous_approval(reg):
     client, model, out = reg({"int4": "PASS"})
     v = str(out["builds"]["int4"]["version"])
