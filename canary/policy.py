@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from quantgate.params import PARAMS_FILE, Frozen, load_block
-from quantgate.serving import ServeParams, no_dtype_arg
+from quantgate.serving import ServeParams, check_cpu_cores, check_extra_args
 
 
 class ServerOverride(Frozen):
@@ -22,7 +22,8 @@ class ServerOverride(Frozen):
     cpu_cores: str | None = None  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
     extra_args: list[str] = []  # appended to evaluate.serve.extra_args
 
-    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
+    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
+    _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
 
 
 class Servers(Frozen):

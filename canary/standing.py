@@ -42,7 +42,7 @@ from canary.router import Backend
 from canary.webhook import PATH
 from quantgate.errors import QuantgateError
 from quantgate.params import PARAMS_FILE, Frozen, load_block
-from quantgate.serving import ServeParams
+from quantgate.serving import ServeParams, check_cpu_cores
 from registry import aliases, tags, versions
 from registry.verify import verify_version
 
@@ -84,6 +84,11 @@ class FleetParams(Frozen):
     cpu_core_sets: list[str] = ["0", "1"]
     servers: FleetServers = FleetServers()
     admin: AdminAddress = AdminAddress()
+
+    @field_validator("cpu_core_sets")
+    @classmethod
+    def _core_lists(cls, v: list[str]) -> list[str]:
+        return [check_cpu_cores(cores) for cores in v]
 
     @field_validator("webhook_url")
     @classmethod

@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from quantgate.console import progress
 from quantgate.devices import check_devices, visible_devices
@@ -45,9 +45,20 @@ from quantgate.precision import (
 HEALTH_POLL_S = 2.0
 
 
-def no_dtype_arg(args: list[str]) -> list[str]:
-    """`args` (extra vLLM arguments); raises ValueError if one sets --dtype: every server of a run,
-    evaluate and canary alike, gets its precision from evaluate.serve.dtype by one rule."""
+# vLLM arguments every server gets from quantgate (quantgate.serving.start), and where to set them instead
+OWNED_ARGS = {
+    "--model": "the build (its verified weights)",
+    "--served-model-name": "the build's name",
+    "--host": "evaluate.serve.host (or the canary/fleet topology)",
+    "--port": "evaluate.serve.port (or the canary/fleet topology's port)",
+    "--max-model-len": "evaluate.serve.max_model_len",
+}
+
+
+def check_extra_args(args: list[str]) -> list[str]:
+    """`args` (extra vLLM arguments); raises ValueError if one sets the dtype, the KV-cache dtype or an
+    argument quantgate sets itself (OWNED_ARGS): every server of a run, evaluate and canary alike, gets
+    its precision from evaluate.serve.dtype by one rule, and its address and model from quantgate."""
     for a in args:
         flag = a.split("=", 1)[0]
         if flag.startswith("--kv-c") and "--kv-cache-dtype".startswith(flag):
@@ -58,23 +69,61 @@ def no_dtype_arg(args: list[str]) -> list[str]:
         # vLLM's argparse takes unique prefixes (--dtyp, --dt); --config and --hf-overrides can set it too
         if (flag.startswith("--dt") and "--dtype".startswith(flag)) or flag == "--config" or flag == "--hf-overrides":
             raise ValueError(f"{a!r}: the dtype is set by evaluate.serve.dtype (auto or a dtype), not in extra_args")
+        for owned, where in OWNED_ARGS.items():
+            if flag == owned or (len(flag) >= 5 and owned.startswith(flag)):
+                raise ValueError(f"{a!r}: quantgate sets {owned} for every server: set {where}, not extra_args")
     return args
+
+
+_CORES = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
+def check_cpu_cores(value: str | None) -> str | None:
+    """A VLLM_CPU_OMP_THREADS_BIND core list ("1", "0-3", "0,2-3") whose cores this process may run on
+    (os.sched_getaffinity); raises ValueError otherwise. None = vLLM's own binding."""
+    if value is None:
+        return None
+    if not _CORES.fullmatch(value):
+        raise ValueError(f'{value!r} is not a core list: give cores like "1", "0-3" or "0,2-3"')
+    cores = set()
+    for part in value.split(","):
+        lo, _, hi = part.partition("-")
+        cores |= set(range(int(lo), int(hi or lo) + 1))
+    here = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if missing := sorted(cores - here):
+        raise ValueError(f"{value!r}: core {missing[0]} is not one this machine lets quantgate use ({_ranges(here)})")
+    return value
+
+
+def _ranges(cores: set[int]) -> str:
+    """{0, 1, 2, 5} -> "0-2,5"."""
+    out, run = [], []
+    for c in sorted(cores):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 class ServeParams(Frozen):
     python: str = ".venv-serve/bin/python"  # interpreter of the serving env
     host: str = "127.0.0.1"
-    port: int = 0  # 0 = pick a free port
+    port: int = Field(default=0, ge=0, le=65535)  # 0 = pick a free port
     dtype: Dtype = "auto"  # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
-    max_model_len: int = 2048  # tokens
-    kv_cache_gib: int | Literal["auto"] = "auto"  # KV cache, GiB; auto: quantgate.precision.resolve_kv_cache_gib
+    max_model_len: int = Field(default=2048, ge=1)  # tokens
+    # KV cache, GiB; auto: quantgate.precision.resolve_kv_cache_gib
+    kv_cache_gib: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     enforce_eager: bool | Literal["auto"] = "auto"  # auto: eager on CPU, CUDA graphs on GPU (resolve_eager)
     devices: str = "auto"  # GPUs of every vLLM server (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
-    startup_timeout_s: int = 600
+    startup_timeout_s: int = Field(default=600, gt=0)
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
-    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: no_dtype_arg(args)))
+    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
+    _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
     _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
 
 

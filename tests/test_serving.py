@@ -198,3 +198,36 @@ def test_extra_args_cannot_set_the_dtype_any_way_vllm_reads_it(args):
         ServeParams(extra_args=args)
     ok = ["--enforce-eager", "--max-num-seqs", "8"]  # the KV-cache dtype is the build's (tests/test_profile.py)
     assert ServeParams(extra_args=ok).extra_args == ok
+
+
+@pytest.mark.parametrize(
+    "args, owned",
+    [(["--port", "9999"], "--port"), (["--port=9999"], "--port"), (["--host", "0.0.0.0"], "--host"),
+     (["--served-model-name", "x"], "--served-model-name"), (["--max-model", "512"], "--max-model-len"),
+     (["--model", "/elsewhere"], "--model")],
+)  # fmt: skip
+def test_extra_args_cannot_set_what_quantgate_sets_for_every_server(args, owned):
+    with pytest.raises(ValueError, match=f"quantgate sets {owned} for every server: set "):
+        ServeParams(extra_args=args)
+    assert ServeParams(extra_args=["--model-impl", "vllm"]).extra_args == ["--model-impl", "vllm"]  # not --model
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("startup_timeout_s", -1, "greater than 0"), ("max_model_len", 0, "greater than or equal to 1"),
+     ("kv_cache_gib", -2, "greater than or equal to 1"), ("port", 70000, "less than or equal to 65535"),
+     ("cpu_cores", "zero", "'zero' is not a core list"), ("cpu_cores", "0-1,", "is not a core list")],
+)  # fmt: skip
+def test_serve_settings_out_of_range_are_refused_at_load(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ServeParams(**{field: value})
+
+
+def test_cpu_cores_must_be_cores_this_machine_lets_quantgate_use():
+    import os
+
+    here = sorted(os.sched_getaffinity(0))
+    assert ServeParams(cpu_cores=f"{here[0]}").cpu_cores == str(here[0])
+    beyond = max(here) + 1
+    with pytest.raises(ValueError, match=rf"'0-{beyond}': core {beyond} is not one this machine lets quantgate use \("):
+        ServeParams(cpu_cores=f"0-{beyond}")
