@@ -242,8 +242,12 @@ def rollback(
         if target == prod:
             raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production")
         if approval.approval_of(mlflow_client, model_name, target).state == approval.REVOKED:
+            other = (
+                f"`quantgate rollback {model_name} --to {FALLBACK}` (the 16-bit build), or " if to == PREVIOUS else ""
+            )
             raise QuantgateError(
-                f"{model_name} v{target} ({to}) has its approval revoked; roll back to another version"
+                f"{model_name} v{target} ({to}) has its approval revoked; go to another version: {other}"
+                f"`quantgate promote {model_name} VERSION` with an approved one"
             )
         changes = [Change(PRODUCTION, prod, target)]
         if now.get(PREVIOUS) == target:

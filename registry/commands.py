@@ -208,18 +208,17 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
         serving = sorted(
             al
             for al, v in aliases.current(client, model).items()
-            if v == versions.version_number(version) and al in (aliases.PRODUCTION, aliases.CANDIDATE)
+            if v == versions.version_number(version) and al in (aliases.PRODUCTION, aliases.CANDIDATE, aliases.FALLBACK)
         )
     click.echo(f"{model} v{version}: {a.why}")
+    advice = {
+        aliases.PRODUCTION: f"run `quantgate rollback {model} --reason ...`",
+        aliases.CANDIDATE: "the canary must drop it",
+        aliases.FALLBACK: "it stays the 16-bit baseline that failed requests are retried on and rollbacks "
+        "reach (`dvc repro` sets it); a build to replace it comes from `dvc repro`",
+    }
     for al in serving:
-        click.echo(
-            f"warning: v{version} is still {al!r}; "
-            + (
-                f"run `quantgate rollback {model} --reason ...`"
-                if al == aliases.PRODUCTION
-                else "the canary must drop it"
-            )
-        )
+        click.echo(f"warning: v{version} is still {al!r}; {advice[al]}")
 
 
 def _version_or_none(ctx, param, value: str) -> str | None:

@@ -275,3 +275,25 @@ def test_register_refuses_an_overlong_override_before_writing(reg):
     result = _invoke("register", run_id, "--override", "o" * 5001, "--by", "rm")
     _one_line_error(result, "--override is 5001 characters", "at most 5000")
     assert len(client.search_model_versions(f"name='{model}'")) == 1  # the baseline only
+
+
+def test_a_rollback_to_a_revoked_version_says_where_to_go_instead(reg):
+    client, model, out = reg({"int4": "PASS", "fp8": "PASS"})
+    v4, v8 = (str(out["builds"][b]["version"]) for b in ("int4", "fp8"))
+    for v in (v4, v8):
+        approval.approve(client, model, v, "rm", "gate PASS")
+    aliases.promote(client, model, v8, None, "rm", "go", verify=False)
+    aliases.promote(client, model, v4, v8, "rm", "go", verify=False)  # previous = fp8
+    approval.revoke(client, model, v8, "rm", "bad outputs")
+    result = _invoke("rollback", model, "--by", "oncall", "--reason", "p99")
+    _one_line_error(
+        result,
+        f"{model} v{v8} (previous) has its approval revoked; go to another version: `quantgate rollback {model} "
+        f"--to fallback` (the 16-bit build), or `quantgate promote {model} VERSION` with an approved one",
+    )
+    assert aliases.current(client, model)["production"] == v4  # nothing moved
+    fallback = aliases.current(client, model)["fallback"]
+    result = _invoke("revoke", model, fallback, "--by", "rm", "--reason", "test")
+    assert result.exit_code == 0 and f"warning: v{fallback} is still 'fallback'; it stays the 16-bit baseline" in (
+        result.output
+    ), result.output
