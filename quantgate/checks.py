@@ -6,6 +6,7 @@ so `quantgate evals validate` can print all of them at once.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +162,14 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         )
     if not isinstance(gen, dict):
         problems.append(f"{where('generation_kwargs')}: generation_kwargs must be a mapping ({', '.join(GEN_KEYS)})")
+    elif config.get("output_type", "generate_until") == "generate_until":
+        until = gen.get("until")
+        if not (isinstance(until, list) and until and all(isinstance(u, str) and u for u in until)):
+            problems.append(
+                f"{where('generation_kwargs') if 'generation_kwargs' in config else task_path}: a generation task "
+                f'needs explicit stop strings, generation_kwargs.until (e.g. until: ["\\n\\n"]), got {until!r}: '
+                "else where an answer ends is left to each server's defaults"
+            )
     for key in sorted(set(gen) - set(GEN_KEYS) if isinstance(gen, dict) else []):
         problems.append(
             f"{where('generation_kwargs', key)}: generation_kwargs.{key}: not allowed (it reaches the "
@@ -307,10 +316,17 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
     }
     skip: set[str] = set()
     shot_skip: set[str] = set(RENDERED) - set(shots)
+    seen: dict[str, int] = {}
     for n, doc in docs:
-        missing = sorted({(f, key) for key, fs in fields.items() for f in fs if f not in doc})
+        # a repeated document counts twice in the paired test, as if it were two pieces of evidence
+        key = json.dumps(doc, sort_keys=True, ensure_ascii=False)
+        if key in seen:
+            problems.append(f"{data_path}:{n}: repeats the document of line {seen[key]}; remove the repeat")
+        seen.setdefault(key, n)
+        missing = sorted({(f, key) for key, fs in fields.items() for f in fs if doc.get(f) is None})
         for f, key in missing:
-            problems.append(f"{data_path}:{n}: field {f!r} used by {key} is missing; add it or fix the template")
+            state = "null; give it a value" if f in doc else "missing; add it"
+            problems.append(f"{data_path}:{n}: field {f!r} used by {key} is {state} or fix the template")
         if render and not missing:
             problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
         if render and shots:

@@ -37,10 +37,17 @@ def decode(raw: bytes) -> str:
 
 
 def parse_line(number: int, line: str) -> object:
-    """The JSON value of line `number`. Raises BadLine if it is not JSON, is nested too deeply for the parser,
-    or holds an unpaired surrogate (`"\\ud800"`: json reads it, but no UTF-8 writer or dataset loader does)."""
+    """The JSON value of line `number`. Raises BadLine if it is not JSON (NaN and Infinity, which Python's json
+    reads, are not JSON: RFC 8259 section 6), is nested too deeply for the parser, or holds an unpaired
+    surrogate (`"\\ud800"`: json reads it, but no UTF-8 writer or dataset loader does)."""
+
+    def not_json(name: str):
+        raise BadLine(
+            number, f"{name} is not JSON (RFC 8259 has no NaN or Infinity)", "write a number, a string or null"
+        )
+
     try:
-        value = json.loads(line)
+        value = json.loads(line, parse_constant=not_json)
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except json.JSONDecodeError as exc:
         # "Unterminated string starting at" names its position itself
