@@ -42,9 +42,19 @@ TOKEN_ENV = "QUANTGATE_ADMIN_TOKEN"
 TOKEN_FILE = "admin.token"  # in the gateway's work dir
 
 
+MIN_TOKEN = 16  # characters of $QUANTGATE_ADMIN_TOKEN: 16 random url-safe ones are 96 bits
+
+
 def admin_token(work_dir: Path, log: Callable[[str], None] = print) -> str:
-    """$QUANTGATE_ADMIN_TOKEN, else a new random token written to WORK_DIR/admin.token (0600)."""
-    if token := os.environ.get(TOKEN_ENV, "").strip():
+    """$QUANTGATE_ADMIN_TOKEN, else a new random token written to WORK_DIR/admin.token (0600).
+    Raises QuantgateError for a set but blank or short (< MIN_TOKEN characters) $QUANTGATE_ADMIN_TOKEN:
+    the token is all that guards the split when the endpoint is reachable from elsewhere."""
+    if (given := os.environ.get(TOKEN_ENV)) is not None:
+        if len(token := given.strip()) < MIN_TOKEN:
+            raise QuantgateError(
+                f"${TOKEN_ENV} is {'blank' if not token else f'{len(token)} characters'}; give at least {MIN_TOKEN}, "
+                "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`, or unset it for a generated one"
+            )
         log(f"serve: admin token from ${TOKEN_ENV}")
         return token
     token = secrets.token_urlsafe(32)

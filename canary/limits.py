@@ -188,6 +188,10 @@ class Rejection:
 def read_team_keys(path: Path, teams: Mapping[str, Rate]) -> dict[str, str]:
     """{sha256 hex digest: team} from a keys file {team: [digest, ...]}; each team must have its own
     rate limit (rate_limits.teams), each digest one team. Raises QuantgateError naming the file."""
+    if not path.is_file():
+        raise QuantgateError(
+            f"limits.team_keys_file: {path} is not a file; give the YAML of API-key digests per team, or null"
+        )
     doc = read_yaml(path)
     if not isinstance(doc, dict):
         raise QuantgateError(f"{path}: must be a mapping {{team: [sha256 hex of an API key, ...]}}")

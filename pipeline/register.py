@@ -24,6 +24,8 @@ import re
 import sys
 from pathlib import Path
 
+from pydantic import Field
+
 from pipeline.buys import buys_table
 from pipeline.report import table
 from quantgate.errors import QuantgateError, project_relative, run_main
@@ -35,8 +37,8 @@ from registry import aliases, audit, runs, store, tags, versions
 
 
 class RegisterParams(Frozen):
-    model_name: str = "smollm2-135m-instruct"
-    experiment: str = "quantgate-builds"
+    model_name: str = Field(default="smollm2-135m-instruct", min_length=1, pattern=r"\S")  # MLflow refuses ''
+    experiment: str = Field(default="quantgate-builds", min_length=1, pattern=r"\S")
 
 
 def serving_of(eval_dir: Path, build: str) -> dict:

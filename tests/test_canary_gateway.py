@@ -134,8 +134,13 @@ def test_token_from_env_or_a_0600_file(tmp_path, monkeypatch):
     assert f.read_text().strip() == token and len(token) > 30
     assert stat.S_IMODE(f.stat().st_mode) == 0o600 and read_token(f) == token
     assert admin_token(tmp_path, log=lambda line: None) != token  # a new one each start
-    monkeypatch.setenv("QUANTGATE_ADMIN_TOKEN", "from-env")
-    assert admin_token(tmp_path, log=lambda line: None) == "from-env" and read_token(tmp_path / "none") == "from-env"
+    monkeypatch.setenv("QUANTGATE_ADMIN_TOKEN", " from-env-0123456789 ")
+    assert admin_token(tmp_path, log=lambda line: None) == "from-env-0123456789"
+    assert read_token(tmp_path / "none") == "from-env-0123456789"
+    for weak, why in (("a", "1 characters"), ("   ", "blank")):  # once accepted, and silently ignored
+        monkeypatch.setenv("QUANTGATE_ADMIN_TOKEN", weak)
+        with pytest.raises(QuantgateError, match=rf"^\$QUANTGATE_ADMIN_TOKEN is {why}; give at least 16"):
+            admin_token(tmp_path, log=lambda line: None)
     monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN")
     with pytest.raises(QuantgateError, match="no admin token"):
         read_token(tmp_path / "none")

@@ -267,6 +267,12 @@ def test_a_bad_keys_file_is_named(tmp_path, doc, problem):
         limiter(keys_file=str(path))
 
 
+def test_a_keys_file_that_is_not_there_names_the_setting(tmp_path):
+    for path in (tmp_path / "none.yaml", tmp_path):
+        with pytest.raises(QuantgateError, match=re.escape(f"limits.team_keys_file: {path} is not a file; give the")):
+            limiter(keys_file=str(path))
+
+
 # --- params ---------------------------------------------------------------------------------------
 def test_params_defaults_load_and_a_null_ceiling_is_the_served_max_model_len(tmp_path):
     limits = load_limits(REPO / "params.yaml")

@@ -132,3 +132,15 @@ def test_tampered_weights_refused_before_anything_is_written(workdir):
         )
     client = store.client()
     assert client.search_registered_models() == []
+
+
+def test_a_blank_model_name_is_refused_at_load_naming_the_field(tmp_path):
+    """It reached MLflow as "MlflowException: Missing value for required parameter 'name'"."""
+    from quantgate.errors import QuantgateError
+    from quantgate.params import load_block
+
+    params = tmp_path / "params.yaml"
+    for blank in ("''", "'  '"):
+        params.write_text(f"register:\n  model_name: {blank}\n")
+        with pytest.raises(QuantgateError, match=r"params.yaml:2: register.model_name: String should"):
+            load_block("register", RegisterParams, params)

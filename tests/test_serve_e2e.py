@@ -25,7 +25,7 @@ from tests.test_fleet_e2e import MODEL, Load
 
 pytestmark = pytest.mark.e2e
 SERVED = "int8"  # W8A8: vLLM serves it on AVX2, AVX512 and GPUs alike
-ADMIN_TOKEN = "e2e-admin-token"
+ADMIN_TOKEN = "e2e-admin-token-0123456789"
 
 
 def wait_for(what: str, check, timeout_s: float, proc: subprocess.Popen, log) -> dict:
