@@ -257,7 +257,9 @@ def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project
     wait_for(
         "warm broken build", lambda: (h := _health(g["url"])) and broken in h["fleet"] and h, 600, g["proc"], g["log"]
     )
-    policy = fast_policy(ttft_p95_ratio=50, tpot_p95_ratio=50, warm_timeout_s=600)
+    # step 1 at 50 %: the abort needs about 11 shadow comparisons, 5x sooner than at the default 10 %
+    # (CI time; the default plan's abort is simulated in benchmarks/canary_sim.py)
+    policy = fast_policy(ttft_p95_ratio=50, tpot_p95_ratio=50, warm_timeout_s=600, steps=[50, 100])
     lines: list[str] = []
     with Load(g["url"]) as load:
         outcome = run_canary_on_gateway(
@@ -337,7 +339,8 @@ def test_a_gateway_killed_mid_canary_comes_back_serving_production_and_the_canar
     wait_for(
         "warm candidate", lambda: (h := _health(g["url"])) and v[SERVED] in h["fleet"] and h, 600, g["proc"], g["log"]
     )
-    policy = fast_policy(ttft_p95_ratio=50, tpot_p95_ratio=50, gateway_lost_s=900, min_step_s=20)
+    # two steps (the four-step walk on the gateway is the test above): the crash, not the walk, is tested
+    policy = fast_policy(ttft_p95_ratio=50, tpot_p95_ratio=50, gateway_lost_s=900, min_step_s=20, steps=[50, 100])
     lines: list[str] = []
     result: dict = {}
 
@@ -346,7 +349,10 @@ def test_a_gateway_killed_mid_canary_comes_back_serving_production_and_the_canar
             g["client"], MODEL, v[SERVED], policy, "e2e-test", g["admin"], ADMIN_TOKEN, log=lines.append
         )
 
-    with Load(g["url"]) as load:
+    # 0.5 req/s, not 1.5: after the restart the candidate's vLLM server starts beside fp16 answering all the
+    # load, and this machine's kernel starved its engine process (pinned to the busy core) for over 600 s
+    # when the fp16 worker was ~100 % busy (seen once in four runs; moving it to both cores freed it at once)
+    with Load(g["url"], rps=0.5) as load:
         t = threading.Thread(target=controller, daemon=True)
         t.start()
         wait_for("step 1", lambda: any("canary: step 1/" in line for line in lines), 300, g["proc"], g["log"])
@@ -378,11 +384,11 @@ def test_a_gateway_killed_mid_canary_comes_back_serving_production_and_the_canar
     assert any("resumed at" in line for line in lines)
     # Once it is back, the gateway answers. (d) asks that production be served again, not that no request
     # ever fails after: CI once saw 1 of ~250 fail on v1 there (2 cores, two vLLM servers, the test, the
-    # registry), so a stray failure is allowed, shown with the gateway's log, and more than 1 % is not.
+    # registry), so a stray failure is allowed, shown with the gateway's log, and more than 1 % (or 1) is not.
     bad = [r for r in after if not r["ok"]]
     if bad:
         print(json.dumps(bad[:5], indent=1) + "\n" + "\n".join(g["log"].read_text().splitlines()[-60:]))
-    assert len(after) >= 50 and len(bad) <= len(after) // 100, json.dumps(bad[:5], indent=1)
+    assert len(after) >= 30 and len(bad) <= max(1, len(after) // 100), json.dumps(bad[:5], indent=1)
     assert "an earlier gateway left running" in g["log"].read_text()  # the killed one's vLLM servers, reaped
 
 
