@@ -351,6 +351,12 @@ def _read(path: Path, adapter: TypeAdapter[T], what: str, stage: str) -> T:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QuantgateError(f"{path} not found: run `dvc repro` (the {stage} stage writes it)") from None
+    except IsADirectoryError:
+        raise QuantgateError(
+            f"{path} is a folder, not the {what} file; give the file the {stage} stage writes"
+        ) from None
+    except UnicodeDecodeError:
+        raise QuantgateError(f"{path}: not UTF-8 JSON, so not a {what}; re-run `dvc repro {stage}`") from None
     except json.JSONDecodeError as exc:
         raise QuantgateError(f"{path}:{exc.lineno}: invalid JSON; re-run `dvc repro {stage}`") from None
     try:

@@ -208,6 +208,11 @@ def test_results_documents_refuse_what_they_cannot_read(tmp_path):
     path = tmp_path / "gate.json"
     with pytest.raises(QuantgateError, match=r"gate.json not found: run `dvc repro` \(the gate stage writes it\)"):
         read_gate(path)
+    with pytest.raises(QuantgateError, match=r"^\S+ is a folder, not the gate result file; give the file the gate"):
+        read_gate(tmp_path)  # was "not found"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(QuantgateError, match=r"gate.json: not UTF-8 JSON, so not a gate result; re-run"):
+        read_gate(path)
     path.write_text('{"baseline": "fp16",\n')
     with pytest.raises(QuantgateError, match=r"gate.json:2: invalid JSON; re-run `dvc repro gate`"):
         read_gate(path)
