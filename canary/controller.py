@@ -6,7 +6,8 @@
    from their verified registry artifacts (canary/fleet.py); point alias `candidate` at VERSION.
 3. Plan (canary/plan.py) from the traffic: given (`--load-rps`), or measured over measure_s at
    0 % once the router runs; say how long the canary will take, and refuse (QuantgateError)
-   a plan whose steps cannot reach min_samples within max_step_s.
+   a plan whose steps cannot reach min_samples within max_step_s. Say which latency checks the
+   versions' profiles already exceed (canary/forecast.py; a warning, tag canary.forecast).
 4. Route through canary/router.py; for each policy step set the weight, look at the step's
    samples and the candidate vLLM server's gauges (canary/engine.py) every check_interval_s
    (canary/analysis.py, one live line per check), and end the
