@@ -113,7 +113,7 @@ class ServeParams(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)  # 0 = pick a free port
     dtype: Dtype = "auto"  # activations; auto = bfloat16 on GPUs and native-bf16 CPUs, else float32
-    max_model_len: int = Field(default=2048, ge=1)  # tokens
+    max_model_len: int = 2048  # tokens; -1: vLLM fits it to the memory at start
     # KV cache, GiB; auto: quantgate.precision.resolve_kv_cache_gib
     kv_cache_gib: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     enforce_eager: bool | Literal["auto"] = "auto"  # auto: eager on CPU, CUDA graphs on GPU (resolve_eager)
@@ -124,6 +124,14 @@ class ServeParams(Frozen):
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
     _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _model_len(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"must be a number of tokens (at least 1), or -1 for vLLM's own fit; got {value}")
+        return value
+
     _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
 
 

@@ -214,7 +214,7 @@ def test_extra_args_cannot_set_what_quantgate_sets_for_every_server(args, owned)
 
 @pytest.mark.parametrize(
     "field, value, message",
-    [("startup_timeout_s", -1, "greater than 0"), ("max_model_len", 0, "greater than or equal to 1"),
+    [("startup_timeout_s", -1, "greater than 0"), ("max_model_len", 0, "at least 1\\), or -1 for vLLM's own fit"),
      ("kv_cache_gib", -2, "greater than or equal to 1"), ("port", 70000, "less than or equal to 65535"),
      ("cpu_cores", "zero", "'zero' is not a core list"), ("cpu_cores", "0-1,", "is not a core list")],
 )  # fmt: skip
