@@ -166,7 +166,7 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         until = gen.get("until")
         if not (isinstance(until, list) and until and all(isinstance(u, str) and u for u in until)):
             problems.append(
-                f"{where('generation_kwargs') if 'generation_kwargs' in config else task_path}: a generation task "
+                f"{where('generation_kwargs')}: a generation task "
                 f'needs explicit stop strings, generation_kwargs.until (e.g. until: ["\\n\\n"]), got {until!r}: '
                 "else where an answer ends is left to each server's defaults"
             )
@@ -319,10 +319,8 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
     seen: dict[str, int] = {}
     for n, doc in docs:
         # a repeated document counts twice in the paired test, as if it were two pieces of evidence
-        key = json.dumps(doc, sort_keys=True, ensure_ascii=False)
-        if key in seen:
-            problems.append(f"{data_path}:{n}: repeats the document of line {seen[key]}; remove the repeat")
-        seen.setdefault(key, n)
+        if (first := seen.setdefault(json.dumps(doc, sort_keys=True, ensure_ascii=False), n)) != n:
+            problems.append(f"{data_path}:{n}: repeats the document of line {first}; remove the repeat")
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if doc.get(f) is None})
         for f, key in missing:
             state = "null; give it a value" if f in doc else "missing; add it"

@@ -202,21 +202,21 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
     """Revoke the approval of MODEL VERSION (it can no longer be promoted)."""
     from registry import aliases, approval, versions
 
+    advice = {  # what each alias still does with a revoked version
+        aliases.PRODUCTION: f"run `quantgate rollback {model} --reason ...`",
+        aliases.CANDIDATE: "the canary must drop it",
+        aliases.FALLBACK: "it stays the 16-bit baseline that failed requests are retried on and rollbacks "
+        "reach (`dvc repro` sets it); a build to replace it comes from `dvc repro`",
+    }
     with _errors():
         client, by = _acting(by, model, "revoke")
         a = approval.revoke(client, model, version, by, reason)
         serving = sorted(
             al
             for al, v in aliases.current(client, model).items()
-            if v == versions.version_number(version) and al in (aliases.PRODUCTION, aliases.CANDIDATE, aliases.FALLBACK)
+            if v == versions.version_number(version) and al in advice
         )
     click.echo(f"{model} v{version}: {a.why}")
-    advice = {
-        aliases.PRODUCTION: f"run `quantgate rollback {model} --reason ...`",
-        aliases.CANDIDATE: "the canary must drop it",
-        aliases.FALLBACK: "it stays the 16-bit baseline that failed requests are retried on and rollbacks "
-        "reach (`dvc repro` sets it); a build to replace it comes from `dvc repro`",
-    }
     for al in serving:
         click.echo(f"warning: v{version} is still {al!r}; {advice[al]}")
 
