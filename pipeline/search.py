@@ -12,8 +12,11 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    at the recipe's weight scheme (bits, group size, symmetry; compressed-tensors' `calculate_qparams`
    and `fake_quantize`). Its score is KL(p_16bit || p_quantized) of the next-token distributions, mean
    over the tokens of the first `kl_samples` calibration conversations (`kl_seq_len` tokens each).
-2. A bisection over k, the number of top-ranked layers kept 16-bit. A candidate is the 16-bit model with
-   every other targeted layer round-to-nearest quantized. It is screened in-process (lm-eval's hf
+2. A bisection over k, the number of top-ranked units kept 16-bit. A unit is one layer, or the layers
+   vLLM loads as one fused module (`search.fused`: q/k/v_proj as qkv_proj, gate/up_proj as gate_up_proj),
+   which vLLM needs at one scheme ("Found different quantization schemes for the shards of ...qkv_proj"
+   otherwise: the server does not start); its sensitivity is its members' summed KL. A candidate is the
+   16-bit model with every other targeted layer round-to-nearest quantized. It is screened in-process (lm-eval's hf
    backend) on the first `screen_limit` documents of every team, against the 16-bit build on the same
    documents, and passes a team when the gate's judge (quantgate/judging.py) does not FAIL it and its
    point drop is at most `screen_fraction` of the team's margin: a subset this small cannot show
@@ -34,6 +37,7 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -68,6 +72,9 @@ class SearchParams(Frozen):
     screen_fraction: float = Field(default=0.5, gt=0, le=1)  # a team passes the screen at drop <= this x margin
     kl_samples: int = Field(default=4, gt=0)  # calibration conversations for the sensitivity ranking
     kl_seq_len: int = Field(default=128, gt=0)  # tokens of each
+    # layers vLLM loads as one fused module, kept or quantized together: {fused name: member layer names};
+    # vLLM's packed_modules_mapping for Llama, Mistral, Qwen2 (vllm/model_executor/models/llama.py)
+    fused: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 def rtn(weight, args):
@@ -214,6 +221,20 @@ def sensitivity(model, linears: dict, args, batches: list) -> dict[str, float]:
     return dict(sorted(scores.items(), key=lambda kv: -kv[1]))
 
 
+def units(ranking: dict[str, float], fused: dict[str, list[str]]) -> list[list[str]]:
+    """The layers of `ranking` ({layer: KL}, most sensitive first) as the units the search keeps 16-bit or
+    quantizes together, most sensitive first. The members of one `fused` group under one parent module
+    (e.g. model.layers.1.self_attn.{q,k,v}_proj) are one unit, since vLLM loads them as one module at one
+    scheme; any other layer is a unit alone. A unit ranks by its members' summed KL (small independent
+    perturbations add, to second order); members keep their ranking order. Ties keep the ranking's order."""
+    member_of = {leaf: name for name, leaves in fused.items() for leaf in leaves}
+    groups: dict[str, list[str]] = {}
+    for layer in ranking:
+        parent, _, leaf = layer.rpartition(".")
+        groups.setdefault(f"{parent}.{member_of[leaf]}" if leaf in member_of else layer, []).append(layer)
+    return sorted(groups.values(), key=lambda g: -sum(ranking[n] for n in g))
+
+
 def next_k(lo: int, hi: int) -> int:
     """The next count to screen between a failing `lo` and a passing `hi` (hi - lo >= 2): their geometric
     mean (lo counted as 1), strictly inside the interval."""
@@ -221,17 +242,18 @@ def next_k(lo: int, hi: int) -> int:
     return min(max(mid, lo + 1), hi - 1)
 
 
-def bisect(n_layers: int, max_evals: int, screen) -> list[Screen]:
+def bisect(n_units: int, max_evals: int, screen) -> list[Screen]:
     """Screens in the order run: k = 0, then the interval (largest failing k, smallest passing k) is cut
-    (next_k) until it closes or `max_evals` screens are spent. `screen(k) -> Screen`; k = n_layers (all
-    16-bit) passes by construction and is never screened."""
+    (next_k) until it closes or `max_evals` screens are spent. `screen(k) -> Screen` keeps the top k units;
+    k = n_units (all 16-bit) passes by construction and is never screened."""
     done = [screen(0)]
     if done[0].passed:
         return done
-    lo, hi = 0, n_layers
+    lo, hi = 0, n_units
     while len(done) < max_evals and hi - lo >= 2:
-        done.append(screen(next_k(lo, hi)))
-        lo, hi = (lo, done[-1].kept) if done[-1].passed else (done[-1].kept, hi)
+        k = next_k(lo, hi)
+        done.append(screen(k))
+        lo, hi = (lo, k) if done[-1].passed else (k, hi)
     return done
 
 
@@ -327,7 +349,9 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         + ", ".join(f"{n} {kl:.2g}" for n, kl in list(ranking.items())[:3]),
         flush=True,
     )
-    order = list(ranking)
+    ranked = units(ranking, p.fused)
+    order = [layer for unit in ranked for layer in unit]  # kept 16-bit from the top, a unit at a time
+    bounds = list(itertools.accumulate((len(u) for u in ranked), initial=0))  # layers in the top k units
     lm = hf_lm(model, tokenizer, harness, max_length)
     baseline = {}
     for team in teams:
@@ -338,13 +362,13 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
 
     def screen(k: int) -> Screen:
         began = time.monotonic()
-        kept = set(order[:k])
+        kept = set(order[: bounds[k]])
         with torch.no_grad():
             for name, m in linears.items():
                 m.weight.data = originals[name] if name in kept else rtn(originals[name], args)
         teams_cmp, worst, passed = screen_teams(lm, teams, harness, baseline, gate, p)
         s = Screen(
-            kept=k,
+            kept=len(kept),
             passed=passed,
             worst_slack=round(worst, 6),
             teams=teams_cmp,
@@ -352,10 +376,10 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
             seconds=round(time.monotonic() - began, 1),
         )
         verdicts = ", ".join(f"{t} drop {c.drop:+.3f}/{c.margin:.3f}" for t, c in teams_cmp.items())
-        print(f"search: keep {k:>3} 16-bit -> {'pass' if passed else 'fail'} ({verdicts})", flush=True)
+        print(f"search: keep {len(kept):>3} 16-bit -> {'pass' if passed else 'fail'} ({verdicts})", flush=True)
         return s
 
-    screens = bisect(len(order), p.max_evals, screen)
+    screens = bisect(len(ranked), p.max_evals, screen)
     chosen, passed = choose(screens)
     kept = order[: chosen.kept]
     with torch.no_grad():
@@ -393,7 +417,9 @@ def trace(r: SearchResult, p: SearchParams) -> str:
     lines = [
         f"# Search trace: {r.build} from {r.recipe}",
         "",
-        f"{r.layers} layers ranked by KL; screens on the first {p.screen_limit} documents per task, a team "
+        f"{r.layers} layers ranked by KL, kept 16-bit a unit at a time (vLLM's fused modules "
+        + ", ".join(f"{name} = {'+'.join(members)}" for name, members in p.fused.items())
+        + f" as one); screens on the first {p.screen_limit} documents per task, a team "
         f"passes at drop <= {p.screen_fraction} x margin; {r.evaluations} of at most {p.max_evals} screens.",
         "",
         "| kept 16-bit | bits/weight | " + " | ".join(f"{t} drop / margin" for t in teams) + " | screen | s |",

@@ -39,6 +39,7 @@ def test_builds_are_compressed_tensors_with_manifests(project):
 
 
 def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mixed_is_made_from(project):
+    from pipeline.search import SearchParams, units
     from quantgate.recipes import load_recipe
 
     result = json.loads((project / "results/search/search.json").read_text())
@@ -51,8 +52,13 @@ def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mi
     for s in result["screens"]:
         assert set(s["teams"]) == {"billing", "search", "support"}
         assert all(c["n"] == LIMIT for c in s["teams"].values())
-    kept = result["kept_layers"]
-    assert kept == list(result["sensitivity"])[: result["chosen"]]
+    kept = result["kept_layers"]  # the top units of the ranking, a fused module's layers all or none
+    order = [layer for unit in units(result["sensitivity"], SearchParams().fused) for layer in unit]
+    assert len(order) == 210 and kept == order[: result["chosen"]]
+    for block in range(30):
+        for members in (["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]):
+            parent = f"model.layers.{block}.{'self_attn' if 'q_proj' in members else 'mlp'}"
+            assert len({f"{parent}.{m}" in kept for m in members}) == 1, (parent, kept)
     assert 4.25 <= result["effective_bits"] < 16
     recipe = load_recipe("int4-mixed", project / "results/search/recipe.yaml")
     ignore = recipe.modifiers[0].ignore

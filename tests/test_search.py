@@ -9,6 +9,7 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from pipeline.search import (
     BlockCache,
+    SearchParams,
     bisect,
     bits_per_weight,
     choose,
@@ -18,6 +19,7 @@ from pipeline.search import (
     rtn,
     sensitivity,
     size_mib,
+    units,
 )
 from quantgate.errors import QuantgateError
 from quantgate.recipes import load_recipe
@@ -93,6 +95,31 @@ def test_bisection_finds_the_fewest_kept_layers_within_the_budget():
     assert [s.kept for s in screens_for(0, 210, 10)] == [0]  # the base recipe already passes: keep none
     short = screens_for(13, 210, 3)
     assert [s.kept for s in short] == [0, 14, 4] and choose(short)[0].kept == 14
+
+
+def test_fused_layers_are_one_unit_ranked_by_their_summed_kl():
+    # vLLM loads q/k/v_proj as one qkv_proj and gate/up_proj as one gate_up_proj, at one scheme: keeping
+    # only q_proj 16-bit gives a build its server refuses ("different quantization schemes for the shards")
+    ranking = {
+        "model.layers.1.self_attn.q_proj": 0.9,
+        "model.layers.0.mlp.down_proj": 0.5,
+        "model.layers.1.self_attn.k_proj": 0.2,
+        "model.layers.0.mlp.up_proj": 0.3,
+        "model.layers.0.self_attn.o_proj": 0.25,
+        "model.layers.1.self_attn.v_proj": 0.1,
+        "model.layers.0.mlp.gate_proj": 0.25,
+    }
+    ranked = units(ranking, SearchParams().fused)
+    assert ranked == [
+        ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj"],
+        ["model.layers.0.mlp.up_proj", "model.layers.0.mlp.gate_proj"],  # 0.55 > down_proj's 0.5
+        ["model.layers.0.mlp.down_proj"],
+        ["model.layers.0.self_attn.o_proj"],
+    ]
+    assert units(ranking, {}) == [[n] for n in sorted(ranking, key=lambda n: -ranking[n])]  # nothing fused
+    # the same leaf names under another parent are another unit
+    two = units({"a.q_proj": 1.0, "b.q_proj": 0.5, "a.k_proj": 0.1}, {"qkv": ["q_proj", "k_proj"]})
+    assert two == [["a.q_proj", "a.k_proj"], ["b.q_proj"]]
 
 
 def test_no_passing_screen_keeps_the_one_with_the_most_slack():
