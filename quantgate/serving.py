@@ -245,14 +245,28 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         )
 
 
+# vLLM's engine start failure ends with a wrapper ("RuntimeError: Engine core initialization failed. See
+# root cause above."); the cause is the last exception line a worker logged before it
+_WRAPPER = "See root cause above"
+_EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)")
+
+
 def last_error_line(log_path: Path) -> str:
-    """The most telling line of a server log: the last line naming an error, else the last line."""
+    """The most telling line of a server log, at most 300 characters: the last line naming an error, else
+    the last line. When that error is vLLM's "See root cause above" wrapper, the root cause: the last
+    exception line (`XxxError: message`, without vLLM's log prefix) logged before it."""
     try:
         lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     except FileNotFoundError:
         return "no log"
-    for ln in reversed(lines):
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i]
         if "Error" in ln or "error:" in ln.lower():
+            if _WRAPPER in ln:
+                for earlier in reversed(lines[:i]):
+                    cause = _EXCEPTION.search(earlier)
+                    if cause and _WRAPPER not in earlier:
+                        return f"{cause.group(1)}: {cause.group(2)}"[-300:]
             return ln[-300:]
     return lines[-1][-300:] if lines else "empty log"
 

@@ -231,3 +231,28 @@ def test_cpu_cores_must_be_cores_this_machine_lets_quantgate_use():
     beyond = max(here) + 1
     with pytest.raises(ValueError, match=rf"'0-{beyond}': core {beyond} is not one this machine lets quantgate use \("):
         ServeParams(cpu_cores=f"0-{beyond}")
+
+
+def test_a_failed_engine_start_is_reported_by_its_root_cause_not_vllms_wrapper(tmp_path):
+    # the lines of a real vLLM CPU start (0.x, 2026-12-02) of a build whose q_proj was kept 16-bit alone
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=6191) WARNING 12-02 06:58:53 [system_utils.py:255] Found ulimit of 20000 and failed to "
+        "automatically increase with error current limit exceeds maximum limit.\n"
+        "(Worker pid=6217) ERROR 12-02 06:59:09 [multiproc_executor.py:953]     raise ValueError(\n"
+        "(Worker pid=6217) ERROR 12-02 06:59:09 [multiproc_executor.py:953] ValueError: Found different "
+        "quantization schemes for the shards of model.layers.1.self_attn.qkv_proj. vLLM requires all to use "
+        "the same scheme.\n"
+        "(EngineCore pid=6205) ERROR 12-02 06:59:12 [core.py:1510] EngineCore failed to start.\n"
+        "    raise RuntimeError(\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): "
+        "{'EngineCore': 1}\n"
+    )
+    assert serving.last_error_line(log) == (
+        "ValueError: Found different quantization schemes for the shards of model.layers.1.self_attn.qkv_proj. "
+        "vLLM requires all to use the same scheme."
+    )
+    log.write_text("INFO starting\nRuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert serving.last_error_line(log) == "RuntimeError: Engine core initialization failed. See root cause above."
+    log.write_text("INFO a\nValueError: bad --max-model-len\nINFO shutting down\n")
+    assert serving.last_error_line(log) == "ValueError: bad --max-model-len"
