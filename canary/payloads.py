@@ -66,10 +66,23 @@ def completion_tokens(body: dict) -> int | None:
     return n if _is_int(n) else None
 
 
+# sentence punctuation, quotes and brackets around a word; operators (+ - = / *) stay words
+AROUND = ".,;:!?\"'`()[]{}*_"
+
+
+def words(text: str, n_words: int) -> list[str]:
+    """The first `n_words` whitespace-separated words of `text`, case-folded, without the sentence
+    punctuation, quotes, brackets and markdown emphasis around them (AROUND: "Paris." and "paris" are
+    one word, "+" and "-" differ); a word of those characters only is dropped."""
+    out = [w.strip(AROUND).casefold() for w in text.split()]
+    return [w for w in out if w][:n_words]
+
+
 def same_words(a: str, b: str, n_words: int) -> bool:
-    """Agreement rule for shadow comparison: equal first `n_words` whitespace-separated words
-    after strip (a shorter text must match in full, so "4" vs "4 apples" disagree)."""
-    return a.strip().split()[:n_words] == b.strip().split()[:n_words]
+    """Agreement rule for shadow comparison: equal first `n_words` words (`words`: case and the
+    punctuation around a word do not count, so "10." and "10" agree; a shorter text must match in
+    full, so "4" vs "4 apples" disagree)."""
+    return words(a, n_words) == words(b, n_words)
 
 
 def continuation(body: dict, sent_text: str, sent_tokens: int, chat: bool) -> dict | None:

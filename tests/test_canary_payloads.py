@@ -2,7 +2,7 @@
 
 import pytest
 
-from canary.payloads import continuation, is_greedy, same_words, tokens_left
+from canary.payloads import continuation, is_greedy, same_words, tokens_left, words
 
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10, "temperature": 0, "stream": True}
 
@@ -87,3 +87,8 @@ def test_greedy_and_same_words():
     assert is_greedy({"temperature": 0}) and not is_greedy({}) and not is_greedy({"temperature": 0, "n": 2})
     assert not is_greedy({"temperature": False})
     assert same_words(" four apples", "four apples and", 2) and not same_words("4", "4 apples", 2)
+    # what a reader calls the same answer: case and the punctuation around words do not count
+    assert same_words("5 + 5 = 10", "5 + 5 = 10.", 8) and same_words("The capital is Paris.", "the capital is PARIS", 8)
+    assert not same_words("14 + 14 = 25", "14 + 14 = 20", 8) and not same_words("don't", "dont", 8)
+    assert not same_words("5 + 5 = 10", "5 - 5 = 10", 8)  # an operator is a word
+    assert words('Hi , "there" **you**!', 3) == ["hi", "there", "you"]
