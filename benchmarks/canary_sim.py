@@ -179,6 +179,7 @@ def scenarios(base: CanaryPolicy) -> list[Scenario]:
     return [
         Scenario("A/A, defaults, 1 rps (README example)", base, 1.0, Build(), share=1.0),
         Scenario("at every threshold, defaults, 1 rps", base, 1.0, at_limit, stable_error_rate=0.0, share=0.1),
+        Scenario("broken: agreement 0.0 (the e2e broken build), defaults, 1 rps", base, 1.0, Build(agreement=0.0)),
         Scenario("broken: agreement 0.3, defaults, 1 rps", base, 1.0, Build(agreement=0.3)),
         Scenario("broken: agreement 0.3, defaults, 10 rps", base, 10.0, Build(agreement=0.3)),
         Scenario("2x slower TTFT/TPOT, defaults, 1 rps", base, 1.0, Build(slower=2.0)),
@@ -252,7 +253,8 @@ def main() -> None:
             f"alpha {base.alpha}: a binomial check FAILs at always-valid p <= {fail_level(base):.2g}, "
             f"a latency look at p <= {latency_level(base):.2g}",
             "A/A: same error rate (0.2 %) and latency, shadow agreement 0.9; at every threshold: error rate 1 %, "
-            "agreement 0.7, latencies 1.5x stable's (the null hypotheses at their boundary)",
+            f"agreement {base.check('shadow_agreement').bound}, latencies 1.5x stable's (the null hypotheses at their "
+            "boundary)",
         ],
     )
 

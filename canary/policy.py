@@ -61,7 +61,7 @@ def _within(x: float, interval: str) -> bool:
 
 class CheckRange(Frozen):
     """One check as Flagger / Argo Rollouts write it: a metric and the range it must stay in,
-    e.g. `{name: error_rate, max: 0.01}` or `{name: shadow_agreement, min: 0.7}`. Each metric is
+    e.g. `{name: error_rate, max: 0.01}` or `{name: shadow_agreement, min: 0.4}`. Each metric is
     bounded on one side (CHECK_KINDS); how it is judged is canary/analysis.py's."""
 
     name: Literal[tuple(CHECK_KINDS)]  # type: ignore[valid-type]
@@ -96,7 +96,7 @@ DEFAULT_CHECKS = (
     CheckRange(name="error_rate", max=0.01),
     CheckRange(name="ttft_p95_ratio", max=1.5),
     CheckRange(name="tpot_p95_ratio", max=1.5),
-    CheckRange(name="shadow_agreement", min=0.7),
+    CheckRange(name="shadow_agreement", min=0.4),
     CheckRange(name="vllm_requests_waiting", max=4),
     CheckRange(name="vllm_kv_cache_usage", max=0.9),
 )

@@ -29,7 +29,8 @@ from quantgate.stats import Verdict
 from tests.test_canary_router import vllm_exposition
 
 REPO = Path(__file__).resolve().parents[1]
-POLICY = CanaryPolicy()  # min_samples 20, alpha 0.05, max_error_rate 0.01, ratios 1.5, agreement 0.7
+POLICY = CanaryPolicy()  # min_samples 20, alpha 0.05, max_error_rate 0.01, ratios 1.5, agreement 0.4
+AT_07 = POLICY.with_bounds(shadow_agreement=0.7)  # the shadow test's arithmetic at a bound of 0.7
 LEVEL = 0.05 / (4 * 4)  # fail_level: alpha over 4 checks x 4 steps
 
 
@@ -126,12 +127,12 @@ def shadows(k, n, agree_first=True):
 
 
 def test_shadow_agreement_fail_and_live_line():
-    c = shadow_check(shadows(10, 37), POLICY)
+    c = shadow_check(shadows(10, 37), AT_07)
     expected = always_valid([False] * 10 + [True] * 27, 0.3)  # disagreements against 1 - 0.7
     assert c.p_value == pytest.approx(expected, rel=1e-9) and expected < LEVEL
     assert c.verdict is Verdict.FAIL and c.value == pytest.approx(10 / 37)
     assert live_line(2, 25.0, c) == f"step 2 (25%): shadow_agreement 0.27 < 0.70 (n=37, p={expected:.2g}) FAIL"
-    weaker = shadow_check(shadows(15, 37), POLICY)  # 0.41 of 37: p = 0.0037, just short of the level
+    weaker = shadow_check(shadows(15, 37), AT_07)  # 0.41 of 37: p = 0.0037, just short of the level
     assert weaker.p_value == pytest.approx(always_valid([False] * 15 + [True] * 22, 0.3), rel=1e-9)
     assert weaker.verdict is Verdict.INCONCLUSIVE and LEVEL < weaker.p_value < 0.01
 
@@ -143,11 +144,20 @@ def test_shadow_fail_holds_once_the_boundary_was_crossed():
 
 
 def test_shadow_agreement_boundary_and_pass():
-    at = shadow_check(shadows(14, 20), POLICY)  # exactly 0.70
+    at = shadow_check(shadows(14, 20), AT_07)  # exactly 0.70
     assert at.verdict is Verdict.PASS and at.text.startswith("shadow_agreement 0.70 >= 0.70 (n=20")
-    below = shadow_check(shadows(13, 20), POLICY)  # 0.65: P(X <= 13 | 20, 0.7) = 0.39 < 1/2, no evidence either
+    below = shadow_check(shadows(13, 20), AT_07)  # 0.65: P(X <= 13 | 20, 0.7) = 0.39 < 1/2, no evidence either
     assert below.p_value == pytest.approx(always_valid([False] * 13 + [True] * 7, 0.3), rel=1e-9)
     assert below.verdict is Verdict.INCONCLUSIVE and binom_lower_tail(13, 20, 0.7) < 0.5
+
+
+def test_the_default_bound_passes_the_measured_good_builds_and_fails_a_broken_one():
+    # measured live (README, canary/README.md): a broken build (embeddings permuted) agrees 0.00, int8 at
+    # bfloat16 on AVX512 0.52 at n=23 before case/punctuation were ignored, int8 at float32 on AVX2 0.71
+    assert POLICY.check("shadow_agreement").bound == 0.4
+    assert shadow_check(shadows(12, 23), POLICY).verdict is Verdict.PASS  # 0.52
+    assert shadow_check(shadows(0, 15), POLICY).verdict is Verdict.FAIL  # broken: 15 disagreements in a row
+    assert shadow_check(shadows(0, 12), POLICY).verdict is Verdict.INCONCLUSIVE  # not yet at the level
 
 
 # --- latency: p95 ratio + one-sided Mann-Whitney U -------------------------------------------

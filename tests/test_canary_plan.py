@@ -45,19 +45,21 @@ def test_lambda_is_one_before_any_sample_and_shrinks_for_a_good_stream():
 
 
 def test_a_clearly_broken_stream_fails_within_a_bounded_number_of_samples():
-    """Shadow agreement 0.3 against min 0.7 at the default level: FAIL within 60 comparisons in
-    >= 95 % of seeded streams, and every stream within 150."""
+    """Shadow agreement 0.05 (the e2e broken build measures 0.00) against the default min 0.4 at the
+    default level: FAIL within 40 comparisons in >= 95 % of seeded streams, and every stream within 60;
+    all 15 first comparisons disagreeing FAIL at the 15th."""
     policy, rng, needed = CanaryPolicy(), np.random.default_rng(3), []
-    level = fail_level(policy)
+    level, p0 = fail_level(policy), 1 - policy.check("shadow_agreement").bound
     for _ in range(200):
-        disagree = rng.random(150) >= 0.3
+        disagree = rng.random(150) >= 0.05
         k = np.cumsum(disagree)
-        log_lr = mixture_log_lr(k, np.arange(1, 151), 0.3)
+        log_lr = mixture_log_lr(k, np.arange(1, 151), p0)
         first = np.flatnonzero(log_lr >= math.log(1 / level))
         needed.append(first[0] + 1 if len(first) else math.inf)
-    assert max(needed) <= 150 and np.percentile(needed, 95) <= 60
-    stream = [ShadowSample(t=0.0, agree=bool(a), candidate="c", shadow="f") for a in rng.random(60) < 0.3]
-    assert shadow_check(stream, policy).verdict is Verdict.FAIL or sum(s.agree for s in stream) > 0.45 * 60
+    assert max(needed) <= 60 and np.percentile(needed, 95) <= 40
+    none = [ShadowSample(t=0.0, agree=False, candidate="c", shadow="f")] * 15
+    assert shadow_check(none, policy).verdict is Verdict.FAIL
+    assert shadow_check(none[:14], policy).verdict is not Verdict.FAIL
 
 
 def test_a_clearly_good_stream_passes_at_min_samples():

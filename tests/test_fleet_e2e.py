@@ -42,9 +42,10 @@ def fast_policy(**over):
     from benchmarks.canary_sim import FAST, FAST_BOUNDS  # simulated there too (the "e2e" rows)
     from canary.policy import CHECK_KINDS, load_policy
 
-    bounds = dict(FAST_BOUNDS)
-    if GOOD == "fp8":  # vLLM's CPU FP8 path decodes ~12x slower than fp16 on AVX2 (benchmarks/):
-        bounds.update(ttft_p95_ratio=50, tpot_p95_ratio=50)  # judge quality and errors here, not speed
+    # judge quality and errors here, not speed: how fast GOOD is against fp16 is the machine's (AVX2: fp8
+    # decodes ~12x slower; AVX512: int4's TTFT p50 is 1.5-1.7x fp16's), and a ratio near 1.5 holds a
+    # CI-sized step to max_step_s; the latency checks are tested in tests/test_canary_analysis.py and simulated
+    bounds = dict(FAST_BOUNDS, ttft_p95_ratio=50, tpot_p95_ratio=50)
     bounds.update({k: over.pop(k) for k in list(over) if k in CHECK_KINDS})  # e.g. ttft_p95_ratio=50
     policy = load_policy(REPO / "params.yaml").model_copy(update={**FAST, "request_timeout_s": 120, **over})
     return policy.with_bounds(**bounds)
