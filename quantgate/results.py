@@ -306,7 +306,7 @@ def read_profile(path: Path) -> BuildProfile:
 class Screen(Document):
     """One candidate the search screened: `kept` layers in 16-bit, its per-team screening judgements."""
 
-    kept: int  # layers kept 16-bit (the top `kept` of the sensitivity ranking)
+    kept: int  # layers kept 16-bit: those of the top units of the ranking (pipeline.search.units)
     passed: bool  # every team screened PASS
     worst_slack: float  # min over teams of (screen_fraction * margin - drop), metric units; < 0 = fails
     teams: dict[str, TeamComparison]
@@ -322,7 +322,7 @@ class SearchResult(Document):
     skipped: str | None = None  # why no search ran (the build is not in params.yaml `builds`)
     passed: bool = False  # a screened candidate passed every team
     chosen: int | None = None  # layers kept 16-bit in the recipe
-    kept_layers: list[str] = []  # their module names, most sensitive first
+    kept_layers: list[str] = []  # their module names, most sensitive unit first (a fused module's together)
     evaluations: int = 0  # candidates screened (<= search.max_evals)
     effective_bits: float | None = None  # bits per weight of the targeted Linear layers, chosen candidate
     size_mib: float | None = None  # estimated weights of the whole build, chosen candidate
