@@ -117,6 +117,19 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def sigterm_as_ctrl_c() -> None:
+    """Make SIGTERM (`kill`, a supervisor stopping the process) raise KeyboardInterrupt as Ctrl-C
+    does, also inside a server start in progress, so the `finally` blocks run: the vLLM servers
+    this process started stop (they run in their own sessions and would outlive it), the canary
+    sets the weight back to 0, clears `candidate` and records its abort in its MLflow run."""
+    import signal
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 @click.command("run")
 @click.argument("model")
 @click.argument("version", callback=version_arg)
@@ -201,6 +214,7 @@ def run(
     from quantgate.serving import ServeParams
     from registry import store
 
+    sigterm_as_ctrl_c()
     stop_load = threading.Event()
     prompts: list = []
 
@@ -302,8 +316,6 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
       quantgate serve smollm2-135m-instruct        # OpenAI API at http://127.0.0.1:8000/v1
       curl -s localhost:8000/health                # the serving version and the warm servers
     """
-    import signal
-
     from canary.gateway import run_gateway
     from canary.limits import load_limits
     from canary.policy import load_policy
@@ -312,10 +324,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
     from quantgate.serving import ServeParams
     from registry import store
 
-    def terminate(signum, frame):  # SIGTERM as Ctrl-C: also interrupts a server start in progress
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
+    sigterm_as_ctrl_c()
     try:
         with command_errors():
             params = load_fleet_params()

@@ -115,6 +115,18 @@ def _step_metrics(result, router, t0: float, percent: float) -> dict[str, float]
     return out
 
 
+def _step_evidence(result, samples: list, router, t0: float) -> dict:
+    """What a step was judged on, for its run's artifact canary/step-N.json: the check lines, every
+    backend attempt the checks saw (latency in seconds) and the shadow comparisons, so a release
+    manager can re-judge a PASS or an abort offline."""
+    return {
+        "verdict": result.verdict.value,
+        "checks": [c.text for c in result.checks],
+        "samples": [dataclasses.asdict(s) for s in samples],
+        "shadows": [dataclasses.asdict(s) for s in router.shadows_since(t0)],
+    }
+
+
 def step_samples(router, t0: float, run_t0: float, min_samples: int) -> list:
     """The samples of the step that began at `t0`; when it has fewer than `min_samples` stable
     streaming answers (at 100 % stable gets no traffic), stable's samples from the earlier
@@ -228,7 +240,7 @@ def _run_steps(
     version: str,
     log,
     stop: threading.Event,
-    record: Callable[[int, dict], None],
+    record: Callable[[int, dict, dict], None],
     status: Status,
 ) -> int:
     """Walk the planned steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
@@ -268,7 +280,7 @@ def _run_steps(
                 elapsed = time.time() - t0
                 decision = step_decision(result.verdict, elapsed, step, policy)
                 if decision != "hold":
-                    record(i, _step_metrics(result, split, t0, percent))
+                    record(i, _step_metrics(result, split, t0, percent), _step_evidence(result, samples, split, t0))
             except GatewayUnreachable:
                 continue  # gone between two calls: the next look's recover() waits for it
             for check in result.checks:
@@ -371,9 +383,10 @@ def _walk(
     client, policy, run_id = spec.client, spec.policy, spec.run_id
     before_stop = on_router(url) if on_router and url else None
 
-    def record(step: int, metrics: dict) -> None:
+    def record(step: int, metrics: dict, evidence: dict) -> None:
         for key, value in metrics.items():
             client.log_metric(run_id, key, float(value), step=step)
+        client.log_dict(run_id, evidence, f"canary/step-{step}.json")
 
     try:
         if steps is None:
@@ -422,7 +435,8 @@ def _recorded(spec: Spec, status: Status) -> Iterator[_Ledger]:
         yield ledger
         ledger.run_status = "FINISHED"
     except KeyboardInterrupt:
-        ledger.outcome, ledger.run_status = Outcome("aborted", 0, 0.0, "interrupted (Ctrl-C)", spec.run_id), "KILLED"
+        ledger.outcome = Outcome("aborted", 0, 0.0, "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
+        ledger.run_status = "KILLED"
         raise
     except QuantgateError as exc:
         ledger.outcome = Outcome("aborted", 0, 0.0, str(exc), spec.run_id)
@@ -507,10 +521,10 @@ def run_canary(
             fleet.start(spec.stable, "stable", log)
             fleet.start(spec.fallback, "shadow", log)
             fleet.start(version, "candidate", log)
+            run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
             aliases.set_candidate(
                 mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
             )
-            run.candidate_set = True
             router = Router(fleet.resolver(spec.stable), policy, model_name=model_name)
             with RouterServer(router, where.router.host, where.router.port) as server:
                 log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
@@ -561,10 +575,10 @@ def run_canary_on_gateway(
         if steps is not None:
             log(plan_line(policy, traffic, steps))
         with _recorded(spec, status) as run:
+            run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
             aliases.set_candidate(
                 mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
             )
-            run.candidate_set = True
             log(f"canary: waiting for the gateway {admin_url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
             state = split.wait_warm(version, policy.warm_timeout_s, stop, beat=status.beat)
             split.attach(state)

@@ -2,10 +2,12 @@
 controller.run_canary_on_gateway), with fake OpenAI backends and a sqlite registry: no vLLM
 (the real one: tests/test_serve_e2e.py)."""
 
+import json
 import os
 import stat
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -218,7 +220,7 @@ def test_the_step_loop_resumes_once_then_aborts_when_the_gateway_is_lost():
     status = FakeStatus()
     plan = (StepPlan(1, 10, 1.0, "x"), StepPlan(2, 100, 1.0, "x"))
     with pytest.raises(Aborted) as exc:
-        _run_steps(split, policy, plan, "2", lambda line: None, threading.Event(), lambda i, m: None, status)
+        _run_steps(split, policy, plan, "2", lambda line: None, threading.Event(), lambda i, m, e: None, status)
     assert exc.value.args == ("gone", 1, 10)
     assert (Phase.PROGRESSING, {"step": 1, "weight": 10}) in status.sets
     assert (None, {"resumed": "step 1: the gateway restarted (weight 0%, not 10%)"}) in status.sets
@@ -320,7 +322,7 @@ def on_gateway(project, fake_fleet):  # noqa: F811
     g.stop()
 
 
-def test_an_approved_build_promotes_on_the_gateway(on_gateway, project):  # noqa: F811
+def test_an_approved_build_promotes_on_the_gateway(on_gateway, project, tmp_path):  # noqa: F811
     outcome, lines, tags = on_gateway("2")
     assert outcome.decision == "promoted", outcome.reason
     now = aliases.current(project, MODEL)
@@ -328,6 +330,13 @@ def test_an_approved_build_promotes_on_the_gateway(on_gateway, project):  # noqa
     assert tags["canary.phase"] == "promoted" and tags["canary.step"] == "2" and tags["canary.failed_checks"] == ""
     assert tags["canary.controller"].endswith(f":{os.getpid()}") and float(tags["canary.heartbeat"]) > time.time() - 60
     assert "canary.resumed" not in tags
+    # each step's evidence: the check lines it was judged on and every attempt behind them
+    for step in ("1", "2"):
+        path = project.download_artifacts(outcome.run_id, f"canary/step-{step}.json", tmp_path)
+        evidence = json.loads(Path(path).read_text())
+        assert evidence["verdict"] == "PASS" and any(c.startswith("error_rate 0.000") for c in evidence["checks"])
+        assert {s["role"] for s in evidence["samples"]} >= {"candidate"} and evidence["shadows"]
+        assert all(s["agree"] for s in evidence["shadows"])  # v2 answers as v1 does
 
 
 def test_a_candidate_profiled_too_slow_is_forecast_at_the_start_and_still_judged_live(on_gateway, project):  # noqa: F811
@@ -515,3 +524,43 @@ def test_a_server_that_is_not_a_quantgate_admin_endpoint_is_refused_before_any_c
                 run_canary_on_gateway(project, MODEL, "2", CanaryPolicy(), "tester", url, TOKEN, log=lambda _: None)
             assert message in str(exc.value), str(exc.value)
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
+
+
+def test_sigterm_to_canary_run_records_the_abort_and_clears_candidate(project, fake_fleet, tmp_path):  # noqa: F811
+    """`kill PID` of a running `quantgate canary run` (here while it measures traffic at 0 %) is
+    handled as Ctrl-C: the run is recorded as aborted, `candidate` is cleared, the exit is one
+    line. (Without its own servers, the same `finally` blocks stop the vLLM servers it started.)"""
+    import signal
+
+    from canary.commands import run
+    from canary.status import live_run
+
+    g = registry_gateway(project, fake_fleet)
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    killed = threading.Event()
+
+    def kill_when_live():
+        deadline = time.time() + 60
+        while time.time() < deadline and not killed.is_set():
+            if live_run(project, MODEL, 120) is not None and aliases.current(project, MODEL).get("candidate") == "2":
+                killed.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.2)
+
+    before = signal.signal(signal.SIGTERM, lambda *_: None)  # not conftest's handler: the command must set its own
+    try:
+        threading.Thread(target=kill_when_live, daemon=True).start()
+        args = [MODEL, "2", "--by", "tester", "--gateway", g.url, "--token-file", str(tmp_path / "token")]
+        result = CliRunner().invoke(run, args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        g.stop()
+    assert killed.is_set(), result.output
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "canary of smollm2-135m-instruct v2 interrupted: aborted, candidate alias cleared" in result.output
+    assert "candidate" not in aliases.current(project, MODEL)
+    experiment = project.get_experiment_by_name(EXPERIMENT).experiment_id
+    [r] = project.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)
+    assert r.data.tags["canary.phase"] == "aborted" and r.info.status == "KILLED"
+    assert r.data.tags["outcome.reason"] == "interrupted (Ctrl-C or SIGTERM)"
