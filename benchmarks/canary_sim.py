@@ -38,6 +38,7 @@ from quantgate.stats import Verdict
 STREAM_SHARE = 0.5
 NO_VERDICT = "no verdict at max_step_s"
 TTFT, TPOT = (math.log(0.2), 0.4), (math.log(0.1), 0.2)  # lognormal (log median, sigma)
+TAIL_X = 3.0  # a stream in a tail (contention or a tail-only regression) is this much slower
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Build:
     error_rate: float = 0.002
     agreement: float = 0.9
     slower: float = 1.0  # candidate latencies = stable's x slower
+    slow_tail: float = 0.0  # share of the candidate's streams TAIL_X slower (a tail-only regression)
     dies_after_s: float | None = None  # from the start of step 1: every candidate attempt fails
 
 
@@ -57,6 +59,7 @@ class Scenario:
     rps: float
     build: Build
     stable_error_rate: float = 0.002
+    contention: float = 0.0  # share of every build's streams TAIL_X slower (cores shared with other work)
     share: float = 0.3  # of --canaries simulated for this scenario (A/A: all)
 
 
@@ -82,6 +85,8 @@ def _requests(rng, sc: Scenario, horizon: float, share: float, t_off: float):
     if build.dies_after_s is not None:
         fail |= cand & (t + t_off >= build.dies_after_s)
     scale = np.where(cand, build.slower, 1.0)
+    scale *= np.where(rng.random(n) < np.where(cand, build.slow_tail, 0.0), TAIL_X, 1.0)
+    scale *= np.where(rng.random(n) < sc.contention, TAIL_X, 1.0)
     ttft = np.exp(rng.normal(TTFT[0], TTFT[1], n)) * scale
     tpot = np.exp(rng.normal(TPOT[0], TPOT[1], n)) * scale
     shadowed = cand & ~fail & (rng.random(n) < sc.policy.shadow_fraction)
@@ -178,11 +183,13 @@ def scenarios(base: CanaryPolicy) -> list[Scenario]:
     at_limit = Build(error_rate=err, agreement=agree, slower=1.5)
     return [
         Scenario("A/A, defaults, 1 rps (README example)", base, 1.0, Build(), share=1.0),
+        Scenario("A/A, 10 % of every build's streams 3x (busy cores), 1 rps", base, 1.0, Build(), contention=0.1),
         Scenario("at every threshold, defaults, 1 rps", base, 1.0, at_limit, stable_error_rate=0.0, share=0.1),
         Scenario("broken: agreement 0.0 (the e2e broken build), defaults, 1 rps", base, 1.0, Build(agreement=0.0)),
         Scenario("broken: agreement 0.3, defaults, 1 rps", base, 1.0, Build(agreement=0.3)),
         Scenario("broken: agreement 0.3, defaults, 10 rps", base, 10.0, Build(agreement=0.3)),
         Scenario("2x slower TTFT/TPOT, defaults, 1 rps", base, 1.0, Build(slower=2.0)),
+        Scenario("tail only: 10 % of candidate streams 3x, 1 rps", base, 1.0, Build(slow_tail=0.1)),
         Scenario("e2e good: fast_policy, 1.5 rps, agreement 0.9", fast, 1.5, Build(error_rate=0, agreement=0.9)),
         Scenario("e2e broken: fast_policy, 1.5 rps, agreement 0.05", fast, 1.5, Build(error_rate=0, agreement=0.05)),
         Scenario("e2e killed: fast_policy, 1.5 rps, dies at 2 s", fast, 1.5, Build(error_rate=0, dies_after_s=2)),
@@ -246,7 +253,7 @@ def main() -> None:
             "fail_level_latency_per_look": latency_level(base),
             "planned_s_at_1_rps": [s.seconds for s in steps],
             "wall_s": round(time.monotonic() - started, 1),
-            "latency": "lognormal: TTFT median 0.2 s sigma 0.4, TPOT median 0.1 s sigma 0.2",
+            "latency": "lognormal: TTFT median 0.2 s sigma 0.4, TPOT median 0.1 s sigma 0.2; tails 3x",
             "stream_share": STREAM_SHARE,
         },
         notes=[
