@@ -85,7 +85,7 @@ class Check:
     p_value: float | None
     n: int
     verdict: Verdict
-    text: str  # one line: "shadow_agreement 0.11 < 0.40 (n=37, p=0.0004) FAIL"
+    text: str  # one line: "shadow_agreement 0.11 < 0.40 (n=37, p=0.0012) FAIL"
 
 
 @dataclass(frozen=True)
@@ -301,5 +301,5 @@ def analyze(
 
 
 def live_line(step: int, percent: float, check: Check) -> str:
-    """`step 2 (25%): shadow_agreement 0.11 < 0.40 (n=37, p=0.0004) FAIL` (step counted from 1)."""
+    """`step 2 (25%): shadow_agreement 0.11 < 0.40 (n=37, p=0.0012) FAIL` (step counted from 1)."""
     return f"step {step} ({percent:g}%): {check.text}"

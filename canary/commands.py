@@ -117,6 +117,25 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def gateway_url(value: str) -> str:
+    """--gateway: an http(s) URL with a host and a port in 1-65535 (or none), stripped.
+    Raises QuantgateError naming --gateway otherwise."""
+    import httpx
+
+    url = value.strip()
+    try:
+        parsed = httpx.URL(url)
+        port_ok = parsed.port is None or 1 <= parsed.port <= 65535
+    except (httpx.InvalidURL, ValueError, TypeError):
+        parsed, port_ok = None, False
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
+        raise QuantgateError(
+            f"--gateway {value!r}: give the admin endpoint's http(s) URL with its host and port, "
+            "e.g. http://127.0.0.1:8001 (`quantgate serve` prints it)"
+        )
+    return url
+
+
 def sigterm_as_ctrl_c() -> None:
     """Make SIGTERM (`kill`, a supervisor stopping the process) raise KeyboardInterrupt as Ctrl-C
     does, also inside a server start in progress, so the `finally` blocks run: the vLLM servers
@@ -241,15 +260,15 @@ def run(
     )
     try:
         with command_errors():
-            if admin_url is not None and not admin_url.strip().startswith(("http://", "https://")):
-                raise QuantgateError(
-                    f"--gateway {admin_url!r}: give the admin endpoint's http(s) URL, e.g. http://127.0.0.1:8001 "
-                    "(`quantgate serve` prints it)"
-                )
+            if admin_url is not None:
+                admin_url = gateway_url(admin_url)
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
             if load_rps:  # a bad --evals is refused before any run, alias or server
-                prompts.extend(prompts_from_evals(evals_dir))
+                try:
+                    prompts.extend(prompts_from_evals(evals_dir))
+                except QuantgateError as exc:
+                    raise QuantgateError(f"--evals: {exc}") from None
             if admin_url:
                 outcome = run_canary_on_gateway(
                     store.client(existing=True), model, version, load_policy(), by, admin_url,

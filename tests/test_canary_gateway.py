@@ -429,11 +429,17 @@ def test_stale_after_must_leave_room_for_the_heartbeat():
         CanaryPolicy(check_interval_s=5, stale_after_s=1)
 
 
-@pytest.mark.parametrize("url", ["", "127.0.0.1:8001", "ftp://x"])
+@pytest.mark.parametrize("url", ["", "127.0.0.1:8001", "ftp://x", "http://", "http://127.0.0.1:99999", "http://[::1"])
 def test_gateway_must_be_an_http_url(url):
     r = CliRunner().invoke(cli, ["canary", "run", "m", "2", "--by", "t", "--gateway", url])
     assert r.exit_code == 1 and "give the admin endpoint's http(s) URL" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
+
+
+def test_a_gateway_url_with_spaces_is_used_stripped():
+    from canary.commands import gateway_url
+
+    assert gateway_url(" http://127.0.0.1:8001 ") == "http://127.0.0.1:8001"
 
 
 def canary_runs(client) -> int:
@@ -494,7 +500,7 @@ def test_a_dead_reuse_url_or_a_bad_evals_folder_is_refused_before_any_run(projec
     args = ["canary", "run", MODEL, "2", "--by", "t", "--load-rps", "1", "--evals", str(tmp_path / "none")]
     result = CliRunner().invoke(cli, [*args, "--reuse", f"1={dead}"])
     assert result.exit_code == 1 and result.output.splitlines() == [
-        f"Error: {tmp_path / 'none'}: not a folder of team eval sets; see evals/README.md"
+        f"Error: --evals: {tmp_path / 'none'}: not a folder of team eval sets; see evals/README.md"
     ], result.output
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 

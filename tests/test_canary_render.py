@@ -184,10 +184,11 @@ def test_render_refusals_are_one_line(project, tmp_path):
         f"`quantgate approve {MODEL} 4 --reason ...`",
     )
     project.set_registered_model_alias(MODEL, "production", "2")
-    one_line_error(
-        render("2", "--format", "gateway-api"),
-        f"{MODEL} v2 already is the stable build (production); nothing to canary",
-    )
+    for same in ("2", "v2", "002"):  # a zero-padded number is the same version, not a new Service name
+        one_line_error(
+            render(same, "--format", "gateway-api"),
+            f"{MODEL} v2 already is the stable build (production); nothing to canary",
+        )
     project.delete_registered_model_alias(MODEL, "fallback")
     one_line_error(
         render("3", "--format", "gateway-api"),
