@@ -181,7 +181,13 @@ def sigterm_as_ctrl_c() -> None:
     show_default=True,
     help="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).",
 )
-@click.option("--evals", "evals_dir", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
+@click.option(
+    "--evals",
+    "evals_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
+)
 @click.option(
     "--work-dir",
     type=click.Path(path_type=Path),
@@ -212,7 +218,7 @@ def run(
     load_rps: float | None,
     max_tokens: int,
     load_api: str,
-    evals_dir: Path,
+    evals_dir: Path | None,
     work_dir: Path,
     admin_url: str | None,
     token_file: Path,
@@ -264,9 +270,13 @@ def run(
                 admin_url = gateway_url(admin_url)
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
+            if evals_dir is not None and not load_rps:
+                raise QuantgateError(
+                    "--evals names the prompts of --load-rps; give --load-rps too, or leave --evals out"
+                )
             if load_rps:  # a bad --evals is refused before any run, alias or server
                 try:
-                    prompts.extend(prompts_from_evals(evals_dir))
+                    prompts.extend(prompts_from_evals(evals_dir or Path("evals")))
                 except QuantgateError as exc:
                     raise QuantgateError(f"--evals: {exc}") from None
             if admin_url:

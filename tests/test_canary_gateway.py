@@ -436,6 +436,13 @@ def test_gateway_must_be_an_http_url(url):
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
+def test_evals_without_load_is_refused_in_one_line():
+    r = CliRunner().invoke(cli, ["canary", "run", "m", "2", "--by", "t", "--evals", "/nonexistent"])
+    assert r.exit_code == 1 and r.output.splitlines() == [
+        "Error: --evals names the prompts of --load-rps; give --load-rps too, or leave --evals out"
+    ]
+
+
 def test_a_gateway_url_with_spaces_is_used_stripped():
     from canary.commands import gateway_url
 
@@ -548,7 +555,12 @@ def test_sigterm_to_canary_run_records_the_abort_and_clears_candidate(project, f
     def kill_when_live():
         deadline = time.time() + 60
         while time.time() < deadline and not killed.is_set():
-            if live_run(project, MODEL, 120) is not None and aliases.current(project, MODEL).get("candidate") == "2":
+            try:
+                live = live_run(project, MODEL, 120) is not None
+                live = live and aliases.current(project, MODEL).get("candidate") == "2"
+            except Exception:  # sqlite busy while the command writes: look again
+                live = False
+            if live:
                 killed.set()
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
