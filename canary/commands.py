@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -138,13 +139,34 @@ def gateway_url(value: str) -> str:
 
 def sigterm_as_ctrl_c() -> None:
     """Make SIGTERM (`kill`, a supervisor stopping the process) raise KeyboardInterrupt as Ctrl-C
-    does, also inside a server start in progress, so the `finally` blocks run: the vLLM servers
-    this process started stop (they run in their own sessions and would outlive it), the canary
-    sets the weight back to 0, clears `candidate` and records its abort in its MLflow run."""
+    does, also inside a server start in progress, so the `finally` blocks run and stop the vLLM
+    servers this process started (they run in their own sessions and would outlive it)."""
     import signal
 
     def terminate(signum, frame):
         raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
+def sigterm_stops(stop: threading.Event) -> None:
+    """SIGTERM for a canary: set `stop`, which the controller reads at every wait (the traffic
+    measurement, the gateway's warm-up, each look), so the canary aborts on its normal path between
+    registry writes: weight 0, `candidate` cleared, the abort recorded, servers stopped. Raising at
+    an arbitrary point instead can cut a registry write and leave a sqlite registry locked. Inside a
+    vLLM server's start (quantgate.serving.vllm_server on the stack, no registry write there) or on
+    a second SIGTERM it interrupts at once, as Ctrl-C does."""
+    import signal
+
+    def terminate(signum, frame):
+        forced = stop.is_set()
+        stop.set()
+        while frame is not None:
+            if frame.f_code.co_name == "vllm_server" and frame.f_code.co_filename.endswith("serving.py"):
+                forced = True
+            frame = frame.f_back
+        if forced:
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
 
@@ -228,8 +250,6 @@ def run(
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
-    import threading
-
     from canary.admin import read_token
     from canary.controller import run_canary, run_canary_on_gateway
     from canary.load import prompts_from_evals, replay
@@ -239,7 +259,8 @@ def run(
     from quantgate.serving import ServeParams
     from registry import store
 
-    sigterm_as_ctrl_c()
+    stop = threading.Event()
+    sigterm_stops(stop)
     stop_load = threading.Event()
     prompts: list = []
 
@@ -263,6 +284,7 @@ def run(
         on_router=start_load if load_rps else None,
         log=click.echo,
         traffic=Traffic(load_rps, 0.5, 1.0, "--load-rps") if load_rps else None,
+        stop=stop,
     )
     try:
         with command_errors():

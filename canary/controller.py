@@ -257,7 +257,7 @@ def _run_steps(
         log(f"canary: step {i}/{len(steps)}: {percent:g}% of traffic to v{version} (planned {step.seconds:.0f} s)")
         while True:
             if stop.wait(policy.check_interval_s):
-                raise Aborted("stopped by the operator (Ctrl-C)", i, percent)
+                raise Aborted("stopped by the operator (SIGTERM)", i, percent)
             try:
                 resumed = split.recover(percent)
             except QuantgateError as exc:
@@ -308,7 +308,7 @@ def _measure(split: Split, policy: CanaryPolicy, stop: threading.Event, log) -> 
     log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
     t0 = time.time()
     if stop.wait(policy.measure_s):
-        raise Aborted("stopped by the operator (Ctrl-C)", 0, 0.0)
+        raise Aborted("stopped by the operator (SIGTERM)", 0, 0.0)
     return measured_traffic(split.samples_since(t0), time.time() - t0)
 
 
