@@ -158,12 +158,15 @@ def sigterm_stops(stop: threading.Event) -> None:
     a second SIGTERM it interrupts at once, as Ctrl-C does."""
     import signal
 
+    from quantgate.serving import vllm_server
+
+    starting = vllm_server.__wrapped__.__code__  # the generator's code, on the stack until the server is up
+
     def terminate(signum, frame):
         forced = stop.is_set()
         stop.set()
-        while frame is not None:
-            if frame.f_code.co_name == "vllm_server" and frame.f_code.co_filename.endswith("serving.py"):
-                forced = True
+        while frame is not None and not forced:
+            forced = frame.f_code is starting
             frame = frame.f_back
         if forced:
             raise KeyboardInterrupt
@@ -321,7 +324,7 @@ def run(
                 )
     except KeyboardInterrupt:
         raise click.ClickException(
-            f"canary of {model} v{version} interrupted: aborted, candidate alias cleared"
+            f"canary of {model} v{version} interrupted: aborted, `candidate` not set, other aliases unchanged"
         ) from None
     finally:
         stop_load.set()

@@ -115,7 +115,7 @@ def _step_metrics(result, router, t0: float, percent: float) -> dict[str, float]
     return out
 
 
-def _step_evidence(result, samples: list, router, t0: float) -> dict:
+def _step_evidence(result, samples: list, shadows: list) -> dict:
     """What a step was judged on, for its run's artifact canary/step-N.json: the check lines, every
     backend attempt the checks saw (latency in seconds) and the shadow comparisons, so a release
     manager can re-judge a PASS or an abort offline."""
@@ -123,7 +123,7 @@ def _step_evidence(result, samples: list, router, t0: float) -> dict:
         "verdict": result.verdict.value,
         "checks": [c.text for c in result.checks],
         "samples": [dataclasses.asdict(s) for s in samples],
-        "shadows": [dataclasses.asdict(s) for s in router.shadows_since(t0)],
+        "shadows": [dataclasses.asdict(s) for s in shadows],
     }
 
 
@@ -274,13 +274,13 @@ def _run_steps(
                 status.beat()
                 scraped = split.engine(version) if gauges else None
                 engine += [scraped] if scraped else []
-                samples = step_samples(split, t0, run_t0, policy.min_samples)
-                result = analyze(samples, split.shadows_since(t0), policy, engine)
+                samples, shadows = step_samples(split, t0, run_t0, policy.min_samples), split.shadows_since(t0)
+                result = analyze(samples, shadows, policy, engine)
                 n_cand = sum(s.role == "candidate" for s in split.samples_since(t0))
                 elapsed = time.time() - t0
                 decision = step_decision(result.verdict, elapsed, step, policy)
                 if decision != "hold":
-                    record(i, _step_metrics(result, split, t0, percent), _step_evidence(result, samples, split, t0))
+                    record(i, _step_metrics(result, split, t0, percent), _step_evidence(result, samples, shadows))
             except GatewayUnreachable:
                 continue  # gone between two calls: the next look's recover() waits for it
             for check in result.checks:
@@ -496,8 +496,9 @@ def run_canary(
     `topology` (params.yaml `canary_topology`; None = its defaults) places the router and the servers;
     `reuse` maps versions to URLs of servers already running (not verified, not stopped);
     `on_router(url)` is called once the router answers (e.g. to start load) and may return a
-    callable run before the router stops (e.g. to stop that load); setting `stop` aborts
-    like Ctrl-C. `traffic` (e.g. the --load-rps rate) plans the steps before anything starts;
+    callable run before the router stops (e.g. to stop that load); setting `stop` (what
+    `canary run` does on SIGTERM) aborts at the next wait, recorded as "stopped by the operator
+    (SIGTERM)". `traffic` (e.g. the --load-rps rate) plans the steps before anything starts;
     None measures it over measure_s once the router runs. Raises QuantgateError before any
     alias or server changes when the preflight fails or a given traffic cannot finish the plan;
     a measured traffic that cannot is refused the same way after the candidate alias was set

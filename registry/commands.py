@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 
 import click
 
-from quantgate.errors import command_errors
+from quantgate.errors import QuantgateError, command_errors
 
 
 @contextmanager
@@ -72,14 +72,16 @@ def _acting(by: str, model: str | None, action: str) -> tuple[object, str]:
 
 
 def version_arg(ctx, param, value: str) -> str:
-    """A model version as MLflow numbers it: "3", "v3" and "003" all give "3" (a zero-padded
-    number would otherwise name Services and labels of a version that does not exist)."""
-    v = value.strip()
-    v = v[1:] if v[:1] in ("v", "V") else v
-    if not (v.isascii() and v.isdigit()):  # str.isdigit() also accepts "²" and "١"
+    """A model version as MLflow numbers it (versions.version_number): "3", "v3" and "003" all give
+    "3" (a zero-padded number would otherwise name Services and labels of a version that does not
+    exist). Raises click.BadParameter for anything else."""
+    from registry.versions import version_number
+
+    try:
+        return version_number(value)
+    except QuantgateError:
         extra = " or none" if param.name == "expect_production" else ""
-        raise click.BadParameter(f"{value!r} is not a model version; give its number, e.g. 3 or v3{extra}")
-    return str(int(v))
+        raise click.BadParameter(f"{value!r} is not a model version; give its number, e.g. 3 or v3{extra}") from None
 
 
 def by_arg(ctx, param, value: str | None) -> str:
