@@ -1,13 +1,17 @@
 """Stage `gate`: a verdict per (build, team) and per build from paired per-sample scores.
 
-Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG PROFILE_DIR COST_PNG COST_JSON`
-(params blocks `gate`, `cost`, and `builds`).
+Run by DVC: `python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG PROFILE_DIR COST_PNG COST_JSON
+MODELS_DIR` (params blocks `gate`, `cost`, and `builds`).
 
 For every candidate build and every team under evals/, the candidate's per-document scores
 are paired with the baseline (16-bit) build's on the same documents and judged against the
 team's non-inferiority margin (quantgate/stats.py). It fails closed: a missing result file,
 an evaluation error, a different document set, or a NaN score is a FAIL with the reason.
 A build is shippable only if every team PASSes.
+
+Two builds with one weights digest (MODELS_DIR/<build>/build.json; a search that kept no layer 16-bit
+makes int4-mixed int4's weights) are still judged apart, each on its own evidence; the later one's
+`same_weights_as` names the first, and its report and gate line say so.
 
 Beside the quality verdicts it prices each build's profile (PROFILE_DIR/<build>.json, the profile stage's)
 with the `cost` block (pipeline/buys.py): the "what it buys" table in the report and gate.json's `buys`,
@@ -26,6 +30,7 @@ from pipeline.plot import cost_plot, recovery_plot
 from pipeline.report import table
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
+from quantgate.manifest import read_manifest
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
@@ -33,6 +38,7 @@ from quantgate.results import (
     SEARCH_RESULT,
     BuildGate,
     GateResult,
+    SearchResult,
     ServedPrecision,
     TeamComparison,
     TeamScores,
@@ -109,13 +115,47 @@ def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision
     return base
 
 
+def search_of(search_file: Path | None) -> SearchResult | None:
+    """The search stage's result at `search_file`, or None when there is none."""
+    return read_search(search_file) if search_file is not None and search_file.is_file() else None
+
+
+def weights_digests(models_dir: Path, builds: list[str]) -> dict[str, str]:
+    """{build: weights digest} from each build's manifest (MODELS_DIR/<build>/build.json), in `builds` order,
+    read, not re-hashed (register re-hashes); a build without a readable manifest is left out: this is a note
+    for release managers, not evidence (its scores FAIL it where its weights are missing)."""
+    out = {}
+    for build in builds:
+        try:
+            out[build] = read_manifest(models_dir / build)["weights_digest"]
+        except (QuantgateError, KeyError, TypeError):
+            continue
+    return out
+
+
+def same_weights(digests: dict[str, str]) -> dict[str, str]:
+    """{build: the first build before it in `digests` with the same digest}; a build with weights of its own
+    is not a key."""
+    first: dict[str, str] = {}
+    for build, digest in digests.items():
+        first.setdefault(digest, build)
+    return {b: first[d] for b, d in digests.items() if first[d] != b}
+
+
+def same_weights_note(build: str, b: BuildGate, search: SearchResult | None) -> str | None:
+    """The note "same weights as <build>" for a build that has another's weights, with why when its search kept
+    no layer 16-bit; None for a build with weights of its own."""
+    if not b.same_weights_as:
+        return None
+    kept_none = search is not None and search.build == build and not search.skipped and search.chosen == 0
+    return f"same weights as {b.same_weights_as}" + (" (the search kept no layer 16-bit)" if kept_none else "")
+
+
 def search_problem(search_file: Path | None, build: str) -> str | None:
     """Why `build` FAILs as the product of a search that found no passing candidate (the search stage's
     result at `search_file`), or None: no search file, another build's search, or a search that passed."""
-    if search_file is None or not search_file.is_file():
-        return None
-    s = read_search(search_file)
-    if s.build != build or s.skipped or s.passed:
+    s = search_of(search_file)
+    if s is None or s.build != build or s.skipped or s.passed:
         return None
     return (
         f"the search kept {s.chosen} of {s.layers} layers 16-bit, but none of its {s.evaluations} screened "
@@ -123,14 +163,24 @@ def search_problem(search_file: Path | None, build: str) -> str | None:
     )
 
 
-def gate(eval_dir: Path, teams: list[Team], params: GateParams, search_file: Path | None = None) -> GateResult:
+def gate(
+    eval_dir: Path,
+    teams: list[Team],
+    params: GateParams,
+    search_file: Path | None = None,
+    models_dir: Path | None = None,
+) -> GateResult:
     """Verdicts for every candidate build, per team.
 
     `precision` is the baseline's precision record (None if no candidate could be compared);
     a candidate evaluated at another dtype FAILs every team. A build whose search (`search_file`,
     the search stage's result) found no passing candidate FAILs, with that reason, whatever its teams say.
+    With `models_dir`, a build with the weights of one before it (baseline first, then params order) has
+    `same_weights_as`; its verdict is still its own.
     """
     builds, precision = {}, None
+    digests = weights_digests(models_dir, [params.baseline, *params.candidates]) if models_dir else {}
+    twins = same_weights(digests)
     for build in params.candidates:
         comparisons = {}
         for team in teams:
@@ -144,11 +194,23 @@ def gate(eval_dir: Path, teams: list[Team], params: GateParams, search_file: Pat
                     verdict=Verdict.FAIL, metric=team.policy.metric, reason=project_relative(str(exc))
                 )
         worst = max((Verdict(c.verdict) for c in comparisons.values()), key=SEVERITY.index)
+        twin = {"same_weights_as": twins[build]} if build in twins else {}  # unset, not null: gate.json keeps its shape
         if why := search_problem(search_file, build):
-            builds[build] = BuildGate(verdict=Verdict.FAIL, shippable=False, teams=comparisons, reason=why)
+            builds[build] = BuildGate(verdict=Verdict.FAIL, shippable=False, teams=comparisons, reason=why, **twin)
         else:
-            builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons)
+            builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons, **twin)
     return GateResult(baseline=params.baseline, precision=precision, builds=builds)
+
+
+def build_line(build: str, b: BuildGate, search: SearchResult | None = None) -> str:
+    """One build's verdict in a line (the gate stage's and `quantgate report`'s): why it FAILs whatever its teams
+    say, the build whose weights it has (`search`, the search stage's result, says why) and its recommendation."""
+    return (
+        f"{build}: {b.verdict}"
+        + (f" ({b.reason})" if b.reason else "")
+        + (f"; {note}" if (note := same_weights_note(build, b, search)) else "")
+        + ("" if b.recommended is None else f"; {'' if b.recommended else 'not '}recommended: {b.recommendation}")
+    )
 
 
 def precision_line(result: GateResult) -> str:
@@ -188,9 +250,15 @@ def power_lines(result: GateResult, power: float = 0.9) -> list[str]:
     return lines
 
 
-def report(result: GateResult, plot_name: str | None = None, cost_plot_name: str | None = None) -> str:
-    """The markdown gate report: summary per build, the quality table, the plot link, what each build buys
-    (when profiled) and its plot link, every reason. Image links are relative to the report's folder."""
+def report(
+    result: GateResult,
+    plot_name: str | None = None,
+    cost_plot_name: str | None = None,
+    search: SearchResult | None = None,
+) -> str:
+    """The markdown gate report: summary per build (with the build whose weights it has, if any; `search`, the
+    search stage's result, says why), the quality table, the plot link, what each build buys (when profiled)
+    and its plot link, every reason. Image links are relative to the report's folder."""
     out = [
         "# quantgate gate report",
         "",
@@ -205,6 +273,8 @@ def report(result: GateResult, plot_name: str | None = None, cost_plot_name: str
         out.append(f"- **{build}**: {b.verdict} ({'shippable' if b.shippable else 'not shippable'}{rec})")
         if b.reason:
             out.append(f"  - {b.reason}")
+        if note := same_weights_note(build, b, search):
+            out.append(f"  - {note}")
         if b.recommendation:
             out.append(f"  - recommendation: {b.recommendation}")
     out += ["", table(result), ""]
@@ -232,22 +302,24 @@ BUYS_NOTE = (
 )
 
 USAGE = (
-    "usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG PROFILE_DIR COST_PNG COST_JSON"
+    "usage: python -m pipeline.gate EVAL_DIR EVALS_DIR METRICS_JSON REPORT_MD PLOT_PNG PROFILE_DIR COST_PNG COST_JSON "
+    "MODELS_DIR"
 )
 
 
 def main() -> None:
-    if len(sys.argv) != 9:
+    if len(sys.argv) != 10:
         raise QuantgateError(USAGE)
-    eval_dir, evals_dir, metrics_path, report_path, plot_path, profile_dir, cost_png, cost_json = map(
+    eval_dir, evals_dir, metrics_path, report_path, plot_path, profile_dir, cost_png, cost_json, models_dir = map(
         Path, sys.argv[1:]
     )
     params = load_params()
     profiles = buys.read_profiles(profile_dir, [params.baseline, *params.candidates])
     cost = buys.load_cost(profiles[params.baseline])
-    result = buys.apply(gate(eval_dir, load_teams(evals_dir), params, SEARCH_RESULT), profiles, cost)
+    result = buys.apply(gate(eval_dir, load_teams(evals_dir), params, SEARCH_RESULT, models_dir), profiles, cost)
+    search = search_of(SEARCH_RESULT)
     write_gate(metrics_path, result)
-    report_path.write_text(report(result, plot_path.name, cost_png.name))
+    report_path.write_text(report(result, plot_path.name, cost_png.name, search))
     recovery_plot(result, plot_path)
     points = buys.cost_points(result)
     cost_json.write_text(json.dumps(points, indent=1) + "\n")
@@ -256,11 +328,7 @@ def main() -> None:
     print(precision_line(result))
     print(buys.buys_table(result))
     for build, b in result.builds.items():
-        print(
-            f"gate: {build}: {b.verdict}"
-            + (f" ({b.reason})" if b.reason else "")
-            + (f"; {'recommended' if b.recommended else 'not recommended'}: {b.recommendation}")
-        )
+        print(f"gate: {build_line(build, b, search)}")
 
 
 if __name__ == "__main__":

@@ -31,22 +31,18 @@ def cli() -> None:
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
-    from pipeline.gate import precision_line, table
-    from quantgate.results import read_gate
+    from pipeline.gate import build_line, precision_line, search_of, table
+    from quantgate.results import SEARCH_RESULT, read_gate
 
     if not gate_json.is_file():
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     with command_errors():
         result = read_gate(gate_json)
+        search = search_of(SEARCH_RESULT)  # says why two builds have one set of weights
     lines = [table(result), precision_line(result)]
     if result.buys:
         lines.append(buys_table(result))
-    lines += [
-        f"{build}: {b.verdict}"
-        + (f" ({b.reason})" if b.reason else "")
-        + ("" if b.recommended is None else f"; {'' if b.recommended else 'not '}recommended: {b.recommendation}")
-        for build, b in result.builds.items()
-    ]
+    lines += [build_line(build, b, search) for build, b in result.builds.items()]
     click.echo("\n".join(lines))
 
 

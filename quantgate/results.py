@@ -178,12 +178,15 @@ class TeamComparison(Document):
 class BuildGate(Document):
     """The gate's judgement of one build: the worst team verdict, and one comparison per team.
     `recommended` (None before the gate priced builds) is a separate field from the verdict: non-inferior
-    for every team AND cheaper to serve than the baseline on the measured platform; `recommendation` says why."""
+    for every team AND cheaper to serve than the baseline on the measured platform; `recommendation` says why.
+    `same_weights_as` names another build whose weights digest is this one's (a search that kept no layer);
+    it is a fact for release managers, not evidence: the verdict stays this build's own."""
 
     verdict: Verdict
     shippable: bool
     teams: dict[str, TeamComparison]
     reason: str | None = None  # why the build FAILs whatever its teams' verdicts (its search found nothing)
+    same_weights_as: str | None = None  # the first build of this run (params.yaml order) with the same weights
     recommended: bool | None = None
     recommendation: str | None = None
 

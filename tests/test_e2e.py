@@ -227,6 +227,7 @@ def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_pat
             str(project / "results/profile"),
             str(tmp_path / "g_cost.png"),
             str(tmp_path / "g_cost.json"),
+            str(project / "models"),
         ],
         project,
     )
