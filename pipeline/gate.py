@@ -143,12 +143,16 @@ def same_weights(digests: dict[str, str]) -> dict[str, str]:
 
 
 def same_weights_note(build: str, b: BuildGate, search: SearchResult | None) -> str | None:
-    """The note "same weights as <build>" for a build that has another's weights, with why when its search kept
-    no layer 16-bit; None for a build with weights of its own."""
+    """The note "same weights as <build>" for a build that has another's weights, with why when its search (the
+    search stage's result) kept no layer 16-bit or was skipped; None for a build with weights of its own."""
     if not b.same_weights_as:
         return None
-    kept_none = search is not None and search.build == build and not search.skipped and search.chosen == 0
-    return f"same weights as {b.same_weights_as}" + (" (the search kept no layer 16-bit)" if kept_none else "")
+    why, own = "", search is not None and search.build == build
+    if own and search.skipped:
+        why = " (its search was skipped: no layer kept 16-bit)"
+    elif own and search.chosen == 0:
+        why = " (the search kept no layer 16-bit)"
+    return f"same weights as {b.same_weights_as}{why}"
 
 
 def search_problem(search_file: Path | None, build: str) -> str | None:
