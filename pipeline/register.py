@@ -8,8 +8,10 @@ The 16-bit baseline and each build whose gate verdict is PASS also become a vers
 registered model, with the same tags; the baseline carries alias `fallback`. A build that did
 not PASS stays a run only, listed by `quantgate status`; a release manager who ships it anyway
 registers it with `quantgate register RUN_ID --override REASON` (registry/runs.py). Registering
-is not approving (registry/approval.py). Nothing is promoted here. Re-running with the same
-weights and evidence reuses the existing version or run (its what-it-buys tags are brought up to date).
+is not approving (registry/approval.py). Nothing is promoted here. A build is a name plus its weights:
+re-running with the same build, weights and evidence reuses its existing version or run (its what-it-buys
+tags are brought up to date); two builds with one weights digest (a search that kept no layer 16-bit) keep
+a run each, with their own verdicts, and the later is tagged `same_weights_as` the first (gate.json).
 
 A version's description is written for the MLflow UI (`version_description`): this build first (its
 verdict, recommendation, quality rows and what it buys beside the baseline), the plots as links to the
@@ -147,8 +149,11 @@ def register(
         build_gate = gate_result.builds.get(build)
         build_tags = tags_of(build, manifests[build], build_gate, teams, eval_dir, params.model_name)
         buys = tags.buys_tags(gate_result.buys.get(build), build_gate)  # not evidence: updated on reuse
-        build_tags |= buys
-        verdict, key = build_tags[tags.VERDICT], (build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
+        twin = build_gate.same_weights_as if build_gate else None  # nor is the build with the same weights
+        notes = buys | ({tags.SAME_WEIGHTS: twin} if twin else {})
+        build_tags |= notes
+        verdict = build_tags[tags.VERDICT]
+        key = (build_tags[tags.BUILD], build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
         existing = versions.find_version(client, params.model_name, *key)
         ships = existing is not None or verdict in tags.PASSING  # a version already, or one to make
         run_id = existing.run_id if existing else None
@@ -157,7 +162,14 @@ def register(
         reused = run_id is not None
         if reused:
             versions.record_verdict(client, run_id, verdict)  # back-fills older runs
-            versions.update_tags(client, run_id, buys, params.model_name, existing.version if existing else None)
+            versions.update_tags(
+                client,
+                run_id,
+                notes,
+                params.model_name,
+                existing.version if existing else None,
+                drop=() if twin else (tags.SAME_WEIGHTS,),  # its twin's weights changed since
+            )
             versions.log_report(client, run_id, report_md, evidence_files)  # the plots the description links
         else:
             metrics = {
@@ -170,11 +182,12 @@ def register(
                 client, exp_id, models_dir / build, build_tags, metrics, report_md, eval_dir / build, evidence_files
             )
         entry = {"run_id": run_id, "verdict": verdict, "reused": reused}
+        same = f"; same weights as {twin}" if twin else ""
         if not ships:
             out["unregistered"][build] = entry
             print(
                 f"register: {build}: gate {verdict}, {'reusing ' if reused else ''}run {run_id}, not registered "
-                f"(to ship it anyway: quantgate register {run_id} --override REASON)"
+                f"(to ship it anyway: quantgate register {run_id} --override REASON){same}"
             )
             continue
         description = version_description(gate_result, build, run_id, report_md)
@@ -184,9 +197,14 @@ def register(
         out["builds"][build] = {"version": str(mv.version), **entry}
         print(
             f"register: {build}: "
-            + (f"reusing version {mv.version} (same weights and evidence)" if reused else f"version {mv.version}")
+            + (
+                f"reusing version {mv.version} (same build, weights and evidence)"
+                if reused
+                else f"version {mv.version}"
+            )
             + f" of {params.model_name}, gate {verdict}"
             + ("" if verdict in tags.PASSING else " (approval needs a recorded --override)")
+            + same
         )
     runs.record_unregistered(client, params.model_name, [b["run_id"] for b in out["unregistered"].values()])
     fallback = out["builds"][baseline]["version"]

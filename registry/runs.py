@@ -24,12 +24,19 @@ from registry import audit, lock, tags, verify, versions
 from registry.approval import check_length, require_text
 
 
-def find_run(mlflow_client, exp_id: str, model_name: str, weights_digest: str, evidence_digest: str) -> str | None:
-    """The id of a finished build run of `model_name` with the same weights and evidence, or None."""
+def find_run(
+    mlflow_client, exp_id: str, model_name: str, build: str, weights_digest: str, evidence_digest: str
+) -> str | None:
+    """The id of a finished run of build `build` of `model_name` with the same weights and evidence, or None.
+
+    A build is a name plus its weights: two builds with one weights digest (a search that kept no layer
+    16-bit) each keep a run of their own, with their own verdict. Runs logged before the build was part of
+    this lookup carry the build tag too, so they are reused as before."""
     found = mlflow_client.search_runs(
         [exp_id],
         filter_string=(
-            f"tags.`{tags.MODEL}` = '{model_name}' and tags.{tags.WEIGHTS} = '{weights_digest}' "
+            f"tags.`{tags.MODEL}` = '{model_name}' and tags.{tags.BUILD} = '{build}' "
+            f"and tags.{tags.WEIGHTS} = '{weights_digest}' "
             f"and tags.{tags.EVIDENCE} = '{evidence_digest}' and attributes.status = 'FINISHED'"
         ),
         max_results=1,

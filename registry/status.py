@@ -47,6 +47,12 @@ def buys_cell(t: dict[str, str]) -> str:
     return "-" if reco == "-" else f"reco={reco}"
 
 
+def same_weights_cell(t: dict[str, str]) -> str:
+    """ " same-weights-as=<build>" for a build whose weights are another build's of its run (registry/tags.py
+    same_weights_as), else ""."""
+    return f" same-weights-as={t[tags.SAME_WEIGHTS]}" if t.get(tags.SAME_WEIGHTS) else ""
+
+
 def status_lines(mlflow_client, model_name: str) -> list[str]:
     """Lines describing every version of `model_name`, newest first, a held lock if any, then the
     builds of the last register stage that are runs only, with their verdicts and run ids.
@@ -90,7 +96,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         lines.append(
             f"  v{mv.version:<3} {t.get(tags.BUILD, '?'):<{w}} {t.get('scheme', '?'):<12} "
             f"gate={t.get(tags.VERDICT, '?'):<12} {buys_cell(t):<29}"
-            f" {cell:<24} {per_team} {('[' + held_by + ']') if held_by else ''}".rstrip()
+            f" {cell:<24} {per_team}{same_weights_cell(t)} {('[' + held_by + ']') if held_by else ''}".rstrip()
         )
         if why:
             lines.append(f"        {why}")
@@ -106,6 +112,6 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         lines.append(
             f"  -    {t.get(tags.BUILD, '?'):<{w}} {t.get(tags.SCHEME, '?'):<12} "
             f"gate={run.data.params.get(tags.VERDICT, '?'):<12} {buys_cell(t):<29} run {run.info.run_id:<32} "
-            f"{per_team}".rstrip()
+            f"{per_team}{same_weights_cell(t)}".rstrip()
         )
     return lines

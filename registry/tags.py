@@ -13,7 +13,9 @@ Tags on every model version (searchable in the UI and with `search_model_version
   are the profile's p50s in ms at `concurrency` requests in flight, canary/forecast.py reads them);
   approval tags: registry/approval.py.
 Every build's run (in the register experiment) has the same tags plus quantgate.model; a version
-registered by override (registry/runs.py) also has registration.{by,at,override_reason}. The
+registered by override (registry/runs.py) also has registration.{by,at,override_reason}. A build whose
+weights are another build's of the same pipeline run (gate.json `same_weights_as`: a search that kept no layer
+16-bit) has same_weights_as = that build on its run and version. The
 registered model has tag quantgate.unregistered_runs: the build runs the last register stage left
 unregistered (a JSON list of run ids).
 """
@@ -36,6 +38,7 @@ PASSING = (PASS, BASELINE)  # gate verdicts that need no override to be approved
 BUILD, SCHEME, WEIGHTS = "build", "scheme", "weights_sha256"
 EVAL_DTYPE, EVIDENCE = "eval.dtype", "evidence_sha256"
 MODEL = "quantgate.model"  # on a build run: the registered model it was built for
+SAME_WEIGHTS = "same_weights_as"  # on a build run and version: the build of the same run with these weights
 UNREGISTERED = "quantgate.unregistered_runs"  # registered-model tag, see the module docstring
 REGISTERED_BY, REGISTERED_AT, REGISTERED_OVERRIDE = "registration.by", "registration.at", "registration.override_reason"
 

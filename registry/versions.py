@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_json
-from registry.tags import VERDICT
+from registry.tags import BUILD, EVIDENCE, VERDICT, WEIGHTS
 
 # the alias of the 16-bit build; all aliases and how they move: registry/aliases.py
 FALLBACK = "fallback"
@@ -52,10 +52,12 @@ def require_version(mlflow_client, model_name: str, version):
     return mv
 
 
-def find_version(mlflow_client, model_name: str, weights_digest: str, evidence_digest: str):
-    """The existing version of `model_name` with the same weights and evidence, or None."""
+def find_version(mlflow_client, model_name: str, build: str, weights_digest: str, evidence_digest: str):
+    """The existing version of `model_name` for build `build` with the same weights and evidence, or None
+    (one version at most per build name, weights and evidence: registry/runs.py `find_run`)."""
+    key = (build, weights_digest, evidence_digest)
     for mv in mlflow_client.search_model_versions(f"name='{model_name}'"):
-        if mv.tags.get("weights_sha256") == weights_digest and mv.tags.get("evidence_sha256") == evidence_digest:
+        if (mv.tags.get(BUILD), mv.tags.get(WEIGHTS), mv.tags.get(EVIDENCE)) == key:
             return mv
     return None
 
@@ -140,17 +142,29 @@ def record_verdict(mlflow_client, run_id: str, verdict: str) -> None:
     elif have != verdict:
         raise QuantgateError(
             f"run {run_id} recorded gate.verdict={have} but the gate now says {verdict} for the "
-            f"same weights and evidence; register cannot reuse it"
+            f"same build, weights and evidence; register cannot reuse it"
         )
 
 
-def update_tags(mlflow_client, run_id: str, values: dict[str, str], model_name: str, version=None) -> None:
-    """Set `values` as tags of run `run_id` and, when given, of `model_name` version `version` (figures that
-    are not evidence, such as what a build buys, brought up to date on a reused run or version)."""
+def update_tags(
+    mlflow_client, run_id: str, values: dict[str, str], model_name: str, version=None, drop: Iterable[str] = ()
+) -> None:
+    """Set `values` as tags of run `run_id` and, when given, of `model_name` version `version`, and delete the
+    tags `drop` where they are set (figures and notes that are not evidence, such as what a build buys or which
+    build has the same weights, brought up to date on a reused run or version)."""
     for key, value in values.items():
         mlflow_client.set_tag(run_id, key, value)
         if version is not None:
             mlflow_client.set_model_version_tag(model_name, str(version), key, value)
+    if not drop:
+        return
+    run_tags = mlflow_client.get_run(run_id).data.tags
+    version_tags = mlflow_client.get_model_version(model_name, str(version)).tags if version is not None else {}
+    for key in drop:
+        if key in run_tags:  # MLflow refuses to delete a tag that is not there
+            mlflow_client.delete_tag(run_id, key)
+        if key in version_tags:
+            mlflow_client.delete_model_version_tag(model_name, str(version), key)
 
 
 def register_version(mlflow_client, model_name: str, run_id: str, source: str, tags: dict, description: str):

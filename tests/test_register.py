@@ -1,13 +1,25 @@
 """The register stage against a real MLflow sqlite store in a temp dir, with tiny builds."""
 
 import json
+from pathlib import Path
 
 import pytest
 
+from pipeline.gate import GateParams, gate, report, same_weights_note
 from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
-from quantgate.results import BuildGate, GateResult, TeamComparison, TeamSummary
+from quantgate.results import (
+    SEARCH_RESULT,
+    BuildGate,
+    GateResult,
+    SearchResult,
+    TeamComparison,
+    TeamSummary,
+    write_search,
+)
+from quantgate.teams import load_teams
 from registry import store
+from tests.conftest import safetensors_build, write_scores
 from tests.tiny import tiny_llama_dir
 
 
@@ -144,3 +156,113 @@ def test_a_blank_model_name_is_refused_at_load_naming_the_field(tmp_path):
         params.write_text(f"register:\n  model_name: {blank}\n")
         with pytest.raises(QuantgateError, match=r"params.yaml:2: register.model_name: String should"):
             load_block("register", RegisterParams, params)
+
+
+def gate_twins(root: Path, evals: Path, search: SearchResult) -> GateResult:
+    """The real gate on int4 and int4-mixed made from one set of weights (one seed), scored alike on a set too
+    small to decide (INCONCLUSIVE for both teams' rows), after the search stage's result `search`."""
+    for build, seed in (("fp16", 0), ("int4", 1), ("int4-mixed", 1)):
+        safetensors_build(root / "models" / build, build, seed, shards=1)
+        write_scores(root / "results/eval", build, "search", [1.0, 0.0] * 5)
+    write_search(root / SEARCH_RESULT, search)
+    teams = [t for t in load_teams(evals) if t.name == "search"]
+    params = GateParams(baseline="fp16", candidates=["int4", "int4-mixed"], bootstrap_resamples=1000)
+    return gate(root / "results/eval", teams, params, root / SEARCH_RESULT, root / "models")
+
+
+@pytest.fixture
+def registry_dir(tmp_path, monkeypatch):
+    """An empty project folder holding the registry (sqlite, cwd) and params.yaml."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "params.yaml").write_text("register: {}\n")
+    return tmp_path
+
+
+# the e2e project on an AMX CPU: the search kept none of 210 layers and screened nothing that passed
+KEPT_NONE_FAILED = SearchResult(
+    build="int4-mixed", recipe="recipes/int4.yaml", passed=False, chosen=0, layers=210, evaluations=2
+)
+
+
+def runs_by_build(client) -> dict:
+    """{build: [its runs]} in experiment `e`."""
+    found: dict = {}
+    for run in client.search_runs([client.get_experiment_by_name("e").experiment_id]):
+        found.setdefault(run.data.tags["build"], []).append(run)
+    return found
+
+
+def test_two_builds_with_one_set_of_weights_keep_a_run_each_with_their_own_verdict(registry_dir, example_evals):
+    """The search kept no layer, so int4-mixed is int4's weights with int4's evidence, but the gate FAILs it
+    (its search found nothing) and calls int4 INCONCLUSIVE: register stopped on "recorded gate.verdict=
+    INCONCLUSIVE but the gate now says FAIL for the same weights and evidence"."""
+    result = gate_twins(registry_dir, example_evals, KEPT_NONE_FAILED)
+    int4, mixed = result.builds["int4"], result.builds["int4-mixed"]
+    assert (int4.verdict, mixed.verdict) == ("INCONCLUSIVE", "FAIL")
+    assert int4.teams == mixed.teams  # the same per-team evidence
+    assert mixed.reason.startswith("the search kept 0 of 210 layers 16-bit, but none of its 2 screened")
+    assert (int4.same_weights_as, mixed.same_weights_as) == (None, "int4")
+    assert "same_weights_as" not in int4.dump() and mixed.dump()["same_weights_as"] == "int4"
+    md = report(result, search=KEPT_NONE_FAILED)
+    assert "- **int4-mixed**: FAIL (not shippable)\n  - the search kept 0 of 210" in md
+    assert "  - same weights as int4 (the search kept no layer 16-bit)\n" in md and md.count("same weights as") == 1
+    skipped = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", skipped="vLLM here cannot serve it: ...")
+    assert (
+        same_weights_note("int4-mixed", mixed, skipped)
+        == "same weights as int4 (its search was skipped: no layer kept 16-bit)"
+    )
+    assert same_weights_note("int4-mixed", mixed, None) == "same weights as int4"
+    assert same_weights_note("int4", int4, KEPT_NONE_FAILED) is None
+
+    params = RegisterParams(model_name="tiny", experiment="e")
+    args = (registry_dir / "models", result, "# report", registry_dir / "results/eval", params, TEAMS)
+    out = register(*args)
+    assert out["builds"].keys() == {"fp16"} and list(out["unregistered"]) == ["int4", "int4-mixed"]
+    client = store.client()
+    found = runs_by_build(client)
+    assert {b: len(r) for b, r in found.items()} == {"fp16": 1, "int4": 1, "int4-mixed": 1}
+    (r4,), (rm,) = found["int4"], found["int4-mixed"]
+    assert r4.data.tags["weights_sha256"] == rm.data.tags["weights_sha256"]
+    assert r4.data.tags["evidence_sha256"] == rm.data.tags["evidence_sha256"]
+    assert (r4.data.params["gate.verdict"], rm.data.params["gate.verdict"]) == ("INCONCLUSIVE", "FAIL")
+    assert (r4.data.tags["gate.verdict"], rm.data.tags["gate.verdict"]) == ("INCONCLUSIVE", "FAIL")
+    assert rm.data.tags["same_weights_as"] == "int4" and "same_weights_as" not in r4.data.tags
+    assert {b: e["run_id"] for b, e in out["unregistered"].items()} == {
+        "int4": r4.info.run_id,
+        "int4-mixed": rm.info.run_id,
+    }
+    from registry.status import status_lines
+
+    lines = status_lines(client, "tiny")
+    assert any(f"run {rm.info.run_id}" in line and line.endswith("same-weights-as=int4") for line in lines)
+    assert not any(f"run {r4.info.run_id}" in line and "same-weights-as" in line for line in lines)
+
+    again = register(*args)  # dvc repro again: both runs reused, no duplicate
+    assert again["unregistered"] == {b: {**e, "reused": True} for b, e in out["unregistered"].items()}
+    assert {b: len(r) for b, r in runs_by_build(client).items()} == {"fp16": 1, "int4": 1, "int4-mixed": 1}
+    assert [mv.tags["build"] for mv in client.search_model_versions("name='tiny'")] == ["fp16"]  # the only version
+
+    # int4-mixed's weights are its own again (its gate says so): the note goes, the runs stay
+    apart = result.model_copy(
+        update={"builds": {**result.builds, "int4-mixed": mixed.model_copy(update={"same_weights_as": None})}}
+    )
+    register(registry_dir / "models", apart, "# report", registry_dir / "results/eval", params, TEAMS)
+    assert "same_weights_as" not in client.get_run(rm.info.run_id).data.tags
+
+
+def test_a_run_registered_before_the_build_was_in_the_lookup_is_reused(registry_dir, example_evals):
+    """An older registry holds int4's run (same weights and evidence as int4-mixed's now): int4 reuses it
+    as before, int4-mixed gets a run of its own, and int4's verdict stays what it recorded."""
+    result = gate_twins(registry_dir, example_evals, KEPT_NONE_FAILED)
+    params = RegisterParams(model_name="tiny", experiment="e")
+    only_int4 = result.model_copy(update={"builds": {"int4": result.builds["int4"]}})
+    before = register(registry_dir / "models", only_int4, "# r", registry_dir / "results/eval", params, TEAMS)
+    out = register(registry_dir / "models", result, "# r", registry_dir / "results/eval", params, TEAMS)
+    assert out["unregistered"]["int4"] == {**before["unregistered"]["int4"], "reused": True}
+    mixed = out["unregistered"]["int4-mixed"]
+    assert (mixed["verdict"], mixed["reused"]) == ("FAIL", False) and mixed["run_id"] != out["unregistered"]["int4"][
+        "run_id"
+    ]
+    client = store.client()
+    assert client.get_run(before["unregistered"]["int4"]["run_id"]).data.params["gate.verdict"] == "INCONCLUSIVE"

@@ -1,5 +1,6 @@
 """pipeline.search without a real model: the RTN fake quantization, the bits arithmetic, the bisection
-and its choice, the recipe it writes, and the KL ranking on a tiny random Llama."""
+and its choice, the recipe it writes, the KL ranking on a tiny random Llama, and the whole search on it
+with its screens faked (one that keeps no layer, as on the e2e project), through the gate and register."""
 
 import math
 
@@ -22,9 +23,11 @@ from pipeline.search import (
     units,
 )
 from quantgate.errors import QuantgateError
+from quantgate.params import read_yaml
 from quantgate.recipes import load_recipe
-from quantgate.results import Screen
-from tests.tiny import tiny_llama_dir
+from quantgate.results import Screen, TeamScores, read_search
+from tests.conftest import REPO
+from tests.tiny import WORDS, tiny_llama_dir
 
 W4G = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)
 
@@ -209,3 +212,67 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     params.write_text("search:\n  build: int4-mixed\nquantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n")
     check_search(["fp16", "int4-mixed"], params)  # the default pairing
     check_search(["fp16"], tmp_path / "params.yaml")  # the search build dropped: its block must go too (load_builds)
+
+
+@pytest.fixture
+def kept_none(tmp_path, monkeypatch, example_evals):
+    """The search run on a tiny Llama (real ranking, recipe and outs) with a screen that passes at once, at
+    k = 0: the base recipe, no layer kept. Returns (out dir, result, screens run)."""
+    import pipeline.search as search_stage
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    (tmp_path / "results").mkdir()
+    text = " ".join(WORDS[3:] * 2)
+    (tmp_path / "results/calibration.jsonl").write_text(f'{{"text": "{text}"}}\n' * 2)
+    screens = []
+
+    def screen_teams(lm, teams, harness, baseline, gate, p):
+        screens.append(len(screens))
+        return {}, 0.01, True  # every team within the screen's bound
+
+    monkeypatch.setattr(search_stage, "hf_lm", lambda *a, **k: None)
+    monkeypatch.setattr(search_stage, "run_team", lambda lm, team, harness: (TeamScores(status="ok"), None))
+    monkeypatch.setattr(search_stage, "screen_teams", screen_teams)
+    p = SearchParams(recipe=str(REPO / "recipes/int4.yaml"), kl_samples=2, kl_seq_len=16)
+    out = tmp_path / "results/search"
+    result = search_stage.search(tiny_llama_dir(tmp_path / "tiny"), example_evals, out, p)
+    return out, result, screens
+
+
+def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_recipe(kept_none):
+    out, result, screens = kept_none
+    assert screens == [0]  # k = 0 screened, nothing after it
+    assert (result.build, result.passed, result.chosen, result.kept_layers) == ("int4-mixed", True, 0, [])
+    assert result.layers == 14 and result.evaluations == 1 and result.effective_bits == 4.25
+    assert read_search(out / "search.json") == result
+    written, base = read_yaml(out / "recipe.yaml"), read_yaml(REPO / "recipes/int4.yaml")
+    assert written == base  # the base recipe's ignore, no layer added
+    assert load_recipe("int4-mixed", out / "recipe.yaml").modifiers[0].ignore == ["lm_head"]
+    assert "Kept: none" in (out / "trace.md").read_text()
+
+
+def test_two_builds_of_a_search_that_kept_no_layer_go_through_gate_and_register(kept_none, example_evals):
+    """int4-mixed made from that recipe is int4's weights: the gate says so, register keeps a run for each."""
+    from pipeline.gate import build_line
+    from pipeline.register import RegisterParams, register
+    from registry import store
+    from tests.test_register import TEAMS, gate_twins, runs_by_build
+
+    out, search, _ = kept_none
+    root = out.parents[1]
+    result = gate_twins(root, example_evals, search)
+    int4, mixed = result.builds["int4"], result.builds["int4-mixed"]
+    assert (int4.verdict, mixed.verdict) == ("INCONCLUSIVE", "INCONCLUSIVE") and mixed.reason is None
+    assert mixed.same_weights_as == "int4" and int4.same_weights_as is None
+    line = build_line("int4-mixed", mixed, search)
+    assert line == "int4-mixed: INCONCLUSIVE; same weights as int4 (the search kept no layer 16-bit)"
+    params = RegisterParams(model_name="tiny", experiment="e")
+    first = register(root / "models", result, "# r", root / "results/eval", params, TEAMS)
+    again = register(root / "models", result, "# r", root / "results/eval", params, TEAMS)
+    assert again["unregistered"] == {b: {**e, "reused": True} for b, e in first["unregistered"].items()}
+    found = runs_by_build(store.client())
+    assert {b: len(r) for b, r in found.items()} == {"fp16": 1, "int4": 1, "int4-mixed": 1}
+    assert found["int4-mixed"][0].data.tags["same_weights_as"] == "int4"
+    assert "same_weights_as" not in found["int4"][0].data.tags
