@@ -32,6 +32,7 @@ from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
 from quantgate.manifest import read_manifest
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
+from quantgate.precision import MACHINE_TABLE
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
     SCORES,
@@ -91,7 +92,12 @@ def read_precision(eval_dir: Path, build: str) -> ServedPrecision:
     path = eval_dir / build / PRECISION
     try:
         doc = json.loads(path.read_text())
-        return ServedPrecision(dtype=doc["dtype"], requested=doc.get("requested"), why=doc.get("why", ""))
+        return ServedPrecision(
+            dtype=doc["dtype"],
+            requested=doc.get("requested"),
+            why=doc.get("why", ""),
+            machine_kind=doc.get("machine_kind"),
+        )
     except FileNotFoundError:
         raise QuantgateError(
             f"no precision record for build {build} (missing {path}); run `dvc repro evaluate@{build}`"
@@ -222,7 +228,12 @@ def precision_line(result: GateResult) -> str:
     p = result.precision
     if not p:
         return "Served precision: unknown (no build was evaluated)."
-    return f"Served precision: **{p.dtype}** for every build ({p.why})."
+    where = (
+        f" on a{'n' if (p.machine_kind or ' ')[0] in 'AEIOU' else ''} {p.machine_kind} machine"
+        if p.machine_kind
+        else ""
+    )
+    return f"Served precision: **{p.dtype}** for every build{where} ({p.why}); kinds: {MACHINE_TABLE}."
 
 
 def power_lines(result: GateResult, power: float = 0.9) -> list[str]:

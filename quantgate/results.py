@@ -139,6 +139,7 @@ class ServedPrecision(Document):
     dtype: str
     requested: str | None = None
     why: str = ""
+    machine_kind: str | None = None  # docs/machines.md's kind the figures come from; None: recorded before it was
 
 
 class TeamComparison(Document):

@@ -136,8 +136,18 @@ def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_
     write_scores(tmp_path, "int4", "search", scores)
     result = gate(tmp_path, teams, PARAMS)
     assert row(result).verdict == "PASS"
-    assert result.precision.dump() == {"dtype": "float32", "requested": "auto", "why": "auto: test"}
-    assert "Served precision: **float32** for every build (auto: test)." in report(result)
+    assert result.precision.dump() == {
+        "dtype": "float32",
+        "requested": "auto",
+        "why": "auto: test",
+        "machine_kind": None,
+    }
+    assert "Served precision: **float32** for every build (auto: test); kinds: docs/machines.md." in report(result)
+    # the machine kind the figures come from, as the probe named it (precision.json)
+    for build in ("fp16", "int4"):
+        record = {"dtype": "float32", "requested": "auto", "why": "auto: test", "machine_kind": "AVX2-only"}
+        (tmp_path / build / "precision.json").write_text(json.dumps(record))
+    assert "**float32** for every build on an AVX2-only machine (auto: test)" in report(gate(tmp_path, teams, PARAMS))
     (tmp_path / "int4" / "precision.json").write_text(json.dumps({"dtype": "bfloat16", "requested": "auto"}))
     r = row(gate(tmp_path, teams, PARAMS))
     assert r.verdict == "FAIL"
