@@ -51,7 +51,7 @@ from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.errors import QuantgateError, run_main
 from quantgate.judging import GateBlock, judge
 from quantgate.params import Frozen, load_block, load_builds, read_yaml
-from quantgate.precision import native_16bit
+from quantgate.precision import native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import check_group_size, load_recipe, weight_schemes
 from quantgate.results import Screen, SearchResult, TeamScores, write_search
 from quantgate.scoring import HarnessParams, run_team
@@ -441,12 +441,37 @@ def trace(r: SearchResult, p: SearchParams) -> str:
     return "\n".join(lines)
 
 
-def skip(out_dir: Path, p: SearchParams, builds: list[str]) -> SearchResult:
-    """The outs when `p.build` is not a build of this run: a recipe file that says so, and the result."""
-    why = f"{p.build} is not in params.yaml builds {builds}"
+def unservable(p: SearchParams) -> str | None:
+    """Why vLLM here cannot serve what this search would make (a W4A16 base recipe on a platform without a
+    W4A16 kernel at the run's precision: quantgate.precision.w4a16_problem), or None. Its screens would
+    then be minutes spent on a build that fails closed anyway. Raises QuantgateError if the recipe or the
+    serving env cannot be read."""
+    recipe = load_recipe(p.build, Path(p.recipe), "search.recipe")
+    schemes = [s for s, _ in weight_schemes(recipe) if s.weights is not None]
+    if not schemes or schemes[0].weights.num_bits != 4 or schemes[0].input_activations is not None:
+        return None
+    serve = load_block("evaluate.serve", ServeParams)
+    platform = probe(serve.python)
+    dtype, _ = resolve_dtype(serve.dtype, platform)
+    return w4a16_problem(platform, dtype, serve.dtype)
+
+
+def skip(out_dir: Path, p: SearchParams, builds: list[str], unserved: str | None = None) -> SearchResult:
+    """The outs when `p.build` is not a build of this run, or (`unserved`, the reason) when this machine cannot
+    serve it: a recipe that says so (for an unserved build, the base recipe with no layer kept 16-bit, which
+    quantize@<build> still makes), and the result."""
+    why = (
+        f"{p.build} is not in params.yaml builds {builds}"
+        if unserved is None
+        else f"vLLM here cannot serve it: {unserved}"
+    )
     result = SearchResult(build=p.build, recipe=p.recipe, skipped=why)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RECIPE).write_text(f"# search skipped: {why}; no build reads this file\n")
+    if unserved is None:
+        (out_dir / RECIPE).write_text(f"# search skipped: {why}; no build reads this file\n")
+    else:
+        header = f"{p.build}: {p.recipe} with no layer kept 16-bit (search skipped: {why})"
+        (out_dir / RECIPE).write_text(mixed_recipe(Path(p.recipe), [], header))
     write_search(out_dir / RESULT, result)
     (out_dir / TRACE).write_text(f"# Search trace\n\nSkipped: {why}.\n")
     return result
@@ -461,6 +486,10 @@ def main() -> None:
     if p.build not in builds:
         r = skip(out_dir, p, builds)
         print(f"search: skipped ({r.skipped})")
+        return
+    if unserved := unservable(p):
+        r = skip(out_dir, p, builds, unserved)
+        print(f"search: skipped, no screens ({r.skipped})")
         return
     r = search(model_dir, evals_dir, out_dir, p)
     outcome = "passed the screen" if r.passed else "NO candidate passed the screen (the gate will FAIL it)"
