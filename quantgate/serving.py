@@ -14,10 +14,11 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -135,15 +136,86 @@ class ServeParams(Frozen):
     _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
 
 
+class Watch:
+    """The life of a server process quantgate started, after it was ready: a thread waits for its
+    exit without reaping it (waitid WNOWAIT; the Popen still reaps and reads the exit status), so
+    the time of death is exact however late someone asks. `ready_at`, `exited_at` and `stopped_at`
+    are time.monotonic() seconds; `log_from` is the log's size in bytes when the server was ready."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path):
+        self.proc, self.ready_at = proc, time.monotonic()
+        self.log_from = log_path.stat().st_size if log_path.exists() else 0
+        self.exited_at: float | None = None
+        self.stopped_at: float | None = None  # quantgate began to stop it (its exit is then no death)
+        self.done = threading.Event()
+        threading.Thread(target=self._wait, name=f"watch-{proc.pid}", daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # already reaped by the Popen: it has exited
+            pass
+        self.exited_at = time.monotonic()
+        self.done.set()
+
+    def stopping(self) -> None:
+        """Mark that quantgate is stopping the server: an exit from here on is not a death."""
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+
+
 @dataclass(frozen=True)
 class Server:
-    """A running server: `base_url` is http://host:port/v1; `name` is the served model name;
-    `pid` the API server process (leader of its process group)."""
+    """A running server: `base_url` is http://host:port/v1; `name` is the served model name (the
+    build); `pid` the API server process (leader of its process group). `watch` follows a server
+    quantgate started (vllm_server); a remote endpoint has none, and then never dies here."""
 
     base_url: str
     name: str
     log_path: Path
     pid: int = 0
+    watch: Watch | None = field(default=None, repr=False, compare=False)
+
+    def exited(self) -> bool:
+        """True once the server process quantgate started has exited, for whatever reason."""
+        w = self.watch
+        return w is not None and (w.done.is_set() or w.proc.poll() is not None)
+
+    def death(self, wait_s: float = 0.0) -> str | None:
+        """Why the server died, in one line, or None while it runs (and for a remote endpoint, or an
+        exit quantgate caused by stopping it). Waits up to `wait_s` seconds for it to exit: a vLLM
+        API server whose engine died answers errors for up to vLLM's 5 s watchdog before it exits.
+        The line names the build, the seconds from ready to exit, the exit code or signal, the last
+        error line of what it logged since it was ready (log_reason: the start failures' root-cause
+        reading, and vLLM's own lines when one of its processes dies) and the log path, e.g.
+        "vLLM server for fp8 exited with code 0, 423 s after it was ready: TimeoutError: RPC call to
+        execute_model timed out. (log: results/eval/fp8/server.log)" (vLLM's API server exits with
+        code 0 when its engine dies), or "vLLM server for fp8 died with SIGKILL, 12 s after ..."."""
+        w = self.watch
+        if w is None or not (w.done.wait(wait_s) or w.proc.poll() is not None):
+            return None
+        w.done.wait(5.0)  # it has exited: the watch's waitid returns at once (or finds it reaped)
+        exited_at = w.exited_at or time.monotonic()
+        if w.stopped_at is not None and w.stopped_at <= exited_at:
+            return None
+        how = f"{exit_words(w.proc.wait())}, {exited_at - w.ready_at:.0f} s after it was ready"  # wait() reaps it
+        return f"vLLM server for {self.name} {how}: {log_reason(self.log_path, w.log_from)} (log: {self.log_path})"
+
+    @contextmanager
+    def deaths(self, wait_s: float = 10.0) -> Iterator[None]:
+        """Within the block, an exception raised when the server has died (or dies within `wait_s`
+        seconds of it) becomes ServerDied with death()'s reason: the death, not the symptom (a
+        refused connection)."""
+        try:
+            yield
+        except Exception as exc:
+            if dead := self.death(wait_s):
+                raise ServerDied(dead) from exc
+            raise
+
+
+class ServerDied(QuantgateError):
+    """A server quantgate started exited after it was ready; the message is Server.death()'s line."""
 
 
 class ServerStartError(QuantgateError):
@@ -246,8 +318,9 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
 
 
 # vLLM's engine start failure ends with a wrapper ("RuntimeError: Engine core initialization failed. See
-# root cause above."); the cause is the last exception line a worker logged before it
-_WRAPPER = "See root cause above"
+# root cause above."), and so does an engine that dies while serving ("EngineDeadError: EngineCore encountered
+# an issue. See stack trace (above) for the root cause."); the cause is the last exception line before it
+_WRAPPER = re.compile(r"See root cause above|See stack trace \(above\) for the root cause")
 _EXCEPTION = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)")
 
 
@@ -259,16 +332,64 @@ def last_error_line(log_path: Path) -> str:
         lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
     except FileNotFoundError:
         return "no log"
+    return error_line(lines) or (lines[-1][-300:] if lines else "empty log")
+
+
+def error_line(lines: list[str]) -> str | None:
+    """last_error_line's reading of stripped log `lines`: the last error line (its root cause when it is
+    vLLM's wrapper), at most 300 characters; None when no line names an error."""
     for i in range(len(lines) - 1, -1, -1):
         ln = lines[i]
         if "Error" in ln or "error:" in ln.lower():
-            if _WRAPPER in ln:
+            if _WRAPPER.search(ln):
                 for earlier in reversed(lines[:i]):
                     cause = _EXCEPTION.search(earlier)
-                    if cause and _WRAPPER not in earlier:
+                    if cause and not _WRAPPER.search(earlier):
                         return f"{cause.group(1)}: {cause.group(2)}"[-300:]
             return ln[-300:]
-    return lines[-1][-300:] if lines else "empty log"
+    return None
+
+
+# vLLM's own lines when one of its processes dies under a running server: a worker (its executor's
+# monitor, with the exit code) and the engine core (its client, no exit code). The exceptions vLLM
+# logs after them ("RuntimeError: cancelled", EngineDeadError) are their consequences.
+_WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
+_ENGINE_EXITED = "engine core exited unexpectedly"
+
+
+def log_reason(log_path: Path, offset: int = 0) -> str:
+    """Why a server log says its server failed, read from byte `offset` on (what it logged after it
+    was ready): a HINTS meaning; else a vLLM worker's death ("vLLM's worker process VllmWorker-0
+    died with SIGKILL"); else its last error line (error_line, an exception without vLLM's log
+    prefix), or, when that is EngineDeadError with no cause above it, the engine core's exit;
+    else that it has none."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return f"no log at {log_path}"
+    if known := hint(text):
+        return known
+    if worker := _WORKER_DIED.search(text):
+        return f"vLLM's worker process {worker.group(1)} {exit_words(int(worker.group(2)))}"
+    if (line := error_line([ln.strip() for ln in text.splitlines() if ln.strip()])) is None:
+        return "no error line in its log"
+    if _WRAPPER.search(line) and _ENGINE_EXITED in text:
+        return "vLLM's engine core process exited without logging an error (EngineDeadError)"
+    exception = _EXCEPTION.search(line)  # without vLLM's prefix (process, pid, time, source): stable across runs
+    return f"{exception.group(1)}: {exception.group(2)}" if exception else line
+
+
+def exit_words(returncode: int) -> str:
+    """A Popen returncode as the probe words it (quantgate/platform_probe.py): -9 "died with SIGKILL",
+    1 "exited with code 1"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"died with {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"died with signal {-returncode}"
 
 
 def command(params: ServeParams, model_dir: Path, name: str, port: int, gpu: bool = False) -> list[str]:
@@ -304,7 +425,8 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     """Run a vLLM OpenAI server for `model_dir` for the duration of the block.
 
     Yields a Server once GET /health answers 200. Raises ServerStartError (one line: exit
-    code or timeout, the last error line of the log, the log path) if it does not.
+    code or timeout, the last error line of the log, the log path) if it does not. A server
+    that exits after that is a death: Server.death() says why, Server.deaths() raises it.
     The process group is terminated (then killed after 30 s) on every exit path.
     """
     if not Path(params.python).exists():
@@ -344,6 +466,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
             start_new_session=True,
         )
     waiting = progress(desc=f"{name}: vLLM server starting", bar_format="{desc} {elapsed}")
+    watch = None
     try:
         base = f"http://{params.host}:{port}"
         deadline = time.monotonic() + params.startup_timeout_s
@@ -352,8 +475,8 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
             if proc.poll() is not None:
                 why = hint(log_path.read_text(errors="replace")) or last_error_line(log_path)
                 raise ServerStartError(
-                    f"vLLM server for {model_dir} exited with code {proc.returncode} before it was "
-                    f"healthy: {why} (log: {log_path})"
+                    f"vLLM server for {model_dir} {exit_words(proc.returncode)} before it was healthy: {why} "
+                    f"(log: {log_path})"
                 )
             try:
                 if httpx.get(f"{base}/health", timeout=5).status_code == 200:
@@ -368,9 +491,12 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
             time.sleep(HEALTH_POLL_S)
         smoke_request(base, name, model_dir, log_path)
         waiting.close()
-        yield Server(base_url=f"{base}/v1", name=name, log_path=log_path, pid=proc.pid)
+        watch = Watch(proc, log_path)
+        yield Server(base_url=f"{base}/v1", name=name, log_path=log_path, pid=proc.pid, watch=watch)
     finally:
         waiting.close()
+        if watch is not None:
+            watch.stopping()
         stop(proc)
 
 
