@@ -144,7 +144,9 @@ def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve
     """Write the calibration conversations to `out`; return how many.
 
     Raises QuantgateError (before any server starts) on a bad prompt file, a team file that is malformed or
-    overlaps eval data, and after generation if fewer than `p.samples` conversations reach `p.min_tokens`.
+    overlaps eval data, and after generation if fewer than `p.samples` conversations reach `p.min_tokens`;
+    ServerStartError if the server does not start; ServerDied (quantgate.serving.Server.death's reason)
+    if it dies while it answers.
     """
     from transformers import AutoTokenizer
 
@@ -160,7 +162,8 @@ def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve
         rows.append((where, messages, tokens(tokenizer, messages)))
     if len(rows) < p.samples:
         need = p.model_copy(update={"samples": p.samples - len(rows)})
-        with vllm_server(serve, model_dir.resolve(), "calibrate", LOG_DIR / "calibrate_server.log") as server:
+        log = LOG_DIR / "calibrate_server.log"
+        with vllm_server(serve, model_dir.resolve(), model_dir.resolve().name, log) as server, server.deaths():
             print(f"calibrate: the 16-bit build answers prompts of {prompts_path} at {server.base_url}", flush=True)
             made, left_out = generate(tokenizer, server.base_url, server.name, prompts, strings, need)
         if left_out:

@@ -18,7 +18,10 @@ changed eval set re-runs that team only, a changed build that build only, and a 
 team's margin, confidence or contact nothing (the gate re-judges the cached scores). lm-eval's
 own request cache is never used (it is keyed by request, not by model). A team whose run
 errors, or a server that does not start, is recorded as status "error" with a one-line reason
-(never cached); the gate fails it closed.
+(never cached); the gate fails it closed. A server that dies while it is scoring (quantgate's
+own, not a remote endpoint) gets no more requests: the team being scored and every team after it
+are errors whose reason is the death (quantgate.serving.Server.death: build, seconds, exit code
+or signal, the log's last error line), not the refused connections that follow it.
 
 Team files are input from outside the pipeline: lm-eval renders their templates in the
 sandbox of quantgate/sandbox.py, and the stage runs without registry and cloud credentials in its
@@ -51,6 +54,7 @@ from quantgate.serving import (
     Endpoint,
     ServeParams,
     Server,
+    ServerDied,
     ServerStartError,
     check_endpoint,
     runtime_record,
@@ -233,13 +237,22 @@ def evaluate(
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness, serving.max_model_len)
+                dead, told = None, False  # the server's death (no request goes to its port after it), printed
                 for team, key in progress(pending, desc=f"evaluate[{build}]: scoring", unit="team"):
-                    scoring = time.monotonic()
-                    try:
-                        scores, raw = run_team(lm, team, params.harness)
-                    except Exception as exc:  # one team's failure must not lose the others
-                        scores, raw = TeamScores(status="error", reason=one_line(exc)), None
-                    timing["scoring_s"][team.name] = round(time.monotonic() - scoring, 1)
+                    dead = dead or server.death()
+                    if dead:
+                        scores, raw = TeamScores(status="error", reason=dead), None
+                    else:
+                        scoring = time.monotonic()
+                        try:
+                            with server.deaths():
+                                scores, raw = run_team(lm, team, params.harness)
+                        except ServerDied as exc:  # the team being scored when it died
+                            dead = str(exc)
+                            scores, raw = TeamScores(status="error", reason=dead), None
+                        except Exception as exc:  # one team's failure must not lose the others
+                            scores, raw = TeamScores(status="error", reason=one_line(exc)), None
+                        timing["scoring_s"][team.name] = round(time.monotonic() - scoring, 1)
                     docs[team.name] = scores = scores.model_copy(
                         update={
                             "team": team.name,
@@ -251,10 +264,13 @@ def evaluate(
                         }
                     )
                     write_team(out_dir / team.name, scores, raw)
-                    if scores.status == "ok":
+                    if scores.status == "ok":  # ok teams are summed up once, at the end
                         shutil.copytree(out_dir / team.name, CACHE_DIR / key, dirs_exist_ok=True)
-                    if scores.status != "ok":  # ok teams are summed up once, at the end
+                    elif told:
+                        print(f"evaluate[{build}]: {team.name}: error, not scored: its server died", flush=True)
+                    else:
                         print(f"evaluate[{build}]: {team.name}: {scores.status} {scores.reason or ''}", flush=True)
+                        told = dead is not None
         except ServerStartError as exc:
             for team, key in pending:
                 if team.name not in docs:

@@ -12,8 +12,9 @@ quantgate/loadgen.py, the code benchmarks/serving.py runs) at each of `profile.c
 tokens/s and TTFT/TPOT p50/p99 on a fixed random prompt set (`profile.seed`).
 
 A build that cannot be served here (W4A16 on an AVX2-only CPU, an FP8 KV cache without AVX-512, a server
-that does not start, a benchmark that fails) gets a record with status "unprofiled" and the one-line
-reason; the stage still succeeds, so the rest of `dvc repro` runs. The gate then does not recommend that
+that does not start or dies (quantgate.serving.Server.death: how long after it was ready, exit code or
+signal, the log's last error line), a benchmark that fails) gets a record with status "unprofiled" and
+the one-line reason; the stage still succeeds, so the rest of `dvc repro` runs. The gate then does not recommend that
 build; its quality verdict is the evaluate stage's business. The server's log is
 results/logs/profile@<build>.server.log (no DVC output).
 """
@@ -109,6 +110,7 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
         with (
             tempfile.TemporaryDirectory(prefix="profile-") as tmp,
             vllm_server(serve, model_dir.resolve(), build, LOGS / f"profile@{build}.server.log") as server,
+            server.deaths(),  # a server that dies under the benchmark: its death is the reason
         ):
             facts = startup_report(server.log_path.read_text(errors="replace"))
             record |= {
