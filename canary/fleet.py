@@ -18,7 +18,7 @@ import httpx
 from canary.policy import Servers, serve_params
 from canary.router import Backend
 from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams, vllm_server
+from quantgate.serving import ServeParams, Server, vllm_server
 from registry import aliases
 from registry.verify import verify_version
 
@@ -43,6 +43,7 @@ class ServingFleet:
         self.client, self.model, self.serve, self.servers = mlflow_client, model_name, serve, servers
         self.work_dir = Path(work_dir)
         self.backends: dict[str, Backend] = {}
+        self.servers: dict[str, Server] = {}  # the ones this fleet started
         self.pids: dict[str, int] = {}
         self._stack = contextlib.ExitStack()
 
@@ -70,7 +71,7 @@ class ServingFleet:
         if version in self.backends:
             return self.backends[version]
         override = getattr(self.servers, role)
-        backend, pid, _ = open_server(
+        backend, server, _ = open_server(
             self._stack,
             self.client,
             self.model,
@@ -80,7 +81,7 @@ class ServingFleet:
             role,
             lambda line: log(f"canary: {line}"),
         )
-        self.pids[version], self.backends[version] = pid, backend
+        self.servers[version], self.pids[version], self.backends[version] = server, server.pid, backend
         return backend
 
     def reuse(self, version: str, backend: Backend) -> Backend:
@@ -90,8 +91,15 @@ class ServingFleet:
 
     def alive(self, version: str) -> bool:
         """False when a server this fleet started for `version` has exited (reused ones: True)."""
-        pid = self.pids.get(version)
-        return True if pid is None else process_alive(pid)
+        server = self.servers.get(version)
+        return server is None or not server.exited()
+
+    def death(self, version: str) -> str | None:
+        """Why the server this fleet started for `version` died, in one line (quantgate.serving.Server.death:
+        seconds after it was ready, exit code or signal, its log's last error line); None while it runs
+        and for reused servers."""
+        server = self.servers.get(version)
+        return None if server is None else server.death()
 
     def resolver(self, stable_default: str) -> Callable[[], Mapping[str, Backend | None]]:
         """resolve() for the router: backends from the registry aliases at each call.
@@ -125,10 +133,11 @@ def open_server(
     role: str,
     log=print,
     verified: Path | None = None,
-) -> tuple[Backend, int, Path]:
+) -> tuple[Backend, Server, Path]:
     """Verify `version`'s registered artifacts (downloaded to WORK_DIR/v<version>/artifacts) and
     start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
-    (Backend labelled "v<version>", served as "<model>-v<version>", API server pid, model dir).
+    (Backend labelled "v<version>", served as "<model>-v<version>", the Server (its pid, its death),
+    model dir).
     `verified`: the version's weights as the caller already verified them (canary/standing.py
     keeps them per digest): served from there, not downloaded again.
 
@@ -145,7 +154,7 @@ def open_server(
     name = f"{model_name}-v{version}"
     server = stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
     log(f"v{version} serving at {server.base_url}")
-    return Backend(url=server.base_url, model=name, label=f"v{version}"), server.pid, model_dir
+    return Backend(url=server.base_url, model=name, label=f"v{version}"), server, model_dir
 
 
 def process_alive(pid: int) -> bool:

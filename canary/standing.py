@@ -36,13 +36,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from canary.fleet import open_server, process_alive
+from canary.fleet import open_server
 from canary.policy import ServerOverride, serve_params
 from canary.router import Backend
 from canary.webhook import PATH
 from quantgate.errors import QuantgateError
 from quantgate.params import PARAMS_FILE, Frozen, load_block
-from quantgate.serving import ServeParams, check_cpu_cores
+from quantgate.serving import ServeParams, Server, check_cpu_cores
 from registry import aliases, tags, versions
 from registry.verify import verify_version
 
@@ -152,13 +152,18 @@ class Running:
     """One started vLLM server; closing `stack` stops it."""
 
     backend: Backend
-    pid: int
+    server: Server
     why: str
     stack: contextlib.ExitStack
     model_dir: Path  # the verified weights it serves
     cores: str | None  # VLLM_CPU_OMP_THREADS_BIND it was started with
     started_at: float = field(default_factory=time.time)
     restarts: int = 0
+
+    @property
+    def pid(self) -> int:
+        """The API server's pid (leader of its process group)."""
+        return self.server.pid
 
 
 class StandingFleet:
@@ -234,8 +239,9 @@ class StandingFleet:
         on a CPU), never the router."""
         wanted = plan(aliases.current(self.client, self.model), self.params)
         keep = {v for v, _ in wanted}
-        for version in [v for v, r in list(self._servers.items()) if not process_alive(r.pid)]:
-            self.log(f"v{version}: vLLM server (pid {self._servers[version].pid}) exited; starting it again")
+        for version in [v for v, r in list(self._servers.items()) if r.server.exited()]:
+            server = self._servers[version].server
+            self.log(f"v{version}: {server.death() or f'vLLM server (pid {server.pid}) exited'}; starting it again")
             self._restarts[version] = self._restarts.get(version, 0) + 1
             self._stop(version, drain=False)
         for version in [v for v in self._servers if v not in keep]:
@@ -282,7 +288,7 @@ class StandingFleet:
         log = self.log if failing is None else (lambda line: None)  # a retry logs only a change of state
         stack = contextlib.ExitStack()
         try:
-            backend, pid, model_dir = open_server(
+            backend, server, model_dir = open_server(
                 stack,
                 self.client,
                 self.model,
@@ -300,10 +306,10 @@ class StandingFleet:
         if failing is not None:
             self.log(f"v{version}: serving after {failing.tries} failed start(s)")
         self.failures.pop(version, None)
-        self.on_start(version, pid)
+        self.on_start(version, server.pid)
         with self._lock:
             self._servers[version] = Running(
-                backend, pid, why, stack, model_dir, override.cpu_cores, restarts=self._restarts.get(version, 0)
+                backend, server, why, stack, model_dir, override.cpu_cores, restarts=self._restarts.get(version, 0)
             )
 
     def _verified_weights(self, version: str, log: Callable[[str], None]) -> Path:

@@ -5,16 +5,18 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 import canary.standing as standing
+from canary.fleet import process_alive
 from canary.gateway import PIDS, reap_orphans
 from canary.router import Backend
 from canary.standing import AdminAddress, FleetParams, StandingFleet, load_fleet_params, plan
 from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams
+from quantgate.serving import ServeParams, Server, Watch
 
 P = FleetParams()
 
@@ -55,11 +57,13 @@ def test_params_block_loads_and_names_a_bad_field(tmp_path):
         load_fleet_params(bad)
 
 
-def sleep_server(stack, version: str) -> tuple[Backend, int]:
-    """A stand-in for a version's vLLM server: a `sleep` process in its own group, stopped with `stack`."""
+def sleep_server(stack, version: str, log_path: Path = Path("no.log")) -> tuple[Backend, Server]:
+    """A stand-in for a version's vLLM server: a `sleep` process in its own group, watched as
+    vllm_server watches one, stopped with `stack`."""
     proc = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    stack.callback(lambda: (proc.kill(), proc.wait()))
-    return Backend(f"http://127.0.0.1:1/v{version}", f"m-v{version}", f"v{version}"), proc.pid
+    server = Server(f"http://127.0.0.1:1/v{version}", f"m-v{version}", log_path, proc.pid, Watch(proc, log_path))
+    stack.callback(lambda: (server.watch.stopping(), proc.kill(), proc.wait()))
+    return Backend(server.base_url, server.name, f"v{version}"), server
 
 
 class Fakes:
@@ -157,7 +161,7 @@ def test_a_dead_server_leaves_routing_and_is_restarted(monkeypatch, tmp_path):
         pid = fleet.status()["3"]["pid"]
         os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while standing.process_alive(pid) and time.monotonic() < deadline:
+        while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         fleet.reconcile()
         s = fleet.status()["3"]
