@@ -48,7 +48,9 @@ CRASHED = ("died with", "no answer in", "exited with code")  # how platform_prob
 
 PROBE_SCRIPT = Path(platform_probe.__file__)  # run by the serving env's python (it has no quantgate installed)
 PROBE_TIMEOUT_S = 300  # the vLLM import takes ~6 s; each kernel call is bounded inside the script
-PROBE_CACHE = Path(".quantgate/cache/probe")  # answers by probe_key: every stage would otherwise import vLLM again
+# answers by probe_key, kept in the serving env's own folder (shared by every project and scratch copy that uses
+# it, gone when it is rebuilt); None = there. Every stage would otherwise import vLLM again.
+PROBE_CACHE: Path | None = None
 MACHINE_TABLE = "docs/machines.md"  # the machine kinds, what each serves and how (README "Precision")
 
 
@@ -123,6 +125,16 @@ def probe_key(python: str) -> str:
     )
 
 
+def cache_dir(python: str) -> Path:
+    """Where probe answers for the serving env at `python` are kept: PROBE_CACHE if set, else
+    <env>/quantgate-probe (the env's prefix: bin/python's grandparent), else .quantgate/cache/probe where the
+    env's folder cannot be written."""
+    if PROBE_CACHE is not None:
+        return PROBE_CACHE
+    env = Path(python).absolute().parent.parent
+    return env / "quantgate-probe" if os.access(env, os.W_OK) else Path(".quantgate/cache/probe")
+
+
 def _signal_name(code: int) -> str:
     try:
         return signal.Signals(-code).name
@@ -164,7 +176,7 @@ def probe(python: str) -> Platform:
     """The Platform of the serving env at `python`.
 
     Runs quantgate/platform_probe.py there (~6 s: imports vLLM; each kernel call in a child of its own, so a
-    call that crashes is an answer, not a dead probe) and keeps the answer in PROBE_CACHE under probe_key
+    call that crashes is an answer, not a dead probe) and keeps the answer in cache_dir(python) under probe_key
     (the env's packages, the CPU flags, the GPUs), so later stages and runs read it in milliseconds; cached
     per interpreter in this process too.
     Raises QuantgateError, one line, if the probe cannot answer: the interpreter is missing, the vLLM import
@@ -172,7 +184,7 @@ def probe(python: str) -> Platform:
     """
     if not Path(python).exists():
         raise QuantgateError(f"serving python {python!r} not found; run `make setup` (evaluate.serve.python)")
-    cache = PROBE_CACHE / f"{probe_key(python)}.json"
+    cache = cache_dir(python) / f"{probe_key(python)}.json"
     try:
         d = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -205,6 +217,20 @@ def probe(python: str) -> Platform:
     )
 
 
+# config.json fields that fix what a forward computes (the timed model is built from these alone)
+SHAPE_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "hidden_act",
+)
 SPEED_TOKENS = (1, 256)  # rows timed: one decoding sequence (lm-eval's generation tasks at num_concurrent 1) and a
 # prefill chunk (its loglikelihood batches); the larger ratio limits the scoring
 
@@ -230,7 +256,7 @@ def is_fp8(model_dir: Path) -> bool:
 
 @lru_cache(maxsize=None)
 def _speed(python: str, request_json: str) -> dict:
-    cache = PROBE_CACHE / f"{probe_key(python)}-speed-{digest_json(request_json)[:16]}.json"
+    cache = cache_dir(python) / f"{probe_key(python)}-speed-{digest_json(request_json)[:16]}.json"
     try:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -270,7 +296,8 @@ def emulation_slowdown(python: str, platform: Platform, model_dir: Path, dtype: 
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; cannot time its forward") from None
-    request = {"scheme": "FP8_DYNAMIC", "dtype": dtype, "config": config, "tokens": list(SPEED_TOKENS)}
+    shape = {k: config[k] for k in SHAPE_KEYS if k in config}  # the same architecture, the same cached answer
+    request = {"scheme": "FP8_DYNAMIC", "dtype": dtype, "config": shape, "tokens": list(SPEED_TOKENS)}
     return _speed(python, json.dumps(request, sort_keys=True))
 
 

@@ -34,12 +34,14 @@ from quantgate.precision import (
     KV_CACHE_DTYPES,
     NEEDS_16BIT,
     Dtype,
+    is_fp8,
     is_w4a16,
     kv_cache_problem,
     probe,
     resolve_dtype,
     resolve_eager,
     resolve_kv_cache_gib,
+    slowdown_problem,
     w4a16_problem,
 )
 
@@ -120,6 +122,9 @@ class ServeParams(Frozen):
     enforce_eager: bool | Literal["auto"] = "auto"  # auto: eager on CPU, CUDA graphs on GPU (resolve_eager)
     devices: str = "auto"  # GPUs of every vLLM server (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
     startup_timeout_s: int = Field(default=600, gt=0)
+    # a build served only through emulation (FP8 on a CPU) whose linears run more than this many times slower
+    # than 16-bit ones here is refused before any server starts (quantgate.precision.slowdown_problem)
+    max_slowdown: float = Field(default=3.0, gt=1)
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
@@ -295,7 +300,8 @@ def kv_cache_dtype(model_dir: Path) -> str:
 
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
     """Fail in seconds, not after a server start, for a build this serving env cannot run: a W4A16
-    build at `params.dtype` (resolved), or a KV-cache dtype the processor lacks. Raises
+    build at `params.dtype` (resolved), a KV-cache dtype the processor lacks, or a build served only through
+    emulation too slow to score (params.max_slowdown). Raises
     ServerStartError with the reason that holds here (quantgate.precision.w4a16_problem,
     kv_cache_problem); `requested` is evaluate.serve.dtype as written."""
     if (kv := kv_cache_dtype(model_dir)) != "auto":
@@ -305,6 +311,16 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
             raise ServerStartError(str(exc)) from None
         if problem:
             raise ServerStartError(f"vLLM cannot serve {model_dir} here: {problem} (checked before starting a server)")
+    try:
+        slow = is_fp8(model_dir) and slowdown_problem(
+            params.python, probe(params.python), model_dir, params.dtype, params.max_slowdown
+        )
+    except QuantgateError as exc:
+        raise ServerStartError(str(exc)) from None
+    if slow:
+        raise ServerStartError(
+            f"vLLM would serve {model_dir} here too slowly to score: {slow} (checked before starting a server)"
+        )
     if not is_w4a16(model_dir):
         return
     try:

@@ -98,8 +98,8 @@ def test_a_probe_call_that_fails_otherwise_decides_nothing():
 def test_check_servable_fails_w4a16_with_the_true_reason_and_asks_only_for_w4a16(tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(serving, "probe", lambda python: asked.append(python) or AVX2)
-    check_servable(ServeParams(python="py", dtype="float32"), build(tmp_path, "fp8", FP8_DYNAMIC))
-    assert asked == []  # no probe for builds that do not need the kernel
+    check_servable(ServeParams(python="py", dtype="float32"), build(tmp_path, "fp16", None))
+    assert asked == []  # no probe for builds that need no special kernel
     int4 = build(tmp_path, "int4", W4A16)
     with pytest.raises(ServerStartError, match=r"cannot serve the W4A16 build .*int4 here: .*_C_AVX2 has no cpu_gemm"):
         check_servable(ServeParams(python="py", dtype="float32"), int4, "auto")
@@ -157,9 +157,7 @@ def test_probe_names_an_unusable_interpreter(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexit 3\n")
     fake.chmod(0o755)
-    with pytest.raises(
-        QuantgateError, match=r"cannot report its vLLM platform \(CalledProcessError\); run `make setup`"
-    ):
+    with pytest.raises(QuantgateError, match=r"cannot report its vLLM platform: the probe exited with code 3; run `"):
         probe(str(fake))
 
 
@@ -256,3 +254,35 @@ def test_a_failed_engine_start_is_reported_by_its_root_cause_not_vllms_wrapper(t
     assert serving.last_error_line(log) == "RuntimeError: Engine core initialization failed. See root cause above."
     log.write_text("INFO a\nValueError: bad --max-model-len\nINFO shutting down\n")
     assert serving.last_error_line(log) == "ValueError: bad --max-model-len"
+
+
+def test_an_fp8_build_too_slow_by_its_measured_forward_is_refused_before_a_server_starts(tmp_path, monkeypatch):
+    # the serving env's timing (platform_probe.speed) faked with what it measured on a 2-core AVX2 EPYC at float32
+    timed = []
+
+    def speed(python, request_json):
+        timed.append(json.loads(request_json))
+        return {"ratio": 17.72, "per_tokens": {"1": 17.72, "256": 2.1}, "ms_16bit": {}, "ms_scheme": {}}
+
+    monkeypatch.setattr(precision, "_speed", speed)
+    monkeypatch.setattr(serving, "probe", lambda python: AVX2)
+    fp8 = build(tmp_path, "fp8", FP8_DYNAMIC)
+    with pytest.raises(ServerStartError) as err:
+        check_servable(ServeParams(python="py", dtype="float32"), fp8, "auto")
+    assert str(err.value) == (
+        f"vLLM would serve {fp8} here too slowly to score: FP8 is emulated by vLLM CPU on this AVX2-only CPU at "
+        "float32 (no FP8 GEMM without AMX-FP8): its forward ran 17.72x slower than the 16-bit build's for one "
+        "decoding token and 2.1x for a 256-token prompt here, over evaluate.serve.max_slowdown 3, so scoring it "
+        "would take over 3x fp16's time; GPUs with FP8 (compute capability 8.9+) serve it natively "
+        "(checked before starting a server)"
+    )
+    # what was timed: the build's own architecture at the run's dtype, one decoding token and a prompt
+    assert timed[0]["config"]["hidden_size"] == 576 and timed[0]["dtype"] == "float32"
+    assert timed[0]["tokens"] == [1, 256] and timed[0]["scheme"] == "FP8_DYNAMIC"
+    # a bound above the measured ratio lets it through; a GPU is never timed; W8A8 INT8 has native kernels
+    check_servable(ServeParams(python="py", dtype="float32", max_slowdown=20), fp8, "auto")
+    monkeypatch.setattr(serving, "probe", lambda python: GPU)
+    check_servable(ServeParams(python="py", dtype="bfloat16"), fp8, "auto")
+    assert len(timed) == 2
+    with pytest.raises(ValueError, match="greater than 1"):
+        ServeParams(max_slowdown=1)
