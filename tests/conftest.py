@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from benchmarks.common import project_env, scratch_project
 from pipeline.evaluate import EvaluateParams
 from quantgate.errors import QuantgateError
 from quantgate.params import load_block
-from quantgate.precision import precision_record, probe, w4a16_problem
+from quantgate.precision import precision_record, probe, slowdown_problem, w4a16_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,17 +71,44 @@ PROFILE = {"concurrency": [1, 2], "output_len": 8}  # the profile stages, scaled
 SERVE_PYTHON = str(REPO / ".venv-serve" / "bin" / "python")
 
 
+# The default model's architecture (SmolLM2-135M-Instruct) as an FP8_DYNAMIC build's config.json has it
+SMOLLM2_FP8_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
+    },
+}
+
+
 def run_precision() -> dict:
     """The precision the e2e run gets on this machine (params.yaml's evaluate.serve.dtype through
     the one rule, quantgate.precision), with "w4a16_problem": why W4A16 cannot be served at it
-    here, or None. The probe is the only source: the tests expect what it says, never a guess."""
-    requested = load_block("evaluate", EvaluateParams, REPO / "params.yaml").serve.dtype
+    here, and "fp8_problem": why the fp8 build is too slow to score here (evaluate.serve.max_slowdown,
+    the probe's timing of vLLM's FP8 path), each or None. The probe is the only source: the tests expect
+    what it says, never a guess."""
+    serve = load_block("evaluate", EvaluateParams, REPO / "params.yaml").serve
+    requested = serve.dtype
     try:
         record = precision_record(SERVE_PYTHON, requested)
-        problem = w4a16_problem(probe(SERVE_PYTHON), record["dtype"], requested)
+        platform = probe(SERVE_PYTHON)
+        problem = w4a16_problem(platform, record["dtype"], requested)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(SMOLLM2_FP8_CONFIG))
+            fp8 = slowdown_problem(SERVE_PYTHON, platform, Path(tmp), record["dtype"], serve.max_slowdown)
     except QuantgateError as exc:  # no serving env: the e2e tests then fail on their own
-        return {"dtype": None, "w4a16_problem": str(exc)}
-    return {**record, "w4a16_problem": problem}
+        return {"dtype": None, "w4a16_problem": str(exc), "fp8_problem": str(exc)}
+    return {**record, "w4a16_problem": problem, "fp8_problem": fp8}
 
 
 def w4a16_servable() -> bool:

@@ -17,7 +17,10 @@ from tests.conftest import CALIBRATION, LIMIT, SEARCH, run, run_precision
 pytestmark = pytest.mark.e2e
 PRECISION = run_precision()  # what the probe says this machine serves, at params.yaml's dtype
 W4A16 = ["int4", "int4-mixed"]
-SCORED = ["fp16", "fp8", "int8"] + (W4A16 if PRECISION["w4a16_problem"] is None else [])  # int8: oneDNN, any CPU
+# builds this machine refuses before any server starts, with the reason the probe gives (int8: oneDNN, any CPU)
+UNSERVED = {b: PRECISION["w4a16_problem"] for b in W4A16 if PRECISION["w4a16_problem"]}
+UNSERVED |= {"fp8": PRECISION["fp8_problem"]} if PRECISION["fp8_problem"] else {}
+SCORED = [b for b in ("fp16", "fp8", "int8", *W4A16) if b not in UNSERVED]
 
 
 def test_builds_are_compressed_tensors_with_manifests(project):
@@ -43,7 +46,18 @@ def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mi
     from quantgate.recipes import load_recipe
 
     result = json.loads((project / "results/search/search.json").read_text())
-    assert result["build"] == "int4-mixed" and result["recipe"] == "recipes/int4.yaml" and result["skipped"] is None
+    assert result["build"] == "int4-mixed" and result["recipe"] == "recipes/int4.yaml"
+    if PRECISION["w4a16_problem"]:  # no screens on a machine that cannot serve W4A16: int4-mixed is int4's recipe
+        assert result["skipped"] == f"vLLM here cannot serve it: {PRECISION['w4a16_problem']}"
+        assert result["screens"] == [] and result["kept_layers"] == []
+        recipe = load_recipe("int4-mixed", project / "results/search/recipe.yaml")
+        assert recipe.modifiers[0].ignore == ["lm_head"]
+        digests = {b: json.loads((project / f"models/{b}/build.json").read_text())["weights_digest"] for b in W4A16}
+        assert digests["int4"] == digests["int4-mixed"]  # the same weights under two names: register still ran
+        gate = json.loads((project / "results/gate.json").read_text())
+        assert gate["builds"]["int4-mixed"]["same_weights_as"] == "int4"
+        return
+    assert result["skipped"] is None
     assert result["layers"] == 30 * 7 == len(result["sensitivity"])  # SmolLM2-135M: 30 blocks x 7 Linears
     kl = list(result["sensitivity"].values())
     assert kl == sorted(kl, reverse=True) and kl[-1] >= 0 and kl[0] > 0
@@ -80,9 +94,9 @@ def test_every_build_scored_through_vllm(project):
         timing = json.loads((project / "results/eval" / build / "timing.json").read_text())
         assert 5 < timing["server_start_s"] < 600 and timing["cached"] == []
         assert set(timing["scoring_s"]) == {"billing", "search", "support"} and min(timing["scoring_s"].values()) > 0
-    for build in [b for b in W4A16 if b not in SCORED]:  # fail closed with the reason, never scored as passing
+    for build, problem in UNSERVED.items():  # fail closed with the reason, never scored as passing
         doc = json.loads((project / "results/eval" / build / "search/scores.json").read_text())
-        assert doc["status"] == "error" and PRECISION["w4a16_problem"] in doc["reason"]
+        assert doc["status"] == "error" and problem in doc["reason"]
     # one precision for every build, recorded where the scores are
     for build in ("fp16", "fp8", "int8", "int4", "int4-mixed"):
         record = json.loads((project / "results/eval" / build / "precision.json").read_text())
@@ -100,20 +114,18 @@ def test_gate_table_and_metrics(project):
     for build, b in gate["builds"].items():
         assert b["verdict"] in {"PASS", "FAIL", "INCONCLUSIVE", "ANOMALOUS"}
         if build not in SCORED:
-            assert b["verdict"] == "FAIL" and all(
-                PRECISION["w4a16_problem"] in r["reason"] for r in b["teams"].values()
-            )
+            assert b["verdict"] == "FAIL" and all(UNSERVED[build] in r["reason"] for r in b["teams"].values())
             continue
         for row in b["teams"].values():
             assert row["n"] == LIMIT and 0.0 <= row["baseline"] <= 1.0 and 0.0 <= row["candidate"] <= 1.0
             assert row["lower"] <= row["drop"] <= row["upper"]
     report = (project / "results/gate_report.md").read_text()
-    assert f"| fp8 | search | acc | {LIMIT} |" in report
+    assert f"| int8 | search | acc | {LIMIT} |" in report
     assert (project / "results/gate_recovery.png").read_bytes()[:4] == b"\x89PNG"
     teams = json.loads((project / "results/teams.json").read_text())
     assert teams["search"]["n_docs"] == 216 and teams["search"]["min_docs"] == 52
     out = run(["quantgate", "report"], project).stdout
-    assert f"| fp8 | billing | exact_match | {LIMIT} |" in out and "int4: " in out
+    assert f"| int8 | billing | exact_match | {LIMIT} |" in out and "int4: " in out
 
 
 def test_profile_metrics_what_it_buys_and_the_recommendation(project):
@@ -129,9 +141,9 @@ def test_profile_metrics_what_it_buys_and_the_recommendation(project):
         for point in prof["loads"].values():
             assert point["output_tokens_per_s"] > 0 and 0 < point["ttft_ms_p50"] <= point["ttft_ms_p99"]
             assert 0 < point["tpot_ms_p50"] <= point["tpot_ms_p99"]
-    for build in [b for b in W4A16 if b not in SCORED]:  # unprofiled with the reason, and not recommended
+    for build, problem in UNSERVED.items():  # unprofiled with the reason, and not recommended
         prof = json.loads((project / f"results/profile/{build}.json").read_text())
-        assert prof["status"] == "unprofiled" and PRECISION["w4a16_problem"] in prof["reason"]
+        assert prof["status"] == "unprofiled" and problem in prof["reason"]
         assert str(project) not in prof["reason"]
     gate = json.loads((project / "results/gate.json").read_text())
     assert set(gate["buys"]) == {"fp16", "fp8", "int8", "int4", "int4-mixed"}
@@ -157,7 +169,7 @@ def test_registry_holds_versions_with_lineage_and_fallback(project):
     passing = {build for build, b in gate["builds"].items() if b["verdict"] == "PASS"}
     assert set(versions) == {"fp16", *passing} == set(reg["builds"])  # only what may ship is a version
     assert set(reg["unregistered"]) == set(gate["builds"]) - passing  # the others are runs with their evidence
-    for build in [b for b in W4A16 if b not in SCORED]:
+    for build in UNSERVED:
         assert reg["unregistered"][build]["verdict"] == "FAIL"
     teams = json.loads((project / "results/teams.json").read_text())
     entries = reg["builds"] | reg["unregistered"]
@@ -201,17 +213,17 @@ def test_second_repro_does_nothing(project):
 
 
 def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_path):
-    # fp8, not int4: vLLM serves FP8 everywhere, so this fails at server start, not at the W4A16 pre-check
-    broken = tmp_path / "fp8-broken"
-    shutil.copytree(project / "models/fp8", broken)
+    # int8: served on every machine kind (oneDNN), so this fails at server start, not at a pre-check
+    broken = tmp_path / "int8-broken"
+    shutil.copytree(project / "models/int8", broken)
     cfg = json.loads((broken / "config.json").read_text())
     cfg["architectures"] = ["NoSuchModelForCausalLM"]
     (broken / "config.json").write_text(json.dumps(cfg))
     out_dir = tmp_path / "eval"
     shutil.copytree(project / "results/eval", out_dir)
-    shutil.rmtree(out_dir / "fp8")
-    p = run([sys.executable, "-m", "pipeline.evaluate", "fp8", str(broken), "evals", str(out_dir / "fp8")], project)
-    doc = json.loads((out_dir / "fp8/search/scores.json").read_text())
+    shutil.rmtree(out_dir / "int8")
+    p = run([sys.executable, "-m", "pipeline.evaluate", "int8", str(broken), "evals", str(out_dir / "int8")], project)
+    doc = json.loads((out_dir / "int8/search/scores.json").read_text())
     assert doc["status"] == "error" and "vLLM server" in doc["reason"] and "\n" not in doc["reason"]
     assert "Traceback" not in p.stdout.splitlines()[-1]
     run(
@@ -233,8 +245,8 @@ def test_server_that_cannot_start_fails_the_gate_not_the_others(project, tmp_pat
     )
     gate = json.loads((tmp_path / "g.json").read_text())
     original = json.loads((project / "results/gate.json").read_text())
-    assert gate["builds"]["fp8"]["verdict"] == "FAIL"
-    assert all("vLLM server" in r["reason"] for r in gate["builds"]["fp8"]["teams"].values())
+    assert gate["builds"]["int8"]["verdict"] == "FAIL"
+    assert all("vLLM server" in r["reason"] for r in gate["builds"]["int8"]["teams"].values())
     assert gate["builds"]["int4"] == original["builds"]["int4"]  # the other build's results are kept
 
 
