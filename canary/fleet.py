@@ -43,7 +43,7 @@ class ServingFleet:
         self.client, self.model, self.serve, self.servers = mlflow_client, model_name, serve, servers
         self.work_dir = Path(work_dir)
         self.backends: dict[str, Backend] = {}
-        self.servers: dict[str, Server] = {}  # the ones this fleet started
+        self.started: dict[str, Server] = {}  # the servers this fleet started
         self.pids: dict[str, int] = {}
         self._stack = contextlib.ExitStack()
 
@@ -81,7 +81,7 @@ class ServingFleet:
             role,
             lambda line: log(f"canary: {line}"),
         )
-        self.servers[version], self.pids[version], self.backends[version] = server, server.pid, backend
+        self.started[version], self.pids[version], self.backends[version] = server, server.pid, backend
         return backend
 
     def reuse(self, version: str, backend: Backend) -> Backend:
@@ -91,14 +91,14 @@ class ServingFleet:
 
     def alive(self, version: str) -> bool:
         """False when a server this fleet started for `version` has exited (reused ones: True)."""
-        server = self.servers.get(version)
+        server = self.started.get(version)
         return server is None or not server.exited()
 
     def death(self, version: str) -> str | None:
         """Why the server this fleet started for `version` died, in one line (quantgate.serving.Server.death:
         seconds after it was ready, exit code or signal, its log's last error line); None while it runs
         and for reused servers."""
-        server = self.servers.get(version)
+        server = self.started.get(version)
         return None if server is None else server.death()
 
     def resolver(self, stable_default: str) -> Callable[[], Mapping[str, Backend | None]]:

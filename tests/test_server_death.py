@@ -318,3 +318,57 @@ def test_calibrate_stops_with_the_death_of_the_16bit_server(fake_vllm, tmp_path,
         str(info.value),
     )
     assert not (tmp_path / "calibration.jsonl").exists()
+
+
+def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
+    import canary.fleet as fleet_mod
+    import canary.standing as standing
+    from canary.policy import Servers
+    from tests.test_canary_standing import Fakes, sleep_server
+
+    log = tmp_path / "v3" / "server.log"
+    log.parent.mkdir()
+    log.write_text("INFO started\n")
+
+    def open_server(stack, client, model, version, params, work_dir, role, log_, verified=None):
+        backend, server = sleep_server(stack, version, log)
+        return backend, server, tmp_path
+
+    # the canary run's fleet
+    monkeypatch.setattr(fleet_mod, "open_server", open_server)
+    with fleet_mod.ServingFleet(None, "m", ServeParams(), Servers(), tmp_path) as fleet:
+        fleet.start("3", "candidate", log=lambda line: None)
+        assert fleet.alive("3") and fleet.death("3") is None
+        with open(log, "a") as f:
+            f.write(f"ERROR 12-04 10:07:00 [core.py:842] {ENGINE_ERROR}\n")
+        os.killpg(fleet.pids["3"], signal.SIGKILL)
+        said = fleet.started["3"].death(wait_s=5)
+        assert not fleet.alive("3") and fleet.death("3") == said
+        assert re.fullmatch(
+            rf"vLLM server for m-v3 died with SIGKILL, \d+ s after it was ready: {ENGINE_ERROR} \(log: .*\)", said
+        )
+
+    # `quantgate serve`'s standing fleet: the restart line gives the same death
+    f = Fakes(monkeypatch)
+    monkeypatch.setattr(standing, "open_server", lambda stack, *a, **k: open_server(stack, *a, **k))
+    f.aliases = {"production": "3"}
+    standing_fleet, lines = f.fleet(tmp_path), []
+    standing_fleet.log = lines.append
+    log.write_text("INFO started\n")  # a new server's log, from the top (as vllm_server opens it)
+    try:
+        standing_fleet.reconcile()
+        with open(log, "a") as f_:
+            f_.write(f"ERROR 12-04 10:07:00 [core.py:842] {ENGINE_ERROR}\n")
+        os.killpg(standing_fleet.status()["3"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not standing_fleet._servers["3"].server.exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        standing_fleet.reconcile()
+    finally:
+        standing_fleet.close()
+    restart = next(line for line in lines if line.endswith("; starting it again"))
+    assert re.fullmatch(
+        rf"v3: vLLM server for m-v3 died with SIGKILL, \d+ s after it was ready: {ENGINE_ERROR} \(log: .*\); "
+        "starting it again",
+        restart,
+    )
