@@ -1,0 +1,141 @@
+"""A vLLM server killed while it scores a team, end to end on the real model (the e2e project of
+tests/conftest.py, shared with tests/test_e2e.py): the evaluate stage runs int8 on a light copy of the
+project while a watcher SIGKILLs the server's model worker as soon as requests are running. vLLM's
+engine then dies and its API server exits. The stage's reason names the build, the signal and the
+log's last error line; the gate FAILs the build with it (the gate stage's command from dvc.yaml); register
+gives it no version and records the reason on its run. 2 minutes on 2 shared AVX2 cores (2026-12-03), most
+of it the server start. The same with a stand-in server process, in seconds: tests/test_server_death.py."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from benchmarks.common import project_env
+from tests.conftest import run
+
+pytestmark = pytest.mark.e2e
+BUILD = "int8"  # vLLM serves W8A8 with oneDNN on every CPU kind (FP8 and W4A16 it may refuse before a start)
+LOCAL = {"models", ".dvc", ".quantgate", "mlflow.db", "mlartifacts"}  # not copied (the models are linked)
+
+
+def light_copy(project: Path, dst: Path) -> Path:
+    """`project` without its DVC cache, eval cache and registry, its models linked, BUILD's results removed."""
+    dst.mkdir()
+    for item in project.iterdir():
+        if item.name == "models":
+            (dst / item.name).symlink_to(item)
+        elif item.name in LOCAL:
+            continue
+        elif item.is_symlink():
+            (dst / item.name).symlink_to(os.readlink(item))
+        elif item.is_dir():
+            shutil.copytree(item, dst / item.name, symlinks=True)
+        else:
+            shutil.copy2(item, dst / item.name)
+    shutil.rmtree(dst / "results/eval" / BUILD)
+    return dst
+
+
+def kill_worker_once_scoring(stage_pid: int, base: str, killed: dict) -> None:
+    """SIGKILL the model worker of the vLLM server at `base` (http://host:port), started by the stage
+    process `stage_pid`, once it runs a request (the smoke request is over by then); records
+    {"pid", "at"} in `killed`."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            metrics = httpx.get(f"{base}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return
+        running = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)", metrics, re.M)
+        if running and float(running.group(1)) > 0:
+            break
+        time.sleep(0.2)
+    workers = [p for p in psutil.Process(stage_pid).children(recursive=True) if p.name().startswith("VLLM::Worker")]
+    os.kill(workers[0].pid, signal.SIGKILL)
+    killed.update(pid=workers[0].pid, at=time.monotonic())
+
+
+def test_a_server_killed_while_scoring_a_team_fails_its_build_with_that_reason(project, tmp_path):
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from pipeline.register import RegisterParams, register
+    from quantgate.params import load_block
+    from quantgate.results import read_gate, read_teams
+    from registry import store
+
+    work = light_copy(project, tmp_path / "p")
+    out = f"results/eval/{BUILD}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.evaluate", BUILD, f"models/{BUILD}", "evals", out],
+        cwd=work,
+        env=project_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    said, killed = [], {}
+    for line in proc.stdout:
+        said.append(line)
+        if ready := re.search(r"vLLM server ready at (http://\S+)/v1", line):
+            threading.Thread(
+                target=kill_worker_once_scoring, args=(proc.pid, ready.group(1), killed), daemon=True
+            ).start()
+    assert proc.wait(timeout=600) == 0, "".join(said)[-3000:]
+    said = "".join(said)
+    assert killed, said[-3000:]
+
+    # the stage: every team an error whose reason is the death, the first team's scoring cut short
+    death = re.compile(
+        rf"vLLM server for {BUILD} (exited with code \d+|died with SIG[A-Z]+), \d+ s after it was ready: "
+        rf"vLLM's worker process \S+ died with SIGKILL \(log: {out}/server.log\)"
+    )
+    docs = {
+        team: json.loads((work / out / team / "scores.json").read_text()) for team in ("billing", "search", "support")
+    }
+    reason = docs["billing"]["reason"]
+    assert death.fullmatch(reason), reason
+    assert all((d["status"], d["reason"]) == ("error", reason) for d in docs.values())
+    timing = json.loads((work / out / "timing.json").read_text())
+    assert list(timing["scoring_s"]) == ["billing"]  # no request went to the dead port for the others
+    assert said.count(reason) == 1 and "ConnectionError" not in said
+    assert f"evaluate[{BUILD}]: support: error, not scored: its server died" in said
+    print(f"\ne2e: the death, {time.monotonic() - killed['at']:.0f} s after the kill: {reason}")
+
+    # the gate stage, as DVC runs it: BUILD FAILs every team with that reason
+    run(yaml.safe_load((work / "dvc.yaml").read_text())["stages"]["gate"]["cmd"], work)
+    gate = json.loads((work / "results/gate.json").read_text())
+    assert gate["builds"][BUILD]["verdict"] == "FAIL"
+    assert all(reason in t["reason"] for t in gate["builds"][BUILD]["teams"].values())
+    assert reason in (work / "results/gate_report.md").read_text()
+
+    # register (BUILD and the baseline, in a registry of the copy's own): a run with the reason, no version
+    with MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
+        result = read_gate(work / "results/gate.json")
+        registered = register(
+            work / "models",
+            result.model_copy(update={"builds": {BUILD: result.builds[BUILD]}}),
+            (work / "results/gate_report.md").read_text(),
+            work / "results/eval",
+            load_block("register", RegisterParams, work / "params.yaml"),
+            read_teams(work / "results/teams.json"),
+        )
+        client = store.client()
+        assert BUILD not in registered["builds"] and registered["unregistered"][BUILD]["verdict"] == "FAIL"
+        versions = client.search_model_versions(f"name='{registered['model_name']}'")
+        assert [v.tags.get("build") for v in versions] == ["fp16"]
+        run_tags = client.get_run(registered["unregistered"][BUILD]["run_id"]).data.tags
+        assert all(reason in run_tags[f"gate.{team}.reason"] for team in docs)
