@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-CALL_TIMEOUT_S = 120.0  # one tiny GEMM takes milliseconds; this bounds a call that hangs
+CALL_TIMEOUT_S = 60.0  # one tiny GEMM takes milliseconds; this bounds a call that hangs (3 calls < the probe's 300 s)
 DTYPES = ("float32", "bfloat16", "float16")
 
 

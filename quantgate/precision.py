@@ -109,7 +109,7 @@ def probe_key(python: str) -> str:
     Any of them changing makes a new probe."""
 
     real = Path(python).resolve() if Path(python).exists() else Path(python)
-    prefix = Path(python).absolute().parent.parent
+    prefix = Path(python).absolute().parent.parent.resolve()  # a linked env (scratch projects) is the same env
     dists = sorted(d.name for d in prefix.glob("lib/python*/site-packages/*.dist-info"))
     gpus = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*"))
     return digest_json(
@@ -148,7 +148,7 @@ def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: b
     error line it printed."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     stages = [ln.removeprefix("probe: ") for ln in lines if ln.startswith("probe: ")]
-    where = f" while {stages[-1][0].lower()}{stages[-1][1:]}" if stages else ""
+    where = f" while at stage '{stages[-1]}'" if stages else ""
     errors = [ln for ln in lines if not ln.startswith("probe: ") and ("Error" in ln or "error" in ln)]
     last = (errors or [ln for ln in lines if not ln.startswith("probe: ")] or [""])[-1][-300:]
     if timed_out:
@@ -160,7 +160,7 @@ def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: b
     said = f": {last}" if last else ""
     importing = bool(stages) and stages[-1].startswith("importing")
     if importing and ("ModuleNotFoundError" in last or "ImportError" in last):
-        advice = "the serving env is missing or broken; run `make setup`"
+        advice = "it has no vLLM: check evaluate.serve.python (the serving env, .venv-serve) or run `make setup`"
     elif returncode is not None and returncode < 0:
         advice = (
             "a crash of vLLM or torch on this CPU, not a missing set-up; report it with the output of "
@@ -169,6 +169,31 @@ def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: b
     else:
         advice = f"run `{python} {PROBE_SCRIPT}` to see it whole"
     return f"serving python {python!r} cannot report its vLLM platform: the probe {how}{where}{said}; {advice}"
+
+
+def _run_probe(python: str, args: list[str]) -> tuple[int | None, str, str]:
+    """(exit code or None on timeout, stdout, stderr) of platform_probe.py `args` in the serving env, in a
+    process group of its own that is killed whole on a timeout (its forked children with it).
+    Raises QuantgateError if the interpreter cannot be run."""
+    try:
+        proc = subprocess.Popen(
+            [python, str(PROBE_SCRIPT), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise QuantgateError(
+            f"serving python {python!r} cannot run: {exc.strerror}; check evaluate.serve.python or run `make setup`"
+        ) from None
+    try:
+        stdout, stderr = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return None, stdout, stderr
 
 
 @lru_cache(maxsize=None)
@@ -190,19 +215,15 @@ def probe(python: str) -> Platform:
     except (OSError, ValueError):
         d = None
     if not isinstance(d, dict) or "device" not in d:
+        code, stdout, stderr = _run_probe(python, [])
+        if code is None:
+            raise QuantgateError(probe_failure(python, None, stderr, timed_out=True))
         try:
-            out = subprocess.run([python, str(PROBE_SCRIPT)], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-            raise QuantgateError(probe_failure(python, None, err, timed_out=True)) from None
-        except OSError as exc:
-            raise QuantgateError(f"serving python {python!r} cannot run: {exc.strerror}; run `make setup`") from None
-        try:
-            d = json.loads(out.stdout.strip().splitlines()[-1])
-            if out.returncode != 0 or not isinstance(d, dict) or "device" not in d:
+            d = json.loads(stdout.strip().splitlines()[-1])
+            if code != 0 or not isinstance(d, dict) or not isinstance(d.get("device"), str):
                 raise ValueError
         except (ValueError, IndexError):
-            raise QuantgateError(probe_failure(python, out.returncode, out.stderr)) from None
+            raise QuantgateError(probe_failure(python, code, stderr)) from None
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(d, indent=1) + "\n")
@@ -261,18 +282,15 @@ def _speed(python: str, request_json: str) -> dict:
         return json.loads(cache.read_text())
     except (OSError, ValueError):
         pass
+    code, stdout, stderr = _run_probe(python, ["speed", request_json])
+    if code is None:  # slower than PROBE_TIMEOUT_S for a few layers: that is itself the answer (not kept)
+        return {"ratio": float("inf"), "why": f"the timing itself took over {PROBE_TIMEOUT_S} s"}
     try:
-        out = subprocess.run(
-            [python, str(PROBE_SCRIPT), "speed", request_json], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
-        )
-        d = json.loads(out.stdout.strip().splitlines()[-1])
-        if out.returncode != 0 or "ratio" not in d:
+        d = json.loads(stdout.strip().splitlines()[-1])
+        if code != 0 or not isinstance(d, dict) or not isinstance(d.get("ratio"), (int, float)):
             raise ValueError
-    except subprocess.TimeoutExpired:
-        # slower than PROBE_TIMEOUT_S for a few linears: that is itself the answer
-        d = {"ratio": float("inf"), "why": f"the timing itself took over {PROBE_TIMEOUT_S} s"}
-    except (OSError, ValueError, IndexError):
-        raise QuantgateError(probe_failure(python, out.returncode, out.stderr)) from None
+    except (ValueError, IndexError):
+        raise QuantgateError(probe_failure(python, code, stderr)) from None
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(d) + "\n")
@@ -314,13 +332,14 @@ def slowdown_problem(python: str, platform: Platform, model_dir: Path, dtype: st
     if speed is None or speed["ratio"] <= max_slowdown:
         return None
     per = speed.get("per_tokens") or {}
-    read = " and ".join(f"{r:g}x for {SPEED_READS.get(t, (f'{t} tokens',))[0]}" for t, r in per.items())
+    read = ", ".join(f"{r:g}x for {SPEED_READS.get(t, (f'{t} tokens',))[0]}" for t, r in per.items())
     slowed = " and ".join(SPEED_READS.get(t, ("", f"{t} tokens"))[1] for t, r in per.items() if r > max_slowdown)
+    measured = f"its forward ran slower than the 16-bit build's here: {read}" if read else speed.get("why", "")
     return (
-        f"FP8 is emulated by vLLM CPU on this {platform.kind} CPU at {dtype} (no FP8 GEMM without AMX-FP8): its "
-        f"forward ran slower than the 16-bit build's by {read or speed.get('why', '')} here, over "
-        f"evaluate.serve.max_slowdown {max_slowdown:g}: {slowed or 'it'} would take over {max_slowdown:g}x fp16's "
-        f"time; GPUs with FP8 (compute capability 8.9+) serve it natively"
+        f"FP8 is emulated by vLLM CPU on this {platform.kind} CPU at {dtype} (no FP8 GEMM without AMX-FP8); "
+        f"{measured}; {slowed or 'it'} would take over {max_slowdown:g}x the 16-bit build's time, over "
+        f"evaluate.serve.max_slowdown {max_slowdown:g} (raise it to serve the build anyway); GPUs with FP8 "
+        f"(compute capability 8.9+) serve it natively"
     )
 
 

@@ -122,8 +122,8 @@ class ServeParams(Frozen):
     enforce_eager: bool | Literal["auto"] = "auto"  # auto: eager on CPU, CUDA graphs on GPU (resolve_eager)
     devices: str = "auto"  # GPUs of every vLLM server (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
     startup_timeout_s: int = Field(default=600, gt=0)
-    # a build served only through emulation (FP8 on a CPU) whose linears run more than this many times slower
-    # than 16-bit ones here is refused before any server starts (quantgate.precision.slowdown_problem)
+    # a build served only through emulation (FP8 on a CPU) whose forward runs more than this many times slower
+    # than the 16-bit build's here is refused before any server starts (quantgate.precision.slowdown_problem)
     max_slowdown: float = Field(default=3.0, gt=1)
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []

@@ -168,7 +168,7 @@ def test_a_probe_that_dies_names_its_stage_signal_and_no_false_advice(tmp_path, 
     with pytest.raises(QuantgateError) as err:
         probe(str(py))
     msg = str(err.value)
-    assert "the probe died with SIGILL while importing torch and vLLM" in msg
+    assert "the probe died with SIGILL while at stage 'importing torch and vLLM'" in msg
     assert "make setup" not in msg and "\n" not in msg
     precision.probe.cache_clear()
     # a broken env: the import fails, and then `make setup` is the advice that holds
@@ -177,7 +177,7 @@ def test_a_probe_that_dies_names_its_stage_signal_and_no_false_advice(tmp_path, 
         "echo \"ModuleNotFoundError: No module named 'vllm'\" >&2\nexit 1\n"
     )
     with pytest.raises(
-        QuantgateError, match=r"exited with code 1 while importing .*No module named 'vllm'.*make setup"
+        QuantgateError, match=r"exited with code 1 while at stage .importing .*No module named 'vllm'.*make setup"
     ):
         probe(str(py))
     precision.probe.cache_clear()

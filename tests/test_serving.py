@@ -271,10 +271,10 @@ def test_an_fp8_build_too_slow_by_its_measured_forward_is_refused_before_a_serve
         check_servable(ServeParams(python="py", dtype="float32"), fp8, "auto")
     assert str(err.value) == (
         f"vLLM would serve {fp8} here too slowly to score: FP8 is emulated by vLLM CPU on this AVX2-only CPU at "
-        "float32 (no FP8 GEMM without AMX-FP8): its forward ran slower than the 16-bit build's by 17.72x for one "
-        "decoding token and 2.1x for a 256-token prompt here, over evaluate.serve.max_slowdown 3: each generated token "
-        "would take over 3x fp16's time; GPUs with FP8 (compute capability 8.9+) serve it natively "
-        "(checked before starting a server)"
+        "float32 (no FP8 GEMM without AMX-FP8); its forward ran slower than the 16-bit build's here: 17.72x for one "
+        "decoding token, 2.1x for a 256-token prompt; each generated token would take over 3x the 16-bit build's "
+        "time, over evaluate.serve.max_slowdown 3 (raise it to serve the build anyway); GPUs with FP8 (compute "
+        "capability 8.9+) serve it natively (checked before starting a server)"
     )
     # what was timed: the build's own architecture at the run's dtype, one decoding token and a prompt
     assert timed[0]["config"]["hidden_size"] == 576 and timed[0]["dtype"] == "float32"
