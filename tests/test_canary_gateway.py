@@ -488,7 +488,7 @@ def test_a_local_canary_without_a_serving_env_opens_no_run(project, tmp_path):  
     from quantgate.serving import ServeParams
 
     before = canary_runs(project)
-    with pytest.raises(QuantgateError, match="serving python '/nonexistent/python' cannot report its vLLM platform"):
+    with pytest.raises(QuantgateError, match="serving python '/nonexistent/python' not found; run `make setup`"):
         run_canary(project, MODEL, "2", FAST, ServeParams(python="/nonexistent/python"), "tester", tmp_path)
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 
