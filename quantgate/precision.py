@@ -135,11 +135,15 @@ def cache_dir(python: str) -> Path:
     return env / "quantgate-probe" if os.access(env, os.W_OK) else Path(".quantgate/cache/probe")
 
 
-def _signal_name(code: int) -> str:
+def exit_words(returncode: int) -> str:
+    """A process's returncode in the words the probe and the server deaths use: -9 "died with SIGKILL",
+    1 "exited with code 1"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
     try:
-        return signal.Signals(-code).name
+        return f"died with {signal.Signals(-returncode).name}"
     except ValueError:
-        return f"signal {-code}"
+        return f"died with signal {-returncode}"
 
 
 def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: bool = False) -> str:
@@ -153,10 +157,8 @@ def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: b
     last = (errors or [ln for ln in lines if not ln.startswith("probe: ")] or [""])[-1][-300:]
     if timed_out:
         how = f"gave no answer in {PROBE_TIMEOUT_S} s"
-    elif returncode is not None and returncode < 0:
-        how = f"died with {_signal_name(returncode)}"
     else:
-        how = f"exited with code {returncode}"
+        how = exit_words(returncode)
     said = f": {last}" if last else ""
     importing = bool(stages) and stages[-1].startswith("importing")
     if importing and ("ModuleNotFoundError" in last or "ImportError" in last):

@@ -34,6 +34,7 @@ from quantgate.precision import (
     KV_CACHE_DTYPES,
     NEEDS_16BIT,
     Dtype,
+    exit_words,
     is_fp8,
     is_w4a16,
     kv_cache_problem,
@@ -395,17 +396,6 @@ def log_reason(log_path: Path, offset: int = 0) -> str:
         return "vLLM's engine core process exited without logging an error (EngineDeadError)"
     exception = _EXCEPTION.search(line)  # without vLLM's prefix (process, pid, time, source): stable across runs
     return f"{exception.group(1)}: {exception.group(2)}" if exception else line
-
-
-def exit_words(returncode: int) -> str:
-    """A Popen returncode as the probe words it (quantgate/platform_probe.py): -9 "died with SIGKILL",
-    1 "exited with code 1"."""
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    try:
-        return f"died with {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"died with signal {-returncode}"
 
 
 def command(params: ServeParams, model_dir: Path, name: str, port: int, gpu: bool = False) -> list[str]:
