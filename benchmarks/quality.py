@@ -37,7 +37,6 @@ with the error in the notes; the sweep goes on. Results also go to benchmarks/re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -47,12 +46,13 @@ from benchmarks.common import REPO, hf_lm, report, rounded
 from pipeline.evaluate import EvaluateParams, make_lm, write_team
 from pipeline.gate import load_params
 from pipeline.plot import recovery_interval
-from pipeline.quantize import QuantizeParams, quantize, recipe_record
+from pipeline.quantize import QuantizeParams, quantize, recipe_record, same_recipe
 from quantgate.errors import QuantgateError, run_main
 from quantgate.judging import judge
 from quantgate.manifest import read_manifest
 from quantgate.params import BASELINE_BUILD, load_block, load_builds
 from quantgate.precision import probe, resolve_dtype, w4a16_problem
+from quantgate.recipes import load_recipe, needs_data
 from quantgate.results import read_scores
 from quantgate.scoring import run_team
 from quantgate.serving import resolved, vllm_server
@@ -76,14 +76,16 @@ def build_params(only: list[str] | None = None) -> dict[str, QuantizeParams]:
     return builds
 
 
-def matches(model_dir: Path, p: QuantizeParams, source_digest: str) -> bool:
-    """True if `model_dir` holds a build made with exactly `p` (recipe file content and calibration)
-    from the source weights."""
+def matches(model_dir: Path, p: QuantizeParams, source_digest: str, calibration: Path) -> bool:
+    """True if `model_dir` holds a build made with exactly `p` (recipe content, calibration settings and
+    data) from the source weights (pipeline.quantize.same_recipe)."""
     try:
         m = read_manifest(model_dir)
     except Exception:
         return False
-    return m.get("recipe") == json.loads(json.dumps(recipe_record(p, REPO / p.recipe, source_digest)))
+    recipe = load_recipe(p.recipe, REPO / p.recipe, "the sweep's recipe")
+    data = calibration if needs_data(recipe) else None
+    return same_recipe(m.get("recipe") or {}, recipe_record(p, REPO / p.recipe, source_digest, data))
 
 
 def ensure_build(
@@ -92,10 +94,10 @@ def ensure_build(
     """(model dir, quantize seconds or None if reused) for `build`."""
     digest = read_manifest(src)["weights_digest"]
     out = work / "builds" / build
-    if matches(models / build, p, digest):
+    if matches(models / build, p, digest, calibration):
         print(f"quality: {build}: reusing {models / build}", flush=True)
         return models / build, None
-    if matches(out, p, digest) and (out / "quantize_s.txt").is_file():
+    if matches(out, p, digest, calibration) and (out / "quantize_s.txt").is_file():
         print(f"quality: {build}: reusing {out}", flush=True)
         return out, float((out / "quantize_s.txt").read_text())
     started = time.monotonic()

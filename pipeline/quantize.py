@@ -25,9 +25,9 @@ from quantgate.console import log_progress, per_build
 from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.devices import check_devices, visible_devices
 from quantgate.errors import QuantgateError, run_main
-from quantgate.hashing import sha256_file
-from quantgate.manifest import MANIFEST, read_manifest, write_manifest
-from quantgate.params import Frozen, load_block
+from quantgate.hashing import digest_json, sha256_file
+from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_manifest
+from quantgate.params import Frozen, load_block, read_yaml
 from quantgate.precision import KvCacheDtype, native_16bit
 from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
 
@@ -73,15 +73,45 @@ def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE
     )
 
 
-def recipe_record(p: QuantizeParams, recipe_path: Path, source_digest: str) -> dict:
-    """The `recipe` of a build's manifest (build.json): the recipe file and its sha256, the calibration, and
-    the sha256 digest of the 16-bit weights it was made from. Equal records = the same build recipe."""
+def recipe_record(
+    p: QuantizeParams, recipe_path: Path, source_digest: str, calibration_file: Path | None = None
+) -> dict:
+    """The `recipe` of a build's manifest (build.json): the recipe file and its sha256, the sha256 of its
+    parsed content (comments and layout aside), the calibration and the sha256 of the calibration data
+    file it read (`calibration_file`, None for a data-free recipe), and the sha256 digest of the 16-bit
+    weights it was made from. Equal records = the same build recipe (`same_recipe`)."""
     return {
         "file": p.recipe,
         "sha256": sha256_file(recipe_path),
+        "content_sha256": digest_json(read_yaml(recipe_path)),
         "calibration": p.calibration.model_dump() if p.calibration else None,
+        "calibration_sha256": sha256_file(calibration_file) if calibration_file else None,
         "source_weights_sha256": source_digest,
     }
+
+
+def same_recipe(a: dict, b: dict) -> bool:
+    """True if two manifests' recipe records make the same weights: the same recipe content, calibration
+    settings and data, and source weights, whatever the recipe files are called or how they are laid out."""
+    keys = ("content_sha256", "calibration", "calibration_sha256", "source_weights_sha256")
+    return all(k in a for k in keys) and all(a.get(k) == b.get(k) for k in keys)
+
+
+def twin_build(models: Path, build: str, record: dict) -> Path | None:
+    """Another build directory beside `build`'s under `models` whose build.json records the same recipe
+    (`same_recipe`) and whose weights still match it, or None. When the mixed-precision search keeps no
+    layer 16-bit, int4-mixed's recipe is int4's: re-quantizing would cost minutes for the same weights."""
+    for manifest_file in sorted(models.glob(f"*/{MANIFEST}")):
+        twin = manifest_file.parent
+        if twin.name == build:
+            continue
+        try:
+            if same_recipe(read_manifest(twin).get("recipe") or {}, record):
+                verify_weights(twin)
+                return twin
+        except QuantgateError:  # unreadable or changed since: not a twin
+            continue
+    return None
 
 
 def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_file: Path = CALIBRATION_FILE) -> dict:
@@ -106,6 +136,18 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
             "calibration: {samples: 256, seq_len: 512} to the block"
         )
     base = read_manifest(src)
+    if needs:  # a missing or malformed calibration file is refused before it is hashed
+        calibration_texts(calibration_file, p.calibration.samples, "quantize.*.calibration.samples")
+    record = recipe_record(p, recipe_path, base["weights_digest"], calibration_file if needs else None)
+    if (twin := twin_build(out.parent, build, record)) is not None:
+        print(
+            f"quantize[{build}]: {twin} was made from the same recipe, calibration and source weights; "
+            "its weights are copied, not quantized again",
+            flush=True,
+        )
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(twin, out, ignore=shutil.ignore_patterns(MANIFEST))
+        return save_manifest(build, out, base, record, p.kv_cache_dtype)
     dtype = getattr(torch, base["dtype"])  # the 16-bit build's dtype, which the saved build keeps
     # calibrate in float32 where 16-bit arithmetic is emulated; the build is cast back before it is saved
     work_dtype = dtype if native_16bit() else torch.float32
@@ -142,17 +184,19 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     model.to(dtype)  # floating-point tensors only: integer zero points and packed weights keep their type
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
+    return save_manifest(build, out, base, record, p.kv_cache_dtype)
+
+
+def save_manifest(build: str, out: Path, base: dict, record: dict, kv_cache_dtype: str) -> dict:
+    """Write build.json of the build in `out` (scheme read from its config.json, lineage from the 16-bit
+    build's manifest `base` and the recipe `record`) and return it. A kv_cache_dtype other than "auto" is
+    recorded there, so that every vLLM server of the build uses it."""
     config = json.loads((out / "config.json").read_text())
     manifest = write_manifest(
-        out,
-        build=build,
-        scheme=scheme_label(config),
-        dtype=base["dtype"],
-        base_model=base["base_model"],
-        recipe=recipe_record(p, recipe_path, base["weights_digest"]),
+        out, build=build, scheme=scheme_label(config), dtype=base["dtype"], base_model=base["base_model"], recipe=record
     )
-    if p.kv_cache_dtype != "auto":  # how vLLM holds this build's KV cache: every server of it reads it here
-        manifest["kv_cache_dtype"] = p.kv_cache_dtype
+    if kv_cache_dtype != "auto":
+        manifest["kv_cache_dtype"] = kv_cache_dtype
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

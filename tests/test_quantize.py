@@ -261,3 +261,51 @@ def test_config_digest_follows_config_and_tokenizer_not_weights_or_manifest(src,
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**cfg, "rope_theta": 1.0}))
     assert config_digest(out) != first  # the evaluation cache must not answer for a changed config
+
+
+def test_a_build_with_another_builds_recipe_copies_its_weights_instead_of_quantizing(
+    src, tmp_path, calibration, capsys
+):
+    # int4-mixed after a search that kept no layer 16-bit: int4's recipe, written out again by the search
+    models = tmp_path / "models"
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    text = W4_G32.format(modifier="GPTQModifier", group=32)
+    int4 = quantize(
+        "int4",
+        src,
+        models / "int4",
+        QuantizeParams(recipe=recipe_file(tmp_path, text), calibration=c),
+        calibration_file=calibration,
+    )
+    relaid = "# the search's copy\n" + text.replace("ignore: [lm_head]", "ignore:\n      - lm_head")
+    mixed_params = QuantizeParams(recipe=recipe_file(tmp_path, relaid, "mixed.yaml"), calibration=c)
+    capsys.readouterr()
+    mixed = quantize("int4-mixed", src, models / "int4-mixed", mixed_params, calibration_file=calibration)
+    out = capsys.readouterr().out
+    assert f"quantize[int4-mixed]: {models / 'int4'} was made from the same recipe" in out
+    assert "smoke answer" not in out  # nothing was quantized
+    assert mixed["weights_digest"] == int4["weights_digest"] and mixed["build"] == "int4-mixed"
+    assert mixed["recipe"]["file"].endswith("mixed.yaml") and mixed["recipe"]["sha256"] != int4["recipe"]["sha256"]
+    assert verify_weights(models / "int4-mixed")["build"] == "int4-mixed"
+
+
+def test_other_calibration_data_or_weights_changed_since_are_quantized_again(src, tmp_path, calibration, capsys):
+    models = tmp_path / "models"
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    params = QuantizeParams(
+        recipe=recipe_file(tmp_path, W4_G32.format(modifier="GPTQModifier", group=32)), calibration=c
+    )
+    quantize("int4", src, models / "int4", params, calibration_file=calibration)
+    other = tmp_path / "other.jsonl"
+    other.write_text(calibration.read_text().replace("paris", "lyon"))
+    capsys.readouterr()
+    again = quantize("int4-mixed", src, models / "int4-mixed", params, calibration_file=other)
+    assert (
+        "same recipe" not in capsys.readouterr().out
+        and again["recipe"]["calibration_sha256"] != read_manifest(models / "int4")["recipe"]["calibration_sha256"]
+    )
+    # a twin whose weights changed after it was made is not copied
+    weights = models / "int4" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    quantize("int4-mixed", src, models / "int4-mixed", params, calibration_file=calibration)
+    assert "same recipe" not in capsys.readouterr().out
