@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv/bin
 export PATH := $(VENV):$(PATH)
 
-.PHONY: setup demo test test-unit bench gpu-check
+.PHONY: setup demo test test-unit bench gpu-check calibration
 
 setup:
 	@scripts/setup.sh
@@ -13,6 +13,12 @@ setup:
 # there and check the builds, at most 8 minutes (scripts/gpu_check.sh). Fails in one line without a GPU.
 gpu-check:
 	@scripts/gpu_check.sh
+
+# Record the calibration set (calibrate.recorded) anew: the 16-bit build answers calibrate.prompts through vLLM
+# (about 13 min for 64 conversations on 2 CPU cores). Commit both recorded files: every build's lineage names them.
+calibration: setup
+	dvc repro -q prepare
+	python -m pipeline.calibrate record models/fp16 evals
 
 # -q: DVC's own per-stage lines (Running stage, Updating lock file) stay out; each stage prints its own
 demo: setup

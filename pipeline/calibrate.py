@@ -1,15 +1,18 @@
 """Stage `calibrate`: chat-format calibration conversations for GPTQ, AWQ and SmoothQuant, made without downloads.
 
-Run by DVC: `python -m pipeline.calibrate MODEL_DIR EVALS_DIR OUT_JSONL` (params block `calibrate`; the
-server runs as `evaluate.serve` says, at the run's precision).
+Run by DVC: `python -m pipeline.calibrate MODEL_DIR EVALS_DIR OUT_JSONL` (params block `calibrate`). No server:
+the stage reads the recorded set (`calibrate.recorded`, quantgate/recorded.py), so that one commit makes one
+calibration set, and one build, on every machine.
 
-The 16-bit build, served by vLLM, answers every prompt of `calibrate.prompts` (each task applied to each
-topic). The answered turns, in a seeded shuffle, are packed into multi-turn conversations of at least
-`min_tokens` tokens under the model's chat template, so calibration sees the chat traffic the model
-serves. A team may add its own conversations in `evals/<team>/calibration.jsonl` (one
-`{"messages": [...]}` per line); they come first. Neither may contain a team's eval document:
-calibrating on the data that gates the build leaks the test into the build. The team files are checked
-here and in the validate stage by one function (quantgate/calibration.py).
+The recorded set is made on request: `python -m pipeline.calibrate record MODEL_DIR EVALS_DIR` (`make
+calibration`; the server runs as `evaluate.serve` says). The 16-bit build, served by vLLM, answers every prompt
+of `calibrate.prompts` (each task applied to each topic). The answered turns, in a seeded shuffle, are packed
+into multi-turn conversations of at least `min_tokens` tokens under the model's chat template, so calibration
+sees the chat traffic the model serves. A team may add its own conversations in
+`evals/<team>/calibration.jsonl` (one `{"messages": [...]}` per line); the stage puts them first. Neither may
+contain a team's eval document: calibrating on the data that gates the build leaks the test into the build.
+The team files are checked here and in the validate stage by one function (quantgate/calibration.py); recorded
+answers are checked again here against the teams of the day.
 
 Output: OUT_JSONL, one `{"source", "text", "tokens"}` object per conversation (`text` with the chat
 template applied; `tokens` in the 16-bit build's tokenizer).
@@ -28,7 +31,11 @@ from pydantic import Field, field_validator
 from quantgate.calibration import eval_strings, overlap, team_conversations
 from quantgate.console import LOG_DIR, progress
 from quantgate.errors import QuantgateError, run_main
+from quantgate.hashing import digest_json
+from quantgate.manifest import config_digest, read_manifest
 from quantgate.params import Frozen, load_block, parse, read_yaml
+from quantgate.precision import probe, resolve_dtype
+from quantgate.recorded import read_record, write_record
 from quantgate.serving import ServeParams, vllm_server
 from quantgate.teams import load_teams
 
@@ -41,6 +48,7 @@ class CalibrateParams(Frozen):
     temperature: float = Field(default=0.7, ge=0)  # > 0: varied answers, as traffic is
     seed: int = 0
     concurrency: int = Field(default=16, gt=0)  # requests in flight; vLLM batches them
+    recorded: str = "recipes/calibration/recorded"  # the recorded set: <recorded>.jsonl and <recorded>.json
 
 
 class PromptSet(Frozen):
@@ -140,39 +148,65 @@ def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: d
     return out, left_out
 
 
-def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve: ServeParams) -> int:
-    """Write the calibration conversations to `out`; return how many.
+def made_with(p: CalibrateParams, prompts: list[str]) -> dict:
+    """The settings a recorded set depends on: the prompts' content (their digest) and the packing and
+    sampling settings. `samples` is not one of them: a record of N serves any samples <= N."""
+    return {
+        "prompts_sha256": digest_json(prompts),
+        "min_tokens": p.min_tokens,
+        "max_answer_tokens": p.max_answer_tokens,
+        "temperature": p.temperature,
+        "seed": p.seed,
+    }
 
-    Raises QuantgateError (before any server starts) on a bad prompt file, a team file that is malformed or
-    overlaps eval data, and after generation if fewer than `p.samples` conversations reach `p.min_tokens`;
-    ServerStartError if the server does not start; ServerDied (quantgate.serving.Server.death's reason)
-    if it dies while it answers.
-    """
-    from transformers import AutoTokenizer
 
+def model_identity(model_dir: Path) -> dict:
+    """The 16-bit build a recorded set was answered by: its weights digest (build.json) and config digest
+    (tokenizer and chat template included, quantgate.manifest.config_digest)."""
+    return {"weights_digest": read_manifest(model_dir)["weights_digest"], "config_digest": config_digest(model_dir)}
+
+
+def _checked(model_dir: Path, evals: Path, p: CalibrateParams):
     prompts_path = Path(p.prompts)
     prompts = load_prompts(prompts_path)
     teams = load_teams(evals)
     strings = eval_strings(teams)
     check_prompts(prompts, prompts_path, strings)
-    own = team_conversations(teams, strings)
+    return prompts, teams, strings
+
+
+def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams) -> int:
+    """Write `p.samples` calibration conversations to `out`: every team's own first, then the recorded set's
+    in recorded order (answers that now quote an eval document, or are shorter than `p.min_tokens`, left
+    out). Return how many.
+
+    Raises QuantgateError on a bad prompt file, a team file that is malformed or overlaps eval data, a
+    recorded set that is missing, edited, made with other settings or from another 16-bit build
+    (quantgate.recorded.read_record), or too few conversations (names calibrate.samples and the remedy).
+    """
+    from transformers import AutoTokenizer
+
+    prompts, teams, strings = _checked(model_dir, evals, p)
+    recorded = read_record(Path(p.recorded), made_with(p, prompts), model_identity(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = []
-    for where, messages in own[: p.samples]:
-        rows.append((where, messages, tokens(tokenizer, messages)))
-    if len(rows) < p.samples:
-        need = p.model_copy(update={"samples": p.samples - len(rows)})
-        log = LOG_DIR / "calibrate_server.log"
-        with vllm_server(serve, model_dir.resolve(), model_dir.resolve().name, log) as server, server.deaths():
-            print(f"calibrate: the 16-bit build answers prompts of {prompts_path} at {server.base_url}", flush=True)
-            made, left_out = generate(tokenizer, server.base_url, server.name, prompts, strings, need)
-        if left_out:
-            print(f"calibrate: left out {left_out} empty answers or answers quoting an eval document", flush=True)
-        rows += [(str(prompts_path), m, n) for m, n in made]
+    rows = [(where, messages, tokens(tokenizer, messages)) for where, messages in team_conversations(teams, strings)]
+    left_out = 0
+    for where, messages in recorded:
+        if len(rows) >= p.samples:
+            break
+        n = tokens(tokenizer, messages)
+        if n < p.min_tokens or overlap(" ".join(m["content"] for m in messages), strings):
+            left_out += 1
+            continue
+        rows.append((where, messages, n))
+    rows = rows[: p.samples]
+    if left_out:
+        print(f"calibrate: left out {left_out} recorded conversations quoting an eval document or short", flush=True)
     if len(rows) < p.samples:
         raise QuantgateError(
-            f"calibrate: only {len(rows)} conversations of at least {p.min_tokens} tokens from {len(prompts)} prompts "
-            f"in {prompts_path}; add topics or tasks there, or lower calibrate.samples or calibrate.min_tokens"
+            f"calibrate: only {len(rows)} conversations (teams' own and {len(recorded)} recorded in "
+            f"{p.recorded}.jsonl), calibrate.samples asks {p.samples}; record more with `make calibration`, "
+            "or lower calibrate.samples"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
@@ -182,13 +216,57 @@ def calibrate(model_dir: Path, evals: Path, out: Path, p: CalibrateParams, serve
     return len(rows)
 
 
+def record(model_dir: Path, evals: Path, p: CalibrateParams, serve: ServeParams) -> dict:
+    """Make the recorded set `p.recorded`: `p.samples` conversations answered by the 16-bit build in
+    `model_dir`, served by vLLM as `serve` says (`generate`); return its description (quantgate.recorded).
+
+    Raises QuantgateError (before any server starts) on a bad prompt file or team file, and after generation
+    if fewer than `p.samples` conversations reach `p.min_tokens`; ServerStartError if the server does not
+    start; ServerDied (quantgate.serving.Server.death's reason) if it dies while it answers.
+    """
+    import datetime
+
+    from transformers import AutoTokenizer
+
+    prompts, _, strings = _checked(model_dir, evals, p)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    log = LOG_DIR / "calibrate_server.log"
+    with vllm_server(serve, model_dir.resolve(), model_dir.resolve().name, log) as server, server.deaths():
+        print(f"calibrate: the 16-bit build answers prompts of {p.prompts} at {server.base_url}", flush=True)
+        made, left_out = generate(tokenizer, server.base_url, server.name, prompts, strings, p)
+    if left_out:
+        print(f"calibrate: left out {left_out} empty answers or answers quoting an eval document", flush=True)
+    if len(made) < p.samples:
+        raise QuantgateError(
+            f"calibrate: only {len(made)} conversations of at least {p.min_tokens} tokens from {len(prompts)} "
+            f"prompts in {p.prompts}; add topics or tasks there, or lower calibrate.samples or calibrate.min_tokens"
+        )
+    platform = probe(serve.python)
+    where = {
+        "machine": platform.kind,
+        "dtype": resolve_dtype(serve.dtype, platform)[0],
+        "recorded": datetime.date.today().isoformat(),
+    }
+    return write_record(Path(p.recorded), [m for m, _ in made], made_with(p, prompts), model_identity(model_dir), where)
+
+
+USAGE = "usage: python -m pipeline.calibrate MODEL_DIR EVALS_DIR OUT_JSONL | record MODEL_DIR EVALS_DIR"
+
+
 def main() -> None:
-    if len(sys.argv) != 4:
-        raise QuantgateError("usage: python -m pipeline.calibrate MODEL_DIR EVALS_DIR OUT_JSONL")
-    model_dir, evals, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     p = load_block("calibrate", CalibrateParams)
-    serve = load_block("evaluate.serve", ServeParams)
-    n = calibrate(model_dir, evals, out, p, serve)
+    if len(sys.argv) == 4 and sys.argv[1] == "record":
+        d = record(Path(sys.argv[2]), Path(sys.argv[3]), p, load_block("evaluate.serve", ServeParams))
+        print(
+            f"calibrate: recorded {d['conversations']} conversations in {p.recorded}.jsonl (sha256 "
+            f"{d['sha256'][:12]}); commit it with {p.recorded}.json",
+            flush=True,
+        )
+        return
+    if len(sys.argv) != 4:
+        raise QuantgateError(USAGE)
+    model_dir, evals, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    n = calibrate(model_dir, evals, out, p)
     print(f"calibrate: wrote {n} conversations (>= {p.min_tokens} tokens each) to {out}", flush=True)
 
 

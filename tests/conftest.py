@@ -61,8 +61,8 @@ def pytest_configure(config):
 
 
 LIMIT = 12  # docs per task: real numbers through every stage, small enough for CI
-# calibration scaled down for CI (the defaults, 256 x 512 tokens, take minutes per stage on 2 cores)
-CALIBRATION = {"samples": 8, "min_tokens": 128, "max_answer_tokens": 96}
+# calibration scaled down for CI: the first 8 conversations of the recorded set (calibrate.recorded)
+CALIBRATION = {"samples": 8}
 SMALL_CALIBRATION = {"samples": 8, "seq_len": 128, "pipeline": "sequential"}
 SEARCH = {"max_evals": 2, "screen_limit": LIMIT, "kl_samples": 2, "kl_seq_len": 64}  # the search, scaled down
 PROFILE = {"concurrency": [1, 2], "output_len": 8}  # the profile stages, scaled down (most of it is the server start)

@@ -5,6 +5,7 @@ One pipeline run (eval limit reduced) is shared by every test here; the failure 
 run single stages in the same copy.
 """
 
+import hashlib
 import json
 import shutil
 import sys
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import CALIBRATION, LIMIT, SEARCH, run, run_precision
+from tests.conftest import CALIBRATION, LIMIT, SEARCH, load_params_doc, run, run_precision
 
 pytestmark = pytest.mark.e2e
 PRECISION = run_precision()  # what the probe says this machine serves, at params.yaml's dtype
@@ -35,9 +36,17 @@ def test_builds_are_compressed_tensors_with_manifests(project):
         if build != "fp16":  # lineage: the recipe file and its digest
             assert manifest["recipe"]["file"] == recipe and len(manifest["recipe"]["sha256"]) == 64
     calibration = [json.loads(line) for line in (project / "results/calibration.jsonl").read_text().splitlines()]
-    assert len(calibration) == CALIBRATION["samples"] and all(
-        c["tokens"] >= CALIBRATION["min_tokens"] and "<|im_start|>assistant" in c["text"] for c in calibration
-    )
+    recorded = load_params_doc()["calibrate"]["recorded"]
+    assert [c["source"] for c in calibration] == [f"{recorded}.jsonl:{i}" for i in range(1, CALIBRATION["samples"] + 1)]
+    min_tokens = load_params_doc()["calibrate"]["min_tokens"]
+    assert all(c["tokens"] >= min_tokens and "<|im_start|>assistant" in c["text"] for c in calibration)
+    # lineage: the calibrated builds name the calibration data they read
+    digest = hashlib.sha256((project / "results/calibration.jsonl").read_bytes()).hexdigest()
+    for build in ("int8", "int4"):
+        assert (
+            json.loads((project / "models" / build / "build.json").read_text())["recipe"]["calibration_sha256"]
+            == digest
+        )
     qc = json.loads((project / "models" / "int4" / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "pack-quantized" and "lm_head" in qc["ignore"]
     assert next(iter(qc["config_groups"].values()))["weights"]["group_size"] == 64
@@ -293,3 +302,23 @@ def test_bad_team_set_stops_repro_before_any_stage_touches_results(project):
         data.write_bytes(good)
     again = run(["dvc", "repro"], project).stdout
     assert [line for line in again.splitlines() if line.startswith("Running stage")] == ["Running stage 'validate':"]
+
+
+def test_a_calibration_set_recorded_by_a_real_server_makes_one_stage_output(project, tmp_path, monkeypatch):
+    # `make calibration`, scaled down: the 16-bit build answers through vLLM, then the stage twice from the record
+    from pipeline.calibrate import CalibrateParams, calibrate, record
+    from quantgate.serving import ServeParams
+    from tests.conftest import SERVE_PYTHON
+
+    monkeypatch.chdir(tmp_path)  # the server's log goes to results/logs here
+    prompts = str(project / "recipes/calibration/prompts.yaml")
+    p = CalibrateParams(prompts=prompts, samples=2, min_tokens=64, max_answer_tokens=32, recorded=str(tmp_path / "r"))
+    serve = ServeParams(python=SERVE_PYTHON, dtype=load_params_doc()["evaluate"]["serve"]["dtype"])
+    described = record(project / "models/fp16", project / "evals", p, serve)
+    assert described["conversations"] == 2 and described["dtype"] == PRECISION["dtype"]
+    assert described["made_with"]["max_answer_tokens"] == 32
+    for name in ("a", "b"):
+        assert calibrate(project / "models/fp16", project / "evals", tmp_path / f"{name}.jsonl", p) == 2
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert all(r["tokens"] >= 64 and r["text"].count("<|im_start|>assistant") >= 1 for r in rows)

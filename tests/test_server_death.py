@@ -299,25 +299,27 @@ def test_profile_records_the_death_as_the_unprofiled_reason(fake_vllm, tmp_path,
     )
 
 
-def test_calibrate_stops_with_the_death_of_the_16bit_server(fake_vllm, tmp_path, example_evals, monkeypatch):
+def test_recording_calibration_stops_with_the_death_of_the_16bit_server(
+    fake_vllm, tmp_path, example_evals, monkeypatch
+):
     import transformers
 
     import pipeline.calibrate as stage
-    from pipeline.calibrate import CalibrateParams, calibrate
+    from pipeline.calibrate import CalibrateParams, record
 
     model = safetensors_build(tmp_path / "models" / "fp16", "fp16", seed=3, shards=1)
     prompts = Path(stage.__file__).parents[1] / CalibrateParams().prompts
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: SimpleNamespace())
     served = lambda params, model_dir, name, log: dies_when_its_engine_fails(fake_vllm, name, tmp_path / "c.log")  # noqa: E731
     monkeypatch.setattr(stage, "vllm_server", served)
-    p = CalibrateParams(prompts=str(prompts), samples=2, concurrency=2)
+    p = CalibrateParams(prompts=str(prompts), samples=2, concurrency=2, recorded=str(tmp_path / "recorded"))
     with pytest.raises(ServerDied) as info:
-        calibrate(model, example_evals, tmp_path / "calibration.jsonl", p, ServeParams())
+        record(model, example_evals, p, ServeParams())
     assert re.fullmatch(
         rf"vLLM server for fp16 died with SIGKILL, \d+ s after it was ready: {ENGINE_ERROR} \(log: {tmp_path}/c.log\)",
         str(info.value),
     )
-    assert not (tmp_path / "calibration.jsonl").exists()
+    assert not (tmp_path / "recorded.jsonl").exists() and not (tmp_path / "recorded.json").exists()
 
 
 def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
