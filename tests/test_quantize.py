@@ -309,3 +309,14 @@ def test_other_calibration_data_or_weights_changed_since_are_quantized_again(src
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
     quantize("int4-mixed", src, models / "int4-mixed", params, calibration_file=calibration)
     assert "same recipe" not in capsys.readouterr().out
+
+
+def test_the_same_recipe_and_calibration_make_the_same_weights_twice(src, tmp_path, calibration):
+    # SmoothQuant + GPTQ W8A8 from the same calibration file: one commit, one build (sha256 of the weights)
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    params = QuantizeParams(recipe=str(REPO / "recipes/int8.yaml"), calibration=c)
+    digests = [
+        quantize("int8", src, tmp_path / run / "int8", params, calibration_file=calibration)["weights_digest"]
+        for run in ("a", "b")
+    ]
+    assert digests[0] == digests[1]
