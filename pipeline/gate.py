@@ -169,7 +169,8 @@ def search_problem(search_file: Path | None, build: str) -> str | None:
         return None
     return (
         f"the search kept {s.chosen} of {s.layers} layers 16-bit, but none of its {s.evaluations} screened "
-        f"candidates passed every team (results/search/trace.md); raise search.max_evals or change the base recipe"
+        "candidates was shown to pass every team (results/search/trace.md); raise search.doc_budget or change the "
+        "base recipe"
     )
 
 

@@ -17,22 +17,22 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    which vLLM needs at one scheme ("Found different quantization schemes for the shards of ...qkv_proj"
    otherwise: the server does not start); its sensitivity is its members' summed KL. A candidate is the
    16-bit model with every other targeted layer round-to-nearest quantized. It is screened in-process (lm-eval's hf
-   backend) on the first `screen_limit` documents of every team, against the 16-bit build on the same
-   documents, and passes a team when the gate's judge (quantgate/judging.py) does not FAIL it and its
-   point drop is at most `screen_fraction` of the team's margin: a subset this small cannot show
-   non-inferiority at the gate's confidence (the example search team needs 52 documents before even
-   an identical build can PASS: results/teams.json min_docs). k = 0 is screened first, then the
-   interval (largest failing k, smallest passing k) is cut at its geometric mean, since sensitivity is
-   concentrated in few layers; k = every layer is the 16-bit build itself and is never screened. At most
-   `max_evals` candidates are screened.
+   backend) against the 16-bit build on the same documents, sequentially (quantgate/screening.py): on
+   the first `looks[0]` documents of each task, then `looks[1]`, ..., judged by the gate's own interval
+   (quantgate/judging.py) at a confidence spent over the looks, until each team is decided within or beyond
+   its margin. A screen that runs out of looks, of a team's documents or of `doc_budget` (candidate
+   documents scored over the whole search) is undecided, and is never taken as a pass. k = 0 is screened
+   first, then the interval (largest k not shown to pass, smallest passing k) is cut at its geometric mean,
+   since sensitivity is concentrated in few layers; k = every layer is the 16-bit build itself and is
+   never screened. The search stops when the interval closes or the budget ends.
 3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
    module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
    evaluate and the gate then confirm it on the full sets like any build. Round-to-nearest screening loses
    at least as much as GPTQ on most layers, so the screen errs towards keeping layers.
    OUT_DIR/search.json (DVC metrics; quantgate.results.SearchResult) and OUT_DIR/trace.md: the ranking,
    every screened candidate with its per-team results, the choice, effective bits per weight and size.
-   If no screened candidate passes, the search says so and keeps the one with the largest worst-team
-   slack, and the gate FAILs that build.
+   If no screened candidate passes, the search says so and keeps the screened one with the most layers
+   16-bit, and the gate FAILs that build.
 """
 
 from __future__ import annotations
@@ -41,20 +41,24 @@ import itertools
 import math
 import sys
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from quantgate.console import progress
 from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.errors import QuantgateError, run_main
+from quantgate.jsonl import read_jsonl
 from quantgate.judging import GateBlock, judge
 from quantgate.params import Frozen, load_block, load_builds, read_yaml
 from quantgate.precision import native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import check_group_size, load_recipe, weight_schemes
 from quantgate.results import Screen, SearchResult, TeamScores, write_search
 from quantgate.scoring import HarnessParams, run_team
+from quantgate.screening import Budget, Outcome, look_confidence, sequential
 from quantgate.serving import ServeParams
 from quantgate.stats import Verdict
 from quantgate.teams import Team, load_teams
@@ -67,14 +71,35 @@ class SearchParams(Frozen):
 
     build: str = "int4-mixed"  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
     recipe: str = "recipes/int4.yaml"  # the recipe (scheme, method) the search falls back from: int4's
-    max_evals: int = Field(default=4, ge=1)  # candidates screened at most
-    screen_limit: int = Field(default=40, gt=0)  # first documents of each team's tasks per screen
-    screen_fraction: float = Field(default=0.5, gt=0, le=1)  # a team passes the screen at drop <= this x margin
+    looks: list[int] = Field(default=[40, 80, 160], min_length=1)  # first documents per task at each look
+    doc_budget: int = Field(default=1500, gt=0)  # candidate documents scored over the whole search, every look
     kl_samples: int = Field(default=4, gt=0)  # calibration conversations for the sensitivity ranking
     kl_seq_len: int = Field(default=128, gt=0)  # tokens of each
     # layers vLLM loads as one fused module, kept or quantized together: {fused name: member layer names};
     # vLLM's packed_modules_mapping for Llama, Mistral, Qwen2 (vllm/model_executor/models/llama.py)
     fused: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict) and (old := [k for k in REPLACED if k in data]):
+            raise ValueError(f"search.{old[0]} was replaced: {REPLACED[old[0]]}")
+        return data
+
+    @field_validator("looks")
+    @classmethod
+    def _growing(cls, looks: list[int]) -> list[int]:
+        if any(n <= 0 for n in looks) or looks != sorted(set(looks)):
+            raise ValueError(f"looks must be growing document counts above 0, e.g. [40, 80, 160]; got {looks}")
+        return looks
+
+
+# keys of an older search block and what took their place (screens are sequential now: quantgate/screening.py)
+REPLACED = {
+    "max_evals": "the search spends search.doc_budget (candidate documents scored) instead of a count of screens",
+    "screen_limit": "each screen looks at search.looks documents per task in turn, e.g. [40, 80, 160]",
+    "screen_fraction": "a team passes a screen when the gate's interval puts its drop within the margin",
+}
 
 
 def rtn(weight, args):
@@ -137,6 +162,15 @@ def calibration_ids(tokenizer, path: Path, samples: int, seq_len: int) -> list:
         tokenizer(t, return_tensors="pt", add_special_tokens=False, truncation=True, max_length=seq_len).input_ids
         for t in calibration_texts(path, samples, "search.kl_samples")
     ]
+
+
+def ranked_on(path: Path, samples: int, seq_len: int) -> str:
+    """Which text the KL ranking read, for the trace: the first `samples` conversations of `path` (up to
+    `seq_len` tokens each) and where they came from (each row's "source": a team's calibration.jsonl or the
+    recorded set)."""
+    rows = [row for _, row in zip(range(samples), read_jsonl(path, "re-run the calibrate stage"), strict=False)]
+    sources = sorted({str(row.get("source", "?")).rsplit(":", 1)[0] for _, row in rows if isinstance(row, dict)})
+    return f"the first {len(rows)} conversations of {path} (<= {seq_len} tokens each), from {', '.join(sources)}"
 
 
 class BlockCache:
@@ -242,45 +276,66 @@ def next_k(lo: int, hi: int) -> int:
     return min(max(mid, lo + 1), hi - 1)
 
 
-def bisect(n_units: int, max_evals: int, screen) -> list[Screen]:
-    """Screens in the order run: k = 0, then the interval (largest failing k, smallest passing k) is cut
-    (next_k) until it closes or `max_evals` screens are spent. `screen(k) -> Screen` keeps the top k units;
-    k = n_units (all 16-bit) passes by construction and is never screened."""
-    done = [screen(0)]
-    if done[0].passed:
+def bisect(n_units: int, screen) -> list[Screen]:
+    """Screens in the order run: k = 0, then the interval (largest k not shown to pass, smallest passing k) is
+    cut (next_k) until it closes or the budget ends. `screen(k) -> Screen | None` keeps the top k units (None:
+    the document budget cannot start it); k = n_units (all 16-bit) passes by construction, never screened.
+    A failed or undecided screen both move the interval up: neither shows that k layers are enough."""
+    done = [s] if (s := screen(0)) is not None else []
+    if not done or done[0].passed:
         return done
     lo, hi = 0, n_units
-    while len(done) < max_evals and hi - lo >= 2:
+    while hi - lo >= 2:
         k = next_k(lo, hi)
-        done.append(screen(k))
-        lo, hi = (lo, k) if done[-1].passed else (k, hi)
+        if (s := screen(k)) is None:
+            break
+        done.append(s)
+        lo, hi = (lo, k) if s.passed else (k, hi)
     return done
 
 
 def choose(screens: list[Screen]) -> tuple[Screen, bool]:
-    """(chosen screen, whether it passed): the passing one with the fewest kept layers, else the one with
-    the largest worst-team slack."""
+    """(chosen screen, whether it passed): the passing one with the fewest kept layers, else the screened one
+    with the most (the closest to the 16-bit build; its point estimates are not a verdict)."""
     passing = [s for s in screens if s.passed]
     if passing:
         return min(passing, key=lambda s: s.kept), True
-    return max(screens, key=lambda s: s.worst_slack), False
+    return max(screens, key=lambda s: s.kept), False
+
+
+def subset(scores: TeamScores, keys: set[tuple[str, int]]) -> TeamScores:
+    """`scores` with only the samples whose (task, doc_id) is in `keys` (a look's documents)."""
+    return scores.model_copy(update={"samples": [x for x in scores.samples if (x.task, x.doc_id) in keys]})
 
 
 def screen_teams(
-    lm, teams: list[Team], harness: HarnessParams, baseline: dict[str, TeamScores], gate: GateBlock, p: SearchParams
-) -> tuple[dict, float, bool]:
-    """Score every team with `lm` and judge it against `baseline` ({team: 16-bit scores on the same docs}).
+    lm,
+    teams: list[Team],
+    harness: HarnessParams,
+    baseline: dict[str, TeamScores],
+    gate: GateBlock,
+    p: SearchParams,
+    budget: Budget,
+):
+    """Screen the candidate now in `lm` sequentially (quantgate.screening.sequential) against `baseline`
+    ({team: 16-bit scores on the first max(p.looks) documents per task}), spending `budget`.
+    Returns the ScreenRun."""
+    by_name = {t.name: t for t in teams}
+    per_task = {t: Counter(x.task for x in b.samples) for t, b in baseline.items()}
 
-    Returns ({team: TeamComparison}, worst slack, passed). A team passes when the judge does not FAIL it
-    and drop <= screen_fraction * margin; slack = screen_fraction * margin - drop (metric units)."""
-    out, slacks = {}, []
-    for team in teams:
-        scores, _ = run_team(lm, team, harness)
-        cmp = judge(team, baseline[team.name], scores, gate, p.build)
-        out[team.name] = cmp
-        slacks.append(p.screen_fraction * cmp.margin - cmp.drop)  # a FAIL has drop > margin: slack < 0
-    worst = min(slacks)
-    return out, worst, worst >= 0 and all(c.verdict != Verdict.FAIL for c in out.values())
+    def cost(team: str, limit: int) -> int:
+        return sum(min(limit, n) for n in per_task[team].values())
+
+    def judge_at(team: str, limit: int):
+        t = by_name[team]
+        scores, _ = run_team(lm, t, harness.model_copy(update={"limit": limit}))
+        counts = Counter(x.task for x in scores.samples)
+        base = subset(baseline[team], {(x.task, x.doc_id) for x in scores.samples})
+        policy = t.policy.model_copy(update={"confidence": look_confidence(t.policy.confidence, len(p.looks))})
+        c = judge(replace(t, policy=policy), base, scores, gate, p.build)
+        return c, len(scores.samples), all(counts[task] < limit for task in per_task[team])
+
+    return sequential([t.name for t in teams], p.looks, judge_at, cost, budget)
 
 
 def mixed_recipe(base_path: Path, kept: list[str], header: str) -> str:
@@ -326,7 +381,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         raise QuantgateError(f"{base_path} (search.recipe): no weight quantization to fall back from")
     scheme, ignore = schemes[0]
     args = scheme.weights
-    harness = load_block("evaluate.harness", HarnessParams).model_copy(update={"limit": p.screen_limit})
+    harness = load_block("evaluate.harness", HarnessParams).model_copy(update={"limit": max(p.looks)})
     max_length = load_block("evaluate.serve", ServeParams).max_model_len
     gate = load_block("gate", GateBlock)
     teams = load_teams(evals_dir)
@@ -360,26 +415,37 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
 
     originals = {name: m.weight.data.clone() for name, m in linears.items()}
 
-    def screen(k: int) -> Screen:
-        began = time.monotonic()
+    budget = Budget(p.doc_budget)
+
+    def screen(k: int) -> Screen | None:
+        began, spent = time.monotonic(), budget.spent
         kept = set(order[: bounds[k]])
         with torch.no_grad():
             for name, m in linears.items():
                 m.weight.data = originals[name] if name in kept else rtn(originals[name], args)
-        teams_cmp, worst, passed = screen_teams(lm, teams, harness, baseline, gate, p)
+        run = screen_teams(lm, teams, harness, baseline, gate, p, budget)
+        if budget.spent == spent:  # the budget could not start it
+            return None
         s = Screen(
             kept=len(kept),
-            passed=passed,
-            worst_slack=round(worst, 6),
-            teams=teams_cmp,
+            outcome=run.outcome.value,
+            passed=run.outcome == Outcome.PASS,
+            worst_slack=round(min(c.margin - c.upper for c in run.teams.values()), 6),
+            teams=run.teams,
             effective_bits=round(effective_bits(layers, kept, args), 3),
             seconds=round(time.monotonic() - began, 1),
+            docs=run.docs,
+            looks=run.trail,
         )
-        verdicts = ", ".join(f"{t} drop {c.drop:+.3f}/{c.margin:.3f}" for t, c in teams_cmp.items())
-        print(f"search: keep {len(kept):>3} 16-bit -> {'pass' if passed else 'fail'} ({verdicts})", flush=True)
+        print(f"search: keep {len(kept):>3} 16-bit -> {s.outcome} ({'; '.join(run.trail)})", flush=True)
         return s
 
-    screens = bisect(len(ranked), p.max_evals, screen)
+    screens = bisect(len(ranked), screen)
+    if not screens:
+        raise QuantgateError(
+            f"search.doc_budget {p.doc_budget}: too small for one look at every team ({p.looks[0]} documents per "
+            "task); raise it"
+        )
     chosen, passed = choose(screens)
     kept = order[: chosen.kept]
     with torch.no_grad():
@@ -392,6 +458,9 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         chosen=chosen.kept,
         kept_layers=kept,
         evaluations=len(screens),
+        docs_spent=budget.spent,
+        doc_budget=p.doc_budget,
+        ranked_on=ranked_on(CALIBRATION_FILE, p.kl_samples, p.kl_seq_len),
         effective_bits=chosen.effective_bits,
         size_mib=round(size_mib(model, layers, set(kept), args), 1),
         layers=len(order),
@@ -400,7 +469,8 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
     )
     header = (
         f"{p.build}: {base_path} with the {len(kept)} most sensitive of its {len(order)} quantized layers kept "
-        f"16-bit\n(pipeline.search, {len(screens)} screens; {'passed' if passed else 'NO candidate passed'} "
+        f"16-bit\n(pipeline.search, {len(screens)} screens, {budget.spent} documents; "
+        f"{'passed' if passed else 'NO candidate passed'} "
         f"the screen; see {out_dir / TRACE})"
     )
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -412,24 +482,41 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
 
 
 def trace(r: SearchResult, p: SearchParams) -> str:
-    """The search as markdown: every screen (kept layers, bits, per-team drop vs margin), then the choice."""
+    """The search as markdown: every screen (kept layers, bits, per-team drop vs margin at its last look and
+    the interval's verdict, outcome, documents, the looks), then the choice."""
     teams = list(r.screens[0].teams) if r.screens else []
     lines = [
         f"# Search trace: {r.build} from {r.recipe}",
         "",
-        f"{r.layers} layers ranked by KL, kept 16-bit a unit at a time (vLLM's fused modules "
+        f"{r.layers} layers ranked by KL on {r.ranked_on}; kept 16-bit a unit at a time (vLLM's fused modules "
         + ", ".join(f"{name} = {'+'.join(members)}" for name, members in p.fused.items())
-        + f" as one); screens on the first {p.screen_limit} documents per task, a team "
-        f"passes at drop <= {p.screen_fraction} x margin; {r.evaluations} of at most {p.max_evals} screens.",
+        + f" as one). Each screen looks at {p.looks} documents per task in turn, judged by the gate's interval at "
+        f"each team's confidence split over {len(p.looks)} looks (Bonferroni), until every team is decided; "
+        f"{r.evaluations} screens, {r.docs_spent} of {r.doc_budget} candidate documents (search.doc_budget).",
         "",
-        "| kept 16-bit | bits/weight | " + " | ".join(f"{t} drop / margin" for t in teams) + " | screen | s |",
-        "|---|---|" + "---|" * len(teams) + "---|---|",
+        "| kept 16-bit | bits/weight | "
+        + " | ".join(f"{t} drop / margin (n)" for t in teams)
+        + " | screen | docs | looks | s |",
+        "|---|---|" + "---|" * len(teams) + "---|---|---|---|",
     ]
     for s in r.screens:
-        cells = [f"{c.drop:+.3f} / {c.margin:.3f} ({c.verdict})" for c in s.teams.values()]
-        row = [str(s.kept), f"{s.effective_bits:.2f}", *cells, "pass" if s.passed else "fail", f"{s.seconds:.0f}"]
+        looked = {t: f"{c.drop:+.3f} / {c.margin:.3f} ({Verdict(c.verdict).value}, {c.n})" for t, c in s.teams.items()}
+        cells = [looked.get(t, "not looked at") for t in teams]
+        row = [
+            str(s.kept),
+            f"{s.effective_bits:.2f}",
+            *cells,
+            s.outcome,
+            str(s.docs),
+            "; ".join(s.looks),
+            f"{s.seconds:.0f}",
+        ]
         lines.append("| " + " | ".join(row) + " |")
-    verdict = "passed the screen" if r.passed else "no screened candidate passed; kept the best, the gate FAILs it"
+    verdict = (
+        "passed the screen"
+        if r.passed
+        else "no screened candidate was shown to pass; kept the one with the most layers 16-bit, the gate FAILs it"
+    )
     lines += [
         "",
         f"Chosen: {r.chosen} layers kept 16-bit ({verdict}), {r.effective_bits} bits per weight, "
@@ -495,7 +582,8 @@ def main() -> None:
     outcome = "passed the screen" if r.passed else "NO candidate passed the screen (the gate will FAIL it)"
     print(
         f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "
-        f"~{r.size_mib} MiB; {r.evaluations} screens; wrote {out_dir / RECIPE}"
+        f"~{r.size_mib} MiB; {r.evaluations} screens, {r.docs_spent} of {r.doc_budget} documents; "
+        f"wrote {out_dir / RECIPE}"
     )
 
 

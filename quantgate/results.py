@@ -311,11 +311,14 @@ class Screen(Document):
     """One candidate the search screened: `kept` layers in 16-bit, its per-team screening judgements."""
 
     kept: int  # layers kept 16-bit: those of the top units of the ranking (pipeline.search.units)
-    passed: bool  # every team screened PASS
-    worst_slack: float  # min over teams of (screen_fraction * margin - drop), metric units; < 0 = fails
-    teams: dict[str, TeamComparison]
+    outcome: Literal["pass", "fail", "undecided"] = "undecided"  # quantgate.screening.Outcome
+    passed: bool  # outcome "pass": every team's interval decided within its margin
+    worst_slack: float  # min over the teams looked at of (margin - upper bound of the drop), metric units
+    teams: dict[str, TeamComparison]  # each team's comparison at its last look
     effective_bits: float  # bits per weight of the targeted Linear layers
     seconds: float
+    docs: int = 0  # candidate documents scored, every look
+    looks: list[str] = []  # one line per look: "<docs per task>: team VERDICT, ..."
 
 
 class SearchResult(Document):
@@ -327,7 +330,10 @@ class SearchResult(Document):
     passed: bool = False  # a screened candidate passed every team
     chosen: int | None = None  # layers kept 16-bit in the recipe
     kept_layers: list[str] = []  # their module names, most sensitive unit first (a fused module's together)
-    evaluations: int = 0  # candidates screened (<= search.max_evals)
+    evaluations: int = 0  # candidates screened
+    docs_spent: int = 0  # candidate documents scored over every screen (<= doc_budget)
+    doc_budget: int = 0  # search.doc_budget
+    ranked_on: str = ""  # the text the KL ranking read (calibration conversations and their sources)
     effective_bits: float | None = None  # bits per weight of the targeted Linear layers, chosen candidate
     size_mib: float | None = None  # estimated weights of the whole build, chosen candidate
     layers: int = 0  # Linear layers the base recipe quantizes

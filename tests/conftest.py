@@ -64,7 +64,7 @@ LIMIT = 12  # docs per task: real numbers through every stage, small enough for 
 # calibration scaled down for CI: the first 8 conversations of the recorded set (calibrate.recorded)
 CALIBRATION = {"samples": 8}
 SMALL_CALIBRATION = {"samples": 8, "seq_len": 128, "pipeline": "sequential"}
-SEARCH = {"max_evals": 2, "screen_limit": LIMIT, "kl_samples": 2, "kl_seq_len": 64}  # the search, scaled down
+SEARCH = {"looks": [LIMIT], "doc_budget": 6 * LIMIT * 4, "kl_samples": 2, "kl_seq_len": 64}  # scaled down
 PROFILE = {"concurrency": [1, 2], "output_len": 8}  # the profile stages, scaled down (most of it is the server start)
 
 

@@ -72,7 +72,8 @@ def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mi
     assert result["layers"] == 30 * 7 == len(result["sensitivity"])  # SmolLM2-135M: 30 blocks x 7 Linears
     kl = list(result["sensitivity"].values())
     assert kl == sorted(kl, reverse=True) and kl[-1] >= 0 and kl[0] > 0
-    assert 1 <= result["evaluations"] == len(result["screens"]) <= SEARCH["max_evals"]
+    assert 1 <= result["evaluations"] == len(result["screens"])
+    assert result["docs_spent"] == sum(s["docs"] for s in result["screens"]) <= SEARCH["doc_budget"]
     assert result["screens"][0]["kept"] == 0 and result["screens"][0]["effective_bits"] == 4.25  # W4, g64 scales
     for s in result["screens"]:
         assert set(s["teams"]) == {"billing", "search", "support"}

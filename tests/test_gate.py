@@ -266,8 +266,8 @@ def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(
     b = result.builds["int4-mixed"]
     assert (b.verdict, b.shippable) == ("FAIL", False) and b.teams["search"].verdict == "PASS"  # the team row stays
     assert b.reason == (
-        "the search kept 54 of 210 layers 16-bit, but none of its 4 screened candidates passed every team "
-        "(results/search/trace.md); raise search.max_evals or change the base recipe"
+        "the search kept 54 of 210 layers 16-bit, but none of its 4 screened candidates was shown to pass every team "
+        "(results/search/trace.md); raise search.doc_budget or change the base recipe"
     )
     assert result.builds["int4"].verdict == "PASS"  # another build's search result is not its own
     assert f"  - {b.reason}" in report(result)

@@ -25,7 +25,8 @@ from pipeline.search import (
 from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
 from quantgate.recipes import load_recipe
-from quantgate.results import Screen, TeamScores, read_search
+from quantgate.results import Screen, TeamComparison, TeamScores, read_search
+from quantgate.screening import Outcome, ScreenRun
 from tests.conftest import REPO
 from tests.tiny import WORDS, tiny_llama_dir
 
@@ -81,13 +82,27 @@ def test_size_counts_tied_weights_once(tmp_path):
     assert size_mib(model, layers, set(layers), W4G) == pytest.approx(all16)
 
 
-def screens_for(threshold: int, n: int, max_evals: int) -> list[Screen]:
-    """bisect against a fake screen that passes from `threshold` kept layers on."""
+def screens_for(threshold: int, n: int, screens_left: int) -> list[Screen]:
+    """bisect against a fake screen that passes from `threshold` kept layers on, with a budget for
+    `screens_left` screens (None once it is spent)."""
+    left = [screens_left]
 
     def screen(k):
-        return Screen(kept=k, passed=k >= threshold, worst_slack=k - threshold, teams={}, effective_bits=4.0, seconds=0)
+        if left[0] == 0:
+            return None
+        left[0] -= 1
+        outcome = "pass" if k >= threshold else "fail"
+        return Screen(
+            kept=k,
+            outcome=outcome,
+            passed=outcome == "pass",
+            worst_slack=k - threshold,
+            teams={},
+            effective_bits=4.0,
+            seconds=0,
+        )
 
-    return bisect(n, max_evals, screen)
+    return bisect(n, screen)
 
 
 def test_bisection_finds_the_fewest_kept_layers_within_the_budget():
@@ -98,6 +113,20 @@ def test_bisection_finds_the_fewest_kept_layers_within_the_budget():
     assert [s.kept for s in screens_for(0, 210, 10)] == [0]  # the base recipe already passes: keep none
     short = screens_for(13, 210, 3)
     assert [s.kept for s in short] == [0, 14, 4] and choose(short)[0].kept == 14
+    assert screens_for(13, 210, 0) == []  # a budget that cannot start a screen: nothing screened
+
+
+def test_an_undecided_screen_is_never_chosen_and_moves_the_bisection_up():
+    def screen(k):
+        outcome = {0: "fail", 14: "undecided"}.get(k, "pass" if k >= 30 else "undecided")
+        return Screen(
+            kept=k, outcome=outcome, passed=outcome == "pass", worst_slack=0.01, teams={}, effective_bits=4.0, seconds=0
+        )
+
+    done = bisect(210, screen)
+    assert [(s.kept, s.outcome) for s in done][:3] == [(0, "fail"), (14, "undecided"), (54, "pass")]
+    chosen, passed = choose(done)
+    assert passed and chosen.kept == 30 and all(s.kept < 30 for s in done if s.outcome == "undecided")
 
 
 def test_fused_layers_are_one_unit_ranked_by_their_summed_kl():
@@ -125,11 +154,20 @@ def test_fused_layers_are_one_unit_ranked_by_their_summed_kl():
     assert two == [["a.q_proj", "a.k_proj"], ["b.q_proj"]]
 
 
-def test_no_passing_screen_keeps_the_one_with_the_most_slack():
+def test_no_passing_screen_keeps_the_screened_one_closest_to_16_bit():
     done = screens_for(500, 210, 3)  # nothing short of every layer passes
     assert [s.kept for s in done] == [0, 14, 54] and not any(s.passed for s in done)
     chosen, passed = choose(done)
     assert (chosen.kept, passed) == (54, False)
+
+
+def test_old_search_keys_are_refused_with_what_replaced_them():
+    with pytest.raises(ValueError, match=r"search.max_evals was replaced: the search spends search.doc_budget"):
+        SearchParams(max_evals=4)
+    with pytest.raises(ValueError, match=r"search.screen_limit was replaced: each screen looks at search.looks"):
+        SearchParams(screen_limit=40)
+    with pytest.raises(ValueError, match=r"looks must be growing document counts above 0"):
+        SearchParams(looks=[80, 40])
 
 
 def test_mixed_recipe_adds_the_kept_layers_to_ignore_and_llm_compressor_reads_it(tmp_path):
@@ -228,9 +266,29 @@ def kept_none(tmp_path, monkeypatch, example_evals):
     (tmp_path / "results/calibration.jsonl").write_text(f'{{"text": "{text}"}}\n' * 2)
     screens = []
 
-    def screen_teams(lm, teams, harness, baseline, gate, p):
+    def screen_teams(lm, teams, harness, baseline, gate, p, budget):
         screens.append(len(screens))
-        return {}, 0.01, True  # every team within the screen's bound
+        budget.spent += 40
+        comparison = TeamComparison(
+            verdict="PASS",
+            metric="acc",
+            higher_is_better=True,
+            n=40,
+            baseline=0.5,
+            candidate=0.5,
+            delta=0.0,
+            margin=0.05,
+            confidence=0.95,
+            method="tango",
+            drop=0.0,
+            lower=-0.02,
+            upper=0.02,
+            p_value=0.01,
+            p_difference=1.0,
+            n_required=None,
+            reason="within",
+        )
+        return ScreenRun(Outcome.PASS, {"billing": comparison}, docs=40, trail=["40: billing PASS"])
 
     monkeypatch.setattr(search_stage, "hf_lm", lambda *a, **k: None)
     monkeypatch.setattr(search_stage, "run_team", lambda lm, team, harness: (TeamScores(status="ok"), None))
@@ -246,6 +304,8 @@ def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_r
     assert screens == [0]  # k = 0 screened, nothing after it
     assert (result.build, result.passed, result.chosen, result.kept_layers) == ("int4-mixed", True, 0, [])
     assert result.layers == 14 and result.evaluations == 1 and result.effective_bits == 4.25
+    assert (result.docs_spent, result.doc_budget, result.screens[0].looks) == (40, 1500, ["40: billing PASS"])
+    assert result.ranked_on.startswith("the first 2 conversations of results/calibration.jsonl (<= 16 tokens")
     assert read_search(out / "search.json") == result
     written, base = read_yaml(out / "recipe.yaml"), read_yaml(REPO / "recipes/int4.yaml")
     assert written == base  # the base recipe's ignore, no layer added
