@@ -25,9 +25,10 @@ from pipeline.search import (
 from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
 from quantgate.recipes import load_recipe
-from quantgate.results import Screen, TeamComparison, TeamScores, read_search
+from quantgate.results import Screen, TeamScores, read_search
 from quantgate.screening import Outcome, ScreenRun
 from tests.conftest import REPO
+from tests.test_screening import comparison
 from tests.tiny import WORDS, tiny_llama_dir
 
 W4G = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)
@@ -269,26 +270,7 @@ def kept_none(tmp_path, monkeypatch, example_evals):
     def screen_teams(lm, teams, harness, baseline, gate, p, budget):
         screens.append(len(screens))
         budget.spent += 40
-        comparison = TeamComparison(
-            verdict="PASS",
-            metric="acc",
-            higher_is_better=True,
-            n=40,
-            baseline=0.5,
-            candidate=0.5,
-            delta=0.0,
-            margin=0.05,
-            confidence=0.95,
-            method="tango",
-            drop=0.0,
-            lower=-0.02,
-            upper=0.02,
-            p_value=0.01,
-            p_difference=1.0,
-            n_required=None,
-            reason="within",
-        )
-        return ScreenRun(Outcome.PASS, {"billing": comparison}, docs=40, trail=["40: billing PASS"])
+        return ScreenRun(Outcome.PASS, {"billing": comparison("PASS", 40)}, docs=40, trail=["40: billing PASS"])
 
     monkeypatch.setattr(search_stage, "hf_lm", lambda *a, **k: None)
     monkeypatch.setattr(search_stage, "run_team", lambda lm, team, harness: (TeamScores(status="ok"), None))
