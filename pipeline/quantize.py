@@ -97,13 +97,13 @@ def same_recipe(a: dict, b: dict) -> bool:
     return all(k in a for k in keys) and all(a.get(k) == b.get(k) for k in keys)
 
 
-def twin_build(models: Path, build: str, record: dict) -> Path | None:
-    """Another build directory beside `build`'s under `models` whose build.json records the same recipe
+def twin_build(out: Path, record: dict) -> Path | None:
+    """Another build directory beside `out` (the build being made) whose build.json records the same recipe
     (`same_recipe`) and whose weights still match it, or None. When the mixed-precision search keeps no
     layer 16-bit, int4-mixed's recipe is int4's: re-quantizing would cost minutes for the same weights."""
-    for manifest_file in sorted(models.glob(f"*/{MANIFEST}")):
+    for manifest_file in sorted(out.parent.glob(f"*/{MANIFEST}")):
         twin = manifest_file.parent
-        if twin.name == build:
+        if twin.resolve() == out.resolve():  # its own earlier make, about to be replaced
             continue
         try:
             if same_recipe(read_manifest(twin).get("recipe") or {}, record):
@@ -139,7 +139,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     if needs:  # a missing or malformed calibration file is refused before it is hashed
         calibration_texts(calibration_file, p.calibration.samples, "quantize.*.calibration.samples")
     record = recipe_record(p, recipe_path, base["weights_digest"], calibration_file if needs else None)
-    if (twin := twin_build(out.parent, build, record)) is not None:
+    if (twin := twin_build(out, record)) is not None:
         print(
             f"quantize[{build}]: {twin} was made from the same recipe, calibration and source weights; "
             "its weights are copied, not quantized again",

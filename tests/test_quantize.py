@@ -320,3 +320,13 @@ def test_the_same_recipe_and_calibration_make_the_same_weights_twice(src, tmp_pa
         for run in ("a", "b")
     ]
     assert digests[0] == digests[1]
+
+
+def test_a_folder_named_otherwise_than_its_build_is_made_again_not_copied_onto_itself(src, tmp_path, calibration):
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    params = QuantizeParams(
+        recipe=recipe_file(tmp_path, W4_G32.format(modifier="GPTQModifier", group=32)), calibration=c
+    )
+    first = quantize("int4", src, tmp_path / "builds" / "candidate", params, calibration_file=calibration)
+    again = quantize("int4", src, tmp_path / "builds" / "candidate", params, calibration_file=calibration)
+    assert again["weights_digest"] == first["weights_digest"] and verify_weights(tmp_path / "builds" / "candidate")
