@@ -30,7 +30,7 @@ from quantgate.hashing import digest_json, sha256_file
 from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_manifest
 from quantgate.params import Frozen, load_block, read_yaml
 from quantgate.precision import KvCacheDtype, native_16bit
-from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
+from quantgate.recipes import check_group_size, load_recipe, needs_data, needs_sequential, weight_schemes
 
 
 class Calibration(Frozen):
@@ -163,6 +163,12 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
         raise QuantgateError(
             f"quantize.{build}: {recipe_path} uses {', '.join(needs)}, which needs calibration data; add "
             "calibration: {samples: 256, seq_len: 512} to the block"
+        )
+    if (layerwise := needs_sequential(recipe)) and p.calibration and p.calibration.pipeline != "sequential":
+        raise QuantgateError(
+            f"{recipe_path} (quantize.{build}.recipe): {', '.join(layerwise)} tunes one decoding layer at a time "
+            f"and runs only in the sequential pipeline; set quantize.{build}.calibration.pipeline: sequential "
+            f"(it is {p.calibration.pipeline})"
         )
     base = read_manifest(src)
     if needs:  # a missing or malformed calibration file is refused before it is hashed

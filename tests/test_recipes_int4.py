@@ -1,4 +1,4 @@
-"""The sweep's AWQ recipes (recipes/sweep/) quantize a tiny Llama on CPU, as the sweep calibrates them."""
+"""The sweep's AWQ and AutoRound recipes (recipes/sweep/) quantize a tiny Llama on CPU, as the sweep calibrates them."""
 
 import json
 from pathlib import Path
@@ -100,9 +100,43 @@ def test_awq_recipes_quantize_on_cpu(src, tmp_path, calibration, name):
         assert awq.shape == plain.shape == (128, 1) and not torch.equal(awq, plain)
 
 
+def test_autoround_recipe_quantizes_on_cpu_with_the_sequential_pipeline(src, tmp_path, calibration):
+    recipe = SWEEP / "int4_autoround_g64.yaml"
+    out = tmp_path / "autoround"
+    c = Calibration(samples=4, seq_len=32, pipeline="sequential")
+    quantize("autoround", src, out, QuantizeParams(recipe=str(recipe), calibration=c), calibration_file=calibration)
+    manifest = assert_w4a16_g64(out, recipe, 4)
+    assert manifest["recipe"]["calibration"]["pipeline"] == "sequential"
+    # the packed 4-bit values times their group scales give back the 16-bit weights, within 4-bit error
+    # (AutoRound's symmetric scales may be negative: the sign flips the integers, not the product)
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    for name in ("model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"):
+        w = tensor(src, f"{name}.weight")
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            q = unpack_from_int32(f.get_tensor(f"{name}.weight_packed"), 4, w.shape).float()
+        assert q.min() >= -8 and q.max() <= 7
+        scale = tensor(out, f"{name}.weight_scale")
+        rebuilt = (q.reshape(w.shape[0], -1, 64) * scale.unsqueeze(-1)).reshape(w.shape)
+        assert (rebuilt - w).norm() / w.norm() < 0.15
+
+
+def test_autoround_in_the_basic_pipeline_is_one_line_naming_the_recipe_before_work(src, tmp_path, calibration):
+    recipe = SWEEP / "int4_autoround_g64.yaml"
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    with pytest.raises(QuantgateError) as err:
+        quantize("int4", src, tmp_path / "out", QuantizeParams(recipe=str(recipe), calibration=c), calibration)
+    assert str(err.value) == (
+        f"{recipe} (quantize.int4.recipe): AutoRoundModifier tunes one decoding layer at a time and runs only in "
+        "the sequential pipeline; set quantize.int4.calibration.pipeline: sequential (it is basic)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "name, setting, bad, message",
     [
+        ("int4_autoround_g64", "iters: 20", "iters: many", "AutoRoundModifier.iters: Input should be a valid integer"),
         (
             "int4_awq_g64",
             "duo_scaling: true",
@@ -110,7 +144,7 @@ def test_awq_recipes_quantize_on_cpu(src, tmp_path, calibration, name):
             "AWQModifier.duo_scaling.bool: Input should be a valid boolean, unable to interpret input "
             "(got 'sometimes')",
         ),
-        ("int4_awq_g64", "group_size: 64", "group_size: 48", "group_size 48 does not divide the input width 64"),
+        ("int4_autoround_g64", "group_size: 64", "group_size: 48", "group_size 48 does not divide the input width 64"),
     ],
 )
 def test_a_bad_setting_in_a_sweep_recipe_is_one_line_naming_the_file(
@@ -125,3 +159,15 @@ def test_a_bad_setting_in_a_sweep_recipe_is_one_line_naming_the_file(
         quantize("int4", src, tmp_path / "out", QuantizeParams(recipe=str(recipe), calibration=c), calibration)
     assert str(err.value).startswith(f"{recipe} (quantize.int4.recipe): ") and message in str(err.value)
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_the_sweep_calibrates_autoround_sequentially_and_the_rest_as_int4(monkeypatch):
+    from benchmarks.quality import build_params
+    from quantgate.params import load_block
+
+    monkeypatch.chdir(REPO)  # params.yaml
+    int4 = load_block("quantize.int4", QuantizeParams).calibration
+    builds = build_params(["int4_autoround_g64", "int4_awq_g64", "int4_awq_gptq_g64"])
+    assert builds["int4_autoround_g64"].calibration == int4.model_copy(update={"pipeline": "sequential"})
+    assert builds["int4_awq_g64"].calibration == builds["int4_awq_gptq_g64"].calibration == int4
+    assert builds["int4_autoround_g64"].recipe == "recipes/sweep/int4_autoround_g64.yaml"
