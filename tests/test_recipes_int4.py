@@ -54,6 +54,12 @@ def assert_w4a16_g64(out: Path, recipe: Path, samples: int) -> dict:
         assert f.get_tensor("model.layers.1.mlp.down_proj.weight_packed").shape == (64, 16)
         assert f.get_tensor("model.layers.1.mlp.down_proj.weight_scale").shape == (64, 2)
     assert "lm_head.weight_packed" not in keys and "model.layers.1.mlp.down_proj.weight" not in keys
+    # transformers loads the build back (compressed-tensors decompresses it) and it runs
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    logits = model(torch.tensor([[3, 4, 5, 9]])).logits
+    assert logits.shape == (1, 4, 20) and bool(logits.isfinite().all())
     return manifest
 
 
