@@ -1,11 +1,11 @@
 """The recipe sweep: how much quality each quantized build keeps per team, with its size and quantization time.
 
 Builds: every quantized build of params.yaml (`quantize.<build>`: recipes/fp8.yaml, int8.yaml, int4.yaml)
-and every recipe under recipes/sweep/ (named by the file's stem, calibrated as quantize.int4 says), made
-with pipeline.quantize into --work from --models/fp16 and the calibrate stage's conversations
-(--calibration; a build in --models or --work whose recipe record matches is reused). Every team is
-scored on fp16 and each build with ONE engine; the scores documents (the evaluate stage's TeamScores)
-go to WORK/scores/<build>/<team>/scores.json and are judged with quantgate.judging.judge.
+and every recipe under recipes/sweep/ (named by the file's stem, calibrated as quantize.int4 says; AutoRound
+with the sequential pipeline), made with pipeline.quantize into --work from --models/fp16 and the calibrate
+stage's conversations (--calibration; a build in --models or --work whose recipe record matches is
+reused). Every team is scored on fp16 and each build with ONE engine; the scores documents (the evaluate
+stage's TeamScores) go to WORK/scores/<build>/<team>/scores.json and are judged with quantgate.judging.judge.
 
 Engine (--engine): vllm = a vLLM server per build, as the evaluate stage; hf = lm-eval's
 in-process hf backend (transformers decompresses compressed-tensors fp8, int8 and W4A16 weights;
@@ -52,7 +52,7 @@ from quantgate.judging import judge
 from quantgate.manifest import read_manifest
 from quantgate.params import BASELINE_BUILD, load_block, load_builds
 from quantgate.precision import probe, resolve_dtype, w4a16_problem
-from quantgate.recipes import load_recipe, needs_data
+from quantgate.recipes import load_recipe, needs_data, needs_sequential
 from quantgate.results import read_scores
 from quantgate.scoring import run_team
 from quantgate.serving import resolved, vllm_server
@@ -63,12 +63,16 @@ SWEEP_CALIBRATION = "quantize.int4"  # the sweep's int4 variants calibrate as th
 
 
 def build_params(only: list[str] | None = None) -> dict[str, QuantizeParams]:
-    """{build: QuantizeParams}: params.yaml's quantized builds, then recipes/sweep/*.yaml by stem;
-    `only` keeps the named ones. Raises QuantgateError for a name in `only` that is neither."""
+    """{build: QuantizeParams}: params.yaml's quantized builds, then recipes/sweep/*.yaml by stem, calibrated
+    as quantize.int4 (with the sequential pipeline for recipes that need it, e.g. AutoRound); `only` keeps the
+    named ones. Raises QuantgateError for a name in `only` that is neither."""
     builds = {b: load_block(f"quantize.{b}", QuantizeParams) for b in load_builds() if b != BASELINE_BUILD}
     calibration = load_block(SWEEP_CALIBRATION, QuantizeParams).calibration
     for path in sorted(SWEEP.glob("*.yaml")):
-        builds[path.stem] = QuantizeParams(recipe=str(path.relative_to(REPO)), calibration=calibration)
+        c = calibration
+        if c is not None and needs_sequential(load_recipe(path.stem, path, "the sweep's recipe")):
+            c = c.model_copy(update={"pipeline": "sequential"})  # AutoRound tunes one decoding layer at a time
+        builds[path.stem] = QuantizeParams(recipe=str(path.relative_to(REPO)), calibration=c)
     if only:
         if unknown := [b for b in only if b not in builds]:
             raise QuantgateError(f"--only {unknown[0]}: not a build; choose from {sorted(builds)}")

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +30,7 @@ from quantgate.hashing import digest_json, sha256_file
 from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_manifest
 from quantgate.params import Frozen, load_block, read_yaml
 from quantgate.precision import KvCacheDtype, native_16bit
-from quantgate.recipes import check_group_size, load_recipe, needs_data, weight_schemes
+from quantgate.recipes import check_group_size, load_recipe, needs_data, needs_sequential, weight_schemes
 
 
 class Calibration(Frozen):
@@ -71,6 +72,34 @@ def calibration_dataset(tokenizer, c: Calibration, path: Path = CALIBRATION_FILE
         lambda s: tokenizer(s["text"], max_length=c.seq_len, truncation=True, add_special_tokens=False),
         remove_columns=["text"],
     )
+
+
+@contextmanager
+def pinning_off_without_accelerator():
+    """While llm-compressor runs on a machine without an accelerator, make its IntermediatesCache.pin_memory a
+    no-op; with an accelerator (or an llm-compressor without that method) change nothing.
+
+    Why: AWQModifier._apply_smoothing (llmcompressor/modifiers/transform/awq/base.py:505-507, 0.14.0.1) pins its
+    cached parent-module inputs before each grid search, and IntermediatesCache._pin_intermediate
+    (pipelines/cache.py:154-155) calls Tensor.pin_memory() on every CPU tensor, with no accelerator check (the
+    check went when pinning moved out of _offload_value, llm-compressor PR #2813). CPU-only torch raises
+    "Cannot access accelerator device when none is available" there. Pinned memory only speeds copies to a
+    device; with no device there is no copy, so skipping it changes no value. No recipe setting avoids the
+    call: offload_device only chooses where the cached inputs live (the CPU here either way), and both
+    pipelines reach _apply_smoothing.
+    """
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    pin = getattr(IntermediatesCache, "pin_memory", None)
+    if pin is None or torch.accelerator.is_available():
+        yield
+        return
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = pin
 
 
 def recipe_record(
@@ -135,6 +164,12 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
             f"quantize.{build}: {recipe_path} uses {', '.join(needs)}, which needs calibration data; add "
             "calibration: {samples: 256, seq_len: 512} to the block"
         )
+    if (layerwise := needs_sequential(recipe)) and p.calibration and p.calibration.pipeline != "sequential":
+        raise QuantgateError(
+            f"{recipe_path} (quantize.{build}.recipe): {', '.join(layerwise)} tunes one decoding layer at a time "
+            f"and runs only in the sequential pipeline; set quantize.{build}.calibration.pipeline: sequential "
+            f"(it is {p.calibration.pipeline})"
+        )
     base = read_manifest(src)
     if needs:  # a missing or malformed calibration file is refused before it is hashed
         calibration_texts(calibration_file, p.calibration.samples, "quantize.*.calibration.samples")
@@ -165,15 +200,16 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     if needs:
         c = p.calibration
         data = calibration_dataset(tokenizer, c, calibration_file)
-        oneshot(
-            model=model,
-            recipe=str(recipe_path),
-            dataset=data,
-            max_seq_length=c.seq_len,
-            num_calibration_samples=c.samples,
-            pipeline=c.pipeline,
-            shuffle_calibration_samples=False,  # llm-compressor's shuffle is unseeded: builds would differ per run
-        )
+        with pinning_off_without_accelerator():
+            oneshot(
+                model=model,
+                recipe=str(recipe_path),
+                dataset=data,
+                max_seq_length=c.seq_len,
+                num_calibration_samples=c.samples,
+                pipeline=c.pipeline,
+                shuffle_calibration_samples=False,  # llm-compressor's shuffle is unseeded: builds would differ
+            )
     else:
         oneshot(model=model, recipe=str(recipe_path))
     print(f"quantize[{build}]: {recipe_path} in {time.monotonic() - started:.1f} s", flush=True)

@@ -54,6 +54,16 @@ def needs_data(recipe) -> list[str]:
     return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]
 
 
+# modifiers that tune one decoding layer at a time from that layer's captured inputs: llm-compressor's basic
+# pipeline hands them every module at once (AutoRoundModifier raises "Only one decoding layer is expected")
+LAYERWISE_MODIFIERS = ("AutoRoundModifier",)
+
+
+def needs_sequential(recipe) -> list[str]:
+    """Names of the recipe's modifiers that only run with the sequential calibration pipeline."""
+    return [type(m).__name__ for m in recipe.modifiers if type(m).__name__ in LAYERWISE_MODIFIERS]
+
+
 def weight_schemes(recipe) -> list[tuple[object, list[str]]]:
     """(QuantizationScheme, ignore list) for every config group of the recipe's quantization modifiers."""
     out = []
