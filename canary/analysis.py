@@ -68,8 +68,8 @@ import numpy as np
 from scipy import special, stats
 
 from canary.engine import EngineSample
-from canary.metrics import Sample, ShadowSample
 from canary.policy import STATISTICAL, CanaryPolicy
+from gateway.metrics import Sample, ShadowSample
 from quantgate.stats import Verdict
 
 

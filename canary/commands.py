@@ -253,11 +253,12 @@ def run(
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
-    from canary.admin import read_token
     from canary.controller import run_canary, run_canary_on_gateway
     from canary.load import prompts_from_evals, replay
     from canary.plan import Traffic
     from canary.policy import load_policy, load_topology
+    from gateway.admin import read_token
+    from gateway.fleet import load_fleet_params
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import store
@@ -286,7 +287,6 @@ def run(
     common = dict(
         on_router=start_load if load_rps else None,
         log=click.echo,
-        traffic=Traffic(load_rps, 0.5, 1.0, "--load-rps") if load_rps else None,
         stop=stop,
     )
     try:
@@ -304,6 +304,10 @@ def run(
                     prompts.extend(prompts_from_evals(evals_dir or Path("evals")))
                 except QuantgateError as exc:
                     raise QuantgateError(f"--evals: {exc}") from None
+            # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
+            router = None if admin_url else load_fleet_params().router
+            shadowed = router.shadow_fraction if router else 0.5
+            common["traffic"] = Traffic(load_rps, 0.5, 1.0, "--load-rps", shadowed) if load_rps else None
             if admin_url:
                 outcome = run_canary_on_gateway(
                     store.client(existing=True), model, version, load_policy(), by, admin_url,
@@ -319,6 +323,7 @@ def run(
                     by,
                     work_dir,
                     topology=load_topology(),
+                    router_params=router,
                     reuse=reuse,
                     **common,
                 )
@@ -331,72 +336,6 @@ def run(
     click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")
     if outcome.decision != "promoted":
         sys.exit(3)
-
-
-@click.command("serve")
-@click.argument("model")
-@click.option("--host", default=None, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1).")
-@click.option(
-    "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."
-)
-@click.option(
-    "--work-dir",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/serve"),
-    show_default=True,
-    help="Verified artifacts, server logs and pids, one folder per version.",
-)
-@click.option(
-    "--admin-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Admin endpoint port (default: fleet.admin.port; 0: free). Token: $QUANTGATE_ADMIN_TOKEN, "
-    "else WORK_DIR/admin.token.",
-)
-def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_port: int | None) -> None:
-    """Serve MODEL's registry aliases behind one OpenAI endpoint until Ctrl-C or SIGTERM.
-
-    Run it from the project folder: the registry is $MLFLOW_TRACKING_URI (default ./mlflow.db),
-    settings are params.yaml `fleet` and `limits`. production (else fallback) takes the traffic;
-    fallback, candidate and previous are kept warm, each from weights verified against the
-    registry. Alias changes (promote, rollback, a canary) are followed within a second: a poll
-    every fleet.poll_s, and at once through an MLflow webhook when the registry is an `mlflow
-    server` (fleet.webhook). A failed production request is retried on fallback, dead servers are
-    restarted. An admin endpoint (fleet.admin, loopback, bearer token) lets `quantgate canary run
-    --gateway` set the split and read the samples.
-
-    \b
-    Example:
-      quantgate serve smollm2-135m-instruct        # OpenAI API at http://127.0.0.1:8000/v1
-      curl -s localhost:8000/health                # the serving version and the warm servers
-    """
-    from canary.gateway import run_gateway
-    from canary.limits import load_limits
-    from canary.policy import load_policy
-    from canary.standing import load_fleet_params
-    from quantgate.params import load_block
-    from quantgate.serving import ServeParams
-    from registry import store
-
-    sigterm_as_ctrl_c()
-    try:
-        with command_errors():
-            params = load_fleet_params()
-            params = params.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v is not None})
-            if admin_port is not None:
-                params = params.model_copy(update={"admin": params.admin.model_copy(update={"port": admin_port})})
-            run_gateway(
-                store.client(existing=True),
-                model,
-                load_block("evaluate.serve", ServeParams),
-                params,
-                load_policy(),
-                load_limits(),
-                work_dir,
-                log=click.echo,
-            )
-    except KeyboardInterrupt:
-        click.echo("serve: stopped (Ctrl-C or SIGTERM)")
 
 
 def _step(ctx, param, value: str | None) -> str | None:
@@ -472,4 +411,3 @@ def render(
 
 
 COMMANDS = [load, run, render]
-SERVE = [serve]  # top-level `quantgate serve`

@@ -3,12 +3,12 @@
 1. Refuse unless VERSION is approved (gate PASS, or an override recorded: registry/approval.py),
    is not already stable, and a `fallback` exists. Stable = `production`, else `fallback`.
 2. Serve stable, the fp16 `fallback` (the shadow; shared when it is stable) and the candidate
-   from their verified registry artifacts (canary/fleet.py); point alias `candidate` at VERSION.
+   from their verified registry artifacts (canary/local.py); point alias `candidate` at VERSION.
 3. Plan (canary/plan.py) from the traffic: given (`--load-rps`), or measured over measure_s at
    0 % once the router runs; say how long the canary will take, and refuse (QuantgateError)
    a plan whose steps cannot reach min_samples within max_step_s. Say which latency checks the
    versions' profiles already exceed (canary/forecast.py; a warning, tag canary.forecast).
-4. Route through canary/router.py; for each policy step set the weight, look at the step's
+4. Route through gateway/router.py; for each policy step set the weight, look at the step's
    samples and the candidate vLLM server's gauges (canary/engine.py) every check_interval_s
    (canary/analysis.py, one live line per check), and end the
    step at the first look after min_step_s where every check PASSes (each needs min_samples,
@@ -24,7 +24,7 @@ Every server started here is stopped on every exit path.
 
 On a running gateway (`run_canary_on_gateway`, `canary run --gateway`) step 2 is the gateway's:
 setting `candidate` makes it warm the version, and the steps drive its split through its admin
-endpoint (canary/admin.py, `GatewaySplit`); the step loop and analysis are the same
+endpoint (gateway/admin.py, `GatewaySplit`); the step loop and analysis are the same
 (`_run_steps` over a `Split`). Either way the run's status (phase, step, weight, failed checks,
 controller, heartbeat) is persisted as tags on its MLflow run (canary/status.py).
 """
@@ -40,16 +40,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from canary.admin import GatewayUnreachable, RemoteRouter
 from canary.analysis import analyze, live_line
 from canary.engine import EngineSample, scrape
-from canary.fleet import ServingFleet, reused_backend
 from canary.forecast import latency_forecast
+from canary.local import LocalServers
 from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
 from canary.policy import CHECK_KINDS, GAUGES, CanaryPolicy, CanaryTopology
-from canary.router import Router
-from canary.server import RouterServer
 from canary.status import EXPERIMENT, Phase, Status, live_run, reap_stale
+from gateway.admin import GatewayUnreachable, RemoteRouter
+from gateway.fleet import reused_backend
+from gateway.router import Router, RouterParams
+from gateway.server import RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams, serving_versions
 from quantgate.stats import Verdict
@@ -151,7 +152,7 @@ def step_decision(verdict: Verdict, elapsed_s: float, step: StepPlan, policy: Ca
 
 class Split(Protocol):
     """What the step loop drives: this process's Router (`LocalSplit`) or a running gateway's
-    (`GatewaySplit`, over canary/admin.py)."""
+    (`GatewaySplit`, over gateway/admin.py)."""
 
     def set_weight(self, percent: float) -> None: ...
     def samples_since(self, t: float) -> list: ...
@@ -160,13 +161,16 @@ class Split(Protocol):
     def recover(self, percent: float) -> str | None: ...
     def engine(self, version: str) -> EngineSample | None: ...
 
+    @property
+    def shadow_fraction(self) -> float: ...
+
 
 @dataclass
 class LocalSplit:
-    """This process's Router and ServingFleet: nothing to recover (they live and die with it)."""
+    """This process's Router and LocalServers: nothing to recover (they live and die with it)."""
 
     router: Router
-    fleet: ServingFleet
+    fleet: LocalServers
 
     def set_weight(self, percent: float) -> None:
         self.router.set_weight(percent)
@@ -187,9 +191,13 @@ class LocalSplit:
         backend = self.fleet.backends.get(version)
         return scrape(backend.url, f"v{version}") if backend else None
 
+    @property
+    def shadow_fraction(self) -> float:
+        return self.router.params.shadow_fraction
+
 
 class GatewaySplit(RemoteRouter):
-    """A running gateway's split (canary.admin.RemoteRouter) that notices a restart.
+    """A running gateway's split (gateway.admin.RemoteRouter) that notices a restart.
 
     `recover(percent)` at each look: None while the gateway is the one seen at the start
     (same pid and start time) at `percent`; else (it restarted: weight back to 0, or it does
@@ -201,12 +209,14 @@ class GatewaySplit(RemoteRouter):
         super().__init__(url, token)
         self.version, self.lost_s, self.beat = version, lost_s, beat
         self.seen: tuple | None = None  # (pid, started_at) of the gateway the canary runs on
+        self.shadow_fraction = 0.5  # the gateway's (fleet.router.shadow_fraction), as its state reports it
 
     def _identity(self, s: dict) -> tuple:
         return s.get("pid"), s.get("started_at")
 
     def attach(self, state: dict) -> None:
         self.seen = self._identity(state)
+        self.shadow_fraction = float(state.get("shadow_fraction", self.shadow_fraction))
 
     def engine(self, version: str) -> EngineSample | None:
         url = self.state()["fleet"].get(version, {}).get("url")  # the gateway's vLLM server, as it reports it
@@ -309,7 +319,7 @@ def _measure(split: Split, policy: CanaryPolicy, stop: threading.Event, log) -> 
     t0 = time.time()
     if stop.wait(policy.measure_s):
         raise Aborted("stopped by the operator (SIGTERM)", 0, 0.0)
-    return measured_traffic(split.samples_since(t0), time.time() - t0)
+    return measured_traffic(split.samples_since(t0), time.time() - t0, split.shadow_fraction)
 
 
 @dataclass(frozen=True)
@@ -485,6 +495,7 @@ def run_canary(
     work_dir: Path,
     *,
     topology: CanaryTopology | None = None,
+    router_params: RouterParams | None = None,
     reuse: dict[str, str] | None = None,
     log=print,
     stop: threading.Event | None = None,
@@ -494,6 +505,7 @@ def run_canary(
     """Run one canary of `version` of `model_name` with its own servers and router (see the module docstring).
 
     `topology` (params.yaml `canary_topology`; None = its defaults) places the router and the servers;
+    `router_params` (params.yaml `fleet.router`, the gateway's; None = its defaults) sets its timeouts and shadowing;
     `reuse` maps versions to URLs of servers already running (not verified, not stopped);
     `on_router(url)` is called once the router answers (e.g. to start load) and may return a
     callable run before the router stops (e.g. to stop that load); setting `stop` (what
@@ -516,7 +528,7 @@ def run_canary(
     if steps is not None:
         log(plan_line(policy, traffic, steps))
     with _recorded(spec, status) as run:
-        with ServingFleet(mlflow_client, model_name, serve, where.servers, Path(work_dir) / spec.run_id) as fleet:
+        with LocalServers(mlflow_client, model_name, serve, where.servers, Path(work_dir) / spec.run_id) as fleet:
             for v, backend in reused.items():
                 fleet.reuse(v, backend)
             fleet.start(spec.stable, "stable", log)
@@ -526,7 +538,7 @@ def run_canary(
             aliases.set_candidate(
                 mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
             )
-            router = Router(fleet.resolver(spec.stable), policy, model_name=model_name)
+            router = Router(fleet.resolver(spec.stable), router_params or RouterParams(), model_name=model_name)
             with RouterServer(router, where.router.host, where.router.port) as server:
                 log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
                 split = LocalSplit(router, fleet)
@@ -550,7 +562,8 @@ def run_canary_on_gateway(
 ) -> Outcome:
     """Run one canary of `version` on the running `quantgate serve` whose admin endpoint is `admin_url`.
 
-    As run_canary, except that the servers and the router are the gateway's: canary runs of
+    As run_canary, except that the servers and the router are the gateway's (a given `traffic` is planned
+    at the shadow_fraction the gateway reports): canary runs of
     this model whose controller died are recorded as aborted first (canary.status.reap_stale);
     setting `candidate` makes the gateway warm the version (waited for up to warm_timeout_s);
     the steps set the gateway's weight through its admin endpoint and analyse its samples;
@@ -560,11 +573,14 @@ def run_canary_on_gateway(
     """
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
-    steps = require_feasible(policy, traffic) if traffic is not None else None
     with contextlib.closing(GatewaySplit(admin_url, token, version, policy.gateway_lost_s)) as split:
-        serves = split.state().get("model")  # unreachable or a wrong token: QuantgateError before any change
+        now = split.state()  # unreachable or a wrong token: QuantgateError before any change
+        serves = now.get("model")
         if serves is not None and serves != model_name:
             raise QuantgateError(f"the gateway at {admin_url} serves {serves}, not {model_name}: give its own gateway")
+        if traffic is not None and "shadow_fraction" in now:  # the share the gateway shadows, not ours
+            traffic = dataclasses.replace(traffic, shadow_fraction=now["shadow_fraction"])
+        steps = require_feasible(policy, traffic) if traffic is not None else None
 
         def weight_zero(p: float) -> None:
             with contextlib.suppress(QuantgateError):

@@ -11,19 +11,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from gateway.fleet import ServerOverride
 from quantgate.params import PARAMS_FILE, Frozen, load_block
-from quantgate.serving import ServeParams, check_cpu_cores, check_extra_args
-
-
-class ServerOverride(Frozen):
-    """Per-role changes to `evaluate.serve` for a canary vLLM server."""
-
-    port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
-    cpu_cores: str | None = None  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
-    extra_args: list[str] = []  # appended to evaluate.serve.extra_args
-
-    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
-    _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
 
 
 class Servers(Frozen):
@@ -108,6 +97,9 @@ _MOVED_TO_CHECKS = {
     "min_shadow_agreement": "shadow_agreement",
 }
 
+# the router's keys that were in this block before issue 30; now params.yaml fleet.router (gateway/router.py)
+_MOVED_TO_GATEWAY = {"request_timeout_s", "connect_timeout_s", "shadow_fraction", "shadow_compare_words"}
+
 
 class CanaryPolicy(Frozen):
     """How a candidate build is moved through the fleet and judged at each step."""
@@ -124,10 +116,6 @@ class CanaryPolicy(Frozen):
     min_requests_per_step: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
     failure_limit: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
     inconclusive: Literal["abort", "hold"] = "hold"  # at the step's planned end: abort, or collect until max_step_s
-    shadow_fraction: float = Field(default=0.5, ge=0, le=1)  # of greedy candidate requests
-    shadow_compare_words: int = Field(default=8, ge=1)
-    request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt; see canary/router.py
-    connect_timeout_s: float = Field(default=5, gt=0)
     # on a running gateway (`canary run --gateway`): seconds for the candidate's server to get warm,
     # for a gateway that restarted or stopped answering to come back (then the step resumes, else
     # abort), and without a heartbeat before another process records the canary as aborted
@@ -145,6 +133,11 @@ class CanaryPolicy(Frozen):
                         f"canary.{key} moved to the block `canary_topology` (ports and cores apart from the "
                         f"policy, issue 16): move it there"
                     )
+            for key in _MOVED_TO_GATEWAY.intersection(data):
+                raise ValueError(
+                    f"canary.{key} moved to fleet.router.{key} (the gateway's, which applies it to every "
+                    f"request, issue 30): move it there"
+                )
             for key, name in _MOVED_TO_CHECKS.items():
                 if key in data:
                     raise ValueError(
@@ -236,12 +229,3 @@ def load_topology(path: Path = PARAMS_FILE) -> CanaryTopology:
     """Block `canary_topology` of params.yaml. Raises QuantgateError naming
     params.yaml:<line>: canary_topology.<field>."""
     return load_block("canary_topology", CanaryTopology, path)
-
-
-def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:
-    """`evaluate.serve` with a role's port, CPU cores and extra vLLM args (appended) applied."""
-    data = base.model_dump()
-    data.update(port=override.port, extra_args=[*base.extra_args, *override.extra_args])
-    if override.cpu_cores:
-        data["cpu_cores"] = override.cpu_cores
-    return ServeParams.model_validate(data)

@@ -1,4 +1,4 @@
-"""The gateway's admin endpoint and a canary driven through it (canary/admin.py, canary/status.py,
+"""The gateway's admin endpoint and a canary driven through it (gateway/admin.py, canary/status.py,
 controller.run_canary_on_gateway), with fake OpenAI backends and a sqlite registry: no vLLM
 (the real one: tests/test_serve_e2e.py)."""
 
@@ -15,15 +15,15 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from canary import status as canary_status
-from canary.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
 from canary.analysis import analyze
 from canary.controller import Aborted, GatewaySplit, _run_steps, run_canary_on_gateway
-from canary.metrics import Sample, ShadowSample
 from canary.plan import StepPlan, Traffic
 from canary.policy import CanaryPolicy
-from canary.router import Backend, Router
-from canary.server import AppServer, RouterServer
 from canary.status import EXPERIMENT, Phase, Status, reap_stale
+from gateway.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
+from gateway.metrics import Sample, ShadowSample
+from gateway.router import Backend, Router, RouterParams
+from gateway.server import AppServer, RouterServer
 from quantgate.cli import cli
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
@@ -43,13 +43,13 @@ def sample(t: float, role: str = "candidate", ok: bool = True) -> Sample:
 class Gateway:
     """A Router (resolve() given) with its admin app on AppServers, restartable on the same admin port."""
 
-    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, policy: CanaryPolicy | None = None, model=None):
-        self.resolve, self.fleet, self.policy, self.model = resolve, fleet, policy or CanaryPolicy(), model
+    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, params: RouterParams | None = None, model=None):
+        self.resolve, self.fleet, self.params, self.model = resolve, fleet, params or RouterParams(), model
         self.admin_port, self.public_port = free_port(), free_port()
         self.router = self.public = self.admin = None
 
     def start(self) -> "Gateway":
-        self.router = Router(self.resolve, self.policy, resolve_interval_s=0.1)
+        self.router = Router(self.resolve, self.params, resolve_interval_s=0.1)
         self.public = RouterServer(self.router, "127.0.0.1", self.public_port, grace_s=1).start()
         started = time.time()
 
@@ -257,7 +257,7 @@ def registry_gateway(client, fakes) -> Gateway:
     def fleet():
         return {v: {"alive": True, "url": f"{fakes[v].server.url}/v1"} for v in aliases.current(client, MODEL).values()}
 
-    return Gateway(resolve, fleet, CanaryPolicy(shadow_fraction=1.0, shadow_compare_words=2)).start()
+    return Gateway(resolve, fleet, RouterParams(shadow_fraction=1.0, shadow_compare_words=2)).start()
 
 
 FAST = CanaryPolicy(
@@ -266,8 +266,6 @@ FAST = CanaryPolicy(
     max_step_s=30,
     check_interval_s=0.3,
     min_samples=3,
-    shadow_fraction=1.0,
-    shadow_compare_words=2,
     warm_timeout_s=20,
     gateway_lost_s=5,
     stale_after_s=60,
@@ -314,7 +312,7 @@ def on_gateway(project, fake_fleet):  # noqa: F811
 
         outcome = run_canary_on_gateway(
             client, MODEL, version, FAST, "tester", g.url, TOKEN, log=lines.append, on_router=on_router,
-            traffic=Traffic(20, 0.5, 1.0, "test"),
+            traffic=Traffic(20, 0.5, 1.0, "test", shadow_fraction=1.0),  # the gateway's
         )  # fmt: skip
         return outcome, lines, client.get_run(outcome.run_id).data.tags
 

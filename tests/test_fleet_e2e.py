@@ -47,8 +47,17 @@ def fast_policy(**over):
     # CI-sized step to max_step_s; the latency checks are tested in tests/test_canary_analysis.py and simulated
     bounds = dict(FAST_BOUNDS, ttft_p95_ratio=50, tpot_p95_ratio=50)
     bounds.update({k: over.pop(k) for k in list(over) if k in CHECK_KINDS})  # e.g. ttft_p95_ratio=50
-    policy = load_policy(REPO / "params.yaml").model_copy(update={**FAST, "request_timeout_s": 120, **over})
+    policy = load_policy(REPO / "params.yaml").model_copy(update={**FAST, **over})
     return policy.with_bounds(**bounds)
+
+
+def fast_router():
+    """The router settings of params.yaml (fleet.router) for the CI-sized canaries: every greedy candidate
+    answer shadowed, two words compared, 120 s per attempt on a busy CPU."""
+    from benchmarks.canary_sim import FAST_ROUTER
+    from gateway.fleet import load_fleet_params
+
+    return load_fleet_params(REPO / "params.yaml").router.model_copy(update={**FAST_ROUTER, "request_timeout_s": 120})
 
 
 def permute_embeddings(src: Path, dst: Path) -> None:
@@ -192,7 +201,7 @@ def _register_broken(project: Path, client) -> str:
 @pytest.fixture(scope="module")
 def fleet(project, tmp_path_factory):
     """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
-    from canary.fleet import ServingFleet
+    from canary.local import LocalServers
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import store
@@ -212,7 +221,7 @@ def fleet(project, tmp_path_factory):
     assert v["broken"] not in (v["fp16"], v[GOOD])
     serve = load_block("evaluate.serve", ServeParams)
     started = time.monotonic()
-    with ServingFleet(client, MODEL, serve, e2e_topology().servers, tmp_path_factory.mktemp("fleet")) as f:
+    with LocalServers(client, MODEL, serve, e2e_topology().servers, tmp_path_factory.mktemp("fleet")) as f:
         for build, role in (("fp16", "stable"), (GOOD, "candidate"), ("broken", "candidate")):
             f.start(v[build], role)
         print(f"\nfleet: 3 vLLM servers verified and started in {time.monotonic() - started:.0f} s")
@@ -253,6 +262,7 @@ def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = Non
         "e2e-test",
         tmp_path,
         topology=e2e_topology(),
+        router_params=fast_router(),
         reuse=fleet["reuse"],
         log=log,
         on_router=on_router,
@@ -284,13 +294,13 @@ def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
 
 
 def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
-    from canary.router import Router
-    from canary.server import RouterServer
+    from gateway.router import Router
+    from gateway.server import RouterServer
     from registry import aliases, audit
 
     client, v = fleet["client"], fleet["v"]
     assert aliases.current(client, MODEL)["production"] == v[GOOD]
-    router = Router(fleet["fleet"].resolver(v["fp16"]), fast_policy(), model_name=MODEL)
+    router = Router(fleet["fleet"].resolver(v["fp16"]), fast_router(), model_name=MODEL)
     with RouterServer(router) as server, Load(server.url) as load:
         time.sleep(6)
         p = run(["quantgate", "rollback", MODEL, "--by", "e2e-test", "--reason", "e2e: rollback under load"], project)
@@ -337,7 +347,7 @@ def cutting_proxy(url: str, after: int):
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
-    from canary.payloads import chunk_text
+    from gateway.payloads import chunk_text
 
     async def relay(request):
         body = await request.json()
@@ -366,7 +376,7 @@ def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
     """The text of a streamed answer and its SSE events."""
     from httpx_sse import connect_sse
 
-    from canary.payloads import chunk_text
+    from gateway.payloads import chunk_text
 
     with (
         httpx.Client(timeout=300, trust_env=False) as client,
@@ -382,8 +392,8 @@ def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
 def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, chat):
     """Real vLLM on both sides: fp16 behind a proxy that cuts its streams after 3 chunks is the
     candidate, fp16 is stable; greedy, so the resumed answer must equal fp16's own."""
-    from canary.router import Backend, Router
-    from canary.server import AppServer, RouterServer
+    from gateway.router import Backend, Router
+    from gateway.server import AppServer, RouterServer
 
     fp16 = fleet["fleet"].backends[fleet["v"]["fp16"]]
     body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True}
@@ -396,7 +406,7 @@ def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, cha
     direct, _ = streamed_text(fp16.url, path, {**body, "model": fp16.model})
     with AppServer(cutting_proxy(fp16.url, after=3), grace_s=1) as proxy:
         cut = Backend(f"{proxy.url}/v1", fp16.model, "cut-fp16")
-        router = Router(lambda: {"stable": fp16, "candidate": cut, "shadow": None}, fast_policy(), model_name=MODEL)
+        router = Router(lambda: {"stable": fp16, "candidate": cut, "shadow": None}, fast_router(), model_name=MODEL)
         router.set_weight(100)
         with RouterServer(router) as server:
             via, events = streamed_text(f"{server.url}/v1", path, body)

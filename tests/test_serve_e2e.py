@@ -88,7 +88,7 @@ def gateway(project, tmp_path_factory):
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        from canary.gateway import reap_orphans
+        from gateway.serve import reap_orphans
 
         reap_orphans(log.parent / "work")  # a gateway that had to be killed leaves its servers
 
@@ -245,8 +245,8 @@ def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project
     it loads and answers garbage) on the running gateway aborts at step 1 on shadow agreement,
     sets the gateway's weight back to 0, leaves production as it was, and clients see no error
     (a garbage answer is an answer; the check is what catches it)."""
-    from canary.admin import RemoteRouter
     from canary.controller import run_canary_on_gateway
+    from gateway.admin import RemoteRouter
     from registry import aliases
     from tests.test_fleet_e2e import fast_policy, register_broken
 

@@ -321,8 +321,8 @@ def test_calibrate_stops_with_the_death_of_the_16bit_server(fake_vllm, tmp_path,
 
 
 def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
-    import canary.fleet as fleet_mod
-    import canary.standing as standing
+    import canary.local as fleet_mod
+    import gateway.fleet as standing
     from canary.policy import Servers
     from tests.test_canary_standing import Fakes, sleep_server
 
@@ -336,7 +336,7 @@ def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
 
     # the canary run's fleet
     monkeypatch.setattr(fleet_mod, "open_server", open_server)
-    with fleet_mod.ServingFleet(None, "m", ServeParams(), Servers(), tmp_path) as fleet:
+    with fleet_mod.LocalServers(None, "m", ServeParams(), Servers(), tmp_path) as fleet:
         fleet.start("3", "candidate", log=lambda line: None)
         assert fleet.alive("3") and fleet.death("3") is None
         with open(log, "a") as f:

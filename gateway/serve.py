@@ -2,24 +2,25 @@
 
 1. Stop vLLM servers a killed earlier gateway left behind (their process groups are recorded
    under the work dir; `reap_orphans`).
-2. Start the serving build's server first (production, else fallback: canary.standing.plan),
+2. Start the serving build's server first (production, else fallback: gateway.fleet.plan),
    so the gateway listens as soon as one build answers; a serving build that cannot be served
    (weights that do not verify, a server that does not start) is passed over for the next.
-3. Listen (canary.router.Router with the fleet's resolve(): production traffic, retried on the
+3. Listen (gateway.router.Router with the fleet's resolve(): production traffic, retried on the
    fp16 `fallback` when production fails; a canary's split when `candidate` is set; the
    `limits` of params.yaml: 400 over the context ceiling or output cap, 429 over a team's rate) and
    reconcile every `fleet.poll_s` until stopped (SIGTERM, Ctrl-C, or `stop`): warm the other
    planned builds, restart dead servers, drain and stop unplanned ones. With an `mlflow server`
    registry (`fleet.webhook: auto`) it registers an MLflow webhook for alias changes first
-   (canary/webhook.py), and each delivery runs the reconcile pass and the router's resolve at once.
+   (gateway/webhook.py), and each delivery runs the reconcile pass and the router's resolve at once.
 4. On the way out, stop taking requests, delete the webhook, then stop every server.
 /health adds the fleet ({version: url, pid, why, cores, restarts, up_s}) and the gateway's pid; /metrics adds
 quantgate_fleet_servers{version,why} and quantgate_fleet_restarts{version}.
-Next to the public endpoint, the admin endpoint (canary/admin.py) at `fleet.admin` (loopback by
+Next to the public endpoint, the admin endpoint (gateway/admin.py) at `fleet.admin` (loopback by
 default, a bearer token: $QUANTGATE_ADMIN_TOKEN or WORK_DIR/admin.token) lets a canary controller
 in another process set the split and read the samples. A gateway starts at 0 % to the candidate;
-canary runs of the model whose controller stopped beating are recorded as aborted at start
-(canary.status.reap_stale), and a live controller resumes its step on the restarted gateway.
+the `quantgate serve` command records canary runs whose controller stopped beating as aborted before it
+starts one (canary.status.reap_stale: the gateway knows nothing of canaries), and a live controller
+resumes its step on the restarted gateway.
 """
 
 from __future__ import annotations
@@ -35,16 +36,13 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
-from canary.admin import admin_app, admin_token
-from canary.fleet import process_alive
-from canary.limits import Limiter, Limits, tokenizer_counter
-from canary.policy import CanaryPolicy
-from canary.router import Router
-from canary.server import AppServer, RouterServer
-from canary.standing import FleetParams, StandingFleet
-from canary.status import reap_stale
-from canary.webhook import PATH as WEBHOOK_PATH
-from canary.webhook import Receiver, Registration, register, registry_server
+from gateway.admin import admin_app, admin_token
+from gateway.fleet import Fleet, FleetParams, process_alive
+from gateway.limits import Limiter, Limits, tokenizer_counter
+from gateway.router import Router
+from gateway.server import AppServer, RouterServer
+from gateway.webhook import PATH as WEBHOOK_PATH
+from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 
@@ -83,7 +81,7 @@ def check_bindable(host: str, port: int, what: str) -> None:
             ) from None
 
 
-def warm_first(fleet: StandingFleet, params: FleetParams, stop: threading.Event) -> bool:
+def warm_first(fleet: Fleet, params: FleetParams, stop: threading.Event) -> bool:
     """Start planned versions, most important first, until one is warm: one that fails (weights that
     do not verify, a server that does not start) is passed over at once for the next; only when every
     planned version is in its back-off is there a wait, until the first is due (with nothing planned:
@@ -140,7 +138,6 @@ def run_gateway(
     model_name: str,
     serve: ServeParams,
     params: FleetParams,
-    policy: CanaryPolicy,
     limits: Limits,
     work_dir: Path,
     *,
@@ -150,8 +147,8 @@ def run_gateway(
 ) -> None:
     """Serve `model_name` from the registry until `stop` is set or Ctrl-C (module docstring).
 
-    `policy` gives the router's timeouts and shadow settings, `limits` what one request and one
-    team may ask (canary.limits; prompts counted with the first warm build's tokenizer);
+    `params.router` gives the router's timeouts and shadow settings, `limits` what one request and one
+    team may ask (gateway.limits; prompts counted with the first warm build's tokenizer);
     `on_ready(url)` is called once the gateway listens. Raises QuantgateError if the address
     cannot be bound; every server it started is stopped on every exit path.
     """
@@ -175,17 +172,13 @@ def run_gateway(
     reap_orphans(work_dir, log)
     token = admin_token(work_dir, log)
     started_at = time.time()
-    try:
-        reap_stale(mlflow_client, model_name, policy.stale_after_s, "quantgate serve", log)
-    except Exception as exc:  # the registry unreachable: serve anyway; the next canary run reaps
-        log(f"serve: could not check for canaries left by a dead controller: {type(exc).__name__}: {exc}")
     router: Router | None = None
     planner = Planner(stop, params.poll_s)
     webhook: Registration | None = None
     hooked = params.webhook == "auto" and registry_server(mlflow_client)
     if params.webhook == "auto" and not hooked:
         log(f"serve: the registry is not an `mlflow server` (no webhooks): polling it every {params.poll_s:g} s")
-    fleet = StandingFleet(
+    fleet = Fleet(
         mlflow_client,
         model_name,
         serve,
@@ -201,7 +194,7 @@ def run_gateway(
         limiter = Limiter(limits, tokenizer_counter(fleet.model_dir()))
         router = Router(
             fleet.resolve,
-            policy,
+            params.router,
             model_name=model_name,
             health=lambda: {"fleet": fleet.status(), "pid": os.getpid()},
             limits=limiter,

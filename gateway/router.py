@@ -1,4 +1,4 @@
-"""The canary router: one OpenAI-compatible endpoint in front of a stable and a candidate build.
+"""The gateway's router: one OpenAI-compatible endpoint in front of a stable and a candidate build.
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models,
 /health and /metrics (Prometheus text, this router's own registry).
@@ -15,16 +15,16 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   reports an error before its first chunk) moves to the next, so the client sees the next
   one's answer. The router waits for a stream's first chunk before answering; a stream that
   breaks (outcome "cut") or reports an engine error after that is resumed on the next
-  backend: it continues the text already sent (canary.payloads.continuation) and its chunks
+  backend: it continues the text already sent (gateway.payloads.continuation) and its chunks
   follow in the same response, so the client sees one whole answer. The last backend's
   stream that breaks, or a stream that cannot be continued (Router._resume), ends with an SSE
   `error` event. 4xx are the request's fault: passed through, not retried, counted as ok.
-- Timeouts (policy): connect_timeout_s to connect; request_timeout_s for a whole
+- Timeouts (RouterParams, params.yaml fleet.router): connect_timeout_s to connect; request_timeout_s for a whole
   non-streaming answer, for a stream's first chunk, and between later chunks.
-- Shadow: a `shadow_fraction` sample of greedy requests (canary.payloads.is_greedy:
+- Shadow (RouterParams): a `shadow_fraction` sample of greedy requests (gateway.payloads.is_greedy:
   temperature given and 0, n = 1) answered successfully by the candidate is sent again,
   non-streaming, to the shadow (fp16 `fallback`) backend in a background task after the
-  client got its answer; agreement = canary.payloads.same_words on the first
+  client got its answer; agreement = gateway.payloads.same_words on the first
   `shadow_compare_words` words. At most SHADOW_MAX_INFLIGHT run at once (more are skipped).
 - Resolve: `resolve()` (a blocking callable, run in a worker thread) returns
   {"stable": Backend, "candidate": Backend | None, "shadow": Backend | None}; it is called
@@ -32,10 +32,10 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   registry alias flip moves traffic within interval + resolve time (`refresh_soon()`, e.g. on a
   registry webhook, resolves at once). A failing resolve keeps the last answer and is reported
   in /health.
-- Limits (canary.limits, optional): a request over the output cap or the context ceiling gets a
+- Limits (gateway.limits, optional): a request over the output cap or the context ceiling gets a
   400, one over its team's rate a 429 with Retry-After, before any backend is chosen; one
   without max_tokens gets the cap set for it.
-- Samples (canary.metrics.Sample): one per backend attempt. Streaming TTFT = first SSE
+- Samples (gateway.metrics.Sample): one per backend attempt. Streaming TTFT = first SSE
   chunk from the backend; TPOT = (total - TTFT) / (completion_tokens - 1), tokens from the
   usage chunk: the router adds stream_options.include_usage and drops the usage-only chunk
   again if the client did not ask for it; without usage, chunks with text are counted.
@@ -57,14 +57,15 @@ from dataclasses import dataclass, field
 import anyio
 import httpx
 from httpx_sse import EventSource, ServerSentEvent, SSEError
+from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from canary.limits import Limiter
-from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
-from canary.payloads import (
+from gateway.limits import Limiter
+from gateway.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
+from gateway.payloads import (
     chunk_text,
     completion_tokens,
     continuation,
@@ -76,14 +77,24 @@ from canary.payloads import (
     same_words,
     tokens_left,
 )
-from canary.policy import CanaryPolicy
 from quantgate.errors import QuantgateError
+from quantgate.params import Frozen
 
 log = logging.getLogger("quantgate.canary")
 
 RESOLVE_INTERVAL_S = 0.5
 SHADOW_MAX_INFLIGHT = 16
 ROLES = ("stable", "candidate", "shadow")
+
+
+class RouterParams(Frozen):
+    """What the router does with each request (params.yaml `fleet.router`; a canary without a standing
+    gateway reads the same block): per-attempt timeouts and the shadow sample of greedy requests."""
+
+    request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt: the whole body, or between chunks
+    connect_timeout_s: float = Field(default=5, gt=0)
+    shadow_fraction: float = Field(default=0.5, ge=0, le=1)  # of greedy candidate requests, mirrored to fallback
+    shadow_compare_words: int = Field(default=8, ge=1)  # whitespace-separated words compared
 
 
 @dataclass(frozen=True)
@@ -97,13 +108,13 @@ class Backend:
 
 
 @dataclass(frozen=True)
-class Fleet:
+class Backends:
     stable: Backend
     candidate: Backend | None = None
     shadow: Backend | None = None
 
 
-def fleet_of(backends: Mapping[str, Backend | None]) -> Fleet:
+def backends_of(backends: Mapping[str, Backend | None]) -> Backends:
     """Check a resolve() answer. Raises QuantgateError on unknown roles, no stable, or non-Backends."""
     unknown = set(backends) - set(ROLES)
     if unknown:
@@ -113,20 +124,20 @@ def fleet_of(backends: Mapping[str, Backend | None]) -> Fleet:
     for role in ("candidate", "shadow"):
         if backends.get(role) is not None and not isinstance(backends[role], Backend):
             raise QuantgateError(f"resolve() returned a {type(backends[role]).__name__} for {role}, not a Backend")
-    return Fleet(backends["stable"], backends.get("candidate"), backends.get("shadow"))
+    return Backends(backends["stable"], backends.get("candidate"), backends.get("shadow"))
 
 
 Chain = list[tuple[str, Backend]]  # (role, backend) to try in turn; see attempts()
 
 
-def attempts(fleet: Fleet, to_candidate: bool) -> Chain:
+def attempts(backends: Backends, to_candidate: bool) -> Chain:
     """The backends one request may use, in order: the candidate (when the split chose it), stable,
-    then the `fallback` build (fleet.shadow) when it is another server. A request that fails before
+    then the `fallback` build (backends.shadow) when it is another server. A request that fails before
     its first byte moves to the next; a stream that breaks later is finished there (Router._resume)."""
-    chain = [("candidate", fleet.candidate)] if to_candidate and fleet.candidate is not None else []
-    chain.append(("stable", fleet.stable))
-    if fleet.shadow is not None and fleet.shadow.url != fleet.stable.url:
-        chain.append(("fallback", fleet.shadow))
+    chain = [("candidate", backends.candidate)] if to_candidate and backends.candidate is not None else []
+    chain.append(("stable", backends.stable))
+    if backends.shadow is not None and backends.shadow.url != backends.stable.url:
+        chain.append(("fallback", backends.shadow))
     return chain
 
 
@@ -149,7 +160,7 @@ def encode_sse(ev: ServerSentEvent) -> bytes:
 class _Opened:
     """A streaming request after its first event (or its failure); see Router._open."""
 
-    outcome: str  # "ok" or a failed/client_error outcome (canary.metrics)
+    outcome: str  # "ok" or a failed/client_error outcome (gateway.metrics)
     status: int  # for the client: the backend's status, or 502/504
     what: str  # why it failed, for the client's error message
     status_seen: int = 0  # the backend's HTTP status for the sample (0 = no response)
@@ -216,7 +227,8 @@ class _Stream:
 
 
 class Router:
-    """State and ASGI app of one canary router; serve `router.app` (canary.server.RouterServer).
+    """State and ASGI app of one router (the gateway's, or a canary's own); serve `router.app`
+    (gateway.server.RouterServer).
 
     `resolve` is called from a worker thread; `set_weight` and the sample accessors are
     safe to call from any thread.
@@ -225,7 +237,7 @@ class Router:
     def __init__(
         self,
         resolve: Callable[[], Mapping[str, Backend | None]],
-        policy: CanaryPolicy,
+        params: RouterParams,
         *,
         model_name: str = "quantgate",
         seed: int | None = None,
@@ -233,8 +245,8 @@ class Router:
         health: Callable[[], dict] | None = None,
         limits: Limiter | None = None,
     ):
-        self.policy = policy
-        self.limits = limits  # None = no limits (canary.limits: context, output cap, per-team rate)
+        self.params = params
+        self.limits = limits  # None = no limits (gateway.limits: context, output cap, per-team rate)
         self.model_name = model_name  # the name /v1/models shows; clients may send any
         self.recorder = Recorder()
         self.registry = self.recorder.registry  # /metrics: add collectors here (e.g. the standing fleet's)
@@ -244,7 +256,7 @@ class Router:
         self._interval = resolve_interval_s
         self._rng = random.Random(seed)
         self._weight = 0.0
-        self._fleet: Fleet | None = None
+        self._backends: Backends | None = None
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the app's, for refresh_soon from other threads
         self._refresh_now: asyncio.Event | None = None
@@ -278,9 +290,9 @@ class Router:
         self.recorder.set_weight(self._weight)
 
     @property
-    def fleet(self) -> Fleet | None:
+    def backends(self) -> Backends | None:
         """The backends of the last successful resolve (None before the router started)."""
-        return self._fleet
+        return self._backends
 
     def refresh_soon(self) -> None:
         """Resolve the backends now instead of at the next interval (e.g. on a registry webhook).
@@ -304,14 +316,14 @@ class Router:
     # --- lifecycle ------------------------------------------------------------------
     @asynccontextmanager
     async def _lifespan(self, app):
-        p = self.policy
+        p = self.params
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(p.request_timeout_s, connect=p.connect_timeout_s),
             trust_env=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         try:
-            self._fleet = fleet_of(await asyncio.to_thread(self._resolve))
+            self._backends = backends_of(await asyncio.to_thread(self._resolve))
         except Exception as exc:
             self.resolve_error = f"{type(exc).__name__}: {exc}"
             await self._client.aclose()
@@ -335,16 +347,16 @@ class Router:
                 pass
             self._refresh_now.clear()
             try:
-                fleet = fleet_of(await asyncio.to_thread(self._resolve))
+                backends = backends_of(await asyncio.to_thread(self._resolve))
             except Exception as exc:  # resolve() is the controller's code (e.g. a registry call):
                 # a transient failure must not stop routing, so keep the last answer
                 if self.resolve_error is None:
-                    log.warning("canary router: resolve() failed, keeping %s: %s", self._fleet, exc)
+                    log.warning("canary router: resolve() failed, keeping %s: %s", self._backends, exc)
                 self.resolve_error = f"{type(exc).__name__}: {exc}"
                 continue
-            if fleet != self._fleet:
-                log.info("canary router: backends now %s", fleet)
-            self._fleet, self.resolve_error = fleet, None
+            if backends != self._backends:
+                log.info("canary router: backends now %s", backends)
+            self._backends, self.resolve_error = backends, None
 
     # --- routes ---------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
@@ -356,7 +368,7 @@ class Router:
         )
 
     async def _health(self, request: Request) -> Response:
-        f = self._fleet
+        f = self._backends
         doc = {
             "status": "ok" if f else "unavailable",
             "weight": self._weight,
@@ -384,13 +396,13 @@ class Router:
         if self.limits is not None and (no := self.limits.check(path, body, request.headers)) is not None:
             self.recorder.rejected(no.team, no.reason)
             return error(no.status, no.message, no.headers)
-        fleet = self._fleet
-        if fleet is None:
+        backends = self._backends
+        if backends is None:
             return error(503, "no backends resolved yet")
         attempt = self._stream if body.get("stream") is True else self._unary
-        chain = attempts(fleet, fleet.candidate is not None and self._rng.random() * 100 < self._weight)
+        chain = attempts(backends, backends.candidate is not None and self._rng.random() * 100 < self._weight)
         for i in range(len(chain)):
-            response, failed = await attempt(fleet, chain[i:], path, body, retried=i > 0)
+            response, failed = await attempt(backends, chain[i:], path, body, retried=i > 0)
             if not failed:
                 break
         return response
@@ -438,7 +450,7 @@ class Router:
         self._inflight[backend.url] += 1  # _record ends the attempt
         payload = {**body, "model": backend.model}
         try:
-            async with asyncio.timeout(self.policy.request_timeout_s):
+            async with asyncio.timeout(self.params.request_timeout_s):
                 r = await self._client.post(backend.url + path, json=payload)
         except (TimeoutError, httpx.TimeoutException):
             self._record(backend, role, t, t0, "timeout", 0, stream=False, retried=retried)
@@ -452,7 +464,9 @@ class Router:
         self._record(backend, role, t, t0, outcome, r.status_code, stream=False, retried=retried, tokens=tokens)
         return r, outcome, doc
 
-    async def _unary(self, fleet: Fleet, chain: Chain, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+    async def _unary(
+        self, backends: Backends, chain: Chain, path: str, body: dict, retried: bool
+    ) -> tuple[Response, bool]:
         role, backend = chain[0]
         headers = _who(role, backend, retried)
         r, outcome, doc = await self._post(backend, role, path, body, retried)
@@ -460,7 +474,7 @@ class Router:
             status, what = (504, "timed out") if outcome == "timeout" else (502, "is unreachable")
             return error(status, f"{role} backend {what}", headers), True
         if role == "candidate" and outcome == "ok" and doc:
-            self._maybe_shadow(fleet, path, body, response_text(doc))
+            self._maybe_shadow(backends, path, body, response_text(doc))
         ctype = r.headers.get("content-type", "application/json")
         return Response(r.content, r.status_code, headers={**headers, "content-type": ctype}), r.status_code >= 500
 
@@ -474,7 +488,7 @@ class Router:
         upstream = None
         self._inflight[backend.url] += 1  # the caller's _record ends the attempt
         try:
-            async with asyncio.timeout(self.policy.request_timeout_s):
+            async with asyncio.timeout(self.params.request_timeout_s):
                 upstream = await self._client.send(
                     self._client.build_request("POST", backend.url + path, json=payload), stream=True
                 )
@@ -505,7 +519,9 @@ class Router:
             await upstream.aclose()
         return opened
 
-    async def _stream(self, fleet: Fleet, chain: Chain, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+    async def _stream(
+        self, backends: Backends, chain: Chain, path: str, body: dict, retried: bool
+    ) -> tuple[Response, bool]:
         role, backend = chain[0]
         headers = _who(role, backend, retried)
         state = _Stream(wants_usage=bool(_stream_options(body).get("include_usage")))
@@ -516,7 +532,7 @@ class Router:
             first = state.observe(o.first)
             if not state.failed:
                 relay = self._relay(
-                    fleet,
+                    backends,
                     chain,
                     path,
                     body,
@@ -539,7 +555,7 @@ class Router:
 
     async def _relay(
         self,
-        fleet: Fleet,
+        backends: Backends,
         chain: Chain,
         path: str,
         body: dict,
@@ -588,20 +604,20 @@ class Router:
             self._record(backend, role, t, t0, outcome, 200, stream=True, retried=retried, ttft=ttft, tokens=tokens)
         if resumable and outcome in ("cut", "server_error"):
             async with aclosing(
-                self._resume(fleet, rest, role, path, body, state)
+                self._resume(backends, rest, role, path, body, state)
             ) as tail:  # closed if the client leaves
                 async for out in tail:
                     yield out
         elif role == "candidate" and outcome == "ok":
-            self._maybe_shadow(fleet, path, body, "".join(state.text))
+            self._maybe_shadow(backends, path, body, "".join(state.text))
 
     async def _resume(
-        self, fleet: Fleet, chain: Chain, broken_role: str, path: str, body: dict, broken: _Stream
+        self, backends: Backends, chain: Chain, broken_role: str, path: str, body: dict, broken: _Stream
     ) -> AsyncIterator[bytes]:
         """Finish on chain[0] (stable for a candidate, fallback for stable) a stream of `broken_role`
         that broke after its first chunk reached the client.
 
-        The next backend gets canary.payloads.continuation of the request (the text sent so far as
+        The next backend gets gateway.payloads.continuation of the request (the text sent so far as
         prompt suffix or final assistant message, token limits lowered by the chunks sent) and its
         chunks follow the broken stream's in the same response; its usage chunk counts the broken
         stream's tokens as completion tokens. Recorded as a retried attempt of chain[0]'s role
@@ -639,7 +655,7 @@ class Router:
             outcome = "server_error" if o.first is not None or o.outcome == "client_error" else o.outcome
             self._record(nxt, role, t, t0, outcome, o.status_seen, stream=True, retried=True)
             if len(chain) > 1:  # the next backend failed before its first chunk: try the one after it
-                async with aclosing(self._resume(fleet, chain[1:], broken_role, path, body, broken)) as tail:
+                async with aclosing(self._resume(backends, chain[1:], broken_role, path, body, broken)) as tail:
                     async for out in tail:
                         yield out
                 return
@@ -647,33 +663,33 @@ class Router:
             yield _broke(f"{broken_role} backend stream broke and {role} could not continue it: {why}")
             return
         async with aclosing(
-            self._relay(fleet, chain, path, cont, o, first, state, t=t, t0=t0, ttft=None, retried=True)
+            self._relay(backends, chain, path, cont, o, first, state, t=t, t0=t0, ttft=None, retried=True)
         ) as tail:
             async for out in tail:
                 yield out
 
     # --- shadow ---------------------------------------------------------------------
-    def _maybe_shadow(self, fleet: Fleet, path: str, body: dict, text: str) -> None:
+    def _maybe_shadow(self, backends: Backends, path: str, body: dict, text: str) -> None:
         """Mirror a sampled greedy candidate request to the shadow backend, in the background."""
-        if fleet.shadow is None or not is_greedy(body) or self._rng.random() >= self.policy.shadow_fraction:
+        if backends.shadow is None or not is_greedy(body) or self._rng.random() >= self.params.shadow_fraction:
             return
         if len(self._shadow_tasks) >= SHADOW_MAX_INFLIGHT:
             self.recorder.shadow_not_compared("skipped")
             return
-        task = asyncio.create_task(self._shadow(fleet, path, body, text))
+        task = asyncio.create_task(self._shadow(backends, path, body, text))
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _shadow(self, fleet: Fleet, path: str, body: dict, candidate_text: str) -> None:
+    async def _shadow(self, backends: Backends, path: str, body: dict, candidate_text: str) -> None:
         t = time.time()
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        _, outcome, doc = await self._post(fleet.shadow, "shadow", path, plain, retried=False)
+        _, outcome, doc = await self._post(backends.shadow, "shadow", path, plain, retried=False)
         if outcome != "ok" or not doc:
             self.recorder.shadow_not_compared("error")
             return
-        agree = same_words(candidate_text, response_text(doc), self.policy.shadow_compare_words)
+        agree = same_words(candidate_text, response_text(doc), self.params.shadow_compare_words)
         self.recorder.add_shadow(
-            ShadowSample(t=t, agree=agree, candidate=fleet.candidate.label, shadow=fleet.shadow.label)
+            ShadowSample(t=t, agree=agree, candidate=backends.candidate.label, shadow=backends.shadow.label)
         )
 
 
