@@ -35,6 +35,7 @@ from canary.policy import CanaryPolicy, load_policy
 from gateway.fleet import load_fleet_params
 from gateway.metrics import Sample, ShadowSample
 from quantgate.stats import Verdict
+from tests.policies import FAST, FAST_BOUNDS, FAST_ROUTER  # the e2e tests' canary, simulated here
 
 STREAM_SHARE = 0.5
 NO_VERDICT = "no verdict at max_step_s"
@@ -164,18 +165,6 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return max(0.0, c - h), min(1.0, c + h)
-
-
-# tests/test_fleet_e2e.py fast_policy(): the CI-sized canaries of the e2e tests (one place for both)
-FAST = dict(
-    measure_s=6,
-    min_step_s=3,
-    max_step_s=240,
-    min_samples=2,
-    check_interval_s=2,
-)
-FAST_ROUTER = dict(shadow_fraction=1.0, shadow_compare_words=2)  # the e2e router's (fleet.router) changes
-FAST_BOUNDS = dict(shadow_agreement=0.5)
 
 
 def scenarios(base: CanaryPolicy, shadowed: float) -> list[Scenario]:

@@ -1,4 +1,4 @@
-"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
+"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by cli/main.py).
 
     quantgate canary run MODEL VERSION [--load-rps RPS]    the canary here: promote or abort
     quantgate canary run MODEL VERSION --gateway ADMIN_URL the canary on a running `quantgate serve`
@@ -42,6 +42,16 @@ RATE = Positive(1000)  # requests/s: one load process on loopback offers far les
 SECONDS = Positive(7 * 24 * 3600)
 
 
+def path_option(flag: str, default: str, help_text: str):
+    """An option naming a file or folder, with its default shown."""
+    return click.option(flag, type=click.Path(path_type=Path), default=Path(default), show_default=True, help=help_text)
+
+
+def _api_choice(flag: str, default: str, help_text: str):
+    """An option choosing the endpoints of replayed traffic (canary.load.APIS)."""
+    return click.option(flag, type=click.Choice(list(APIS)), default=default, show_default=True, help=help_text)
+
+
 @click.command("load")
 @click.option("--url", required=True, help="Router (or any OpenAI server) base URL, e.g. http://127.0.0.1:8080")
 @click.option("--rps", type=RATE, required=True, help="Requests per second offered.")
@@ -66,13 +76,7 @@ SECONDS = Positive(7 * 24 * 3600)
     help="Seconds per request.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--api",
-    type=click.Choice(list(APIS)),
-    default="both",
-    show_default=True,
-    help="Endpoints: /v1/chat/completions, /v1/completions or both in turn.",
-)
+@_api_choice("--api", "both", "Endpoints: /v1/chat/completions, /v1/completions or both in turn.")
 def load(
     url: str,
     rps: float,
@@ -199,12 +203,8 @@ def sigterm_stops(stop: threading.Event) -> None:
     help="Also replay eval-set prompts through the router at this rate (demos, tests).",
 )
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request.")
-@click.option(
-    "--load-api",
-    type=click.Choice(list(APIS)),
-    default="chat",
-    show_default=True,
-    help="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).",
+@_api_choice(
+    "--load-api", "chat", "Endpoints of --load-rps traffic (chat: what an instruct model serves in production)."
 )
 @click.option(
     "--evals",
@@ -213,13 +213,7 @@ def sigterm_stops(stop: threading.Event) -> None:
     default=None,
     help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
 )
-@click.option(
-    "--work-dir",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/canary"),
-    show_default=True,
-    help="Verified artifacts and server logs, one folder per canary run.",
-)
+@path_option("--work-dir", ".quantgate/canary", "Verified artifacts and server logs, one folder per canary run.")
 @click.option(
     "--gateway",
     "admin_url",
@@ -228,12 +222,10 @@ def sigterm_stops(stop: threading.Event) -> None:
     help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
     "(its servers and router; no --reuse).",
 )
-@click.option(
+@path_option(
     "--token-file",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/serve/admin.token"),
-    show_default=True,
-    help="The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
+    ".quantgate/serve/admin.token",
+    "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
 )
 def run(
     model: str,
@@ -253,7 +245,7 @@ def run(
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
-    from canary.controller import run_canary, run_canary_on_gateway
+    from canary.controller import Admin, Hooks, Local, run_canary, run_canary_on_gateway
     from canary.load import prompts_from_evals, replay
     from canary.plan import Traffic
     from canary.policy import load_policy, load_topology
@@ -283,12 +275,6 @@ def run(
 
         return stop
 
-    # every --load-api alternates streaming and not; all of it is greedy
-    common = dict(
-        on_router=start_load if load_rps else None,
-        log=click.echo,
-        stop=stop,
-    )
     try:
         with command_errors():
             if admin_url is not None:
@@ -307,26 +293,17 @@ def run(
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
             router = None if admin_url else load_fleet_params().router
             shadowed = router.shadow_fraction if router else 0.5
-            common["traffic"] = Traffic(load_rps, 0.5, 1.0, "--load-rps", shadowed) if load_rps else None
+            # every --load-api alternates streaming and not; all of it is greedy
+            traffic = Traffic(load_rps, 0.5, 1.0, "--load-rps", shadowed) if load_rps else None
+            hooks = Hooks(click.echo, stop, start_load if load_rps else None, traffic)
             if admin_url:
-                outcome = run_canary_on_gateway(
-                    store.client(existing=True), model, version, load_policy(), by, admin_url,
-                    read_token(token_file), **common,
-                )  # fmt: skip
+                client, policy = store.client(existing=True), load_policy()
+                admin = Admin(admin_url, read_token(token_file))
+                outcome = run_canary_on_gateway(client, model, version, policy, by, admin, hooks)
             else:
-                outcome = run_canary(
-                    store.client(existing=True),
-                    model,
-                    version,
-                    load_policy(),
-                    load_block("evaluate.serve", ServeParams),
-                    by,
-                    work_dir,
-                    topology=load_topology(),
-                    router_params=router,
-                    reuse=reuse,
-                    **common,
-                )
+                client, policy = store.client(existing=True), load_policy()
+                local = Local(load_block("evaluate.serve", ServeParams), work_dir, load_topology(), router, reuse or {})
+                outcome = run_canary(client, model, version, policy, by, local, hooks)
     except KeyboardInterrupt:
         raise click.ClickException(
             f"canary of {model} v{version} interrupted: aborted, `candidate` not set, other aliases unchanged"

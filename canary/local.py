@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from canary.policy import Servers
-from gateway.fleet import open_server, serve_params
+from gateway.fleet import Registered, open_server, serve_params
 from gateway.router import Backend
 from quantgate.serving import ServeParams, Server
 from registry import aliases
@@ -58,11 +58,9 @@ class LocalServers:
         override = getattr(self.servers, role)
         backend, server, _ = open_server(
             self._stack,
-            self.client,
-            self.model,
+            Registered(self.client, self.model, self.work_dir),
             version,
             serve_params(self.serve, override),
-            self.work_dir,
             role,
             lambda line: log(f"canary: {line}"),
         )

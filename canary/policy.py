@@ -89,16 +89,24 @@ DEFAULT_CHECKS = (
     CheckRange(name="vllm_requests_waiting", max=4),
     CheckRange(name="vllm_kv_cache_usage", max=0.9),
 )
-# the policy's keys before issue 16, and the check each became (its side is CHECK_KINDS')
-_MOVED_TO_CHECKS = {
-    "max_error_rate": "error_rate",
-    "max_ttft_p95_ratio": "ttft_p95_ratio",
-    "max_tpot_p95_ratio": "tpot_p95_ratio",
-    "min_shadow_agreement": "shadow_agreement",
-}
 
-# the router's keys that were in this block before issue 30; now params.yaml fleet.router (gateway/router.py)
-_MOVED_TO_GATEWAY = {"request_timeout_s", "connect_timeout_s", "shadow_fraction", "shadow_compare_words"}
+
+def _retired(key: str, value: object) -> str | None:
+    """What to do with `key`, a key this block no longer takes (from an older params.yaml); None for a live key."""
+    if key in ("router", "servers"):
+        why = "ports and cores apart from the policy, issue 16"
+        return f"canary.{key} moved to the block `canary_topology` ({why}): move it there"
+    if key in ("request_timeout_s", "connect_timeout_s", "shadow_fraction", "shadow_compare_words"):
+        why = "the gateway's, which applies it to every request, issue 30"
+        return f"canary.{key} moved to fleet.router.{key} ({why}): move it there"
+    if key in ("max_error_rate", "max_ttft_p95_ratio", "max_tpot_p95_ratio", "min_shadow_agreement"):
+        side, name = key.split("_", 1)
+        return f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {side}: {value}}}`; delete {key}"
+    why = {
+        "min_requests_per_step": "a step's length now follows from min_samples and the traffic (canary/plan.py)",
+        "failure_limit": "one FAIL aborts: each check's test holds alpha over every look (canary/analysis.py)",
+    }.get(key)
+    return f"canary.{key}: removed in issue 16: {why}; delete this key" if why else None
 
 
 class CanaryPolicy(Frozen):
@@ -113,8 +121,6 @@ class CanaryPolicy(Frozen):
     gauge_looks: int = Field(default=3, ge=1)  # a vLLM gauge check FAILs above its max at this many looks in a row
     min_samples: int = Field(default=20, ge=2)  # per role and check before a check may PASS
     alpha: float = Field(default=0.05, gt=0, lt=0.5)  # false FAIL of a build meeting every threshold, per canary
-    min_requests_per_step: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
-    failure_limit: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
     inconclusive: Literal["abort", "hold"] = "hold"  # at the step's planned end: abort, or collect until max_step_s
     # on a running gateway (`canary run --gateway`): seconds for the candidate's server to get warm,
     # for a gateway that restarted or stopped answering to come back (then the step resumes, else
@@ -125,25 +131,11 @@ class CanaryPolicy(Frozen):
 
     @model_validator(mode="before")
     @classmethod
-    def _moved(cls, data: object) -> object:
+    def _retired_keys(cls, data: object) -> object:
         if isinstance(data, dict):
-            for key in ("router", "servers"):
-                if key in data:
-                    raise ValueError(
-                        f"canary.{key} moved to the block `canary_topology` (ports and cores apart from the "
-                        f"policy, issue 16): move it there"
-                    )
-            for key in _MOVED_TO_GATEWAY.intersection(data):
-                raise ValueError(
-                    f"canary.{key} moved to fleet.router.{key} (the gateway's, which applies it to every "
-                    f"request, issue 30): move it there"
-                )
-            for key, name in _MOVED_TO_CHECKS.items():
-                if key in data:
-                    raise ValueError(
-                        f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {CHECK_KINDS[name][0]}: "
-                        f"{data[key]}}}`; delete {key}"
-                    )
+            for key, value in data.items():
+                if (why := _retired(key, value)) is not None:
+                    raise ValueError(why)
         return data
 
     @field_validator("stale_after_s")
@@ -193,15 +185,6 @@ class CanaryPolicy(Frozen):
         if steps[-1] != 100:  # promotion moves production: the candidate must have carried all of it
             raise ValueError(f"the last step must be 100 (all traffic on the candidate before promotion), got {steps}")
         return steps
-
-    @field_validator("min_requests_per_step", "failure_limit", mode="before")
-    @classmethod
-    def _removed(cls, v: object, info: ValidationInfo) -> None:
-        why = {
-            "min_requests_per_step": "a step's length now follows from min_samples and the traffic (canary/plan.py)",
-            "failure_limit": "one FAIL aborts: each check's test holds alpha over every look (canary/analysis.py)",
-        }[info.field_name]
-        raise ValueError(f"removed in issue 16: {why}; delete this key")
 
     @field_validator("max_step_s")
     @classmethod

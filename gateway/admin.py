@@ -212,6 +212,10 @@ class RemoteRouter:
     def shadows_since(self, t: float) -> list[ShadowSample]:
         return samples_of(self._call("GET", "/admin/samples", params={"since": repr(t)}))[1]
 
+    def drain(self) -> None:
+        """Send nothing more to the candidate (weight 0)."""
+        self.set_weight(0)
+
     def alive(self, version: str) -> bool:
         """The gateway runs a live server for `version`."""
         return bool(self.state()["fleet"].get(version, {}).get("alive"))

@@ -186,25 +186,25 @@ class Running:
         return self.server.pid
 
 
+@dataclass(eq=False)
 class Fleet:
     """The servers of `quantgate serve`; see the module docstring. Thread-safe: `reconcile` runs in
-    the fleet's own thread, `resolve` and `status` in the router's."""
+    the fleet's own thread, `resolve` and `status` in the router's. `inflight` says how many requests a
+    backend has open (the router's count, for draining), `on_start(version, pid)` is called for each
+    server started, `clock` gives the back-off's seconds."""
 
-    def __init__(
-        self,
-        mlflow_client,
-        model_name: str,
-        serve: ServeParams,
-        params: FleetParams,
-        work_dir: Path,
-        log: Callable[[str], None] = print,
-        inflight: Callable[[Backend], int] = lambda b: 0,
-        on_start: Callable[[str, int], None] = lambda version, pid: None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.client, self.model, self.serve, self.params = mlflow_client, model_name, serve, params
-        self.work_dir, self.log, self.inflight, self.on_start = Path(work_dir), log, inflight, on_start
-        self.clock = clock  # seconds, for the back-off
+    client: object  # MlflowClient
+    model: str
+    serve: ServeParams
+    params: FleetParams
+    work_dir: Path
+    log: Callable[[str], None] = print
+    inflight: Callable[[Backend], int] = lambda b: 0
+    on_start: Callable[[str, int], None] = lambda version, pid: None
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
         self.failures: dict[str, Failing] = {}  # versions whose last start failed
         self._verified: dict[str, tuple[str | None, Path]] = {}  # version -> (weights_sha256, verified dir)
         self._servers: dict[str, Running] = {}
@@ -310,11 +310,9 @@ class Fleet:
         try:
             backend, server, model_dir = open_server(
                 stack,
-                self.client,
-                self.model,
+                Registered(self.client, self.model, self.work_dir),
                 version,
                 serve_params(self.serve, override),
-                self.work_dir,
                 why,
                 log,
                 verified=self._verified_weights(version, log),
@@ -398,13 +396,21 @@ def reused_backend(version: str, url: str) -> Backend:
     return Backend(url=url, model=name, label=f"v{version}")
 
 
+@dataclass(frozen=True)
+class Registered:
+    """Where a version's server comes from: the registry `client`, the registered `model`, and the `work_dir`
+    whose v<version>/ folder holds the version's downloaded artifacts, its server log and pid."""
+
+    client: object  # MlflowClient
+    model: str
+    work_dir: Path
+
+
 def open_server(
     stack: contextlib.ExitStack,
-    mlflow_client,
-    model_name: str,
+    source: Registered,
     version: str,
     params: ServeParams,
-    work_dir: Path,
     role: str,
     log=print,
     verified: Path | None = None,
@@ -413,12 +419,13 @@ def open_server(
     start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
     (Backend labelled "v<version>", served as "<model>-v<version>", the Server (its pid, its death),
     model dir).
-    `verified`: the version's weights as the caller already verified them (gateway/fleet.py
-    keeps them per digest): served from there, not downloaded again.
+    `source`: the registry, the model and the work folder. `verified`: the version's weights as the caller
+    already verified them (Fleet keeps them per digest): served from there, not downloaded again.
 
     Raises QuantgateError if the weights do not verify or the server does not start.
     """
-    vdir = Path(work_dir) / f"v{version}"
+    mlflow_client, model_name = source.client, source.model
+    vdir = Path(source.work_dir) / f"v{version}"
     if verified is None:
         shutil.rmtree(vdir / "artifacts", ignore_errors=True)  # a restart downloads and verifies again
         model_dir = verify_version(mlflow_client, model_name, version, vdir / "artifacts")

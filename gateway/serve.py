@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Gauge
@@ -133,12 +134,20 @@ def webhook_url(params: FleetParams, admin_url: str) -> str:
     return f"http://{host}:{port}{WEBHOOK_PATH}"
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What `quantgate serve` runs with: params.yaml `evaluate.serve` (every vLLM server), `fleet` (the
+    gateway's address, what it keeps warm, its admin endpoint and router) and `limits`."""
+
+    serve: ServeParams
+    fleet: FleetParams
+    limits: Limits
+
+
 def run_gateway(
     mlflow_client,
     model_name: str,
-    serve: ServeParams,
-    params: FleetParams,
-    limits: Limits,
+    settings: Settings,
     work_dir: Path,
     *,
     log: Callable[[str], None] = print,
@@ -147,13 +156,72 @@ def run_gateway(
 ) -> None:
     """Serve `model_name` from the registry until `stop` is set or Ctrl-C (module docstring).
 
-    `params.router` gives the router's timeouts and shadow settings, `limits` what one request and one
-    team may ask (gateway.limits; prompts counted with the first warm build's tokenizer);
+    `settings.fleet.router` gives the router's timeouts and shadow settings, `settings.limits` what one
+    request and one team may ask (gateway.limits; prompts counted with the first warm build's tokenizer);
     `on_ready(url)` is called once the gateway listens. Raises QuantgateError if the address
     cannot be bound; every server it started is stopped on every exit path.
     """
-    stop = stop or threading.Event()
-    work_dir = Path(work_dir)
+    stop, work_dir, params = stop or threading.Event(), Path(work_dir), settings.fleet
+    _check_startable(settings, work_dir)
+    reap_orphans(work_dir, log)
+    token = admin_token(work_dir, log)
+    started_at = time.time()
+    planner = Planner(stop, params.poll_s)
+    hooked = params.webhook == "auto" and registry_server(mlflow_client)
+    if params.webhook == "auto" and not hooked:
+        log(f"serve: the registry is not an `mlflow server` (no webhooks): polling it every {params.poll_s:g} s")
+    router: Router | None = None
+    webhook: Registration | None = None
+    fleet = Fleet(
+        mlflow_client,
+        model_name,
+        settings.serve,
+        params,
+        work_dir,
+        log=log,
+        inflight=lambda b: router.inflight(b) if router else 0,
+        on_start=lambda version, pid: (work_dir / f"v{version}" / PIDS).write_text(f"{pid}\n"),
+    )
+    try:
+        if not warm_first(fleet, params, stop):
+            return
+        router = _router(fleet, model_name, settings)
+        secret = secrets.token_urlsafe(32)  # new at each start: only this gateway's webhook signs with it
+        receiver = Receiver(secret, model_name, _on_alias(planner, router, log)) if hooked else None
+        public: dict[str, str] = {"model": model_name}
+        admin = _admin_server(router, fleet, public, started_at, token, receiver, params)
+        with RouterServer(router, params.host, params.port) as gateway, admin:
+            public["url"] = gateway.url
+            log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
+            log(f"serve: admin endpoint at {admin.url}/admin (bearer token; canary run --gateway {admin.url})")
+            if receiver is not None:
+                webhook = register(mlflow_client, model_name, webhook_url(params, admin.url), secret, log)
+            if on_ready:
+                on_ready(gateway.url)
+            _reconcile_until_stopped(fleet, planner, params, _fleet_gauges(router, fleet), log)
+    finally:
+        if webhook is not None:
+            webhook.close()
+        if fleet.close():
+            log("serve: every server stopped")
+
+
+def _router(fleet: Fleet, model_name: str, settings: Settings) -> Router:
+    """The router over the fleet's backends, its /health showing the fleet, its limits counting prompts with
+    the tokenizer of the first warm build."""
+    return Router(
+        fleet.resolve,
+        settings.fleet.router,
+        model_name=model_name,
+        health=lambda: {"fleet": fleet.status(), "pid": os.getpid()},
+        limits=Limiter(settings.limits, tokenizer_counter(fleet.model_dir())),
+    )
+
+
+def _check_startable(settings: Settings, work_dir: Path) -> None:
+    """Refuse, before a server takes minutes to start: a work dir that cannot be written, an address that
+    cannot be bound, one port for both endpoints, a limits block whose team_keys_file does not read."""
+    params = settings.fleet
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -168,84 +236,62 @@ def run_gateway(
             f"fleet.port and fleet.admin.port are both {params.port}: the gateway and its admin endpoint need "
             "a port each (--port, --admin-port)"
         )
-    Limiter(limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
-    reap_orphans(work_dir, log)
-    token = admin_token(work_dir, log)
-    started_at = time.time()
-    router: Router | None = None
-    planner = Planner(stop, params.poll_s)
-    webhook: Registration | None = None
-    hooked = params.webhook == "auto" and registry_server(mlflow_client)
-    if params.webhook == "auto" and not hooked:
-        log(f"serve: the registry is not an `mlflow server` (no webhooks): polling it every {params.poll_s:g} s")
-    fleet = Fleet(
-        mlflow_client,
-        model_name,
-        serve,
-        params,
-        work_dir,
-        log=log,
-        inflight=lambda b: router.inflight(b) if router else 0,
-        on_start=lambda version, pid: (work_dir / f"v{version}" / PIDS).write_text(f"{pid}\n"),
+    Limiter(settings.limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
+
+
+def _on_alias(planner: Planner, router: Router, log: Callable[[str], None]) -> Callable[[str, str | None], None]:
+    """What a registry webhook does: plan and route now."""
+
+    def on_alias(alias: str, version: str | None) -> None:
+        planner.wake()
+        router.refresh_soon()
+        log(f"serve: registry webhook: {alias} -> {'v' + version if version else 'deleted'}; planning now")
+
+    return on_alias
+
+
+def _admin_server(
+    router: Router, fleet: Fleet, public: dict, started_at: float, token: str, receiver, params: FleetParams
+) -> AppServer:
+    """The admin endpoint (gateway/admin.py) at fleet.admin: its state is `public` (model, url), this process
+    (pid, `started_at`) and the fleet's servers with whether each still runs; `receiver` takes the registry's
+    webhook, if any."""
+
+    def state() -> dict:
+        fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}
+        return {**public, "pid": os.getpid(), "started_at": started_at, "fleet": fleet_now}
+
+    app = admin_app(router, state, token, receiver.endpoint if receiver else None)
+    return AppServer(app, params.admin.host, params.admin.port)
+
+
+def _fleet_gauges(router: Router, fleet: Fleet) -> Callable[[], None]:
+    """Gauges of the fleet on the router's /metrics; returns what sets them from the fleet now."""
+    servers = Gauge(
+        "quantgate_fleet_servers", "Warm vLLM servers by version and why", ["version", "why"], registry=router.registry
     )
-    try:
-        if not warm_first(fleet, params, stop):
-            return
-        limiter = Limiter(limits, tokenizer_counter(fleet.model_dir()))
-        router = Router(
-            fleet.resolve,
-            params.router,
-            model_name=model_name,
-            health=lambda: {"fleet": fleet.status(), "pid": os.getpid()},
-            limits=limiter,
-        )
-        servers = Gauge(
-            "quantgate_fleet_servers",
-            "Warm vLLM servers by version and why",
-            ["version", "why"],
-            registry=router.registry,
-        )
-        restarts = Gauge(
-            "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
-        )
-        public: dict[str, str] = {"model": model_name}
+    restarts = Gauge(
+        "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
+    )
 
-        def state() -> dict:
-            fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}
-            return {**public, "pid": os.getpid(), "started_at": started_at, "fleet": fleet_now}
+    def update() -> None:
+        servers.clear()
+        for version, s in fleet.status().items():
+            servers.labels(version, s["why"]).set(1)
+            restarts.labels(version).set(s["restarts"])
 
-        def on_alias(alias: str, version: str | None) -> None:  # a registry webhook: plan and route now
-            planner.wake()
-            router.refresh_soon()
-            log(f"serve: registry webhook: {alias} -> {'v' + version if version else 'deleted'}; planning now")
+    return update
 
-        secret = secrets.token_urlsafe(32)  # new at each start: only this gateway's webhook signs with it
-        receiver = Receiver(secret, model_name, on_alias) if hooked else None
-        admin = AppServer(
-            admin_app(router, state, token, receiver.endpoint if receiver else None),
-            params.admin.host,
-            params.admin.port,
-        )
-        with RouterServer(router, params.host, params.port) as gateway, admin:
-            public["url"] = gateway.url
-            log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
-            log(f"serve: admin endpoint at {admin.url}/admin (bearer token; canary run --gateway {admin.url})")
-            if receiver is not None:
-                webhook = register(mlflow_client, model_name, webhook_url(params, admin.url), secret, log)
-            if on_ready:
-                on_ready(gateway.url)
-            while planner.wait():
-                try:
-                    fleet.reconcile()
-                except Exception as exc:  # the registry unreachable for a while: keep serving what is warm
-                    log(f"serve: reconcile failed, keeping the warm servers: {type(exc).__name__}: {exc}")
-                    time.sleep(params.restart_backoff_s)
-                servers.clear()
-                for version, s in fleet.status().items():
-                    servers.labels(version, s["why"]).set(1)
-                    restarts.labels(version).set(s["restarts"])
-    finally:
-        if webhook is not None:
-            webhook.close()
-        if fleet.close():
-            log("serve: every server stopped")
+
+def _reconcile_until_stopped(
+    fleet: Fleet, planner: Planner, params: FleetParams, gauges: Callable[[], None], log: Callable[[str], None]
+) -> None:
+    """Reconcile the fleet at each pass the planner calls for, until stopped; a pass that fails (the
+    registry unreachable for a while) keeps serving what is warm."""
+    while planner.wait():
+        try:
+            fleet.reconcile()
+        except Exception as exc:
+            log(f"serve: reconcile failed, keeping the warm servers: {type(exc).__name__}: {exc}")
+            time.sleep(params.restart_backoff_s)
+        gauges()

@@ -353,8 +353,6 @@ def write_params(tmp_path, block="canary", **changes) -> Path:
         ({"min_step_s": 300, "max_step_s": 120}, "canary.max_step_s"),
         ({"inconclusive": "maybe"}, "canary.inconclusive"),
         ({"bogus": 1}, "canary.bogus"),
-        ({"failure_limit": 2}, "canary.failure_limit"),
-        ({"min_requests_per_step": 100}, "canary.min_requests_per_step"),
         ({"measure_s": 0}, "canary.measure_s"),
     ],
 )

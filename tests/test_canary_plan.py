@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.canary_sim import FAST, FAST_ROUTER
 from canary.analysis import always_valid_p, fail_level, mixture_log_lr, shadow_check
 from canary.controller import step_decision
 from canary.plan import SLACK, StepPlan, Traffic, measured_traffic, plan, plan_line, refusal, require_feasible
@@ -16,6 +15,7 @@ from canary.policy import CanaryPolicy, load_policy
 from gateway.metrics import Sample, ShadowSample
 from quantgate.errors import QuantgateError
 from quantgate.stats import Verdict
+from tests.policies import FAST, FAST_ROUTER
 
 REPO = Path(__file__).resolve().parents[1]
 README_EXAMPLE = Traffic(1.0, 0.5, 1.0, "--load-rps")  # `quantgate canary run MODEL 2 --load-rps 1`
@@ -118,7 +118,7 @@ def test_more_traffic_shortens_the_plan_and_min_step_s_is_the_floor():
 
 
 def test_the_e2e_fast_policy_is_feasible_at_its_load():
-    fast = load_policy(REPO / "params.yaml").model_copy(update=FAST)  # tests/test_fleet_e2e.py fast_policy()
+    fast = load_policy(REPO / "params.yaml").model_copy(update=FAST)  # tests/policies.py fast_policy()
     steps = require_feasible(fast, Traffic(1.5, shadow_fraction=FAST_ROUTER["shadow_fraction"]))
     assert steps[0].seconds == pytest.approx(2 / (1.5 * 0.5 * 0.1)) and steps[0].end_s < 240
 

@@ -862,7 +862,7 @@ def test_replay_rejects_an_unknown_api():
 def test_rates_and_durations_must_be_finite_and_positive(value):
     """`canary load --rps inf` once flooded without end (expovariate(inf) = 0), `--rps nan` "sent" one
     request at "nan rps": now a usage error naming the option, before anything is sent."""
-    from quantgate.cli import cli
+    from cli.main import cli
 
     url = f"http://127.0.0.1:{free_port()}"
     for option, args in (

@@ -93,7 +93,7 @@ class Fakes:
         (dest / "model").mkdir(parents=True)
         return dest / "model"
 
-    def open_server(self, stack, client, model, version, params, work_dir, role, log, verified):
+    def open_server(self, stack, source, version, params, role, log, verified):
         assert verified.is_dir()  # standing.py verified the weights first
         if version in self.fail_start:  # as vLLM's log says it: a pid (and a time) that differ per try
             self.failed_starts += 1
@@ -303,7 +303,7 @@ def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_pat
     lines, stop, ready = [], threading.Event(), threading.Event()
     t = threading.Thread(
         target=gateway.run_gateway,
-        args=(None, "m", ServeParams(), params, Limits(), tmp_path),
+        args=(None, "m", gateway.Settings(ServeParams(), params, Limits()), tmp_path),
         kwargs={"log": lines.append, "stop": stop, "on_ready": lambda url: ready.set()},
         daemon=True,
     )
@@ -338,7 +338,7 @@ def test_serve_reaps_dead_canaries_first_and_serves_when_the_registry_cannot_say
 
     import canary.status
     import gateway.serve
-    from quantgate.cli import cli
+    from cli.main import cli
     from registry import store
 
     said = []
@@ -382,14 +382,14 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
     with pytest.raises(QuantgateError, match=r"^fleet.host: cannot listen on 999.1.1.1:0 \("):  # port 0: host checked
         check_bindable("999.1.1.1", 0, "fleet.host")
     from gateway.limits import Limits
-    from gateway.serve import run_gateway
+    from gateway.serve import Settings, run_gateway
     from quantgate.serving import ServeParams
 
     same = FleetParams().model_copy(
         update={"port": 18999, "admin": AdminAddress(port=18999)}
     )  # as --port, --admin-port
     with pytest.raises(QuantgateError, match="fleet.port and fleet.admin.port are both 18999: .* a port each"):
-        run_gateway(None, "m", ServeParams(), same, Limits(), tmp_path / "work", log=lambda _: None)
+        run_gateway(None, "m", Settings(ServeParams(), same, Limits()), tmp_path / "work", log=lambda _: None)
     bad = tmp_path / "params.yaml"
     bad.write_text("fleet:\n  port: 8001\n")
     with pytest.raises(QuantgateError, match="fleet: .*admin.port 8001 is also fleet.port"):

@@ -241,7 +241,7 @@ def running_gateway(monkeypatch, client, work_dir, params: FleetParams):
     (time.monotonic(), log line) and (time.monotonic(), version started)."""
     lines, starts = [], []
 
-    def open_server(stack, client, model, version, params, work_dir, role, log, verified):
+    def open_server(stack, source, version, params, role, log, verified):
         starts.append((time.monotonic(), version))
         return (*sleep_server(stack, version), verified)
 
@@ -250,7 +250,7 @@ def running_gateway(monkeypatch, client, work_dir, params: FleetParams):
     stop, ready = threading.Event(), threading.Event()
     t = threading.Thread(
         target=gateway.run_gateway,
-        args=(client, MODEL, ServeParams(), params, Limits(), work_dir),
+        args=(client, MODEL, gateway.Settings(ServeParams(), params, Limits()), work_dir),
         kwargs={
             "log": lambda line: lines.append((time.monotonic(), line)),
             "stop": stop,

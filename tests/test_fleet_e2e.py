@@ -22,6 +22,7 @@ import pytest
 from pytest import MonkeyPatch
 
 from tests.conftest import REPO, approved_version, run, w4a16_servable
+from tests.policies import fast_policy, fast_router
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
@@ -34,30 +35,6 @@ def e2e_topology():
     from canary.policy import RouterAddress, load_topology
 
     return load_topology(REPO / "params.yaml").model_copy(update={"router": RouterAddress(port=0)})
-
-
-def fast_policy(**over):
-    """The canary policy of params.yaml with CI-sized steps: same steps, smaller minimums; a
-    check's name sets its bound (ttft_p95_ratio=50), other keys the policy's fields."""
-    from benchmarks.canary_sim import FAST, FAST_BOUNDS  # simulated there too (the "e2e" rows)
-    from canary.policy import CHECK_KINDS, load_policy
-
-    # judge quality and errors here, not speed: how fast GOOD is against fp16 is the machine's (AVX2 at float32:
-    # int8 decodes ~1.6x slower; AVX512: int4's TTFT p50 is 1.5-1.7x fp16's), and a ratio near 1.5 holds a
-    # CI-sized step to max_step_s; the latency checks are tested in tests/test_canary_analysis.py and simulated
-    bounds = dict(FAST_BOUNDS, ttft_p95_ratio=50, tpot_p95_ratio=50)
-    bounds.update({k: over.pop(k) for k in list(over) if k in CHECK_KINDS})  # e.g. ttft_p95_ratio=50
-    policy = load_policy(REPO / "params.yaml").model_copy(update={**FAST, **over})
-    return policy.with_bounds(**bounds)
-
-
-def fast_router():
-    """The router settings of params.yaml (fleet.router) for the CI-sized canaries: every greedy candidate
-    answer shadowed, two words compared, 120 s per attempt on a busy CPU."""
-    from benchmarks.canary_sim import FAST_ROUTER
-    from gateway.fleet import load_fleet_params
-
-    return load_fleet_params(REPO / "params.yaml").router.model_copy(update={**FAST_ROUTER, "request_timeout_s": 120})
 
 
 def permute_embeddings(src: Path, dst: Path) -> None:
@@ -238,7 +215,7 @@ def fleet(project, tmp_path_factory):
 
 def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = None):
     """run_canary for `build` with the fleet's servers, under Load; returns (outcome, load, log lines)."""
-    from canary.controller import run_canary
+    from canary.controller import Hooks, Local, run_canary
 
     lines, load = [], []
 
@@ -253,19 +230,9 @@ def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = Non
         lines.append(line)
         print(line, flush=True)
 
+    local = Local(fleet["serve"], tmp_path, e2e_topology(), fast_router(), fleet["reuse"])
     outcome = run_canary(
-        fleet["client"],
-        MODEL,
-        fleet["v"][build],
-        policy,
-        fleet["serve"],
-        "e2e-test",
-        tmp_path,
-        topology=e2e_topology(),
-        router_params=fast_router(),
-        reuse=fleet["reuse"],
-        log=log,
-        on_router=on_router,
+        fleet["client"], MODEL, fleet["v"][build], policy, "e2e-test", local, Hooks(log, on_router=on_router)
     )
     return outcome, load[0], lines
 

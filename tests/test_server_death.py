@@ -330,7 +330,7 @@ def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
     log.parent.mkdir()
     log.write_text("INFO started\n")
 
-    def open_server(stack, client, model, version, params, work_dir, role, log_, verified=None):
+    def open_server(stack, source, version, params, role, log_, verified=None):
         backend, server = sleep_server(stack, version, log)
         return backend, server, tmp_path
 

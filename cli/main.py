@@ -1,4 +1,5 @@
-"""The `quantgate` command: parses arguments, calls pipeline/, evals/ or registry/, prints.
+"""The `quantgate` command, the composition root on top of every folder: parses arguments, calls pipeline/,
+registry/, gateway/ or canary/, prints. Installed as the `quantgate` script; from a checkout `python -m cli`.
 
 quantgate report                 the gate table of the last `dvc repro`
 quantgate status [MODEL]         registered versions, verdicts and aliases; builds left unregistered
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from canary.commands import path_option
 from quantgate.errors import QuantgateError, command_errors
 
 
@@ -127,13 +129,7 @@ def validate(path: Path) -> None:
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."
 )
-@click.option(
-    "--work-dir",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/serve"),
-    show_default=True,
-    help="Verified artifacts, server logs and pids, one folder per version.",
-)
+@path_option("--work-dir", ".quantgate/serve", "Verified artifacts, server logs and pids, one folder per version.")
 @click.option(
     "--admin-port",
     type=click.IntRange(0, 65535),
@@ -163,7 +159,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
     from canary.status import reap_stale
     from gateway.fleet import load_fleet_params
     from gateway.limits import load_limits
-    from gateway.serve import run_gateway
+    from gateway.serve import Settings, run_gateway
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import store
@@ -187,22 +183,14 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
                 click.echo(
                     f"serve: could not check for canaries left by a dead controller: {type(exc).__name__}: {exc}"
                 )
-            run_gateway(
-                client,
-                model,
-                serve_params,
-                params,
-                limits,
-                work_dir,
-                log=click.echo,
-            )
+            run_gateway(client, model, Settings(serve_params, params, limits), work_dir, log=click.echo)
     except KeyboardInterrupt:
         click.echo("serve: stopped (Ctrl-C or SIGTERM)")
 
 
 @cli.group()
 def canary() -> None:
-    """The vLLM canary fleet: weighted router, live analysis, promotion or abort."""
+    """The release canary: traffic in steps through a gateway, live analysis, promotion or abort."""
 
 
 def _wire() -> None:
@@ -223,7 +211,7 @@ def main() -> None:
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download, not a bar
-    cli()
+    cli(prog_name="quantgate")
 
 
 if __name__ == "__main__":
