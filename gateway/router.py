@@ -53,6 +53,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import anyio
 import httpx
@@ -84,7 +85,21 @@ log = logging.getLogger("quantgate.canary")
 
 RESOLVE_INTERVAL_S = 0.5
 SHADOW_MAX_INFLIGHT = 16
-ROLES = ("stable", "candidate", "shadow")
+
+
+class Role(StrEnum):
+    """The roles a backend has for a request: STABLE takes the traffic the split does not send to the
+    CANDIDATE; FALLBACK (the 16-bit build, alias `fallback`) answers what both failed. Shadowing is done to
+    a request (a sampled greedy candidate request mirrored to the fallback), not a role: its samples are
+    labelled SHADOWED."""
+
+    STABLE = "stable"
+    CANDIDATE = "candidate"
+    FALLBACK = "fallback"
+
+
+SHADOWED = "shadow"  # the samples of mirrored requests, and resolve()'s key for the fallback it mirrors to
+ROLES = (Role.STABLE, Role.CANDIDATE, SHADOWED)  # resolve()'s keys
 
 
 class RouterParams(Frozen):
@@ -127,17 +142,17 @@ def backends_of(backends: Mapping[str, Backend | None]) -> Backends:
     return Backends(backends["stable"], backends.get("candidate"), backends.get("shadow"))
 
 
-Chain = list[tuple[str, Backend]]  # (role, backend) to try in turn; see attempts()
+Chain = list[tuple[Role, Backend]]  # (role, backend) to try in turn; see attempts()
 
 
 def attempts(backends: Backends, to_candidate: bool) -> Chain:
     """The backends one request may use, in order: the candidate (when the split chose it), stable,
     then the `fallback` build (backends.shadow) when it is another server. A request that fails before
     its first byte moves to the next; a stream that breaks later is finished there (Router._relay)."""
-    chain = [("candidate", backends.candidate)] if to_candidate and backends.candidate is not None else []
-    chain.append(("stable", backends.stable))
+    chain = [(Role.CANDIDATE, backends.candidate)] if to_candidate and backends.candidate is not None else []
+    chain.append((Role.STABLE, backends.stable))
     if backends.shadow is not None and backends.shadow.url != backends.stable.url:
-        chain.append(("fallback", backends.shadow))
+        chain.append((Role.FALLBACK, backends.shadow))
     return chain
 
 
@@ -511,7 +526,7 @@ class Router:
         if r is None:
             status, what = (504, "timed out") if outcome == "timeout" else (502, "is unreachable")
             return error(status, f"{role} backend {what}", headers), True
-        if role == "candidate" and outcome == "ok" and doc:
+        if role == Role.CANDIDATE and outcome == "ok" and doc:
             self._maybe_shadow(backends, path, body, response_text(doc))
         ctype = r.headers.get("content-type", "application/json")
         return Response(r.content, r.status_code, headers={**headers, "content-type": ctype}), r.status_code >= 500
@@ -592,7 +607,7 @@ class Router:
                 async for out in chunks:
                     yield out
             if not (resumable and leg.outcome in ("cut", "server_error")):
-                if leg.at.role == "candidate" and leg.outcome == "ok":
+                if leg.at.role == Role.CANDIDATE and leg.outcome == "ok":
                     self._maybe_shadow(req.backends, req.path, leg.body, "".join(leg.state.text))
                 return
             nxt = await self._next_leg(req, leg)
@@ -702,7 +717,7 @@ class Router:
     async def _shadow(self, backends: Backends, path: str, body: dict, candidate_text: str) -> None:
         t = time.time()
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        _, outcome, doc = await self._post("shadow", backends.shadow, path, plain, retried=False)
+        _, outcome, doc = await self._post(SHADOWED, backends.shadow, path, plain, retried=False)
         if outcome != "ok" or not doc:
             self.recorder.shadow_not_compared("error")
             return
