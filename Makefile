@@ -43,4 +43,4 @@ bench: setup
 	python -m benchmarks.serving --models .bench/pipeline_cost/models
 	python -m benchmarks.quality --models .bench/pipeline_cost/models --work .bench/quality
 	python -m benchmarks.canary_sim
-	python -m benchmarks.numbers --out benchmarks/results/numbers.md --readme README.md
+	python -m benchmarks.numbers --out benchmarks/results/numbers.md --readme benchmarks/README.md

@@ -9,8 +9,8 @@ Requests arrive as a Poisson stream at `rps`; each streams with probability 0.5 
 generator alternates), goes to the candidate with the step's share, fails with the build's
 error rate, and a streamed one has a TTFT and a TPOT drawn from a lognormal (TTFT median
 0.2 s, sigma 0.4; TPOT median 0.1 s, sigma 0.2; the candidate's scaled by `slower`). A greedy
-candidate request is shadowed with probability shadow_fraction and agrees with the fp16 build
-with probability `agreement`. The candidate's vLLM gauges (vllm_requests_waiting,
+candidate request is shadowed with probability the router's shadow_fraction (fleet.router) and
+agrees with the fp16 build with probability `agreement`. The candidate's vLLM gauges (vllm_requests_waiting,
 vllm_kv_cache_usage) read as an idle server's at every look: they are thresholds, not tests,
 and spend none of alpha. Seeded; runs in about a minute:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,10 +30,12 @@ from benchmarks.common import report
 from canary.analysis import analyze, fail_level, latency_level
 from canary.controller import step_decision
 from canary.engine import EngineSample
-from canary.metrics import Sample, ShadowSample
 from canary.plan import Traffic, plan
 from canary.policy import CanaryPolicy, load_policy
+from gateway.fleet import load_fleet_params
+from gateway.metrics import Sample, ShadowSample
 from quantgate.stats import Verdict
+from tests.policies import FAST, FAST_BOUNDS, FAST_ROUTER  # the e2e tests' canary, simulated here
 
 STREAM_SHARE = 0.5
 NO_VERDICT = "no verdict at max_step_s"
@@ -61,6 +63,7 @@ class Scenario:
     stable_error_rate: float = 0.002
     contention: float = 0.0  # share of every build's streams TAIL_X slower (cores shared with other work)
     share: float = 0.3  # of --canaries simulated for this scenario (A/A: all)
+    shadow_fraction: float = 0.5  # the router's (params.yaml fleet.router.shadow_fraction)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ def _requests(rng, sc: Scenario, horizon: float, share: float, t_off: float):
     scale *= np.where(rng.random(n) < sc.contention, TAIL_X, 1.0)
     ttft = np.exp(rng.normal(TTFT[0], TTFT[1], n)) * scale
     tpot = np.exp(rng.normal(TPOT[0], TPOT[1], n)) * scale
-    shadowed = cand & ~fail & (rng.random(n) < sc.policy.shadow_fraction)
+    shadowed = cand & ~fail & (rng.random(n) < sc.shadow_fraction)
     agree = rng.random(n) < build.agreement
     samples, shadows = [], []
     for i in range(n):
@@ -118,7 +121,7 @@ def _requests(rng, sc: Scenario, horizon: float, share: float, t_off: float):
 def simulate(sc: Scenario, rng) -> Run:
     """One canary of `sc` (given traffic: no measuring phase)."""
     policy = sc.policy
-    steps = plan(policy, Traffic(sc.rps, STREAM_SHARE, 1.0, "simulated"))
+    steps = plan(policy, Traffic(sc.rps, STREAM_SHARE, 1.0, "simulated", sc.shadow_fraction))
     earlier_stable: list[Sample] = []
     looks = cand_requests = 0
     clock = 0.0
@@ -164,24 +167,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
-# tests/test_fleet_e2e.py fast_policy(): the CI-sized canaries of the e2e tests (one place for both)
-FAST = dict(
-    measure_s=6,
-    min_step_s=3,
-    max_step_s=240,
-    min_samples=2,
-    check_interval_s=2,
-    shadow_fraction=1.0,
-    shadow_compare_words=2,
-)
-FAST_BOUNDS = dict(shadow_agreement=0.5)
-
-
-def scenarios(base: CanaryPolicy) -> list[Scenario]:
+def scenarios(base: CanaryPolicy, shadowed: float) -> list[Scenario]:
+    """The simulated canaries: `base` the params.yaml policy, `shadowed` its router's shadow_fraction."""
     fast = base.model_copy(update=FAST).with_bounds(**FAST_BOUNDS)
     err, agree = base.check("error_rate").bound, base.check("shadow_agreement").bound
     at_limit = Build(error_rate=err, agreement=agree, slower=1.5)
-    return [
+    at_defaults = [
         Scenario("A/A, defaults, 1 rps (README example)", base, 1.0, Build(), share=1.0),
         Scenario("A/A, 10 % of every build's streams 3x (busy cores), 1 rps", base, 1.0, Build(), contention=0.1),
         Scenario("at every threshold, defaults, 1 rps", base, 1.0, at_limit, stable_error_rate=0.0, share=0.1),
@@ -190,9 +181,15 @@ def scenarios(base: CanaryPolicy) -> list[Scenario]:
         Scenario("broken: agreement 0.3, defaults, 10 rps", base, 10.0, Build(agreement=0.3)),
         Scenario("2x slower TTFT/TPOT, defaults, 1 rps", base, 1.0, Build(slower=2.0)),
         Scenario("tail only: 10 % of candidate streams 3x, 1 rps", base, 1.0, Build(slow_tail=0.1)),
+    ]
+    e2e = [
         Scenario("e2e good: fast_policy, 1.5 rps, agreement 0.9", fast, 1.5, Build(error_rate=0, agreement=0.9)),
         Scenario("e2e broken: fast_policy, 1.5 rps, agreement 0.05", fast, 1.5, Build(error_rate=0, agreement=0.05)),
         Scenario("e2e killed: fast_policy, 1.5 rps, dies at 2 s", fast, 1.5, Build(error_rate=0, dies_after_s=2)),
+    ]
+    e2e_shadowed = FAST_ROUTER["shadow_fraction"]
+    return [replace(sc, shadow_fraction=shadowed) for sc in at_defaults] + [
+        replace(sc, shadow_fraction=e2e_shadowed) for sc in e2e
     ]
 
 
@@ -205,9 +202,9 @@ def main() -> None:
     ap.add_argument("--canaries", type=int, default=300, help="A/A canaries (other scenarios: a share of them)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    base = load_policy()
+    base, shadowed = load_policy(), load_fleet_params().router.shadow_fraction
     rows, started = [], time.monotonic()
-    for n_sc, sc in enumerate(scenarios(base)):
+    for n_sc, sc in enumerate(scenarios(base, shadowed)):
         rng = np.random.default_rng([args.seed, n_sc])
         runs = [simulate(sc, rng) for _ in range(max(20, round(args.canaries * sc.share)))]
         aborted = [r for r in runs if not r.promoted]
@@ -240,7 +237,7 @@ def main() -> None:
                 "abort reasons": ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-",
             }
         )
-    steps = plan(base, Traffic(1.0, STREAM_SHARE, 1.0, "--load-rps"))
+    steps = plan(base, Traffic(1.0, STREAM_SHARE, 1.0, "--load-rps", shadowed))
     report(
         "canary_sim",
         "Whole canaries simulated with canary/analysis.py and the controller's decisions",
@@ -255,6 +252,7 @@ def main() -> None:
             "wall_s": round(time.monotonic() - started, 1),
             "latency": "lognormal: TTFT median 0.2 s sigma 0.4, TPOT median 0.1 s sigma 0.2; tails 3x",
             "stream_share": STREAM_SHARE,
+            "shadow_fraction": shadowed,
         },
         notes=[
             f"alpha {base.alpha}: a binomial check FAILs at always-valid p <= {fail_level(base):.2g}, "

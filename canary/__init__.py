@@ -1,1 +1,2 @@
-"""The vLLM canary fleet: weighted router, policy, step analysis and load (see canary/README.md)."""
+"""The canary control loop: policy, persisted status, controller, analysis, plan, forecast, render
+(see canary/README.md). It moves traffic through the gateway (gateway/), never carries it."""

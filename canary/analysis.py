@@ -68,8 +68,8 @@ import numpy as np
 from scipy import special, stats
 
 from canary.engine import EngineSample
-from canary.metrics import Sample, ShadowSample
 from canary.policy import STATISTICAL, CanaryPolicy
+from gateway.metrics import Sample, ShadowSample
 from quantgate.stats import Verdict
 
 
@@ -135,24 +135,26 @@ def always_valid_p(events: Sequence[bool], p0: float) -> float:
     return float(min(1.0, math.exp(-max(0.0, float(np.max(log_lr))))))
 
 
-def _judge(
-    name: str,
-    value: float | None,
-    threshold: float,
-    p: float | None,
-    n: int,
-    n_text: str,
-    higher_is_worse: bool,
-    level: float,
-    fmt: str,
-    *,
-    passes: bool,
-    fail_within: bool = False,
-) -> Check:
+@dataclass(frozen=True)
+class _Evidence:
+    """What one check measured: its value (None = no data) against `threshold`, the test's p (None = not
+    tested), n candidate samples, how n reads in the line (`n_text`), the value's format (`fmt`)."""
+
+    name: str
+    value: float | None
+    threshold: float
+    p: float | None
+    n: int
+    n_text: str
+    fmt: str
+
+
+def _judge(ev: _Evidence, higher_is_worse: bool, level: float, *, passes: bool, fail_within: bool = False) -> Check:
     """Apply the verdict rule of the module docstring and write the check's line. passes: the
     PASS condition (min_samples and the estimate within the threshold, or close enough);
     fail_within: a rejection FAILs even when the estimate is now within the threshold (a
     sequential test whose boundary was crossed at an earlier sample)."""
+    name, value, threshold, p, n, n_text, fmt = ev.name, ev.value, ev.threshold, ev.p, ev.n, ev.n_text, ev.fmt
     if value is None:
         return Check(
             name, None, threshold, None, n, Verdict.INCONCLUSIVE, f"{name} - ({n_text}) {Verdict.INCONCLUSIVE.value}"
@@ -190,10 +192,8 @@ def _rate_check(name: str, bad: list[bool], threshold: float, policy: CanaryPoli
     p = always_valid_p(bad, p0) if n else None
     typical = bool(n) and float(stats.binom.sf(k - 1, n, p0)) >= 0.5
     fmt = ".3f" if higher_is_worse else ".2f"
-    return _judge(
-        name, value, threshold, p, n, n_text, higher_is_worse, fail_level(policy), fmt,
-        passes=enough and typical, fail_within=True,
-    )  # fmt: skip
+    ev = _Evidence(name, value, threshold, p, n, n_text, fmt)
+    return _judge(ev, higher_is_worse, fail_level(policy), passes=enough and typical, fail_within=True)
 
 
 def _bound(policy: CanaryPolicy, name: str) -> float:
@@ -240,9 +240,8 @@ def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) 
     p = slower_p(cand, stab, threshold) if cand and stab else None
     n_text = f"n={len(cand)}/{len(stab)}" + ("" if enough else f" < min {policy.min_samples}")
     passes = enough and p is not None and p >= 0.5
-    return _judge(
-        f"{metric}_p95_ratio", ratio, threshold, p, len(cand), n_text, True, latency_level(policy), ".2f", passes=passes
-    )
+    ev = _Evidence(f"{metric}_p95_ratio", ratio, threshold, p, len(cand), n_text, ".2f")
+    return _judge(ev, True, latency_level(policy), passes=passes)
 
 
 def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy) -> Check:

@@ -1,4 +1,4 @@
-"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by quantgate/cli.py).
+"""Click commands of `quantgate canary` (wired into the CLI's `canary` group by cli/main.py).
 
     quantgate canary run MODEL VERSION [--load-rps RPS]    the canary here: promote or abort
     quantgate canary run MODEL VERSION --gateway ADMIN_URL the canary on a running `quantgate serve`
@@ -42,6 +42,16 @@ RATE = Positive(1000)  # requests/s: one load process on loopback offers far les
 SECONDS = Positive(7 * 24 * 3600)
 
 
+def path_option(flag: str, default: str, help_text: str):
+    """An option naming a file or folder, with its default shown."""
+    return click.option(flag, type=click.Path(path_type=Path), default=Path(default), show_default=True, help=help_text)
+
+
+def _api_choice(flag: str, default: str, help_text: str):
+    """An option choosing the endpoints of replayed traffic (canary.load.APIS)."""
+    return click.option(flag, type=click.Choice(list(APIS)), default=default, show_default=True, help=help_text)
+
+
 @click.command("load")
 @click.option("--url", required=True, help="Router (or any OpenAI server) base URL, e.g. http://127.0.0.1:8080")
 @click.option("--rps", type=RATE, required=True, help="Requests per second offered.")
@@ -66,13 +76,7 @@ SECONDS = Positive(7 * 24 * 3600)
     help="Seconds per request.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--api",
-    type=click.Choice(list(APIS)),
-    default="both",
-    show_default=True,
-    help="Endpoints: /v1/chat/completions, /v1/completions or both in turn.",
-)
+@_api_choice("--api", "both", "Endpoints: /v1/chat/completions, /v1/completions or both in turn.")
 def load(
     url: str,
     rps: float,
@@ -199,12 +203,8 @@ def sigterm_stops(stop: threading.Event) -> None:
     help="Also replay eval-set prompts through the router at this rate (demos, tests).",
 )
 @click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request.")
-@click.option(
-    "--load-api",
-    type=click.Choice(list(APIS)),
-    default="chat",
-    show_default=True,
-    help="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).",
+@_api_choice(
+    "--load-api", "chat", "Endpoints of --load-rps traffic (chat: what an instruct model serves in production)."
 )
 @click.option(
     "--evals",
@@ -213,13 +213,7 @@ def sigterm_stops(stop: threading.Event) -> None:
     default=None,
     help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
 )
-@click.option(
-    "--work-dir",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/canary"),
-    show_default=True,
-    help="Verified artifacts and server logs, one folder per canary run.",
-)
+@path_option("--work-dir", ".quantgate/canary", "Verified artifacts and server logs, one folder per canary run.")
 @click.option(
     "--gateway",
     "admin_url",
@@ -228,12 +222,10 @@ def sigterm_stops(stop: threading.Event) -> None:
     help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
     "(its servers and router; no --reuse).",
 )
-@click.option(
+@path_option(
     "--token-file",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/serve/admin.token"),
-    show_default=True,
-    help="The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
+    ".quantgate/serve/admin.token",
+    "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
 )
 def run(
     model: str,
@@ -253,11 +245,12 @@ def run(
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
-    from canary.admin import read_token
-    from canary.controller import run_canary, run_canary_on_gateway
+    from canary.controller import Admin, Hooks, Local, run_canary, run_canary_on_gateway
     from canary.load import prompts_from_evals, replay
     from canary.plan import Traffic
     from canary.policy import load_policy, load_topology
+    from gateway.admin import read_token
+    from gateway.fleet import load_fleet_params
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import store
@@ -282,13 +275,6 @@ def run(
 
         return stop
 
-    # every --load-api alternates streaming and not; all of it is greedy
-    common = dict(
-        on_router=start_load if load_rps else None,
-        log=click.echo,
-        traffic=Traffic(load_rps, 0.5, 1.0, "--load-rps") if load_rps else None,
-        stop=stop,
-    )
     try:
         with command_errors():
             if admin_url is not None:
@@ -304,24 +290,20 @@ def run(
                     prompts.extend(prompts_from_evals(evals_dir or Path("evals")))
                 except QuantgateError as exc:
                     raise QuantgateError(f"--evals: {exc}") from None
+            # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
+            router = None if admin_url else load_fleet_params().router
+            shadowed = router.shadow_fraction if router else 0.5
+            # every --load-api alternates streaming and not; all of it is greedy
+            traffic = Traffic(load_rps, 0.5, 1.0, "--load-rps", shadowed) if load_rps else None
+            hooks = Hooks(click.echo, stop, start_load if load_rps else None, traffic)
             if admin_url:
-                outcome = run_canary_on_gateway(
-                    store.client(existing=True), model, version, load_policy(), by, admin_url,
-                    read_token(token_file), **common,
-                )  # fmt: skip
+                client, policy = store.client(existing=True), load_policy()
+                admin = Admin(admin_url, read_token(token_file))
+                outcome = run_canary_on_gateway(client, model, version, policy, by, admin, hooks)
             else:
-                outcome = run_canary(
-                    store.client(existing=True),
-                    model,
-                    version,
-                    load_policy(),
-                    load_block("evaluate.serve", ServeParams),
-                    by,
-                    work_dir,
-                    topology=load_topology(),
-                    reuse=reuse,
-                    **common,
-                )
+                client, policy = store.client(existing=True), load_policy()
+                local = Local(load_block("evaluate.serve", ServeParams), work_dir, load_topology(), router, reuse or {})
+                outcome = run_canary(client, model, version, policy, by, local, hooks)
     except KeyboardInterrupt:
         raise click.ClickException(
             f"canary of {model} v{version} interrupted: aborted, `candidate` not set, other aliases unchanged"
@@ -331,72 +313,6 @@ def run(
     click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")
     if outcome.decision != "promoted":
         sys.exit(3)
-
-
-@click.command("serve")
-@click.argument("model")
-@click.option("--host", default=None, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1).")
-@click.option(
-    "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."
-)
-@click.option(
-    "--work-dir",
-    type=click.Path(path_type=Path),
-    default=Path(".quantgate/serve"),
-    show_default=True,
-    help="Verified artifacts, server logs and pids, one folder per version.",
-)
-@click.option(
-    "--admin-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Admin endpoint port (default: fleet.admin.port; 0: free). Token: $QUANTGATE_ADMIN_TOKEN, "
-    "else WORK_DIR/admin.token.",
-)
-def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_port: int | None) -> None:
-    """Serve MODEL's registry aliases behind one OpenAI endpoint until Ctrl-C or SIGTERM.
-
-    Run it from the project folder: the registry is $MLFLOW_TRACKING_URI (default ./mlflow.db),
-    settings are params.yaml `fleet` and `limits`. production (else fallback) takes the traffic;
-    fallback, candidate and previous are kept warm, each from weights verified against the
-    registry. Alias changes (promote, rollback, a canary) are followed within a second: a poll
-    every fleet.poll_s, and at once through an MLflow webhook when the registry is an `mlflow
-    server` (fleet.webhook). A failed production request is retried on fallback, dead servers are
-    restarted. An admin endpoint (fleet.admin, loopback, bearer token) lets `quantgate canary run
-    --gateway` set the split and read the samples.
-
-    \b
-    Example:
-      quantgate serve smollm2-135m-instruct        # OpenAI API at http://127.0.0.1:8000/v1
-      curl -s localhost:8000/health                # the serving version and the warm servers
-    """
-    from canary.gateway import run_gateway
-    from canary.limits import load_limits
-    from canary.policy import load_policy
-    from canary.standing import load_fleet_params
-    from quantgate.params import load_block
-    from quantgate.serving import ServeParams
-    from registry import store
-
-    sigterm_as_ctrl_c()
-    try:
-        with command_errors():
-            params = load_fleet_params()
-            params = params.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v is not None})
-            if admin_port is not None:
-                params = params.model_copy(update={"admin": params.admin.model_copy(update={"port": admin_port})})
-            run_gateway(
-                store.client(existing=True),
-                model,
-                load_block("evaluate.serve", ServeParams),
-                params,
-                load_policy(),
-                load_limits(),
-                work_dir,
-                log=click.echo,
-            )
-    except KeyboardInterrupt:
-        click.echo("serve: stopped (Ctrl-C or SIGTERM)")
 
 
 def _step(ctx, param, value: str | None) -> str | None:
@@ -472,4 +388,3 @@ def render(
 
 
 COMMANDS = [load, run, render]
-SERVE = [serve]  # top-level `quantgate serve`

@@ -3,12 +3,12 @@
 1. Refuse unless VERSION is approved (gate PASS, or an override recorded: registry/approval.py),
    is not already stable, and a `fallback` exists. Stable = `production`, else `fallback`.
 2. Serve stable, the fp16 `fallback` (the shadow; shared when it is stable) and the candidate
-   from their verified registry artifacts (canary/fleet.py); point alias `candidate` at VERSION.
+   from their verified registry artifacts (canary/local.py); point alias `candidate` at VERSION.
 3. Plan (canary/plan.py) from the traffic: given (`--load-rps`), or measured over measure_s at
    0 % once the router runs; say how long the canary will take, and refuse (QuantgateError)
    a plan whose steps cannot reach min_samples within max_step_s. Say which latency checks the
    versions' profiles already exceed (canary/forecast.py; a warning, tag canary.forecast).
-4. Route through canary/router.py; for each policy step set the weight, look at the step's
+4. Route through gateway/router.py; for each policy step set the weight, look at the step's
    samples and the candidate vLLM server's gauges (canary/engine.py) every check_interval_s
    (canary/analysis.py, one live line per check), and end the
    step at the first look after min_step_s where every check PASSes (each needs min_samples,
@@ -24,7 +24,7 @@ Every server started here is stopped on every exit path.
 
 On a running gateway (`run_canary_on_gateway`, `canary run --gateway`) step 2 is the gateway's:
 setting `candidate` makes it warm the version, and the steps drive its split through its admin
-endpoint (canary/admin.py, `GatewaySplit`); the step loop and analysis are the same
+endpoint (gateway/admin.py, `GatewaySplit`); the step loop and analysis are the same
 (`_run_steps` over a `Split`). Either way the run's status (phase, step, weight, failed checks,
 controller, heartbeat) is persisted as tags on its MLflow run (canary/status.py).
 """
@@ -36,20 +36,22 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from canary.admin import GatewayUnreachable, RemoteRouter
 from canary.analysis import analyze, live_line
 from canary.engine import EngineSample, scrape
-from canary.fleet import ServingFleet, reused_backend
 from canary.forecast import latency_forecast
+from canary.local import LocalServers
 from canary.plan import StepPlan, Traffic, measured_traffic, plan_line, require_feasible
 from canary.policy import CHECK_KINDS, GAUGES, CanaryPolicy, CanaryTopology
-from canary.router import Router
-from canary.server import RouterServer
 from canary.status import EXPERIMENT, Phase, Status, live_run, reap_stale
+from canary.traffic import TrafficSplit
+from gateway.admin import GatewayUnreachable, RemoteRouter
+from gateway.fleet import reused_backend
+from gateway.router import Router, RouterParams
+from gateway.server import RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams, serving_versions
 from quantgate.stats import Verdict
@@ -149,24 +151,25 @@ def step_decision(verdict: Verdict, elapsed_s: float, step: StepPlan, policy: Ca
     return "hold"
 
 
-class Split(Protocol):
-    """What the step loop drives: this process's Router (`LocalSplit`) or a running gateway's
-    (`GatewaySplit`, over canary/admin.py)."""
+class Split(TrafficSplit, Protocol):
+    """What the step loop drives: the traffic split (canary/traffic.py) of this process's Router
+    (`LocalSplit`) or of a running gateway (`GatewaySplit`, over gateway/admin.py), and what a live
+    rollout also asks of it: is the candidate's server alive, did the gateway restart, its vLLM gauges."""
 
-    def set_weight(self, percent: float) -> None: ...
-    def samples_since(self, t: float) -> list: ...
-    def shadows_since(self, t: float) -> list: ...
     def alive(self, version: str) -> bool: ...
     def recover(self, percent: float) -> str | None: ...
     def engine(self, version: str) -> EngineSample | None: ...
 
+    @property
+    def shadow_fraction(self) -> float: ...
+
 
 @dataclass
 class LocalSplit:
-    """This process's Router and ServingFleet: nothing to recover (they live and die with it)."""
+    """This process's Router and LocalServers: nothing to recover (they live and die with it)."""
 
     router: Router
-    fleet: ServingFleet
+    fleet: LocalServers
 
     def set_weight(self, percent: float) -> None:
         self.router.set_weight(percent)
@@ -176,6 +179,9 @@ class LocalSplit:
 
     def shadows_since(self, t: float) -> list:
         return self.router.shadows_since(t)
+
+    def drain(self) -> None:
+        self.router.drain()
 
     def alive(self, version: str) -> bool:
         return self.fleet.alive(version)
@@ -187,9 +193,13 @@ class LocalSplit:
         backend = self.fleet.backends.get(version)
         return scrape(backend.url, f"v{version}") if backend else None
 
+    @property
+    def shadow_fraction(self) -> float:
+        return self.router.params.shadow_fraction
+
 
 class GatewaySplit(RemoteRouter):
-    """A running gateway's split (canary.admin.RemoteRouter) that notices a restart.
+    """A running gateway's split (gateway.admin.RemoteRouter) that notices a restart.
 
     `recover(percent)` at each look: None while the gateway is the one seen at the start
     (same pid and start time) at `percent`; else (it restarted: weight back to 0, or it does
@@ -201,12 +211,19 @@ class GatewaySplit(RemoteRouter):
         super().__init__(url, token)
         self.version, self.lost_s, self.beat = version, lost_s, beat
         self.seen: tuple | None = None  # (pid, started_at) of the gateway the canary runs on
+        self.shadow_fraction = 0.5  # the gateway's (fleet.router.shadow_fraction), as its state reports it
 
     def _identity(self, s: dict) -> tuple:
         return s.get("pid"), s.get("started_at")
 
+    def weight_or_nothing(self, percent: float) -> None:
+        """Set the weight if the gateway takes it (a canary left by a dead controller is set back to 0 %)."""
+        with contextlib.suppress(QuantgateError):
+            self.set_weight(percent)
+
     def attach(self, state: dict) -> None:
         self.seen = self._identity(state)
+        self.shadow_fraction = float(state.get("shadow_fraction", self.shadow_fraction))
 
     def engine(self, version: str) -> EngineSample | None:
         url = self.state()["fleet"].get(version, {}).get("url")  # the gateway's vLLM server, as it reports it
@@ -233,83 +250,145 @@ class GatewaySplit(RemoteRouter):
         return why
 
 
-def _run_steps(
-    split: Split,
-    policy: CanaryPolicy,
-    steps: tuple[StepPlan, ...],
-    version: str,
-    log,
-    stop: threading.Event,
-    record: Callable[[int, dict, dict], None],
-    status: Status,
-) -> int:
-    """Walk the planned steps; return the number of steps passed. Raises Aborted(reason, step, percent)."""
-    run_t0 = time.time()
-    gauges = any(policy.check(n) for n in GAUGES)
+def _run_steps(split: Split, spec: Spec, steps: tuple[StepPlan, ...], hooks: Hooks, record, status: Status) -> int:
+    """Walk the planned steps; return the number of steps passed. Raises Aborted(reason, step, percent).
+    `record(step, metrics, evidence)` keeps a step's outcome on the canary's run."""
+    look = _Look(split, spec, hooks, record, status)
     for step in steps:
-        i, percent = step.step, step.percent
         try:
-            split.set_weight(percent)
+            split.set_weight(step.percent)
         except GatewayUnreachable:
             pass  # the first look's recover() waits for the gateway and sets it
-        status.set(Phase.PROGRESSING, step=i, weight=percent)
-        t0, engine = time.time(), []
-        log(f"canary: step {i}/{len(steps)}: {percent:g}% of traffic to v{version} (planned {step.seconds:.0f} s)")
-        while True:
-            if stop.wait(policy.check_interval_s):
-                raise Aborted("stopped by the operator (SIGTERM)", i, percent)
-            try:
-                resumed = split.recover(percent)
-            except QuantgateError as exc:
-                raise Aborted(str(exc), i, percent) from None
-            if resumed is not None:  # the gateway came back: this step starts over at its weight
-                log(f"canary: step {i} resumed at {percent:g}%: {resumed}")
-                status.set(resumed=f"step {i}: {resumed}")
-                t0 = run_t0 = time.time()  # the new gateway's samples only
-                engine = []
-                continue
-            try:
-                if not split.alive(version):
-                    raise Aborted(f"the candidate's vLLM server (v{version}) exited", i, percent)
-                status.beat()
-                scraped = split.engine(version) if gauges else None
-                engine += [scraped] if scraped else []
-                samples, shadows = step_samples(split, t0, run_t0, policy.min_samples), split.shadows_since(t0)
-                result = analyze(samples, shadows, policy, engine)
-                n_cand = sum(s.role == "candidate" for s in split.samples_since(t0))
-                elapsed = time.time() - t0
-                decision = step_decision(result.verdict, elapsed, step, policy)
-                if decision != "hold":
-                    record(i, _step_metrics(result, split, t0, percent), _step_evidence(result, samples, shadows))
-            except GatewayUnreachable:
-                continue  # gone between two calls: the next look's recover() waits for it
-            for check in result.checks:
-                log(live_line(i, percent, check))
-            if decision == "fail":
-                failed = [c for c in result.checks if c.verdict is Verdict.FAIL]
-                status.set(failed_checks=",".join(c.name for c in failed))
-                raise Aborted(f"step {i} FAILed after {elapsed:.0f} s: {'; '.join(c.text for c in failed)}", i, percent)
-            if decision == "pass":
-                log(f"canary: step {i} PASS after {elapsed:.0f} s, {n_cand} candidate requests")
-                break
-            if decision == "end":
-                why = "max_step_s" if elapsed >= policy.max_step_s else "its planned end (inconclusive: abort)"
-                raise Aborted(
-                    f"step {i} still {result.verdict.value} after {elapsed:.0f} s, at {why} "
-                    f"({n_cand} candidate requests)",
-                    i,
-                    percent,
-                )
+        status.set(Phase.PROGRESSING, step=step.step, weight=step.percent)
+        hooks.log(
+            f"canary: step {step.step}/{len(steps)}: {step.percent:g}% of traffic to v{spec.version} "
+            f"(planned {step.seconds:.0f} s)"
+        )
+        look.step_over(step)
     return len(steps)
 
 
-def _measure(split: Split, policy: CanaryPolicy, stop: threading.Event, log) -> Traffic:
+@dataclass
+class _Look:
+    """The looks at one canary's steps, every check_interval_s until a step PASSes or the canary aborts:
+    `t0` the step's start, `run_t0` the run's (both reset when the gateway came back), `engine` the
+    candidate's vLLM gauges scraped in this step."""
+
+    split: Split
+    spec: Spec
+    hooks: Hooks
+    record: Callable[[int, dict, dict], None]
+    status: Status
+    run_t0: float = field(default_factory=time.time)
+
+    def step_over(self, step: StepPlan) -> None:
+        """Look at `step` until it PASSes (return) or aborts (Aborted)."""
+        policy, i, percent = self.spec.policy, step.step, step.percent
+        self.t0, self.engine = time.time(), []
+        while True:
+            if self.hooks.stop.wait(policy.check_interval_s):
+                raise Aborted("stopped by the operator (SIGTERM)", i, percent)
+            try:
+                resumed = self.split.recover(percent)
+            except QuantgateError as exc:
+                raise Aborted(str(exc), i, percent) from None
+            if resumed is not None:  # the gateway came back: this step starts over at its weight
+                self.hooks.log(f"canary: step {i} resumed at {percent:g}%: {resumed}")
+                self.status.set(resumed=f"step {i}: {resumed}")
+                self.t0 = self.run_t0 = time.time()  # the new gateway's samples only
+                self.engine = []
+                continue
+            try:
+                result, decision, elapsed, n_cand = self._judge(step)
+            except GatewayUnreachable:
+                continue  # gone between two calls: the next look's recover() waits for it
+            if self._decided(step, result, decision, elapsed, n_cand):
+                return
+
+    def _judge(self, step: StepPlan) -> tuple:
+        """One look: (analysis result, step_decision, seconds into the step, candidate requests); a decided
+        step is recorded. Raises Aborted when the candidate's server exited."""
+        split, policy, version = self.split, self.spec.policy, self.spec.version
+        if not split.alive(version):
+            raise Aborted(f"the candidate's vLLM server (v{version}) exited", step.step, step.percent)
+        self.status.beat()
+        scraped = split.engine(version) if any(policy.check(n) for n in GAUGES) else None
+        self.engine += [scraped] if scraped else []
+        samples, shadows = step_samples(split, self.t0, self.run_t0, policy.min_samples), split.shadows_since(self.t0)
+        result = analyze(samples, shadows, policy, self.engine)
+        n_cand = sum(s.role == "candidate" for s in split.samples_since(self.t0))
+        elapsed = time.time() - self.t0
+        decision = step_decision(result.verdict, elapsed, step, policy)
+        if decision != "hold":
+            metrics = _step_metrics(result, split, self.t0, step.percent)
+            self.record(step.step, metrics, _step_evidence(result, samples, shadows))
+        return result, decision, elapsed, n_cand
+
+    def _decided(self, step: StepPlan, result, decision: str, elapsed: float, n_cand: int) -> bool:
+        """Say the look's check lines; True when the step PASSed; raises Aborted on a FAIL or its end."""
+        i, percent, policy = step.step, step.percent, self.spec.policy
+        for check in result.checks:
+            self.hooks.log(live_line(i, percent, check))
+        if decision == "fail":
+            failed = [c for c in result.checks if c.verdict is Verdict.FAIL]
+            self.status.set(failed_checks=",".join(c.name for c in failed))
+            raise Aborted(f"step {i} FAILed after {elapsed:.0f} s: {'; '.join(c.text for c in failed)}", i, percent)
+        if decision == "pass":
+            self.hooks.log(f"canary: step {i} PASS after {elapsed:.0f} s, {n_cand} candidate requests")
+            return True
+        if decision == "end":
+            why = "max_step_s" if elapsed >= policy.max_step_s else "its planned end (inconclusive: abort)"
+            raise Aborted(
+                f"step {i} still {result.verdict.value} after {elapsed:.0f} s, at {why} ({n_cand} candidate requests)",
+                i,
+                percent,
+            )
+        return False
+
+
+def _measure(split: Split, policy: CanaryPolicy, hooks: Hooks) -> Traffic:
     """The offered traffic over measure_s at 0 % to the candidate (before step 1)."""
-    log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
+    hooks.log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
     t0 = time.time()
-    if stop.wait(policy.measure_s):
+    if hooks.stop.wait(policy.measure_s):
         raise Aborted("stopped by the operator (SIGTERM)", 0, 0.0)
-    return measured_traffic(split.samples_since(t0), time.time() - t0)
+    return measured_traffic(split.samples_since(t0), time.time() - t0, split.shadow_fraction)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What a canary run's caller gives it besides the canary: `log` each line; `stop`, set (what `canary run`
+    does on SIGTERM), aborts at the next wait, recorded as "stopped by the operator (SIGTERM)";
+    `on_router(url)` is called once traffic can flow (e.g. to start load) and may return a callable run
+    before the end (e.g. to stop that load); `traffic` (e.g. the --load-rps rate) plans the steps before
+    anything starts, None measures it over measure_s once the router runs."""
+
+    log: Callable[[str], None] = print
+    stop: threading.Event = field(default_factory=threading.Event)
+    on_router: Callable[[str], Callable[[], None] | None] | None = None
+    traffic: Traffic | None = None
+
+
+@dataclass(frozen=True)
+class Local:
+    """A canary without a standing gateway: its own vLLM servers (`serve` = evaluate.serve, files under
+    `work_dir`) placed by `topology` (params.yaml canary_topology), its own router set by `router_params`
+    (fleet.router, the gateway's), and `reuse`: versions -> URLs of servers already running (not verified,
+    not stopped)."""
+
+    serve: ServeParams
+    work_dir: Path
+    topology: CanaryTopology = CanaryTopology()
+    router_params: RouterParams = RouterParams()
+    reuse: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Admin:
+    """A running `quantgate serve`'s admin endpoint: its URL and bearer token."""
+
+    url: str
+    token: str
 
 
 @dataclass(frozen=True)
@@ -374,14 +453,12 @@ def _open_run(
     return Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, run_id), status
 
 
-def _walk(
-    spec: Spec, split: Split, steps, traffic, log, stop: threading.Event, status: Status, on_router=None, url=None
-) -> Outcome:
-    """Plan (from `traffic`, else measured), walk the steps, promote; an abort is an Outcome too.
-    `on_router(url)` is called first (its callable, if any, last). The split is set back to 0 %
+def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: str | None) -> Outcome:
+    """Plan (from hooks.traffic, else measured), walk the steps, promote; an abort is an Outcome too.
+    `hooks.on_router(url)` is called first (its callable, if any, last). The split is drained (0 %)
     on every exit. Raises QuantgateError for a plan that cannot finish."""
-    client, policy, run_id = spec.client, spec.policy, spec.run_id
-    before_stop = on_router(url) if on_router and url else None
+    client, policy, run_id, log = spec.client, spec.policy, spec.run_id, hooks.log
+    before_stop = hooks.on_router(url) if hooks.on_router and url else None
 
     def record(step: int, metrics: dict, evidence: dict) -> None:
         for key, value in metrics.items():
@@ -390,10 +467,10 @@ def _walk(
 
     try:
         if steps is None:
-            traffic = _measure(split, policy, stop, log)
+            traffic = _measure(split, policy, hooks)
             steps = require_feasible(policy, traffic)
             log(plan_line(policy, traffic, steps))
-        step = _run_steps(split, policy, steps, spec.version, log, stop, record, status)
+        step = _run_steps(split, spec, steps, hooks, record, status)
         status.set(Phase.PROMOTING)
         changes = aliases.promote(
             client,
@@ -412,7 +489,7 @@ def _walk(
         return Outcome("aborted", len(policy.steps), policy.steps[-1], str(exc), run_id)
     finally:
         try:
-            split.set_weight(0)
+            split.drain()
         except QuantgateError as exc:  # unreachable, or restarted with another token: it starts at 0 %
             log(f"canary: could not set the gateway's weight to 0: {exc}")
         if before_stop:
@@ -476,113 +553,83 @@ def _report(outcome: Outcome, log) -> Outcome:
 
 
 def run_canary(
-    mlflow_client,
-    model_name: str,
-    version,
-    policy: CanaryPolicy,
-    serve: ServeParams,
-    by: str,
-    work_dir: Path,
-    *,
-    topology: CanaryTopology | None = None,
-    reuse: dict[str, str] | None = None,
-    log=print,
-    stop: threading.Event | None = None,
-    on_router: Callable[[str], Callable[[], None] | None] | None = None,
-    traffic: Traffic | None = None,
+    mlflow_client, model_name: str, version, policy: CanaryPolicy, by: str, local: Local, hooks: Hooks | None = None
 ) -> Outcome:
-    """Run one canary of `version` of `model_name` with its own servers and router (see the module docstring).
+    """Run one canary of `version` of `model_name` with its own servers and router (`local`; see the module
+    docstring and Hooks for `hooks`).
 
-    `topology` (params.yaml `canary_topology`; None = its defaults) places the router and the servers;
-    `reuse` maps versions to URLs of servers already running (not verified, not stopped);
-    `on_router(url)` is called once the router answers (e.g. to start load) and may return a
-    callable run before the router stops (e.g. to stop that load); setting `stop` (what
-    `canary run` does on SIGTERM) aborts at the next wait, recorded as "stopped by the operator
-    (SIGTERM)". `traffic` (e.g. the --load-rps rate) plans the steps before anything starts;
-    None measures it over measure_s once the router runs. Raises QuantgateError before any
-    alias or server changes when the preflight fails or a given traffic cannot finish the plan;
-    a measured traffic that cannot is refused the same way after the candidate alias was set
-    (and cleared again); every other failure is an abort recorded in the registry.
+    Raises QuantgateError before any alias or server changes when the preflight fails or a given traffic
+    cannot finish the plan; a measured traffic that cannot is refused the same way after the candidate alias
+    was set (and cleared again); every other failure is an abort recorded in the registry.
     """
+    hooks, where = hooks or Hooks(), local.topology
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
-    steps = require_feasible(policy, traffic) if traffic is not None else None
+    steps = require_feasible(policy, hooks.traffic) if hooks.traffic is not None else None
     # a --reuse URL that does not answer is refused before any run, alias or server
-    reused = {versions.version_number(v): reused_backend(v, url) for v, url in (reuse or {}).items()}
+    reused = {versions.version_number(v): reused_backend(v, url) for v, url in local.reuse.items()}
     if not {builds[0], builds[2], version} <= set(reused):
-        serving_versions(serve.python)  # a server will start: its env must work before the run is opened
-    spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
-    stop, where = stop or threading.Event(), topology or CanaryTopology()
+        serving_versions(local.serve.python)  # a server will start: its env must work before the run is opened
+    spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, hooks.log)
     if steps is not None:
-        log(plan_line(policy, traffic, steps))
-    with _recorded(spec, status) as run:
-        with ServingFleet(mlflow_client, model_name, serve, where.servers, Path(work_dir) / spec.run_id) as fleet:
-            for v, backend in reused.items():
-                fleet.reuse(v, backend)
-            fleet.start(spec.stable, "stable", log)
-            fleet.start(spec.fallback, "shadow", log)
-            fleet.start(version, "candidate", log)
-            run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
-            aliases.set_candidate(
-                mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
-            )
-            router = Router(fleet.resolver(spec.stable), policy, model_name=model_name)
-            with RouterServer(router, where.router.host, where.router.port) as server:
-                log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
-                split = LocalSplit(router, fleet)
-                run.outcome = _walk(spec, split, steps, traffic, log, stop, status, on_router, server.url)
-    return _report(run.outcome, log)
+        hooks.log(plan_line(policy, hooks.traffic, steps))
+    servers = LocalServers(mlflow_client, model_name, local.serve, where.servers, Path(local.work_dir) / spec.run_id)
+    with _recorded(spec, status) as run, servers as fleet:
+        for v, backend in reused.items():
+            fleet.reuse(v, backend)
+        for v, role in ((spec.stable, "stable"), (spec.fallback, "shadow"), (version, "candidate")):
+            fleet.start(v, role, hooks.log)
+        run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
+        aliases.set_candidate(
+            mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
+        )
+        router = Router(fleet.resolver(spec.stable), local.router_params, model_name=model_name)
+        with RouterServer(router, where.router.host, where.router.port) as server:
+            hooks.log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
+            run.outcome = _walk(spec, LocalSplit(router, fleet), steps, hooks, status, server.url)
+    return _report(run.outcome, hooks.log)
 
 
 def run_canary_on_gateway(
-    mlflow_client,
-    model_name: str,
-    version,
-    policy: CanaryPolicy,
-    by: str,
-    admin_url: str,
-    token: str,
-    *,
-    log=print,
-    stop: threading.Event | None = None,
-    on_router: Callable[[str], Callable[[], None] | None] | None = None,
-    traffic: Traffic | None = None,
+    mlflow_client, model_name: str, version, policy: CanaryPolicy, by: str, admin: Admin, hooks: Hooks | None = None
 ) -> Outcome:
-    """Run one canary of `version` on the running `quantgate serve` whose admin endpoint is `admin_url`.
+    """Run one canary of `version` on the running `quantgate serve` whose admin endpoint is `admin`.
 
-    As run_canary, except that the servers and the router are the gateway's: canary runs of
-    this model whose controller died are recorded as aborted first (canary.status.reap_stale);
-    setting `candidate` makes the gateway warm the version (waited for up to warm_timeout_s);
-    the steps set the gateway's weight through its admin endpoint and analyse its samples;
-    a gateway that restarts or stops answering mid-step is waited for up to gateway_lost_s,
-    then the step resumes at its weight (tag canary.resumed), else the canary aborts.
-    `on_router(url)` gets the gateway's public URL.
+    As run_canary, except that the servers and the router are the gateway's (a given traffic is planned
+    at the shadow_fraction the gateway reports): canary runs of this model whose controller died are
+    recorded as aborted first (canary.status.reap_stale); setting `candidate` makes the gateway warm the
+    version (waited for up to warm_timeout_s); the steps set the gateway's weight through its admin
+    endpoint and analyse its samples; a gateway that restarts or stops answering mid-step is waited for up
+    to gateway_lost_s, then the step resumes at its weight (tag canary.resumed), else the canary aborts.
+    `hooks.on_router(url)` gets the gateway's public URL.
     """
+    hooks = hooks or Hooks()
+    log = hooks.log
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
-    steps = require_feasible(policy, traffic) if traffic is not None else None
-    with contextlib.closing(GatewaySplit(admin_url, token, version, policy.gateway_lost_s)) as split:
-        serves = split.state().get("model")  # unreachable or a wrong token: QuantgateError before any change
+    with contextlib.closing(GatewaySplit(admin.url, admin.token, version, policy.gateway_lost_s)) as split:
+        now = split.state()  # unreachable or a wrong token: QuantgateError before any change
+        serves = now.get("model")
         if serves is not None and serves != model_name:
-            raise QuantgateError(f"the gateway at {admin_url} serves {serves}, not {model_name}: give its own gateway")
-
-        def weight_zero(p: float) -> None:
-            with contextlib.suppress(QuantgateError):
-                split.set_weight(p)
-
-        reap_stale(mlflow_client, model_name, policy.stale_after_s, by, log, set_weight=weight_zero)
+            raise QuantgateError(f"the gateway at {admin.url} serves {serves}, not {model_name}: give its own gateway")
+        if hooks.traffic is not None and "shadow_fraction" in now:  # the share the gateway shadows, not ours
+            hooks = dataclasses.replace(
+                hooks, traffic=dataclasses.replace(hooks.traffic, shadow_fraction=now["shadow_fraction"])
+            )
+        steps = require_feasible(policy, hooks.traffic) if hooks.traffic is not None else None
+        reap_stale(mlflow_client, model_name, policy.stale_after_s, by, log, set_weight=split.weight_or_nothing)
         spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, log)
-        split.beat, stop = status.beat, stop or threading.Event()
+        split.beat = status.beat
         if steps is not None:
-            log(plan_line(policy, traffic, steps))
+            log(plan_line(policy, hooks.traffic, steps))
         with _recorded(spec, status) as run:
             run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
             aliases.set_candidate(
                 mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
             )
-            log(f"canary: waiting for the gateway {admin_url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
-            state = split.wait_warm(version, policy.warm_timeout_s, stop, beat=status.beat)
+            log(f"canary: waiting for the gateway {admin.url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
+            state = split.wait_warm(version, policy.warm_timeout_s, hooks.stop, beat=status.beat)
             split.attach(state)
             log(f"canary: v{version} is warm on the gateway {state.get('url')}/v1")
-            run.outcome = _walk(spec, split, steps, traffic, log, stop, status, on_router, state.get("url"))
+            run.outcome = _walk(spec, split, steps, hooks, status, state.get("url"))
     return _report(run.outcome, log)

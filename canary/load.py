@@ -160,25 +160,32 @@ async def _one(client: httpx.AsyncClient, url: str, kind: str, stream: bool, bod
     return Result(kind, stream, status, time.perf_counter() - t0, ttft, err)
 
 
-async def replay_async(
-    url: str,
-    prompts: Sequence[str],
-    rps: float,
-    duration_s: float,
-    *,
-    max_tokens: int = 16,
-    timeout_s: float = 60.0,
-    arrivals: str = "poisson",
-    seed: int = 0,
-    stop: threading.Event | None = None,
-    api: str = "both",
-) -> LoadReport:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How `replay` sends: max_tokens per request, timeout_s per request (and for the last answers),
+    arrivals "poisson" or "fixed", the seed of the arrivals and prompts, `stop` (set: stop sending),
+    `api` (APIS: which endpoints)."""
+
+    max_tokens: int = 16
+    timeout_s: float = 60.0
+    arrivals: str = "poisson"
+    seed: int = 0
+    stop: threading.Event | None = None
+    api: str = "both"
+
+
+async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, **options) -> LoadReport:
     """Send requests at `rps` for `duration_s` seconds (or until `stop` is set), then wait (up to
-    timeout_s) for the last answers. `api` (APIS) picks the endpoints: kinds alternate in turn,
-    streaming and not.
+    timeout_s) for the last answers; `options` are LoadOptions' fields. `api` (APIS) picks the endpoints:
+    kinds alternate in turn, streaming and not.
 
     Raises QuantgateError on bad arguments or if `url` does not answer GET /v1/models.
     """
+    try:
+        o = LoadOptions(**options)
+    except TypeError as exc:  # an unknown option
+        raise QuantgateError(f"replay: {exc}") from None
+    max_tokens, timeout_s, arrivals, seed, stop, api = o.max_tokens, o.timeout_s, o.arrivals, o.seed, o.stop, o.api
     if rps <= 0 or duration_s <= 0 or not prompts or max_tokens < 1:
         raise QuantgateError(
             f"need rps > 0, duration > 0, max_tokens >= 1 and prompts (got rps={rps}, "

@@ -8,7 +8,7 @@ step i at p % of traffic gets per second
     error_rate        r p/100 candidate attempts
     latency           r s p/100 candidate streams and r s (1 - p/100) stable streams (at 100 %,
                       stable's streams of the earlier steps are the reference)
-    shadow_agreement  r g f p/100 comparisons (f = shadow_fraction)
+    shadow_agreement  r g f p/100 comparisons (f = the router's shadow_fraction, Traffic.shadow_fraction)
 
 (only the checks policy.checks lists), and the vLLM gauge checks one scrape per look, so step i
 needs t_i = max(min_step_s, min_samples / (the slowest of those rates), gauge_looks x
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from canary.analysis import fail_level, latency_level
-from canary.metrics import Sample
 from canary.policy import GAUGES, CanaryPolicy
+from gateway.metrics import Sample
 from quantgate.errors import QuantgateError
 
 SLACK = 1.5  # a step is planned to need at most max_step_s / SLACK
@@ -35,12 +35,15 @@ SLACK = 1.5  # a step is planned to need at most max_step_s / SLACK
 @dataclass(frozen=True)
 class Traffic:
     """Offered traffic: requests/s, the share that streams and the share that is greedy;
-    `source` says where the figures come from (e.g. "--load-rps", "measured over 30 s")."""
+    `source` says where the figures come from (e.g. "--load-rps", "measured over 30 s");
+    `shadow_fraction` is the share of greedy candidate requests the router mirrors to the fallback
+    (params.yaml fleet.router.shadow_fraction, the gateway's)."""
 
     rps: float
     stream_share: float = 0.5
     greedy_share: float = 1.0
     source: str = "given"
+    shadow_fraction: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ _FIXES = {
     "error_rate": "canary.steps, canary.min_samples or canary.max_step_s",
     "latency (candidate streams)": "canary.steps, canary.min_samples or canary.max_step_s (or stream more requests)",
     "latency (stable streams)": "canary.steps (a lower share first), canary.min_samples or canary.max_step_s",
-    "shadow_agreement": "canary.shadow_fraction, canary.steps, canary.min_samples or canary.max_step_s",
+    "shadow_agreement": "fleet.router.shadow_fraction, canary.steps, canary.min_samples or canary.max_step_s",
     "min_step_s": "canary.min_step_s or canary.max_step_s",
     "vLLM gauges (gauge_looks)": "canary.gauge_looks, canary.check_interval_s or canary.max_step_s",
 }
@@ -81,7 +84,7 @@ def plan(policy: CanaryPolicy, traffic: Traffic) -> tuple[StepPlan, ...]:
         if latency:
             rates["latency (candidate streams)"] = r * traffic.stream_share * share
         if policy.check("shadow_agreement"):
-            rates["shadow_agreement"] = r * traffic.greedy_share * policy.shadow_fraction * share
+            rates["shadow_agreement"] = r * traffic.greedy_share * traffic.shadow_fraction * share
         stable_rate = r * traffic.stream_share * (1 - share)
         if latency and (stable_rate > 0 or stable_before < m):
             rates["latency (stable streams)"] = stable_rate
@@ -131,9 +134,10 @@ def plan_line(policy: CanaryPolicy, traffic: Traffic, steps: Sequence[StepPlan])
     )
 
 
-def measured_traffic(samples: Sequence[Sample], seconds: float) -> Traffic:
-    """Traffic from the router's first attempts of each request (not retries) over `seconds`.
-    The greedy share is not recorded per sample and is taken as 1 (the load generator's)."""
+def measured_traffic(samples: Sequence[Sample], seconds: float, shadow_fraction: float = 0.5) -> Traffic:
+    """Traffic from the router's first attempts of each request (not retries) over `seconds`, at the
+    router's `shadow_fraction`. The greedy share is not recorded per sample and is taken as 1 (the load
+    generator's)."""
     first = [s for s in samples if s.role in ("stable", "candidate") and not s.retried]
     if not first:
         raise QuantgateError(
@@ -141,4 +145,4 @@ def measured_traffic(samples: Sequence[Sample], seconds: float) -> Traffic:
             "(e.g. --load-rps 1) or raise canary.measure_s"
         )
     stream = sum(s.stream for s in first) / len(first)
-    return Traffic(len(first) / seconds, stream, 1.0, f"measured over {seconds:g} s")
+    return Traffic(len(first) / seconds, stream, 1.0, f"measured over {seconds:g} s", shadow_fraction)

@@ -11,19 +11,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from gateway.fleet import ServerOverride
 from quantgate.params import PARAMS_FILE, Frozen, load_block
-from quantgate.serving import ServeParams, check_cpu_cores, check_extra_args
-
-
-class ServerOverride(Frozen):
-    """Per-role changes to `evaluate.serve` for a canary vLLM server."""
-
-    port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
-    cpu_cores: str | None = None  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
-    extra_args: list[str] = []  # appended to evaluate.serve.extra_args
-
-    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
-    _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
 
 
 class Servers(Frozen):
@@ -100,13 +89,24 @@ DEFAULT_CHECKS = (
     CheckRange(name="vllm_requests_waiting", max=4),
     CheckRange(name="vllm_kv_cache_usage", max=0.9),
 )
-# the policy's keys before issue 16, and the check each became (its side is CHECK_KINDS')
-_MOVED_TO_CHECKS = {
-    "max_error_rate": "error_rate",
-    "max_ttft_p95_ratio": "ttft_p95_ratio",
-    "max_tpot_p95_ratio": "tpot_p95_ratio",
-    "min_shadow_agreement": "shadow_agreement",
-}
+
+
+def _retired(key: str, value: object) -> str | None:
+    """What to do with `key`, a key this block no longer takes (from an older params.yaml); None for a live key."""
+    if key in ("router", "servers"):
+        why = "ports and cores apart from the policy, issue 16"
+        return f"canary.{key} moved to the block `canary_topology` ({why}): move it there"
+    if key in ("request_timeout_s", "connect_timeout_s", "shadow_fraction", "shadow_compare_words"):
+        why = "the gateway's, which applies it to every request, issue 30"
+        return f"canary.{key} moved to fleet.router.{key} ({why}): move it there"
+    if key in ("max_error_rate", "max_ttft_p95_ratio", "max_tpot_p95_ratio", "min_shadow_agreement"):
+        side, name = key.split("_", 1)
+        return f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {side}: {value}}}`; delete {key}"
+    why = {
+        "min_requests_per_step": "a step's length now follows from min_samples and the traffic (canary/plan.py)",
+        "failure_limit": "one FAIL aborts: each check's test holds alpha over every look (canary/analysis.py)",
+    }.get(key)
+    return f"canary.{key}: removed in issue 16: {why}; delete this key" if why else None
 
 
 class CanaryPolicy(Frozen):
@@ -121,13 +121,7 @@ class CanaryPolicy(Frozen):
     gauge_looks: int = Field(default=3, ge=1)  # a vLLM gauge check FAILs above its max at this many looks in a row
     min_samples: int = Field(default=20, ge=2)  # per role and check before a check may PASS
     alpha: float = Field(default=0.05, gt=0, lt=0.5)  # false FAIL of a build meeting every threshold, per canary
-    min_requests_per_step: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
-    failure_limit: None = Field(default=None, exclude=True)  # removed (issue 16): see _removed
     inconclusive: Literal["abort", "hold"] = "hold"  # at the step's planned end: abort, or collect until max_step_s
-    shadow_fraction: float = Field(default=0.5, ge=0, le=1)  # of greedy candidate requests
-    shadow_compare_words: int = Field(default=8, ge=1)
-    request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt; see canary/router.py
-    connect_timeout_s: float = Field(default=5, gt=0)
     # on a running gateway (`canary run --gateway`): seconds for the candidate's server to get warm,
     # for a gateway that restarted or stopped answering to come back (then the step resumes, else
     # abort), and without a heartbeat before another process records the canary as aborted
@@ -137,20 +131,11 @@ class CanaryPolicy(Frozen):
 
     @model_validator(mode="before")
     @classmethod
-    def _moved(cls, data: object) -> object:
+    def _retired_keys(cls, data: object) -> object:
         if isinstance(data, dict):
-            for key in ("router", "servers"):
-                if key in data:
-                    raise ValueError(
-                        f"canary.{key} moved to the block `canary_topology` (ports and cores apart from the "
-                        f"policy, issue 16): move it there"
-                    )
-            for key, name in _MOVED_TO_CHECKS.items():
-                if key in data:
-                    raise ValueError(
-                        f"canary.{key} is now an entry of canary.checks: `- {{name: {name}, {CHECK_KINDS[name][0]}: "
-                        f"{data[key]}}}`; delete {key}"
-                    )
+            for key, value in data.items():
+                if (why := _retired(key, value)) is not None:
+                    raise ValueError(why)
         return data
 
     @field_validator("stale_after_s")
@@ -201,15 +186,6 @@ class CanaryPolicy(Frozen):
             raise ValueError(f"the last step must be 100 (all traffic on the candidate before promotion), got {steps}")
         return steps
 
-    @field_validator("min_requests_per_step", "failure_limit", mode="before")
-    @classmethod
-    def _removed(cls, v: object, info: ValidationInfo) -> None:
-        why = {
-            "min_requests_per_step": "a step's length now follows from min_samples and the traffic (canary/plan.py)",
-            "failure_limit": "one FAIL aborts: each check's test holds alpha over every look (canary/analysis.py)",
-        }[info.field_name]
-        raise ValueError(f"removed in issue 16: {why}; delete this key")
-
     @field_validator("max_step_s")
     @classmethod
     def _not_below_min(cls, v: float, info: ValidationInfo) -> float:
@@ -236,12 +212,3 @@ def load_topology(path: Path = PARAMS_FILE) -> CanaryTopology:
     """Block `canary_topology` of params.yaml. Raises QuantgateError naming
     params.yaml:<line>: canary_topology.<field>."""
     return load_block("canary_topology", CanaryTopology, path)
-
-
-def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:
-    """`evaluate.serve` with a role's port, CPU cores and extra vLLM args (appended) applied."""
-    data = base.model_dump()
-    data.update(port=override.port, extra_args=[*base.extra_args, *override.extra_args])
-    if override.cpu_cores:
-        data["cpu_cores"] = override.cpu_cores
-    return ServeParams.model_validate(data)

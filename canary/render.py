@@ -19,6 +19,8 @@ Pure: no registry, no I/O; errors are QuantgateError naming the value and the fi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from quantgate.errors import QuantgateError
 
@@ -91,69 +93,115 @@ def weights(percent: float) -> tuple[int, int]:
     )
 
 
-def http_routes(
-    model: str,
-    stable_version: str,
-    candidate_version: str,
-    steps: list[float],
-    *,
-    gateway: str,
-    namespace: str,
-    port: int,
-    service: str = SERVICE_TEMPLATE,
-) -> list[dict]:
-    """One HTTPRoute per step of `steps` (percents of traffic to the candidate), then a rollback
-    route (candidate weight 0); each a dict ready for yaml.safe_dump.
+@dataclass
+class RouteSplit:
+    """The canary's traffic split (canary/traffic.py) as Kubernetes Gateway API HTTPRoutes: each
+    `set_weight(p)` writes the route for p % (through `write`, e.g. to a file `kubectl apply` reads;
+    kept in `routes` too), `drain()` the rollback route (candidate weight 0). It sees no requests
+    (`samples_since`, `shadows_since` are empty): on a cluster its own metrics judge the steps.
 
     All routes are named after the model (`dns_label(model)`), live in `namespace`, attach to
     Gateway `gateway` in that namespace, and send path prefix /v1 to the stable and candidate
     Services (`service_name(model, version, service)`) on `port`. Labels and annotations under
     `quantgate/` name the model, both versions, the step (1-based, or "rollback") and its percent.
     Raises QuantgateError for a name that cannot be a DNS label, a port outside 1..65535, a
-    step percent with more than two decimals, or stable == candidate (nothing to roll out).
+    percent with more than two decimals or that is not one of `steps`, or stable == candidate.
     """
-    if stable_version == candidate_version:
-        raise QuantgateError(f"{model} v{candidate_version} is already the stable build; nothing to roll out")
-    if not 1 <= port <= 65535:
-        raise QuantgateError(f"port {port}: give a Service port in 1..65535")
-    route = dns_label(model, "model name")
-    require_dns_label(namespace, "namespace")
-    require_dns_label(gateway, "gateway")
-    stable = service_name(model, stable_version, service)
-    candidate = service_name(model, candidate_version, service)
-    plan = [(str(i), p) for i, p in enumerate(steps, 1)] + [("rollback", 0)]
-    return [
-        {
+
+    model: str
+    stable_version: str
+    candidate_version: str
+    steps: list[float]
+    gateway: str
+    namespace: str
+    port: int
+    service: str = SERVICE_TEMPLATE
+    write: Callable[[dict], None] = lambda doc: None
+    routes: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.stable_version == self.candidate_version:
+            raise QuantgateError(
+                f"{self.model} v{self.candidate_version} is already the stable build; nothing to roll out"
+            )
+        if not 1 <= self.port <= 65535:
+            raise QuantgateError(f"port {self.port}: give a Service port in 1..65535")
+        self.name = dns_label(self.model, "model name")
+        require_dns_label(self.namespace, "namespace")
+        require_dns_label(self.gateway, "gateway")
+        self.services = tuple(
+            service_name(self.model, v, self.service) for v in (self.stable_version, self.candidate_version)
+        )
+
+    def set_weight(self, percent: float) -> None:
+        """Write the route sending `percent` of traffic to the candidate (0: the rollback route)."""
+        if percent == 0:
+            step = "rollback"
+        elif percent in self.steps:
+            step = str(self.steps.index(percent) + 1)
+        else:
+            raise QuantgateError(
+                f"{percent:g}% is not a step of the policy ({self.steps}); routes are written per step"
+            )
+        doc = self._route(step, percent)
+        self.routes.append(doc)
+        self.write(doc)
+
+    def samples_since(self, t: float) -> list:
+        """Nothing: the requests go through the cluster's gateway, not here."""
+        return []
+
+    def shadows_since(self, t: float) -> list:
+        """Nothing: no shadowing on a cluster route."""
+        return []
+
+    def drain(self) -> None:
+        """Write the rollback route (candidate weight 0)."""
+        self.set_weight(0)
+
+    def _route(self, step: str, percent: float) -> dict:
+        labels = {
+            "app.kubernetes.io/name": self.name,
+            "app.kubernetes.io/managed-by": LABEL,
+            f"{LABEL}/stable-version": self.stable_version,
+            f"{LABEL}/candidate-version": self.candidate_version,
+            f"{LABEL}/step": step,
+        }
+        annotations = {
+            f"{LABEL}/model": self.model,
+            f"{LABEL}/step": step if step == "rollback" else f"{step}/{len(self.steps)}",
+            f"{LABEL}/candidate-percent": f"{percent:g}",
+        }
+        refs = [
+            {"kind": "Service", "name": name, "port": self.port, "weight": weight}
+            for name, weight in zip(self.services, weights(percent), strict=True)
+        ]
+        match = {"path": {"type": "PathPrefix", "value": PATH_PREFIX}}
+        return {
             "apiVersion": API_VERSION,
             "kind": "HTTPRoute",
-            "metadata": {
-                "name": route,
-                "namespace": namespace,
-                "labels": {
-                    "app.kubernetes.io/name": route,
-                    "app.kubernetes.io/managed-by": LABEL,
-                    f"{LABEL}/stable-version": stable_version,
-                    f"{LABEL}/candidate-version": candidate_version,
-                    f"{LABEL}/step": step,
-                },
-                "annotations": {
-                    f"{LABEL}/model": model,
-                    f"{LABEL}/step": step if step == "rollback" else f"{step}/{len(steps)}",
-                    f"{LABEL}/candidate-percent": f"{percent:g}",
-                },
-            },
+            "metadata": {"name": self.name, "namespace": self.namespace, "labels": labels, "annotations": annotations},
             "spec": {
-                "parentRefs": [{"name": gateway, "namespace": namespace}],
-                "rules": [
-                    {
-                        "matches": [{"path": {"type": "PathPrefix", "value": PATH_PREFIX}}],
-                        "backendRefs": [
-                            {"kind": "Service", "name": name, "port": port, "weight": weight}
-                            for name, weight in zip((stable, candidate), weights(percent), strict=True)
-                        ],
-                    }
-                ],
+                "parentRefs": [{"name": self.gateway, "namespace": self.namespace}],
+                "rules": [{"matches": [match], "backendRefs": refs}],
             },
         }
-        for step, percent in plan
-    ]
+
+
+def http_routes(
+    model: str,
+    stable_version: str,
+    candidate_version: str,
+    steps: list[float],
+    **where,
+) -> list[dict]:
+    """One HTTPRoute per step of `steps` (percents of traffic to the candidate), then a rollback
+    route (candidate weight 0); each a dict ready for yaml.safe_dump: what a RouteSplit writes
+    through a whole canary. `where`: RouteSplit's gateway, namespace, port and service (template).
+    Raises QuantgateError as RouteSplit does.
+    """
+    split = RouteSplit(model, stable_version, candidate_version, list(steps), **where)
+    for percent in steps:
+        split.set_weight(percent)
+    split.drain()
+    return split.routes

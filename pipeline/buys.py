@@ -24,7 +24,7 @@ from quantgate.cost import CostParams, KVShape, check_context, devices_for, in_f
 from quantgate.errors import QuantgateError
 from quantgate.params import PARAMS_FILE, key_lines, load_block
 from quantgate.results import BuildCost, BuildGate, BuildProfile, GateResult, read_profile
-from quantgate.stats import Verdict
+from quantgate.stats import BASELINE, Verdict
 
 
 def load_cost(baseline: BuildProfile | None, path: Path = PARAMS_FILE) -> CostParams:
@@ -194,7 +194,7 @@ def cost_points(result: GateResult) -> list[dict]:
                 "build": build,
                 "usd_per_mtok": c.usd_per_mtok,
                 "worst_recovery_pct": None if rec is None else round(rec, 2),
-                "verdict": g.verdict if g else "BASELINE",
+                "verdict": g.verdict if g else BASELINE,
                 "recommended": bool(g and g.recommended),
             }
         )

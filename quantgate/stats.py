@@ -34,6 +34,11 @@ class Verdict(str, Enum):
     ANOMALOUS = "ANOMALOUS"  # candidate better than baseline by more than the margin, with confidence
 
 
+# Not a verdict but a role: the 16-bit build the gate judges every other build against is never judged
+# itself; where a verdict stands for a build (tag gate.verdict, the buys plot) it says BASELINE instead.
+BASELINE = "BASELINE"
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Result of one paired comparison; drops in metric units (0.05 = 5 points)."""

@@ -30,11 +30,10 @@ from pathlib import Path
 from quantgate.hashing import sha256_file
 from quantgate.params import PARAMS_FILE
 from quantgate.results import BuildCost, BuildGate, TeamSummary
+from quantgate.stats import BASELINE, Verdict
 
 VERDICT = "gate.verdict"  # version tag and run param (the run param is the verdict of record)
-PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
-BASELINE = "BASELINE"  # the gate verdict tag of the 16-bit build, which the gate does not judge
-PASSING = (PASS, BASELINE)  # gate verdicts that need no override to be approved
+PASSING = (Verdict.PASS.value, BASELINE)  # gate verdicts that need no override to be approved (quantgate.stats)
 BUILD, SCHEME, WEIGHTS = "build", "scheme", "weights_sha256"
 EVAL_DTYPE, EVIDENCE = "eval.dtype", "evidence_sha256"
 MODEL = "quantgate.model"  # on a build run: the registered model it was built for

@@ -94,7 +94,7 @@ def test_a_good_file_validates_and_calibrate_reads_it(example_evals, tmp_path, m
 def test_validate_command_checks_the_file_too(example_evals):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     path = example_evals / "support" / TEAM_FILE
     path.write_text('{"messages": "hi"}\n')

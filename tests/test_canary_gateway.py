@@ -1,4 +1,4 @@
-"""The gateway's admin endpoint and a canary driven through it (canary/admin.py, canary/status.py,
+"""The gateway's admin endpoint and a canary driven through it (gateway/admin.py, canary/status.py,
 controller.run_canary_on_gateway), with fake OpenAI backends and a sqlite registry: no vLLM
 (the real one: tests/test_serve_e2e.py)."""
 
@@ -15,16 +15,16 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from canary import status as canary_status
-from canary.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
 from canary.analysis import analyze
-from canary.controller import Aborted, GatewaySplit, _run_steps, run_canary_on_gateway
-from canary.metrics import Sample, ShadowSample
+from canary.controller import Aborted, Admin, GatewaySplit, Hooks, Local, Spec, _run_steps, run_canary_on_gateway
 from canary.plan import StepPlan, Traffic
 from canary.policy import CanaryPolicy
-from canary.router import Backend, Router
-from canary.server import AppServer, RouterServer
 from canary.status import EXPERIMENT, Phase, Status, reap_stale
-from quantgate.cli import cli
+from cli.main import cli
+from gateway.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
+from gateway.metrics import Sample, ShadowSample
+from gateway.router import Backend, Router, RouterParams
+from gateway.server import AppServer, RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
 from registry import aliases, store
@@ -32,6 +32,7 @@ from tests.test_canary_render import MODEL, project, sqlite_registry  # noqa: F4
 from tests.test_canary_router import Fake
 
 TOKEN = "s3cret-token"
+QUIET = Hooks(lambda line: None)  # a canary run that says nothing
 STABLE = Backend("http://127.0.0.1:9/v1", "m-v1", "v1")
 CANDIDATE = Backend("http://127.0.0.1:9/v1", "m-v2", "v2")
 
@@ -43,13 +44,13 @@ def sample(t: float, role: str = "candidate", ok: bool = True) -> Sample:
 class Gateway:
     """A Router (resolve() given) with its admin app on AppServers, restartable on the same admin port."""
 
-    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, policy: CanaryPolicy | None = None, model=None):
-        self.resolve, self.fleet, self.policy, self.model = resolve, fleet, policy or CanaryPolicy(), model
+    def __init__(self, resolve, fleet=lambda: {"2": {"alive": True}}, params: RouterParams | None = None, model=None):
+        self.resolve, self.fleet, self.params, self.model = resolve, fleet, params or RouterParams(), model
         self.admin_port, self.public_port = free_port(), free_port()
         self.router = self.public = self.admin = None
 
     def start(self) -> "Gateway":
-        self.router = Router(self.resolve, self.policy, resolve_interval_s=0.1)
+        self.router = Router(self.resolve, self.params, resolve_interval_s=0.1)
         self.public = RouterServer(self.router, "127.0.0.1", self.public_port, grace_s=1).start()
         started = time.time()
 
@@ -220,7 +221,8 @@ def test_the_step_loop_resumes_once_then_aborts_when_the_gateway_is_lost():
     status = FakeStatus()
     plan = (StepPlan(1, 10, 1.0, "x"), StepPlan(2, 100, 1.0, "x"))
     with pytest.raises(Aborted) as exc:
-        _run_steps(split, policy, plan, "2", lambda line: None, threading.Event(), lambda i, m, e: None, status)
+        spec = Spec(None, MODEL, "2", "1", None, "1", policy, "tester")
+        _run_steps(split, spec, plan, Hooks(lambda line: None), lambda i, m, e: None, status)
     assert exc.value.args == ("gone", 1, 10)
     assert (Phase.PROGRESSING, {"step": 1, "weight": 10}) in status.sets
     assert (None, {"resumed": "step 1: the gateway restarted (weight 0%, not 10%)"}) in status.sets
@@ -257,7 +259,7 @@ def registry_gateway(client, fakes) -> Gateway:
     def fleet():
         return {v: {"alive": True, "url": f"{fakes[v].server.url}/v1"} for v in aliases.current(client, MODEL).values()}
 
-    return Gateway(resolve, fleet, CanaryPolicy(shadow_fraction=1.0, shadow_compare_words=2)).start()
+    return Gateway(resolve, fleet, RouterParams(shadow_fraction=1.0, shadow_compare_words=2)).start()
 
 
 FAST = CanaryPolicy(
@@ -266,8 +268,6 @@ FAST = CanaryPolicy(
     max_step_s=30,
     check_interval_s=0.3,
     min_samples=3,
-    shadow_fraction=1.0,
-    shadow_compare_words=2,
     warm_timeout_s=20,
     gateway_lost_s=5,
     stale_after_s=60,
@@ -312,10 +312,9 @@ def on_gateway(project, fake_fleet):  # noqa: F811
                 threading.Thread(target=during, args=(g,), daemon=True).start()
             return lambda: (stop.set(), t.join())
 
-        outcome = run_canary_on_gateway(
-            client, MODEL, version, FAST, "tester", g.url, TOKEN, log=lines.append, on_router=on_router,
-            traffic=Traffic(20, 0.5, 1.0, "test"),
-        )  # fmt: skip
+        traffic = Traffic(20, 0.5, 1.0, "test", shadow_fraction=1.0)  # the gateway's
+        hooks = Hooks(lines.append, on_router=on_router, traffic=traffic)
+        outcome = run_canary_on_gateway(client, MODEL, version, FAST, "tester", Admin(g.url, TOKEN), hooks)
         return outcome, lines, client.get_run(outcome.run_id).data.tags
 
     yield run
@@ -465,7 +464,7 @@ def test_a_second_canary_of_the_model_is_refused_while_one_is_live(project, fake
         with pytest.raises(
             QuantgateError, match=rf"a canary of {MODEL} is in progress: v3, run {live} \(progressing, step 2"
         ):
-            run_canary_on_gateway(client, MODEL, "2", FAST, "tester", g.url, TOKEN, log=lambda line: None)
+            run_canary_on_gateway(client, MODEL, "2", FAST, "tester", Admin(g.url, TOKEN), QUIET)
         assert canary_runs(client) == before and "candidate" not in aliases.current(client, MODEL)
     finally:
         g.stop()
@@ -477,7 +476,7 @@ def test_a_gateway_serving_another_model_is_refused_before_any_change(project): 
     try:
         before = canary_runs(project)
         with pytest.raises(QuantgateError, match=f"serves other-model, not {MODEL}: give its own gateway"):
-            run_canary_on_gateway(project, MODEL, "2", FAST, "tester", g.url, TOKEN, log=lambda line: None)
+            run_canary_on_gateway(project, MODEL, "2", FAST, "tester", Admin(g.url, TOKEN), QUIET)
         assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
     finally:
         g.stop()
@@ -489,7 +488,7 @@ def test_a_local_canary_without_a_serving_env_opens_no_run(project, tmp_path):  
 
     before = canary_runs(project)
     with pytest.raises(QuantgateError, match="serving python '/nonexistent/python' not found; run `make setup`"):
-        run_canary(project, MODEL, "2", FAST, ServeParams(python="/nonexistent/python"), "tester", tmp_path)
+        run_canary(project, MODEL, "2", FAST, "tester", Local(ServeParams(python="/nonexistent/python"), tmp_path))
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 
 
@@ -501,9 +500,8 @@ def test_a_dead_reuse_url_or_a_bad_evals_folder_is_refused_before_any_run(projec
 
     before, dead = canary_runs(project), f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(QuantgateError, match=rf"^--reuse v1={dead}: no OpenAI server answers /models there \("):
-        run_canary(
-            project, MODEL, "2", FAST, ServeParams(python="/nonexistent/python"), "t", tmp_path, reuse={"1": dead}
-        )
+        local = Local(ServeParams(python="/nonexistent/python"), tmp_path, reuse={"1": dead})
+        run_canary(project, MODEL, "2", FAST, "t", local)
     args = ["canary", "run", MODEL, "2", "--by", "t", "--load-rps", "1", "--evals", str(tmp_path / "none")]
     result = CliRunner().invoke(cli, [*args, "--reuse", f"1={dead}"])
     assert result.exit_code == 1 and result.output.splitlines() == [
@@ -534,7 +532,7 @@ def test_a_server_that_is_not_a_quantgate_admin_endpoint_is_refused_before_any_c
             (f"{server.url}/elsewhere", "HTTP 404: Not Found; is that `quantgate serve`'s admin endpoint?"),
         ):
             with pytest.raises(QuantgateError, match="^[^\n]*$") as exc:
-                run_canary_on_gateway(project, MODEL, "2", CanaryPolicy(), "tester", url, TOKEN, log=lambda _: None)
+                run_canary_on_gateway(project, MODEL, "2", CanaryPolicy(), "tester", Admin(url, TOKEN), QUIET)
             assert message in str(exc.value), str(exc.value)
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 

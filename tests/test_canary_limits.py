@@ -1,4 +1,4 @@
-"""Fleet limits (canary/limits.py) through the router, against the fake backends of test_canary_router:
+"""Fleet limits (gateway/limits.py) through the router, against the fake backends of test_canary_router:
 output cap and context ceiling (400), per-team rate limits (429 + Retry-After, on an injected clock),
 /metrics, params validation, API-key teams and the Hugging Face token counter."""
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from canary.limits import ANONYMOUS, Limiter, Limits, TokenBucket, load_limits, tokenizer_counter
+from gateway.limits import ANONYMOUS, Limiter, Limits, TokenBucket, load_limits, tokenizer_counter
 from quantgate.errors import QuantgateError
 from tests import test_canary_router as fake_backends
 from tests.test_canary_analysis import write_params

@@ -1,8 +1,8 @@
-"""canary.payloads: reading and continuing OpenAI request/response bodies (pure functions)."""
+"""gateway.payloads: reading and continuing OpenAI request/response bodies (pure functions)."""
 
 import pytest
 
-from canary.payloads import continuation, is_greedy, same_words, tokens_left, words
+from gateway.payloads import continuation, is_greedy, same_words, tokens_left, words
 
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10, "temperature": 0, "stream": True}
 
@@ -64,7 +64,7 @@ def test_tokens_left_takes_the_smaller_limit_and_none_without_one():
 
 
 def test_malformed_chunks_read_as_no_text_and_no_usage():
-    from canary.payloads import chunk_text, completion_tokens, other_delta, response_text
+    from gateway.payloads import chunk_text, completion_tokens, other_delta, response_text
 
     for chunk in (
         {"choices": [{"delta": "oops"}]},

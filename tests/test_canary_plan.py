@@ -1,20 +1,21 @@
 """The canary's sequential tests over many looks (seeded simulations), the plan from the traffic
 (feasible, refused, the start line) and the controller's step decision."""
 
+import dataclasses
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks.canary_sim import FAST
 from canary.analysis import always_valid_p, fail_level, mixture_log_lr, shadow_check
 from canary.controller import step_decision
-from canary.metrics import Sample, ShadowSample
 from canary.plan import SLACK, StepPlan, Traffic, measured_traffic, plan, plan_line, refusal, require_feasible
 from canary.policy import CanaryPolicy, load_policy
+from gateway.metrics import Sample, ShadowSample
 from quantgate.errors import QuantgateError
 from quantgate.stats import Verdict
+from tests.policies import FAST, FAST_ROUTER
 
 REPO = Path(__file__).resolve().parents[1]
 README_EXAMPLE = Traffic(1.0, 0.5, 1.0, "--load-rps")  # `quantgate canary run MODEL 2 --load-rps 1`
@@ -82,29 +83,31 @@ def test_the_readme_example_is_feasible_with_the_defaults_and_says_how_long():
 
 
 def test_the_old_defaults_are_refused_with_the_params_to_change():
-    old = CanaryPolicy(steps=[5, 25, 50, 100], shadow_fraction=0.2)
-    steps = plan(old, README_EXAMPLE)
+    old = CanaryPolicy(steps=[5, 25, 50, 100])
+    at_old_share = dataclasses.replace(README_EXAMPLE, shadow_fraction=0.2)  # fleet.router's, then canary's
+    steps = plan(old, at_old_share)
     assert steps[0].seconds == pytest.approx(20 / (1.0 * 0.2 * 0.05))  # 2000 s of shadow comparisons
     with pytest.raises(QuantgateError) as exc:
-        require_feasible(old, README_EXAMPLE)
+        require_feasible(old, at_old_share)
     assert str(exc.value) == (
         "canary plan cannot finish: at 1 req/s (--load-rps) step 1 (5%) needs about 2000 s for min_samples=20 of "
-        "shadow_agreement, over max_step_s=900 / 1.5; change canary.shadow_fraction, canary.steps, "
+        "shadow_agreement, over max_step_s=900 / 1.5; change fleet.router.shadow_fraction, canary.steps, "
         "canary.min_samples or canary.max_step_s, or send more traffic"
     )
     assert "\n" not in str(exc.value)
 
 
 @pytest.mark.parametrize(
-    "policy,fix",
+    "policy,shadowed,fix",
     [
-        (CanaryPolicy(steps=[100]), "canary.steps (a lower share first)"),  # stable never gets a stream
-        (CanaryPolicy(shadow_fraction=0), "canary.shadow_fraction"),
-        (CanaryPolicy(min_step_s=700, max_step_s=900), "canary.min_step_s or canary.max_step_s"),
+        (CanaryPolicy(steps=[100]), 0.5, "canary.steps (a lower share first)"),  # stable never gets a stream
+        (CanaryPolicy(), 0.0, "fleet.router.shadow_fraction"),
+        (CanaryPolicy(min_step_s=700, max_step_s=900), 0.5, "canary.min_step_s or canary.max_step_s"),
     ],
 )
-def test_plans_that_cannot_finish_name_the_fix(policy, fix):
-    why = refusal(policy, README_EXAMPLE, plan(policy, README_EXAMPLE))
+def test_plans_that_cannot_finish_name_the_fix(policy, shadowed, fix):
+    traffic = dataclasses.replace(README_EXAMPLE, shadow_fraction=shadowed)
+    why = refusal(policy, traffic, plan(policy, traffic))
     assert why is not None and fix in why and why.startswith("canary plan cannot finish: at 1 req/s")
 
 
@@ -115,8 +118,8 @@ def test_more_traffic_shortens_the_plan_and_min_step_s_is_the_floor():
 
 
 def test_the_e2e_fast_policy_is_feasible_at_its_load():
-    fast = load_policy(REPO / "params.yaml").model_copy(update=FAST)  # tests/test_fleet_e2e.py fast_policy()
-    steps = require_feasible(fast, Traffic(1.5))
+    fast = load_policy(REPO / "params.yaml").model_copy(update=FAST)  # tests/policies.py fast_policy()
+    steps = require_feasible(fast, Traffic(1.5, shadow_fraction=FAST_ROUTER["shadow_fraction"]))
     assert steps[0].seconds == pytest.approx(2 / (1.5 * 0.5 * 0.1)) and steps[0].end_s < 240
 
 

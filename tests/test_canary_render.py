@@ -11,8 +11,8 @@ import yaml
 from click.testing import CliRunner
 
 from canary.render import http_routes, service_name, weights
+from cli.main import cli
 from pipeline.register import RegisterParams, register
-from quantgate.cli import cli
 from quantgate.errors import QuantgateError
 from registry import aliases, approval, store
 from tests.conftest import safetensors_build
@@ -229,3 +229,26 @@ def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(projec
         + ("expected '}' before end of string" if template == "{model" else "Single '}' encountered in format string")
         + "; e.g. {model}-v{version}",
     )
+
+
+def test_the_routes_are_a_traffic_split_like_the_gateways():
+    """One interface moves a canary's traffic (canary/traffic.py): the gateway's admin client, a router in this
+    process and the Gateway API routes all implement it; the routes' split writes one YAML route per weight."""
+    from canary.render import RouteSplit
+    from canary.traffic import TrafficSplit
+    from gateway.admin import RemoteRouter
+    from gateway.router import Router
+
+    written = []
+    routes = RouteSplit(MODEL, "1", "3", STEPS, write=lambda doc: written.append(yaml.safe_dump(doc)), **ROUTE)
+    assert all(issubclass(kind, TrafficSplit) for kind in (RemoteRouter, Router, RouteSplit))
+    assert isinstance(routes, TrafficSplit)
+    routes.set_weight(25)
+    routes.drain()
+    docs = [yaml.safe_load(text) for text in written]
+    stable, candidate = service_name(MODEL, "1"), service_name(MODEL, "3")
+    assert [split(d) for d in docs] == [{stable: 75, candidate: 25}, {stable: 100, candidate: 0}]
+    assert [d["metadata"]["labels"]["quantgate/step"] for d in docs] == ["2", "rollback"]
+    assert routes.samples_since(0) == [] and routes.shadows_since(0) == []  # the cluster's metrics judge there
+    with pytest.raises(QuantgateError, match=r"^30% is not a step of the policy"):
+        routes.set_weight(30)

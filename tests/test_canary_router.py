@@ -23,10 +23,9 @@ from starlette.routing import Route
 
 from canary.commands import COMMANDS, load
 from canary.load import KINDS, prompts_from_evals, render, replay
-from canary.payloads import chunk_text
-from canary.policy import CanaryPolicy
-from canary.router import Backend, Router
-from canary.server import AppServer, RouterServer
+from gateway.payloads import chunk_text
+from gateway.router import Backend, Router, RouterParams
+from gateway.server import AppServer, RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
 from quantgate.teams import load_teams
@@ -186,12 +185,12 @@ def dead_backend() -> Backend:
 
 
 @contextmanager
-def running(resolve, weight=0.0, resolve_interval_s=0.5, limits=None, **policy):
-    """A started router (`limits`: a canary.limits.Limiter); yields (router, http client with its base URL)."""
+def running(resolve, weight=0.0, resolve_interval_s=0.5, limits=None, **params):
+    """A started router (`limits`: a gateway.limits.Limiter); yields (router, http client with its base URL)."""
     router = Router(
         resolve,
-        CanaryPolicy(
-            **{"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S, "shadow_fraction": 0.0, **policy}
+        RouterParams(
+            **{"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S, "shadow_fraction": 0.0, **params}
         ),
         model_name="smollm",
         seed=7,
@@ -272,7 +271,7 @@ def test_no_candidate_means_all_stable(fakes):
 
 
 def test_set_weight_rejects_out_of_range(fakes):
-    router = Router(fleet(fakes), CanaryPolicy())
+    router = Router(fleet(fakes), RouterParams())
     with pytest.raises(QuantgateError, match="0-100"):
         router.set_weight(101)
 
@@ -660,7 +659,7 @@ def test_resolve_change_moves_traffic_within_one_second(fakes):
             assert time.monotonic() - t0 < 2, "traffic did not move"
         moved_s = time.monotonic() - t0
     assert moved_s < 1.0
-    assert router.fleet.candidate.label == "other-label"
+    assert router.backends.candidate.label == "other-label"
 
 
 def r_label(r) -> str:
@@ -672,7 +671,7 @@ def test_resolve_failing_at_start_stops_the_router_and_later_keeps_the_last_answ
         raise RuntimeError("registry down")
 
     with pytest.raises(QuantgateError, match="registry down"):
-        RouterServer(Router(broken, CanaryPolicy())).start()
+        RouterServer(Router(broken, RouterParams())).start()
     answer = {"fn": fleet(fakes)}
     with running(lambda: answer["fn"](), weight=100, resolve_interval_s=0.05) as (router, client):
         answer["fn"] = broken
@@ -782,7 +781,7 @@ def test_metrics_show_counters_histograms_weight_and_shadow(fakes):
     assert m[("canary_candidate_weight_percent", ())] == 40
     assert m[("canary_shadow_comparisons_total", (("result", "agree"),))] == 1
     assert ("canary_requests_total", (("outcome", "ok"), ("role", "stable"))) not in metric_values(
-        Router(fleet(fakes), CanaryPolicy()).recorder.exposition()[0].decode()
+        Router(fleet(fakes), RouterParams()).recorder.exposition()[0].decode()
     )  # per-router registry
 
 
@@ -863,7 +862,7 @@ def test_replay_rejects_an_unknown_api():
 def test_rates_and_durations_must_be_finite_and_positive(value):
     """`canary load --rps inf` once flooded without end (expovariate(inf) = 0), `--rps nan` "sent" one
     request at "nan rps": now a usage error naming the option, before anything is sent."""
-    from quantgate.cli import cli
+    from cli.main import cli
 
     url = f"http://127.0.0.1:{free_port()}"
     for option, args in (

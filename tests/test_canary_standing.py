@@ -10,11 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import canary.standing as standing
-from canary.fleet import process_alive
-from canary.gateway import PIDS, reap_orphans
-from canary.router import Backend
-from canary.standing import AdminAddress, FleetParams, StandingFleet, load_fleet_params, plan
+import gateway.fleet as standing
+from gateway.fleet import AdminAddress, Fleet, FleetParams, load_fleet_params, plan, process_alive
+from gateway.router import Backend
+from gateway.serve import PIDS, reap_orphans
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams, Server, Watch
 
@@ -94,7 +93,7 @@ class Fakes:
         (dest / "model").mkdir(parents=True)
         return dest / "model"
 
-    def open_server(self, stack, client, model, version, params, work_dir, role, log, verified):
+    def open_server(self, stack, source, version, params, role, log, verified):
         assert verified.is_dir()  # standing.py verified the weights first
         if version in self.fail_start:  # as vLLM's log says it: a pid (and a time) that differ per try
             self.failed_starts += 1
@@ -104,9 +103,9 @@ class Fakes:
         self.started.append(version)
         return (*sleep_server(stack, version), verified)
 
-    def fleet(self, tmp_path, **params) -> StandingFleet:
+    def fleet(self, tmp_path, **params) -> Fleet:
         p = FleetParams(**{"drain_s": 1.0, "restart_backoff_s": 0.0, **params})
-        return StandingFleet(
+        return Fleet(
             None,
             "m",
             ServeParams(),
@@ -191,7 +190,7 @@ def test_a_failing_start_is_verified_once_and_backs_off_exponentially(monkeypatc
     f.aliases = {"production": "3", "fallback": "1"}
     now, lines = [0.0], []
     params = FleetParams(restart_backoff_s=5, restart_backoff_max_s=30)
-    fleet = StandingFleet(None, "m", ServeParams(), params, tmp_path, log=lines.append, clock=lambda: now[0])
+    fleet = Fleet(None, "m", ServeParams(), params, tmp_path, log=lines.append, clock=lambda: now[0])
     try:
         tried_at = []
         for t in range(200):  # 200 s, one pass a second
@@ -291,9 +290,8 @@ def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_pat
 
     import httpx
 
-    from canary import gateway
-    from canary.limits import Limits
-    from canary.policy import CanaryPolicy
+    from gateway import serve as gateway
+    from gateway.limits import Limits
 
     monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
     monkeypatch.setattr(gateway, "tokenizer_counter", lambda model_dir: lambda path, body: 1)
@@ -305,7 +303,7 @@ def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_pat
     lines, stop, ready = [], threading.Event(), threading.Event()
     t = threading.Thread(
         target=gateway.run_gateway,
-        args=(None, "m", ServeParams(), params, CanaryPolicy(), Limits(), tmp_path),
+        args=(None, "m", gateway.Settings(ServeParams(), params, Limits()), tmp_path),
         kwargs={"log": lines.append, "stop": stop, "on_ready": lambda url: ready.set()},
         daemon=True,
     )
@@ -326,17 +324,38 @@ def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_pat
         assert (s["stable"], s["candidate"], s["weight"]) == ("v1", "v2", 0)
         assert s["fleet"]["2"]["alive"] and s["fleet"]["2"]["why"] == "candidate" and s["url"].startswith("http")
         assert httpx.put(f"{admin[1]}/admin/weight", json={"percent": 30}, headers=auth).json() == {"weight": 30}
-        assert any("could not check for canaries" in line for line in lines)  # no registry here: serves anyway
+        assert s["shadow_fraction"] == params.router.shadow_fraction  # what a canary's plan counts on
     finally:
         stop.set()
         t.join(30)
     assert not t.is_alive() and "serve: every server stopped" in lines
 
 
+def test_serve_reaps_dead_canaries_first_and_serves_when_the_registry_cannot_say(monkeypatch, tmp_path):
+    """`quantgate serve` records canaries whose controller died as aborted before its gateway starts (the
+    gateway knows nothing of canaries); a registry it cannot read for that is said, and it serves anyway."""
+    from click.testing import CliRunner
+
+    import canary.status
+    import gateway.serve
+    from cli.main import cli
+    from registry import store
+
+    said = []
+    monkeypatch.setattr(store, "client", lambda existing=False: "the registry")
+    monkeypatch.setattr(gateway.serve, "run_gateway", lambda client, model, *a, **k: said.append(("serve", model)))
+    for reap in (lambda *a, **k: said.append(("reap", a[1], a[3])), lambda *a, **k: 1 / 0):
+        monkeypatch.setattr(canary.status, "reap_stale", reap)
+        result = CliRunner().invoke(cli, ["serve", "m", "--work-dir", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+    assert said == [("reap", "m", "quantgate serve"), ("serve", "m"), ("serve", "m")]
+    assert "could not check for canaries left by a dead controller: ZeroDivisionError" in result.output
+
+
 def test_warm_first_passes_a_failing_serving_build_over_at_once(monkeypatch, tmp_path):
     import threading
 
-    from canary.gateway import warm_first
+    from gateway.serve import warm_first
 
     f = Fakes(monkeypatch, fail={"3"})
     f.aliases = {"production": "3", "fallback": "1"}
@@ -352,7 +371,7 @@ def test_warm_first_passes_a_failing_serving_build_over_at_once(monkeypatch, tmp
 def test_ports_are_checked_before_any_server_starts(tmp_path):
     import socket
 
-    from canary.gateway import check_bindable
+    from gateway.serve import check_bindable
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -362,16 +381,15 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
             check_bindable("127.0.0.1", port, "fleet.port")
     with pytest.raises(QuantgateError, match=r"^fleet.host: cannot listen on 999.1.1.1:0 \("):  # port 0: host checked
         check_bindable("999.1.1.1", 0, "fleet.host")
-    from canary.gateway import run_gateway
-    from canary.limits import Limits
-    from canary.policy import CanaryPolicy
+    from gateway.limits import Limits
+    from gateway.serve import Settings, run_gateway
     from quantgate.serving import ServeParams
 
     same = FleetParams().model_copy(
         update={"port": 18999, "admin": AdminAddress(port=18999)}
     )  # as --port, --admin-port
     with pytest.raises(QuantgateError, match="fleet.port and fleet.admin.port are both 18999: .* a port each"):
-        run_gateway(None, "m", ServeParams(), same, CanaryPolicy(), Limits(), tmp_path / "work", log=lambda _: None)
+        run_gateway(None, "m", Settings(ServeParams(), same, Limits()), tmp_path / "work", log=lambda _: None)
     bad = tmp_path / "params.yaml"
     bad.write_text("fleet:\n  port: 8001\n")
     with pytest.raises(QuantgateError, match="fleet: .*admin.port 8001 is also fleet.port"):

@@ -1,4 +1,4 @@
-"""MLflow registry webhooks of `quantgate serve` (canary/webhook.py, canary/gateway.py): signature
+"""MLflow registry webhooks of `quantgate serve` (gateway/webhook.py, gateway/serve.py): signature
 checks with real HMAC (cross-checked against MLflow's own signer), the planner's wake-up, and a real
 `mlflow server` on loopback delivering alias changes to a running gateway whose vLLM servers are
 `sleep` processes (the real ones: tests/test_serve_e2e.py)."""
@@ -17,13 +17,12 @@ import httpx
 import pytest
 from mlflow.webhooks.delivery import _generate_hmac_signature
 
-import canary.standing as standing
-from canary import gateway
-from canary.gateway import Planner, webhook_url
-from canary.limits import Limits
-from canary.policy import CanaryPolicy
-from canary.standing import FleetParams
-from canary.webhook import Receiver, Rejected, register, sign, verify, webhook_name
+import gateway.fleet as standing
+from gateway import serve as gateway
+from gateway.fleet import FleetParams
+from gateway.limits import Limits
+from gateway.serve import Planner, webhook_url
+from gateway.webhook import Receiver, Rejected, register, sign, verify, webhook_name
 from quantgate.serving import ServeParams, free_port
 from registry import store
 from tests.services import sqlite_mlflow_server
@@ -120,19 +119,19 @@ def test_the_planner_wakes_at_once_polls_and_stops():
 
 
 def test_refresh_soon_resolves_at_once_not_at_the_interval():
-    from canary.router import Backend, Router
-    from canary.server import RouterServer
+    from gateway.router import Backend, Router, RouterParams
+    from gateway.server import RouterServer
 
     stable = {"stable": Backend("http://127.0.0.1:9/v1", "m-v1", "v1")}
-    router = Router(lambda: dict(stable), CanaryPolicy(), resolve_interval_s=30.0)
+    router = Router(lambda: dict(stable), RouterParams(), resolve_interval_s=30.0)
     router.refresh_soon()  # before the router started: nothing to wake, no error
     with RouterServer(router, "127.0.0.1", 0, grace_s=1):
         stable["stable"] = Backend("http://127.0.0.1:9/v1", "m-v2", "v2")  # an alias flip
         t0 = time.monotonic()
         router.refresh_soon()
-        while router.fleet.stable.label != "v2" and time.monotonic() - t0 < 5:
+        while router.backends.stable.label != "v2" and time.monotonic() - t0 < 5:
             time.sleep(0.005)
-        assert router.fleet.stable.label == "v2" and time.monotonic() - t0 < 1.0  # not the 30 s interval
+        assert router.backends.stable.label == "v2" and time.monotonic() - t0 < 1.0  # not the 30 s interval
 
 
 def test_fleet_params_webhook_fields():
@@ -218,7 +217,7 @@ def test_register_says_in_one_line_why_it_polls_instead():
 
 
 # --- a real `mlflow server` -----------------------------------------------------------------------
-WEBHOOK_ENV = {  # what an operator sets on the server for a gateway on this machine (canary/README.md)
+WEBHOOK_ENV = {  # what an operator sets on the server for a gateway on this machine (gateway/README.md)
     "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",  # the gateway is on loopback
     "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
     "MLFLOW_WEBHOOK_CACHE_TTL": "1",  # the server's cached webhook list, seconds (default 60)
@@ -242,7 +241,7 @@ def running_gateway(monkeypatch, client, work_dir, params: FleetParams):
     (time.monotonic(), log line) and (time.monotonic(), version started)."""
     lines, starts = [], []
 
-    def open_server(stack, client, model, version, params, work_dir, role, log, verified):
+    def open_server(stack, source, version, params, role, log, verified):
         starts.append((time.monotonic(), version))
         return (*sleep_server(stack, version), verified)
 
@@ -251,7 +250,7 @@ def running_gateway(monkeypatch, client, work_dir, params: FleetParams):
     stop, ready = threading.Event(), threading.Event()
     t = threading.Thread(
         target=gateway.run_gateway,
-        args=(client, MODEL, ServeParams(), params, CanaryPolicy(), Limits(), work_dir),
+        args=(client, MODEL, gateway.Settings(ServeParams(), params, Limits()), work_dir),
         kwargs={
             "log": lambda line: lines.append((time.monotonic(), line)),
             "stop": stop,

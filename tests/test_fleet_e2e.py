@@ -22,6 +22,7 @@ import pytest
 from pytest import MonkeyPatch
 
 from tests.conftest import REPO, approved_version, run, w4a16_servable
+from tests.policies import fast_policy, fast_router
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
@@ -34,21 +35,6 @@ def e2e_topology():
     from canary.policy import RouterAddress, load_topology
 
     return load_topology(REPO / "params.yaml").model_copy(update={"router": RouterAddress(port=0)})
-
-
-def fast_policy(**over):
-    """The canary policy of params.yaml with CI-sized steps: same steps, smaller minimums; a
-    check's name sets its bound (ttft_p95_ratio=50), other keys the policy's fields."""
-    from benchmarks.canary_sim import FAST, FAST_BOUNDS  # simulated there too (the "e2e" rows)
-    from canary.policy import CHECK_KINDS, load_policy
-
-    # judge quality and errors here, not speed: how fast GOOD is against fp16 is the machine's (AVX2 at float32:
-    # int8 decodes ~1.6x slower; AVX512: int4's TTFT p50 is 1.5-1.7x fp16's), and a ratio near 1.5 holds a
-    # CI-sized step to max_step_s; the latency checks are tested in tests/test_canary_analysis.py and simulated
-    bounds = dict(FAST_BOUNDS, ttft_p95_ratio=50, tpot_p95_ratio=50)
-    bounds.update({k: over.pop(k) for k in list(over) if k in CHECK_KINDS})  # e.g. ttft_p95_ratio=50
-    policy = load_policy(REPO / "params.yaml").model_copy(update={**FAST, "request_timeout_s": 120, **over})
-    return policy.with_bounds(**bounds)
 
 
 def permute_embeddings(src: Path, dst: Path) -> None:
@@ -192,7 +178,7 @@ def _register_broken(project: Path, client) -> str:
 @pytest.fixture(scope="module")
 def fleet(project, tmp_path_factory):
     """Registry client, versions, and running servers {version: Backend} for fp16, GOOD and broken."""
-    from canary.fleet import ServingFleet
+    from canary.local import LocalServers
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
     from registry import store
@@ -212,7 +198,7 @@ def fleet(project, tmp_path_factory):
     assert v["broken"] not in (v["fp16"], v[GOOD])
     serve = load_block("evaluate.serve", ServeParams)
     started = time.monotonic()
-    with ServingFleet(client, MODEL, serve, e2e_topology().servers, tmp_path_factory.mktemp("fleet")) as f:
+    with LocalServers(client, MODEL, serve, e2e_topology().servers, tmp_path_factory.mktemp("fleet")) as f:
         for build, role in (("fp16", "stable"), (GOOD, "candidate"), ("broken", "candidate")):
             f.start(v[build], role)
         print(f"\nfleet: 3 vLLM servers verified and started in {time.monotonic() - started:.0f} s")
@@ -229,7 +215,7 @@ def fleet(project, tmp_path_factory):
 
 def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = None):
     """run_canary for `build` with the fleet's servers, under Load; returns (outcome, load, log lines)."""
-    from canary.controller import run_canary
+    from canary.controller import Hooks, Local, run_canary
 
     lines, load = [], []
 
@@ -244,18 +230,9 @@ def canary(fleet, build: str, policy, tmp_path, kill_after_s: float | None = Non
         lines.append(line)
         print(line, flush=True)
 
+    local = Local(fleet["serve"], tmp_path, e2e_topology(), fast_router(), fleet["reuse"])
     outcome = run_canary(
-        fleet["client"],
-        MODEL,
-        fleet["v"][build],
-        policy,
-        fleet["serve"],
-        "e2e-test",
-        tmp_path,
-        topology=e2e_topology(),
-        reuse=fleet["reuse"],
-        log=log,
-        on_router=on_router,
+        fleet["client"], MODEL, fleet["v"][build], policy, "e2e-test", local, Hooks(log, on_router=on_router)
     )
     return outcome, load[0], lines
 
@@ -284,13 +261,13 @@ def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
 
 
 def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
-    from canary.router import Router
-    from canary.server import RouterServer
+    from gateway.router import Router
+    from gateway.server import RouterServer
     from registry import aliases, audit
 
     client, v = fleet["client"], fleet["v"]
     assert aliases.current(client, MODEL)["production"] == v[GOOD]
-    router = Router(fleet["fleet"].resolver(v["fp16"]), fast_policy(), model_name=MODEL)
+    router = Router(fleet["fleet"].resolver(v["fp16"]), fast_router(), model_name=MODEL)
     with RouterServer(router) as server, Load(server.url) as load:
         time.sleep(6)
         p = run(["quantgate", "rollback", MODEL, "--by", "e2e-test", "--reason", "e2e: rollback under load"], project)
@@ -337,7 +314,7 @@ def cutting_proxy(url: str, after: int):
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
-    from canary.payloads import chunk_text
+    from gateway.payloads import chunk_text
 
     async def relay(request):
         body = await request.json()
@@ -366,7 +343,7 @@ def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
     """The text of a streamed answer and its SSE events."""
     from httpx_sse import connect_sse
 
-    from canary.payloads import chunk_text
+    from gateway.payloads import chunk_text
 
     with (
         httpx.Client(timeout=300, trust_env=False) as client,
@@ -382,8 +359,8 @@ def streamed_text(base_url: str, path: str, body: dict) -> tuple[str, list]:
 def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, chat):
     """Real vLLM on both sides: fp16 behind a proxy that cuts its streams after 3 chunks is the
     candidate, fp16 is stable; greedy, so the resumed answer must equal fp16's own."""
-    from canary.router import Backend, Router
-    from canary.server import AppServer, RouterServer
+    from gateway.router import Backend, Router
+    from gateway.server import AppServer, RouterServer
 
     fp16 = fleet["fleet"].backends[fleet["v"]["fp16"]]
     body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True}
@@ -396,7 +373,7 @@ def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, cha
     direct, _ = streamed_text(fp16.url, path, {**body, "model": fp16.model})
     with AppServer(cutting_proxy(fp16.url, after=3), grace_s=1) as proxy:
         cut = Backend(f"{proxy.url}/v1", fp16.model, "cut-fp16")
-        router = Router(lambda: {"stable": fp16, "candidate": cut, "shadow": None}, fast_policy(), model_name=MODEL)
+        router = Router(lambda: {"stable": fp16, "candidate": cut, "shadow": None}, fast_router(), model_name=MODEL)
         router.set_weight(100)
         with RouterServer(router) as server:
             via, events = streamed_text(f"{server.url}/v1", path, body)

@@ -1,7 +1,10 @@
 """The import graph matches the layout (README "Layout", quantgate/README.md): the kernel quantgate/
-imports no other project folder (its CLI apart), registry/ and canary/ never import pipeline/, no
-stage imports another stage, and every stage's `deps` in dvc.yaml are exactly the project modules it
-imports, transitively, so editing a module re-runs exactly the stages that run it."""
+imports no other project folder, nothing imports the composition root cli/, registry/, gateway/ and canary/
+never import pipeline/,
+gateway/ imports nothing from canary/ (the data plane knows nothing of rollouts), canary/ carries no HTTP
+traffic itself, there are no cycles between folders, no stage imports another stage, and every stage's
+`deps` in dvc.yaml are exactly the project modules it imports, transitively, so editing a module re-runs
+exactly the stages that run it."""
 
 import ast
 import re
@@ -10,8 +13,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("quantgate", "pipeline", "registry", "canary")
-CLI = "quantgate/cli.py"
+PACKAGES = ("quantgate", "pipeline", "registry", "gateway", "canary", "cli")
 
 
 def module_file(name: str) -> str | None:
@@ -81,12 +83,46 @@ def test_every_pipeline_module_is_a_stage_or_a_helper_of_one():
 
 
 def test_dependencies_point_one_way():
-    for rel in project_files("quantgate"):
-        if rel != CLI:
-            assert all(d.startswith("quantgate/") and d != CLI for d in closure(rel)), (rel, sorted(closure(rel)))
-    for package in ("registry", "canary"):
+    for rel in project_files("quantgate"):  # the kernel imports no folder above it
+        assert all(d.startswith("quantgate/") for d in closure(rel)), (rel, sorted(closure(rel)))
+    for package in PACKAGES:  # the composition root sits on top: nothing imports it
+        for rel in project_files(package):
+            assert rel.startswith("cli/") or not any(d.startswith("cli/") for d in closure(rel)), rel
+    for package in ("registry", "gateway", "canary"):
         for rel in project_files(package):
             assert not any(d.startswith("pipeline/") for d in closure(rel)), (rel, sorted(closure(rel)))
+
+
+def test_the_gateway_knows_nothing_of_canaries():
+    for rel in project_files("gateway"):
+        assert not any(d.startswith("canary/") for d in closure(rel)), (rel, sorted(closure(rel)))
+
+
+# a proxy answers requests: it needs a server framework (a client, like canary/load.py's, is no proxy)
+PROXYING = re.compile(r"^\s*(from|import) (starlette|uvicorn)\b", re.M)
+
+
+def test_the_canary_carries_no_traffic():
+    for rel in project_files("canary"):
+        assert not PROXYING.search((REPO / rel).read_text()), f"{rel}: proxying code belongs in gateway/"
+
+
+def test_no_cycles_between_folders():
+    edges = {
+        (rel.split("/")[0], dep.split("/")[0])
+        for package in PACKAGES
+        for rel in project_files(package)
+        for dep in imports(rel)
+    }
+    for start in PACKAGES:  # no folder reaches itself through the folders it imports
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            for a, b in edges - {(p, p) for p in PACKAGES}:
+                if a == node and b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        assert start not in seen, f"{start}/ reaches itself through the folders it imports: {sorted(edges)}"
 
 
 def test_evals_holds_team_data_only():

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from cli.main import cli
 from pipeline.register import RegisterParams, register
-from quantgate.cli import cli
 from quantgate.serving import stop
 from registry import aliases, approval, audit, store
 from tests.conftest import safetensors_build

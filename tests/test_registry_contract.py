@@ -665,7 +665,7 @@ def test_commands_print_errors_without_traceback(reg):
 def test_commands_outside_a_project_do_not_create_an_empty_registry(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -712,7 +712,7 @@ def test_version_argument_rejects_non_numbers():
 def test_an_empty_by_is_refused_in_one_line_before_the_registry(command, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     args = {
         "register": ["0" * 32, "--override", "x"],
@@ -739,7 +739,7 @@ def test_an_empty_by_is_refused_in_one_line_before_the_registry(command, tmp_pat
 def test_unreachable_database_or_object_store_and_wrong_credentials_are_one_line_in_seconds(pg_server, postgres):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     server, s3 = pg_server
     server.wait_ready()

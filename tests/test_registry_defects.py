@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from cli.main import cli
 from pipeline.register import RegisterParams, register
-from quantgate.cli import cli
 from quantgate.errors import QuantgateError
 from registry import aliases, approval, audit, lock, runs, store, versions
 from registry.status import status_lines
@@ -219,7 +219,7 @@ def test_a_deleted_production_version_is_reported(reg):
 def test_status_into_a_closed_pipe_exits_quietly(reg):
     client, model, _ = reg({"int4": "PASS"})
     p = subprocess.run(
-        ["bash", "-c", f"set -o pipefail; {sys.executable} -m quantgate.cli status {model} | true"],
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m cli status {model} | true"],
         capture_output=True,
         text=True,
         timeout=120,

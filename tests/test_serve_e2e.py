@@ -88,7 +88,7 @@ def gateway(project, tmp_path_factory):
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        from canary.gateway import reap_orphans
+        from gateway.serve import reap_orphans
 
         reap_orphans(log.parent / "work")  # a gateway that had to be killed leaves its servers
 
@@ -245,10 +245,11 @@ def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project
     it loads and answers garbage) on the running gateway aborts at step 1 on shadow agreement,
     sets the gateway's weight back to 0, leaves production as it was, and clients see no error
     (a garbage answer is an answer; the check is what catches it)."""
-    from canary.admin import RemoteRouter
-    from canary.controller import run_canary_on_gateway
+    from canary.controller import Admin, Hooks, run_canary_on_gateway
+    from gateway.admin import RemoteRouter
     from registry import aliases
-    from tests.test_fleet_e2e import fast_policy, register_broken
+    from tests.policies import fast_policy
+    from tests.test_fleet_e2e import register_broken
 
     g, v = gateway, gateway["v"]
     assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
@@ -263,7 +264,7 @@ def test_a_broken_build_on_the_running_gateway_aborts_at_step_1(gateway, project
     lines: list[str] = []
     with Load(g["url"]) as load:
         outcome = run_canary_on_gateway(
-            g["client"], MODEL, broken, policy, "e2e-test", g["admin"], ADMIN_TOKEN, log=lines.append
+            g["client"], MODEL, broken, policy, "e2e-test", Admin(g["admin"], ADMIN_TOKEN), Hooks(lines.append)
         )
     print(f"\nbroken build on the gateway: {outcome.decision} at step {outcome.step}: {outcome.reason}")
     assert outcome.decision == "aborted" and outcome.step == 1, "\n".join(lines[-30:])
@@ -284,9 +285,9 @@ def test_a_canary_on_the_running_gateway_promotes(gateway):
     approved int8 build on this gateway warms it through the `candidate` alias, walks the steps through
     the admin endpoint under load, and promotes. Fast policy (tests/test_fleet_e2e.py), latency
     thresholds relaxed: this judges errors and agreement with fp16 on a CPU, not speed."""
-    from canary.controller import run_canary_on_gateway
+    from canary.controller import Admin, Hooks, run_canary_on_gateway
     from registry import aliases
-    from tests.test_fleet_e2e import fast_policy
+    from tests.policies import fast_policy
 
     g, v = gateway, gateway["v"]
     assert aliases.current(g["client"], MODEL).get("production") == v["fp16"]
@@ -302,7 +303,7 @@ def test_a_canary_on_the_running_gateway_promotes(gateway):
     started = time.monotonic()
     with Load(g["url"]) as load:
         outcome = run_canary_on_gateway(
-            g["client"], MODEL, v[SERVED], policy, "e2e-test", g["admin"], ADMIN_TOKEN, log=lines.append
+            g["client"], MODEL, v[SERVED], policy, "e2e-test", Admin(g["admin"], ADMIN_TOKEN), Hooks(lines.append)
         )
     print(
         f"\ncanary on the gateway: {outcome.decision} at step {outcome.step} after "
@@ -327,9 +328,9 @@ def test_a_gateway_killed_mid_canary_comes_back_serving_production_and_the_canar
     (gateway_lost_s), sets the step's weight again, records `canary.resumed`, and the canary promotes."""
     import threading
 
-    from canary.controller import run_canary_on_gateway
+    from canary.controller import Admin, Hooks, run_canary_on_gateway
     from registry import aliases
-    from tests.test_fleet_e2e import fast_policy
+    from tests.policies import fast_policy
 
     g, v = gateway, gateway["v"]
     if aliases.current(g["client"], MODEL).get("production") != v["fp16"]:  # the canary before promoted it
@@ -346,7 +347,7 @@ def test_a_gateway_killed_mid_canary_comes_back_serving_production_and_the_canar
 
     def controller():
         result["outcome"] = run_canary_on_gateway(
-            g["client"], MODEL, v[SERVED], policy, "e2e-test", g["admin"], ADMIN_TOKEN, log=lines.append
+            g["client"], MODEL, v[SERVED], policy, "e2e-test", Admin(g["admin"], ADMIN_TOKEN), Hooks(lines.append)
         )
 
     # 0.5 req/s, not 1.5: after the restart the candidate's vLLM server starts beside fp16 answering all the

@@ -323,8 +323,8 @@ def test_recording_calibration_stops_with_the_death_of_the_16bit_server(
 
 
 def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
-    import canary.fleet as fleet_mod
-    import canary.standing as standing
+    import canary.local as fleet_mod
+    import gateway.fleet as standing
     from canary.policy import Servers
     from tests.test_canary_standing import Fakes, sleep_server
 
@@ -332,13 +332,13 @@ def test_the_canary_fleets_say_the_same_words(monkeypatch, tmp_path):
     log.parent.mkdir()
     log.write_text("INFO started\n")
 
-    def open_server(stack, client, model, version, params, work_dir, role, log_, verified=None):
+    def open_server(stack, source, version, params, role, log_, verified=None):
         backend, server = sleep_server(stack, version, log)
         return backend, server, tmp_path
 
     # the canary run's fleet
     monkeypatch.setattr(fleet_mod, "open_server", open_server)
-    with fleet_mod.ServingFleet(None, "m", ServeParams(), Servers(), tmp_path) as fleet:
+    with fleet_mod.LocalServers(None, "m", ServeParams(), Servers(), tmp_path) as fleet:
         fleet.start("3", "candidate", log=lambda line: None)
         assert fleet.alive("3") and fleet.death("3") is None
         with open(log, "a") as f:

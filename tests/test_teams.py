@@ -58,7 +58,7 @@ def test_bad_input_is_named_with_file_line_and_fix(example_evals, case):
 def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     expected = [overlay(example_evals, "blank_line"), overlay(example_evals, "negative_margin")]
     res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals)])
@@ -90,7 +90,7 @@ def test_template_fields():
 def test_new_team_scaffold_validates_with_the_others(example_evals):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     res = CliRunner().invoke(
         cli, ["evals", "new", "ranking", "--owner", "Ranking", "--contact", "r@x", "--root", str(example_evals)]

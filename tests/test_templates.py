@@ -75,7 +75,7 @@ def test_the_sandbox_verdict_refuses_what_no_static_rule_names(example_evals):
 def test_validate_command_and_dvc_stage_refuse_the_issue_template_and_run_nothing(example_evals, tmp_path):
     from click.testing import CliRunner
 
-    from quantgate.cli import cli
+    from cli.main import cli
 
     marker = tmp_path / "MARKER"
     task = example_evals / "search" / "capitals.yaml"

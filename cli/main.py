@@ -1,4 +1,5 @@
-"""The `quantgate` command: parses arguments, calls pipeline/, evals/ or registry/, prints.
+"""The `quantgate` command, the composition root on top of every folder: parses arguments, calls pipeline/,
+registry/, gateway/ or canary/, prints. Installed as the `quantgate` script; from a checkout `python -m cli`.
 
 quantgate report                 the gate table of the last `dvc repro`
 quantgate status [MODEL]         registered versions, verdicts and aliases; builds left unregistered
@@ -8,7 +9,7 @@ quantgate evals validate [PATH]  check team eval sets without running a model
 quantgate approve|revoke MODEL VERSION     release-manager approval (registry/commands.py)
 quantgate promote|rollback|history MODEL   aliases and their audit trail
 quantgate canary load --url URL            replay eval prompts through the router
-quantgate serve MODEL                      the standing gateway: serves the registry aliases (canary/gateway.py)
+quantgate serve MODEL                      the standing gateway: serves the registry aliases (gateway/serve.py)
 quantgate canary render MODEL VERSION --format gateway-api   the canary's steps as HTTPRoutes (canary/commands.py)
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from canary.commands import path_option
 from quantgate.errors import QuantgateError, command_errors
 
 
@@ -121,18 +123,82 @@ def validate(path: Path) -> None:
         click.echo(f"ok: {len(own)} team calibration conversations, {CHECKED}{scope}")
 
 
+@cli.command("serve")
+@click.argument("model")
+@click.option("--host", default=None, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1).")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."
+)
+@path_option("--work-dir", ".quantgate/serve", "Verified artifacts, server logs and pids, one folder per version.")
+@click.option(
+    "--admin-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Admin endpoint port (default: fleet.admin.port; 0: free). Token: $QUANTGATE_ADMIN_TOKEN, "
+    "else WORK_DIR/admin.token.",
+)
+def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_port: int | None) -> None:
+    """Serve MODEL's registry aliases behind one OpenAI endpoint until Ctrl-C or SIGTERM.
+
+    Run it from the project folder: the registry is $MLFLOW_TRACKING_URI (default ./mlflow.db),
+    settings are params.yaml `fleet` and `limits`. production (else fallback) takes the traffic;
+    fallback, candidate and previous are kept warm, each from weights verified against the
+    registry. Alias changes (promote, rollback, a canary) are followed within a second: a poll
+    every fleet.poll_s, and at once through an MLflow webhook when the registry is an `mlflow
+    server` (fleet.webhook). A failed production request is retried on fallback, dead servers are
+    restarted. An admin endpoint (fleet.admin, loopback, bearer token) lets `quantgate canary run
+    --gateway` set the split and read the samples.
+
+    \b
+    Example:
+      quantgate serve smollm2-135m-instruct        # OpenAI API at http://127.0.0.1:8000/v1
+      curl -s localhost:8000/health                # the serving version and the warm servers
+    """
+    from canary.commands import sigterm_as_ctrl_c
+    from canary.policy import load_policy
+    from canary.status import reap_stale
+    from gateway.fleet import load_fleet_params
+    from gateway.limits import load_limits
+    from gateway.serve import Settings, run_gateway
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
+    from registry import store
+
+    sigterm_as_ctrl_c()
+    try:
+        with command_errors():
+            params = load_fleet_params()
+            params = params.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v is not None})
+            if admin_port is not None:
+                params = params.model_copy(update={"admin": params.admin.model_copy(update={"port": admin_port})})
+            serve_params, limits, stale_after_s = (
+                load_block("evaluate.serve", ServeParams),
+                load_limits(),
+                (load_policy().stale_after_s),
+            )
+            client = store.client(existing=True)
+            try:  # a gateway starts at 0 %: canaries whose controller died are over (canary/status.py)
+                reap_stale(client, model, stale_after_s, "quantgate serve", click.echo)
+            except Exception as exc:  # the registry unreachable: serve anyway; the next canary run reaps
+                click.echo(
+                    f"serve: could not check for canaries left by a dead controller: {type(exc).__name__}: {exc}"
+                )
+            run_gateway(client, model, Settings(serve_params, params, limits), work_dir, log=click.echo)
+    except KeyboardInterrupt:
+        click.echo("serve: stopped (Ctrl-C or SIGTERM)")
+
+
 @cli.group()
 def canary() -> None:
-    """The vLLM canary fleet: weighted router, live analysis, promotion or abort."""
+    """The release canary: traffic in steps through a gateway, live analysis, promotion or abort."""
 
 
 def _wire() -> None:
     """Commands that live beside their logic (registry/commands.py, canary/commands.py)."""
     from canary.commands import COMMANDS as CANARY
-    from canary.commands import SERVE
     from registry.commands import COMMANDS as REGISTRY
 
-    for command in [*REGISTRY, *SERVE]:
+    for command in REGISTRY:
         cli.add_command(command)
     for command in CANARY:
         canary.add_command(command)
@@ -145,7 +211,7 @@ def main() -> None:
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download, not a bar
-    cli()
+    cli(prog_name="quantgate")
 
 
 if __name__ == "__main__":

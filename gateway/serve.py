@@ -2,24 +2,25 @@
 
 1. Stop vLLM servers a killed earlier gateway left behind (their process groups are recorded
    under the work dir; `reap_orphans`).
-2. Start the serving build's server first (production, else fallback: canary.standing.plan),
+2. Start the serving build's server first (production, else fallback: gateway.fleet.plan),
    so the gateway listens as soon as one build answers; a serving build that cannot be served
    (weights that do not verify, a server that does not start) is passed over for the next.
-3. Listen (canary.router.Router with the fleet's resolve(): production traffic, retried on the
+3. Listen (gateway.router.Router with the fleet's resolve(): production traffic, retried on the
    fp16 `fallback` when production fails; a canary's split when `candidate` is set; the
    `limits` of params.yaml: 400 over the context ceiling or output cap, 429 over a team's rate) and
    reconcile every `fleet.poll_s` until stopped (SIGTERM, Ctrl-C, or `stop`): warm the other
    planned builds, restart dead servers, drain and stop unplanned ones. With an `mlflow server`
    registry (`fleet.webhook: auto`) it registers an MLflow webhook for alias changes first
-   (canary/webhook.py), and each delivery runs the reconcile pass and the router's resolve at once.
+   (gateway/webhook.py), and each delivery runs the reconcile pass and the router's resolve at once.
 4. On the way out, stop taking requests, delete the webhook, then stop every server.
 /health adds the fleet ({version: url, pid, why, cores, restarts, up_s}) and the gateway's pid; /metrics adds
 quantgate_fleet_servers{version,why} and quantgate_fleet_restarts{version}.
-Next to the public endpoint, the admin endpoint (canary/admin.py) at `fleet.admin` (loopback by
+Next to the public endpoint, the admin endpoint (gateway/admin.py) at `fleet.admin` (loopback by
 default, a bearer token: $QUANTGATE_ADMIN_TOKEN or WORK_DIR/admin.token) lets a canary controller
 in another process set the split and read the samples. A gateway starts at 0 % to the candidate;
-canary runs of the model whose controller stopped beating are recorded as aborted at start
-(canary.status.reap_stale), and a live controller resumes its step on the restarted gateway.
+the `quantgate serve` command records canary runs whose controller stopped beating as aborted before it
+starts one (canary.status.reap_stale: the gateway knows nothing of canaries), and a live controller
+resumes its step on the restarted gateway.
 """
 
 from __future__ import annotations
@@ -31,20 +32,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Gauge
 
-from canary.admin import admin_app, admin_token
-from canary.fleet import process_alive
-from canary.limits import Limiter, Limits, tokenizer_counter
-from canary.policy import CanaryPolicy
-from canary.router import Router
-from canary.server import AppServer, RouterServer
-from canary.standing import FleetParams, StandingFleet
-from canary.status import reap_stale
-from canary.webhook import PATH as WEBHOOK_PATH
-from canary.webhook import Receiver, Registration, register, registry_server
+from gateway.admin import admin_app, admin_token
+from gateway.fleet import Fleet, FleetParams, process_alive
+from gateway.limits import Limiter, Limits, tokenizer_counter
+from gateway.router import Router
+from gateway.server import AppServer, RouterServer
+from gateway.webhook import PATH as WEBHOOK_PATH
+from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
 
@@ -83,7 +82,7 @@ def check_bindable(host: str, port: int, what: str) -> None:
             ) from None
 
 
-def warm_first(fleet: StandingFleet, params: FleetParams, stop: threading.Event) -> bool:
+def warm_first(fleet: Fleet, params: FleetParams, stop: threading.Event) -> bool:
     """Start planned versions, most important first, until one is warm: one that fails (weights that
     do not verify, a server that does not start) is passed over at once for the next; only when every
     planned version is in its back-off is there a wait, until the first is due (with nothing planned:
@@ -135,13 +134,20 @@ def webhook_url(params: FleetParams, admin_url: str) -> str:
     return f"http://{host}:{port}{WEBHOOK_PATH}"
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What `quantgate serve` runs with: params.yaml `evaluate.serve` (every vLLM server), `fleet` (the
+    gateway's address, what it keeps warm, its admin endpoint and router) and `limits`."""
+
+    serve: ServeParams
+    fleet: FleetParams
+    limits: Limits
+
+
 def run_gateway(
     mlflow_client,
     model_name: str,
-    serve: ServeParams,
-    params: FleetParams,
-    policy: CanaryPolicy,
-    limits: Limits,
+    settings: Settings,
     work_dir: Path,
     *,
     log: Callable[[str], None] = print,
@@ -150,13 +156,72 @@ def run_gateway(
 ) -> None:
     """Serve `model_name` from the registry until `stop` is set or Ctrl-C (module docstring).
 
-    `policy` gives the router's timeouts and shadow settings, `limits` what one request and one
-    team may ask (canary.limits; prompts counted with the first warm build's tokenizer);
+    `settings.fleet.router` gives the router's timeouts and shadow settings, `settings.limits` what one
+    request and one team may ask (gateway.limits; prompts counted with the first warm build's tokenizer);
     `on_ready(url)` is called once the gateway listens. Raises QuantgateError if the address
     cannot be bound; every server it started is stopped on every exit path.
     """
-    stop = stop or threading.Event()
-    work_dir = Path(work_dir)
+    stop, work_dir, params = stop or threading.Event(), Path(work_dir), settings.fleet
+    _check_startable(settings, work_dir)
+    reap_orphans(work_dir, log)
+    token = admin_token(work_dir, log)
+    started_at = time.time()
+    planner = Planner(stop, params.poll_s)
+    hooked = params.webhook == "auto" and registry_server(mlflow_client)
+    if params.webhook == "auto" and not hooked:
+        log(f"serve: the registry is not an `mlflow server` (no webhooks): polling it every {params.poll_s:g} s")
+    router: Router | None = None
+    webhook: Registration | None = None
+    fleet = Fleet(
+        mlflow_client,
+        model_name,
+        settings.serve,
+        params,
+        work_dir,
+        log=log,
+        inflight=lambda b: router.inflight(b) if router else 0,
+        on_start=lambda version, pid: (work_dir / f"v{version}" / PIDS).write_text(f"{pid}\n"),
+    )
+    try:
+        if not warm_first(fleet, params, stop):
+            return
+        router = _router(fleet, model_name, settings)
+        secret = secrets.token_urlsafe(32)  # new at each start: only this gateway's webhook signs with it
+        receiver = Receiver(secret, model_name, _on_alias(planner, router, log)) if hooked else None
+        public: dict[str, str] = {"model": model_name}
+        admin = _admin_server(router, fleet, public, started_at, token, receiver, params)
+        with RouterServer(router, params.host, params.port) as gateway, admin:
+            public["url"] = gateway.url
+            log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
+            log(f"serve: admin endpoint at {admin.url}/admin (bearer token; canary run --gateway {admin.url})")
+            if receiver is not None:
+                webhook = register(mlflow_client, model_name, webhook_url(params, admin.url), secret, log)
+            if on_ready:
+                on_ready(gateway.url)
+            _reconcile_until_stopped(fleet, planner, params, _fleet_gauges(router, fleet), log)
+    finally:
+        if webhook is not None:
+            webhook.close()
+        if fleet.close():
+            log("serve: every server stopped")
+
+
+def _router(fleet: Fleet, model_name: str, settings: Settings) -> Router:
+    """The router over the fleet's backends, its /health showing the fleet, its limits counting prompts with
+    the tokenizer of the first warm build."""
+    return Router(
+        fleet.resolve,
+        settings.fleet.router,
+        model_name=model_name,
+        health=lambda: {"fleet": fleet.status(), "pid": os.getpid()},
+        limits=Limiter(settings.limits, tokenizer_counter(fleet.model_dir())),
+    )
+
+
+def _check_startable(settings: Settings, work_dir: Path) -> None:
+    """Refuse, before a server takes minutes to start: a work dir that cannot be written, an address that
+    cannot be bound, one port for both endpoints, a limits block whose team_keys_file does not read."""
+    params = settings.fleet
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -171,88 +236,62 @@ def run_gateway(
             f"fleet.port and fleet.admin.port are both {params.port}: the gateway and its admin endpoint need "
             "a port each (--port, --admin-port)"
         )
-    Limiter(limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
-    reap_orphans(work_dir, log)
-    token = admin_token(work_dir, log)
-    started_at = time.time()
-    try:
-        reap_stale(mlflow_client, model_name, policy.stale_after_s, "quantgate serve", log)
-    except Exception as exc:  # the registry unreachable: serve anyway; the next canary run reaps
-        log(f"serve: could not check for canaries left by a dead controller: {type(exc).__name__}: {exc}")
-    router: Router | None = None
-    planner = Planner(stop, params.poll_s)
-    webhook: Registration | None = None
-    hooked = params.webhook == "auto" and registry_server(mlflow_client)
-    if params.webhook == "auto" and not hooked:
-        log(f"serve: the registry is not an `mlflow server` (no webhooks): polling it every {params.poll_s:g} s")
-    fleet = StandingFleet(
-        mlflow_client,
-        model_name,
-        serve,
-        params,
-        work_dir,
-        log=log,
-        inflight=lambda b: router.inflight(b) if router else 0,
-        on_start=lambda version, pid: (work_dir / f"v{version}" / PIDS).write_text(f"{pid}\n"),
+    Limiter(settings.limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
+
+
+def _on_alias(planner: Planner, router: Router, log: Callable[[str], None]) -> Callable[[str, str | None], None]:
+    """What a registry webhook does: plan and route now."""
+
+    def on_alias(alias: str, version: str | None) -> None:
+        planner.wake()
+        router.refresh_soon()
+        log(f"serve: registry webhook: {alias} -> {'v' + version if version else 'deleted'}; planning now")
+
+    return on_alias
+
+
+def _admin_server(
+    router: Router, fleet: Fleet, public: dict, started_at: float, token: str, receiver, params: FleetParams
+) -> AppServer:
+    """The admin endpoint (gateway/admin.py) at fleet.admin: its state is `public` (model, url), this process
+    (pid, `started_at`) and the fleet's servers with whether each still runs; `receiver` takes the registry's
+    webhook, if any."""
+
+    def state() -> dict:
+        fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}
+        return {**public, "pid": os.getpid(), "started_at": started_at, "fleet": fleet_now}
+
+    app = admin_app(router, state, token, receiver.endpoint if receiver else None)
+    return AppServer(app, params.admin.host, params.admin.port)
+
+
+def _fleet_gauges(router: Router, fleet: Fleet) -> Callable[[], None]:
+    """Gauges of the fleet on the router's /metrics; returns what sets them from the fleet now."""
+    servers = Gauge(
+        "quantgate_fleet_servers", "Warm vLLM servers by version and why", ["version", "why"], registry=router.registry
     )
-    try:
-        if not warm_first(fleet, params, stop):
-            return
-        limiter = Limiter(limits, tokenizer_counter(fleet.model_dir()))
-        router = Router(
-            fleet.resolve,
-            policy,
-            model_name=model_name,
-            health=lambda: {"fleet": fleet.status(), "pid": os.getpid()},
-            limits=limiter,
-        )
-        servers = Gauge(
-            "quantgate_fleet_servers",
-            "Warm vLLM servers by version and why",
-            ["version", "why"],
-            registry=router.registry,
-        )
-        restarts = Gauge(
-            "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
-        )
-        public: dict[str, str] = {"model": model_name}
+    restarts = Gauge(
+        "quantgate_fleet_restarts", "Restarts of a version's server", ["version"], registry=router.registry
+    )
 
-        def state() -> dict:
-            fleet_now = {v: {**s, "alive": process_alive(s["pid"])} for v, s in fleet.status().items()}
-            return {**public, "pid": os.getpid(), "started_at": started_at, "fleet": fleet_now}
+    def update() -> None:
+        servers.clear()
+        for version, s in fleet.status().items():
+            servers.labels(version, s["why"]).set(1)
+            restarts.labels(version).set(s["restarts"])
 
-        def on_alias(alias: str, version: str | None) -> None:  # a registry webhook: plan and route now
-            planner.wake()
-            router.refresh_soon()
-            log(f"serve: registry webhook: {alias} -> {'v' + version if version else 'deleted'}; planning now")
+    return update
 
-        secret = secrets.token_urlsafe(32)  # new at each start: only this gateway's webhook signs with it
-        receiver = Receiver(secret, model_name, on_alias) if hooked else None
-        admin = AppServer(
-            admin_app(router, state, token, receiver.endpoint if receiver else None),
-            params.admin.host,
-            params.admin.port,
-        )
-        with RouterServer(router, params.host, params.port) as gateway, admin:
-            public["url"] = gateway.url
-            log(f"serve: {model_name} at {gateway.url}/v1 (OpenAI API), health {gateway.url}/health")
-            log(f"serve: admin endpoint at {admin.url}/admin (bearer token; canary run --gateway {admin.url})")
-            if receiver is not None:
-                webhook = register(mlflow_client, model_name, webhook_url(params, admin.url), secret, log)
-            if on_ready:
-                on_ready(gateway.url)
-            while planner.wait():
-                try:
-                    fleet.reconcile()
-                except Exception as exc:  # the registry unreachable for a while: keep serving what is warm
-                    log(f"serve: reconcile failed, keeping the warm servers: {type(exc).__name__}: {exc}")
-                    time.sleep(params.restart_backoff_s)
-                servers.clear()
-                for version, s in fleet.status().items():
-                    servers.labels(version, s["why"]).set(1)
-                    restarts.labels(version).set(s["restarts"])
-    finally:
-        if webhook is not None:
-            webhook.close()
-        if fleet.close():
-            log("serve: every server stopped")
+
+def _reconcile_until_stopped(
+    fleet: Fleet, planner: Planner, params: FleetParams, gauges: Callable[[], None], log: Callable[[str], None]
+) -> None:
+    """Reconcile the fleet at each pass the planner calls for, until stopped; a pass that fails (the
+    registry unreachable for a while) keeps serving what is warm."""
+    while planner.wait():
+        try:
+            fleet.reconcile()
+        except Exception as exc:
+            log(f"serve: reconcile failed, keeping the warm servers: {type(exc).__name__}: {exc}")
+            time.sleep(params.restart_backoff_s)
+        gauges()

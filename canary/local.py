@@ -1,8 +1,9 @@
-"""The vLLM servers of one canary run, one per registry version, and the router's resolver.
+"""The vLLM servers of a canary run without a standing gateway, one per registry version, and the
+router's resolver.
 
 Each server is started from the version's registered artifacts after they are downloaded and
-verified against the version's weight digests (registry/verify.py), or reused from a URL the
-operator gives (then only its /v1/models is checked: quantgate did not load it). Servers it
+verified against the version's weight digests (gateway.fleet.open_server), or reused from a URL the
+operator gives (gateway.fleet.reused_backend: then only its /v1/models is checked). Servers it
 started are stopped on close, on every exit path.
 """
 
@@ -13,30 +14,14 @@ import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import httpx
-
-from canary.policy import Servers, serve_params
-from canary.router import Backend
-from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams, Server, vllm_server
+from canary.policy import Servers
+from gateway.fleet import Registered, open_server, serve_params
+from gateway.router import Backend
+from quantgate.serving import ServeParams, Server
 from registry import aliases
-from registry.verify import verify_version
 
 
-def reused_backend(version: str, url: str) -> Backend:
-    """The running OpenAI server at `url` (…/v1) as `version`'s backend (`--reuse VERSION=URL`; not verified);
-    raises QuantgateError if it does not answer /models with a model."""
-    url = url.rstrip("/")
-    try:
-        r = httpx.get(f"{url}/models", timeout=10)
-        r.raise_for_status()
-        name = r.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise QuantgateError(f"--reuse v{version}={url}: no OpenAI server answers /models there ({exc})") from None
-    return Backend(url=url, model=name, label=f"v{version}")
-
-
-class ServingFleet:
+class LocalServers:
     """Servers by version ("3" -> Backend); use as a context manager."""
 
     def __init__(self, mlflow_client, model_name: str, serve: ServeParams, servers: Servers, work_dir: Path):
@@ -47,7 +32,7 @@ class ServingFleet:
         self.pids: dict[str, int] = {}
         self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> "ServingFleet":
+    def __enter__(self) -> "LocalServers":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -73,11 +58,9 @@ class ServingFleet:
         override = getattr(self.servers, role)
         backend, server, _ = open_server(
             self._stack,
-            self.client,
-            self.model,
+            Registered(self.client, self.model, self.work_dir),
             version,
             serve_params(self.serve, override),
-            self.work_dir,
             role,
             lambda line: log(f"canary: {line}"),
         )
@@ -121,47 +104,3 @@ class ServingFleet:
             }
 
         return resolve
-
-
-def open_server(
-    stack: contextlib.ExitStack,
-    mlflow_client,
-    model_name: str,
-    version: str,
-    params: ServeParams,
-    work_dir: Path,
-    role: str,
-    log=print,
-    verified: Path | None = None,
-) -> tuple[Backend, Server, Path]:
-    """Verify `version`'s registered artifacts (downloaded to WORK_DIR/v<version>/artifacts) and
-    start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
-    (Backend labelled "v<version>", served as "<model>-v<version>", the Server (its pid, its death),
-    model dir).
-    `verified`: the version's weights as the caller already verified them (canary/standing.py
-    keeps them per digest): served from there, not downloaded again.
-
-    Raises QuantgateError if the weights do not verify or the server does not start.
-    """
-    vdir = Path(work_dir) / f"v{version}"
-    if verified is None:
-        shutil.rmtree(vdir / "artifacts", ignore_errors=True)  # a restart downloads and verifies again
-        model_dir = verify_version(mlflow_client, model_name, version, vdir / "artifacts")
-        log(f"v{version} weights verified against the registry; starting its vLLM server ({role})")
-    else:
-        model_dir = verified
-        log(f"v{version}: starting its vLLM server ({role})")
-    name = f"{model_name}-v{version}"
-    server = stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
-    log(f"v{version} serving at {server.base_url}")
-    return Backend(url=server.base_url, model=name, label=f"v{version}"), server, model_dir
-
-
-def process_alive(pid: int) -> bool:
-    """False when process `pid` has exited (a dead child stays a zombie until its Popen reaps it)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

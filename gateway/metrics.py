@@ -86,7 +86,7 @@ class Recorder:
         )
         self._limit = Gauge(
             "canary_limit",
-            "Configured limits per team (canary/limits.py; rps, burst, *_tokens)",
+            "Configured limits per team (gateway/limits.py; rps, burst, *_tokens)",
             ["team", "limit"],
             registry=r,
         )
@@ -121,7 +121,7 @@ class Recorder:
         self._shadow.labels(reason).inc()
 
     def set_limits(self, rows: list[tuple[str, str, float]]) -> None:
-        """Show (team, limit, value) rows, canary.limits.Limits.gauges()."""
+        """Show (team, limit, value) rows, gateway.limits.Limits.gauges()."""
         for team, limit, value in rows:
             self._limit.labels(team, limit).set(value)
 

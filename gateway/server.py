@@ -1,4 +1,4 @@
-"""Serve an ASGI app (the canary router, test backends) with uvicorn in a background thread.
+"""Serve an ASGI app (the gateway's router, its admin endpoint, test backends) with uvicorn in a background thread.
 
     with AppServer(app, "127.0.0.1", 0) as srv:   # port 0 = a free port, bound before start
         httpx.get(f"{srv.url}/health")
@@ -90,7 +90,7 @@ class AppServer:
 
 
 class RouterServer(AppServer):
-    """A canary.router.Router served in a background thread: `RouterServer(router, host, port).start()`.
+    """A gateway.router.Router served in a background thread: `RouterServer(router, host, port).start()`.
 
     start() raises QuantgateError if the first resolve() fails (the router never routes blind).
     """

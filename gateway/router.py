@@ -1,4 +1,4 @@
-"""The canary router: one OpenAI-compatible endpoint in front of a stable and a candidate build.
+"""The gateway's router: one OpenAI-compatible endpoint in front of a stable and a candidate build.
 
 Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v1/models,
 /health and /metrics (Prometheus text, this router's own registry).
@@ -15,16 +15,16 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   reports an error before its first chunk) moves to the next, so the client sees the next
   one's answer. The router waits for a stream's first chunk before answering; a stream that
   breaks (outcome "cut") or reports an engine error after that is resumed on the next
-  backend: it continues the text already sent (canary.payloads.continuation) and its chunks
+  backend: it continues the text already sent (gateway.payloads.continuation) and its chunks
   follow in the same response, so the client sees one whole answer. The last backend's
-  stream that breaks, or a stream that cannot be continued (Router._resume), ends with an SSE
+  stream that breaks, or a stream that cannot be continued (Router._next_leg), ends with an SSE
   `error` event. 4xx are the request's fault: passed through, not retried, counted as ok.
-- Timeouts (policy): connect_timeout_s to connect; request_timeout_s for a whole
+- Timeouts (RouterParams, params.yaml fleet.router): connect_timeout_s to connect; request_timeout_s for a whole
   non-streaming answer, for a stream's first chunk, and between later chunks.
-- Shadow: a `shadow_fraction` sample of greedy requests (canary.payloads.is_greedy:
+- Shadow (RouterParams): a `shadow_fraction` sample of greedy requests (gateway.payloads.is_greedy:
   temperature given and 0, n = 1) answered successfully by the candidate is sent again,
   non-streaming, to the shadow (fp16 `fallback`) backend in a background task after the
-  client got its answer; agreement = canary.payloads.same_words on the first
+  client got its answer; agreement = gateway.payloads.same_words on the first
   `shadow_compare_words` words. At most SHADOW_MAX_INFLIGHT run at once (more are skipped).
 - Resolve: `resolve()` (a blocking callable, run in a worker thread) returns
   {"stable": Backend, "candidate": Backend | None, "shadow": Backend | None}; it is called
@@ -32,10 +32,10 @@ Routes: POST /v1/completions and /v1/chat/completions (streaming or not), GET /v
   registry alias flip moves traffic within interval + resolve time (`refresh_soon()`, e.g. on a
   registry webhook, resolves at once). A failing resolve keeps the last answer and is reported
   in /health.
-- Limits (canary.limits, optional): a request over the output cap or the context ceiling gets a
+- Limits (gateway.limits, optional): a request over the output cap or the context ceiling gets a
   400, one over its team's rate a 429 with Retry-After, before any backend is chosen; one
   without max_tokens gets the cap set for it.
-- Samples (canary.metrics.Sample): one per backend attempt. Streaming TTFT = first SSE
+- Samples (gateway.metrics.Sample): one per backend attempt. Streaming TTFT = first SSE
   chunk from the backend; TPOT = (total - TTFT) / (completion_tokens - 1), tokens from the
   usage chunk: the router adds stream_options.include_usage and drops the usage-only chunk
   again if the client did not ask for it; without usage, chunks with text are counted.
@@ -53,18 +53,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import anyio
 import httpx
 from httpx_sse import EventSource, ServerSentEvent, SSEError
+from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from canary.limits import Limiter
-from canary.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
-from canary.payloads import (
+from gateway.limits import Limiter
+from gateway.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
+from gateway.payloads import (
     chunk_text,
     completion_tokens,
     continuation,
@@ -76,14 +78,38 @@ from canary.payloads import (
     same_words,
     tokens_left,
 )
-from canary.policy import CanaryPolicy
 from quantgate.errors import QuantgateError
+from quantgate.params import Frozen
 
 log = logging.getLogger("quantgate.canary")
 
 RESOLVE_INTERVAL_S = 0.5
 SHADOW_MAX_INFLIGHT = 16
-ROLES = ("stable", "candidate", "shadow")
+
+
+class Role(StrEnum):
+    """The roles a backend has for a request: STABLE takes the traffic the split does not send to the
+    CANDIDATE; FALLBACK (the 16-bit build, alias `fallback`) answers what both failed. Shadowing is done to
+    a request (a sampled greedy candidate request mirrored to the fallback), not a role: its samples are
+    labelled SHADOWED."""
+
+    STABLE = "stable"
+    CANDIDATE = "candidate"
+    FALLBACK = "fallback"
+
+
+SHADOWED = "shadow"  # the samples of mirrored requests, and resolve()'s key for the fallback it mirrors to
+ROLES = (Role.STABLE, Role.CANDIDATE, SHADOWED)  # resolve()'s keys
+
+
+class RouterParams(Frozen):
+    """What the router does with each request (params.yaml `fleet.router`; a canary without a standing
+    gateway reads the same block): per-attempt timeouts and the shadow sample of greedy requests."""
+
+    request_timeout_s: float = Field(default=60, gt=0)  # per backend attempt: the whole body, or between chunks
+    connect_timeout_s: float = Field(default=5, gt=0)
+    shadow_fraction: float = Field(default=0.5, ge=0, le=1)  # of greedy candidate requests, mirrored to fallback
+    shadow_compare_words: int = Field(default=8, ge=1)  # whitespace-separated words compared
 
 
 @dataclass(frozen=True)
@@ -97,13 +123,13 @@ class Backend:
 
 
 @dataclass(frozen=True)
-class Fleet:
+class Backends:
     stable: Backend
     candidate: Backend | None = None
     shadow: Backend | None = None
 
 
-def fleet_of(backends: Mapping[str, Backend | None]) -> Fleet:
+def backends_of(backends: Mapping[str, Backend | None]) -> Backends:
     """Check a resolve() answer. Raises QuantgateError on unknown roles, no stable, or non-Backends."""
     unknown = set(backends) - set(ROLES)
     if unknown:
@@ -113,20 +139,20 @@ def fleet_of(backends: Mapping[str, Backend | None]) -> Fleet:
     for role in ("candidate", "shadow"):
         if backends.get(role) is not None and not isinstance(backends[role], Backend):
             raise QuantgateError(f"resolve() returned a {type(backends[role]).__name__} for {role}, not a Backend")
-    return Fleet(backends["stable"], backends.get("candidate"), backends.get("shadow"))
+    return Backends(backends["stable"], backends.get("candidate"), backends.get("shadow"))
 
 
-Chain = list[tuple[str, Backend]]  # (role, backend) to try in turn; see attempts()
+Chain = list[tuple[Role, Backend]]  # (role, backend) to try in turn; see attempts()
 
 
-def attempts(fleet: Fleet, to_candidate: bool) -> Chain:
+def attempts(backends: Backends, to_candidate: bool) -> Chain:
     """The backends one request may use, in order: the candidate (when the split chose it), stable,
-    then the `fallback` build (fleet.shadow) when it is another server. A request that fails before
-    its first byte moves to the next; a stream that breaks later is finished there (Router._resume)."""
-    chain = [("candidate", fleet.candidate)] if to_candidate and fleet.candidate is not None else []
-    chain.append(("stable", fleet.stable))
-    if fleet.shadow is not None and fleet.shadow.url != fleet.stable.url:
-        chain.append(("fallback", fleet.shadow))
+    then the `fallback` build (backends.shadow) when it is another server. A request that fails before
+    its first byte moves to the next; a stream that breaks later is finished there (Router._relay)."""
+    chain = [(Role.CANDIDATE, backends.candidate)] if to_candidate and backends.candidate is not None else []
+    chain.append((Role.STABLE, backends.stable))
+    if backends.shadow is not None and backends.shadow.url != backends.stable.url:
+        chain.append((Role.FALLBACK, backends.shadow))
     return chain
 
 
@@ -149,7 +175,7 @@ def encode_sse(ev: ServerSentEvent) -> bytes:
 class _Opened:
     """A streaming request after its first event (or its failure); see Router._open."""
 
-    outcome: str  # "ok" or a failed/client_error outcome (canary.metrics)
+    outcome: str  # "ok" or a failed/client_error outcome (gateway.metrics)
     status: int  # for the client: the backend's status, or 502/504
     what: str  # why it failed, for the client's error message
     status_seen: int = 0  # the backend's HTTP status for the sample (0 = no response)
@@ -215,8 +241,46 @@ class _Stream:
         return encode_sse(ev)
 
 
+@dataclass(frozen=True)
+class _Attempt:
+    """One try of one backend for a request: its role, the backend, whether it is a retry, and when it
+    started (epoch seconds for the sample, perf_counter for durations)."""
+
+    role: str
+    backend: Backend
+    retried: bool
+    t: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One client request on its way: the backends resolved for it, the chain it may use, its path and body."""
+
+    backends: Backends
+    chain: Chain
+    path: str
+    body: dict
+
+
+@dataclass
+class _Leg:
+    """One backend's stream of a streaming answer: its attempt, the opened stream and its first event's bytes,
+    what it has shown so far, the body it was asked (the client's, or a continuation), its place in the chain."""
+
+    at: _Attempt
+    opened: _Opened
+    first: bytes | None
+    state: _Stream
+    body: dict
+    index: int
+    ttft: float | None
+    outcome: str = "cancelled"  # stays so if the client goes away mid-stream
+
+
 class Router:
-    """State and ASGI app of one canary router; serve `router.app` (canary.server.RouterServer).
+    """State and ASGI app of one router (the gateway's, or a canary's own); serve `router.app`
+    (gateway.server.RouterServer).
 
     `resolve` is called from a worker thread; `set_weight` and the sample accessors are
     safe to call from any thread.
@@ -225,7 +289,7 @@ class Router:
     def __init__(
         self,
         resolve: Callable[[], Mapping[str, Backend | None]],
-        policy: CanaryPolicy,
+        params: RouterParams,
         *,
         model_name: str = "quantgate",
         seed: int | None = None,
@@ -233,8 +297,8 @@ class Router:
         health: Callable[[], dict] | None = None,
         limits: Limiter | None = None,
     ):
-        self.policy = policy
-        self.limits = limits  # None = no limits (canary.limits: context, output cap, per-team rate)
+        self.params = params
+        self.limits = limits  # None = no limits (gateway.limits: context, output cap, per-team rate)
         self.model_name = model_name  # the name /v1/models shows; clients may send any
         self.recorder = Recorder()
         self.registry = self.recorder.registry  # /metrics: add collectors here (e.g. the standing fleet's)
@@ -244,7 +308,7 @@ class Router:
         self._interval = resolve_interval_s
         self._rng = random.Random(seed)
         self._weight = 0.0
-        self._fleet: Fleet | None = None
+        self._backends: Backends | None = None
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the app's, for refresh_soon from other threads
         self._refresh_now: asyncio.Event | None = None
@@ -278,9 +342,9 @@ class Router:
         self.recorder.set_weight(self._weight)
 
     @property
-    def fleet(self) -> Fleet | None:
+    def backends(self) -> Backends | None:
         """The backends of the last successful resolve (None before the router started)."""
-        return self._fleet
+        return self._backends
 
     def refresh_soon(self) -> None:
         """Resolve the backends now instead of at the next interval (e.g. on a registry webhook).
@@ -299,19 +363,24 @@ class Router:
         return self.recorder.samples_since(t)
 
     def shadows_since(self, t: float) -> list[ShadowSample]:
+        """Shadow comparisons made at or after `t`."""
         return self.recorder.shadows_since(t)
+
+    def drain(self) -> None:
+        """Send nothing more to the candidate (weight 0)."""
+        self.set_weight(0)
 
     # --- lifecycle ------------------------------------------------------------------
     @asynccontextmanager
     async def _lifespan(self, app):
-        p = self.policy
+        p = self.params
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(p.request_timeout_s, connect=p.connect_timeout_s),
             trust_env=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         try:
-            self._fleet = fleet_of(await asyncio.to_thread(self._resolve))
+            self._backends = backends_of(await asyncio.to_thread(self._resolve))
         except Exception as exc:
             self.resolve_error = f"{type(exc).__name__}: {exc}"
             await self._client.aclose()
@@ -335,16 +404,16 @@ class Router:
                 pass
             self._refresh_now.clear()
             try:
-                fleet = fleet_of(await asyncio.to_thread(self._resolve))
+                backends = backends_of(await asyncio.to_thread(self._resolve))
             except Exception as exc:  # resolve() is the controller's code (e.g. a registry call):
                 # a transient failure must not stop routing, so keep the last answer
                 if self.resolve_error is None:
-                    log.warning("canary router: resolve() failed, keeping %s: %s", self._fleet, exc)
+                    log.warning("canary router: resolve() failed, keeping %s: %s", self._backends, exc)
                 self.resolve_error = f"{type(exc).__name__}: {exc}"
                 continue
-            if fleet != self._fleet:
-                log.info("canary router: backends now %s", fleet)
-            self._fleet, self.resolve_error = fleet, None
+            if backends != self._backends:
+                log.info("canary router: backends now %s", backends)
+            self._backends, self.resolve_error = backends, None
 
     # --- routes ---------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
@@ -356,7 +425,7 @@ class Router:
         )
 
     async def _health(self, request: Request) -> Response:
-        f = self._fleet
+        f = self._backends
         doc = {
             "status": "ok" if f else "unavailable",
             "weight": self._weight,
@@ -384,13 +453,13 @@ class Router:
         if self.limits is not None and (no := self.limits.check(path, body, request.headers)) is not None:
             self.recorder.rejected(no.team, no.reason)
             return error(no.status, no.message, no.headers)
-        fleet = self._fleet
-        if fleet is None:
+        backends = self._backends
+        if backends is None:
             return error(503, "no backends resolved yet")
         attempt = self._stream if body.get("stream") is True else self._unary
-        chain = attempts(fleet, fleet.candidate is not None and self._rng.random() * 100 < self._weight)
+        chain = attempts(backends, backends.candidate is not None and self._rng.random() * 100 < self._weight)
         for i in range(len(chain)):
-            response, failed = await attempt(fleet, chain[i:], path, body, retried=i > 0)
+            response, failed = await attempt(backends, chain[i:], path, body, retried=i > 0)
             if not failed:
                 break
         return response
@@ -398,69 +467,67 @@ class Router:
     # --- one backend attempt; returns (response for the client, failed = retry it) ---
     def _record(
         self,
-        backend: Backend,
-        role: str,
-        t: float,
-        t0: float,
+        at: _Attempt,
         outcome: str,
         status: int,
         *,
         stream: bool,
-        retried: bool,
         ttft: float | None = None,
         tokens: int | None = None,
     ) -> None:
-        self._inflight[backend.url] -= 1
-        total = time.perf_counter() - t0
+        self._inflight[at.backend.url] -= 1
+        total = time.perf_counter() - at.t0
         tpot = (total - ttft) / (tokens - 1) if ttft is not None and tokens and tokens > 1 else None
         self.recorder.add(
             Sample(
-                t=t,
-                role=role,
-                label=backend.label,
+                t=at.t,
+                role=at.role,
+                label=at.backend.label,
                 ok=outcome in OK_OUTCOMES,
                 status=status,
                 ttft_s=ttft,
                 tpot_s=tpot,
-                retried=retried,
+                retried=at.retried,
                 total_s=total,
                 stream=stream,
                 outcome=outcome,
             )
         )
 
-    async def _post(self, backend: Backend, role: str, path: str, body: dict, retried: bool):
+    async def _post(self, role: str, backend: Backend, path: str, body: dict, retried: bool):
         """POST a non-streaming request and record the sample.
 
         Returns (httpx response or None, outcome, the body as a dict or None if it is not a JSON object).
         """
-        t, t0 = time.time(), time.perf_counter()
+        at = _Attempt(role, backend, retried)
         self._inflight[backend.url] += 1  # _record ends the attempt
         payload = {**body, "model": backend.model}
         try:
-            async with asyncio.timeout(self.policy.request_timeout_s):
+            async with asyncio.timeout(self.params.request_timeout_s):
                 r = await self._client.post(backend.url + path, json=payload)
         except (TimeoutError, httpx.TimeoutException):
-            self._record(backend, role, t, t0, "timeout", 0, stream=False, retried=retried)
+            self._record(at, "timeout", 0, stream=False)
             return None, "timeout", None
         except httpx.HTTPError:
-            self._record(backend, role, t, t0, "connection_error", 0, stream=False, retried=retried)
+            self._record(at, "connection_error", 0, stream=False)
             return None, "connection_error", None
         outcome = "ok" if r.status_code < 400 else "client_error" if r.status_code < 500 else "server_error"
         doc = _json_object(r)
         tokens = completion_tokens(doc) if outcome == "ok" and doc else None
-        self._record(backend, role, t, t0, outcome, r.status_code, stream=False, retried=retried, tokens=tokens)
+        self._record(at, outcome, r.status_code, stream=False, tokens=tokens)
         return r, outcome, doc
 
-    async def _unary(self, fleet: Fleet, chain: Chain, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+    async def _unary(
+        self, backends: Backends, chain: Chain, path: str, body: dict, retried: bool
+    ) -> tuple[Response, bool]:
         role, backend = chain[0]
         headers = _who(role, backend, retried)
-        r, outcome, doc = await self._post(backend, role, path, body, retried)
+        r, outcome, doc = await self._post(role, backend, path, body, retried)
         if r is None:
             status, what = (504, "timed out") if outcome == "timeout" else (502, "is unreachable")
             return error(status, f"{role} backend {what}", headers), True
-        if role == "candidate" and outcome == "ok" and doc:
-            self._maybe_shadow(fleet, path, body, response_text(doc))
+        if role == Role.CANDIDATE and outcome == "ok" and doc:
+            self._maybe_shadow(backends, path, body, response_text(doc))
         ctype = r.headers.get("content-type", "application/json")
         return Response(r.content, r.status_code, headers={**headers, "content-type": ctype}), r.status_code >= 500
 
@@ -474,7 +541,7 @@ class Router:
         upstream = None
         self._inflight[backend.url] += 1  # the caller's _record ends the attempt
         try:
-            async with asyncio.timeout(self.policy.request_timeout_s):
+            async with asyncio.timeout(self.params.request_timeout_s):
                 upstream = await self._client.send(
                     self._client.build_request("POST", backend.url + path, json=payload), stream=True
                 )
@@ -505,175 +572,158 @@ class Router:
             await upstream.aclose()
         return opened
 
-    async def _stream(self, fleet: Fleet, chain: Chain, path: str, body: dict, retried: bool) -> tuple[Response, bool]:
+    async def _stream(
+        self, backends: Backends, chain: Chain, path: str, body: dict, retried: bool
+    ) -> tuple[Response, bool]:
         role, backend = chain[0]
         headers = _who(role, backend, retried)
         state = _Stream(wants_usage=bool(_stream_options(body).get("include_usage")))
         payload = _upstream_payload(body, backend.model)
-        t, t0 = time.time(), time.perf_counter()
+        at = _Attempt(role, backend, retried)
         o = await self._open(backend, path, payload)
         if o.first is not None:
             first = state.observe(o.first)
             if not state.failed:
-                relay = self._relay(
-                    fleet,
-                    chain,
-                    path,
-                    body,
-                    o,
-                    first,
-                    state,
-                    t=t,
-                    t0=t0,
-                    ttft=time.perf_counter() - t0,
-                    retried=retried,
-                )
+                leg = _Leg(at, o, first, state, body, 0, ttft=time.perf_counter() - at.t0)
+                relay = self._relay(_Request(backends, chain, path, body), leg)
                 ctype = o.upstream.headers.get("content-type", "text/event-stream")
                 return StreamingResponse(relay, headers={**headers, "content-type": ctype}), False
             await o.upstream.aclose()
             o = _Opened("server_error", 502, "sent an error as its first chunk", status_seen=200)
-        self._record(backend, role, t, t0, o.outcome, o.status_seen, stream=True, retried=retried)
+        self._record(at, o.outcome, o.status_seen, stream=True)
         if o.content is not None:  # the backend's own answer (4xx passes through; 5xx is retried)
             return (Response(o.content, o.status, headers={**headers, "content-type": o.ctype}), o.status >= 500)
         return error(o.status, f"{role} backend {o.what}", headers), True
 
-    async def _relay(
-        self,
-        fleet: Fleet,
-        chain: Chain,
-        path: str,
-        body: dict,
-        opened: _Opened,
-        first: bytes | None,
-        state: _Stream,
-        *,
-        t: float,
-        t0: float,
-        ttft: float | None,
-        retried: bool,
-    ) -> AsyncIterator[bytes]:
-        """Send the stream on (`first` = the first event's bytes, already observed) and record it.
+    async def _relay(self, req: _Request, leg: _Leg) -> AsyncIterator[bytes]:
+        """Send a stream on, leg by leg: pass the backend's stream on (`_pass_on`); when it breaks, or reports
+        an engine error, after its first chunk and a backend is left in the chain, finish the answer on the
+        next one that answers (`_next_leg`: candidate -> stable -> fallback) and pass that on in turn. The
+        last backend's stream that breaks ends with an SSE `error` event; a candidate's whole answer may be
+        shadowed."""
+        while True:
+            resumable = leg.index + 1 < len(req.chain)
+            async with aclosing(self._pass_on(leg, resumable)) as chunks:  # closed if the client leaves
+                async for out in chunks:
+                    yield out
+            if not (resumable and leg.outcome in ("cut", "server_error")):
+                if leg.at.role == Role.CANDIDATE and leg.outcome == "ok":
+                    self._maybe_shadow(req.backends, req.path, leg.body, "".join(leg.state.text))
+                return
+            nxt = await self._next_leg(req, leg)
+            if not isinstance(nxt, _Leg):  # the answer ends here: [DONE], an SSE error, or nothing
+                if nxt:
+                    yield nxt
+                return
+            leg = nxt
 
-        A stream that breaks, or reports an engine error, after its first chunk is finished on
-        the next backend of `chain` (`_resume`: candidate -> stable -> fallback); the last
-        backend's stream that does ends with an SSE `error` event.
-        """
-        (role, backend), rest = chain[0], chain[1:]
-        outcome = "cancelled"  # stays so if the client goes away mid-stream
-        resumable = bool(rest)
+    async def _pass_on(self, leg: _Leg, resumable: bool) -> AsyncIterator[bytes]:
+        """Send one backend's stream on (its first event's bytes already observed) and record its attempt, in
+        `leg.outcome` and a sample. A stream that breaks or reports an engine error is left unfinished for
+        the next backend when `resumable`; else it ends with an SSE `error` event."""
+        role, state = leg.at.role, leg.state
         try:
-            if first is not None:
-                yield first
-            async for ev in opened.events:
+            if leg.first is not None:
+                yield leg.first
+            async for ev in leg.opened.events:
                 out = state.observe(ev)
                 if state.failed and resumable:
                     break  # do not pass the error on: the next backend finishes the answer
                 if out is not None:
                     yield out
             if state.failed:
-                outcome = "server_error"
+                leg.outcome = "server_error"
             elif state.done:
-                outcome = "ok"
+                leg.outcome = "ok"
             else:  # the body ended without [DONE]: the server went away between chunks
-                outcome = "cut"
+                leg.outcome = "cut"
                 if not resumable:
                     yield _broke(f"{role} backend stream ended without [DONE]")
         except (httpx.HTTPError, SSEError):
-            outcome = "cut"
+            leg.outcome = "cut"
             if not resumable:
                 yield _broke(f"{role} backend stream broke")
         finally:
-            await opened.upstream.aclose()
+            await leg.opened.upstream.aclose()
             tokens = state.tokens if state.tokens is not None else state.chunks
-            self._record(backend, role, t, t0, outcome, 200, stream=True, retried=retried, ttft=ttft, tokens=tokens)
-        if resumable and outcome in ("cut", "server_error"):
-            async with aclosing(
-                self._resume(fleet, rest, role, path, body, state)
-            ) as tail:  # closed if the client leaves
-                async for out in tail:
-                    yield out
-        elif role == "candidate" and outcome == "ok":
-            self._maybe_shadow(fleet, path, body, "".join(state.text))
+            self._record(leg.at, leg.outcome, 200, stream=True, ttft=leg.ttft, tokens=tokens)
 
-    async def _resume(
-        self, fleet: Fleet, chain: Chain, broken_role: str, path: str, body: dict, broken: _Stream
-    ) -> AsyncIterator[bytes]:
-        """Finish on chain[0] (stable for a candidate, fallback for stable) a stream of `broken_role`
-        that broke after its first chunk reached the client.
+    async def _next_leg(self, req: _Request, broken: _Leg) -> _Leg | bytes:
+        """Where a stream that broke after its first chunk reached the client is finished: the leg of the next
+        backend of the chain that answers (stable for a candidate, fallback for stable), or the bytes that end
+        the answer instead (b"": nothing more).
 
-        The next backend gets canary.payloads.continuation of the request (the text sent so far as
-        prompt suffix or final assistant message, token limits lowered by the chunks sent) and its
-        chunks follow the broken stream's in the same response; its usage chunk counts the broken
-        stream's tokens as completion tokens. Recorded as a retried attempt of chain[0]'s role
-        without TTFT/TPOT (its first token is not the client's). A stream whose answer was already
-        whole (a finish_reason, the usage chunk or [DONE] went by) or that has no tokens left just
-        ends with [DONE]. A next backend that fails before its first chunk (a 4xx to the
-        continuation included: it is the router's request) passes it on to the one after it; a
-        request that cannot be continued (see continuation; also tool-call or reasoning deltas
-        sent), or a last backend that fails too, ends the stream with an SSE `error` event.
+        The next backend gets gateway.payloads.continuation of the request (the text sent so far as prompt
+        suffix or final assistant message, token limits lowered by the chunks sent) and its chunks follow the
+        broken stream's in the same response; its usage chunk counts the broken stream's tokens as completion
+        tokens. Recorded as a retried attempt of its role without TTFT/TPOT (its first token is not the
+        client's). A stream whose answer was already whole (a finish_reason, the usage chunk or [DONE] went
+        by) or that has no tokens left just ends with [DONE]. A backend that fails before its first chunk (a
+        4xx to the continuation included: it is the router's request) passes it on to the one after it; a
+        request that cannot be continued (see continuation; also tool-call or reasoning deltas sent), or a
+        last backend that fails too, ends the stream with an SSE `error` event.
         """
-        if broken.done:
-            return  # the stream was whole; only the connection's end was lost
+        body, sent, broken_role = broken.body, broken.state, broken.at.role
+        if sent.done:
+            return b""  # the stream was whole; only the connection's end was lost
         # with several choices the chunks interleave: choice 0's finish says nothing of the others
-        if one_choice(body) and (broken.finished or tokens_left(body, broken.chunks) == 0):
-            yield b"data: [DONE]\n\n"  # the client has every token of the answer
-            return
-        chat = path == "/chat/completions"
-        cont = continuation(body, "".join(broken.text), broken.chunks, chat=chat) if broken.plain else None
+        if one_choice(body) and (sent.finished or tokens_left(body, sent.chunks) == 0):
+            return b"data: [DONE]\n\n"  # the client has every token of the answer
+        chat = req.path == "/chat/completions"
+        cont = continuation(body, "".join(sent.text), sent.chunks, chat=chat) if sent.plain else None
         if cont is None:  # several choices included (continuation refuses them)
-            yield _broke(f"{broken_role} backend stream broke and the request cannot be continued on {chain[0][0]}")
-            return
-        role, nxt = chain[0]
-        state = _Stream(wants_usage=broken.wants_usage, resumed=True, resumed_from=broken.chunks)
-        payload = _upstream_payload(cont, nxt.model)
-        t, t0 = time.time(), time.perf_counter()
+            nxt_role = req.chain[broken.index + 1][0]
+            return _broke(f"{broken_role} backend stream broke and the request cannot be continued on {nxt_role}")
+        for index in range(broken.index + 1, len(req.chain)):
+            leg = await self._open_leg(req, index, cont, sent)
+            if isinstance(leg, _Leg):
+                return leg
+        last_role, why = req.chain[-1][0], leg
+        return _broke(f"{broken_role} backend stream broke and {last_role} could not continue it: {why}")
+
+    async def _open_leg(self, req: _Request, index: int, cont: dict, sent: _Stream) -> _Leg | str:
+        """Open `cont`, the continuation of a broken stream that showed `sent`, on chain[index]: its leg, or
+        why it failed before its first chunk (recorded as a retried attempt)."""
+        role, backend = req.chain[index]
+        state = _Stream(wants_usage=sent.wants_usage, resumed=True, resumed_from=sent.chunks)
+        payload = _upstream_payload(cont, backend.model)
+        at = _Attempt(role, backend, retried=True)
         try:
-            o = await self._open(nxt, path, payload)
+            o = await self._open(backend, req.path, payload)
         except BaseException:  # the client went away while the next backend was asked
-            self._record(nxt, role, t, t0, "cancelled", 0, stream=True, retried=True)
+            self._record(at, "cancelled", 0, stream=True)
             raise
         first = state.observe(o.first) if o.first is not None else None
-        if o.first is None or state.failed:
-            if o.upstream is not None:
-                await o.upstream.aclose()
-            outcome = "server_error" if o.first is not None or o.outcome == "client_error" else o.outcome
-            self._record(nxt, role, t, t0, outcome, o.status_seen, stream=True, retried=True)
-            if len(chain) > 1:  # the next backend failed before its first chunk: try the one after it
-                async with aclosing(self._resume(fleet, chain[1:], broken_role, path, body, broken)) as tail:
-                    async for out in tail:
-                        yield out
-                return
-            why = _error_message(o.content) or o.what or "sent an error as its first chunk"
-            yield _broke(f"{broken_role} backend stream broke and {role} could not continue it: {why}")
-            return
-        async with aclosing(
-            self._relay(fleet, chain, path, cont, o, first, state, t=t, t0=t0, ttft=None, retried=True)
-        ) as tail:
-            async for out in tail:
-                yield out
+        if o.first is not None and not state.failed:
+            return _Leg(at, o, first, state, cont, index, ttft=None)
+        if o.upstream is not None:
+            await o.upstream.aclose()
+        outcome = "server_error" if o.first is not None or o.outcome == "client_error" else o.outcome
+        self._record(at, outcome, o.status_seen, stream=True)
+        return _error_message(o.content) or o.what or "sent an error as its first chunk"
 
     # --- shadow ---------------------------------------------------------------------
-    def _maybe_shadow(self, fleet: Fleet, path: str, body: dict, text: str) -> None:
+    def _maybe_shadow(self, backends: Backends, path: str, body: dict, text: str) -> None:
         """Mirror a sampled greedy candidate request to the shadow backend, in the background."""
-        if fleet.shadow is None or not is_greedy(body) or self._rng.random() >= self.policy.shadow_fraction:
+        if backends.shadow is None or not is_greedy(body) or self._rng.random() >= self.params.shadow_fraction:
             return
         if len(self._shadow_tasks) >= SHADOW_MAX_INFLIGHT:
             self.recorder.shadow_not_compared("skipped")
             return
-        task = asyncio.create_task(self._shadow(fleet, path, body, text))
+        task = asyncio.create_task(self._shadow(backends, path, body, text))
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _shadow(self, fleet: Fleet, path: str, body: dict, candidate_text: str) -> None:
+    async def _shadow(self, backends: Backends, path: str, body: dict, candidate_text: str) -> None:
         t = time.time()
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        _, outcome, doc = await self._post(fleet.shadow, "shadow", path, plain, retried=False)
+        _, outcome, doc = await self._post(SHADOWED, backends.shadow, path, plain, retried=False)
         if outcome != "ok" or not doc:
             self.recorder.shadow_not_compared("error")
             return
-        agree = same_words(candidate_text, response_text(doc), self.policy.shadow_compare_words)
+        agree = same_words(candidate_text, response_text(doc), self.params.shadow_compare_words)
         self.recorder.add_shadow(
-            ShadowSample(t=t, agree=agree, candidate=fleet.candidate.label, shadow=fleet.shadow.label)
+            ShadowSample(t=t, agree=agree, candidate=backends.candidate.label, shadow=backends.shadow.label)
         )
 
 

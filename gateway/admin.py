@@ -6,11 +6,11 @@ then the token is all that guards the split). Every request needs `Authorization
 <token>` (hmac.compare_digest); else 401. The token: env QUANTGATE_ADMIN_TOKEN, else one
 generated at start and written to WORK_DIR/admin.token (mode 0600; `admin_token`).
 
-    GET /admin/state                 {url, pid, started_at, weight, stable, candidate, shadow,
+    GET /admin/state                 {url, pid, started_at, weight, shadow_fraction, stable, candidate, shadow,
                                       fleet: {version: {url, pid, why, ..., alive}}}
     PUT /admin/weight {"percent": p} set the candidate's share (0-100; else 400)
-    GET /admin/samples?since=EPOCH_S {samples: [Sample...], shadows: [ShadowSample...]} (canary.metrics)
-    POST /admin/webhook              MLflow registry webhook deliveries (canary/webhook.py): signed
+    GET /admin/samples?since=EPOCH_S {samples: [Sample...], shadows: [ShadowSample...]} (gateway.metrics)
+    POST /admin/webhook              MLflow registry webhook deliveries (gateway/webhook.py): signed
                                      with the webhook's HMAC secret instead of the bearer token
 
 `RemoteRouter` is that API as the controller's split (set_weight, samples_since, shadows_since,
@@ -34,8 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from canary.metrics import Sample, ShadowSample
-from canary.webhook import PATH as WEBHOOK_PATH
+from gateway.metrics import Sample, ShadowSample
+from gateway.webhook import PATH as WEBHOOK_PATH
 from quantgate.errors import QuantgateError
 
 TOKEN_ENV = "QUANTGATE_ADMIN_TOKEN"
@@ -95,9 +95,9 @@ def _refused(message: str, status: int) -> JSONResponse:
 
 
 def admin_app(router, state: Callable[[], dict], token: str, webhook=None) -> Starlette:
-    """The admin routes over `router` (canary.router.Router); `state()` adds the gateway's own
+    """The admin routes over `router` (gateway.router.Router); `state()` adds the gateway's own
     fields (url, pid, started_at, fleet) to /admin/state. `webhook`: the endpoint of a
-    canary.webhook.Receiver, served at POST /admin/webhook (None: no such route, 404)."""
+    gateway.webhook.Receiver, served at POST /admin/webhook (None: no such route, 404)."""
     expected = f"Bearer {token}".encode()
 
     def guarded(handler):
@@ -115,9 +115,11 @@ def admin_app(router, state: Callable[[], dict], token: str, webhook=None) -> St
         return endpoint
 
     async def get_state(request: Request) -> JSONResponse:
-        backends = dataclasses.asdict(router.fleet) if router.fleet else {}
+        backends = dataclasses.asdict(router.backends) if router.backends else {}
         labels = {role: (backends.get(role) or {}).get("label") for role in ("stable", "candidate", "shadow")}
-        return JSONResponse({**state(), "weight": router.weight, **labels})
+        return JSONResponse(
+            {**state(), "weight": router.weight, "shadow_fraction": router.params.shadow_fraction, **labels}
+        )
 
     async def put_weight(request: Request) -> JSONResponse:
         try:
@@ -209,6 +211,10 @@ class RemoteRouter:
 
     def shadows_since(self, t: float) -> list[ShadowSample]:
         return samples_of(self._call("GET", "/admin/samples", params={"since": repr(t)}))[1]
+
+    def drain(self) -> None:
+        """Send nothing more to the candidate (weight 0)."""
+        self.set_weight(0)
 
     def alive(self, version: str) -> bool:
         """The gateway runs a live server for `version`."""

@@ -46,7 +46,7 @@ from starlette.responses import JSONResponse
 EVENTS = ("model_version_alias.created", "model_version_alias.deleted")
 SIGNATURE, TIMESTAMP, DELIVERY_ID = "x-mlflow-signature", "x-mlflow-timestamp", "x-mlflow-delivery-id"
 MAX_AGE_S = 300  # a delivery older (or further in the future) than this is refused as a replay
-PATH = "/admin/webhook"  # on the admin endpoint (canary/admin.py)
+PATH = "/admin/webhook"  # on the admin endpoint (gateway/admin.py)
 MAX_BODY = 65536  # bytes; larger deliveries are refused unread
 
 

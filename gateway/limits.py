@@ -1,6 +1,6 @@
 """Limits that protect the shared serving fleet ("cost as an attack"): a context ceiling, an output
 token cap and per-team rate limits, from params.yaml block `limits`, checked by the router
-(canary.router.Router(limits=...)) before a backend is chosen.
+(gateway.router.Router(limits=...)) before a backend is chosen.
 
 Per request, in this order (the first that fails answers; the backends never see the request):
 1. Rate (429): a token bucket per team, `rps` requests per second sustained and `burst` at once

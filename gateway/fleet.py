@@ -3,10 +3,10 @@
 Which versions are kept warm is a plan recomputed from the aliases on every pass
 (`plan()`): the serving build (`production`, else `fallback`) first, then `fallback`,
 `candidate` (a canary's build) and `previous` (an instant rollback target, when
-`keep_previous`), each version once, at most `max_servers` in all. `StandingFleet.reconcile()`
+`keep_previous`), each version once, at most `max_servers` in all. `Fleet.reconcile()`
 makes the running servers match it:
 - a planned version without a server is verified against its registered weight digests
-  (registry/verify.py) and started (canary.fleet.open_server). A verification is kept per
+  (registry/verify.py) and started (`open_server`, below). A verification is kept per
   (version, registered weights_sha256), so a later start of the same weights (a server that died,
   a start that failed) does not download and hash the whole model again. A start that fails is
   tried again after `restart_backoff_s`, doubling after each failure up to `restart_backoff_max_s`;
@@ -15,7 +15,7 @@ makes the running servers match it:
   `restarts`);
 - a server no longer planned leaves routing first, is drained (its in-flight requests, as the
   router counts them, finish, for up to `drain_s`), then stopped.
-`resolve()` is the router's view (canary.router.Fleet roles), read from the aliases at each
+`resolve()` is the router's view (gateway.router.Backends roles), read from the aliases at each
 call, so an alias flip to a warm version moves traffic within the router's resolve interval;
 a flip to a cold one moves it once its server is up; until then `previous` (the build that
 served before a promotion), else `fallback`, else any warm server answers.
@@ -34,19 +34,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import httpx
 from pydantic import Field, field_validator, model_validator
 
-from canary.fleet import open_server
-from canary.policy import ServerOverride, serve_params
-from canary.router import Backend
-from canary.webhook import PATH
+from gateway.router import Backend, RouterParams
+from gateway.webhook import PATH
 from quantgate.errors import QuantgateError
 from quantgate.params import PARAMS_FILE, Frozen, load_block
-from quantgate.serving import ServeParams, Server, check_cpu_cores
+from quantgate.serving import ServeParams, Server, check_cpu_cores, check_extra_args, vllm_server
 from registry import aliases, tags, versions
 from registry.verify import verify_version
 
 SERVING = "serving"  # the plan's name for the version that takes production traffic
+
+
+class ServerOverride(Frozen):
+    """Per-role changes to `evaluate.serve` for a canary vLLM server."""
+
+    port: int = Field(default=0, ge=0, le=65535)  # 0 = a free port
+    cpu_cores: str | None = None  # vLLM CPU: cores for this server's worker (VLLM_CPU_OMP_THREADS_BIND)
+    extra_args: list[str] = []  # appended to evaluate.serve.extra_args
+
+    _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
+    _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
+
+
+def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:
+    """`evaluate.serve` with a role's port, CPU cores and extra vLLM args (appended) applied."""
+    data = base.model_dump()
+    data.update(port=override.port, extra_args=[*base.extra_args, *override.extra_args])
+    if override.cpu_cores:
+        data["cpu_cores"] = override.cpu_cores
+    return ServeParams.model_validate(data)
 
 
 class FleetServers(Frozen):
@@ -58,7 +77,7 @@ class FleetServers(Frozen):
 
 
 class AdminAddress(Frozen):
-    """The gateway's admin endpoint (canary/admin.py): loopback by default; elsewhere is the operator's choice."""
+    """The gateway's admin endpoint (gateway/admin.py): loopback by default; elsewhere is the operator's choice."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8001, ge=0, le=65535)  # 0 = a free port
@@ -75,7 +94,7 @@ class FleetParams(Frozen):
     drain_s: float = Field(default=30, ge=0)  # seconds a replaced server may finish in-flight requests
     restart_backoff_s: float = Field(default=5, ge=0)  # after a failed start, before the next try
     restart_backoff_max_s: float = Field(default=300, ge=0)  # the back-off doubles per failure up to this
-    # MLflow registry webhooks (canary/webhook.py): auto = register one when the registry is an
+    # MLflow registry webhooks (gateway/webhook.py): auto = register one when the registry is an
     # `mlflow server` (http(s) URI), so alias changes wake the planner at once; off = poll only
     webhook: Literal["auto", "off"] = "auto"
     webhook_url: str | None = None  # what the registry server calls; None = http://<admin host:port>/admin/webhook
@@ -84,6 +103,7 @@ class FleetParams(Frozen):
     cpu_core_sets: list[str] = ["0", "1"]
     servers: FleetServers = FleetServers()
     admin: AdminAddress = AdminAddress()
+    router: RouterParams = RouterParams()  # what the router does with each request: timeouts, shadowing
 
     @field_validator("cpu_core_sets")
     @classmethod
@@ -166,25 +186,25 @@ class Running:
         return self.server.pid
 
 
-class StandingFleet:
+@dataclass(eq=False)
+class Fleet:
     """The servers of `quantgate serve`; see the module docstring. Thread-safe: `reconcile` runs in
-    the fleet's own thread, `resolve` and `status` in the router's."""
+    the fleet's own thread, `resolve` and `status` in the router's. `inflight` says how many requests a
+    backend has open (the router's count, for draining), `on_start(version, pid)` is called for each
+    server started, `clock` gives the back-off's seconds."""
 
-    def __init__(
-        self,
-        mlflow_client,
-        model_name: str,
-        serve: ServeParams,
-        params: FleetParams,
-        work_dir: Path,
-        log: Callable[[str], None] = print,
-        inflight: Callable[[Backend], int] = lambda b: 0,
-        on_start: Callable[[str, int], None] = lambda version, pid: None,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.client, self.model, self.serve, self.params = mlflow_client, model_name, serve, params
-        self.work_dir, self.log, self.inflight, self.on_start = Path(work_dir), log, inflight, on_start
-        self.clock = clock  # seconds, for the back-off
+    client: object  # MlflowClient
+    model: str
+    serve: ServeParams
+    params: FleetParams
+    work_dir: Path
+    log: Callable[[str], None] = print
+    inflight: Callable[[Backend], int] = lambda b: 0
+    on_start: Callable[[str, int], None] = lambda version, pid: None
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.work_dir = Path(self.work_dir)
         self.failures: dict[str, Failing] = {}  # versions whose last start failed
         self._verified: dict[str, tuple[str | None, Path]] = {}  # version -> (weights_sha256, verified dir)
         self._servers: dict[str, Running] = {}
@@ -290,11 +310,9 @@ class StandingFleet:
         try:
             backend, server, model_dir = open_server(
                 stack,
-                self.client,
-                self.model,
+                Registered(self.client, self.model, self.work_dir),
                 version,
                 serve_params(self.serve, override),
-                self.work_dir,
                 why,
                 log,
                 verified=self._verified_weights(version, log),
@@ -363,3 +381,69 @@ class StandingFleet:
         for version in versions:
             self._stop(version, drain=False)
         return len(versions)
+
+
+def reused_backend(version: str, url: str) -> Backend:
+    """The running OpenAI server at `url` (…/v1) as `version`'s backend (`--reuse VERSION=URL`; not verified);
+    raises QuantgateError if it does not answer /models with a model."""
+    url = url.rstrip("/")
+    try:
+        r = httpx.get(f"{url}/models", timeout=10)
+        r.raise_for_status()
+        name = r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise QuantgateError(f"--reuse v{version}={url}: no OpenAI server answers /models there ({exc})") from None
+    return Backend(url=url, model=name, label=f"v{version}")
+
+
+@dataclass(frozen=True)
+class Registered:
+    """Where a version's server comes from: the registry `client`, the registered `model`, and the `work_dir`
+    whose v<version>/ folder holds the version's downloaded artifacts, its server log and pid."""
+
+    client: object  # MlflowClient
+    model: str
+    work_dir: Path
+
+
+def open_server(
+    stack: contextlib.ExitStack,
+    source: Registered,
+    version: str,
+    params: ServeParams,
+    role: str,
+    log=print,
+    verified: Path | None = None,
+) -> tuple[Backend, Server, Path]:
+    """Verify `version`'s registered artifacts (downloaded to WORK_DIR/v<version>/artifacts) and
+    start its vLLM server with `params` on `stack` (closing the stack stops it); returns its
+    (Backend labelled "v<version>", served as "<model>-v<version>", the Server (its pid, its death),
+    model dir).
+    `source`: the registry, the model and the work folder. `verified`: the version's weights as the caller
+    already verified them (Fleet keeps them per digest): served from there, not downloaded again.
+
+    Raises QuantgateError if the weights do not verify or the server does not start.
+    """
+    mlflow_client, model_name = source.client, source.model
+    vdir = Path(source.work_dir) / f"v{version}"
+    if verified is None:
+        shutil.rmtree(vdir / "artifacts", ignore_errors=True)  # a restart downloads and verifies again
+        model_dir = verify_version(mlflow_client, model_name, version, vdir / "artifacts")
+        log(f"v{version} weights verified against the registry; starting its vLLM server ({role})")
+    else:
+        model_dir = verified
+        log(f"v{version}: starting its vLLM server ({role})")
+    name = f"{model_name}-v{version}"
+    server = stack.enter_context(vllm_server(params, model_dir, name, vdir / "server.log"))
+    log(f"v{version} serving at {server.base_url}")
+    return Backend(url=server.base_url, model=name, label=f"v{version}"), server, model_dir
+
+
+def process_alive(pid: int) -> bool:
+    """False when process `pid` has exited (a dead child stays a zombie until its Popen reaps it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
