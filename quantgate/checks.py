@@ -103,7 +103,7 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
 
 
 OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikelihood_rolling")
-SPLIT_KEYS = ("test_split", "validation_split", "train_split", "fewshot_split")
+SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
 # lm-eval task keys that take Python callables, load code or prompts from elsewhere, or allow
 # running generated code: a team's YAML can only name them, and they are team code either way.
 CODE_KEYS = frozenset(
@@ -262,24 +262,33 @@ def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
     return problems
 
 
-def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
-    """(problems, [(line, document)]) of one JSONL data file, every bad line listed.
+def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]], list[str]]:
+    """(problems, [(line, document as written)], the file's lines) of one JSONL data file, every bad line listed.
 
-    Checks: size limit, blank lines, lines that are not JSON objects, and the JSONL rules of
-    quantgate/jsonl.py (UTF-8, JSON, nesting, unpaired surrogates).
+    These are quantgate's own rules, each stricter than the datasets loader that lm-eval reads the file with
+    (quantgate/loader.py) and named in its message: the size rule, the blank-line rule, one JSON object per
+    line, and the JSONL rules of quantgate/jsonl.py (UTF-8, no NaN, nesting, unpaired surrogates, a key
+    given twice). A leading byte-order mark and CRLF line ends are accepted, as the loader accepts them.
     """
     raw = data_path.read_bytes()
     if len(raw) > MAX_DATA_BYTES:
-        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"], []
+        return (
+            [
+                f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit (quantgate's size rule); "
+                "split or sample the set"
+            ],
+            [],
+            [],
+        )
     try:
         lines = decode(raw).split("\n")
     except BadLine as exc:
-        return [exc.at(data_path)], []
+        return [exc.at(data_path)], [], []
     problems, docs = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             if n < len(lines):  # a final newline is fine
-                problems.append(f"{data_path}:{n}: blank line; remove it")
+                problems.append(f"{data_path}:{n}: blank line (quantgate's blank-line rule); remove it")
             continue
         try:
             doc = parse_line(n, line)
@@ -287,28 +296,42 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
             problems.append(exc.at(data_path))
             continue
         if not isinstance(doc, dict):
-            problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
+            problems.append(
+                f'{data_path}:{n}: a line must be a JSON object (one document: {{"field": value, ...}}), '
+                f"got {type(doc).__name__}"
+            )
             continue
         docs.append((n, doc))
-    return problems, docs
+    return problems, docs, lines
 
 
-def check_data(config: dict, data_path: Path, where: Callable[..., str], render: bool = True) -> tuple[list[str], int]:
-    """Problems in one JSONL data file, and its number of documents.
+Row = tuple[int, dict, dict]  # (line, the document as written, the document as the datasets loader returns it)
 
-    Checks the file (read_docs), the fields the templates reference that a document lacks,
-    and, with `render`, what every document's templates give in the sandbox
-    (quantgate/templates.py check_document: rendering errors, a multiple_choice target that is not
-    an index into the choices or is the answer text, empty or duplicate choices, unsafe
-    templates). `where(key)` names the task file's line of a key. Pass render=False when
+
+def check_data(
+    config: dict, data_path: Path, rows: list[Row], where: Callable[..., str], render: bool = True
+) -> tuple[list[str], list[tuple[dict | None, dict | None]]]:
+    """(problems, rendered) of the documents of one JSONL data file, checked on what lm-eval will see.
+
+    `rendered` holds, per row, what the task's templates give for it (templates.lm_eval_value by key) as a
+    scored document and as a few-shot example (fewshot_config's templates over the task's), None where a
+    template failed or was not rendered.
+
+    `rows` pair each line's document as written with the document the datasets loader returns for it
+    (quantgate/loader.py): templates are rendered on the loaded one (a float where the file has an integer,
+    None for a field the line lacks), the line's text says whether a field is missing or null. Checks the
+    fields the templates reference that a document lacks, a document given twice, and, with `render`, what
+    every document's templates give in the sandbox (quantgate/templates.py check_document: rendering errors,
+    a multiple_choice target that is not an index into the choices or is the answer text, empty or duplicate
+    choices, unsafe templates). `where(key)` names the task file's line of a key. Pass render=False when
     check_templates refused a template: it is then not rendered at all.
     """
-    problems, docs = read_docs(data_path)
+    problems: list[str] = []
     try:
         fields = template_fields(config)
     except ValueError:  # check_templates reports it, with the task file's line
         fields, render = {}, False
-    features = {f for _, doc in docs for f in doc}
+    features = {f for _, _, doc in rows for f in doc}
     fewshot = config.get("fewshot_config") if isinstance(config.get("fewshot_config"), dict) else {}
     # few-shot examples are documents of these files too, rendered with fewshot_config's templates
     shots = {
@@ -317,16 +340,18 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
     skip: set[str] = set()
     shot_skip: set[str] = set(RENDERED) - set(shots)
     seen: dict[str, int] = {}
-    for n, doc in docs:
+    rendered: list[tuple[dict | None, dict | None]] = []
+    for n, written, doc in rows:
+        main, shot = {}, {}
         # a repeated document counts twice in the paired test, as if it were two pieces of evidence
-        if (first := seen.setdefault(json.dumps(doc, sort_keys=True, ensure_ascii=False), n)) != n:
+        if (first := seen.setdefault(json.dumps(doc, sort_keys=True, ensure_ascii=False, default=str), n)) != n:
             problems.append(f"{data_path}:{n}: repeats the document of line {first}; remove the repeat")
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if doc.get(f) is None})
         for f, key in missing:
-            state = "null; give it a value" if f in doc else "missing; add it"
+            state = "null; give it a value" if f in written else "missing; add it"
             problems.append(f"{data_path}:{n}: field {f!r} used by {key} is {state} or fix the template")
         if render and not missing:
-            problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
+            problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip, main)
         if render and shots:
             problems += check_document(
                 {**config, **shots},
@@ -335,8 +360,10 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
                 f"{data_path}:{n} (as a few-shot example)",
                 lambda *at: where("fewshot_config", *at),
                 shot_skip,
+                shot,
             )
-    return problems, len(docs)
+        rendered.append((main or None, {**main, **shot} if main and (shot or not shots) else None))
+    return problems, rendered
 
 
 # lm-eval filters a team task may use (lm_eval/filters): none runs code the team wrote.
