@@ -30,18 +30,20 @@ class LoaderRefused(Exception):
 
 
 def _innermost(exc: BaseException) -> BaseException:
-    """The exception at the bottom of `exc`'s cause chain (DatasetGenerationError wraps pyarrow's)."""
+    """The exception at the bottom of `exc`'s `raise ... from` chain (DatasetGenerationError wraps pyarrow's;
+    the loader's own fallbacks, which only add their errors as context, are passed over)."""
     seen = {id(exc)}
-    while (nxt := exc.__cause__ or exc.__context__) is not None and id(nxt) not in seen:
+    while (nxt := exc.__cause__) is not None and id(nxt) not in seen:
         seen.add(id(nxt))
         exc = nxt
     return exc
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException, most: int = 300) -> str:
+    """`exc`'s innermost error as one line: its type and message, whitespace runs as one space, cut at `most`."""
     inner = _innermost(exc)
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0] if text else 'no message'}"
+    text = " ".join(str(inner).split()) or "no message"
+    return f"{type(inner).__name__}: {text if len(text) <= most else text[: most - 3] + '...'}"
 
 
 @contextmanager

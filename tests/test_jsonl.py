@@ -21,7 +21,11 @@ def test_values_with_line_numbers_blank_lines_skipped(tmp_path):
     [
         (b'{"a": 1}\n{"a": \n', "2: invalid JSON (Expecting value at column 7)"),
         (b'{"a": 1}\n\n{"a": "caf\xe9"}\n', "3: not UTF-8 (byte 0xe9)"),
-        (b'{"a": "\\ud800"}\n', "1: a string holds an unpaired surrogate (surrogates not allowed, e.g. \\ud800; quantgate's surrogate rule)"),
+        (
+            b'{"a": "\\ud800"}\n',
+            "1: a string holds an unpaired surrogate (surrogates not allowed, e.g. \\ud800; "
+            "quantgate's surrogate rule)",
+        ),
         (b"[" * 100_000 + b"]" * 100_000 + b"\n", "1: JSON nested too deeply (quantgate's nesting rule)"),
     ],
 )
