@@ -79,23 +79,22 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read_as_the_loader_reads_them(
     assert list(validated.tasks[0].docs) == docs == loaded
 
 
-def test_a_key_given_twice_is_refused_at_its_line_as_the_loader_refuses_the_file(example_evals, monkeypatch):
+@pytest.mark.parametrize(
+    "index, extra, key, column",
+    [
+        (6, '"answer": 3', "answer", "/answer"),  # the loader refuses the whole file
+        (2, '"meta": {"source": "atlas", "source": "wiki"}', "source", "/meta/source"),  # nested
+    ],
+)
+def test_a_key_given_twice_is_refused_at_its_line_as_the_loader_refuses_the_file(
+    example_evals, monkeypatch, index, extra, key, column
+):
     data = example_evals / "search" / "data.jsonl"
     lines = data.read_text().splitlines()
-    lines[6] = lines[6].removesuffix("}") + ', "answer": 3}'
+    lines[index] = lines[index].removesuffix("}") + f", {extra}}}"
     data.write_text("\n".join(lines) + "\n")
-    assert f"{data}:7: key 'answer' is given twice in one object" in refusal(example_evals / "search")
-    assert "Column(/answer) was specified twice" in lm_eval_refusal(example_evals / "search", monkeypatch)
-
-
-def test_a_key_given_twice_in_a_nested_object_is_refused_at_its_line(example_evals, monkeypatch):
-    docs = search_docs(example_evals)
-    data = example_evals / "search" / "data.jsonl"
-    lines = [json.dumps(d) for d in docs]
-    lines[2] = lines[2].removesuffix("}") + ', "meta": {"source": "atlas", "source": "wiki"}}'
-    data.write_text("\n".join(lines) + "\n")
-    assert f"{data}:3: key 'source' is given twice in one object" in refusal(example_evals / "search")
-    assert "Column(/meta/source) was specified twice" in lm_eval_refusal(example_evals / "search", monkeypatch)
+    assert f"{data}:{index + 1}: key {key!r} is given twice in one object" in refusal(example_evals / "search")
+    assert f"Column({column}) was specified twice" in lm_eval_refusal(example_evals / "search", monkeypatch)
 
 
 def test_integers_the_loader_reads_as_floats_are_refused_as_lm_eval_would_see_them(example_evals, monkeypatch):
