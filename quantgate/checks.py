@@ -57,44 +57,49 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
     import lm_eval.api.metrics  # noqa: F401  registers the built-in metrics and aggregations
     from lm_eval.api.registry import AGGREGATION_REGISTRY, HIGHER_IS_BETTER_REGISTRY, METRIC_REGISTRY
 
+    where = key_locator(task_path)
     entries = config.get("metric_list")
     if entries is None or entries == []:
-        return [f"{task_path}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
+        return [f"{where('metric_list')}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
     if not isinstance(entries, list):
         return [
-            f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
+            f"{where('metric_list')}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
             f"got a {type(entries).__name__}"
         ]
     problems, names = [], []
     for i, m in enumerate(entries):
         if not isinstance(m, dict) or not isinstance(m.get("metric"), str):
-            problems.append(f"{task_path}: metric_list[{i}] needs a `metric:` name")
+            problems.append(f"{where('metric_list', i)}: metric_list[{i}] needs a `metric:` name")
             continue
         names.append(m["metric"])
         if m["metric"] not in METRIC_REGISTRY:
             problems.append(
-                f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; use one of {sorted(METRIC_REGISTRY)}"
+                f"{where('metric_list', i)}: metric_list[{i}]: unknown metric {m['metric']!r}; "
+                f"use one of {sorted(METRIC_REGISTRY)}"
             )
         agg = m.get("aggregation", "mean")
         if not isinstance(agg, str) or agg not in AGGREGATION_REGISTRY:
             problems.append(
-                f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; use one of {sorted(AGGREGATION_REGISTRY)}"
+                f"{where('metric_list', i)}: metric_list[{i}]: unknown aggregation {agg!r}; "
+                f"use one of {sorted(AGGREGATION_REGISTRY)}"
             )
         elif m["metric"] == gated_metric and agg != "mean":
             problems.append(
-                f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
+                f"{where('metric_list', i)}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
                 f"with `mean` (the gate pairs per-document scores), not {agg!r}"
             )
         if m["metric"] == gated_metric and "higher_is_better" in m and m["higher_is_better"] != higher_is_better:
             problems.append(
-                f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
+                f"{where('metric_list', i)}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
                 f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)"
             )
     if gated_metric not in names:
-        problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
+        problems.append(
+            f"{where('metric_list')}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}"
+        )
     if gated_metric in HIGHER_IS_BETTER_REGISTRY and HIGHER_IS_BETTER_REGISTRY[gated_metric] != higher_is_better:
         problems.append(
-            f"{task_path}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
+            f"{where('metric_list')}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
             f"{gated_metric!r}, but lm-eval scores {gated_metric} with higher_is_better: "
             f"{str(HIGHER_IS_BETTER_REGISTRY[gated_metric]).lower()}; fix team.yaml (the gate would "
             "count a loss as a gain)"
@@ -121,13 +126,13 @@ def check_task(task_path: Path, config: dict) -> list[str]:
     from lm_eval.api.task import TaskConfig
 
     problems = []
+    where = key_locator(task_path)
     known = {f.name for f in dataclasses.fields(TaskConfig)}
     for key in sorted(set(config) - known):
         problems.append(
-            f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
+            f"{where(key)}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
             + ("; `include` is not supported: write the task out in full" if key == "include" else "")
         )
-    where = key_locator(task_path)
     for key in sorted(CODE_KEYS & {k for k, v in config.items() if v not in (None, False)}):
         problems.append(f"{where(key)}: {key}: a team task may not set it (it runs or fetches code); remove it")
     kwargs = config.get("dataset_kwargs")
@@ -137,19 +142,21 @@ def check_task(task_path: Path, config: dict) -> list[str]:
             "rest reaches the dataset loader); remove it"
         )
     if config.get("output_type", "generate_until") not in OUTPUT_TYPES:
-        problems.append(f"{task_path}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}")
+        problems.append(
+            f"{where('output_type')}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}"
+        )
     if config.get("dataset_path") != "json":
         problems.append(
-            f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
+            f"{where('dataset_path')}: dataset_path must be `json` (data come from this folder, never from a hub), "
             f"got {config.get('dataset_path')!r}"
         )
     if not re.fullmatch(r"[A-Za-z0-9_\-.]+", str(config.get("task", ""))):
-        problems.append(f"{task_path}: task name {config.get('task')!r}: use letters, digits, _ - . only")
+        problems.append(f"{where('task')}: task name {config.get('task')!r}: use letters, digits, _ - . only")
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     for key in SPLIT_KEYS:
         split = config.get(key)
         if split is not None and isinstance(files, dict) and split not in files:
-            problems.append(f"{task_path}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
+            problems.append(f"{where(key)}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
     gen = config.get("generation_kwargs") or {}
     if (
         config.get("output_type") == "generate_until"
@@ -157,7 +164,7 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         and (gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0))
     ):
         problems.append(
-            f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
+            f"{where('generation_kwargs')}: generation must be greedy (do_sample: false, temperature: 0): "
             "sampled outputs would compare builds by chance"
         )
     if not isinstance(gen, dict):

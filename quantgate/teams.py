@@ -28,7 +28,7 @@ from quantgate.errors import QuantgateError
 from quantgate.fewshot import check_source, fewshot_source, leaks, scored_split
 from quantgate.hashing import digest_of, digest_tree, sha256_file
 from quantgate.loader import LoaderRefused, load_splits, refused_line
-from quantgate.params import Frozen, parse, read_yaml
+from quantgate.params import Frozen, key_lines, parse, read_yaml
 from quantgate.templates import check_templates, key_locator
 
 POLICY_FILE = "team.yaml"
@@ -141,7 +141,7 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         return None
     if not isinstance(config.get("task"), str):
         problems.append(
-            f"{path}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
+            f"{key_locator(path)('task')}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
             "name shared templates with a leading _"
         )
         return None
@@ -238,19 +238,23 @@ def _data_files(path: Path, files: dict, where, problems: list[str]) -> dict[str
 def _rows(path: Path, config: dict, files: dict[str, Path], where, problems: list[str]) -> dict[str, list] | None:
     """{split: [(line, document as written, document as lm-eval's loader returns it)]} of a task's data files:
     quantgate's own line rules first (checks.read_docs), then the datasets loader lm-eval uses, with the same
-    options (quantgate/loader.py). None (and the problems appended) when either refuses a file."""
-    written, text, bad = {}, {}, False
+    options (quantgate/loader.py). Lines quantgate's rules refuse are left out (and their problems appended),
+    so the other lines are still checked when the loader reads the file; None (and the problems appended)
+    when a file has no document, or the loader refuses the files or reads them otherwise than line by line."""
+    written, text, own = {}, {}, False
     for name, file in files.items():
         found, docs, lines = read_docs(file)
         if not docs and not found:
             found = [f"{file}: no documents; add one JSON object per line"]
         problems += _capped(file, found)
-        written[name], text[name], bad = docs, lines, bad or bool(found)
-    if bad:
-        return None
+        if not docs:
+            return None
+        written[name], text[name], own = docs, lines, own or bool(found)
     try:
         loaded = load_splits({name: str(file) for name, file in files.items()})
     except LoaderRefused as exc:
+        if own:  # the loader refuses what quantgate's rules have named, line by line
+            return None
         for name, file in files.items():
             if (line := refused_line(text[name])) is not None:
                 problems.append(
@@ -266,13 +270,16 @@ def _rows(path: Path, config: dict, files: dict[str, Path], where, problems: lis
         return None
     rows = {}
     for name, file in files.items():
-        if len(loaded[name]) != len(written[name]):  # quantgate's line rules leave one document per line
-            problems.append(
-                f"{file}: the datasets loader reads {len(loaded[name])} documents from its {len(written[name])} "
-                "lines; write one JSON object per line"
-            )
+        filled = [n for n, line in enumerate(text[name], 1) if line.strip()]  # the loader's rows: one a line
+        if len(loaded[name]) != len(filled):
+            if not own:  # quantgate's rules leave one JSON object a line; this would be the loader's own reading
+                problems.append(
+                    f"{file}: the datasets loader reads {len(loaded[name])} documents from its {len(filled)} "
+                    "lines; write one JSON object per line"
+                )
             return None
-        rows[name] = [(n, doc, got) for (n, doc), got in zip(written[name], loaded[name], strict=True)]
+        got = dict(zip(filled, loaded[name], strict=True))
+        rows[name] = [(n, doc, got[n]) for n, doc in written[name]]
     return rows
 
 
@@ -326,7 +333,8 @@ def inspect_team(
         margin = policy.margin.points(1.0)
         if n < need:
             problems.append(
-                f"{policy_path}: {n} documents can never PASS: at margin {margin:g} and confidence "
+                f"{policy_path}:{key_lines(policy_path).get(('margin',), 1)}: {n} documents can never PASS: at "
+                f"margin {margin:g} and confidence "
                 f"{policy.confidence:g} even identical builds need at least {need}; "
                 "add documents or widen the margin"
             )

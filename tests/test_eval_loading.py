@@ -172,3 +172,12 @@ def test_a_symlinked_data_file_is_called_a_symlink_at_its_task_line(example_eval
         f"{search / 'capitals.yaml'}:7: dataset_kwargs.data_files.test: data.jsonl is a symlink (to "
         f"{tmp_path / 'elsewhere.jsonl'}); a data file must be a regular file in the team folder"
     ) in msg
+
+
+def test_a_line_quantgate_refuses_does_not_hide_the_problems_of_the_lines_after_it(example_evals):
+    data = example_evals / "support" / "data.jsonl"
+    data.write_bytes(
+        data.read_bytes() + b'\n{"id": "x", "message": "ok", "label": 7}\n'
+    )  # the loader skips a blank line
+    msg = refusal(example_evals / "support")
+    assert f"{data}:305: blank line" in msg and f"{data}:306: label=7 is not an index into 2 choices (0..1)" in msg
