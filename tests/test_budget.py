@@ -104,3 +104,11 @@ def test_the_estimate_is_on_the_ok_line_in_teams_json_and_in_the_gate_report(exa
     assert billing["budget"] == {"documents": 4000, "prompt_tokens": 1_000_000, "generated_tokens": 100_000}
     md = report(GateResult(baseline="fp16", precision=None, builds={}), costs={t.name: t.cost for t in teams})
     assert f"- billing: {cost.line()}" in md and "## What each team's set costs per build" in md
+
+
+def test_evals_readme_states_the_default_budget_and_dates_the_rules_that_refuse_sets_that_passed():
+    readme = (REPO / "evals" / "README.md").read_text()
+    b = Budget()
+    stated = f"{b.documents:,} documents, {b.prompt_tokens:,} prompt tokens, {b.generated_tokens:,} generated tokens"
+    assert f"by default **{stated}**" in readme and "## Rules added 2026-12-03" in readme
+    assert f"divided by {CHARS_PER_TOKEN:g} " in readme
