@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from quantgate.taskdata import capped
+
 
 def scored_split(config: dict) -> str | None:
     """The split lm-eval scores (Task.eval_docs): test_split, else validation_split."""
@@ -91,3 +93,42 @@ def leaks(
         for n, values in examples
         if (text := _prompt(values)) is not None and text in lines
     ]
+
+
+def check_examples(
+    where: Callable[..., str],
+    config: dict,
+    files: dict[str, Path],
+    rows: dict[str, list],
+    rendered: dict[str, list[tuple[dict | None, dict | None]]],
+    compare: bool,
+) -> tuple[list[str], list[dict | None]]:
+    """(problems, the few-shot examples as rendered) of a task with `num_fewshot` (none: ([], [])).
+
+    Problems: where the examples come from (check_source), fewer examples than num_fewshot, and, with `compare`
+    (every document rendered without a problem), examples whose rendered prompt is a scored document's (leaks).
+    `files`, `rows` and `rendered` are by split: the resolved data files, their (line, as written, as loaded)
+    rows and what checks.check_data rendered for each row (scored, few-shot).
+    """
+    shots, (split, setting), scored = config.get("num_fewshot"), fewshot_source(config), scored_split(config)
+    if not isinstance(shots, int) or isinstance(shots, bool) or shots <= 0:
+        return [], []
+    problems = check_source(where, config, files)
+    if split in rows and shots > len(rows[split]):
+        problems.append(
+            f"{where('num_fewshot')}: num_fewshot {shots} but the {split!r} split has {len(rows[split])} "
+            "documents; add examples or lower num_fewshot"
+        )
+    if split == scored or split not in rendered or scored not in rendered:
+        return problems, []
+    examples = [shot for _, shot in rendered[split]]
+    if compare:
+        found = leaks(
+            [(n, main) for (n, _, _), (main, _) in zip(rows[scored], rendered[scored], strict=True)],
+            [(n, shot) for (n, _, _), shot in zip(rows[split], examples, strict=True)],
+            files[scored],
+            files[split],
+            setting,
+        )
+        problems += capped(files[split], found)
+    return problems, examples

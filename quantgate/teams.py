@@ -15,20 +15,12 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from quantgate.budget import Budget, Cost, DocCost, ValidateParams, doc_costs, estimate, largest_limit, over
-from quantgate.checks import (
-    BINARY_METRICS,
-    check_data,
-    check_filters,
-    check_metrics,
-    check_task,
-    min_docs_to_pass,
-    read_docs,
-)
+from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
 from quantgate.errors import QuantgateError
-from quantgate.fewshot import check_source, fewshot_source, leaks, scored_split
+from quantgate.fewshot import check_examples, scored_split
 from quantgate.hashing import digest_of, digest_tree, sha256_file
-from quantgate.loader import LoaderRefused, load_splits, refused_line
 from quantgate.params import Frozen, key_lines, parse, read_yaml
+from quantgate.taskdata import capped, data_files, read_rows
 from quantgate.templates import check_templates, key_locator
 
 POLICY_FILE = "team.yaml"
@@ -164,38 +156,23 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         problems.append(
             f"{where('test_split')}: test_split {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}"
         )
-    resolved = _data_files(path, files, where, problems)
+    resolved = data_files(path, files, where, problems)
     if resolved is None:
         return None
-    rows = _rows(path, config, resolved, where, problems)
+    rows = read_rows(resolved, where, problems)
     if rows is None:
         return None
     rendered, clean = {}, True
     for name, file in resolved.items():
         found, rendered[name] = check_data(config, file, rows[name], where, render=not unsafe)
-        problems += _capped(file, found)
+        problems += capped(file, found)
         clean = clean and not found
-    shots, (shot_split, setting) = config.get("num_fewshot"), fewshot_source(config)
-    problems += check_source(where, config, resolved)
-    if isinstance(shots, int) and shot_split in rows and shots > len(rows[shot_split]):
-        problems.append(
-            f"{where('num_fewshot')}: num_fewshot {shots} but the {shot_split!r} split has {len(rows[shot_split])} "
-            "documents; add examples or lower num_fewshot"
-        )
+    found, examples = check_examples(where, config, resolved, rows, rendered, compare=clean)
+    problems += found
     scored = rows.get(split, [])
-    examples = rendered.get(shot_split, []) if isinstance(shots, int) and shots > 0 and shot_split != split else []
-    if examples and clean:
-        found = leaks(
-            [(n, v) for (n, _, _), (v, _) in zip(scored, rendered[split], strict=True)],
-            [(n, v) for (n, _, _), (_, v) in zip(rows[shot_split], examples, strict=True)],
-            resolved[split],
-            resolved[shot_split],
-            setting,
-        )
-        problems += _capped(resolved[shot_split], found)
     config["dataset_kwargs"]["data_files"] = {name: str(f) for name, f in resolved.items()}
     n_docs = len(scored) if policy is None or not policy.limit else min(len(scored), policy.limit)
-    costs = doc_costs(config, [v for v, _ in rendered.get(split, [])], [v for _, v in examples])
+    costs = doc_costs(config, [v for v, _ in rendered.get(split, [])], examples)
     return Task(
         name=str(config["task"]),
         path=path,
@@ -204,83 +181,6 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         docs=tuple(doc for _, _, doc in scored),
         costs=tuple(costs),
     )
-
-
-def _capped(file: Path, found: list[str], most: int = 20) -> list[str]:
-    """The first `most` problems of one file, and a count of the rest."""
-    return found[:most] + ([f"{file}: ... and {len(found) - most} more"] if len(found) > most else [])
-
-
-def _data_files(path: Path, files: dict, where, problems: list[str]) -> dict[str, Path] | None:
-    """{split: resolved path} of a task's data files, each a regular file inside the team folder; None (and the
-    problems appended) if any is not."""
-    resolved, folder = {}, path.parent.resolve()
-    for name, rel in files.items():
-        at = f"{where('dataset_kwargs', 'data_files', name)}: dataset_kwargs.data_files.{name}"
-        given = path.parent / str(rel)
-        if isinstance(rel, str) and given.is_symlink():
-            problems.append(
-                f"{at}: {rel} is a symlink (to {given.readlink()}); a data file must be a regular file in the team "
-                "folder (its digest and the evaluation cache cover only the folder's own files): copy it in"
-            )
-        elif not isinstance(rel, str) or not given.resolve().is_relative_to(folder):
-            problems.append(
-                f"{at}: {rel!r} must be one file inside the team folder (its digest and the evaluation cache "
-                "cover only that folder)"
-            )
-        elif not given.is_file():
-            problems.append(f"{at}: {rel} not found next to the task file")
-        else:
-            resolved[name] = given.resolve()
-    return resolved if len(resolved) == len(files) else None
-
-
-def _rows(path: Path, config: dict, files: dict[str, Path], where, problems: list[str]) -> dict[str, list] | None:
-    """{split: [(line, document as written, document as lm-eval's loader returns it)]} of a task's data files:
-    quantgate's own line rules first (checks.read_docs), then the datasets loader lm-eval uses, with the same
-    options (quantgate/loader.py). Lines quantgate's rules refuse are left out (and their problems appended),
-    so the other lines are still checked when the loader reads the file; None (and the problems appended)
-    when a file has no document, or the loader refuses the files or reads them otherwise than line by line."""
-    written, text, own = {}, {}, False
-    for name, file in files.items():
-        found, docs, lines = read_docs(file)
-        if not docs and not found:
-            found = [f"{file}: no documents; add one JSON object per line"]
-        problems += _capped(file, found)
-        if not docs:
-            return None
-        written[name], text[name], own = docs, lines, own or bool(found)
-    try:
-        loaded = load_splits({name: str(file) for name, file in files.items()})
-    except LoaderRefused as exc:
-        if own:  # the loader refuses what quantgate's rules have named, line by line
-            return None
-        for name, file in files.items():
-            if (line := refused_line(text[name])) is not None:
-                problems.append(
-                    f"{file}:{line}: the datasets JSON loader that lm-eval reads this file with refuses it "
-                    f"({exc.reason}); fix that line"
-                )
-                return None
-        names = ", ".join(f.name for f in files.values())
-        problems.append(
-            f"{where('dataset_kwargs', 'data_files')}: the datasets JSON loader that lm-eval reads {names} with "
-            f"refuses them together ({exc.reason}); give every file of a task the same fields, of the same types"
-        )
-        return None
-    rows = {}
-    for name, file in files.items():
-        filled = [n for n, line in enumerate(text[name], 1) if line.strip()]  # the loader's rows: one a line
-        if len(loaded[name]) != len(filled):
-            if not own:  # quantgate's rules leave one JSON object a line; this would be the loader's own reading
-                problems.append(
-                    f"{file}: the datasets loader reads {len(loaded[name])} documents from its {len(filled)} "
-                    "lines; write one JSON object per line"
-                )
-            return None
-        got = dict(zip(filled, loaded[name], strict=True))
-        rows[name] = [(n, doc, got[n]) for n, doc in written[name]]
-    return rows
 
 
 def min_docs(policy: TeamPolicy) -> int | None:
