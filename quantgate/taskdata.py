@@ -52,14 +52,14 @@ def read_rows(files: dict[str, Path], where: Callable[..., str], problems: list[
     so the other lines are still checked when the loader reads the file; None (and the problems appended)
     when a file has no document, or the loader refuses the files or reads them otherwise than line by line."""
     written, text, own = {}, {}, False
-    for name, file in files.items():
+    for name, file in files.items():  # every file's own problems are listed, even after one with no document
         found, docs, lines = read_docs(file)
         if not docs and not found:
             found = [f"{file}: no documents; add one JSON object per line"]
         problems += capped(file, found)
-        if not docs:
-            return None
         written[name], text[name], own = docs, lines, own or bool(found)
+    if not all(written.values()):
+        return None
     try:
         loaded = load_splits({name: str(file) for name, file in files.items()})
     except LoaderRefused as exc:

@@ -181,3 +181,11 @@ def test_a_line_quantgate_refuses_does_not_hide_the_problems_of_the_lines_after_
     )  # the loader skips a blank line
     msg = refusal(example_evals / "support")
     assert f"{data}:305: blank line" in msg and f"{data}:306: label=7 is not an index into 2 choices (0..1)" in msg
+
+
+def test_every_data_file_of_a_task_is_checked_when_one_has_no_document(example_evals):
+    support = example_evals / "support"
+    (support / "data.jsonl").write_text("")
+    (support / "fewshot.jsonl").write_text((support / "fewshot.jsonl").read_text() + "\n")
+    msg = refusal(support)
+    assert f"{support / 'data.jsonl'}: no documents" in msg and f"{support / 'fewshot.jsonl'}:5: blank line" in msg
