@@ -109,15 +109,23 @@ def validate(path: Path) -> None:
 
     A team's calibration.jsonl is checked too (against the eval documents of the teams checked: run it on
     the whole folder, as `dvc repro` does, to check it against every team's)."""
+    from quantgate.budget import check_budget_teams, load_budgets
     from quantgate.calibration import CHECKED, team_conversations
     from quantgate.teams import POLICY_FILE, load_team, load_teams
 
     with command_errors():
-        teams = [load_team(path)] if (path / POLICY_FILE).is_file() else load_teams(path)
+        budgets = load_budgets(required=False)  # params.yaml of the project folder it runs in, else the defaults
+        if (path / POLICY_FILE).is_file():
+            teams = [load_team(path, budgets)]
+        else:
+            if path.is_dir():
+                check_budget_teams(budgets, sorted(p.name for p in path.iterdir() if (p / POLICY_FILE).is_file()))
+            teams = load_teams(path, budgets=budgets)
         own = team_conversations(teams)
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
-        click.echo(f"ok: {t.name} ({tasks}), owner {t.policy.owner}, metric {t.policy.metric}")
+        policy = t.policy
+        click.echo(f"ok: {t.name} ({tasks}), owner {policy.owner}, metric {policy.metric}; per build {t.cost.line()}")
     if own:
         scope = " of this team" if (path / POLICY_FILE).is_file() else ""  # one team folder: its own docs only
         click.echo(f"ok: {len(own)} team calibration conversations, {CHECKED}{scope}")

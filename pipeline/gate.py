@@ -28,6 +28,7 @@ from pathlib import Path
 from pipeline import buys
 from pipeline.plot import cost_plot, recovery_plot
 from pipeline.report import table
+from quantgate.budget import CHARS_PER_TOKEN, Cost
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
 from quantgate.manifest import read_manifest
@@ -271,10 +272,12 @@ def report(
     plot_name: str | None = None,
     cost_plot_name: str | None = None,
     search: SearchResult | None = None,
+    costs: dict[str, Cost] | None = None,
 ) -> str:
     """The markdown gate report: summary per build (with the build whose weights it has, if any; `search`, the
     search stage's result, says why), the quality table, the plot link, what each build buys (when profiled)
-    and its plot link, every reason. Image links are relative to the report's folder."""
+    and its plot link, every reason, and what each team's set costs per build (`costs`, quantgate/budget.py).
+    Image links are relative to the report's folder."""
     out = [
         "# quantgate gate report",
         "",
@@ -306,7 +309,17 @@ def report(
             out.append(f"- {build} / {team}: {c.verdict}: {c.reason}")
     if power := power_lines(result):
         out += ["", "## Do the sets decide?", ""] + power
+    if costs:
+        out += ["", "## What each team's set costs per build", "", COST_NOTE, ""]
+        out += [f"- {team}: {cost.line()}" for team, cost in sorted(costs.items())]
     return "\n".join(out) + "\n"
+
+
+COST_NOTE = (
+    "Estimated by validate before any build exists (quantgate/budget.py): documents scored, prompt tokens as "
+    f"characters of the rendered requests / {CHARS_PER_TOKEN:g}, and the most tokens generation may produce; "
+    "every build is scored on each set, within params.yaml `validate.budget`."
+)
 
 
 BUYS_NOTE = (
@@ -332,10 +345,11 @@ def main() -> None:
     params = load_params()
     profiles = buys.read_profiles(profile_dir, [params.baseline, *params.candidates])
     cost = buys.load_cost(profiles[params.baseline])
-    result = buys.apply(gate(eval_dir, load_teams(evals_dir), params, SEARCH_RESULT, models_dir), profiles, cost)
+    teams = load_teams(evals_dir)
+    result = buys.apply(gate(eval_dir, teams, params, SEARCH_RESULT, models_dir), profiles, cost)
     search = search_of(SEARCH_RESULT)
     write_gate(metrics_path, result)
-    report_path.write_text(report(result, plot_path.name, cost_png.name, search))
+    report_path.write_text(report(result, plot_path.name, cost_png.name, search, {t.name: t.cost for t in teams}))
     recovery_plot(result, plot_path)
     points = buys.cost_points(result)
     cost_json.write_text(json.dumps(points, indent=1) + "\n")

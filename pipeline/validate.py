@@ -15,22 +15,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import PARAMS_FILE, load_builds, read_yaml
 from quantgate.results import TeamSummary, write_teams
-from quantgate.teams import Team, load_teams, min_docs
+from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
 
-def summary(teams: list[Team]) -> dict[str, TeamSummary]:
+def summary(teams: list[Team], budgets: ValidateParams) -> dict[str, TeamSummary]:
     """{team: TeamSummary} (results/teams.json).
 
     min_docs is the fewest documents with which identical builds can PASS (0/1 metrics,
-    quantgate/checks.py), None for continuous metrics.
+    quantgate/checks.py), None for continuous metrics; cost is the set's estimated cost per build
+    (quantgate/budget.py), budget what validate checked it against.
     """
     out = {}
     for t in teams:
         p = t.policy
+        cost = t.cost
         out[t.name] = TeamSummary(
             owner=p.owner,
             contact=p.contact,
@@ -42,6 +45,12 @@ def summary(teams: list[Team]) -> dict[str, TeamSummary]:
             min_docs=min_docs(p),
             tasks={x.name: x.n_docs for x in t.tasks},
             sha256=t.digest,
+            cost={
+                "documents": cost.documents,
+                "prompt_tokens": cost.prompt_tokens,
+                "generated_tokens": cost.generated_tokens,
+            },
+            budget=budgets.for_team(t.name).model_dump(),
         )
     return out
 
@@ -77,13 +86,17 @@ def main() -> None:
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
     check_search(builds)
-    loaded = load_teams(evals_dir)
+    budgets = load_budgets()
+    if evals_dir.is_dir():
+        check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))
+    loaded = load_teams(evals_dir, budgets=budgets)
     own = team_conversations(loaded)
-    teams = summary(loaded)
+    teams = summary(loaded, budgets)
     write_teams(out_json, teams)
     print(f"validate: builds {', '.join(builds)}: each quantized build has its quantize block")
-    for name, t in teams.items():
-        print(f"validate: {name}: ok, {t.n_docs} docs, metric {t.metric}, owner {t.owner}")
+    for t in loaded:
+        s = teams[t.name]
+        print(f"validate: {t.name}: ok, {s.n_docs} docs, metric {s.metric}, owner {s.owner}; per build {t.cost.line()}")
     if own:
         print(f"validate: {len(own)} team calibration conversations: ok, {CHECKED}")
 

@@ -57,44 +57,49 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
     import lm_eval.api.metrics  # noqa: F401  registers the built-in metrics and aggregations
     from lm_eval.api.registry import AGGREGATION_REGISTRY, HIGHER_IS_BETTER_REGISTRY, METRIC_REGISTRY
 
+    where = key_locator(task_path)
     entries = config.get("metric_list")
     if entries is None or entries == []:
-        return [f"{task_path}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
+        return [f"{where('metric_list')}: metric_list is missing or empty; list at least the metric team.yaml gates on"]
     if not isinstance(entries, list):
         return [
-            f"{task_path}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
+            f"{where('metric_list')}: metric_list must be a list of {{metric: ..., aggregation: mean}} entries, "
             f"got a {type(entries).__name__}"
         ]
     problems, names = [], []
     for i, m in enumerate(entries):
         if not isinstance(m, dict) or not isinstance(m.get("metric"), str):
-            problems.append(f"{task_path}: metric_list[{i}] needs a `metric:` name")
+            problems.append(f"{where('metric_list', i)}: metric_list[{i}] needs a `metric:` name")
             continue
         names.append(m["metric"])
         if m["metric"] not in METRIC_REGISTRY:
             problems.append(
-                f"{task_path}: metric_list[{i}]: unknown metric {m['metric']!r}; use one of {sorted(METRIC_REGISTRY)}"
+                f"{where('metric_list', i)}: metric_list[{i}]: unknown metric {m['metric']!r}; "
+                f"use one of {sorted(METRIC_REGISTRY)}"
             )
         agg = m.get("aggregation", "mean")
         if not isinstance(agg, str) or agg not in AGGREGATION_REGISTRY:
             problems.append(
-                f"{task_path}: metric_list[{i}]: unknown aggregation {agg!r}; use one of {sorted(AGGREGATION_REGISTRY)}"
+                f"{where('metric_list', i)}: metric_list[{i}]: unknown aggregation {agg!r}; "
+                f"use one of {sorted(AGGREGATION_REGISTRY)}"
             )
         elif m["metric"] == gated_metric and agg != "mean":
             problems.append(
-                f"{task_path}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
+                f"{where('metric_list', i)}: metric_list[{i}]: the gated metric {gated_metric!r} must aggregate "
                 f"with `mean` (the gate pairs per-document scores), not {agg!r}"
             )
         if m["metric"] == gated_metric and "higher_is_better" in m and m["higher_is_better"] != higher_is_better:
             problems.append(
-                f"{task_path}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
+                f"{where('metric_list', i)}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
                 f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)"
             )
     if gated_metric not in names:
-        problems.append(f"{task_path}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}")
+        problems.append(
+            f"{where('metric_list')}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}"
+        )
     if gated_metric in HIGHER_IS_BETTER_REGISTRY and HIGHER_IS_BETTER_REGISTRY[gated_metric] != higher_is_better:
         problems.append(
-            f"{task_path}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
+            f"{where('metric_list')}: team.yaml says higher_is_better: {str(higher_is_better).lower()} for "
             f"{gated_metric!r}, but lm-eval scores {gated_metric} with higher_is_better: "
             f"{str(HIGHER_IS_BETTER_REGISTRY[gated_metric]).lower()}; fix team.yaml (the gate would "
             "count a loss as a gain)"
@@ -103,7 +108,7 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
 
 
 OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikelihood_rolling")
-SPLIT_KEYS = ("test_split", "validation_split", "train_split", "fewshot_split")
+SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
 # lm-eval task keys that take Python callables, load code or prompts from elsewhere, or allow
 # running generated code: a team's YAML can only name them, and they are team code either way.
 CODE_KEYS = frozenset(
@@ -121,13 +126,13 @@ def check_task(task_path: Path, config: dict) -> list[str]:
     from lm_eval.api.task import TaskConfig
 
     problems = []
+    where = key_locator(task_path)
     known = {f.name for f in dataclasses.fields(TaskConfig)}
     for key in sorted(set(config) - known):
         problems.append(
-            f"{task_path}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
+            f"{where(key)}: unknown task key {key!r} (lm-eval TaskConfig has no such field)"
             + ("; `include` is not supported: write the task out in full" if key == "include" else "")
         )
-    where = key_locator(task_path)
     for key in sorted(CODE_KEYS & {k for k, v in config.items() if v not in (None, False)}):
         problems.append(f"{where(key)}: {key}: a team task may not set it (it runs or fetches code); remove it")
     kwargs = config.get("dataset_kwargs")
@@ -137,19 +142,21 @@ def check_task(task_path: Path, config: dict) -> list[str]:
             "rest reaches the dataset loader); remove it"
         )
     if config.get("output_type", "generate_until") not in OUTPUT_TYPES:
-        problems.append(f"{task_path}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}")
+        problems.append(
+            f"{where('output_type')}: output_type {config.get('output_type')!r} is not one of {list(OUTPUT_TYPES)}"
+        )
     if config.get("dataset_path") != "json":
         problems.append(
-            f"{task_path}: dataset_path must be `json` (data come from this folder, never from a hub), "
+            f"{where('dataset_path')}: dataset_path must be `json` (data come from this folder, never from a hub), "
             f"got {config.get('dataset_path')!r}"
         )
     if not re.fullmatch(r"[A-Za-z0-9_\-.]+", str(config.get("task", ""))):
-        problems.append(f"{task_path}: task name {config.get('task')!r}: use letters, digits, _ - . only")
+        problems.append(f"{where('task')}: task name {config.get('task')!r}: use letters, digits, _ - . only")
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     for key in SPLIT_KEYS:
         split = config.get(key)
         if split is not None and isinstance(files, dict) and split not in files:
-            problems.append(f"{task_path}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
+            problems.append(f"{where(key)}: {key} {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
     gen = config.get("generation_kwargs") or {}
     if (
         config.get("output_type") == "generate_until"
@@ -157,7 +164,7 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         and (gen.get("do_sample") or gen.get("temperature", 0) not in (0, 0.0))
     ):
         problems.append(
-            f"{task_path}: generation must be greedy (do_sample: false, temperature: 0): "
+            f"{where('generation_kwargs')}: generation must be greedy (do_sample: false, temperature: 0): "
             "sampled outputs would compare builds by chance"
         )
     if not isinstance(gen, dict):
@@ -262,24 +269,33 @@ def _check_fewshot(where: Callable[..., str], config: dict) -> list[str]:
     return problems
 
 
-def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
-    """(problems, [(line, document)]) of one JSONL data file, every bad line listed.
+def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]], list[str]]:
+    """(problems, [(line, document as written)], the file's lines) of one JSONL data file, every bad line listed.
 
-    Checks: size limit, blank lines, lines that are not JSON objects, and the JSONL rules of
-    quantgate/jsonl.py (UTF-8, JSON, nesting, unpaired surrogates).
+    These are quantgate's own rules, each stricter than the datasets loader that lm-eval reads the file with
+    (quantgate/loader.py) and named in its message: the size rule, the blank-line rule, one JSON object per
+    line, and the JSONL rules of quantgate/jsonl.py (UTF-8, no NaN, nesting, unpaired surrogates, a key
+    given twice). A leading byte-order mark and CRLF line ends are accepted, as the loader accepts them.
     """
     raw = data_path.read_bytes()
     if len(raw) > MAX_DATA_BYTES:
-        return [f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit; split or sample the set"], []
+        return (
+            [
+                f"{data_path}: {len(raw)} bytes is over the {MAX_DATA_BYTES} byte limit (quantgate's size rule); "
+                "split or sample the set"
+            ],
+            [],
+            [],
+        )
     try:
         lines = decode(raw).split("\n")
     except BadLine as exc:
-        return [exc.at(data_path)], []
+        return [exc.at(data_path)], [], []
     problems, docs = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             if n < len(lines):  # a final newline is fine
-                problems.append(f"{data_path}:{n}: blank line; remove it")
+                problems.append(f"{data_path}:{n}: blank line (quantgate's blank-line rule); remove it")
             continue
         try:
             doc = parse_line(n, line)
@@ -287,28 +303,42 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]]]:
             problems.append(exc.at(data_path))
             continue
         if not isinstance(doc, dict):
-            problems.append(f"{data_path}:{n}: a line must be a JSON object, got {type(doc).__name__}")
+            problems.append(
+                f'{data_path}:{n}: a line must be a JSON object (one document: {{"field": value, ...}}), '
+                f"got {type(doc).__name__}"
+            )
             continue
         docs.append((n, doc))
-    return problems, docs
+    return problems, docs, lines
 
 
-def check_data(config: dict, data_path: Path, where: Callable[..., str], render: bool = True) -> tuple[list[str], int]:
-    """Problems in one JSONL data file, and its number of documents.
+Row = tuple[int, dict, dict]  # (line, the document as written, the document as the datasets loader returns it)
 
-    Checks the file (read_docs), the fields the templates reference that a document lacks,
-    and, with `render`, what every document's templates give in the sandbox
-    (quantgate/templates.py check_document: rendering errors, a multiple_choice target that is not
-    an index into the choices or is the answer text, empty or duplicate choices, unsafe
-    templates). `where(key)` names the task file's line of a key. Pass render=False when
+
+def check_data(
+    config: dict, data_path: Path, rows: list[Row], where: Callable[..., str], render: bool = True
+) -> tuple[list[str], list[tuple[dict | None, dict | None]]]:
+    """(problems, rendered) of the documents of one JSONL data file, checked on what lm-eval will see.
+
+    `rendered` holds, per row, what the task's templates give for it (templates.lm_eval_value by key) as a
+    scored document and as a few-shot example (fewshot_config's templates over the task's), None where a
+    template failed or was not rendered.
+
+    `rows` pair each line's document as written with the document the datasets loader returns for it
+    (quantgate/loader.py): templates are rendered on the loaded one (a float where the file has an integer,
+    None for a field the line lacks), the line's text says whether a field is missing or null. Checks the
+    fields the templates reference that a document lacks, a document given twice, and, with `render`, what
+    every document's templates give in the sandbox (quantgate/templates.py check_document: rendering errors,
+    a multiple_choice target that is not an index into the choices or is the answer text, empty or duplicate
+    choices, unsafe templates). `where(key)` names the task file's line of a key. Pass render=False when
     check_templates refused a template: it is then not rendered at all.
     """
-    problems, docs = read_docs(data_path)
+    problems: list[str] = []
     try:
         fields = template_fields(config)
     except ValueError:  # check_templates reports it, with the task file's line
         fields, render = {}, False
-    features = {f for _, doc in docs for f in doc}
+    features = {f for _, _, doc in rows for f in doc}
     fewshot = config.get("fewshot_config") if isinstance(config.get("fewshot_config"), dict) else {}
     # few-shot examples are documents of these files too, rendered with fewshot_config's templates
     shots = {
@@ -317,16 +347,18 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
     skip: set[str] = set()
     shot_skip: set[str] = set(RENDERED) - set(shots)
     seen: dict[str, int] = {}
-    for n, doc in docs:
+    rendered: list[tuple[dict | None, dict | None]] = []
+    for n, written, doc in rows:
+        main, shot = {}, {}
         # a repeated document counts twice in the paired test, as if it were two pieces of evidence
-        if (first := seen.setdefault(json.dumps(doc, sort_keys=True, ensure_ascii=False), n)) != n:
+        if (first := seen.setdefault(json.dumps(doc, sort_keys=True, ensure_ascii=False, default=str), n)) != n:
             problems.append(f"{data_path}:{n}: repeats the document of line {first}; remove the repeat")
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if doc.get(f) is None})
         for f, key in missing:
-            state = "null; give it a value" if f in doc else "missing; add it"
+            state = "null; give it a value" if f in written else "missing; add it"
             problems.append(f"{data_path}:{n}: field {f!r} used by {key} is {state} or fix the template")
         if render and not missing:
-            problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip)
+            problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip, main)
         if render and shots:
             problems += check_document(
                 {**config, **shots},
@@ -335,8 +367,10 @@ def check_data(config: dict, data_path: Path, where: Callable[..., str], render:
                 f"{data_path}:{n} (as a few-shot example)",
                 lambda *at: where("fewshot_config", *at),
                 shot_skip,
+                shot,
             )
-    return problems, len(docs)
+        rendered.append((main or None, {**main, **shot} if main and (shot or not shots) else None))
+    return problems, rendered
 
 
 # lm-eval filters a team task may use (lm_eval/filters): none runs code the team wrote.

@@ -7,6 +7,7 @@ caller saying what to do. Team data files go through checks.read_docs, which app
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -28,7 +29,9 @@ class BadLine(ValueError):
 
 
 def decode(raw: bytes) -> str:
-    """`raw` as UTF-8. Raises BadLine at the line of the first byte that is not UTF-8."""
+    """`raw` as UTF-8, less a leading byte-order mark (some Windows editors write one; the datasets JSON loader
+    that lm-eval uses skips it too). Raises BadLine at the line of the first byte that is not UTF-8."""
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -36,27 +39,58 @@ def decode(raw: bytes) -> str:
         raise BadLine(number, f"not UTF-8 (byte 0x{raw[exc.start]:02x})", "save the file as UTF-8") from None
 
 
+def _unique_keys(number: int):
+    """json's object_pairs_hook refusing a key given twice in one object (json keeps the last silently)."""
+
+    def pairs(items: list[tuple[str, object]]) -> dict:
+        out: dict = {}
+        for key, value in items:
+            if key in out:
+                raise BadLine(
+                    number,
+                    f"key {key!r} is given twice in one object (the datasets loader lm-eval uses refuses such a "
+                    "file, or in a nested object keeps a wrong value)",
+                    "keep one",
+                )
+            out[key] = value
+        return out
+
+    return pairs
+
+
 def parse_line(number: int, line: str) -> object:
     """The JSON value of line `number`. Raises BadLine if it is not JSON (NaN and Infinity, which Python's json
-    reads, are not JSON: RFC 8259 section 6), is nested too deeply for the parser, or holds an unpaired
-    surrogate (`"\\ud800"`: json reads it, but no UTF-8 writer or dataset loader does)."""
+    reads, are not JSON: RFC 8259 section 6), is nested too deeply for the parser, holds an unpaired
+    surrogate (`"\\ud800"`: json reads it, but no UTF-8 writer or dataset loader does), or gives a key twice
+    in one object. Each of these names its rule (evals/README.md)."""
 
     def not_json(name: str):
         raise BadLine(
-            number, f"{name} is not JSON (RFC 8259 has no NaN or Infinity)", "write a number, a string or null"
+            number,
+            f"{name} is not JSON (RFC 8259 has no NaN or Infinity; quantgate's no-NaN rule, stricter than the "
+            "datasets loader)",
+            "write a number, a string or null",
         )
 
     try:
-        value = json.loads(line, parse_constant=not_json)
+        value = json.loads(line, parse_constant=not_json, object_pairs_hook=_unique_keys(number))
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except json.JSONDecodeError as exc:
         # "Unterminated string starting at" names its position itself
+        if exc.msg == "Extra data":  # `{...}{...}`: the datasets loader would read two documents from one line
+            raise BadLine(
+                number,
+                f"more than one JSON value on the line (at column {exc.colno}; quantgate's one-object-per-line rule)",
+                "put each document on its own line",
+            ) from None
         raise BadLine(number, f"invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
     except RecursionError:
-        raise BadLine(number, "JSON nested too deeply", "flatten the document") from None
+        raise BadLine(number, "JSON nested too deeply (quantgate's nesting rule)", "flatten the document") from None
     except UnicodeEncodeError as exc:
         raise BadLine(
-            number, f"a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800)", "write real characters"
+            number,
+            f"a string holds an unpaired surrogate ({exc.reason}, e.g. \\ud800; quantgate's surrogate rule)",
+            "write real characters",
         ) from None
     return value
 

@@ -55,6 +55,10 @@ class TeamSummary(Document):
     min_docs: int | None  # fewest docs with which identical builds can PASS (0/1 metrics), else None
     tasks: dict[str, int]  # {task: docs}
     sha256: str  # digest of the team folder
+    # estimated cost of scoring the set once, per build (quantgate/budget.py): documents, prompt_tokens,
+    # generated_tokens; and the budget it was checked against (params validate)
+    cost: dict[str, int] | None = None
+    budget: dict[str, int] | None = None
 
 
 _TEAMS = TypeAdapter(dict[str, TeamSummary])

@@ -69,6 +69,31 @@ def per_sample_scores(team: Team, results: dict) -> tuple[dict[str, TaskScore], 
     return tasks, rows
 
 
+def check_scored(team: Team, results: dict, limit: int | None) -> None:
+    """Raises QuantgateError unless lm-eval scored exactly the tasks validate listed for `team` (quantgate/teams.py,
+    the same rules as `quantgate evals validate`), each on as many documents as validate counted (Task.n_docs,
+    after the team's limit) capped at `limit` (effective_limit). lm-eval keeps one of two tasks of one name,
+    and a loader that read the data differently would change the counts: either way the team's verdict would
+    rest on documents nobody checked, so it fails closed."""
+    listed = {t.name: t for t in team.tasks}
+    samples = results.get("samples") or {}
+    if set(samples) != set(listed):
+        raise QuantgateError(
+            f"lm-eval scored tasks {sorted(samples)}, but validate listed {sorted(listed)}; "
+            "run `quantgate evals validate` on the team's folder"
+        )
+    for name, task in listed.items():
+        flt = selected_filter(task.config)
+        n = sum(1 for s in samples[name] if s.get("filter", "none") == flt)
+        want = min(task.n_docs, limit) if limit else task.n_docs
+        if n != want:
+            raise QuantgateError(
+                f"task {name}: lm-eval scored {n} documents, but validate counted {want} in "
+                f"{task.config['dataset_kwargs']['data_files'].get(task.config.get('test_split') or '', '')}; "
+                "run `quantgate evals validate` on the team's folder"
+            )
+
+
 def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int = 256) -> list[str]:
     """Requests lm-eval would left-truncate, one line each ("task doc N: ...").
 
@@ -126,6 +151,7 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[TeamScores, list[d
         )
     if results is None:
         raise QuantgateError("lm-eval returned no results")
+    check_scored(team, results, effective_limit(team, harness))
     tasks, rows = per_sample_scores(team, results)
     raw = [dict(s, task=name) for name, samples in results["samples"].items() for s in samples]
     gen_toks = getattr(lm, "max_gen_toks", None) or getattr(lm, "_max_gen_toks", 256)

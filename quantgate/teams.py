@@ -14,10 +14,13 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from quantgate.budget import Budget, Cost, DocCost, ValidateParams, doc_costs, estimate, largest_limit, over
 from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
 from quantgate.errors import QuantgateError
+from quantgate.fewshot import check_examples, scored_split
 from quantgate.hashing import digest_of, digest_tree, sha256_file
-from quantgate.params import Frozen, parse, read_yaml
+from quantgate.params import Frozen, key_lines, parse, read_yaml
+from quantgate.taskdata import capped, data_files, read_rows
 from quantgate.templates import check_templates, key_locator
 
 POLICY_FILE = "team.yaml"
@@ -56,12 +59,16 @@ class TeamPolicy(Frozen):
 
 @dataclass(frozen=True)
 class Task:
-    """One lm-eval task: `config` is the task YAML with data paths made absolute."""
+    """One lm-eval task: `config` is the task YAML with data paths made absolute; `docs` the scored split's
+    documents as lm-eval's datasets loader returns them (quantgate/loader.py), all of them, in file order;
+    `costs` each one's share of the team's cost per build (quantgate/budget.py)."""
 
     name: str
     path: Path
     config: dict
     n_docs: int  # documents the gate will see (test split, after the team's limit)
+    docs: tuple[dict, ...] = ()
+    costs: tuple[DocCost, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,11 @@ class Team:
     tasks: tuple[Task, ...]
     digest: str
     scores_digest: str
+
+    @property
+    def cost(self) -> Cost:
+        """The estimated cost of scoring this team's set once (per build), after its limit (quantgate/budget.py)."""
+        return estimate([list(t.costs) for t in self.tasks], self.policy.limit)
 
 
 MAX_NODES = 100_000  # values a task YAML may expand to: aliases can make a small file enormous
@@ -100,7 +112,10 @@ def _size(value, budget: int = MAX_NODES + 1) -> int:
 def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Task | None:
     """One task YAML, data paths made absolute; appends every problem found to `problems`."""
     if path.is_symlink():  # its digest and the sandbox's checks cover only the folder's own files
-        problems.append(f"{path}: is a link; a task YAML must be a file in the team folder (copy it in)")
+        problems.append(
+            f"{path}: is a symlink (to {path.readlink()}); a task YAML must be a regular file in the team folder: "
+            "copy it in"
+        )
         return None
     try:
         config = read_yaml(path)
@@ -118,7 +133,7 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         return None
     if not isinstance(config.get("task"), str):
         problems.append(
-            f"{path}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
+            f"{key_locator(path)('task')}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
             "name shared templates with a leading _"
         )
         return None
@@ -132,42 +147,40 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     if not isinstance(files, dict) or not files:
         problems.append(
-            f"{path}: dataset_kwargs.data_files must map a split to a JSONL file in this folder, "
+            f"{where('dataset_kwargs')}: dataset_kwargs.data_files must map a split to a JSONL file in this folder, "
             "e.g. {test: data.jsonl}"
         )
         return None
-    split = config.get("test_split") or config.get("validation_split")
+    split = scored_split(config)
     if split not in files:
-        problems.append(f"{path}: test_split {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}")
-    resolved, n_docs, counts = {}, 0, {}
-    for name, rel in files.items():
-        p = (path.parent / str(rel)).resolve()
-        if not isinstance(rel, str) or not p.is_relative_to(path.parent.resolve()):
-            problems.append(
-                f"{path}: dataset_kwargs.data_files.{name}: {rel!r} must be one file inside the team "
-                "folder (its digest and the evaluation cache cover only that folder)"
-            )
-            continue
-        if not p.is_file():
-            problems.append(f"{path}: dataset_kwargs.data_files.{name}: {rel} not found next to the task file")
-            continue
-        resolved[name] = str(p)
-        found, n = check_data(config, p, where, render=not unsafe)
-        if n == 0 and not found:
-            found = [f"{p}: no documents; add one JSON object per line"]
-        problems += found[:20] + ([f"{p}: ... and {len(found) - 20} more"] if len(found) > 20 else [])
-        n_docs += n if name == split else 0
-        counts[name] = n
-    shots, fewshot_split = config.get("num_fewshot"), config.get("fewshot_split")
-    if isinstance(shots, int) and fewshot_split in counts and shots > counts[fewshot_split]:
         problems.append(
-            f"{where('num_fewshot')}: num_fewshot {shots} but the {fewshot_split!r} split has {counts[fewshot_split]} "
-            "documents; add examples or lower num_fewshot"
+            f"{where('test_split')}: test_split {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}"
         )
-    config["dataset_kwargs"]["data_files"] = resolved
-    if policy is not None and policy.limit:
-        n_docs = min(n_docs, policy.limit)
-    return Task(name=str(config["task"]), path=path, config=config, n_docs=n_docs)
+    resolved = data_files(path, files, where, problems)
+    if resolved is None:
+        return None
+    rows = read_rows(resolved, where, problems)
+    if rows is None:
+        return None
+    rendered, clean = {}, True
+    for name, file in resolved.items():
+        found, rendered[name] = check_data(config, file, rows[name], where, render=not unsafe)
+        problems += capped(file, found)
+        clean = clean and not found
+    found, examples = check_examples(where, config, resolved, rows, rendered, compare=clean)
+    problems += found
+    scored = rows.get(split, [])
+    config["dataset_kwargs"]["data_files"] = {name: str(f) for name, f in resolved.items()}
+    n_docs = len(scored) if policy is None or not policy.limit else min(len(scored), policy.limit)
+    costs = doc_costs(config, [v for v, _ in rendered.get(split, [])], examples)
+    return Task(
+        name=str(config["task"]),
+        path=path,
+        config=config,
+        n_docs=n_docs,
+        docs=tuple(doc for _, _, doc in scored),
+        costs=tuple(costs),
+    )
 
 
 def min_docs(policy: TeamPolicy) -> int | None:
@@ -181,8 +194,15 @@ def min_docs(policy: TeamPolicy) -> int | None:
 TEAM_NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")  # also an MLflow tag key part (gate.<team>.verdict)
 
 
-def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
-    """Load one team folder and collect every problem; the Team is None if it cannot be built."""
+def inspect_team(
+    path: Path, taken: dict[str, Path] | None = None, budget: Budget | None = None
+) -> tuple[Team | None, list[str]]:
+    """Load one team folder and collect every problem; the Team is None if it cannot be built.
+
+    `taken`: task names other teams' folders declare, {name: task file} (declared_tasks); a task of this team
+    with one of them is a problem, as is a name two of its own task files give. `budget`: what the set may
+    cost per build (quantgate/budget.py); None checks no budget.
+    """
     policy_path = path / POLICY_FILE
     problems: list[str] = []
     if not TEAM_NAME.match(path.name):
@@ -191,16 +211,18 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
             "starting with a letter (it names the team in tags and reports)"
         )
     policy = None
-    try:
-        policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path), policy_path)
-    except QuantgateError as exc:
-        problems.append(str(exc))
-    tasks = [
-        t
-        for p in sorted(path.glob("*.yaml"))
-        if p.name != POLICY_FILE and not p.name.startswith("_")
-        if (t := _load_task(p, policy, problems)) is not None
-    ]
+    if policy_path.is_symlink():
+        problems.append(
+            f"{policy_path}: is a symlink (to {policy_path.readlink()}); team.yaml must be a regular file in the "
+            "team folder: copy it in"
+        )
+    else:
+        try:
+            policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path), policy_path)
+        except QuantgateError as exc:
+            problems.append(str(exc))
+    tasks = [t for p in task_files(path) if (t := _load_task(p, policy, problems)) is not None]
+    problems += _name_clashes(tasks, taken or {})
     if not tasks and not problems:
         problems.append(f"{path}: no lm-eval task YAML (a *.yaml with `task:`); see evals/README.md")
     if policy is None or problems:
@@ -211,19 +233,79 @@ def inspect_team(path: Path) -> tuple[Team | None, list[str]]:
         margin = policy.margin.points(1.0)
         if n < need:
             problems.append(
-                f"{policy_path}: {n} documents can never PASS: at margin {margin:g} and confidence "
+                f"{policy_path}:{key_lines(policy_path).get(('margin',), 1)}: {n} documents can never PASS: at "
+                f"margin {margin:g} and confidence "
                 f"{policy.confidence:g} even identical builds need at least {need}; "
                 "add documents or widen the margin"
             )
             return None, problems
-    return Team(
+    team = Team(
         name=path.name,
         path=path,
         policy=policy,
         tasks=tuple(tasks),
         digest=digest_tree(path),
         scores_digest=scores_digest(path, tasks),
-    ), []
+    )
+    if budget is not None and (found := _over_budget(team, budget)):
+        return None, found
+    return team, []
+
+
+def task_files(path: Path) -> list[Path]:
+    """A team folder's task YAMLs: every *.yaml but team.yaml and shared templates (a leading _), sorted."""
+    return [p for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith("_")]
+
+
+def declared_tasks(path: Path) -> list[tuple[str, Path]]:
+    """(task name, task file) of every task YAML in a team folder that names one, read without checking the
+    rest of the file (another team's folder, when one team is checked: its other problems are its own)."""
+    out = []
+    for p in task_files(path):
+        try:
+            config = read_yaml(p)
+        except QuantgateError:
+            continue
+        if isinstance(config, dict) and isinstance(config.get("task"), str):
+            out.append((config["task"], p))
+    return out
+
+
+def _name_clashes(tasks: list[Task], taken: dict[str, Path]) -> list[str]:
+    """A task name given twice in one team, or one that another team's folder gives (`taken`): lm-eval would
+    keep one of the two tasks and score it for both."""
+    problems, own = [], {}
+    for t in tasks:
+        where = key_locator(t.path)("task")
+        if t.name in own:
+            problems.append(
+                f"{where}: task name {t.name!r} already used by {own[t.name]} in this team's folder; rename one"
+            )
+        elif t.name in taken:
+            problems.append(f"{where}: task name {t.name!r} already used by {taken[t.name]}; rename one")
+        own.setdefault(t.name, t.path)
+    return problems
+
+
+def _over_budget(team: Team, budget: Budget) -> list[str]:
+    """One line per count of the team's cost over `budget`, naming its data files, the count and the budget,
+    and the largest `limit:` that fits."""
+    cost = team.cost
+    excess = over(cost, budget)
+    if not excess:
+        return []
+    files = ", ".join(f"{Path(t.config['dataset_kwargs']['data_files'][scored_split(t.config)])}" for t in team.tasks)
+    fits = largest_limit([list(t.costs) for t in team.tasks], budget)
+    fix = (
+        f"evaluate fewer with `limit: {fits}` in {team.path / POLICY_FILE} (documents per task)"
+        if fits
+        else "shorten the prompts"
+    )
+    return [
+        f"{files}: {count:,} {what} per build (estimated: {cost.line()}) is over the budget of {most:,} "
+        f"(params.yaml validate.budget); {fix}, or ask the release side for validate.teams.{team.name}"
+        for what, count, most in excess
+    ]
 
 
 def scores_digest(path: Path, tasks: list[Task]) -> str:
@@ -235,31 +317,34 @@ def scores_digest(path: Path, tasks: list[Task]) -> str:
     return digest_of({f.relative_to(root).as_posix(): sha256_file(f) for f in files})
 
 
-def load_team(path: Path) -> Team:
-    """Load one team folder. Raises QuantgateError listing every problem with file:line."""
-    team, problems = inspect_team(path)
-    if team is None:
-        raise QuantgateError(_listing(path.name, problems))
-    return team
+def load_team(path: Path, budgets: ValidateParams | None = None) -> Team:
+    """One team folder, checked by every rule load_teams applies (its task names against its siblings' under
+    path's parent folder included). Raises QuantgateError listing every problem with file:line."""
+    path = path if path.name not in ("", ".", "..") else path.resolve()  # `.` has no name to find it by
+    return load_teams(path.parent, only=path.name, budgets=budgets)[0]
 
 
 def _listing(team: str, problems: list[str]) -> str:
     return f"team {team}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
 
 
-def load_teams(root: Path) -> list[Team]:
-    """Every team under `root` (folders with a team.yaml), sorted by name.
+def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | None = None) -> list[Team]:
+    """Every team under `root` (folders with a team.yaml), sorted by name; with `only`, that one team folder.
 
-    Raises QuantgateError listing every problem of every team (each named), if there is no
-    team, or if two teams declare the same task name.
+    One set of rules either way: each team is checked (inspect_team) with the task names of every other team
+    folder under `root` (declared_tasks) and its budget from `budgets` (None: no budget). Raises QuantgateError
+    listing every problem of every team checked (each named), if there is no team, or (checking all) if a
+    folder has task YAMLs but no team.yaml.
     """
     if not root.is_dir():
         raise QuantgateError(f"{root}: not a folder of team eval sets; see evals/README.md")
     folders = [p for p in sorted(root.iterdir()) if (p / POLICY_FILE).is_file()]
+    if only is not None and not (root / only / POLICY_FILE).is_file():
+        raise QuantgateError(f"{root / only}: no {POLICY_FILE}; a team folder has one (see `quantgate evals new`)")
     if not folders:
         raise QuantgateError(f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md")
     teams, errors = [], []
-    for p in sorted(root.iterdir()):  # task files without a policy would silently drop a team from the gate
+    for p in sorted(root.iterdir()) if only is None else []:  # task files without a policy would drop a team
         if p.is_dir() and not (p / POLICY_FILE).is_file() and any(p.glob("*.yaml")):
             errors.append(
                 _listing(
@@ -270,23 +355,15 @@ def load_teams(root: Path) -> list[Team]:
                     ],
                 )
             )
-    for folder in folders:
-        team, problems = inspect_team(folder)
+    declared = {folder: declared_tasks(folder) for folder in folders}
+    for folder in folders if only is None else [root / only]:
+        taken = {name: file for other, found in declared.items() if other != folder for name, file in found}
+        budget = budgets.for_team(folder.name) if budgets is not None else None
+        team, problems = inspect_team(folder, taken, budget)
         if team is None:
             errors.append(_listing(folder.name, problems))
         else:
             teams.append(team)
-    seen: dict[str, Path] = {}
-    for team in teams:
-        for task in team.tasks:
-            if task.name in seen:
-                errors.append(
-                    _listing(
-                        team.name,
-                        [f"{task.path}: task name {task.name!r} already used by {seen[task.name]}; rename one"],
-                    )
-                )
-            seen[task.name] = task.path
     if errors:
         raise QuantgateError("\n".join(errors))
     return teams

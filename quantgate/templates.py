@@ -113,13 +113,20 @@ def _quoted(message: str) -> str | None:
 
 
 def check_document(
-    config: dict, doc: dict, features: set[str], at: str, where: Callable[..., str], skip: set[str]
+    config: dict,
+    doc: dict,
+    features: set[str],
+    at: str,
+    where: Callable[..., str],
+    skip: set[str],
+    rendered: dict | None = None,
 ) -> list[str]:
     """Problems with what one document's templates give; `at` is "data.jsonl:LINE".
 
     `where(key)` is "task.yaml:LINE" of a key (key_locator). Keys in `skip` are not rendered; a key the
     sandbox refuses is reported once, at its task line, and added to `skip`; after a render
-    that runs out of time every key is (the file is not rendered further).
+    that runs out of time every key is (the file is not rendered further). When every key renders,
+    `rendered` (if given) receives {key: what lm-eval gives} (lm_eval_value).
     """
     problems, values = [], {}
     try:
@@ -152,6 +159,8 @@ def check_document(
         ]
     if any(isinstance(v, Exception) for v in values.values()):
         return problems
+    if rendered is not None:
+        rendered.update(values)
     text = values.get("doc_to_text")
     if text is not None and not isinstance(text, str):
         problems.append(

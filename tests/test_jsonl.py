@@ -21,8 +21,12 @@ def test_values_with_line_numbers_blank_lines_skipped(tmp_path):
     [
         (b'{"a": 1}\n{"a": \n', "2: invalid JSON (Expecting value at column 7)"),
         (b'{"a": 1}\n\n{"a": "caf\xe9"}\n', "3: not UTF-8 (byte 0xe9)"),
-        (b'{"a": "\\ud800"}\n', "1: a string holds an unpaired surrogate (surrogates not allowed, e.g. \\ud800)"),
-        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "1: JSON nested too deeply"),
+        (
+            b'{"a": "\\ud800"}\n',
+            "1: a string holds an unpaired surrogate (surrogates not allowed, e.g. \\ud800; "
+            "quantgate's surrogate rule)",
+        ),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "1: JSON nested too deeply (quantgate's nesting rule)"),
     ],
 )
 def test_bad_line_is_one_line_naming_file_line_problem_and_fix(tmp_path, raw, error):

@@ -241,10 +241,17 @@ def test_settings_and_templates_that_would_fail_or_overload_evaluation_are_refus
     [
         {"doc_to_text": "{% raw %}{{ x.__class__ }}{% endraw %}{# {{ x.__class__ }} #}Q: {{question}}"},
         {"doc_to_target": 0},  # a fixed index, as lm-eval's blimp tasks write it
-        {"num_fewshot": 1, "fewshot_config": {"sampler": "first_n", "doc_to_text": "Example: {{ question }}"}},
+        {
+            "num_fewshot": 1,
+            "fewshot_split": "train",
+            "dataset_kwargs": {"data_files": {"test": "data.jsonl", "train": "shots.jsonl"}},
+            "fewshot_config": {"sampler": "first_n", "doc_to_text": "Example: {{ question }}"},
+        },
     ],
 )
 def test_safe_forms_people_write_are_accepted(example_evals, changes):
+    shot = {"id": "shot", "question": "What is the capital of Peru?", "choices": ["Lima", "Quito"], "answer": 0}
+    (example_evals / "search" / "shots.jsonl").write_text(json.dumps(shot) + "\n")  # read only where named
     edit_task(example_evals / "search" / "capitals.yaml", **changes)
     assert load_team(example_evals / "search").tasks[0].n_docs == 216
 
@@ -269,7 +276,7 @@ def test_hostile_files_get_one_line_each_not_a_traceback(example_evals, tmp_path
     with pytest.raises(QuantgateError) as err:
         load_team(team)
     msg = str(err.value)
-    assert f"{team / 'data.jsonl'}:2: JSON nested too deeply; flatten the document" in msg
+    assert f"{team / 'data.jsonl'}:2: JSON nested too deeply (quantgate's nesting rule); flatten the document" in msg
     assert f"{team / 'data.jsonl'}:3: a string holds an unpaired surrogate" in msg
     assert f"{team / 'zz_laughs.yaml'}: expands to over 100000 YAML values" in msg
-    assert f"{team / 'linked.yaml'}: is a link; a task YAML must be a file in the team folder" in msg
+    assert f"{team / 'linked.yaml'}: is a symlink (to {tmp_path / 'outside.yaml'}); a task YAML must be a" in msg

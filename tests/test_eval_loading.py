@@ -1,0 +1,191 @@
+"""validate accepts exactly what lm-eval will score: each folder here goes through `load_team` and through lm-eval's
+own loading (TaskManager(include_path=folder), the data files read relative to the folder, as a team runs lm-eval
+on it). Either both accept it and the tasks and documents are the same, or validate refuses it naming file:line."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quantgate.errors import QuantgateError
+from quantgate.teams import load_team
+from tests.conftest import REPO
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache_in_tmp(tmp_path, monkeypatch):
+    """lm-eval's own loading writes the datasets' Arrow cache: into the test's folder, not ~/.cache."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+
+
+def lm_eval_tasks(folder: Path, monkeypatch) -> dict[str, object]:
+    """{task name: lm-eval ConfigurableTask} of a team folder, loaded by lm-eval itself; raises what lm-eval raises."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    monkeypatch.chdir(folder)  # data_files are relative to the folder
+    manager = TaskManager(include_path=str(folder), include_defaults=False)
+    names = sorted(manager.all_subtasks)
+    return get_task_dict(names, manager)
+
+
+def lm_eval_docs(folder: Path, monkeypatch) -> dict[str, list[dict]]:
+    """{task name: its scored documents} as lm-eval loads the folder."""
+    return {name: list(task.eval_docs) for name, task in lm_eval_tasks(folder, monkeypatch).items()}
+
+
+def lm_eval_refusal(folder: Path, monkeypatch) -> str:
+    """The innermost error lm-eval's own loading of `folder` ends in (the datasets loader wraps its cause)."""
+    with pytest.raises(Exception) as err:
+        lm_eval_docs(folder, monkeypatch)
+    exc = err.value
+    while exc.__cause__:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
+
+
+def write_jsonl(path: Path, docs: list[dict], newline: str = "\n", bom: bool = False) -> None:
+    text = newline.join(json.dumps(d) for d in docs) + newline
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode("utf-8"))
+
+
+def search_docs(example_evals: Path) -> list[dict]:
+    return [json.loads(line) for line in (example_evals / "search" / "data.jsonl").read_text().splitlines()]
+
+
+def refusal(folder: Path) -> str:
+    with pytest.raises(QuantgateError) as err:
+        load_team(folder)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("team", ["billing", "search", "support"])
+def test_shipped_teams_validate_with_the_tasks_and_documents_lm_eval_loads(example_evals, team, monkeypatch):
+    validated = load_team(example_evals / team)
+    loaded = lm_eval_docs(example_evals / team, monkeypatch)
+    assert sorted(loaded) == [t.name for t in validated.tasks]
+    for task in validated.tasks:
+        assert list(task.docs) == loaded[task.name] and task.n_docs == len(loaded[task.name])
+    written = [json.loads(line) for line in (REPO / "evals" / team / "data.jsonl").read_text().splitlines()]
+    assert list(validated.tasks[0].docs) == written  # the shipped data read unchanged
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_are_read_as_the_loader_reads_them(example_evals, monkeypatch):
+    docs = search_docs(example_evals)
+    write_jsonl(example_evals / "search" / "data.jsonl", docs, newline="\r\n", bom=True)
+    validated = load_team(example_evals / "search")
+    loaded = lm_eval_docs(example_evals / "search", monkeypatch)["search_capitals"]
+    assert list(validated.tasks[0].docs) == docs == loaded
+
+
+@pytest.mark.parametrize(
+    "index, extra, key, column",
+    [
+        (6, '"answer": 3', "answer", "/answer"),  # the loader refuses the whole file
+        (2, '"meta": {"source": "atlas", "source": "wiki"}', "source", "/meta/source"),  # nested
+    ],
+)
+def test_a_key_given_twice_is_refused_at_its_line_as_the_loader_refuses_the_file(
+    example_evals, monkeypatch, index, extra, key, column
+):
+    data = example_evals / "search" / "data.jsonl"
+    lines = data.read_text().splitlines()
+    lines[index] = lines[index].removesuffix("}") + f", {extra}}}"
+    data.write_text("\n".join(lines) + "\n")
+    assert f"{data}:{index + 1}: key {key!r} is given twice in one object" in refusal(example_evals / "search")
+    assert f"Column({column}) was specified twice" in lm_eval_refusal(example_evals / "search", monkeypatch)
+
+
+def test_integers_the_loader_reads_as_floats_are_refused_as_lm_eval_would_see_them(example_evals, monkeypatch):
+    docs = search_docs(example_evals)
+    docs[4]["answer"] = 2.0  # one float among integers: the loader makes the whole column float
+    write_jsonl(example_evals / "search" / "data.jsonl", docs)
+    msg = refusal(example_evals / "search")
+    data = example_evals / "search" / "data.jsonl"
+    assert f"{data}:1: answer={float(docs[0]['answer'])!r} is not an index into 4 choices (0..3)" in msg
+    loaded = lm_eval_docs(example_evals / "search", monkeypatch)["search_capitals"]
+    assert loaded[0]["answer"] == docs[0]["answer"] and isinstance(loaded[0]["answer"], float)
+
+
+def test_a_date_the_loader_turns_into_a_timestamp_is_rendered_as_lm_eval_renders_it(example_evals, monkeypatch):
+    from quantgate.templates import lm_eval_value
+
+    docs = search_docs(example_evals)
+    for d in docs:
+        d["asked"] = "2026-12-03"
+    write_jsonl(example_evals / "search" / "data.jsonl", docs)
+    task = load_team(example_evals / "search").tasks[0]
+    [(name, lm_task)] = lm_eval_tasks(example_evals / "search", monkeypatch).items()
+    assert list(task.docs) == list(lm_task.eval_docs)
+    config = {**task.config, "doc_to_text": "{{asked}}: {{question}}"}
+    rendered = lm_eval_value(config, "doc_to_text", task.docs[0], set(task.docs[0]))
+    assert rendered == "2026-12-03 00:00:00: What is the capital of France?"  # a datetime, as lm-eval has it
+
+
+def test_a_file_only_the_loader_refuses_is_refused_with_its_reason_and_line(example_evals, monkeypatch):
+    # fields `type` and `message` (an object, then a string) look to the loader like agent traces it cannot decode
+    docs = search_docs(example_evals)
+    for i, d in enumerate(docs):
+        d.update(type="faq", message={"lang": "en"} if i < 3 else "en")
+    write_jsonl(example_evals / "search" / "data.jsonl", docs)
+    msg = refusal(example_evals / "search")
+    data = example_evals / "search" / "data.jsonl"
+    assert f"{data}:4: the datasets JSON loader that lm-eval reads this file with refuses it (ImportError: " in msg
+    assert lm_eval_refusal(example_evals / "search", monkeypatch).startswith("ImportError: To support decoding agent")
+
+
+def test_splits_the_loader_cannot_read_together_are_refused_naming_the_task_line(example_evals, monkeypatch):
+    support = example_evals / "support"
+    shots = [json.loads(line) for line in (support / "fewshot.jsonl").read_text().splitlines()]
+    write_jsonl(support / "fewshot.jsonl", [{**s, "why": "tone"} for s in shots])  # a field data.jsonl lacks
+    msg = refusal(support)
+    loader = "the datasets JSON loader that lm-eval reads data.jsonl, fewshot.jsonl"
+    assert f"{support / 'sentiment.yaml'}:6: {loader}" in msg
+    assert "refuses them together (CastError: Couldn't cast" in msg
+    assert lm_eval_refusal(support, monkeypatch).startswith("CastError: Couldn't cast")
+
+
+@pytest.mark.parametrize(
+    "line, rule",
+    [
+        ('{"id": "x", "question": "q?", "choices": ["a", "b"], "answer": NaN}', "no-NaN rule"),
+        ('{"id": "x", "question": "q?", "choices": ["a", "b"], "answer": 0}{"id": "y"}', "one-object-per-line rule"),
+        ("", "blank-line rule"),
+    ],
+)
+def test_lines_the_loader_reads_but_quantgate_refuses_name_the_rule(example_evals, monkeypatch, line, rule):
+    data = example_evals / "search" / "data.jsonl"
+    lines = data.read_text().splitlines()
+    data.write_text("\n".join(lines[:3] + [line] + lines[3:]) + "\n")
+    assert f"{data}:4: " in (msg := refusal(example_evals / "search")) and rule in msg
+    lm_eval_docs(example_evals / "search", monkeypatch)  # the loader reads it: the rule is quantgate's own
+
+
+def test_a_symlinked_data_file_is_called_a_symlink_at_its_task_line(example_evals, tmp_path):
+    search = example_evals / "search"
+    (tmp_path / "elsewhere.jsonl").write_bytes((search / "data.jsonl").read_bytes())
+    (search / "data.jsonl").unlink()
+    (search / "data.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    msg = refusal(search)
+    assert (
+        f"{search / 'capitals.yaml'}:7: dataset_kwargs.data_files.test: data.jsonl is a symlink (to "
+        f"{tmp_path / 'elsewhere.jsonl'}); a data file must be a regular file in the team folder"
+    ) in msg
+
+
+def test_a_line_quantgate_refuses_does_not_hide_the_problems_of_the_lines_after_it(example_evals):
+    data = example_evals / "support" / "data.jsonl"
+    data.write_bytes(
+        data.read_bytes() + b'\n{"id": "x", "message": "ok", "label": 7}\n'
+    )  # the loader skips a blank line
+    msg = refusal(example_evals / "support")
+    assert f"{data}:305: blank line" in msg and f"{data}:306: label=7 is not an index into 2 choices (0..1)" in msg
+
+
+def test_every_data_file_of_a_task_is_checked_when_one_has_no_document(example_evals):
+    support = example_evals / "support"
+    (support / "data.jsonl").write_text("")
+    (support / "fewshot.jsonl").write_text((support / "fewshot.jsonl").read_text() + "\n")
+    msg = refusal(support)
+    assert f"{support / 'data.jsonl'}: no documents" in msg and f"{support / 'fewshot.jsonl'}:5: blank line" in msg
