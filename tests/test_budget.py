@@ -8,10 +8,10 @@ import math
 import pytest
 from click.testing import CliRunner
 
+from cli.main import cli
 from pipeline.gate import report
 from pipeline.validate import summary
 from quantgate.budget import CHARS_PER_TOKEN, Budget, ValidateParams, check_budget_teams, load_budgets
-from cli.main import cli
 from quantgate.errors import QuantgateError
 from quantgate.results import GateResult
 from quantgate.teams import load_team, load_teams
