@@ -42,7 +42,8 @@ def _data_files(config: dict) -> list[Path]:
     return [Path(f) for f in _strings(files)]
 
 
-def _is_chat(messages) -> bool:
+def is_chat(messages) -> bool:
+    """True for a non-empty list of {"role": system|user|assistant, "content": str} messages."""
     return (
         isinstance(messages, list)
         and bool(messages)
@@ -82,6 +83,11 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
     out = []
     for team in teams:
         path = team.path / TEAM_FILE
+        if path.is_symlink():  # it goes into every build: the file itself must be in the team folder
+            raise QuantgateError(
+                f"{path}: a symlink (to {path.readlink()}); {TEAM_FILE} must be a regular file in the team folder: "
+                "copy it in"
+            )
         if path.exists() and not path.is_file():
             raise QuantgateError(f"{path}: not a file; {TEAM_FILE} is one JSON object per line ({SHAPE})")
         if not path.is_file():
@@ -91,7 +97,7 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
         for number, row in read_jsonl(path, f"save it as UTF-8, one {SHAPE} per line"):
             where = f"{path}:{number}"
             messages = row.get("messages") if isinstance(row, dict) else None
-            if not _is_chat(messages):
+            if not is_chat(messages):
                 raise QuantgateError(f"{where}: expected {SHAPE}")
             if found := overlap(" ".join(m["content"] for m in messages), strings):
                 raise QuantgateError(

@@ -20,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+from quantgate.calibration import is_chat
 from quantgate.errors import QuantgateError
 from quantgate.hashing import sha256_file
 from quantgate.jsonl import read_jsonl
@@ -88,7 +89,10 @@ def read_record(stem: Path, made_with: dict, model: dict) -> list[tuple[str, lis
     out = []
     for number, row in read_jsonl(data, REMAKE):
         messages = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise QuantgateError(f'{data}:{number}: expected {{"messages": [...]}}; {REMAKE}')
+        if not is_chat(messages):
+            raise QuantgateError(
+                f'{data}:{number}: expected {{"messages": [{{"role": "user"|"assistant"|"system", "content": "..."}}, '
+                f"...]}}; {REMAKE}"
+            )
         out.append((f"{data}:{number}", messages))
     return out

@@ -325,7 +325,9 @@ def load_team(path: Path, budgets: ValidateParams | None = None) -> Team:
 
 
 def _listing(team: str, problems: list[str]) -> str:
-    return f"team {team}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
+    # a file with many bad lines is listed in part ("<file>: ... and N more", taskdata): count them all
+    rest = [int(m.group(1)) for p in problems if (m := re.search(r": \.\.\. and (\d+) more$", p))]
+    return f"team {team}: {len(problems) - len(rest) + sum(rest)} problem(s):\n  " + "\n  ".join(problems)
 
 
 def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | None = None) -> list[Team]:

@@ -86,7 +86,8 @@ def version_arg(ctx, param, value: str) -> str:
 
 def by_arg(ctx, param, value: str | None) -> str:
     """--by: who acts (recorded), stripped. Raises click.ClickException (one line, naming --by) for a
-    blank name, before the registry is touched; says when the blank came from $USER, its default."""
+    blank name, or one with a newline or another control character (it would forge a line of the audit
+    history), before the registry is touched; says when the blank came from $USER, its default."""
     from_user = ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT
     if from_user and (value is None or not value.strip()):  # e.g. CI: the MLflow user, when one is set
         value = os.environ.get("MLFLOW_TRACKING_USERNAME")
@@ -94,6 +95,8 @@ def by_arg(ctx, param, value: str | None) -> str:
         default = "its default, $USER (else $MLFLOW_TRACKING_USERNAME), is unset or empty here"
         why = default if from_user else "it is empty"
         raise click.ClickException(f"--by: {why}; name who is acting (it is recorded), e.g. --by alice")
+    if not value.strip().isprintable():  # a newline in a recorded name would forge a line of `history`
+        raise click.ClickException("--by: must be one line of printable characters (it is recorded), e.g. --by alice")
     return value.strip()
 
 

@@ -119,3 +119,15 @@ def test_eval_data_in_a_json_suffixed_file_is_protected_too(example_evals):
     first = json.loads(renamed.read_text().splitlines()[0])
     long_fields = [v for v in first.values() if isinstance(v, str) and len(v) >= 20]
     assert long_fields and all(" ".join(v.split()).lower() in strings for v in long_fields)
+
+
+def test_a_symlinked_team_calibration_file_is_refused_as_a_symlink(example_evals, tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text(json.dumps(GOOD) + "\n")
+    (example_evals / "support" / TEAM_FILE).symlink_to(outside)
+    with pytest.raises(QuantgateError) as err:
+        team_conversations(load_teams(example_evals))
+    assert str(err.value) == (
+        f"{example_evals / 'support' / TEAM_FILE}: a symlink (to {outside}); {TEAM_FILE} must be a regular file in "
+        "the team folder: copy it in"
+    )

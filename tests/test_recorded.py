@@ -118,3 +118,14 @@ def test_the_shipped_record_matches_the_shipped_prompts_and_settings():
     quantize = yaml.safe_load((REPO / "params.yaml").read_text())["quantize"]
     asked = [q["calibration"]["samples"] for q in quantize.values() if q.get("calibration")]
     assert asked and max(asked) <= p.samples
+
+
+def test_a_recorded_message_of_another_shape_is_refused_at_its_line(setup, tmp_path):
+    evals, model, p = setup
+    data, meta = record_files(Path(p.recorded))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    rows[2]["messages"][1] = {"role": "bot", "content": 1}
+    described = json.loads(meta.read_text())
+    write_record(Path(p.recorded), [r["messages"] for r in rows], described["made_with"], described["model"], {})
+    with pytest.raises(QuantgateError, match=rf'{data}:3: expected {{"messages": \[{{"role": "user"'):
+        cal.calibrate(model, evals, tmp_path / "out.jsonl", p)

@@ -95,6 +95,10 @@ def test_recorded_text_is_one_line_and_a_blank_override_is_named(reg):
     assert approval.approval_of(client, model, v).reason == "ok production=v99 by admin: forged !"
     lines = _invoke("history", model).output.splitlines()
     assert not any(line.startswith("production=v99") for line in lines) and any("forged !" in x for x in lines)
+    # a name is recorded as given: one with a newline is refused, not rewritten
+    forged = "alice\n2026-12-03T00:00:00.000+00:00 approve v2 by security-team: ok"
+    _one_line_error(_invoke("revoke", model, v, "--by", forged, "--reason", "r"), "--by: must be one line")
+    assert not any("security-team" in x for x in _invoke("history", model).output.splitlines())
     n_events = len(audit.history(client, model))
     for args in (
         ["approve", model, v, "--by", "a", "--reason", "r"],

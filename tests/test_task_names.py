@@ -63,3 +63,16 @@ def test_evaluate_fails_a_team_closed_unless_lm_eval_scored_exactly_the_validate
         check_scored(team, results_for(team, {}), None)
     with pytest.raises(QuantgateError, match="search_capitals: lm-eval scored 215 documents, but validate counted 216"):
         check_scored(team, results_for(team, {"search_capitals": 215}), None)
+
+
+def test_the_problem_count_counts_the_lines_a_long_listing_leaves_out():
+    from quantgate.teams import _listing
+
+    problems = [
+        "t.yaml:3: bad key",
+        "data.jsonl:1: bad label",
+        "data.jsonl: ... and 196 more",
+        "b.jsonl: ... and 2 more",
+    ]
+    assert _listing("search", problems).splitlines()[0] == "team search: 200 problem(s):"
+    assert _listing("search", problems[:2]).splitlines()[0] == "team search: 2 problem(s):"
