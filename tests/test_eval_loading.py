@@ -189,3 +189,15 @@ def test_every_data_file_of_a_task_is_checked_when_one_has_no_document(example_e
     (support / "fewshot.jsonl").write_text((support / "fewshot.jsonl").read_text() + "\n")
     msg = refusal(support)
     assert f"{support / 'data.jsonl'}: no documents" in msg and f"{support / 'fewshot.jsonl'}:5: blank line" in msg
+
+
+def test_a_file_the_loader_refuses_is_said_once_with_nothing_of_the_loaders_own_on_stderr(tmp_path, capfd):
+    from quantgate.loader import LoaderRefused, load_splits
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"q": "a", "answer": 0}\n{"q": "b", "answer": 1, "answer": 2}\n')
+    capfd.readouterr()
+    with pytest.raises(LoaderRefused):
+        load_splits({"test": str(data)})
+    out, err = capfd.readouterr()
+    assert "Failed to load JSON" not in out + err and "ArrowInvalid" not in out + err
