@@ -191,13 +191,17 @@ def test_every_data_file_of_a_task_is_checked_when_one_has_no_document(example_e
     assert f"{support / 'data.jsonl'}: no documents" in msg and f"{support / 'fewshot.jsonl'}:5: blank line" in msg
 
 
-def test_a_file_the_loader_refuses_is_said_once_with_nothing_of_the_loaders_own_on_stderr(tmp_path, capfd):
-    from quantgate.loader import LoaderRefused, load_splits
+def test_a_file_the_loader_refuses_is_said_once_with_nothing_of_the_loaders_own_on_stderr(tmp_path):
+    # in a process of its own: pytest's logging capture would hide what a user's terminal shows
+    import subprocess
+    import sys
 
     data = tmp_path / "data.jsonl"
     data.write_text('{"q": "a", "answer": 0}\n{"q": "b", "answer": 1, "answer": 2}\n')
-    capfd.readouterr()
-    with pytest.raises(LoaderRefused):
-        load_splits({"test": str(data)})
-    out, err = capfd.readouterr()
-    assert "Failed to load JSON" not in out + err and "ArrowInvalid" not in out + err
+    code = (
+        "from quantgate.loader import LoaderRefused, load_splits\n"
+        f"try:\n    load_splits({{'test': {str(data)!r}}})\nexcept LoaderRefused:\n    print('refused')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "refused"
+    assert "Failed to load JSON" not in p.stderr and "ArrowInvalid" not in p.stderr, p.stderr
