@@ -86,7 +86,9 @@ def plan(policy: CanaryPolicy, traffic: Traffic) -> tuple[StepPlan, ...]:
         if policy.check("shadow_agreement"):
             rates["shadow_agreement"] = r * traffic.greedy_share * traffic.shadow_fraction * share
         stable_rate = r * traffic.stream_share * (1 - share)
-        if latency and (stable_rate > 0 or stable_before < m):
+        # at 50 % the steps before collect exactly m stable streams in expectation: compare with a tolerance, or
+        # float rounding (1.9999999 < 2) plans a 100 % step that never gets a sample
+        if latency and (stable_rate > 0 or stable_before < m - 1e-6):
             rates["latency (stable streams)"] = stable_rate
         needs = {name: (m / rate if rate > 0 else float("inf")) for name, rate in rates.items()}
         if gauges:  # one scrape per look

@@ -15,7 +15,7 @@ from canary.policy import CanaryPolicy, load_policy
 from gateway.metrics import Sample, ShadowSample
 from quantgate.errors import QuantgateError
 from quantgate.stats import Verdict
-from tests.policies import FAST, FAST_ROUTER
+from tests.policies import FAST, FAST_ROUTER, fast_policy
 
 REPO = Path(__file__).resolve().parents[1]
 README_EXAMPLE = Traffic(1.0, 0.5, 1.0, "--load-rps")  # `quantgate canary run MODEL 2 --load-rps 1`
@@ -170,3 +170,16 @@ def test_a_plan_waits_only_for_the_checks_the_policy_lists():
     last = plan(gauges, Traffic(100.0))[-1]  # at 100 req/s the samples come at once; 30 looks take 150 s
     assert last.limiting == "vLLM gauges (gauge_looks)" and last.seconds == 150
     assert "canary.gauge_looks" in refusal(gauges.model_copy(update={"max_step_s": 200}), Traffic(100.0), [last])
+
+
+def test_a_last_step_at_100_after_50_has_its_stable_reference_from_step_one():
+    # at 50 % the first step collects exactly min_samples stable streams in expectation (1.9999999 by float
+    # rounding at some rates): the 100 % step must not be planned as never getting a sample
+    from canary.plan import Traffic, plan, refusal
+
+    policy = fast_policy(steps=[50, 100])
+    for n in range(4, 60):  # requests seen in a 6 s measurement, as the e2e canary measures them
+        for share in (0.2, 0.35, 0.5, 0.65, 0.8):
+            traffic = Traffic(n / 6.00495, share, 1.0, "measured", shadow_fraction=0.5)
+            steps = plan(policy, traffic)
+            assert steps[1].seconds < float("inf"), (n, share, refusal(policy, traffic, steps))
