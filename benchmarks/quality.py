@@ -64,14 +64,14 @@ SWEEP_CALIBRATION = "quantize.int4"  # the sweep's int4 variants calibrate as th
 
 def build_params(only: list[str] | None = None) -> dict[str, QuantizeParams]:
     """{build: QuantizeParams}: params.yaml's quantized builds, then recipes/sweep/*.yaml by stem, calibrated
-    as quantize.int4 (with the sequential pipeline for recipes that need it, e.g. AutoRound); `only` keeps the
+    as quantize.int4 (with the sequential pipeline for recipes that need it: AutoRound, AWQ); `only` keeps the
     named ones. Raises QuantgateError for a name in `only` that is neither."""
     builds = {b: load_block(f"quantize.{b}", QuantizeParams) for b in load_builds() if b != BASELINE_BUILD}
     calibration = load_block(SWEEP_CALIBRATION, QuantizeParams).calibration
     for path in sorted(SWEEP.glob("*.yaml")):
         c = calibration
         if c is not None and needs_sequential(load_recipe(path.stem, path, "the sweep's recipe")):
-            c = c.model_copy(update={"pipeline": "sequential"})  # AutoRound tunes one decoding layer at a time
+            c = c.model_copy(update={"pipeline": "sequential"})  # AutoRound, AWQ: quantgate.recipes.SEQUENTIAL_ONLY
         builds[path.stem] = QuantizeParams(recipe=str(path.relative_to(REPO)), calibration=c)
     if only:
         if unknown := [b for b in only if b not in builds]:

@@ -166,9 +166,9 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
         )
     if (layerwise := needs_sequential(recipe)) and p.calibration and p.calibration.pipeline != "sequential":
         raise QuantgateError(
-            f"{recipe_path} (quantize.{build}.recipe): {', '.join(layerwise)} tunes one decoding layer at a time "
-            f"and runs only in the sequential pipeline; set quantize.{build}.calibration.pipeline: sequential "
-            f"(it is {p.calibration.pipeline})"
+            f"{recipe_path} (quantize.{build}.recipe): "
+            + "; ".join(f"{name} {why}" for name, why in layerwise.items())
+            + f"; set quantize.{build}.calibration.pipeline: sequential (it is {p.calibration.pipeline})"
         )
     base = read_manifest(src)
     if needs:  # a missing or malformed calibration file is refused before it is hashed

@@ -54,14 +54,28 @@ def needs_data(recipe) -> list[str]:
     return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]
 
 
-# modifiers that tune one decoding layer at a time from that layer's captured inputs: llm-compressor's basic
-# pipeline hands them every module at once (AutoRoundModifier raises "Only one decoding layer is expected")
-LAYERWISE_MODIFIERS = ("AutoRoundModifier",)
+# modifiers that run right only in llm-compressor's sequential calibration pipeline, and why (0.14.0.1):
+SEQUENTIAL_ONLY = {
+    # the basic pipeline hands it every module at once ("Only one decoding layer is expected")
+    "AutoRoundModifier": "tunes one decoding layer at a time and runs only in the sequential pipeline",
+    # the basic pipeline fires the epoch end, where AWQ grid-searches its scales, after it has turned quantization
+    # back on and before QuantizationModifier has set any weight scale (llmcompressor/pipelines/basic/pipeline.py:
+    # 60-75): the "16-bit" outputs AWQ fits to are fake-quantized with uninitialized scales, garbage that differs
+    # run to run and may be NaN (then AWQ skips the layer). The sequential pipeline ends each layer inside
+    # DisableQuantization (pipelines/sequential/pipeline.py:117-160).
+    "AWQModifier": "fits its scales to the 16-bit outputs, which only the sequential pipeline computes with "
+    "quantization off (the basic one fits them to outputs quantized with weight scales not yet set)",
+}
 
 
-def needs_sequential(recipe) -> list[str]:
-    """Names of the recipe's modifiers that only run with the sequential calibration pipeline."""
-    return [type(m).__name__ for m in recipe.modifiers if type(m).__name__ in LAYERWISE_MODIFIERS]
+def needs_sequential(recipe) -> dict[str, str]:
+    """{modifier class name: why} for the recipe's modifiers that only run right with the sequential
+    calibration pipeline (SEQUENTIAL_ONLY); empty if none."""
+    return {
+        type(m).__name__: SEQUENTIAL_ONLY[type(m).__name__]
+        for m in recipe.modifiers
+        if type(m).__name__ in SEQUENTIAL_ONLY
+    }
 
 
 def weight_schemes(recipe) -> list[tuple[object, list[str]]]:

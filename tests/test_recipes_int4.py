@@ -86,24 +86,32 @@ def test_llm_compressor_pins_memory_which_cpu_torch_refuses_and_the_shim_skips_i
     assert IntermediatesCache.pin_memory is original
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["16-bit", "float32"])
 @pytest.mark.parametrize("name", ["int4_awq_g64", "int4_awq_gptq_g64"])
-def test_awq_recipes_quantize_on_cpu(src, tmp_path, calibration, name):
+def test_awq_recipes_quantize_on_cpu_the_same_weights_twice(src, tmp_path, calibration, monkeypatch, name, native):
+    """In both work dtypes quantize calibrates in (16-bit where the CPU has it natively, float32 elsewhere):
+    the basic pipeline fitted AWQ's scales to outputs quantized with uninitialized weight scales, so its
+    builds differed run to run, and in bfloat16 the garbage was NaN and AWQ skipped every layer (CI on a
+    16-bit-native CPU). The sequential pipeline makes the same weights twice."""
+    monkeypatch.setattr("pipeline.quantize.native_16bit", lambda: native)
     recipe = SWEEP / f"{name}.yaml"
-    out = tmp_path / name
-    c = Calibration(samples=4, seq_len=32, pipeline="basic")  # the sweep's pipeline (quantize.int4)
-    quantize(name, src, out, QuantizeParams(recipe=str(recipe), calibration=c), calibration_file=calibration)
-    assert_w4a16_g64(out, recipe, 4)
+    c = Calibration(samples=4, seq_len=32, pipeline="sequential")  # the sweep's (benchmarks.quality.build_params)
+    digests = []
+    for run in ("a", "b"):
+        out = tmp_path / run / name
+        quantize(name, src, out, QuantizeParams(recipe=str(recipe), calibration=c), calibration_file=calibration)
+        digests.append(assert_w4a16_g64(out, recipe, 4)["weights_digest"])
+    assert digests[0] == digests[1]
     if name == "int4_awq_g64":  # the same recipe without AWQModifier: round-to-nearest alone, data-free
-        text = recipe.read_text()
         rtn = tmp_path / "rtn.yaml"
-        rtn.write_text(text.replace("    AWQModifier:\n      duo_scaling: true\n", ""))
+        rtn.write_text(recipe.read_text().replace("    AWQModifier:\n      duo_scaling: true\n", ""))
         assert "AWQ" not in rtn.read_text().split("quant_stage:")[1]
         quantize("rtn", src, tmp_path / "rtn", QuantizeParams(recipe=str(rtn)))
-        # AWQ moved per-channel scales from up_proj's rows into down_proj's columns: other group scales.
-        # (Which scales the norm mappings pick is not asserted: on random tiny weights their grid-search
-        # errors are ~1e-24 for every ratio, ties that fall differently between runs.)
-        awq, plain = (tensor(b, "model.layers.0.mlp.up_proj.weight_scale") for b in (out, tmp_path / "rtn"))
-        assert awq.shape == plain.shape == (128, 1) and not torch.equal(awq, plain)
+        # AWQ moved per-channel scales into every mapping's balance layers: other group scales, all finite
+        for layer in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
+            weight = f"model.layers.0.{layer}.weight_scale"
+            awq, plain = tensor(tmp_path / "a" / name, weight), tensor(tmp_path / "rtn", weight)
+            assert awq.shape == plain.shape and bool(awq.isfinite().all()) and not torch.equal(awq, plain)
 
 
 def test_autoround_recipe_quantizes_on_cpu_with_the_sequential_pipeline(src, tmp_path, calibration):
@@ -127,14 +135,30 @@ def test_autoround_recipe_quantizes_on_cpu_with_the_sequential_pipeline(src, tmp
         assert (rebuilt - w).norm() / w.norm() < 0.15
 
 
-def test_autoround_in_the_basic_pipeline_is_one_line_naming_the_recipe_before_work(src, tmp_path, calibration):
-    recipe = SWEEP / "int4_autoround_g64.yaml"
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        (
+            "int4_autoround_g64",
+            "AutoRoundModifier tunes one decoding layer at a time and runs only in the sequential pipeline",
+        ),
+        (
+            "int4_awq_g64",
+            "AWQModifier fits its scales to the 16-bit outputs, which only the sequential pipeline "
+            "computes with quantization off (the basic one fits them to outputs quantized with weight scales not yet "
+            "set)",
+        ),
+    ],
+)
+def test_a_sequential_only_recipe_in_the_basic_pipeline_is_one_line_naming_the_recipe_before_work(
+    src, tmp_path, calibration, name, why
+):
+    recipe = SWEEP / f"{name}.yaml"
     c = Calibration(samples=4, seq_len=32, pipeline="basic")
     with pytest.raises(QuantgateError) as err:
         quantize("int4", src, tmp_path / "out", QuantizeParams(recipe=str(recipe), calibration=c), calibration)
     assert str(err.value) == (
-        f"{recipe} (quantize.int4.recipe): AutoRoundModifier tunes one decoding layer at a time and runs only in "
-        "the sequential pipeline; set quantize.int4.calibration.pipeline: sequential (it is basic)"
+        f"{recipe} (quantize.int4.recipe): {why}; set quantize.int4.calibration.pipeline: sequential (it is basic)"
     )
     assert not (tmp_path / "out").exists()
 
@@ -167,13 +191,15 @@ def test_a_bad_setting_in_a_sweep_recipe_is_one_line_naming_the_file(
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
 
 
-def test_the_sweep_calibrates_autoround_sequentially_and_the_rest_as_int4(monkeypatch):
+def test_the_sweep_calibrates_autoround_and_awq_sequentially_and_the_rest_as_int4(monkeypatch):
     from benchmarks.quality import build_params
     from quantgate.params import load_block
 
     monkeypatch.chdir(REPO)  # params.yaml
     int4 = load_block("quantize.int4", QuantizeParams).calibration
     builds = build_params(["int4_autoround_g64", "int4_awq_g64", "int4_awq_gptq_g64"])
-    assert builds["int4_autoround_g64"].calibration == int4.model_copy(update={"pipeline": "sequential"})
-    assert builds["int4_awq_g64"].calibration == builds["int4_awq_gptq_g64"].calibration == int4
+    sequential = int4.model_copy(update={"pipeline": "sequential"})
+    assert int4.pipeline == "basic"
+    assert builds["int4_autoround_g64"].calibration == builds["int4_awq_g64"].calibration == sequential
+    assert builds["int4_awq_gptq_g64"].calibration == sequential
     assert builds["int4_autoround_g64"].recipe == "recipes/sweep/int4_autoround_g64.yaml"
