@@ -14,6 +14,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -244,3 +246,50 @@ def hf_lm(model_dir: Path, params, batch_size: int | None = None):
         add_bos_token=params.harness.add_bos_token,
         max_length=params.serve.max_model_len,
     )  # the context the vLLM engine gets
+
+
+SERVING_RESOURCE = "quantgate_serving"  # the custom resource of the loopback cluster's serving node
+
+
+@dataclass(frozen=True)
+class LocalRay:
+    """A Ray cluster on loopback: `address` of the head; the serving node's node manager port (to find and
+    kill its raylet) and the folder it was started from (no models/ in it)."""
+
+    address: str
+    worker_port: int
+    node_folder: Path
+
+
+def _ray(*args: str, cwd: Path) -> None:
+    p = subprocess.run(["ray", *args], cwd=cwd, env=project_env(), capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        raise QuantgateError(f"ray {' '.join(args[:2])} failed ({p.returncode}): {(p.stderr or p.stdout)[-500:]}")
+
+
+@contextmanager
+def local_ray(folder: Path, serving_cpus: int = 2) -> Iterator[LocalRay]:
+    """Start a head with no serving resource and a second node (`ray start --address`) with `serving_cpus`
+    CPUs and as many units of SERVING_RESOURCE, both on 127.0.0.1 with object stores capped at 100 MB; stop
+    every Ray process of this machine on every exit path (`ray stop --force`)."""
+    from quantgate.serving import free_port
+
+    head, node = folder / "head", folder / "node"
+    head.mkdir(parents=True)
+    node.mkdir()
+    port, worker_port = free_port(), free_port()
+    common = ("--node-ip-address", "127.0.0.1", "--object-store-memory", "100000000", "--disable-usage-stats")
+    try:
+        _ray("start", "--head", "--port", str(port), "--num-cpus", "1", "--include-dashboard=false", *common, cwd=head)
+        resources = json.dumps({SERVING_RESOURCE: serving_cpus})
+        _ray(
+            *("start", "--address", f"127.0.0.1:{port}", "--num-cpus", str(serving_cpus), "--resources", resources),
+            *("--node-manager-port", str(worker_port), *common),
+            cwd=node,
+        )
+        yield LocalRay(f"127.0.0.1:{port}", worker_port, node)
+    finally:
+        from quantgate.executor import disconnect
+
+        disconnect()
+        subprocess.run(["ray", "stop", "--force"], env=project_env(), capture_output=True, timeout=120)

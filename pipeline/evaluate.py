@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Iterator, MutableMapping
@@ -43,12 +44,13 @@ from pathlib import Path
 
 from quantgate.console import per_build, progress
 from quantgate.errors import QuantgateError, run_main
+from quantgate.executor import ExecutorParams
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
 from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.precision import precision_record
-from quantgate.results import SAMPLES, SCORES, ServingRecord, TeamScores, read_scores, write_scores
+from quantgate.results import SAMPLES, SCORES, Placement, ServingRecord, TeamScores, read_scores, write_scores
 from quantgate.scoring import HarnessParams, effective_limit, run_team
 from quantgate.serving import (
     Endpoint,
@@ -196,17 +198,86 @@ def scoring_server(
         yield server
 
 
+def score_teams(
+    server: Server, lm, items: list[tuple[Team, dict[str, list[int]] | None]], harness: HarnessParams
+) -> Iterator[tuple[int, TeamScores, list[dict] | None, float | None]]:
+    """Score each (team, documents or None for all) of `items` on `server` in turn; yield (index, its scores,
+    lm-eval's raw samples or None, scoring seconds or None when it was not scored).
+
+    A team's failure is its own (status "error", one line) and the next team is scored. A server that dies
+    gets no more requests: the team being scored and every team after it are errors whose reason is the
+    death (quantgate.serving.Server.death), not the refused connections that follow it.
+    """
+    dead = None
+    for i, (team, docs) in enumerate(items):
+        dead = dead or server.death()
+        if dead:
+            yield i, TeamScores(status="error", reason=dead), None, None
+            continue
+        started = time.monotonic()
+        try:
+            with server.deaths():
+                scores, raw = run_team(lm, team, harness) if docs is None else run_team(lm, team, harness, docs)
+        except ServerDied as exc:  # the team being scored when it died
+            dead = str(exc)
+            scores, raw = TeamScores(status="error", reason=dead), None
+        except Exception as exc:  # one team's failure must not lose the others
+            scores, raw = TeamScores(status="error", reason=one_line(exc)), None
+        yield i, scores, raw, round(time.monotonic() - started, 1)
+
+
+def stamped(scores: TeamScores, team: Team, build: str, key: str, manifest: dict, serving: ServingRecord) -> TeamScores:
+    """`scores` with what it was scored for: the team, build, cache key, digests and serving record."""
+    return scores.model_copy(
+        update={
+            "team": team.name,
+            "build": build,
+            "cache_key": key,
+            "weights_digest": manifest["weights_digest"],
+            "scores_digest": team.scores_digest,
+            "serving": serving,
+        }
+    )
+
+
+def local_placement(
+    precision: dict, serving: ServingRecord, executor: str = "local", node: dict | None = None
+) -> Placement:
+    """Where a team is scored: this machine (or the Ray node `node`: node_id, ip, host), its device and
+    machine kind from the precision record, the serving vLLM version."""
+    node = node or {"host": socket.gethostname()}
+    return Placement(
+        executor=executor,
+        host=node["host"],
+        node_id=node.get("node_id"),
+        ip=node.get("ip"),
+        device=precision.get("device"),
+        machine_kind=precision.get("machine_kind"),
+        vllm=serving.versions.get("vllm"),
+    )
+
+
 def evaluate(
-    build: str, model_dir: Path, evals_dir: Path, out_dir: Path, params: EvaluateParams
+    build: str,
+    model_dir: Path,
+    evals_dir: Path,
+    out_dir: Path,
+    params: EvaluateParams,
+    executor: ExecutorParams | None = None,
 ) -> dict[str, TeamScores]:
     """Evaluate `build` on every team; write OUT_DIR/<team>/; return {team: its scores}.
 
     With `params.endpoints[build]` the build is scored on that remote vLLM deployment, after
     check_endpoint: OUT_DIR/endpoint.json records it, no server is started here.
-    Raises QuantgateError on bad input (missing build, bad team folder, an endpoint that does not
-    serve this build or cannot be reached). Server start failures and per-team errors are
-    recorded in the documents, not raised.
+    With `executor.kind: ray` (and no endpoint for the build) the servers and scoring run on the Ray cluster
+    (evaluate_on_ray). Raises QuantgateError on bad input (missing build, bad team folder, an endpoint that
+    does not serve this build or cannot be reached, a Ray cluster that cannot run it). Server start failures
+    and per-team errors are recorded in the documents, not raised.
     """
+    if executor is not None and executor.kind == "ray" and build not in params.endpoints:
+        from pipeline.on_ray import evaluate_on_ray
+
+        return evaluate_on_ray(build, model_dir, evals_dir, out_dir, params, executor)
     manifest = verify_weights(model_dir)
     model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
@@ -237,32 +308,18 @@ def evaluate(
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 lm = make_lm(server, model_dir.resolve(), params.harness, serving.max_model_len)
-                dead, told = None, False  # the server's death (no request goes to its port after it), printed
-                for team, key in progress(pending, desc=f"evaluate[{build}]: scoring", unit="team"):
-                    dead = dead or server.death()
-                    if dead:
-                        scores, raw = TeamScores(status="error", reason=dead), None
-                    else:
-                        scoring = time.monotonic()
-                        try:
-                            with server.deaths():
-                                scores, raw = run_team(lm, team, params.harness)
-                        except ServerDied as exc:  # the team being scored when it died
-                            dead = str(exc)
-                            scores, raw = TeamScores(status="error", reason=dead), None
-                        except Exception as exc:  # one team's failure must not lose the others
-                            scores, raw = TeamScores(status="error", reason=one_line(exc)), None
-                        timing["scoring_s"][team.name] = round(time.monotonic() - scoring, 1)
-                    docs[team.name] = scores = scores.model_copy(
-                        update={
-                            "team": team.name,
-                            "build": build,
-                            "cache_key": key,
-                            "weights_digest": manifest["weights_digest"],
-                            "scores_digest": team.scores_digest,
-                            "serving": serving,
-                        }
-                    )
+                here = local_placement(precision, serving)
+                told = False  # the server's death, printed once
+                scored = score_teams(server, lm, [(team, None) for team, _ in pending], params.harness)
+                for i, scores, raw, seconds in progress(
+                    scored, desc=f"evaluate[{build}]: scoring", unit="team", total=len(pending)
+                ):
+                    team, key = pending[i]
+                    if seconds is not None:
+                        timing["scoring_s"][team.name] = seconds
+                    if scores.status == "ok":
+                        scores = scores.model_copy(update={"placement": [here]})
+                    docs[team.name] = scores = stamped(scores, team, build, key, manifest, serving)
                     write_team(out_dir / team.name, scores, raw)
                     if scores.status == "ok":  # ok teams are summed up once, at the end
                         shutil.copytree(out_dir / team.name, CACHE_DIR / key, dirs_exist_ok=True)
@@ -270,7 +327,7 @@ def evaluate(
                         print(f"evaluate[{build}]: {team.name}: error, not scored: its server died", flush=True)
                     else:
                         print(f"evaluate[{build}]: {team.name}: {scores.status} {scores.reason or ''}", flush=True)
-                        told = dead is not None
+                        told = scores.reason == server.death()
         except ServerStartError as exc:
             for team, key in pending:
                 if team.name not in docs:
@@ -337,13 +394,16 @@ def main() -> None:
     if len(sys.argv) != 5:
         raise QuantgateError("usage: python -m pipeline.evaluate BUILD MODEL_DIR EVALS_DIR OUT_DIR")
     build, model_dir, evals_dir, out_dir = sys.argv[1], *map(Path, sys.argv[2:])
-    if gone := drop_credentials(os.environ):  # least privilege: team files are rendered here
+    params = load_block("evaluate", EvaluateParams)
+    executor = load_block("executor", ExecutorParams)
+    # least privilege: team templates are rendered where lm-eval runs. On Ray that is the nodes, which drop
+    # credentials themselves after fetching the build; here the stage keeps the store's, to publish it.
+    if executor.kind == "local" and (gone := drop_credentials(os.environ)):
         logging.getLogger(__name__).info("running without %s", ", ".join(gone))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    params = load_block("evaluate", EvaluateParams)
     check_endpoint_builds(params, load_builds())
-    docs = evaluate(build, model_dir, evals_dir, out_dir, params)
+    docs = evaluate(build, model_dir, evals_dir, out_dir, params, executor)
     for team, scores in sorted(docs.items()):
         if scores.status == "ok":
             summary = ", ".join(f"{t}={v.score:.3f} (n={v.n})" for t, v in scores.tasks.items())

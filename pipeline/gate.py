@@ -110,14 +110,21 @@ def read_precision(eval_dir: Path, build: str) -> ServedPrecision:
 
 
 def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision:
-    """The precision both builds were served at; raises QuantgateError (the FAIL reason) if it
-    differs: the gate compares builds, not activation dtypes."""
+    """The precision both builds were served at; raises QuantgateError (the FAIL reason) if it, or the
+    kind of device they were scored on (precision.json `machine_kind`), differs: the gate compares builds,
+    not activation dtypes or machines."""
     base, cand = read_precision(eval_dir, baseline), read_precision(eval_dir, build)
     if base.dtype != cand.dtype:
         raise QuantgateError(
             f"{baseline} was evaluated at {base.dtype} and {build} at {cand.dtype}: the gate "
             f"compares builds at one precision; re-run `dvc repro` so every build is evaluated at "
             f"evaluate.serve.dtype"
+        )
+    if base.machine_kind and cand.machine_kind and base.machine_kind != cand.machine_kind:
+        raise QuantgateError(  # scores differ by kernel: a candidate must not win or lose by its machine
+            f"{baseline} was evaluated on {base.machine_kind} and {build} on {cand.machine_kind}: the gate "
+            "compares builds on one kind of device; evaluate every build on one kind (executor.resources "
+            "naming those nodes) and re-run `dvc repro`"
         )
     return base
 

@@ -105,6 +105,19 @@ class ServingRecord(Document):
     endpoint: str | None = None  # the remote vLLM deployment (evaluate.endpoints) it was scored on
 
 
+class Placement(Document):
+    """Where one team (or a share of it) was scored: the executor, the machine (a Ray node's id and IP), its
+    device and machine kind (quantgate/precision.py) and the vLLM version that served it."""
+
+    executor: Literal["local", "ray"]
+    host: str
+    node_id: str | None = None
+    ip: str | None = None
+    device: str | None = None
+    machine_kind: str | None = None
+    vllm: str | None = None
+
+
 class TeamScores(Document):
     """results/eval/<build>/<team>/scores.json: status "ok" with per-sample scores, or "error"
     with a one-line reason (the gate FAILs it)."""
@@ -121,6 +134,7 @@ class TeamScores(Document):
     tasks: dict[str, TaskScore] = {}
     samples: list[Sample] = []
     elapsed_s: float | None = None
+    placement: list[Placement] = []  # one per server that scored a share of the team (issue 31)
 
 
 def write_scores(folder: Path, scores: TeamScores) -> None:

@@ -69,10 +69,11 @@ def per_sample_scores(team: Team, results: dict) -> tuple[dict[str, TaskScore], 
     return tasks, rows
 
 
-def check_scored(team: Team, results: dict, limit: int | None) -> None:
+def check_scored(team: Team, results: dict, limit: int | None, docs: dict[str, list[int]] | None = None) -> None:
     """Raises QuantgateError unless lm-eval scored exactly the tasks validate listed for `team` (quantgate/teams.py,
     the same rules as `quantgate evals validate`), each on as many documents as validate counted (Task.n_docs,
-    after the team's limit) capped at `limit` (effective_limit). lm-eval keeps one of two tasks of one name,
+    after the team's limit) capped at `limit` (effective_limit), or on exactly the documents `docs` names (a share
+    of the team, {task: doc indices}, quantgate/sharding.py). lm-eval keeps one of two tasks of one name,
     and a loader that read the data differently would change the counts: either way the team's verdict would
     rest on documents nobody checked, so it fails closed."""
     listed = {t.name: t for t in team.tasks}
@@ -84,8 +85,13 @@ def check_scored(team: Team, results: dict, limit: int | None) -> None:
         )
     for name, task in listed.items():
         flt = selected_filter(task.config)
-        n = sum(1 for s in samples[name] if s.get("filter", "none") == flt)
+        scored = [s.get("doc_id") for s in samples[name] if s.get("filter", "none") == flt]
+        n = len(scored)
         want = min(task.n_docs, limit) if limit else task.n_docs
+        if docs is not None:
+            want = len(docs[name])
+            if sorted(scored) != sorted(docs[name]):
+                raise QuantgateError(f"task {name}: lm-eval scored other documents than the share it was given")
         if n != want:
             raise QuantgateError(
                 f"task {name}: lm-eval scored {n} documents, but validate counted {want} in "
@@ -124,8 +130,11 @@ def over_length(raw: list[dict], encode, max_length: int, default_gen_toks: int 
     return lines
 
 
-def run_team(lm, team: Team, harness: HarnessParams) -> tuple[TeamScores, list[dict]]:
-    """Run lm-eval on one team's tasks; return (its scores, lm-eval's raw samples).
+def run_team(
+    lm, team: Team, harness: HarnessParams, docs: dict[str, list[int]] | None = None
+) -> tuple[TeamScores, list[dict]]:
+    """Run lm-eval on one team's tasks, or on the documents `docs` names ({task: doc indices}, a share of the
+    team scored on one of several servers: quantgate/sharding.py); return (its scores, lm-eval's raw samples).
 
     Team tasks are whole inline configs (no `include:`, quantgate/checks.py), so lm-eval's index
     of its ~14,700 built-in tasks is not built: that index costs ~14 s per call on a 2-core CPU.
@@ -140,7 +149,8 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[TeamScores, list[d
             model=lm,
             tasks=[t.config for t in team.tasks],
             task_manager=TaskManager(include_defaults=False),
-            limit=effective_limit(team, harness),
+            limit=None if docs is not None else effective_limit(team, harness),
+            samples=docs,  # lm-eval scores exactly these documents of each task (it refuses a limit beside them)
             log_samples=True,
             apply_chat_template=team.policy.chat_template,
             cache_requests=False,
@@ -151,7 +161,7 @@ def run_team(lm, team: Team, harness: HarnessParams) -> tuple[TeamScores, list[d
         )
     if results is None:
         raise QuantgateError("lm-eval returned no results")
-    check_scored(team, results, effective_limit(team, harness))
+    check_scored(team, results, effective_limit(team, harness), docs)
     tasks, rows = per_sample_scores(team, results)
     raw = [dict(s, task=name) for name, samples in results["samples"].items() for s in samples]
     gen_toks = getattr(lm, "max_gen_toks", None) or getattr(lm, "_max_gen_toks", 256)

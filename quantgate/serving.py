@@ -471,6 +471,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
             env=env,
             start_new_session=True,
         )
+    guard = orphan_guard(proc.pid)
     waiting = progress(desc=f"{name}: vLLM server starting", bar_format="{desc} {elapsed}")
     watch = None
     try:
@@ -504,6 +505,23 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         if watch is not None:
             watch.stopping()
         stop(proc)
+        guard.kill()
+        guard.wait()
+
+
+def orphan_guard(pgid: int) -> subprocess.Popen:
+    """A watcher, in a session of its own, that SIGKILLs process group `pgid` (a vLLM server's) once this
+    process is gone. `stop` ends the group on every exit path this process lives through; the guard covers
+    the one it does not: a SIGKILL, as when a Ray node or worker running the stage dies. Kill the guard
+    after `stop`."""
+    watch = f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; kill -KILL -{pgid} 2>/dev/null"
+    return subprocess.Popen(
+        ["sh", "-c", watch],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 # Known serving failures, each matched by a pattern only its own cause produces (the op name

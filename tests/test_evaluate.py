@@ -146,7 +146,7 @@ def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch)
         monkeypatch.setenv(k, v)
     seen = {}
     monkeypatch.setattr(sys, "argv", ["evaluate", "fp8", "models/fp8", "evals", "results/eval/fp8"])
-    monkeypatch.setattr(stage, "load_block", lambda *a: stage.EvaluateParams())
+    monkeypatch.setattr(stage, "load_block", lambda key, model: model())  # evaluate and executor: defaults (local)
     monkeypatch.setattr(stage, "evaluate", lambda *a: seen.update(os.environ) or {})
     stage.main()  # the vLLM server the stage starts gets os.environ as it is then (quantgate/serving.py)
     assert not set(secrets) & set(seen) and all(seen[k] == v for k, v in kept.items())

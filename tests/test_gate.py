@@ -148,6 +148,15 @@ def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_
         record = {"dtype": "float32", "requested": "auto", "why": "auto: test", "machine_kind": "AVX2-only"}
         (tmp_path / build / "precision.json").write_text(json.dumps(record))
     assert "**float32** for every build on an AVX2-only machine (auto: test)" in report(gate(tmp_path, teams, PARAMS))
+    # scored on another kind of device (a Ray node of another group): the kernels differ, so do the scores
+    record = {"dtype": "float32", "requested": "auto", "why": "auto: test", "machine_kind": "GPU (NVIDIA H200)"}
+    (tmp_path / "int4" / "precision.json").write_text(json.dumps({**record, "executor": "ray"}))
+    r = row(gate(tmp_path, teams, PARAMS))
+    assert r.verdict == "FAIL"
+    assert r.reason == (
+        "fp16 was evaluated on AVX2-only and int4 on GPU (NVIDIA H200): the gate compares builds on one kind of "
+        "device; evaluate every build on one kind (executor.resources naming those nodes) and re-run `dvc repro`"
+    )
     (tmp_path / "int4" / "precision.json").write_text(json.dumps({"dtype": "bfloat16", "requested": "auto"}))
     r = row(gate(tmp_path, teams, PARAMS))
     assert r.verdict == "FAIL"

@@ -1,0 +1,134 @@
+"""Where the heavy work runs: `executor.kind: local` (this machine, the default) or `ray` (issue 31).
+
+With `ray`, evaluate@<build> runs its vLLM servers and lm-eval scoring as Ray tasks on the cluster at
+`executor.address` (or RAY_ADDRESS): one task per replica, each placed by the resources the block declares
+(CPUs, GPUs, and custom resources that name the nodes with a serving env, e.g. `{quantgate_serving: 1}` on
+nodes started with `ray start --resources '{"quantgate_serving": 8}'`). A node runs quantgate from its own
+install of the project with both of its envs (README "At scale": the image, or the KubeRay worker group).
+
+connect() refuses, in one line and before any server starts, a cluster that does not answer and one with
+no live node that has the declared resources. failure() turns what Ray raises when a task's node or worker
+dies into the reason a team's scores record.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field
+
+from quantgate.errors import QuantgateError
+from quantgate.params import Frozen
+
+
+class ExecutorParams(Frozen):
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = None  # host:port of the Ray head's GCS; None = RAY_ADDRESS
+    num_cpus: float = Field(default=1.0, ge=0)  # per vLLM server task
+    num_gpus: float = Field(default=0.0, ge=0)  # per vLLM server task (vLLM's tensor parallel size on GPUs)
+    resources: dict[str, float] = {}  # custom resources per task, naming the nodes with a serving env
+    replicas: int = Field(default=1, ge=1)  # vLLM servers, on as many tasks, that share one build's scoring
+    max_retries: int = Field(default=1, ge=0)  # re-runs of a task whose node or worker died, on another node
+    store: str | None = None  # URL every node reads builds from (quantgate/store.py); None = the DVC remote
+    node_cache: str = "/tmp/quantgate/builds"  # where a node keeps the builds it fetched (its own disk)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    def demand(self) -> dict[str, float]:
+        """The resources one task asks for, as Ray names them (CPU, GPU and the custom ones)."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+
+    def ray_options(self) -> dict:
+        """Options of every server task: its resources, retries on node or worker death (Ray's own
+        `max_retries` covers system failures only, not an error the task raises), and one task per worker
+        process, so each starts with the node's own environment and leaves nothing behind."""
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "resources": dict(self.resources),
+            "max_retries": self.max_retries,
+            "retry_exceptions": False,
+            "max_calls": 1,
+        }
+
+
+def cluster_address(params: ExecutorParams) -> str:
+    """executor.address, else RAY_ADDRESS; raises QuantgateError when neither is set."""
+    address = params.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise QuantgateError(
+            "executor.kind is ray but no cluster address: set executor.address (host:port of the head) or RAY_ADDRESS"
+        )
+    return address
+
+
+def _answers(address: str, timeout_s: float) -> str | None:
+    """None if something accepts a TCP connection at host:port `address`, else why not."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return None
+    except ValueError:
+        return "not host:port"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
+def connect(params: ExecutorParams) -> str:
+    """Join the Ray cluster of `params` from this process (once) and return its address.
+
+    Raises QuantgateError, in one line and before any work is placed, if the head does not answer, or no
+    live node has the resources one task asks for (ExecutorParams.demand), naming what each node has.
+    """
+    import ray
+
+    address = cluster_address(params)
+    if why := _answers(address, params.connect_timeout_s):
+        raise QuantgateError(
+            f"executor.address {address}: no Ray cluster answers ({why}); start one (`ray start --head`) or fix "
+            "the address"
+        )
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
+    need = {k: v for k, v in params.demand().items() if v}
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if not any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
+        have = "; ".join(
+            f"{n['NodeManagerAddress']}:{n['NodeManagerPort']} has "
+            + ", ".join(
+                f"{k}={v:g}"
+                for k, v in sorted(n["Resources"].items())
+                if not k.startswith(("node:", "memory", "object_store"))
+            )
+            for n in nodes
+        )
+        asks = ", ".join(f"{k}={v:g}" for k, v in need.items())
+        raise QuantgateError(
+            f"executor at {address}: no live node has what one task asks for ({asks}); "
+            f"{have or 'no live node'}; fix executor.num_cpus/num_gpus/resources or start such a node"
+        )
+    return address
+
+
+def disconnect() -> None:
+    """Leave the cluster (the cluster itself keeps running)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def failure(exc: BaseException, attempts: int) -> str:
+    """One line for a task that Ray gave up on after `attempts` tries: the node (IP and id) for a node
+    that died, else Ray's error type and first line."""
+    import ray.exceptions as rex
+
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, rex.NodeDiedError):
+        node = first.split("Node IP: ", 1)[-1].split(". This can happen")[0] if "Node IP: " in first else "unknown"
+        return f"the Ray node it ran on died ({node}) after {attempts} attempt(s) (executor.max_retries)"
+    if isinstance(exc, (rex.WorkerCrashedError, rex.ActorDiedError, rex.OutOfMemoryError)):
+        return f"its Ray worker died ({type(exc).__name__}: {first[:200]}) after {attempts} attempt(s)"
+    return f"Ray task failed ({type(exc).__name__}: {first[:200]})"
