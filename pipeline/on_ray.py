@@ -81,8 +81,9 @@ def score_share(request: dict) -> dict:
     """
     import ray
 
-    node = {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
-    node["host"] = socket.gethostname()
+    node_id = ray.get_runtime_context().get_node_id()
+    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), None)  # as it joined
+    node = {"node_id": node_id, "ip": ip or ray.util.get_node_ip_address(), "host": socket.gethostname()}
     work = Path(tempfile.mkdtemp(prefix="quantgate-eval-"))
     os.chdir(work)  # never the pipeline machine's project folder: nothing here is read from it
     try:
@@ -128,7 +129,7 @@ def score_share(request: dict) -> dict:
 def _remote(executor: ExecutorParams):
     import ray
 
-    return ray.remote(score_share).options(**executor.ray_options())
+    return ray.remote(**executor.ray_options())(score_share)  # max_calls is not an .options() key
 
 
 def _probe(executor: ExecutorParams, request: dict) -> dict:

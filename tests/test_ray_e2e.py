@@ -13,6 +13,7 @@ task score to move by at most 0.1.
 """
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -74,6 +75,8 @@ def vllm_servers() -> list[psutil.Process]:
 
 
 def test_replicas_split_by_team_score_every_document_as_the_local_executor(cluster, project, stage, tmp_path):
+    import ray
+
     out = tmp_path / "eval" / BUILD
     started = time.monotonic()
     docs = evaluate(BUILD, project / "models" / BUILD, project / "evals", out, stage, executor(cluster, tmp_path))
@@ -82,6 +85,7 @@ def test_replicas_split_by_team_score_every_document_as_the_local_executor(clust
     assert sorted(docs) == sorted(TEAMS) and all(d.status == "ok" for d in docs.values()), {
         t: d.reason for t, d in docs.items()
     }
+    (serving,) = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(RESOURCE)]  # the second node
     local = project / "results" / "eval" / BUILD
     for team in TEAMS:
         mine, theirs = read_scores(out / team / "scores.json"), read_scores(local / team / "scores.json")
@@ -90,9 +94,10 @@ def test_replicas_split_by_team_score_every_document_as_the_local_executor(clust
         ]
         assert mine.tasks == theirs.tasks and mine.cache_key == theirs.cache_key
         (where,) = mine.placement
-        assert (where.executor, where.ip, where.machine_kind) == ("ray", "127.0.0.1", theirs.placement[0].machine_kind)
+        assert (where.executor, where.node_id, where.ip) == ("ray", serving["NodeID"], serving["NodeManagerAddress"])
+        assert where.machine_kind == theirs.placement[0].machine_kind and where.vllm == theirs.serving.versions["vllm"]
     precision = json.loads((out / "precision.json").read_text())
-    assert precision["executor"] == "ray" and precision["nodes"] == ["127.0.0.1"]
+    assert precision["executor"] == "ray" and precision["nodes"] == [serving["NodeManagerAddress"]]
     assert precision["dtype"] == json.loads((local / "precision.json").read_text())["dtype"]
     log = (out / "server.log").read_text()
     assert log.count("===== replica") == 2 and "Application startup complete" in log
@@ -160,7 +165,8 @@ def test_killing_the_only_serving_node_mid_task_fails_the_build_naming_the_node(
     reasons = {d.reason for d in docs.values()}
     assert all(d.status == "error" for d in docs.values()) and len(reasons) == 1
     (reason,) = reasons
-    assert reason.startswith("the Ray node it ran on died (127.0.0.1 (") and "\n" not in reason
+    assert re.match(r"the Ray node it ran on died \([\d.]+ \([0-9a-f]{12}\)\) and no live node", reason), reason
+    assert "\n" not in reason
     assert reason.endswith(f"and no live node has CPU=1, {RESOURCE}=1 to run it again")
     for team in TEAMS:  # every team written, as an error the gate fails closed
         assert read_scores(out / team / "scores.json").status == "error"
