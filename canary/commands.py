@@ -12,17 +12,25 @@ exit 1), never a traceback. `canary load` exits 1 when any request failed; `cana
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from canary.load import APIS
+from canary.load import APIS, LoadOptions, prompts_from_evals, replay
 from quantgate.errors import QuantgateError, command_errors
 from registry.commands import by_arg, version_arg
+
+if TYPE_CHECKING:
+    from canary.controller import Hooks
 
 
 class Positive(click.FloatRange):
@@ -47,9 +55,30 @@ def path_option(flag: str, default: str, help_text: str):
     return click.option(flag, type=click.Path(path_type=Path), default=Path(default), show_default=True, help=help_text)
 
 
-def _api_choice(flag: str, default: str, help_text: str):
+def _api_choice(*decls: str, default: str, help_text: str):
     """An option choosing the endpoints of replayed traffic (canary.load.APIS)."""
-    return click.option(flag, type=click.Choice(list(APIS)), default=default, show_default=True, help=help_text)
+    return click.option(*decls, type=click.Choice(list(APIS)), default=default, show_default=True, help=help_text)
+
+
+def grouped(name: str, cls: type, *options):
+    """Declare `options` (click.option decorators, in --help order) on a command and hand the command their
+    values as one `cls` (a dataclass), its parameter `name`: related options travel as one typed object and a
+    command keeps few parameters. Each option's parameter name is a field of `cls`; a field without an option
+    keeps its default."""
+
+    def decorate(command):
+        fields = {f.name for f in dataclasses.fields(cls)}
+
+        @functools.wraps(command)
+        def with_group(*args, **values):
+            group = cls(**{field: values.pop(field) for field in fields & values.keys()})
+            return command(*args, **values, **{name: group})
+
+        for option in reversed(options):  # decorators apply bottom-up: the last option first
+            with_group = option(with_group)
+        return with_group
+
+    return decorate
 
 
 @click.command("load")
@@ -65,47 +94,28 @@ def _api_choice(flag: str, default: str, help_text: str):
     help="Team eval sets whose documents become prompts.",
 )
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Prompts per task (default: all).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--arrivals", type=click.Choice(["poisson", "fixed"]), default="poisson", show_default=True)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=SECONDS,
-    default=60.0,
-    show_default=True,
-    help="Seconds per request.",
+@grouped(
+    "options",
+    LoadOptions,
+    click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True),
+    click.option("--arrivals", type=click.Choice(["poisson", "fixed"]), default="poisson", show_default=True),
+    click.option(
+        "--timeout",
+        "timeout_s",
+        type=SECONDS,
+        default=60.0,
+        show_default=True,
+        help="Seconds per request.",
+    ),
+    click.option("--seed", type=int, default=0, show_default=True),
+    _api_choice("--api", default="both", help_text="Endpoints: /v1/chat/completions, /v1/completions or both in turn."),
 )
-@click.option("--seed", type=int, default=0, show_default=True)
-@_api_choice("--api", "both", "Endpoints: /v1/chat/completions, /v1/completions or both in turn.")
-def load(
-    url: str,
-    rps: float,
-    duration: float,
-    evals_dir: Path,
-    limit: int | None,
-    max_tokens: int,
-    arrivals: str,
-    timeout_s: float,
-    seed: int,
-    api: str,
-) -> None:
+def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | None, options: LoadOptions) -> None:
     """Open-loop load (greedy completions and chat, streaming and not) through the router; prints
     success rate, outcomes and latency percentiles. Exits 1 if any request failed."""
-    from canary.load import prompts_from_evals, replay
-
     with command_errors():
         prompts = prompts_from_evals(evals_dir, limit)
-        report = replay(
-            url,
-            prompts,
-            rps,
-            duration,
-            max_tokens=max_tokens,
-            timeout_s=timeout_s,
-            arrivals=arrivals,
-            seed=seed,
-            api=api,
-        )
+        report = replay(url, prompts, rps, duration, **vars(options))
     for line in report.lines():
         click.echo(line)
     if report.ok < len(report.results):
@@ -178,6 +188,59 @@ def sigterm_stops(stop: threading.Event) -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
+@dataclass(frozen=True)
+class CanaryLoad:
+    """`canary run --load-rps`: eval-set prompts (from `evals_dir`, default evals) replayed through the canary's
+    router at `rps` requests/s, `max_tokens` each, to the endpoints of `api` (canary.load.APIS); no load when
+    `rps` is None."""
+
+    rps: float | None
+    max_tokens: int
+    api: str
+    evals_dir: Path | None
+
+    def prompts(self) -> list[str]:
+        """The prompts to replay (none without --load-rps). Raises QuantgateError naming --evals."""
+        if self.evals_dir is not None and not self.rps:
+            raise QuantgateError("--evals names the prompts of --load-rps; give --load-rps too, or leave --evals out")
+        if not self.rps:
+            return []
+        try:
+            return prompts_from_evals(self.evals_dir or Path("evals"))
+        except QuantgateError as exc:
+            raise QuantgateError(f"--evals: {exc}") from None
+
+    def starter(self, prompts: list[str], stop: threading.Event) -> Callable[[str], Callable[[], None]]:
+        """Hooks.on_router: replay `prompts` through the router at the URL it is given, in a daemon thread,
+        until `stop` is set; what it returns sets `stop` and waits for the requests in flight."""
+
+        def start_load(url: str) -> Callable[[], None]:
+            t = threading.Thread(
+                target=replay,
+                args=(url, prompts, self.rps, 24 * 3600.0),
+                kwargs={"stop": stop, "max_tokens": self.max_tokens, "api": self.api},
+                daemon=True,
+            )
+            t.start()
+
+            def stop_load() -> None:  # before the router stops: let in-flight requests finish
+                stop.set()
+                t.join(timeout=120)
+
+            return stop_load
+
+        return start_load
+
+
+@dataclass(frozen=True)
+class GatewayTarget:
+    """`canary run --gateway`: a running `quantgate serve`'s admin endpoint (`admin_url`; None: the canary
+    runs its own servers and router) and the file of its token (used when $QUANTGATE_ADMIN_TOKEN is unset)."""
+
+    admin_url: str | None
+    token_file: Path
+
+
 @click.command("run")
 @click.argument("model")
 @click.argument("version", callback=version_arg)
@@ -196,58 +259,60 @@ def sigterm_stops(stop: threading.Event) -> None:
     metavar="VERSION=URL",
     help="Use a running vLLM server for VERSION instead of starting one (repeatable; not verified).",
 )
-@click.option(
-    "--load-rps",
-    type=RATE,
-    default=None,
-    help="Also replay eval-set prompts through the router at this rate (demos, tests).",
-)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request.")
-@_api_choice(
-    "--load-api", "chat", "Endpoints of --load-rps traffic (chat: what an instruct model serves in production)."
-)
-@click.option(
-    "--evals",
-    "evals_dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
+@grouped(
+    "load",
+    CanaryLoad,
+    click.option(
+        "--load-rps",
+        "rps",
+        type=RATE,
+        default=None,
+        help="Also replay eval-set prompts through the router at this rate (demos, tests).",
+    ),
+    click.option(
+        "--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request."
+    ),
+    _api_choice(
+        "--load-api",
+        "api",
+        default="chat",
+        help_text="Endpoints of --load-rps traffic (chat: what an instruct model serves in production).",
+    ),
+    click.option(
+        "--evals",
+        "evals_dir",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
+    ),
 )
 @path_option("--work-dir", ".quantgate/canary", "Verified artifacts and server logs, one folder per canary run.")
-@click.option(
-    "--gateway",
-    "admin_url",
-    default=None,
-    metavar="ADMIN_URL",
-    help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
-    "(its servers and router; no --reuse).",
-)
-@path_option(
-    "--token-file",
-    ".quantgate/serve/admin.token",
-    "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
+@grouped(
+    "gateway",
+    GatewayTarget,
+    click.option(
+        "--gateway",
+        "admin_url",
+        default=None,
+        metavar="ADMIN_URL",
+        help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
+        "(its servers and router; no --reuse).",
+    ),
+    path_option(
+        "--token-file",
+        ".quantgate/serve/admin.token",
+        "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
+    ),
 )
 def run(
-    model: str,
-    version: str,
-    by: str,
-    reuse: dict[str, str],
-    load_rps: float | None,
-    max_tokens: int,
-    load_api: str,
-    evals_dir: Path | None,
-    work_dir: Path,
-    admin_url: str | None,
-    token_file: Path,
+    model: str, version: str, by: str, reuse: dict[str, str], load: CanaryLoad, work_dir: Path, gateway: GatewayTarget
 ) -> None:
     """Canary MODEL VERSION through the policy steps (params.yaml `canary`); promote or abort.
 
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
-    from canary.controller import Admin, Hooks, Local, run_canary, run_canary_on_gateway
-    from canary.load import prompts_from_evals, replay
-    from canary.plan import Traffic
+    from canary.controller import Admin, Local, run_canary, run_canary_on_gateway
     from canary.policy import load_policy, load_topology
     from gateway.admin import read_token
     from gateway.fleet import load_fleet_params
@@ -255,53 +320,22 @@ def run(
     from quantgate.serving import ServeParams
     from registry import store
 
-    stop = threading.Event()
+    stop, stop_load = threading.Event(), threading.Event()
     sigterm_stops(stop)
-    stop_load = threading.Event()
-    prompts: list = []
-
-    def start_load(url: str):
-        t = threading.Thread(
-            target=replay,
-            args=(url, prompts, load_rps, 24 * 3600.0),
-            kwargs={"stop": stop_load, "max_tokens": max_tokens, "api": load_api},
-            daemon=True,
-        )
-        t.start()
-
-        def stop() -> None:  # before the router stops: let in-flight requests finish
-            stop_load.set()
-            t.join(timeout=120)
-
-        return stop
-
     try:
         with command_errors():
-            if admin_url is not None:
-                admin_url = gateway_url(admin_url)
+            admin_url = None if gateway.admin_url is None else gateway_url(gateway.admin_url)
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
-            if evals_dir is not None and not load_rps:
-                raise QuantgateError(
-                    "--evals names the prompts of --load-rps; give --load-rps too, or leave --evals out"
-                )
-            if load_rps:  # a bad --evals is refused before any run, alias or server
-                try:
-                    prompts.extend(prompts_from_evals(evals_dir or Path("evals")))
-                except QuantgateError as exc:
-                    raise QuantgateError(f"--evals: {exc}") from None
+            prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
             router = None if admin_url else load_fleet_params().router
-            shadowed = router.shadow_fraction if router else 0.5
-            # every --load-api alternates streaming and not; all of it is greedy
-            traffic = Traffic(load_rps, 0.5, 1.0, "--load-rps", shadowed) if load_rps else None
-            hooks = Hooks(click.echo, stop, start_load if load_rps else None, traffic)
+            hooks = _hooks(load, prompts, router.shadow_fraction if router else 0.5, stop, stop_load)
+            client, policy = store.client(existing=True), load_policy()
             if admin_url:
-                client, policy = store.client(existing=True), load_policy()
-                admin = Admin(admin_url, read_token(token_file))
+                admin = Admin(admin_url, read_token(gateway.token_file))
                 outcome = run_canary_on_gateway(client, model, version, policy, by, admin, hooks)
             else:
-                client, policy = store.client(existing=True), load_policy()
                 local = Local(load_block("evaluate.serve", ServeParams), work_dir, load_topology(), router, reuse or {})
                 outcome = run_canary(client, model, version, policy, by, local, hooks)
     except KeyboardInterrupt:
@@ -315,10 +349,38 @@ def run(
         sys.exit(3)
 
 
+def _hooks(
+    load: CanaryLoad, prompts: list[str], shadowed: float, stop: threading.Event, stop_load: threading.Event
+) -> Hooks:
+    """The controller's hooks for `canary run`: lines to stdout, `stop` set on SIGTERM, and the --load-rps
+    traffic (planned at its rate, `shadowed` the share of greedy candidate requests mirrored), stopped
+    through `stop_load`."""
+    from canary.controller import Hooks
+    from canary.plan import Traffic
+
+    if not load.rps:
+        return Hooks(click.echo, stop, None, None)
+    # every --load-api alternates streaming and not; all of it is greedy
+    traffic = Traffic(load.rps, 0.5, 1.0, "--load-rps", shadowed)
+    return Hooks(click.echo, stop, load.starter(prompts, stop_load), traffic)
+
+
 def _step(ctx, param, value: str | None) -> str | None:
     if value is None or value == "rollback" or (value.isdigit() and int(value) >= 1):
         return value
     raise click.BadParameter(f"{value!r}: give a step number (1, 2, ...) or rollback")
+
+
+@dataclass(frozen=True)
+class RouteTarget:
+    """Where `canary render`'s HTTPRoutes point: the Gateway they attach to, their `namespace` (the Gateway's
+    and the Services' too), and the builds' Services, named by the `service` template, on `port`
+    (canary.render.RouteSplit's fields of the same names)."""
+
+    gateway: str
+    namespace: str
+    port: int
+    service: str
 
 
 @click.command("render")
@@ -331,28 +393,26 @@ def _step(ctx, param, value: str | None) -> str | None:
     required=True,
     help="gateway-api: one Kubernetes Gateway API HTTPRoute per policy step, then a rollback route.",
 )
-@click.option("--gateway", default="inference-gateway", show_default=True, help="The Gateway the route attaches to.")
-@click.option("--namespace", default="default", show_default=True, help="Namespace of the route, Gateway and Services.")
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="The Services' port.")
-@click.option(
-    "--service",
-    default="{model}-v{version}",
-    show_default=True,
-    help="Service name template ({model}, {version}), made a DNS label.",
+@grouped(
+    "target",
+    RouteTarget,
+    click.option(
+        "--gateway", default="inference-gateway", show_default=True, help="The Gateway the route attaches to."
+    ),
+    click.option(
+        "--namespace", default="default", show_default=True, help="Namespace of the route, Gateway and Services."
+    ),
+    click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="The Services' port."),
+    click.option(
+        "--service",
+        default="{model}-v{version}",
+        show_default=True,
+        help="Service name template ({model}, {version}), made a DNS label.",
+    ),
 )
 @click.option("--step", callback=_step, metavar="N|rollback", help="Only this step's route (default: every route).")
 @click.option("--out", type=click.Path(path_type=Path), help="Write here (default: stdout).")
-def render(
-    model: str,
-    version: str,
-    fmt: str,
-    gateway: str,
-    namespace: str,
-    port: int,
-    service: str,
-    step: str | None,
-    out: Path | None,
-) -> None:
+def render(model: str, version: str, fmt: str, target: RouteTarget, step: str | None, out: Path | None) -> None:
     """Write the canary of MODEL VERSION as multi-document YAML for a cluster's rollout engine.
 
     Stable is resolved as `canary run` does (alias `production`, else `fallback`); VERSION must be
@@ -371,9 +431,7 @@ def render(
         if step not in (None, "rollback") and int(step) > len(steps):
             raise QuantgateError(f"--step {step}: the canary policy has {len(steps)} steps (params.yaml canary.steps)")
         stable, _, _ = preflight(store.client(existing=True), model, version)
-        routes = http_routes(
-            model, stable, version, steps, gateway=gateway, namespace=namespace, port=port, service=service
-        )
+        routes = http_routes(model, stable, version, steps, **vars(target))
         if step is not None:
             routes = [routes[-1 if step == "rollback" else int(step) - 1]]
         text = yaml.safe_dump_all(routes, sort_keys=False)

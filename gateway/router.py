@@ -113,6 +113,16 @@ class RouterParams(Frozen):
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """When a router re-reads its backends (resolve() every `resolve_interval_s`) and the `seed` of its draws
+    (which requests go to the candidate, which are shadowed). The defaults serve; tests shorten the interval
+    and fix the seed."""
+
+    resolve_interval_s: float = RESOLVE_INTERVAL_S
+    seed: int | None = None  # None: a fresh seed per router
+
+
+@dataclass(frozen=True)
 class Backend:
     """A served build: `url` is its OpenAI base URL ending in /v1 (quantgate.serving.Server.base_url),
     `model` its served model name, `label` what samples and metrics call it (e.g. "v3")."""
@@ -282,8 +292,8 @@ class Router:
     """State and ASGI app of one router (the gateway's, or a canary's own); serve `router.app`
     (gateway.server.RouterServer).
 
-    `resolve` is called from a worker thread; `set_weight` and the sample accessors are
-    safe to call from any thread.
+    `resolve` is called from a worker thread (every `schedule.resolve_interval_s`); `set_weight` and
+    the sample accessors are safe to call from any thread.
     """
 
     def __init__(
@@ -292,8 +302,7 @@ class Router:
         params: RouterParams,
         *,
         model_name: str = "quantgate",
-        seed: int | None = None,
-        resolve_interval_s: float = RESOLVE_INTERVAL_S,
+        schedule: Schedule | None = None,
         health: Callable[[], dict] | None = None,
         limits: Limiter | None = None,
     ):
@@ -305,8 +314,9 @@ class Router:
         self._health_extra = health  # more /health fields, e.g. the standing fleet's servers
         self.resolve_error: str | None = None  # the last resolve() failure, None after a success
         self._resolve = resolve
-        self._interval = resolve_interval_s
-        self._rng = random.Random(seed)
+        schedule = schedule or Schedule()  # None: the serving defaults
+        self._interval = schedule.resolve_interval_s
+        self._rng = random.Random(schedule.seed)
         self._weight = 0.0
         self._backends: Backends | None = None
         self._client: httpx.AsyncClient | None = None

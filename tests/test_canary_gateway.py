@@ -23,7 +23,7 @@ from canary.status import EXPERIMENT, Phase, Status, reap_stale
 from cli.main import cli
 from gateway.admin import GatewayUnreachable, RemoteRouter, admin_app, admin_token, read_token
 from gateway.metrics import Sample, ShadowSample
-from gateway.router import Backend, Router, RouterParams
+from gateway.router import Backend, Router, RouterParams, Schedule
 from gateway.server import AppServer, RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
@@ -50,7 +50,7 @@ class Gateway:
         self.router = self.public = self.admin = None
 
     def start(self) -> "Gateway":
-        self.router = Router(self.resolve, self.params, resolve_interval_s=0.1)
+        self.router = Router(self.resolve, self.params, schedule=Schedule(0.1))
         self.public = RouterServer(self.router, "127.0.0.1", self.public_port, grace_s=1).start()
         started = time.time()
 

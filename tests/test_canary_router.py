@@ -24,7 +24,7 @@ from starlette.routing import Route
 from canary.commands import COMMANDS, load
 from canary.load import KINDS, prompts_from_evals, render, replay
 from gateway.payloads import chunk_text
-from gateway.router import Backend, Router, RouterParams
+from gateway.router import Backend, Router, RouterParams, Schedule
 from gateway.server import AppServer, RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import free_port
@@ -193,8 +193,7 @@ def running(resolve, weight=0.0, resolve_interval_s=0.5, limits=None, **params):
             **{"request_timeout_s": TIMEOUT_S, "connect_timeout_s": TIMEOUT_S, "shadow_fraction": 0.0, **params}
         ),
         model_name="smollm",
-        seed=7,
-        resolve_interval_s=resolve_interval_s,
+        schedule=Schedule(resolve_interval_s, seed=7),
         limits=limits,
     )
     router.set_weight(weight)

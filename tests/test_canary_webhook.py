@@ -119,11 +119,11 @@ def test_the_planner_wakes_at_once_polls_and_stops():
 
 
 def test_refresh_soon_resolves_at_once_not_at_the_interval():
-    from gateway.router import Backend, Router, RouterParams
+    from gateway.router import Backend, Router, RouterParams, Schedule
     from gateway.server import RouterServer
 
     stable = {"stable": Backend("http://127.0.0.1:9/v1", "m-v1", "v1")}
-    router = Router(lambda: dict(stable), RouterParams(), resolve_interval_s=30.0)
+    router = Router(lambda: dict(stable), RouterParams(), schedule=Schedule(30.0))
     router.refresh_soon()  # before the router started: nothing to wake, no error
     with RouterServer(router, "127.0.0.1", 0, grace_s=1):
         stable["stable"] = Backend("http://127.0.0.1:9/v1", "m-v2", "v2")  # an alias flip

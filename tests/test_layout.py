@@ -4,7 +4,8 @@ never import pipeline/,
 gateway/ imports nothing from canary/ (the data plane knows nothing of rollouts), canary/ carries no HTTP
 traffic itself, there are no cycles between folders, no stage imports another stage, and every stage's
 `deps` in dvc.yaml are exactly the project modules it imports, transitively, so editing a module re-runs
-exactly the stages that run it."""
+exactly the stages that run it. No function in gateway/ or canary/ is longer than 60 lines or takes more than
+7 parameters."""
 
 import ast
 import re
@@ -127,3 +128,21 @@ def test_no_cycles_between_folders():
 
 def test_evals_holds_team_data_only():
     assert not list((REPO / "evals").rglob("*.py"))
+
+
+MAX_LINES, MAX_PARAMS = 60, 7  # issue 30: a function reads on one screen and is called without a keyword soup
+
+
+def test_no_long_function_and_no_long_parameter_list_in_gateway_or_canary():
+    offenders = []
+    for package in ("gateway", "canary"):
+        for rel in project_files(package):
+            for node in ast.walk(ast.parse((REPO / rel).read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                args = node.args  # self and cls count; *args and **kwargs do not
+                params = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
+                lines = node.end_lineno - node.lineno + 1  # from `def` (decorators apart) to its last line
+                if lines > MAX_LINES or params > MAX_PARAMS:
+                    offenders.append(f"{rel}:{node.lineno} {node.name}: {lines} lines, {params} parameters")
+    assert not offenders, f"longer than {MAX_LINES} lines or more than {MAX_PARAMS} parameters: {offenders}"
