@@ -37,12 +37,13 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
 from quantgate.console import per_build, progress
+from quantgate.credentials import drop_credentials
 from quantgate.errors import QuantgateError, run_main
 from quantgate.executor import ExecutorParams
 from quantgate.hashing import digest_json
@@ -340,42 +341,6 @@ def evaluate(
     (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
     (out_dir / PRECISION).write_text(json.dumps(precision, indent=1) + "\n")
     return docs
-
-
-# Credentials the evaluate stage never needs (lm-eval's client and vLLM read local files and talk
-# to a server it starts): the registry's, the clouds', the hub's. OPENAI_API_KEY stays: it is
-# the key lm-eval's client sends to a remote evaluation endpoint.
-CREDENTIAL_PREFIXES = (
-    "MLFLOW_",
-    "AWS_",
-    "BOTO_",
-    "GOOGLE_",
-    "GCLOUD_",
-    "CLOUDSDK_",
-    "GCP_",
-    "AZURE_",
-    "ARM_",
-    "HF_TOKEN",
-    "HUGGING_FACE_HUB_TOKEN",
-    "PGPASSWORD",
-    "DATABASE_URL",
-)
-CREDENTIAL_WORDS = ("SECRET", "PASSWORD", "CREDENTIALS")
-KEEP = frozenset({"OPENAI_API_KEY", "VLLM_API_KEY"})
-
-
-def drop_credentials(environ: MutableMapping[str, str]) -> list[str]:
-    """Remove registry and cloud credentials (CREDENTIAL_PREFIXES, and any name holding one of
-    CREDENTIAL_WORDS) from `environ`, in place; return the names removed, sorted."""
-    gone = sorted(
-        k
-        for k in environ
-        if k not in KEEP
-        and (k.upper().startswith(CREDENTIAL_PREFIXES) or any(w in k.upper() for w in CREDENTIAL_WORDS))
-    )
-    for k in gone:
-        del environ[k]
-    return gone
 
 
 def check_endpoint_builds(params: EvaluateParams, builds: list[str], path: Path = PARAMS_FILE) -> None:

@@ -23,10 +23,7 @@ killed with it even when the node kills the worker (quantgate.serving.orphan_gua
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +32,6 @@ from pipeline.evaluate import (
     TIMING,
     EvaluateParams,
     cache_key,
-    drop_credentials,
     local_placement,
     make_lm,
     score_teams,
@@ -43,33 +39,24 @@ from pipeline.evaluate import (
     stamped,
     write_team,
 )
-from quantgate import store
 from quantgate.errors import QuantgateError
-from quantgate.executor import ExecutorParams, connect, failure
+from quantgate.executor import ExecutorParams, connect
 from quantgate.manifest import config_digest, verify_weights
 from quantgate.precision import RECORD as PRECISION
+from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
 from quantgate.results import SCORES, ServingRecord, TeamScores, read_scores
 from quantgate.serving import vllm_server
 from quantgate.sharding import merge, plan
 from quantgate.teams import load_team, load_teams
 
-PROJECT = Path(__file__).resolve().parents[1]  # the project install on a node (the image's checkout)
 LOG_TAIL = 200_000  # bytes of each server log a task sends back
 
 
 def node_params(params: dict) -> EvaluateParams:
     """The evaluate block as a node runs it: a relative serving python is the node's own project install's."""
     p = EvaluateParams.model_validate(params)
-    python = Path(p.serve.python)
-    if not python.is_absolute():
-        serve = p.serve.model_copy(update={"python": str(PROJECT / python)})
-        p = p.model_copy(update={"serve": serve})
-    return p
-
-
-def team_files(folder: Path) -> dict[str, bytes]:
-    """{path relative to the team folder: content} of every file of a team folder (validated: bounded)."""
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    serve = p.serve.model_copy(update={"python": node_python(p.serve.python)})
+    return p.model_copy(update={"serve": serve})
 
 
 def score_share(request: dict) -> dict:
@@ -79,16 +66,7 @@ def score_share(request: dict) -> dict:
     "seconds"}], "log", "server_start_s"}. Raises QuantgateError (naming the node) for a build it cannot
     fetch or a serving env it cannot use; a server that does not start or dies is in the teams' scores.
     """
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), None)  # as it joined
-    node = {"node_id": node_id, "ip": ip or ray.util.get_node_ip_address(), "host": socket.gethostname()}
-    work = Path(tempfile.mkdtemp(prefix="quantgate-eval-"))
-    os.chdir(work)  # never the pipeline machine's project folder: nothing here is read from it
-    try:
-        model_dir = store.fetch(request["store"], request["where"], Path(request["node_cache"]))
-        drop_credentials(os.environ)  # after the fetch, before lm-eval renders any team's templates
+    with on_node(request) as (node, model_dir, work):
         params = node_params(request["params"])
         manifest = verify_weights(model_dir)
         precision, serving, _ = serving_config(request["build"], model_dir, manifest["weights_digest"], params)
@@ -96,14 +74,10 @@ def score_share(request: dict) -> dict:
         if request.get("probe"):
             return reply
         items = []
-        for piece in request["pieces"]:
-            folder = work / "evals" / piece["team"]
-            for rel, data in piece["files"].items():
-                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-                (folder / rel).write_bytes(data)
-            team = load_team(folder)
+        for piece in request["pieces"]:  # on_node wrote each team's files under evals/<team>/
+            team = load_team(work / "evals" / piece["team"])
             if team.scores_digest != piece["scores_digest"]:
-                raise QuantgateError(f"team {team.name}: its files arrived changed on node {node['ip']}")
+                raise QuantgateError(f"team {team.name}: its files arrived changed")
             items.append((team, piece["docs"]))
         started = time.monotonic()
         log = work / "server.log"
@@ -120,29 +94,6 @@ def score_share(request: dict) -> dict:
         reply["teams"] = teams
         reply["log"] = log.read_bytes()[-LOG_TAIL:].decode(errors="replace") if log.exists() else ""
         return reply
-    except QuantgateError as exc:
-        raise QuantgateError(f"Ray node {node['ip']} ({node['node_id'][:12]}): {exc}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _remote(executor: ExecutorParams):
-    import ray
-
-    return ray.remote(**executor.ray_options())(score_share)  # max_calls is not an .options() key
-
-
-def _probe(executor: ExecutorParams, request: dict) -> dict:
-    import ray
-    import ray.exceptions as rex
-
-    try:
-        return ray.get(_remote(executor).remote({**request, "probe": True}))
-    except rex.RayTaskError as exc:  # the task raised: its own one-line reason
-        cause = exc.cause if isinstance(exc.cause, QuantgateError) else exc
-        raise QuantgateError(str(cause).strip().splitlines()[0]) from None
-    except rex.RayError as exc:
-        raise QuantgateError(f"the probe task {failure(exc, executor.max_retries + 1)}") from None
 
 
 def evaluate_on_ray(
@@ -158,16 +109,13 @@ def evaluate_on_ray(
     address = connect(executor)
     manifest = verify_weights(model_dir)
     teams = load_teams(evals_dir)
-    where = store.publish(model_dir, executor.store or store.default_store())
-    request = {
-        "build": build,
-        "store": executor.store or store.default_store(),
-        "where": where,
-        "node_cache": executor.node_cache,
-        "params": params.model_dump(mode="json"),
-    }
-    print(f"evaluate[{build}]: on Ray at {address}: published as {where[:20]}...; probing a node", flush=True)
-    probe = _probe(executor, request)
+    request = {"build": build, **published(model_dir, executor), "params": params.model_dump(mode="json")}
+    print(
+        f"evaluate[{build}]: on Ray at {address}: published as {request['where'][:20]}...; probing a node", flush=True
+    )
+    ((probe, why),) = settle([submit(score_share, {**request, "probe": True}, executor)], executor)
+    if probe is None:
+        raise QuantgateError(why)  # before any server starts: the node cannot fetch or serve the build
     precision, serving = probe["precision"], ServingRecord.model_validate(probe["serving"])
     serve_config = serving.dump()
     if (kv := manifest.get("kv_cache_dtype", "auto")) != "auto":
@@ -189,22 +137,15 @@ def evaluate_on_ray(
     shares = [s for s in plan([t for t, _ in pending], executor.replicas, params.harness.limit) if s]
     refs = []
     for share in shares:
-        pieces = [
-            {
-                "team": p.team,
-                "docs": p.docs,
-                "files": team_files(by_name[p.team][0].path),
-                "scores_digest": by_name[p.team][0].scores_digest,
-            }
-            for p in share
-        ]
-        refs.append(_remote(executor).remote({**request, "pieces": pieces}))
+        pieces = [{"team": p.team, "docs": p.docs, "scores_digest": by_name[p.team][0].scores_digest} for p in share]
+        files = {k: v for p in share for k, v in folder_files(by_name[p.team][0].path, f"evals/{p.team}").items()}
+        refs.append(submit(score_share, {**request, "pieces": pieces, "files": files}, executor))
     if refs:
         print(f"evaluate[{build}]: {len(refs)} replica(s) scoring {len(pending)} team(s)", flush=True)
     parts: dict[str, list[TeamScores]] = {}
     raws: dict[str, list[dict]] = {}
     logs, nodes = [], {}
-    for r, (share, outcome) in enumerate(zip(shares, outcomes(refs, executor), strict=True)):
+    for r, (share, outcome) in enumerate(zip(shares, settle(refs, executor), strict=True)):
         reply, reason = outcome
         if reply is None:
             print(f"evaluate[{build}]: replica {r}: {reason}", flush=True)
@@ -255,41 +196,6 @@ def evaluate_on_ray(
     record = {**precision, "executor": "ray", "cluster": address, "nodes": sorted(n["ip"] for n in nodes.values())}
     (out_dir / PRECISION).write_text(json.dumps(record, indent=1) + "\n")
     return docs
-
-
-def outcomes(refs: list, executor: ExecutorParams, poll_s: float = 2.0) -> list[tuple[dict | None, str | None]]:
-    """(reply, None) or (None, one-line reason) for each task of `refs`, in order, once all are settled.
-
-    Ray re-runs a task whose node died (executor.max_retries), but a re-run that no live node can take would
-    wait for ever: when no live node has the resources one task asks for any more, the tasks still running
-    are cancelled and their reason names the nodes that died.
-    """
-    import ray
-    import ray.exceptions as rex
-
-    started = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
-    need = {k: v for k, v in executor.demand().items() if v}
-    waiting, done = list(refs), {}
-    while waiting:
-        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=poll_s)
-        for ref in ready:
-            try:
-                done[ref] = (ray.get(ref), None)
-            except rex.RayTaskError as exc:  # the task raised: its own one-line reason
-                cause = exc.cause if isinstance(exc.cause, QuantgateError) else exc
-                done[ref] = (None, str(cause).strip().splitlines()[0])
-            except rex.RayError as exc:
-                done[ref] = (None, failure(exc, executor.max_retries + 1))
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        if waiting and not any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in alive):
-            gone = [n for i, n in started.items() if i not in {a["NodeID"] for a in alive}]
-            dead = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]})" for n in gone) or "none"
-            asks = ", ".join(f"{k}={v:g}" for k, v in need.items())
-            for ref in waiting:
-                ray.cancel(ref, force=True)
-                done[ref] = (None, f"the Ray node it ran on died ({dead}) and no live node has {asks} to run it again")
-            waiting = []
-    return [done[ref] for ref in refs]
 
 
 def _differs(probe: dict, node: dict) -> str | None:

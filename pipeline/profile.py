@@ -17,6 +17,10 @@ signal, the log's last error line), a benchmark that fails) gets a record with s
 the one-line reason; the stage still succeeds, so the rest of `dvc repro` runs. The gate then does not recommend that
 build; its quality verdict is the evaluate stage's business. The server's log is
 results/logs/profile@<build>.server.log (no DVC output).
+
+With `executor.kind: ray` (quantgate/executor.py) the server and the benchmark run as one Ray task on a node
+with the executor's resources, the hardware that will serve (profile_on_ray); the record is written here
+and names the node (`placement`).
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from pydantic import Field
 from quantgate.console import per_build
 from quantgate.cost import KVShape, kv_bytes_per_token, kv_capacity_tokens, kv_dtype_bytes
 from quantgate.errors import QuantgateError, project_relative, run_main
+from quantgate.executor import ExecutorParams, connect
 from quantgate.loadgen import Load, bench, disk_mib, startup_report, tree_rss_gib
 from quantgate.params import Frozen, load_block
 from quantgate.precision import probe
-from quantgate.results import BuildProfile, LoadPoint, write_profile
+from quantgate.remote import node_python, on_node, published, settle, submit
+from quantgate.results import BuildProfile, LoadPoint, Placement, write_profile
 from quantgate.serving import ServeParams, kv_cache_dtype, resolved, vllm_server
 
 LOGS = Path("results/logs")
@@ -142,13 +148,59 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
         return BuildProfile(status="unprofiled", reason=reason, **record)
 
 
+LOG_TAIL = 200_000  # bytes of the server log a Ray task sends back
+
+
+def profile_task(request: dict) -> dict:
+    """Run on a Ray node (executor.kind: ray): fetch the build, profile it there with the node's serving env;
+    return {"node", "profile" (BuildProfile as JSON), "log" (the server log's tail)}. Raises QuantgateError
+    naming the node for a build it cannot fetch (an unservable build is an "unprofiled" record, as here)."""
+    with on_node(request) as (node, model_dir, _):
+        serve = ServeParams.model_validate(request["serve"])
+        serve = serve.model_copy(update={"python": node_python(serve.python)})
+        result = profile(request["build"], model_dir, serve, ProfileParams.model_validate(request["params"]))
+        log = LOGS / f"profile@{request['build']}.server.log"  # under the task's scratch folder
+        tail = log.read_bytes()[-LOG_TAIL:].decode(errors="replace") if log.exists() else ""
+        return {"node": node, "profile": result.dump(), "log": tail}
+
+
+def profile_on_ray(
+    build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, executor: ExecutorParams
+) -> BuildProfile:
+    """Profile `build` on a node of the Ray cluster that has the executor's resources (the hardware that will
+    serve it): the build is published to the store and fetched there. Returns its BuildProfile with the
+    placement; a node that dies, or cannot fetch the build, makes it "unprofiled" with that reason. Raises
+    QuantgateError (one line, before any server starts) for a cluster that does not answer or lacks them."""
+    connect(executor)
+    request = {
+        "build": build,
+        **published(model_dir, executor),
+        "serve": serve.model_dump(mode="json"),
+        "params": params.model_dump(mode="json"),
+    }
+    ((reply, why),) = settle([submit(profile_task, request, executor)], executor)
+    if reply is None:
+        print(f"profile[{build}]: unprofiled: {why}", file=sys.stderr, flush=True)
+        lengths = {"input_len": params.input_len, "output_len": params.output_len, "seed": params.seed}
+        return BuildProfile(build=build, status="unprofiled", reason=why, **lengths)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    (LOGS / f"profile@{build}.server.log").write_text(reply["log"])
+    node = reply["node"]
+    where = Placement(executor="ray", host=node["host"], node_id=node["node_id"], ip=node["ip"])
+    return BuildProfile.model_validate(reply["profile"]).model_copy(update={"placement": where})
+
+
 def main() -> None:
     if len(sys.argv) != 4:
         raise QuantgateError("usage: python -m pipeline.profile BUILD MODEL_DIR OUT_JSON")
     build, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     params = load_block("profile", ProfileParams)
     serve = load_block("evaluate.serve", ServeParams)
-    result = profile(build, model_dir, serve, params)
+    executor = load_block("executor", ExecutorParams)
+    if executor.kind == "ray":
+        result = profile_on_ray(build, model_dir, serve, params, executor)
+    else:
+        result = profile(build, model_dir, serve, params)
     write_profile(out, result)
     print(f"profile[{build}]: {result.status}" + (f" ({result.reason})" if result.reason else "") + f"; wrote {out}")
 

@@ -51,12 +51,14 @@ from pydantic import Field, field_validator, model_validator
 from quantgate.console import progress
 from quantgate.conversations import CALIBRATION_FILE, calibration_texts
 from quantgate.errors import QuantgateError, run_main
+from quantgate.executor import ExecutorParams, connect
 from quantgate.jsonl import read_jsonl
 from quantgate.judging import GateBlock, judge
-from quantgate.params import Frozen, load_block, load_builds, read_yaml
+from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds, read_yaml
 from quantgate.precision import native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import check_group_size, load_recipe, weight_schemes
-from quantgate.results import Screen, SearchResult, TeamScores, write_search
+from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
+from quantgate.results import Screen, SearchResult, TeamScores, read_search, write_search
 from quantgate.scoring import HarnessParams, run_team
 from quantgate.screening import Budget, Outcome, look_confidence, sequential
 from quantgate.serving import ServeParams
@@ -564,6 +566,44 @@ def skip(out_dir: Path, p: SearchParams, builds: list[str], unserved: str | None
     return result
 
 
+def search_task(request: dict) -> dict:
+    """Run on a Ray node (executor.kind: ray): the whole search, its ranking and every screen, where the
+    build will be served. The task's scratch folder holds params.yaml (its serving python made the node's),
+    the recipe, the calibration set and the eval sets, at the paths the stage uses; returns {"node",
+    "files": {name: content of OUT_DIR/name}}. Raises QuantgateError (naming the node) as search() does."""
+    with on_node(request) as (node, model_dir, _):
+        doc = read_yaml(PARAMS_FILE)
+        doc["evaluate"]["serve"]["python"] = node_python(doc["evaluate"]["serve"]["python"])
+        PARAMS_FILE.write_text(yaml.safe_dump(doc, sort_keys=False))
+        p, out_dir = load_block("search", SearchParams), Path(request["out_dir"])
+        if unserved := unservable(p):
+            skip(out_dir, p, load_builds(), unserved)
+        else:
+            search(model_dir, Path(request["evals_dir"]), out_dir, p)
+        return {"node": node, "files": {f.name: f.read_bytes() for f in sorted(out_dir.iterdir())}}
+
+
+def search_on_ray(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams, executor: ExecutorParams) -> dict:
+    """Run the search as one Ray task on a node with the executor's resources (search_task), write its
+    outs to OUT_DIR here and return the node it ran on ({node_id, ip, host}). Raises QuantgateError for a
+    cluster that does not answer or lacks the resources (before any work), and with the task's own reason,
+    or the node's death, when it fails."""
+    connect(executor)
+    files = {PARAMS_FILE.as_posix(): PARAMS_FILE.read_bytes(), p.recipe: Path(p.recipe).read_bytes()}
+    files[CALIBRATION_FILE.as_posix()] = CALIBRATION_FILE.read_bytes()
+    for team in load_teams(evals_dir):
+        files |= folder_files(team.path, f"{evals_dir.as_posix()}/{team.name}")
+    request = {**published(model_dir, executor), "files": files, "evals_dir": str(evals_dir), "out_dir": str(out_dir)}
+    ((reply, why),) = settle([submit(search_task, request, executor)], executor)
+    if reply is None:
+        raise QuantgateError(f"search on Ray: {why}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in reply["files"].items():
+        (out_dir / name).write_bytes(data)
+    print(f"search: ran on Ray node {reply['node']['ip']} ({reply['node']['node_id'][:12]})", flush=True)
+    return reply["node"]
+
+
 def main() -> None:
     if len(sys.argv) != 4:
         raise QuantgateError("usage: python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR")
@@ -574,11 +614,18 @@ def main() -> None:
         r = skip(out_dir, p, builds)
         print(f"search: skipped ({r.skipped})")
         return
-    if unserved := unservable(p):
+    if (executor := load_block("executor", ExecutorParams)).kind == "ray":
+        search_on_ray(model_dir, evals_dir, out_dir, p, executor)
+        r = read_search(out_dir / RESULT)
+        if r.skipped:
+            print(f"search: skipped, no screens ({r.skipped})")
+            return
+    elif unserved := unservable(p):
         r = skip(out_dir, p, builds, unserved)
         print(f"search: skipped, no screens ({r.skipped})")
         return
-    r = search(model_dir, evals_dir, out_dir, p)
+    else:
+        r = search(model_dir, evals_dir, out_dir, p)
     outcome = "passed the screen" if r.passed else "NO candidate passed the screen (the gate will FAIL it)"
     print(
         f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "

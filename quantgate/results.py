@@ -309,6 +309,7 @@ class BuildProfile(Document):
     max_concurrency_at: int | None = None
     server_rss_gib: float | None = None
     loads: dict[str, LoadPoint] = {}  # "c<concurrency>" -> its figures (named keys: `dvc metrics show` reads them)
+    placement: Placement | None = None  # where it was measured (executor, node); None in records before issue 31
 
 
 def write_profile(path: Path, profile: BuildProfile) -> None:

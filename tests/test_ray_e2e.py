@@ -12,11 +12,13 @@ across batch shapes, so a near-tie can flip: the test allows 2 of the 12 documen
 task score to move by at most 0.1.
 """
 
+import contextlib
 import json
 import re
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -121,6 +123,62 @@ def test_a_zero_shot_team_split_by_documents_over_two_servers(cluster, project, 
     (task,) = mine.tasks
     assert same >= len(mine.samples) - 2 and abs(mine.tasks[task].score - theirs.tasks[task].score) <= 0.1
     assert not vllm_servers()
+
+
+def test_profile_runs_on_the_serving_node_and_names_it(cluster, project, tmp_path, monkeypatch):
+    import ray
+
+    from pipeline.profile import ProfileParams, profile_on_ray
+    from quantgate.serving import ServeParams
+
+    monkeypatch.chdir(tmp_path)  # the stage writes results/logs/ where it runs
+    serve = load_block("evaluate.serve", ServeParams, project / "params.yaml")
+    params = load_block("profile", ProfileParams, project / "params.yaml")
+    p = profile_on_ray(BUILD, project / "models" / BUILD, serve, params, executor(cluster, tmp_path))
+    assert p.status == "profiled", p.reason
+    (serving,) = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(RESOURCE)]
+    assert (p.placement.executor, p.placement.node_id) == ("ray", serving["NodeID"])
+    assert sorted(p.loads) == sorted(f"c{c}" for c in params.concurrency) and p.kv_tokens > 0
+    assert p.loads[f"c{params.concurrency[0]}"].output_tokens_per_s > 0
+    assert "KV cache" in (tmp_path / "results" / "logs" / f"profile@{BUILD}.server.log").read_text()
+    assert not vllm_servers()
+
+
+def test_the_search_runs_its_ranking_and_screens_on_the_serving_node(cluster, project, tmp_path, monkeypatch):
+    """The e2e project's search, scaled down to about a minute (1 conversation of 16 tokens to rank, looks of 4
+    documents): run as one task on the serving node, its outs written here. Where vLLM cannot serve the
+    search's scheme (W4A16 on an AVX2-only CPU) the node skips it with that reason, as the local stage does."""
+    import ray
+    import yaml
+
+    from pipeline.search import SearchParams, search_on_ray, unservable
+    from quantgate.recipes import load_recipe
+    from quantgate.results import read_search
+
+    monkeypatch.chdir(tmp_path)  # a project folder with what the stage reads, at the paths it reads them
+    doc = yaml.safe_load((project / "params.yaml").read_text())
+    doc["search"] |= {"looks": [4], "doc_budget": 60, "kl_samples": 1, "kl_seq_len": 16}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    for rel in (doc["search"]["recipe"], "results/calibration.jsonl"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(project / rel, tmp_path / rel)
+    shutil.copytree(project / "evals", tmp_path / "evals")
+    p = load_block("search", SearchParams)
+    node = search_on_ray(
+        project / "models" / "fp16", Path("evals"), Path("results/search"), p, executor(cluster, tmp_path)
+    )
+    (serving,) = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(RESOURCE)]
+    assert node["node_id"] == serving["NodeID"]
+    r = read_search(tmp_path / "results/search/search.json")
+    with contextlib.chdir(project):  # what the local stage decides with the project's serving env
+        unserved = unservable(p)
+    if unserved:  # decided on the node, as here: e.g. no W4A16 kernel on an AVX2-only CPU
+        assert r.skipped == f"vLLM here cannot serve it: {unserved}" and not r.screens
+        assert "no layer kept 16-bit (search skipped" in (tmp_path / "results/search/recipe.yaml").read_text()
+        return
+    assert r.skipped is None and r.screens and r.docs_spent <= 60 and r.layers == len(r.sensitivity) > 100
+    assert load_recipe(p.build, tmp_path / "results/search/recipe.yaml").modifiers
+    assert f"{r.evaluations} screens" in (tmp_path / "results/search/recipe.yaml").read_text()
 
 
 def test_a_cluster_that_does_not_answer_or_lacks_the_resource_is_one_line_before_any_server(cluster, tmp_path):
