@@ -94,10 +94,10 @@ DEFAULT_CHECKS = (
 def _retired(key: str, value: object) -> str | None:
     """What to do with `key`, a key this block no longer takes (from an older params.yaml); None for a live key."""
     if key in ("router", "servers"):
-        why = "ports and cores apart from the policy, issue 16"
+        why = "ports and cores apart from the policy"
         return f"canary.{key} moved to the block `canary_topology` ({why}): move it there"
     if key in ("request_timeout_s", "connect_timeout_s", "shadow_fraction", "shadow_compare_words"):
-        why = "the gateway's, which applies it to every request, issue 30"
+        why = "the gateway's, which applies it to every request"
         return f"canary.{key} moved to fleet.router.{key} ({why}): move it there"
     if key in ("max_error_rate", "max_ttft_p95_ratio", "max_tpot_p95_ratio", "min_shadow_agreement"):
         side, name = key.split("_", 1)
@@ -106,7 +106,7 @@ def _retired(key: str, value: object) -> str | None:
         "min_requests_per_step": "a step's length now follows from min_samples and the traffic (canary/plan.py)",
         "failure_limit": "one FAIL aborts: each check's test holds alpha over every look (canary/analysis.py)",
     }.get(key)
-    return f"canary.{key}: removed in issue 16: {why}; delete this key" if why else None
+    return f"canary.{key}: removed: {why}; delete this key" if why else None
 
 
 class CanaryPolicy(Frozen):

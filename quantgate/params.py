@@ -131,7 +131,8 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
             place = f"{where}:{line}" if line else where
             field = ".".join(str(p) for p in loc)
             nested = _model_at(model, e["loc"]) if e["type"] in ("model_type", "dict_type") else None
-            msg = _not_a_mapping(nested, e.get("input")) if nested else e["msg"]
+            # a validator's own ValueError is the message; pydantic's "Value error, " prefix is noise to a user
+            msg = _not_a_mapping(nested, e.get("input")) if nested else e["msg"].removeprefix("Value error, ")
             problems.append(f"{place}: {field}: {msg}" if field else f"{place}: {msg}")
         raise QuantgateError("; ".join(problems)) from None
 

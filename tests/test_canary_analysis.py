@@ -404,7 +404,7 @@ def test_keys_of_the_old_policy_say_where_they_went(tmp_path, key, value, says):
 
 @pytest.mark.parametrize("key", ["failure_limit", "min_requests_per_step"])
 def test_removed_keys_say_why_and_what_to_do(tmp_path, key):
-    with pytest.raises(QuantgateError, match=rf"canary.{key}: .*removed in issue 16: .*; delete this key"):
+    with pytest.raises(QuantgateError, match=rf"canary.{key}: .*removed: .*; delete this key"):
         load_policy(write_params(tmp_path, **{key: 2}))
 
 

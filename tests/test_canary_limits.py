@@ -325,7 +325,7 @@ def test_bad_limits_name_the_params_line_and_field(tmp_path, changes, field):
         (
             2048,
             {"team_header": "x team:"},
-            "limits.team_header: Value error, 'x team:' is not an HTTP header name (letters, digits and "
+            "limits.team_header: 'x team:' is not an HTTP header name (letters, digits and "
             "!#$%&'*+-.^_`|~; no spaces or colons)",
         ),
     ],

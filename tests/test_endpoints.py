@@ -105,7 +105,7 @@ def test_endpoint_params_name_the_line_and_field(tmp_path, monkeypatch):
     )
     with pytest.raises(QuantgateError) as err:
         load_block("evaluate", stage.EvaluateParams)
-    assert str(err.value).startswith("params.yaml:5: evaluate.endpoints.int4.url: Value error, '10.0.0.5:8000' is not")
+    assert str(err.value).startswith("params.yaml:5: evaluate.endpoints.int4.url: '10.0.0.5:8000' is not")
     (tmp_path / "params.yaml").write_text(
         "builds: [fp16, int4]\nquantize: {int4: {recipe: r.yaml}}\nevaluate:\n  endpoints:\n"
         "    int5: {url: 'http://h:8000/v1', dtype: bfloat16}\n"
