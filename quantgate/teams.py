@@ -253,8 +253,9 @@ def inspect_team(
 
 
 def task_files(path: Path) -> list[Path]:
-    """A team folder's task YAMLs: every *.yaml but team.yaml and shared templates (a leading _), sorted."""
-    return [p for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith("_")]
+    """A team folder's task YAMLs: every *.yaml but team.yaml, shared templates (a leading _) and hidden files
+    (a leading .: an editor's backup, macOS's ._ resource forks, which are not YAML), sorted."""
+    return [p for p in sorted(path.glob("*.yaml")) if p.name != POLICY_FILE and not p.name.startswith(("_", "."))]
 
 
 def declared_tasks(path: Path) -> list[tuple[str, Path]]:

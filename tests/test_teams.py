@@ -115,3 +115,11 @@ def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example
         QuantgateError, match=r"team search: 1 problem\(s\):\n  .*search: has task YAMLs but no team.yaml"
     ):
         load_teams(example_evals)
+
+
+def test_hidden_yaml_files_are_not_tasks(example_evals):
+    """macOS copies a folder with `._<name>` resource forks (binary, not YAML); editors leave `.name.yaml` backups."""
+    (example_evals / "billing" / "._arithmetic.yaml").write_bytes(b"\x00\x05\x16\x07Mac OS X        \x00\x02")
+    (example_evals / "billing" / ".arithmetic.yaml").write_text("task: [unclosed\n")
+    billing = next(t for t in load_teams(example_evals) if t.name == "billing")
+    assert [t.path.name for t in billing.tasks] == ["arithmetic.yaml"]
