@@ -258,6 +258,39 @@ def local_placement(
     )
 
 
+def from_cache(
+    build: str,
+    teams: list[Team],
+    manifest: dict,
+    model_files: str,
+    serving: ServingRecord,
+    harness: HarnessParams,
+    out_dir: Path,
+    timing: dict,
+) -> tuple[dict[str, TeamScores], list[tuple[Team, str]]]:
+    """Copy every team already scored for this build and serving record from CACHE_DIR into OUT_DIR/<team>/.
+
+    Returns ({team: its cached scores}, [(team, cache key) still to score]); appends the cached teams'
+    names to `timing["cached"]`. The key (cache_key) includes the build's KV cache dtype when it is not
+    "auto": it changes what the build computes.
+    """
+    serve_config = serving.dump()
+    if (kv := manifest.get("kv_cache_dtype", "auto")) != "auto":
+        serve_config["kv_cache_dtype"] = kv
+    docs, pending = {}, []
+    for team in teams:
+        key = cache_key(manifest["weights_digest"], team, harness, serve_config, model_files)
+        cached = CACHE_DIR / key
+        if (cached / SCORES).is_file():
+            shutil.copytree(cached, out_dir / team.name)
+            docs[team.name] = read_scores(cached / SCORES)
+            timing["cached"].append(team.name)
+            print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
+        else:
+            pending.append((team, key))
+    return docs, pending
+
+
 def evaluate(
     build: str,
     model_dir: Path,
@@ -287,21 +320,8 @@ def evaluate(
     out_dir.mkdir(parents=True)
     if remote:
         (out_dir / ENDPOINT).write_text(json.dumps(remote, indent=1) + "\n")
-    docs, pending = {}, []
     timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
-    serve_config = serving.dump()
-    if (kv := manifest.get("kv_cache_dtype", "auto")) != "auto":  # a build's KV dtype changes what it computes
-        serve_config["kv_cache_dtype"] = kv
-    for team in teams:
-        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config, model_files)
-        cached = CACHE_DIR / key
-        if (cached / SCORES).is_file():
-            shutil.copytree(cached, out_dir / team.name)
-            docs[team.name] = read_scores(cached / SCORES)
-            timing["cached"].append(team.name)
-            print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
-        else:
-            pending.append((team, key))
+    docs, pending = from_cache(build, teams, manifest, model_files, serving, params.harness, out_dir, timing)
     if pending:
         started = time.monotonic()
         try:

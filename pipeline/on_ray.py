@@ -31,7 +31,7 @@ from pipeline.evaluate import (
     CACHE_DIR,
     TIMING,
     EvaluateParams,
-    cache_key,
+    from_cache,
     local_placement,
     make_lm,
     score_teams,
@@ -44,7 +44,7 @@ from quantgate.executor import ExecutorParams, connect
 from quantgate.manifest import config_digest, verify_weights
 from quantgate.precision import RECORD as PRECISION
 from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
-from quantgate.results import SCORES, ServingRecord, TeamScores, read_scores
+from quantgate.results import ServingRecord, TeamScores
 from quantgate.serving import vllm_server
 from quantgate.sharding import merge, plan
 from quantgate.teams import load_team, load_teams
@@ -117,22 +117,11 @@ def evaluate_on_ray(
     if probe is None:
         raise QuantgateError(why)  # before any server starts: the node cannot fetch or serve the build
     precision, serving = probe["precision"], ServingRecord.model_validate(probe["serving"])
-    serve_config = serving.dump()
-    if (kv := manifest.get("kv_cache_dtype", "auto")) != "auto":
-        serve_config["kv_cache_dtype"] = kv
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    docs, pending = {}, []
     timing = {"build": build, "executor": "ray", "server_start_s": 0.0, "replicas": [], "scoring_s": {}, "cached": []}
-    for team in teams:
-        key = cache_key(manifest["weights_digest"], team, params.harness, serve_config, config_digest(model_dir))
-        if (CACHE_DIR / key / SCORES).is_file():
-            shutil.copytree(CACHE_DIR / key, out_dir / team.name)
-            docs[team.name] = read_scores(CACHE_DIR / key / SCORES)
-            timing["cached"].append(team.name)
-            print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
-        else:
-            pending.append((team, key))
+    model_files = config_digest(model_dir)
+    docs, pending = from_cache(build, teams, manifest, model_files, serving, params.harness, out_dir, timing)
     by_name = {team.name: (team, key) for team, key in pending}
     shares = [s for s in plan([t for t, _ in pending], executor.replicas, params.harness.limit) if s]
     refs = []

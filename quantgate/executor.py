@@ -75,6 +75,21 @@ def _answers(address: str, timeout_s: float) -> str | None:
         return exc.strerror or type(exc).__name__
 
 
+def asks(params: ExecutorParams) -> dict[str, float]:
+    """{resource: amount} one task asks for (ExecutorParams.demand without the zero entries)."""
+    return {k: v for k, v in params.demand().items() if v}
+
+
+def named(need: dict[str, float]) -> str:
+    """`need` as "CPU=1, serving=1" for messages."""
+    return ", ".join(f"{k}={v:g}" for k, v in need.items())
+
+
+def feasible(nodes: list[dict], need: dict[str, float]) -> bool:
+    """Whether one of `nodes` (ray.nodes() entries) has every resource of `need` in its totals."""
+    return any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes)
+
+
 def connect(params: ExecutorParams) -> str:
     """Join the Ray cluster of `params` from this process (once) and return its address.
 
@@ -92,9 +107,9 @@ def connect(params: ExecutorParams) -> str:
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         ray.init(address=address, logging_level="ERROR", log_to_driver=False, configure_logging=False)
-    need = {k: v for k, v in params.demand().items() if v}
+    need = asks(params)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    if not any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in nodes):
+    if not feasible(nodes, need):
         have = "; ".join(
             f"{n['NodeManagerAddress']}:{n['NodeManagerPort']} has "
             + ", ".join(
@@ -104,9 +119,8 @@ def connect(params: ExecutorParams) -> str:
             )
             for n in nodes
         )
-        asks = ", ".join(f"{k}={v:g}" for k, v in need.items())
         raise QuantgateError(
-            f"executor at {address}: no live node has what one task asks for ({asks}); "
+            f"executor at {address}: no live node has what one task asks for ({named(need)}); "
             f"{have or 'no live node'}; fix executor.num_cpus/num_gpus/resources or start such a node"
         )
     return address

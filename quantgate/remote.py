@@ -20,7 +20,7 @@ from pathlib import Path
 from quantgate import store
 from quantgate.credentials import drop_credentials
 from quantgate.errors import QuantgateError
-from quantgate.executor import ExecutorParams, failure
+from quantgate.executor import ExecutorParams, asks, failure, feasible, named
 
 PROJECT = Path(__file__).resolve().parents[1]  # the project install on a node (the image's checkout)
 
@@ -84,7 +84,7 @@ def settle(refs: list, executor: ExecutorParams, poll_s: float = 2.0) -> list[tu
     import ray.exceptions as rex
 
     started = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
-    need = {k: v for k, v in executor.demand().items() if v}
+    need = asks(executor)
     waiting, done = list(refs), {}
     while waiting:
         ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=poll_s)
@@ -96,13 +96,13 @@ def settle(refs: list, executor: ExecutorParams, poll_s: float = 2.0) -> list[tu
             except rex.RayError as exc:
                 done[ref] = (None, failure(exc, executor.max_retries + 1))
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        if waiting and not any(all(n["Resources"].get(k, 0) >= v for k, v in need.items()) for n in alive):
+        if waiting and not feasible(alive, need):
             gone = [n for i, n in started.items() if i not in {a["NodeID"] for a in alive}]
             dead = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]})" for n in gone) or "none"
-            asks = ", ".join(f"{k}={v:g}" for k, v in need.items())
             for ref in waiting:
                 ray.cancel(ref, force=True)
-                done[ref] = (None, f"the Ray node it ran on died ({dead}) and no live node has {asks} to run it again")
+                why = f"the Ray node it ran on died ({dead}) and no live node has {named(need)} to run it again"
+                done[ref] = (None, why)
             waiting = []
     return [done[ref] for ref in refs]
 
