@@ -8,7 +8,7 @@
    0 % once the router runs; say how long the canary will take, and refuse (QuantgateError)
    a plan whose steps cannot reach min_samples within max_step_s. Say which latency checks the
    versions' profiles already exceed (canary/forecast.py; a warning, tag canary.forecast).
-4. Route through gateway/router.py; for each policy step set the weight, look at the step's
+4. Route through a gateway (gateway/router.py); for each policy step set the weight, look at the step's
    samples and the candidate vLLM server's gauges (canary/engine.py) every check_interval_s
    (canary/analysis.py, one live line per check), and end the
    step at the first look after min_step_s where every check PASSes (each needs min_samples,
@@ -22,11 +22,13 @@
    (experiment `quantgate-canary`), which holds the policy and every step's metrics.
 Every server started here is stopped on every exit path.
 
-On a running gateway (`run_canary_on_gateway`, `canary run --gateway`) step 2 is the gateway's:
-setting `candidate` makes it warm the version, and the steps drive its split through its admin
-endpoint (gateway/admin.py, `GatewaySplit`); the step loop and analysis are the same
-(`_run_steps` over a `Split`). Either way the run's status (phase, step, weight, failed checks,
-controller, heartbeat) is persisted as tags on its MLflow run (canary/status.py).
+There is one way to move traffic: a gateway's admin endpoint (gateway/admin.py, `GatewaySplit`). On a running
+gateway (`run_canary_on_gateway`, `canary run --gateway`) step 2 is the gateway's: setting `candidate` makes it
+warm the version. Without one (`run_canary`) the canary starts its servers (step 2) and a gateway of its own in
+this process around them (gateway/inprocess.py: its router public, its admin endpoint on loopback with a fresh
+token); from the `candidate` alias on, both runs are the same code (`_candidate_steps`). Either way the run's
+status (phase, step, weight, failed checks, controller, heartbeat) is persisted as tags on its MLflow run
+(canary/status.py).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from canary.status import EXPERIMENT, Phase, Status, live_run, reap_stale
 from canary.traffic import TrafficSplit
 from gateway.admin import GatewayUnreachable, RemoteRouter
 from gateway.fleet import reused_backend
+from gateway.inprocess import local_gateway
 from gateway.router import Router, RouterParams
-from gateway.server import RouterServer
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams, serving_versions
 from quantgate.stats import Verdict
@@ -152,9 +154,10 @@ def step_decision(verdict: Verdict, elapsed_s: float, step: StepPlan, policy: Ca
 
 
 class Split(TrafficSplit, Protocol):
-    """What the step loop drives: the traffic split (canary/traffic.py) of this process's Router
-    (`LocalSplit`) or of a running gateway (`GatewaySplit`, over gateway/admin.py), and what a live
-    rollout also asks of it: is the candidate's server alive, did the gateway restart, its vLLM gauges."""
+    """What the step loop drives: the traffic split (canary/traffic.py) of a gateway, and what a live rollout
+    also asks of it: is the candidate's server alive, did the gateway restart, its vLLM gauges. `GatewaySplit`
+    implements it over any gateway's admin endpoint: a standing `quantgate serve` or the canary's own
+    in-process one (gateway/inprocess.py)."""
 
     def alive(self, version: str) -> bool: ...
     def recover(self, percent: float) -> str | None: ...
@@ -162,40 +165,6 @@ class Split(TrafficSplit, Protocol):
 
     @property
     def shadow_fraction(self) -> float: ...
-
-
-@dataclass
-class LocalSplit:
-    """This process's Router and LocalServers: nothing to recover (they live and die with it)."""
-
-    router: Router
-    fleet: LocalServers
-
-    def set_weight(self, percent: float) -> None:
-        self.router.set_weight(percent)
-
-    def samples_since(self, t: float) -> list:
-        return self.router.samples_since(t)
-
-    def shadows_since(self, t: float) -> list:
-        return self.router.shadows_since(t)
-
-    def drain(self) -> None:
-        self.router.drain()
-
-    def alive(self, version: str) -> bool:
-        return self.fleet.alive(version)
-
-    def recover(self, percent: float) -> str | None:
-        return None
-
-    def engine(self, version: str) -> EngineSample | None:
-        backend = self.fleet.backends.get(version)
-        return scrape(backend.url, f"v{version}") if backend else None
-
-    @property
-    def shadow_fraction(self) -> float:
-        return self.router.params.shadow_fraction
 
 
 class GatewaySplit(RemoteRouter):
@@ -555,8 +524,8 @@ def _report(outcome: Outcome, log) -> Outcome:
 def run_canary(
     mlflow_client, model_name: str, version, policy: CanaryPolicy, by: str, local: Local, hooks: Hooks | None = None
 ) -> Outcome:
-    """Run one canary of `version` of `model_name` with its own servers and router (`local`; see the module
-    docstring and Hooks for `hooks`).
+    """Run one canary of `version` of `model_name` with its own servers and an in-process gateway around them
+    (`local`; see the module docstring and Hooks for `hooks`).
 
     Raises QuantgateError before any alias or server changes when the preflight fails or a given traffic
     cannot finish the plan; a measured traffic that cannot is refused the same way after the candidate alias
@@ -579,15 +548,30 @@ def run_canary(
             fleet.reuse(v, backend)
         for v, role in ((spec.stable, "stable"), (spec.fallback, "shadow"), (version, "candidate")):
             fleet.start(v, role, hooks.log)
-        run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
-        aliases.set_candidate(
-            mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
-        )
         router = Router(fleet.resolver(spec.stable), local.router_params, model_name=model_name)
-        with RouterServer(router, where.router.host, where.router.port) as server:
-            hooks.log(f"canary: router at {server.url}/v1 (OpenAI API), metrics at {server.url}/metrics")
-            run.outcome = _walk(spec, LocalSplit(router, fleet), steps, hooks, status, server.url)
+        with (
+            local_gateway(router, fleet.status, where.router.host, where.router.port) as gateway,
+            contextlib.closing(GatewaySplit(gateway.admin_url, gateway.token, version, policy.gateway_lost_s)) as split,
+        ):
+            hooks.log(f"canary: router at {gateway.url}/v1 (OpenAI API), metrics at {gateway.url}/metrics")
+            split.beat = status.beat
+            _candidate_steps(spec, split, run, steps, hooks, status)
     return _report(run.outcome, hooks.log)
+
+
+def _candidate_steps(spec: Spec, split: GatewaySplit, run: _Ledger, steps, hooks: Hooks, status: Status) -> None:
+    """Point `candidate` at the spec's version, wait for the gateway to route to its warm server
+    (warm_timeout_s), then walk the steps (_walk); the outcome goes to `run`."""
+    version, policy = spec.version, spec.policy
+    run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
+    aliases.set_candidate(
+        spec.client, spec.model, version, spec.by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
+    )
+    hooks.log(f"canary: waiting for the gateway {split.url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
+    state = split.wait_warm(version, policy.warm_timeout_s, hooks.stop, beat=status.beat)
+    split.attach(state)
+    hooks.log(f"canary: v{version} is warm on the gateway {state.get('url')}/v1")
+    run.outcome = _walk(spec, split, steps, hooks, status, state.get("url"))
 
 
 def run_canary_on_gateway(
@@ -623,13 +607,5 @@ def run_canary_on_gateway(
         if steps is not None:
             log(plan_line(policy, hooks.traffic, steps))
         with _recorded(spec, status) as run:
-            run.candidate_set = True  # before the write: a Ctrl-C or SIGTERM inside it must still clear it
-            aliases.set_candidate(
-                mlflow_client, model_name, version, by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
-            )
-            log(f"canary: waiting for the gateway {admin.url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
-            state = split.wait_warm(version, policy.warm_timeout_s, hooks.stop, beat=status.beat)
-            split.attach(state)
-            log(f"canary: v{version} is warm on the gateway {state.get('url')}/v1")
-            run.outcome = _walk(spec, split, steps, hooks, status, state.get("url"))
+            _candidate_steps(spec, split, run, steps, hooks, status)
     return _report(run.outcome, log)

@@ -77,6 +77,11 @@ class LocalServers:
         server = self.started.get(version)
         return server is None or not server.exited()
 
+    def status(self) -> dict[str, dict]:
+        """{version: {"url", "pid" (None for a reused server), "alive"}}: the fleet part of the admin state that
+        an in-process gateway (gateway/inprocess.py) reports, as `quantgate serve` reports its servers."""
+        return {v: {"url": b.url, "pid": self.pids.get(v), "alive": self.alive(v)} for v, b in self.backends.items()}
+
     def death(self, version: str) -> str | None:
         """Why the server this fleet started for `version` died, in one line (quantgate.serving.Server.death:
         seconds after it was ready, exit code or signal, its log's last error line); None while it runs

@@ -3,8 +3,9 @@
 The step loop (canary/controller.py) asks a traffic split for four things only: set the candidate's weight,
 read the requests it saw, read the shadow comparisons, and drain (send nothing to the candidate any more).
 Implementations:
-- gateway.admin.RemoteRouter: a running `quantgate serve`'s admin endpoint (its samples come from the gateway);
-- gateway.router.Router: a router in this process (a canary run without `--gateway`);
+- gateway.admin.RemoteRouter: a gateway's admin endpoint (its samples come from the gateway): a running
+  `quantgate serve`, or the in-process gateway a canary run without `--gateway` starts (gateway/inprocess.py);
+- gateway.router.Router: the router itself, which the admin endpoint drives (the same four methods);
 - canary.render.RouteSplit: Kubernetes Gateway API HTTPRoutes, one written per weight; it sees no requests
   (a cluster's own metrics judge there), so a canary on it is judged by whoever reads those.
 """

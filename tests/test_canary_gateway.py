@@ -583,3 +583,43 @@ def test_sigterm_to_canary_run_records_the_abort_and_clears_candidate(project, f
     [r] = project.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)
     assert r.data.tags["canary.phase"] == "aborted"
     assert r.data.tags["outcome.reason"] == "stopped by the operator (SIGTERM)"
+
+
+@pytest.mark.parametrize(("version", "decision"), [("2", "promoted"), ("3", "aborted")])
+def test_a_local_canary_runs_through_its_own_in_process_gateway(project, fake_fleet, tmp_path, version, decision):  # noqa: F811
+    """Without --gateway the canary starts a gateway in this process (gateway/inprocess.py) around its servers
+    (here reused fake backends) and drives it through the admin endpoint, as it drives `quantgate serve`: the
+    same `_candidate_steps`, the same outcome as on the fake standing gateway."""
+    from canary.controller import run_canary
+    from quantgate.serving import ServeParams
+
+    reuse = {v: f"{fake_fleet[v].server.url}/v1" for v in ("1", "2", "3")}
+    local = Local(
+        ServeParams(python="/nonexistent/python"),  # every version reused: no server starts
+        tmp_path,
+        router_params=RouterParams(shadow_fraction=1.0, shadow_compare_words=2),
+        reuse=reuse,
+    )
+    stop, lines = threading.Event(), []
+
+    def on_router(url):
+        t = load(url, stop)
+        return lambda: (stop.set(), t.join())
+
+    traffic = Traffic(20, 0.5, 1.0, "test", shadow_fraction=1.0)
+    try:
+        outcome = run_canary(
+            project, MODEL, version, FAST, "tester", local, Hooks(lines.append, on_router=on_router, traffic=traffic)
+        )
+        now = aliases.current(project, MODEL)
+        assert outcome.decision == decision, (outcome.reason, lines)
+        assert "candidate" not in now and now.get("production") == ("2" if decision == "promoted" else None)
+        router_line = next(line for line in lines if line.startswith("canary: router at http://127.0.0.1:"))
+        warm = next(line for line in lines if line.startswith(f"canary: v{version} is warm on the gateway "))
+        assert warm.split()[-1] == router_line.split()[3]  # the admin state names the gateway's public URL
+        assert fake_fleet[version].seen  # the candidate got traffic through the in-process router
+        if decision == "aborted":
+            assert outcome.step == 1 and "error_rate" in outcome.reason
+    finally:
+        if aliases.current(project, MODEL).get("production"):
+            aliases.rollback(project, MODEL, "tester", "test: back to the fallback", to="fallback")

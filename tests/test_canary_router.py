@@ -76,9 +76,13 @@ class Fake:
                 Route("/v1/completions", self.answer, methods=["POST"]),
                 Route("/v1/chat/completions", self.answer, methods=["POST"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
             ]
         )
         self.server = AppServer(app, grace_s=1)
+
+    async def models(self, request):
+        return JSONResponse({"object": "list", "data": [{"id": f"{self.name}-served", "object": "model"}]})
 
     async def metrics(self, request):
         return PlainTextResponse(vllm_exposition(self.behaviour.waiting, self.behaviour.kv_usage))
