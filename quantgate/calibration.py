@@ -9,6 +9,7 @@ prompt, a generated answer) may contain a string of any team's eval documents.
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -74,13 +75,15 @@ def overlap(text: str, strings: dict[str, str]) -> str | None:
 
 
 def team_conversations(teams: list[Team], strings: dict[str, str] | None = None) -> list[tuple[str, list[dict]]]:
-    """The conversations of every team's TEAM_FILE, in team order: (source `<file>:<line>`, messages).
+    """The conversations of every team's TEAM_FILE: (source `<file>:<line>`, messages), taken in turn from each
+    team (its first, then each team's second, ...), so that any first n of them (the search's KL ranking reads
+    the first `search.kl_samples`) hold every team's kind of text.
 
     `strings` are eval_strings(teams); without them they are read here, and only if some team has the file.
     Raises QuantgateError naming the file and line of a malformed conversation or one that contains an eval
     document of any team in `teams`.
     """
-    out = []
+    per_team = []
     for team in teams:
         path = team.path / TEAM_FILE
         if path.is_symlink():  # it goes into every build: the file itself must be in the team folder
@@ -94,6 +97,7 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
             continue
         if strings is None:
             strings = eval_strings(teams)
+        own = []
         for number, row in read_jsonl(path, f"save it as UTF-8, one {SHAPE} per line"):
             where = f"{path}:{number}"
             messages = row.get("messages") if isinstance(row, dict) else None
@@ -104,5 +108,6 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
                     f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
                     "eval data leaks the test into the build: remove it"
                 )
-            out.append((where, messages))
-    return out
+            own.append((where, messages))
+        per_team.append(own)
+    return [row for turn in itertools.zip_longest(*per_team) for row in turn if row is not None]

@@ -77,18 +77,31 @@ def test_a_conversation_quoting_another_teams_eval_document_is_refused(example_e
         f"{path}:1: this calibration conversation contains the eval document at {data}:1; calibrating on eval "
         "data leaks the test into the build: remove it"
     )
-    assert team_conversations(teams[:1]) == []  # billing alone: support's file is not read
+    billing = example_evals / "billing" / TEAM_FILE  # billing alone: support's file is not read
+    assert [where for where, _ in team_conversations(teams[:1])] == [f"{billing}:{i}" for i in range(1, 9)]
 
 
 def test_a_good_file_validates_and_calibrate_reads_it(example_evals, tmp_path, monkeypatch, capsys):
     path = example_evals / "support" / TEAM_FILE
     path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(GOOD) + "\n")
     run_validate(example_evals, tmp_path, monkeypatch)
-    assert "validate: 2 team calibration conversations: ok" in capsys.readouterr().out
+    assert "validate: 18 team calibration conversations: ok" in capsys.readouterr().out  # 8 billing, 8 search
     assert (tmp_path / "teams.json").is_file()
     teams = load_teams(example_evals)
-    expected = [(f"{path}:1", GOOD["messages"]), (f"{path}:3", GOOD["messages"])]
-    assert team_conversations(teams, eval_strings(teams)) == team_conversations(teams) == expected
+    got = team_conversations(teams, eval_strings(teams))
+    assert got == team_conversations(teams)
+    # one from each team in turn (billing, search, support), then the teams that have more
+    shipped = [example_evals / team / TEAM_FILE for team in ("billing", "search")]
+    assert [where for where, _ in got[:6]] == [
+        f"{shipped[0]}:1",
+        f"{shipped[1]}:1",
+        f"{path}:1",
+        f"{shipped[0]}:2",
+        f"{shipped[1]}:2",
+        f"{path}:3",
+    ]
+    assert [m for where, m in got if where.startswith(str(path))] == [GOOD["messages"]] * 2
+    assert len(got) == 8 + 8 + 2
 
 
 def test_validate_command_checks_the_file_too(example_evals):
@@ -104,6 +117,7 @@ def test_validate_command_checks_the_file_too(example_evals):
 
 def test_a_folder_named_calibration_jsonl_is_refused(example_evals, tmp_path, monkeypatch):
     path = example_evals / "support" / TEAM_FILE
+    path.unlink()  # the shipped one
     path.mkdir()
     with pytest.raises(QuantgateError) as err:
         run_validate(example_evals, tmp_path, monkeypatch)
@@ -124,6 +138,7 @@ def test_eval_data_in_a_json_suffixed_file_is_protected_too(example_evals):
 def test_a_symlinked_team_calibration_file_is_refused_as_a_symlink(example_evals, tmp_path):
     outside = tmp_path / "outside.jsonl"
     outside.write_text(json.dumps(GOOD) + "\n")
+    (example_evals / "support" / TEAM_FILE).unlink()  # the shipped one
     (example_evals / "support" / TEAM_FILE).symlink_to(outside)
     with pytest.raises(QuantgateError) as err:
         team_conversations(load_teams(example_evals))
@@ -131,3 +146,42 @@ def test_a_symlinked_team_calibration_file_is_refused_as_a_symlink(example_evals
         f"{example_evals / 'support' / TEAM_FILE}: a symlink (to {outside}); {TEAM_FILE} must be a regular file in "
         "the team folder: copy it in"
     )
+
+
+def test_the_example_teams_ship_calibration_text_of_their_kind_and_none_of_their_scored_documents():
+    """evals/<team>/calibration.jsonl: each team's own prompt format (its task's doc_to_text), on documents that
+    are not scored (the overlap rule skips strings under 20 characters, such as billing's questions, so this
+    checks every question and message exactly), with right answers where they can be computed."""
+    import re
+
+    def turns(team: str) -> list[tuple[str, str]]:
+        rows = [json.loads(line)["messages"] for line in (REPO / "evals" / team / TEAM_FILE).read_text().splitlines()]
+        assert len(rows) == 8
+        return [(m[i]["content"], m[i + 1]["content"]) for m in rows for i in range(0, len(m), 2)]
+
+    def scored(team: str, field: str) -> set[str]:
+        files = [REPO / "evals" / team / name for name in ("data.jsonl", "fewshot.jsonl")]
+        return {json.loads(line)[field] for f in files if f.is_file() for line in f.read_text().splitlines()}
+
+    billing = turns("billing")
+    for prompt, answer in billing:
+        a, op, b = re.fullmatch(r"What is (\d+) ([-+]) (\d+)\? Reply with the number only\.", prompt).groups()
+        assert f"What is {a} {op} {b}?" not in scored("billing", "question")
+        assert int(answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    questions = scored("search", "question")
+    for prompt, answer in turns("search"):
+        question = re.fullmatch(r"Question: (Which continent is .+ in\?)\nAnswer:", prompt).group(1)
+        assert question not in questions and answer in {
+            "Africa",
+            "Asia",
+            "Europe",
+            "North America",
+            "South America",
+            "Oceania",
+        }
+    messages = scored("support", "message")
+    for prompt, answer in turns("support"):
+        message = re.fullmatch(r"Customer message: (.+)\nSentiment:", prompt).group(1)
+        assert message not in messages and answer in ("positive", "negative")
+    teams = load_teams(REPO / "evals")
+    assert len(team_conversations(teams, eval_strings(teams))) == 24
