@@ -267,7 +267,13 @@ def main() -> None:
         raise QuantgateError(USAGE)
     model_dir, evals, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     n = calibrate(model_dir, evals, out, p)
-    print(f"calibrate: wrote {n} conversations (>= {p.min_tokens} tokens each) to {out}", flush=True)
+    sources = [json.loads(line)["source"] for line in out.read_text(encoding="utf-8").splitlines()]
+    recorded = sum(s.startswith(f"{p.recorded}.jsonl:") for s in sources)
+    print(
+        f"calibrate: wrote {n} conversations to {out}: {n - recorded} of the teams' own "
+        f"({evals}/<team>/calibration.jsonl), {recorded} recorded (>= {p.min_tokens} tokens each)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
