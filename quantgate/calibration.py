@@ -18,8 +18,11 @@ from quantgate.jsonl import read_jsonl
 from quantgate.teams import Team
 
 TEAM_FILE = "calibration.jsonl"  # optional, in a team's folder
-MIN_OVERLAP_CHARS = 20  # shorter eval strings ("Paris", "42") occur in any text by chance
-CHECKED = f"none quotes {MIN_OVERLAP_CHARS}+ characters of an eval document"  # what a pass says
+MIN_OVERLAP_CHARS = 20  # shorter eval strings ("Paris", "42") occur in any text by chance...
+MIN_OVERLAP_WORDS = 4  # ...unless they are a phrase of their own ("What is 4 - 1?", 14 characters, 4 words)
+CHECKED = (  # what a pass says
+    f"none quotes an eval document's text of {MIN_OVERLAP_CHARS}+ characters or {MIN_OVERLAP_WORDS}+ words"
+)
 ROLES = ("system", "user", "assistant")
 SHAPE = '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'  # one line of TEAM_FILE
 
@@ -54,7 +57,8 @@ def is_chat(messages) -> bool:
 
 def eval_strings(teams: list[Team]) -> dict[str, str]:
     """Every string field of every team's eval documents, normalized (lower case, single spaces), mapped to
-    where it is (`<file>:<line>`). Strings under MIN_OVERLAP_CHARS characters are left out."""
+    where it is (`<file>:<line>`). Strings under MIN_OVERLAP_CHARS characters and MIN_OVERLAP_WORDS words
+    (space-separated) are left out: a place or a number alone is no leak."""
     found: dict[str, str] = {}
     for team in teams:
         for task in team.tasks:
@@ -63,7 +67,8 @@ def eval_strings(teams: list[Team]) -> dict[str, str]:
                     continue
                 for number, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`"):
                     for s in _strings(doc):
-                        if len(n := _norm(s)) >= MIN_OVERLAP_CHARS:
+                        n = _norm(s)
+                        if len(n) >= MIN_OVERLAP_CHARS or len(n.split()) >= MIN_OVERLAP_WORDS:
                             found.setdefault(n, f"{path}:{number}")
     return found
 

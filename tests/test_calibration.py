@@ -150,8 +150,7 @@ def test_a_symlinked_team_calibration_file_is_refused_as_a_symlink(example_evals
 
 def test_the_example_teams_ship_calibration_text_of_their_kind_and_none_of_their_scored_documents():
     """evals/<team>/calibration.jsonl: each team's own prompt format (its task's doc_to_text), on documents that
-    are not scored (the overlap rule skips strings under 20 characters, such as billing's questions, so this
-    checks every question and message exactly), with right answers where they can be computed."""
+    are not scored (every question and message, exactly), with right answers where they can be computed."""
     import re
 
     def turns(team: str) -> list[tuple[str, str]]:
@@ -185,3 +184,19 @@ def test_the_example_teams_ship_calibration_text_of_their_kind_and_none_of_their
         assert message not in messages and answer in ("positive", "negative")
     teams = load_teams(REPO / "evals")
     assert len(team_conversations(teams, eval_strings(teams))) == 24
+
+
+def test_a_short_scored_question_in_a_conversation_is_refused(example_evals):
+    """billing's documents are 14-17 characters ("What is 35 - 23?"): under the 20-character rule, but a phrase
+    of 4+ words, so a conversation that quotes one is refused; a place name alone ("Paris") is not."""
+    teams = load_teams(example_evals)
+    path = example_evals / "support" / TEAM_FILE
+    question = first_line(example_evals, "billing", "question")
+    assert len(question) < 20
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": f"Quick one: {question}"}]}) + "\n")
+    with pytest.raises(QuantgateError) as err:
+        team_conversations(teams)
+    data = (example_evals / "billing" / "data.jsonl").resolve()
+    assert str(err.value).startswith(f"{path}:1: this calibration conversation contains the eval document at {data}:1;")
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "I loved Paris and Rome."}]}) + "\n")
+    assert f"{path}:1" in [where for where, _ in team_conversations(teams)]
