@@ -249,7 +249,7 @@ class GatewayTarget:
     default=lambda: os.environ.get("USER"),
     required=True,
     callback=by_arg,
-    show_default="$USER",
+    show_default="$USER, else $MLFLOW_TRACKING_USERNAME",
     help="Who runs the canary (recorded in the audit).",
 )
 @click.option(

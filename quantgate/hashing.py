@@ -6,15 +6,22 @@ import hashlib
 import json
 from pathlib import Path
 
+from quantgate.errors import QuantgateError
+
 CHUNK = 1 << 20  # 1 MiB reads keep memory flat on multi-GB weight files
 
 
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a file's bytes. Raises QuantgateError naming the file when it cannot be read (its
+    permissions, a folder, gone), not an OSError traceback."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise QuantgateError(f"{path}: cannot read it ({why}); check that it is a file you can read") from None
     return h.hexdigest()
 
 

@@ -99,10 +99,15 @@ def read_jsonl(path: Path, what_to_do: str) -> list[tuple[int, object]]:
     """(line number, value) of every line of the JSONL file at `path`; blank lines are skipped.
 
     Raises QuantgateError in one line, `<path>:<line>: <problem>; <what_to_do>`, at the first byte that is
-    not UTF-8 or the first line that is not JSON (parse_line).
+    not UTF-8 or the first line that is not JSON (parse_line), and `<path>: cannot read it (<why>)` for a file
+    that cannot be read (permissions, a folder).
     """
     try:
-        lines = decode(Path(path).read_bytes()).split("\n")
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise QuantgateError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__}); {what_to_do}") from None
+    try:
+        lines = decode(data).split("\n")
         return [(number, parse_line(number, line)) for number, line in enumerate(lines, 1) if line.strip()]
     except BadLine as exc:
         raise QuantgateError(exc.at(path, what_to_do)) from None

@@ -36,3 +36,17 @@ def test_bad_line_is_one_line_naming_file_line_problem_and_fix(tmp_path, raw, er
         read_jsonl(path, FIX)
     assert str(err.value).startswith(f"{path}:{error}") and str(err.value).endswith(f"; {FIX}")
     assert "\n" not in str(err.value)
+
+
+def test_a_file_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):
+    """A folder where a file should be (as an unreadable file, for a user without root) is named, with why."""
+    from quantgate.hashing import sha256_file
+
+    folder = tmp_path / "calibration.jsonl"
+    folder.mkdir()
+    with pytest.raises(QuantgateError) as err:
+        read_jsonl(folder, "save it as UTF-8")
+    assert str(err.value) == f"{folder}: cannot read it (Is a directory); save it as UTF-8"
+    with pytest.raises(QuantgateError) as err:
+        sha256_file(folder)
+    assert str(err.value) == f"{folder}: cannot read it (Is a directory); check that it is a file you can read"
