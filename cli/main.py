@@ -107,27 +107,30 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
 def validate(path: Path) -> None:
     """Check the team eval sets under PATH (or one team folder) without running a model.
 
-    A team's calibration.jsonl is checked too (against the eval documents of the teams checked: run it on
-    the whole folder, as `dvc repro` does, to check it against every team's)."""
+    A team's calibration.jsonl is checked too, against every team's eval documents (for one team folder: its
+    own and those of the team folders beside it that validate)."""
     from quantgate.budget import check_budget_teams, load_budgets
-    from quantgate.calibration import CHECKED, team_conversations
-    from quantgate.teams import POLICY_FILE, load_team, load_teams
+    from quantgate.calibration import CHECKED, eval_strings, team_conversations
+    from quantgate.teams import POLICY_FILE, load_team, load_teams, teams_beside
 
+    scope = ""
     with command_errors():
         budgets = load_budgets(required=False)  # params.yaml of the project folder it runs in, else the defaults
         if (path / POLICY_FILE).is_file():
             teams = [load_team(path, budgets)]
+            others, broken = teams_beside(path)
+            if broken:  # their documents could not be read: say so rather than claim a comparison
+                scope = f" (not compared with {', '.join(broken)}: they do not validate)"
         else:
             if path.is_dir():
                 check_budget_teams(budgets, sorted(p.name for p in path.iterdir() if (p / POLICY_FILE).is_file()))
-            teams = load_teams(path, budgets=budgets)
-        own = team_conversations(teams)
+            teams, others = load_teams(path, budgets=budgets), []
+        own = team_conversations(teams, eval_strings(teams + others))
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         policy = t.policy
         click.echo(f"ok: {t.name} ({tasks}), owner {policy.owner}, metric {policy.metric}; per build {t.cost.line()}")
     if own:
-        scope = " of this team" if (path / POLICY_FILE).is_file() else ""  # one team folder: its own docs only
         click.echo(f"ok: {len(own)} team calibration conversations, {CHECKED}{scope}")
 
 

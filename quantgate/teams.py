@@ -325,6 +325,22 @@ def load_team(path: Path, budgets: ValidateParams | None = None) -> Team:
     return load_teams(path.parent, only=path.name, budgets=budgets)[0]
 
 
+def teams_beside(path: Path) -> tuple[list[Team], list[str]]:
+    """The other team folders beside the team folder `path` (under its parent) that load, for the rules that
+    compare one team with the others (a calibration conversation must not quote any team's document), and the
+    names of those that do not load (their problems are their own: they are not compared)."""
+    path = path if path.name not in ("", ".", "..") else path.resolve()
+    loaded, broken = [], []
+    for other in sorted(path.parent.iterdir()):
+        if other.name == path.name or not (other / POLICY_FILE).is_file():
+            continue
+        try:
+            loaded.append(load_team(other))
+        except QuantgateError:
+            broken.append(other.name)
+    return loaded, broken
+
+
 def _listing(team: str, problems: list[str]) -> str:
     # a file with many bad lines is listed in part ("<file>: ... and N more", taskdata): count them all
     rest = [int(m.group(1)) for p in problems if (m := re.search(r": \.\.\. and (\d+) more$", p))]

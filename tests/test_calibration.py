@@ -200,3 +200,27 @@ def test_a_short_scored_question_in_a_conversation_is_refused(example_evals):
     assert str(err.value).startswith(f"{path}:1: this calibration conversation contains the eval document at {data}:1;")
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "I loved Paris and Rome."}]}) + "\n")
     assert f"{path}:1" in [where for where, _ in team_conversations(teams)]
+
+
+def test_one_team_folder_is_checked_against_the_documents_of_the_teams_beside_it(example_evals):
+    """`quantgate evals validate evals/<team>` applies the rule the whole-tree check applies: a conversation that
+    quotes another team's document is refused; a sibling that does not validate is named, not silently skipped."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    path = example_evals / "billing" / TEAM_FILE
+    question = first_line(example_evals, "search", "question")
+    with path.open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": f"Quiz: {question}"}]}) + "\n")
+    result = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
+    data = (example_evals / "search" / "data.jsonl").resolve()
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        f"Error: {path}:9: this calibration conversation contains the eval document at {data}:1; calibrating on "
+        "eval data leaks the test into the build: remove it"
+    ], result.output
+    path.write_text("\n".join(path.read_text().splitlines()[:8]) + "\n")  # the shipped file again
+    (example_evals / "search" / "team.yaml").write_text("metric: [\n")  # search no longer validates
+    result = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1].endswith("(not compared with search: they do not validate)")
