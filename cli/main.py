@@ -110,22 +110,24 @@ def validate(path: Path) -> None:
     A team's calibration.jsonl is checked too, against every team's eval documents (for one team folder: its
     own and those of the team folders beside it that validate)."""
     from quantgate.budget import check_budget_teams, load_budgets
-    from quantgate.calibration import CHECKED, eval_strings, team_conversations
+    from quantgate.calibration import CHECKED, TEAM_FILE, eval_strings, team_conversations
     from quantgate.teams import POLICY_FILE, load_team, load_teams, teams_beside
 
-    scope = ""
+    scope, strings = "", None  # None: team_conversations reads the teams' documents if some team has the file
     with command_errors():
         budgets = load_budgets(required=False)  # params.yaml of the project folder it runs in, else the defaults
         if (path / POLICY_FILE).is_file():
             teams = [load_team(path, budgets)]
-            others, broken = teams_beside(path)
-            if broken:  # their documents could not be read: say so rather than claim a comparison
-                scope = f" (not compared with {', '.join(broken)}: they do not validate)"
+            if (path / TEAM_FILE).is_file():  # compared with the teams beside it too: loaded only then
+                others, broken = teams_beside(path)
+                strings = eval_strings(teams + others)
+                if broken:  # their documents could not be read: say so rather than claim a comparison
+                    scope = f" (not compared with {', '.join(broken)}: they do not validate)"
         else:
             if path.is_dir():
                 check_budget_teams(budgets, sorted(p.name for p in path.iterdir() if (p / POLICY_FILE).is_file()))
-            teams, others = load_teams(path, budgets=budgets), []
-        own = team_conversations(teams, eval_strings(teams + others))
+            teams = load_teams(path, budgets=budgets)
+        own = team_conversations(teams, strings)
     for t in teams:
         tasks = ", ".join(f"{x.name}, {x.n_docs} docs" for x in t.tasks)
         policy = t.policy
