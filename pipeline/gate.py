@@ -175,10 +175,12 @@ def search_problem(search_file: Path | None, build: str) -> str | None:
     s = search_of(search_file)
     if s is None or s.build != build or s.skipped or s.passed:
         return None
+    kept = ", ".join(str(x.kept) for x in s.screens)
+    bound = f"; at most {s.max_bits_per_weight:g} bits per weight" if s.max_bits_per_weight is not None else ""
     return (
-        f"the search kept {s.chosen} of {s.layers} layers 16-bit, but none of its {s.evaluations} screened "
-        "candidates was shown to pass every team (results/search/trace.md); raise search.doc_budget or change the "
-        "base recipe"
+        f"none of the search's {s.evaluations} screened candidates ({kept} layers kept 16-bit{bound}) was shown "
+        f"to pass every team, so it keeps {s.chosen} of {s.layers} layers 16-bit (results/search/trace.md); raise "
+        "search.doc_budget" + (" or search.max_bits_per_weight" if bound else "") + ", or change the base recipe"
     )
 
 

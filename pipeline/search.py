@@ -24,15 +24,19 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    documents scored over the whole search) is undecided, and is never taken as a pass. k = 0 is screened
    first, then the interval (largest k not shown to pass, smallest passing k) is cut at its geometric mean,
    since sensitivity is concentrated in few layers; k = every layer is the 16-bit build itself and is
-   never screened. The search stops when the interval closes or the budget ends.
+   never screened. With `max_bits_per_weight` (default 6, the most an int4-class build may hold), k stops
+   at the largest count within it, which is screened second: when it is not shown to pass, nothing
+   within the bound is (more layers kept never loses quality, the bisection's own assumption), and the
+   search ends after two screens. The search stops when the interval closes or the budget ends.
 3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
    module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
    evaluate and the gate then confirm it on the full sets like any build. Round-to-nearest screening loses
    at least as much as GPTQ on most layers, so the screen errs towards keeping layers.
    OUT_DIR/search.json (DVC metrics; quantgate.results.SearchResult) and OUT_DIR/trace.md: the ranking,
    every screened candidate with its per-team results, the choice, effective bits per weight and size.
-   If no screened candidate passes, the search says so and keeps the screened one with the most layers
-   16-bit, and the gate FAILs that build.
+   If no screened candidate passes, the search says so and keeps no layer 16-bit: an unproven candidate
+   is not a build. int4-mixed then has the base recipe's weights (int4's: quantize reuses them and
+   evaluate its scores, so it costs no quantize or scoring time) and the gate FAILs it with that reason.
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ class SearchParams(Frozen):
     recipe: str = "recipes/int4.yaml"  # the recipe (scheme, method) the search falls back from: int4's
     looks: list[int] = Field(default=[40, 80, 160], min_length=1)  # first documents per task at each look
     doc_budget: int = Field(default=1500, gt=0)  # candidate documents scored over the whole search, every look
+    # bits per weight a candidate may hold (its targeted layers; kept ones at 16): the int4-class bound. Above
+    # ~6, int8 (W8A8, ~8 bits with scales, native kernels on every machine kind) frees about as much memory
+    # with far less quality risk. None = no bound (candidates up to every layer but one 16-bit)
+    max_bits_per_weight: float | None = Field(default=6.0, gt=0)
     kl_samples: int = Field(default=4, gt=0)  # calibration conversations for the sensitivity ranking
     kl_seq_len: int = Field(default=128, gt=0)  # tokens of each
     # layers vLLM loads as one fused module, kept or quantized together: {fused name: member layer names};
@@ -278,15 +286,24 @@ def next_k(lo: int, hi: int) -> int:
     return min(max(mid, lo + 1), hi - 1)
 
 
-def bisect(n_units: int, screen) -> list[Screen]:
+def bisect(n_units: int, screen, top: int | None = None) -> list[Screen]:
     """Screens in the order run: k = 0, then the interval (largest k not shown to pass, smallest passing k) is
     cut (next_k) until it closes or the budget ends. `screen(k) -> Screen | None` keeps the top k units (None:
     the document budget cannot start it); k = n_units (all 16-bit) passes by construction, never screened.
-    A failed or undecided screen both move the interval up: neither shows that k layers are enough."""
+    A failed or undecided screen both move the interval up: neither shows that k layers are enough.
+    `top` (< n_units): the most units a candidate may keep (search.max_bits_per_weight); it is screened
+    right after k = 0, and when it is not shown to pass, the search ends there: fewer kept layers lose more."""
     done = [s] if (s := screen(0)) is not None else []
     if not done or done[0].passed:
         return done
     lo, hi = 0, n_units
+    if top is not None and top < n_units:
+        if top == 0 or (s := screen(top)) is None:
+            return done
+        done.append(s)
+        if not s.passed:
+            return done
+        hi = top
     while hi - lo >= 2:
         k = next_k(lo, hi)
         if (s := screen(k)) is None:
@@ -296,13 +313,27 @@ def bisect(n_units: int, screen) -> list[Screen]:
     return done
 
 
+def top_units(bits: list[float], max_bits: float | None) -> int | None:
+    """The most units a candidate may keep 16-bit: the largest k with `bits[k]` (effective bits per weight
+    with the top k units kept, growing in k) <= `max_bits`; None without a bound. Raises QuantgateError
+    when the base recipe itself (k = 0) is over it."""
+    if max_bits is None:
+        return None
+    if bits[0] > max_bits:
+        raise QuantgateError(
+            f"search.max_bits_per_weight {max_bits:g} is below the base recipe's own {bits[0]:.2f} bits per weight; "
+            "raise it or drop it (null)"
+        )
+    return max(k for k, b in enumerate(bits) if b <= max_bits)
+
+
 def choose(screens: list[Screen]) -> tuple[Screen, bool]:
-    """(chosen screen, whether it passed): the passing one with the fewest kept layers, else the screened one
-    with the most (the closest to the 16-bit build; its point estimates are not a verdict)."""
+    """(chosen screen, whether it passed): the passing one with the fewest kept layers, else the first (k = 0,
+    the base recipe: a candidate not shown to pass is not a build, and its point estimates are no verdict)."""
     passing = [s for s in screens if s.passed]
     if passing:
         return min(passing, key=lambda s: s.kept), True
-    return max(screens, key=lambda s: s.kept), False
+    return min(screens, key=lambda s: s.kept), False
 
 
 def subset(scores: TeamScores, keys: set[tuple[str, int]]) -> TeamScores:
@@ -397,6 +428,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
     layers = {name: (m.weight.numel(), m.in_features) for name, m in linears.items()}
     if args.strategy == "group":  # before minutes of ranking, as quantize checks it
         check_group_size(model, args.group_size, ignore, f"{base_path} (search.recipe)", scheme.targets)
+    top_units([effective_bits(layers, set(), args)], p.max_bits_per_weight)  # a bound below the base: before ranking
     batches = calibration_ids(tokenizer, CALIBRATION_FILE, p.kl_samples, p.kl_seq_len)
 
     started = time.monotonic()
@@ -442,7 +474,9 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         print(f"search: keep {len(kept):>3} 16-bit -> {s.outcome} ({'; '.join(run.trail)})", flush=True)
         return s
 
-    screens = bisect(len(ranked), screen)
+    bits = [effective_bits(layers, set(order[:b]), args) for b in bounds]
+    top = top_units(bits, p.max_bits_per_weight)
+    screens = bisect(len(ranked), screen, top)
     if not screens:
         raise QuantgateError(
             f"search.doc_budget {p.doc_budget}: too small for one look at every team ({p.looks[0]} documents per "
@@ -466,6 +500,8 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         effective_bits=chosen.effective_bits,
         size_mib=round(size_mib(model, layers, set(kept), args), 1),
         layers=len(order),
+        max_bits_per_weight=p.max_bits_per_weight,
+        max_kept=None if top is None else bounds[top],
         sensitivity={n: round(v, 6) for n, v in ranking.items()},
         screens=screens,
     )
@@ -494,7 +530,13 @@ def trace(r: SearchResult, p: SearchParams) -> str:
         + ", ".join(f"{name} = {'+'.join(members)}" for name, members in p.fused.items())
         + f" as one). Each screen looks at {p.looks} documents per task in turn, judged by the gate's interval at "
         f"each team's confidence split over {len(p.looks)} looks (Bonferroni), until every team is decided; "
-        f"{r.evaluations} screens, {r.docs_spent} of {r.doc_budget} candidate documents (search.doc_budget).",
+        f"{r.evaluations} screens, {r.docs_spent} of {r.doc_budget} candidate documents (search.doc_budget)."
+        + (
+            f" A candidate holds at most {r.max_bits_per_weight:g} bits per weight (search.max_bits_per_weight): "
+            f"at most {r.max_kept} layers kept 16-bit."
+            if r.max_bits_per_weight is not None
+            else ""
+        ),
         "",
         "| kept 16-bit | bits/weight | "
         + " | ".join(f"{t} drop / margin (n)" for t in teams)
@@ -517,7 +559,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
     verdict = (
         "passed the screen"
         if r.passed
-        else "no screened candidate was shown to pass; kept the one with the most layers 16-bit, the gate FAILs it"
+        else "no screened candidate was shown to pass: the base recipe's build, which the gate FAILs"
     )
     lines += [
         "",
@@ -626,7 +668,11 @@ def main() -> None:
         return
     else:
         r = search(model_dir, evals_dir, out_dir, p)
-    outcome = "passed the screen" if r.passed else "NO candidate passed the screen (the gate will FAIL it)"
+    outcome = (
+        "passed the screen"
+        if r.passed
+        else "NO candidate passed the screen, so it is the base recipe's build (the gate will FAIL it)"
+    )
     print(
         f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "
         f"~{r.size_mib} MiB; {r.evaluations} screens, {r.docs_spent} of {r.doc_budget} documents; "

@@ -356,6 +356,8 @@ class SearchResult(Document):
     effective_bits: float | None = None  # bits per weight of the targeted Linear layers, chosen candidate
     size_mib: float | None = None  # estimated weights of the whole build, chosen candidate
     layers: int = 0  # Linear layers the base recipe quantizes
+    max_bits_per_weight: float | None = None  # search.max_bits_per_weight: the bound every candidate was held to
+    max_kept: int | None = None  # the most layers a candidate could keep 16-bit within it (None: no bound)
     sensitivity: dict[str, float] = {}  # KL per layer (nats/token), most sensitive first
     screens: list[Screen] = []
 

