@@ -18,6 +18,11 @@ the one-line reason; the stage still succeeds, so the rest of `dvc repro` runs. 
 build; its quality verdict is the evaluate stage's business. The server's log is
 results/logs/profile@<build>.server.log (no DVC output).
 
+A build's figures are kept by content in `.quantgate/cache/profile/<key>.json` (cache_key: weights,
+config, serving settings as resolved, serving env and machine, load; not the build's name), so a build
+with the weights of one measured before is not served again: its record says which build it was measured
+as (`measured_as`). Delete the folder to measure anew.
+
 With `executor.kind: ray` (quantgate/executor.py) the server and the benchmark run as one Ray task on a node
 with the executor's resources, the hardware that will serve (profile_on_ray); the record is written here
 and names the node (`placement`).
@@ -38,14 +43,17 @@ from quantgate.console import per_build
 from quantgate.cost import KVShape, kv_bytes_per_token, kv_capacity_tokens, kv_dtype_bytes
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.executor import ExecutorParams, connect
+from quantgate.hashing import digest_json
 from quantgate.loadgen import Load, bench, disk_mib, startup_report, tree_rss_gib
+from quantgate.manifest import config_digest, read_manifest
 from quantgate.params import Frozen, load_block
-from quantgate.precision import probe
+from quantgate.precision import probe, probe_key
 from quantgate.remote import node_python, on_node, published, settle, submit
-from quantgate.results import BuildProfile, LoadPoint, Placement, write_profile
+from quantgate.results import BuildProfile, LoadPoint, Placement, read_profile, write_profile
 from quantgate.serving import ServeParams, kv_cache_dtype, resolved, vllm_server
 
 LOGS = Path("results/logs")
+CACHE_DIR = Path(".quantgate/cache/profile")
 
 
 class ProfileParams(Frozen):
@@ -148,6 +156,52 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
         return BuildProfile(status="unprofiled", reason=reason, **record)
 
 
+def cache_key(model_dir: Path, serve: ServeParams, params: ProfileParams) -> str | None:
+    """Content key of one build's profile (sha256 hex), or None where it cannot be formed (no build.json,
+    a serving env that cannot be probed): then the build is measured. In it is everything that changes the
+    figures: the weights and config/tokenizer files (quantgate.manifest), the KV cache dtype, the serving
+    settings as resolved here (precision, eager mode, KV space, cores, extra flags), the serving env and the
+    machine (quantgate.precision.probe_key: its packages, the CPU flags, the GPUs) and the load. Not the
+    build's name: two builds with the same weights (int4-mixed when its search keeps no layer 16-bit) are
+    one measurement, as evaluate's cache makes them one scoring."""
+    try:
+        weights = read_manifest(model_dir)["weights_digest"]
+        served = {k: v for k, v in dict(resolved(serve, model_dir)).items() if k not in ("python", "host", "port")}
+        return digest_json(
+            {
+                "weights": weights,
+                "model_files": config_digest(model_dir),
+                "kv_cache_dtype": kv_cache_dtype(model_dir),
+                "serve": served,
+                "platform": probe_key(serve.python),
+                "load": params.model_dump(mode="json", exclude={"timeout_s"}),
+            }
+        )
+    except (QuantgateError, KeyError, OSError):
+        return None
+
+
+def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams) -> BuildProfile:
+    """profile(), through the content cache CACHE_DIR/<cache_key>.json: a build whose figures were measured
+    before (under another name, or an earlier run) gets them again, marked `measured_as`; a new "profiled"
+    record is kept there. Unprofiled records are not kept (a server that did not start may start next time).
+    Raises QuantgateError as profile()."""
+    key = cache_key(model_dir, serve, params)
+    cached = CACHE_DIR / f"{key}.json" if key else None
+    if cached is not None and cached.is_file():
+        try:
+            hit = read_profile(cached)
+            print(f"profile[{build}]: from cache {key[:12]} (measured as {hit.measured_as or hit.build})", flush=True)
+            return hit.model_copy(update={"build": build, "measured_as": hit.measured_as or hit.build})
+        except QuantgateError:  # unreadable: measure again, and replace it below
+            pass
+    result = profile(build, model_dir, serve, params)
+    if cached is not None and result.status == "profiled":
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        write_profile(cached, result)
+    return result
+
+
 LOG_TAIL = 200_000  # bytes of the server log a Ray task sends back
 
 
@@ -200,7 +254,7 @@ def main() -> None:
     if executor.kind == "ray":
         result = profile_on_ray(build, model_dir, serve, params, executor)
     else:
-        result = profile(build, model_dir, serve, params)
+        result = measured(build, model_dir, serve, params)
     write_profile(out, result)
     print(f"profile[{build}]: {result.status}" + (f" ({result.reason})" if result.reason else "") + f"; wrote {out}")
 

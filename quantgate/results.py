@@ -310,6 +310,8 @@ class BuildProfile(Document):
     server_rss_gib: float | None = None
     loads: dict[str, LoadPoint] = {}  # "c<concurrency>" -> its figures (named keys: `dvc metrics show` reads them)
     placement: Placement | None = None  # where it was measured (executor, node); None in records before issue 31
+    measured_as: str | None = None  # the build these figures were measured on, when they came from the content
+    # cache (the same weights, config, serving settings and machine; pipeline/profile.py cache_key)
 
 
 def write_profile(path: Path, profile: BuildProfile) -> None:

