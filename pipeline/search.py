@@ -467,6 +467,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
             worst_slack=round(min(c.margin - c.upper for c in run.teams.values()), 6),
             teams=run.teams,
             effective_bits=round(effective_bits(layers, kept, args), 3),
+            size_mib=round(size_mib(model, layers, kept, args), 1),
             seconds=round(time.monotonic() - began, 1),
             docs=run.docs,
             looks=run.trail,
@@ -538,10 +539,10 @@ def trace(r: SearchResult, p: SearchParams) -> str:
             else ""
         ),
         "",
-        "| kept 16-bit | bits/weight | "
+        "| kept 16-bit | bits/weight | weights MiB (est.) | "
         + " | ".join(f"{t} drop / margin (n)" for t in teams)
         + " | screen | docs | looks | s |",
-        "|---|---|" + "---|" * len(teams) + "---|---|---|---|",
+        "|---|---|---|" + "---|" * len(teams) + "---|---|---|---|",
     ]
     for s in r.screens:
         looked = {t: f"{c.drop:+.3f} / {c.margin:.3f} ({Verdict(c.verdict).value}, {c.n})" for t, c in s.teams.items()}
@@ -549,6 +550,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
         row = [
             str(s.kept),
             f"{s.effective_bits:.2f}",
+            "-" if s.size_mib is None else f"{s.size_mib:.1f}",
             *cells,
             s.outcome,
             str(s.docs),

@@ -337,6 +337,7 @@ class Screen(Document):
     worst_slack: float  # min over the teams looked at of (margin - upper bound of the drop), metric units
     teams: dict[str, TeamComparison]  # each team's comparison at its last look
     effective_bits: float  # bits per weight of the targeted Linear layers
+    size_mib: float | None = None  # estimated weights of the whole build (pipeline.search.size_mib)
     seconds: float
     docs: int = 0  # candidate documents scored, every look
     looks: list[str] = []  # one line per look: "<docs per task>: team VERDICT, ..."

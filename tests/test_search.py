@@ -313,6 +313,8 @@ def test_a_search_where_nothing_within_the_bits_bound_passes_screens_twice_and_k
     # the tiny Llama's 14 layers: at most 8 bits per weight keeps result.max_kept of them, screened second
     assert screens == [0, result.max_kept] and 0 < result.max_kept < 14
     assert result.screens[1].effective_bits <= 8.0
+    assert 0 <= result.screens[0].size_mib <= result.screens[1].size_mib  # each candidate's estimated weights
+    assert f"| 0 | 4.25 | {result.screens[0].size_mib:.1f} |" in (out / "trace.md").read_text()
     assert (result.passed, result.chosen, result.kept_layers, result.effective_bits) == (False, 0, [], 4.25)
     assert load_recipe("int4-mixed", out / "recipe.yaml").modifiers[0].ignore == ["lm_head"]  # int4's recipe
     trace = (out / "trace.md").read_text()
