@@ -152,7 +152,6 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
         reason = project_relative((str(exc).strip() or type(exc).__name__).split(" (log: ")[0].splitlines()[0])
         if isinstance(exc, subprocess.TimeoutExpired):
             reason = f"vllm bench serve took longer than profile.timeout_s ({params.timeout_s} s)"
-        print(f"profile[{build}]: unprofiled: {reason}", file=sys.stderr, flush=True)
         return BuildProfile(status="unprofiled", reason=reason, **record)
 
 
@@ -234,7 +233,6 @@ def profile_on_ray(
     }
     ((reply, why),) = settle([submit(profile_task, request, executor)], executor)
     if reply is None:
-        print(f"profile[{build}]: unprofiled: {why}", file=sys.stderr, flush=True)
         lengths = {"input_len": params.input_len, "output_len": params.output_len, "seed": params.seed}
         return BuildProfile(build=build, status="unprofiled", reason=why, **lengths)
     LOGS.mkdir(parents=True, exist_ok=True)
@@ -256,7 +254,8 @@ def main() -> None:
     else:
         result = measured(build, model_dir, serve, params)
     write_profile(out, result)
-    print(f"profile[{build}]: {result.status}" + (f" ({result.reason})" if result.reason else "") + f"; wrote {out}")
+    why = f": {result.reason}" if result.reason else ""  # the reason once (main prints it for every executor)
+    print(f"profile[{build}]: {result.status}{why}; wrote {out}", file=sys.stderr if why else sys.stdout, flush=True)
 
 
 if __name__ == "__main__":
