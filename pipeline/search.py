@@ -523,7 +523,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
 def trace(r: SearchResult, p: SearchParams) -> str:
     """The search as markdown: every screen (kept layers, bits, per-team drop vs margin at its last look and
     the interval's verdict, outcome, documents, the looks), then the choice."""
-    teams = list(r.screens[0].teams) if r.screens else []
+    teams = list(dict.fromkeys(t for s in r.screens for t in s.teams))  # a screen stops at a team's FAIL: the union
     lines = [
         f"# Search trace: {r.build} from {r.recipe}",
         "",

@@ -21,12 +21,13 @@ from pipeline.search import (
     sensitivity,
     size_mib,
     top_units,
+    trace,
     units,
 )
 from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
 from quantgate.recipes import load_recipe
-from quantgate.results import Screen, TeamScores, read_search
+from quantgate.results import Screen, SearchResult, TeamScores, read_search
 from quantgate.screening import Outcome, ScreenRun
 from tests.conftest import REPO
 from tests.test_screening import comparison
@@ -364,3 +365,19 @@ def test_two_builds_of_a_search_that_kept_no_layer_go_through_gate_and_register(
     assert {b: len(r) for b, r in found.items()} == {"fp16": 1, "int4": 1, "int4-mixed": 1}
     assert found["int4-mixed"][0].data.tags["same_weights_as"] == "int4"
     assert "same_weights_as" not in found["int4"][0].data.tags
+
+
+def test_the_trace_has_a_column_for_every_team_any_screen_looked_at():
+    # a screen stops at the first team that FAILs: the base recipe's looked at billing only
+    first = Screen(
+        kept=0, outcome="fail", passed=False, worst_slack=-0.2, teams={"billing": comparison("FAIL", 40)},
+        effective_bits=4.25, size_mib=107.9, seconds=7, docs=40, looks=["40: billing FAIL"],
+    )  # fmt: skip
+    both = {"billing": comparison("FAIL", 160), "search": comparison("PASS", 80)}
+    second = first.model_copy(update={"kept": 51, "teams": both, "effective_bits": 5.99, "size_mib": 147.2})
+    result = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", screens=[first, second], chosen=0)
+    lines = trace(result, SearchParams()).splitlines()
+    header = next(line for line in lines if line.startswith("| kept 16-bit"))
+    assert "billing drop / margin (n) | search drop / margin (n)" in header
+    row = next(line for line in lines if line.startswith("| 0 | 4.25 | 107.9 |"))
+    assert row.split(" | ")[4] == "not looked at"
