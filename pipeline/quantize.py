@@ -18,12 +18,11 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
 from quantgate.console import log_progress, per_build
-from quantgate.conversations import CALIBRATION_FILE, calibration_texts
+from quantgate.conversations import CALIBRATION_FILE, Calibration, calibration_texts
 from quantgate.devices import check_devices, visible_devices
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json, sha256_file
@@ -31,12 +30,6 @@ from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_ma
 from quantgate.params import Frozen, load_block, read_yaml
 from quantgate.precision import KvCacheDtype, native_16bit
 from quantgate.recipes import check_group_size, load_recipe, needs_data, needs_sequential, weight_schemes
-
-
-class Calibration(Frozen):
-    samples: int = Field(default=256, gt=0)  # conversations from the calibrate stage
-    seq_len: int = Field(default=512, gt=0)  # tokens per sample; longer ones are truncated
-    pipeline: Literal["basic", "sequential"] = "sequential"  # sequential: layer by layer, on quantized inputs
 
 
 class QuantizeParams(Frozen):

@@ -9,9 +9,11 @@ Intel Neural Compressor's accuracy-aware op fallback and NVIDIA ModelOpt's auto_
 quantize" is one of the choices) do; llm-compressor has no such search yet (its RFC #2690).
 
 1. Sensitivity, in-process: each Linear the base recipe quantizes is quantized alone, round-to-nearest
-   at the recipe's weight scheme (bits, group size, symmetry; compressed-tensors' `calculate_qparams`
-   and `fake_quantize`). Its score is KL(p_16bit || p_quantized) of the next-token distributions, mean
-   over the tokens of the first `kl_samples` calibration conversations (`kl_seq_len` tokens each).
+   at the recipe's weight scheme (bits, group size, symmetry) with the recipe's own observer
+   (quantized_weights: min-max, or llm-compressor's imatrix_mse given E[x^2] of each input channel over
+   the conversations quantize.<build>.calibration names, as quantize's calibration pass gives it). Its
+   score is KL(p_16bit || p_quantized) of the next-token distributions, mean over the tokens of the first
+   `kl_samples` calibration conversations (`kl_seq_len` tokens each).
 2. A bisection over k, the number of top-ranked units kept 16-bit. A unit is one layer, or the layers
    vLLM loads as one fused module (`search.fused`: q/k/v_proj as qkv_proj, gate/up_proj as gate_up_proj),
    which vLLM needs at one scheme ("Found different quantization schemes for the shards of ...qkv_proj"
@@ -30,8 +32,10 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    search ends after two screens. The search stops when the interval closes or the budget ends.
 3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
    module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
-   evaluate and the gate then confirm it on the full sets like any build. Round-to-nearest screening loses
-   at least as much as GPTQ on most layers, so the screen errs towards keeping layers.
+   evaluate and the gate then confirm it on the full sets like any build. For a round-to-nearest recipe
+   (int4's) the screened candidate has the weights quantize makes; for a GPTQ or AWQ recipe it is their
+   round-to-nearest stand-in, which loses at least as much on most layers, so the screen errs towards keeping
+   layers.
    OUT_DIR/search.json (DVC metrics; quantgate.results.SearchResult) and OUT_DIR/trace.md: the ranking,
    every screened candidate with its per-team results, the choice, effective bits per weight and size.
    If no screened candidate passes, the search says so and keeps no layer 16-bit: an unproven candidate
@@ -53,7 +57,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from quantgate.console import progress
-from quantgate.conversations import CALIBRATION_FILE, calibration_texts
+from quantgate.conversations import CALIBRATION_FILE, Calibration, calibration_texts
 from quantgate.errors import QuantgateError, run_main
 from quantgate.executor import ExecutorParams, connect
 from quantgate.jsonl import read_jsonl
@@ -135,6 +139,46 @@ def rtn(weight, args):
     return fake_quantize(weight, scale, zero_point, args)
 
 
+MIN_MAX = (None, "minmax", "memoryless_minmax", "static_minmax")  # observers rtn reproduces (llm-compressor's)
+
+
+def quantized_weights(model, linears: dict, args, batches: list) -> dict:
+    """{layer: its weight fake-quantized as quantize makes it}: at `args` (the recipe's weight scheme) with the
+    recipe's own observer, same shape and dtype as the weight. A min-max observer is rtn. Any other (e.g.
+    imatrix_mse: scales chosen by a grid search of the error weighted by E[x^2] of each input channel) is
+    llm-compressor's own, from its registry, given the activations of one 16-bit forward pass over `batches`
+    (token id tensors (1, tokens): the conversations quantize calibrates on), as its calibration pass gives
+    them. Screening with min-max stand-ins for an imatrix_mse recipe overstated the loss about twice on
+    billing (session 19: +0.225 at 51 layers kept vs +0.11 for the real int4 with none kept)."""
+    import torch
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from llmcompressor.observers import Observer
+
+    if args.observer in MIN_MAX:
+        return {name: rtn(m.weight.data, args) for name, m in linears.items()}
+    observers = {
+        name: Observer.load_from_registry(args.observer, base_name="weight", args=args.model_copy(deep=True))
+        for name in linears
+    }
+    for name, m in linears.items():
+        observers[name].attach(m)  # collects what the observer reads from activations (a no-op for most)
+    try:
+        with torch.no_grad():
+            for ids in progress(batches, desc=f"search: {args.observer} statistics", unit="conversation"):
+                model(input_ids=ids, use_cache=False)
+    finally:
+        for name, m in linears.items():
+            observers[name].detach(m)
+    out = {}
+    with torch.no_grad():
+        for name, m in linears.items():
+            observer = observers[name]
+            observer(m.weight.data)
+            q = observer.get_qparams()
+            out[name] = fake_quantize(m.weight.data, q["scale"], q["zero_point"], args)
+    return out
+
+
 def bits_per_weight(args, in_features: int) -> float:
     """Stored bits per weight of a layer quantized at `args`: the weight bits plus one 16-bit scale per
     group (per row for channel), plus a num_bits zero point per group when asymmetric."""
@@ -164,14 +208,21 @@ def size_mib(model, layers: dict[str, tuple[int, int]], kept: set[str], args) ->
     return bits / 8 / 2**20
 
 
-def calibration_ids(tokenizer, path: Path, samples: int, seq_len: int) -> list:
+def calibration_ids(tokenizer, path: Path, samples: int, seq_len: int, field: str = "search.kl_samples") -> list:
     """The first `samples` calibration conversations of `path`, tokenized, each a (1, <= seq_len) tensor.
 
-    Raises QuantgateError if the file is missing, malformed or short (quantgate.calibration)."""
+    Raises QuantgateError if the file is missing, malformed or short (quantgate.calibration), naming `field`."""
     return [
         tokenizer(t, return_tensors="pt", add_special_tokens=False, truncation=True, max_length=seq_len).input_ids
-        for t in calibration_texts(path, samples, "search.kl_samples")
+        for t in calibration_texts(path, samples, field)
     ]
+
+
+class QuantizeBlock(Frozen):
+    """What the search reads of params.yaml quantize.<search.build>: its calibration (the rest is quantize's)."""
+
+    model_config = {**Frozen.model_config, "extra": "ignore"}
+    calibration: Calibration | None = None
 
 
 def ranked_on(path: Path, samples: int, seq_len: int) -> str:
@@ -239,11 +290,12 @@ class BlockCache:
         return self.model.lm_head(self.norm(hidden))
 
 
-def sensitivity(model, linears: dict, args, batches: list) -> dict[str, float]:
+def sensitivity(model, linears: dict, quantized: dict, batches: list) -> dict[str, float]:
     """{layer: KL(p_16bit || p_layer-quantized) in nats per token}, most sensitive first.
 
-    `linears`: name -> torch.nn.Linear of `model`; each is quantized alone (rtn) and restored. `batches`:
-    token id tensors (1, tokens). Each quantized pass starts at the layer's own decoder block (BlockCache).
+    `linears`: name -> torch.nn.Linear of `model`; each gets its `quantized` weight alone (quantized_weights)
+    and is restored. `batches`: token id tensors (1, tokens). Each quantized pass starts at the layer's own
+    decoder block (BlockCache).
     """
     import torch
 
@@ -254,8 +306,8 @@ def sensitivity(model, linears: dict, args, batches: list) -> dict[str, float]:
         tokens = sum(r.shape[1] for r in reference)
         scores = {}
         for name, layer in progress(list(linears.items()), desc="search: sensitivity", unit="layer"):
-            original = layer.weight.data.clone()
-            layer.weight.data = rtn(original, args)
+            original = layer.weight.data
+            layer.weight.data = quantized[name]
             kl = 0.0
             for b, (ref, prob) in enumerate(zip(reference, probs, strict=True)):
                 logp = cache.logits(b, cache.start_of(name)).float().log_softmax(-1)
@@ -432,9 +484,24 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
     batches = calibration_ids(tokenizer, CALIBRATION_FILE, p.kl_samples, p.kl_seq_len)
 
     started = time.monotonic()
-    ranking = sensitivity(model, linears, args, batches)
+    calibration = load_block(f"quantize.{p.build}", QuantizeBlock).calibration or Calibration()
+    observed = (
+        []
+        if args.observer in MIN_MAX
+        else calibration_ids(
+            tokenizer,
+            CALIBRATION_FILE,
+            calibration.samples,
+            calibration.seq_len,
+            f"quantize.{p.build}.calibration.samples",
+        )
+    )
+    quantized = quantized_weights(model, linears, args, observed)
+    ranking = sensitivity(model, linears, quantized, batches)
     print(
-        f"search: ranked {len(ranking)} layers by KL in {time.monotonic() - started:.0f} s; most sensitive: "
+        f"search: each layer quantized as quantize makes it ({args.observer or 'minmax'} observer"
+        + (f", statistics of {len(observed)} conversations" if observed else "")
+        + f"), ranked {len(ranking)} layers by KL in {time.monotonic() - started:.0f} s; most sensitive: "
         + ", ".join(f"{n} {kl:.2g}" for n, kl in list(ranking.items())[:3]),
         flush=True,
     )
@@ -456,7 +523,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         kept = set(order[: bounds[k]])
         with torch.no_grad():
             for name, m in linears.items():
-                m.weight.data = originals[name] if name in kept else rtn(originals[name], args)
+                m.weight.data = originals[name] if name in kept else quantized[name]
         run = screen_teams(lm, teams, harness, baseline, gate, p, budget)
         if budget.spent == spent:  # the budget could not start it
             return None

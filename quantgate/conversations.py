@@ -7,11 +7,24 @@ fixed order: quantize (GPTQ, SmoothQuant, AWQ) and search (the per-layer KL rank
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
 
 from quantgate.errors import QuantgateError
 from quantgate.jsonl import read_jsonl
+from quantgate.params import Frozen
 
 CALIBRATION_FILE = Path("results/calibration.jsonl")  # the calibrate stage's out (dvc.yaml)
+
+
+class Calibration(Frozen):
+    """params.yaml quantize.<build>.calibration: what a calibrated recipe reads (quantize), and what the search's
+    stand-in for it reads (an activation-weighted observer's statistics)."""
+
+    samples: int = Field(default=256, gt=0)  # conversations from the calibrate stage
+    seq_len: int = Field(default=512, gt=0)  # tokens per sample; longer ones are truncated
+    pipeline: Literal["basic", "sequential"] = "sequential"  # sequential: layer by layer, on quantized inputs
 
 
 def calibration_texts(path: Path, samples: int, field: str) -> list[str]:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from compressed_tensors.quantization import QuantizationArgs
 
 from pipeline.search import (
@@ -17,6 +18,7 @@ from pipeline.search import (
     effective_bits,
     mixed_recipe,
     next_k,
+    quantized_weights,
     rtn,
     sensitivity,
     size_mib,
@@ -215,7 +217,7 @@ def test_sensitivity_ranks_every_layer_restores_the_weights_and_scores_an_exact_
         linears[exact].weight.zero_()  # zeros are exact in int4: quantizing it changes nothing
     before = {n: m.weight.clone() for n, m in linears.items()}
     batches = [torch.tensor([[3, 4, 5, 9, 6, 8, 2, 7, 10, 11, 12, 13, 3, 4, 5, 9]])]
-    ranking = sensitivity(model, linears, W4G, batches)
+    ranking = sensitivity(model, linears, quantized_weights(model, linears, W4G, []), batches)
     assert set(ranking) == set(linears) and len(ranking) == 2 * 7
     values = list(ranking.values())
     assert values == sorted(values, reverse=True) and values[0] > 0
@@ -280,7 +282,9 @@ def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome,
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    doc = read_yaml(REPO / "params.yaml")
+    doc["quantize"]["int4-mixed"]["calibration"] |= {"samples": 2, "seq_len": 16}  # the imatrix statistics
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     (tmp_path / "results").mkdir()
     text = " ".join(WORDS[3:] * 2)
     (tmp_path / "results/calibration.jsonl").write_text(f'{{"text": "{text}"}}\n' * 2)
@@ -381,3 +385,38 @@ def test_the_trace_has_a_column_for_every_team_any_screen_looked_at():
     assert "billing drop / margin (n) | search drop / margin (n)" in header
     row = next(line for line in lines if line.startswith("| 0 | 4.25 | 107.9 |"))
     assert row.split(" | ")[4] == "not looked at"
+
+
+def test_the_recipes_imatrix_observer_is_what_candidates_are_quantized_with(tmp_path):
+    """int4's recipe picks each group's scale by imatrix_mse (error weighted by E[x^2] of its input channels):
+    the search's candidates must be quantized that way too, not by min-max, which loses about twice as much."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir(tmp_path / "m"), dtype=torch.float32).eval()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    batches = [torch.tensor([[3, 4, 5, 9, 6, 8, 2, 7, 10, 11, 12, 13, 3, 4, 5, 9]]), torch.tensor([[7, 3, 2, 9, 4]])]
+    imatrix = W4G.model_copy(update={"observer": "imatrix_mse"})
+    before = {n: m.weight.clone() for n, m in linears.items()}
+    observed = quantized_weights(model, linears, imatrix, batches)
+    minmax = quantized_weights(model, linears, W4G, [])
+    assert all(torch.equal(before[n], m.weight) for n, m in linears.items())  # nothing changed in place
+    inputs = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a, n=n: inputs.setdefault(n, []).append(a[0])) for n, m in linears.items()
+    ]
+    with torch.no_grad():
+        for ids in batches:
+            model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    differs = 0
+    for name, m in linears.items():
+        w, q = m.weight.data, observed[name]
+        assert q.shape == w.shape and q.dtype == w.dtype
+        groups = q.reshape(q.shape[0], -1, W4G.group_size)
+        assert max(len(torch.unique(g)) for g in groups.reshape(-1, W4G.group_size)) <= 16  # 4-bit levels per group
+        x2 = torch.cat([x.reshape(-1, x.shape[-1]) for x in inputs[name]]).pow(2).mean(0)  # E[x^2] per input channel
+        error = {k: float(((qq - w).abs().pow(3) * x2).sum()) for k, qq in (("imatrix", q), ("minmax", minmax[name]))}
+        assert error["imatrix"] <= error["minmax"] * (1 + 1e-5)  # the observer's own objective (norm 3)
+        differs += not torch.equal(q, minmax[name])
+    assert differs > 0  # the grid search moved some group's scale off min-max
