@@ -179,9 +179,23 @@ def search_problem(search_file: Path | None, build: str) -> str | None:
     bound = f"; at most {s.max_bits_per_weight:g} bits per weight" if s.max_bits_per_weight is not None else ""
     return (
         f"none of the search's {s.evaluations} screened candidates ({kept} layers kept 16-bit{bound}) was shown "
-        f"to pass every team, so it keeps {s.chosen} of {s.layers} layers 16-bit (results/search/trace.md); raise "
-        "search.doc_budget" + (" or search.max_bits_per_weight" if bound else "") + ", or change the base recipe"
+        f"to pass every team, so it keeps {s.chosen} of {s.layers} layers 16-bit (results/search/trace.md); "
+        + search_advice(s)
     )
+
+
+def search_advice(s: SearchResult) -> str:
+    """What could change a search that found no passing candidate, from what stopped it: a screen left
+    undecided (more documents), the bound's own candidate failing (a higher bound), else the document budget
+    ending before the bisection did; and always the base recipe."""
+    advice = []
+    if any(x.outcome == "undecided" for x in s.screens):
+        advice.append("raise search.doc_budget or add a later look to search.looks (a screen ended undecided)")
+    if s.max_kept is not None and any(x.kept == s.max_kept and x.outcome == "fail" for x in s.screens):
+        advice.append(f"raise search.max_bits_per_weight (its most layers kept, {s.max_kept}, FAILed)")
+    if not advice:
+        advice.append(f"raise search.doc_budget (its {s.doc_budget} documents ended the bisection)")
+    return "; ".join([*advice, "or change the base recipe"])
 
 
 def gate(

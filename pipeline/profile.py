@@ -54,6 +54,8 @@ from quantgate.serving import ServeParams, kv_cache_dtype, resolved, vllm_server
 
 LOGS = Path("results/logs")
 CACHE_DIR = Path(".quantgate/cache/profile")
+# bump when what a profile measures or records changes (this module, quantgate/loadgen.py): older entries then miss
+CODE_VERSION = 1
 
 
 class ProfileParams(Frozen):
@@ -174,6 +176,7 @@ def cache_key(model_dir: Path, serve: ServeParams, params: ProfileParams) -> str
                 "serve": served,
                 "platform": probe_key(serve.python),
                 "load": params.model_dump(mode="json", exclude={"timeout_s"}),
+                "code": CODE_VERSION,
             }
         )
     except (QuantgateError, KeyError, OSError):
@@ -187,17 +190,22 @@ def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfilePar
     Raises QuantgateError as profile()."""
     key = cache_key(model_dir, serve, params)
     cached = CACHE_DIR / f"{key}.json" if key else None
-    if cached is not None and cached.is_file():
+    if cached is not None and cached.exists():
         try:
             hit = read_profile(cached)
+            if hit.status != "profiled":
+                raise QuantgateError("not a measurement")
             print(f"profile[{build}]: from cache {key[:12]} (measured as {hit.measured_as or hit.build})", flush=True)
             return hit.model_copy(update={"build": build, "measured_as": hit.measured_as or hit.build})
-        except QuantgateError:  # unreadable: measure again, and replace it below
-            pass
+        except (QuantgateError, OSError):  # unreadable, or not a measurement: measure again, replace it below
+            print(f"profile[{build}]: cache entry {cached} unusable; measuring again", flush=True)
     result = profile(build, model_dir, serve, params)
     if cached is not None and result.status == "profiled":
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        write_profile(cached, result)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            write_profile(cached, result)
+        except OSError as exc:  # the measurement stands; only its reuse is lost
+            print(f"profile[{build}]: not kept in the cache ({cached}: {exc.strerror or exc})", flush=True)
     return result
 
 

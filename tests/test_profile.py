@@ -188,3 +188,32 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
     # no build.json: no key, measured
     (twin / "build.json").unlink()
     assert stage.cache_key(twin, serve, params) is None
+
+
+def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_written_costs_only_reuse(
+    build_dir, monkeypatch
+):
+    from quantgate.manifest import write_manifest
+
+    monkeypatch.setattr(stage, "probe_key", lambda python: "cpu-flags-and-env")
+    write_manifest(build_dir, build="fp16", scheme="BF16", dtype="bfloat16", base_model={}, recipe={})
+    runs = []
+
+    def fake_profile(build, model_dir, serve, params):
+        runs.append(build)
+        return BuildProfile(build=build, status="profiled", input_len=32, output_len=16, seed=1234, loads={"c1": LOAD})
+
+    monkeypatch.setattr(stage, "profile", fake_profile)
+    serve, params = ServeParams(kv_cache_gib=2), ProfileParams()
+    entry = stage.CACHE_DIR / f"{stage.cache_key(build_dir, serve, params)}.json"
+    entry.parent.mkdir(parents=True)
+    entry.mkdir()  # a folder where the entry should be: neither read nor written, the build still measured
+    assert stage.measured("fp16", build_dir, serve, params).status == "profiled" and runs == ["fp16"]
+    entry.rmdir()
+    unprofiled = BuildProfile(build="fp16", status="unprofiled", reason="boom", input_len=32, output_len=16, seed=1)
+    entry.write_text(json.dumps(unprofiled.model_dump(mode="json")))  # not a measurement: never a hit
+    assert stage.measured("fp16", build_dir, serve, params).loads == {"c1": LOAD} and runs == ["fp16"] * 2
+    assert stage.measured("fp16", build_dir, serve, params).measured_as == "fp16" and runs == ["fp16"] * 2
+    monkeypatch.setattr(stage, "CODE_VERSION", stage.CODE_VERSION + 1)  # what a profile measures changed
+    stage.measured("fp16", build_dir, serve, params)
+    assert runs == ["fp16"] * 3
