@@ -58,6 +58,24 @@ def pytest_configure(config):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+    short = [f"{where} has {free / 2**30:.1f} GiB free" for where, free in disk_free() if free < MIN_FREE_GIB * 2**30]
+    if short:
+        pytest.exit(
+            f"the tests need about {MIN_FREE_GIB} GiB free on disk ({'; '.join(short)}); "
+            "free some space (old clones, /tmp) and run `make test` again",
+            returncode=2,
+        )
+
+
+# Peak disk use of a full `make test` beside the two envs, measured on 2026-12-05 (benchmarks/README, "make test"):
+# the e2e project's builds and runs, plus the serving tests' projects, while they are alive.
+MIN_FREE_GIB = 6
+
+
+def disk_free() -> list[tuple[str, int]]:
+    """Free bytes where the tests write: the temp dir (pytest's tmp_path, the e2e project) and the checkout."""
+    places = {os.stat(where).st_dev: where for where in (str(REPO), tempfile.gettempdir())}  # one per filesystem
+    return [(where, shutil.disk_usage(where).free) for where in places.values()]
 
 
 LIMIT = 12  # docs per task: real numbers through every stage, small enough for CI
