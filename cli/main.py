@@ -33,7 +33,7 @@ def cli() -> None:
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
-    from pipeline.gate import build_line, precision_line, search_of, table
+    from pipeline.gate import build_line, estimate_line, precision_line, search_of, table
     from quantgate.results import SEARCH_RESULT, read_gate
 
     if not gate_json.is_file():
@@ -45,6 +45,7 @@ def report(gate_json: Path) -> None:
     if result.buys:
         lines.append(buys_table(result))
     lines += [build_line(build, b, search) for build, b in result.builds.items()]
+    lines += [estimate] if (estimate := estimate_line(result, search)) else []
     click.echo("\n".join(lines))
 
 

@@ -70,7 +70,7 @@ def price(profile: BuildProfile, cost: CostParams) -> BuildCost:
     if not profile.loads or not profile.kv_tokens:
         why = "no load measured" if not profile.loads else "vLLM reported no KV-cache size"
         return BuildCost(status="unprofiled", reason=f"profile incomplete: {why}", **base)
-    top = max(profile.loads.values(), key=lambda p: p.concurrency)
+    top = profile.top_load()
     if top.output_tokens_per_s <= 0:
         return BuildCost(status="unprofiled", reason="profile measured no output tokens", **base)
     per_device = profile.kv_tokens // cost.context_tokens

@@ -248,6 +248,23 @@ def build_line(build: str, b: BuildGate, search: SearchResult | None = None) -> 
     )
 
 
+def estimate_line(result: GateResult, search: SearchResult | None) -> str | None:
+    """Whether the search's cost estimate held: its chosen candidate's estimated $ per 1M output tokens beside
+    what the build's profile measured (the gate's own figure), or None when the search priced nothing."""
+    if search is None or search.est_usd is None or search.build not in result.builds:
+        return None
+    cost = result.buys.get(search.build)
+    measured = (
+        f"its profile measured ${cost.usd_per_mtok:.3f} ({cost.usd_per_mtok_x:.2f}x)"
+        if cost is not None and cost.usd_per_mtok is not None and cost.usd_per_mtok_x is not None
+        else "it has no measured cost to check it against"
+    )
+    return (
+        f"{search.build}: the search estimated ${search.est_usd:.3f} per 1M output tokens ({search.est_ratio:.2f}x "
+        f"{result.baseline}) for {search.chosen} layers kept 16-bit; {measured}"
+    )
+
+
 def precision_line(result: GateResult) -> str:
     """One line naming the activation precision every build was served at, and why."""
     p = result.precision
@@ -319,6 +336,8 @@ def report(
             out.append(f"  - {note}")
         if b.recommendation:
             out.append(f"  - recommendation: {b.recommendation}")
+        if search is not None and build == search.build and (estimate := estimate_line(result, search)):
+            out.append(f"  - {estimate}")
     out += ["", table(result), ""]
     if plot_name:
         out += [f"![recovery per team and build]({plot_name})", ""]
@@ -382,6 +401,8 @@ def main() -> None:
     print(buys.buys_table(result))
     for build, b in result.builds.items():
         print(f"gate: {build_line(build, b, search)}")
+    if estimate := estimate_line(result, search):
+        print(f"gate: {estimate}")
 
 
 if __name__ == "__main__":

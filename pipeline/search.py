@@ -1,7 +1,7 @@
 """Stage `search`: the recipe of build int4-mixed, by a mixed-precision fallback search.
 
-Run by DVC: `python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR` (params block `search`; it also
-reads `evaluate.harness`, `evaluate.serve` and `gate`).
+Run by DVC: `python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR PROFILE_DIR` (params block `search`; it
+also reads `evaluate.harness`, `evaluate.serve`, `gate`, `cost` and PROFILE_DIR/<fp16, search.base>.json).
 
 INT4 damage is not spread evenly over a model: a few Linear layers cost most of it. The search keeps the
 fewest most sensitive layers in 16-bit (the recipe's `ignore`) such that every team still passes, as
@@ -30,6 +30,13 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    at the largest count within it, which is screened second: when it is not shown to pass, nothing
    within the bound is (more layers kept never loses quality, the bisection's own assumption), and the
    search ends after two screens. The search stops when the interval closes or the budget ends.
+   Cheapest by what it buys: each candidate is priced at the gate's figure, $ per 1M output tokens
+   (quantgate/cost.py), its time per token interpolated by weight share between the 16-bit build's and the
+   base build's (search.base, int4) throughput as the profile stage measured them on the serving platform
+   (Pricing). Where the quantized kernel is the faster one (GPUs: decoding streams fewer bytes) or nothing
+   was measured (then by bits per weight), fewer kept layers is cheaper: the bisection above. Where it is the
+   slower one (vLLM CPU's W4A16 against its bfloat16 GEMMs), every kept layer makes a candidate cheaper, so
+   the cheapest is the most the bound allows, and it is the only screen: it passes, or nothing does.
 3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
    module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
    evaluate and the gate then confirm it on the full sets like any build. For a round-to-nearest recipe
@@ -37,7 +44,8 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    round-to-nearest stand-in, which loses at least as much on most layers, so the screen errs towards keeping
    layers.
    OUT_DIR/search.json (DVC metrics; quantgate.results.SearchResult) and OUT_DIR/trace.md: the ranking,
-   every screened candidate with its per-team results, the choice, effective bits per weight and size.
+   every screened candidate with its per-team results, estimated cost, the choice, effective bits per weight
+   and size. The gate prints the chosen candidate's estimate beside int4-mixed's measured cost.
    If no screened candidate passes, the search says so and keeps no layer 16-bit: an unproven candidate
    is not a build. int4-mixed then has the base recipe's weights (int4's: quantize reuses them and
    evaluate its scores, so it costs no quantize or scoring time) and the gate FAILs it with that reason.
@@ -58,15 +66,16 @@ from pydantic import Field, field_validator, model_validator
 
 from quantgate.console import progress
 from quantgate.conversations import CALIBRATION_FILE, Calibration, calibration_texts
+from quantgate.cost import CostParams, mixed_seconds_per_token, usd_per_million_tokens
 from quantgate.errors import QuantgateError, run_main
 from quantgate.executor import ExecutorParams, connect
 from quantgate.jsonl import read_jsonl
 from quantgate.judging import GateBlock, judge
-from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds, read_yaml
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds, read_yaml
 from quantgate.precision import native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import check_group_size, load_recipe, weight_schemes
 from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
-from quantgate.results import Screen, SearchResult, TeamScores, read_search, write_search
+from quantgate.results import Screen, SearchResult, TeamScores, read_profile, read_search, write_search
 from quantgate.scoring import HarnessParams, run_team
 from quantgate.screening import Budget, Outcome, look_confidence, sequential
 from quantgate.serving import ServeParams
@@ -81,6 +90,9 @@ class SearchParams(Frozen):
 
     build: str = "int4-mixed"  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
     recipe: str = "recipes/int4.yaml"  # the recipe (scheme, method) the search falls back from: int4's
+    # the build made with `recipe` (quantize.<base>.recipe): its profile, with the 16-bit build's, prices the
+    # candidates; dvc.yaml lists results/profile/<base>.json among the stage's deps, so DVC profiles it first
+    base: str = "int4"
     looks: list[int] = Field(default=[40, 80, 160], min_length=1)  # first documents per task at each look
     doc_budget: int = Field(default=1500, gt=0)  # candidate documents scored over the whole search, every look
     # bits per weight a candidate may hold (its targeted layers; kept ones at 16): the int4-class bound. Above
@@ -225,6 +237,99 @@ class QuantizeBlock(Frozen):
     calibration: Calibration | None = None
 
 
+class Pricing(Frozen):
+    """What a candidate costs to serve, estimated before it exists (issue 32: cheapest by what it buys): the
+    16-bit build's and the base recipe's build's seconds per output token as the profile stage last measured
+    them on the serving platform (the load at the largest profiled concurrency, which the gate prices), and the
+    price of a device-hour (cost.gpu_hour_usd). Without both figures (`why` says which is missing) the search
+    falls back to bits per weight."""
+
+    baseline_s: float | None = None  # seconds per output token per device, the 16-bit build
+    quantized_s: float | None = None  # the same for the base recipe's build (every targeted layer quantized)
+    usd_per_hour: float = 0.0
+    source: str = ""  # the two profile files, or why the search prices by bits instead
+
+    @property
+    def measured(self) -> bool:
+        return self.baseline_s is not None and self.quantized_s is not None
+
+    @property
+    def kept_is_cheaper(self) -> bool:
+        """A layer kept 16-bit makes a candidate cheaper per token: the quantized kernel was measured slower
+        (vLLM CPU's W4A16 path against its bfloat16 GEMMs, benchmarks/README "profile")."""
+        return self.measured and self.quantized_s > self.baseline_s
+
+    def usd(self, quantized_fraction: float) -> float | None:
+        """Estimated $ per 1M output tokens of a candidate (quantgate.cost.mixed_seconds_per_token), None
+        without measurements."""
+        if not self.measured:
+            return None
+        seconds = mixed_seconds_per_token(self.baseline_s, self.quantized_s, quantized_fraction)
+        return usd_per_million_tokens(self.usd_per_hour, 1 / seconds)
+
+    def ratio(self, quantized_fraction: float) -> float | None:
+        """usd() as a multiple of the 16-bit build's $ per 1M output tokens."""
+        if not self.measured:
+            return None
+        return mixed_seconds_per_token(self.baseline_s, self.quantized_s, quantized_fraction) / self.baseline_s
+
+
+def base_build(p: SearchParams, builds: list[str]) -> str | None:
+    """search.base when it is a build of this run, else None (the candidates are then priced by bits).
+    Raises QuantgateError naming params.yaml's search.base when that build is made with another recipe."""
+    if p.base not in builds:
+        return None
+    block = read_yaml(PARAMS_FILE).get("quantize", {}).get(p.base) or {}
+    recipe = block.get("recipe") if isinstance(block, dict) else None
+    if recipe != p.recipe:
+        raise QuantgateError(
+            f"{PARAMS_FILE}: search.base: {p.base} is made with {recipe} (quantize.{p.base}.recipe), not with "
+            f"search.recipe {p.recipe}; name the build made with the recipe the search falls back from"
+        )
+    return p.base
+
+
+def pricing(profile_dir: Path, p: SearchParams, builds: list[str]) -> Pricing:
+    """The search's Pricing from `profile_dir`/<build>.json of the 16-bit build and the base recipe's build
+    (dvc.yaml lists both as the stage's deps, so DVC profiles them first). A missing, unreadable or unprofiled
+    record is no error: the search then ranks candidates by bits per weight and the trace says why.
+    Raises QuantgateError for a bad `cost` block."""
+    usd_per_hour = load_block("cost", CostParams).gpu_hour_usd
+    base = base_build(p, builds)
+    if base is None:
+        return Pricing(usd_per_hour=usd_per_hour, source=f"search.base {p.base} is not a build of this run")
+    seconds, problems = {}, []
+    for build in (BASELINE_BUILD, base):
+        path = profile_dir / f"{build}.json"
+        try:
+            profile = read_profile(path)
+        except QuantgateError as exc:
+            problems.append(f"{path} unreadable ({exc})")
+            continue
+        top = profile.top_load() if profile.status == "profiled" else None
+        if top is None or top.output_tokens_per_s <= 0:
+            problems.append(f"{build} has no measured throughput ({profile.reason or 'no load measured'})")
+            continue
+        seconds[build] = 1 / top.output_tokens_per_s
+    if problems:
+        return Pricing(usd_per_hour=usd_per_hour, source="; ".join(problems))
+    return Pricing(
+        baseline_s=seconds[BASELINE_BUILD],
+        quantized_s=seconds[base],
+        usd_per_hour=usd_per_hour,
+        source=(
+            f"{profile_dir / BASELINE_BUILD}.json and {profile_dir / base}.json: {1 / seconds[BASELINE_BUILD]:.1f} "
+            f"and {1 / seconds[base]:.1f} output tokens/s per device"
+        ),
+    )
+
+
+def quantized_fraction(layers: dict[str, tuple[int, int]], kept: set[str]) -> float:
+    """The share of the targeted weights (`layers`: name -> (weights, in_features)) quantized, `kept` at 16 bits."""
+    total = sum(n for n, _ in layers.values())
+    return sum(n for name, (n, _) in layers.items() if name not in kept) / total
+
+
 def ranked_on(path: Path, samples: int, seq_len: int) -> str:
     """Which text the KL ranking read, for the trace: the first `samples` conversations of `path` (up to
     `seq_len` tokens each) and where they came from (each row's "source": a team's calibration.jsonl or the
@@ -338,13 +443,18 @@ def next_k(lo: int, hi: int) -> int:
     return min(max(mid, lo + 1), hi - 1)
 
 
-def bisect(n_units: int, screen, top: int | None = None) -> list[Screen]:
+def bisect(n_units: int, screen, top: int | None = None, kept_is_cheaper: bool = False) -> list[Screen]:
     """Screens in the order run: k = 0, then the interval (largest k not shown to pass, smallest passing k) is
     cut (next_k) until it closes or the budget ends. `screen(k) -> Screen | None` keeps the top k units (None:
     the document budget cannot start it); k = n_units (all 16-bit) passes by construction, never screened.
     A failed or undecided screen both move the interval up: neither shows that k layers are enough.
     `top` (< n_units): the most units a candidate may keep (search.max_bits_per_weight); it is screened
-    right after k = 0, and when it is not shown to pass, the search ends there: fewer kept layers lose more."""
+    right after k = 0, and when it is not shown to pass, the search ends there: fewer kept layers lose more.
+    `kept_is_cheaper` (Pricing.kept_is_cheaper: the quantized kernel is the slower one here): the cost falls as
+    k grows, so the cheapest candidate is the most units allowed (`top`, else n_units - 1), and it is the only
+    one screened: if it passes nothing cheaper exists, and if it does not, no smaller k passes either."""
+    if kept_is_cheaper:
+        return [s] if (s := screen(n_units - 1 if top is None else top)) is not None else []
     done = [s] if (s := screen(0)) is not None else []
     if not done or done[0].passed:
         return done
@@ -379,13 +489,14 @@ def top_units(bits: list[float], max_bits: float | None) -> int | None:
     return max(k for k, b in enumerate(bits) if b <= max_bits)
 
 
-def choose(screens: list[Screen]) -> tuple[Screen, bool]:
-    """(chosen screen, whether it passed): the passing one with the fewest kept layers, else the first (k = 0,
-    the base recipe: a candidate not shown to pass is not a build, and its point estimates are no verdict)."""
+def choose(screens: list[Screen]) -> tuple[Screen | None, bool]:
+    """(chosen screen, whether it passed): the cheapest passing one (estimated $ per 1M output tokens where
+    the search priced it, else the fewest kept layers), else None: no layer kept, the base recipe (a candidate
+    not shown to pass is not a build, and its point estimates are no verdict)."""
     passing = [s for s in screens if s.passed]
     if passing:
-        return min(passing, key=lambda s: s.kept), True
-    return min(screens, key=lambda s: s.kept), False
+        return min(passing, key=lambda s: (s.est_usd if s.est_usd is not None else 0.0, s.kept)), True
+    return None, False
 
 
 def subset(scores: TeamScores, keys: set[tuple[str, int]]) -> TeamScores:
@@ -450,8 +561,11 @@ def hf_lm(model, tokenizer, harness: HarnessParams, max_length: int):
     )
 
 
-def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> SearchResult:
-    """Run the search (module docstring) and write OUT_DIR/recipe.yaml, search.json and trace.md.
+def search(
+    model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams, price: Pricing | None = None
+) -> SearchResult:
+    """Run the search (module docstring) and write OUT_DIR/recipe.yaml, search.json and trace.md; `price`
+    estimates each candidate's cost (None: by bits per weight).
 
     Raises QuantgateError for a bad recipe (search.recipe), a group size that does not divide a layer, a
     missing calibration file, or a team whose 16-bit screening run errors."""
@@ -517,6 +631,7 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
     originals = {name: m.weight.data.clone() for name, m in linears.items()}
 
     budget = Budget(p.doc_budget)
+    price = price or Pricing(source="no profiles given")
 
     def screen(k: int) -> Screen | None:
         began, spent = time.monotonic(), budget.spent
@@ -538,20 +653,23 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
             seconds=round(time.monotonic() - began, 1),
             docs=run.docs,
             looks=run.trail,
+            est_usd=rounded(price.usd(quantized_fraction(layers, kept))),
+            est_ratio=rounded(price.ratio(quantized_fraction(layers, kept))),
         )
         print(f"search: keep {len(kept):>3} 16-bit -> {s.outcome} ({'; '.join(run.trail)})", flush=True)
         return s
 
     bits = [effective_bits(layers, set(order[:b]), args) for b in bounds]
     top = top_units(bits, p.max_bits_per_weight)
-    screens = bisect(len(ranked), screen, top)
+    screens = bisect(len(ranked), screen, top, price.kept_is_cheaper)
     if not screens:
         raise QuantgateError(
             f"search.doc_budget {p.doc_budget}: too small for one look at every team ({p.looks[0]} documents per "
             "task); raise it"
         )
     chosen, passed = choose(screens)
-    kept = order[: chosen.kept]
+    kept = order[: chosen.kept] if chosen else []
+    fraction = quantized_fraction(layers, set(kept))
     with torch.no_grad():
         for name, m in linears.items():
             m.weight.data = originals[name]
@@ -559,14 +677,18 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
         build=p.build,
         recipe=p.recipe,
         passed=passed,
-        chosen=chosen.kept,
+        chosen=len(kept),
         kept_layers=kept,
         evaluations=len(screens),
         docs_spent=budget.spent,
         doc_budget=p.doc_budget,
         ranked_on=ranked_on(CALIBRATION_FILE, p.kl_samples, p.kl_seq_len),
-        effective_bits=chosen.effective_bits,
+        effective_bits=round(effective_bits(layers, set(kept), args), 3),
         size_mib=round(size_mib(model, layers, set(kept), args), 1),
+        priced_by=price.source,
+        kept_is_cheaper=price.kept_is_cheaper,
+        est_usd=rounded(price.usd(fraction)),
+        est_ratio=rounded(price.ratio(fraction)),
         layers=len(order),
         max_bits_per_weight=p.max_bits_per_weight,
         max_kept=None if top is None else bounds[top],
@@ -585,6 +707,10 @@ def search(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams) -> 
     write_search(out_dir / RESULT, result)
     (out_dir / TRACE).write_text(trace(result, p))
     return result
+
+
+def rounded(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
 
 
 def trace(r: SearchResult, p: SearchParams) -> str:
@@ -606,10 +732,12 @@ def trace(r: SearchResult, p: SearchParams) -> str:
             else ""
         ),
         "",
-        "| kept 16-bit | bits/weight | weights MiB (est.) | "
+        pricing_line(r),
+        "",
+        "| kept 16-bit | bits/weight | weights MiB (est.) | $ / 1M tok (est.) | "
         + " | ".join(f"{t} drop / margin (n)" for t in teams)
         + " | screen | docs | looks | s |",
-        "|---|---|---|" + "---|" * len(teams) + "---|---|---|---|",
+        "|---|---|---|---|" + "---|" * len(teams) + "---|---|---|---|",
     ]
     for s in r.screens:
         looked = {t: f"{c.drop:+.3f} / {c.margin:.3f} ({Verdict(c.verdict).value}, {c.n})" for t, c in s.teams.items()}
@@ -618,6 +746,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
             str(s.kept),
             f"{s.effective_bits:.2f}",
             "-" if s.size_mib is None else f"{s.size_mib:.1f}",
+            "-" if s.est_usd is None else f"{s.est_usd:.3f} ({s.est_ratio:.2f}x)",
             *cells,
             s.outcome,
             str(s.docs),
@@ -630,15 +759,36 @@ def trace(r: SearchResult, p: SearchParams) -> str:
         if r.passed
         else "no screened candidate was shown to pass: the base recipe's build, which the gate FAILs"
     )
+    cost = "" if r.est_usd is None else f", about ${r.est_usd:.3f} per 1M output tokens ({r.est_ratio:.2f}x 16-bit)"
     lines += [
         "",
         f"Chosen: {r.chosen} layers kept 16-bit ({verdict}), {r.effective_bits} bits per weight, "
-        f"about {r.size_mib} MiB.",
+        f"about {r.size_mib} MiB{cost}.",
         "",
         "Kept: " + (", ".join(f"`{n}`" for n in r.kept_layers) or "none"),
         "",
     ]
     return "\n".join(lines)
+
+
+def pricing_line(r: SearchResult) -> str:
+    """The trace's sentence on how candidates were priced and what order that gives the screens."""
+    if r.est_usd is None:
+        return (
+            f"Candidates priced by bits per weight ({r.priced_by or 'no profiles'}): fewer layers kept 16-bit is "
+            "cheaper, so the search looks for the fewest that pass."
+        )
+    if r.kept_is_cheaper:
+        order = (
+            "the quantized kernel is the slower one here, so a layer kept 16-bit makes a candidate cheaper per token: "
+            "the cheapest candidate is the most layers the bound allows, and it is the only one screened"
+        )
+    else:
+        order = "fewer layers kept 16-bit is cheaper per token here, so the search looks for the fewest that pass"
+    return (
+        f"Candidates priced by the cost model (gate's $ per 1M output tokens at cost.gpu_hour_usd), each weight's "
+        f"time per token interpolated between the measured builds ({r.priced_by}): {order}."
+    )
 
 
 def unservable(p: SearchParams) -> str | None:
@@ -690,11 +840,18 @@ def search_task(request: dict) -> dict:
         if unserved := unservable(p):
             skip(out_dir, p, load_builds(), unserved)
         else:
-            search(model_dir, Path(request["evals_dir"]), out_dir, p)
+            search(model_dir, Path(request["evals_dir"]), out_dir, p, Pricing(**request["pricing"]))
         return {"node": node, "files": {f.name: f.read_bytes() for f in sorted(out_dir.iterdir())}}
 
 
-def search_on_ray(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchParams, executor: ExecutorParams) -> dict:
+def search_on_ray(
+    model_dir: Path,
+    evals_dir: Path,
+    out_dir: Path,
+    p: SearchParams,
+    executor: ExecutorParams,
+    price: Pricing | None = None,
+) -> dict:
     """Run the search as one Ray task on a node with the executor's resources (search_task), write its
     outs to OUT_DIR here and return the node it ran on ({node_id, ip, host}). Raises QuantgateError for a
     cluster that does not answer or lacks the resources (before any work), and with the task's own reason,
@@ -705,6 +862,7 @@ def search_on_ray(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchPara
     for team in load_teams(evals_dir):
         files |= folder_files(team.path, f"{evals_dir.as_posix()}/{team.name}")
     request = {**published(model_dir, executor), "files": files, "evals_dir": str(evals_dir), "out_dir": str(out_dir)}
+    request["pricing"] = (price or Pricing(source="no profiles given")).model_dump()  # priced here
     ((reply, why),) = settle([submit(search_task, request, executor)], executor)
     if reply is None:
         raise QuantgateError(f"search on Ray: {why}")
@@ -716,17 +874,18 @@ def search_on_ray(model_dir: Path, evals_dir: Path, out_dir: Path, p: SearchPara
 
 
 def main() -> None:
-    if len(sys.argv) != 4:
-        raise QuantgateError("usage: python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR")
-    model_dir, evals_dir, out_dir = map(Path, sys.argv[1:])
+    if len(sys.argv) != 5:
+        raise QuantgateError("usage: python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR PROFILE_DIR")
+    model_dir, evals_dir, out_dir, profile_dir = map(Path, sys.argv[1:])
     p = load_block("search", SearchParams)
     builds = load_builds()
     if p.build not in builds:
         r = skip(out_dir, p, builds)
         print(f"search: skipped ({r.skipped})")
         return
+    price = pricing(profile_dir, p, builds)
     if (executor := load_block("executor", ExecutorParams)).kind == "ray":
-        search_on_ray(model_dir, evals_dir, out_dir, p, executor)
+        search_on_ray(model_dir, evals_dir, out_dir, p, executor, price)
         r = read_search(out_dir / RESULT)
         if r.skipped:
             print(f"search: skipped, no screens ({r.skipped})")
@@ -736,7 +895,7 @@ def main() -> None:
         print(f"search: skipped, no screens ({r.skipped})")
         return
     else:
-        r = search(model_dir, evals_dir, out_dir, p)
+        r = search(model_dir, evals_dir, out_dir, p, price)
     outcome = (
         "passed the screen"
         if r.passed
@@ -744,7 +903,9 @@ def main() -> None:
     )
     print(
         f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "
-        f"~{r.size_mib} MiB; {r.evaluations} screens, {r.docs_spent} of {r.doc_budget} documents; "
+        f"~{r.size_mib} MiB"
+        + ("" if r.est_usd is None else f", ~${r.est_usd:.3f} per 1M output tokens ({r.est_ratio:.2f}x 16-bit)")
+        + f"; {r.evaluations} screens, {r.docs_spent} of {r.doc_budget} documents; "
         f"wrote {out_dir / RECIPE}"
     )
 

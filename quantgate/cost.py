@@ -13,6 +13,8 @@ its worked example reproduced in tests/test_cost.py:
 - Devices = the larger of in flight / (requests per device x utilization) (memory bound) and
   in flight / (batch cap x utilization) (the scheduler's running-batch cap), each rounded up.
 - $ per 1M output tokens = device-hour price / (3600 x output tokens per second per device) x 1e6.
+- A mixed build's seconds per output token, before it is profiled: linear in the share of the targeted weights
+  quantized, between the 16-bit build's and the fully quantized build's measured figures (mixed_seconds_per_token).
 """
 
 from __future__ import annotations
@@ -140,6 +142,24 @@ def usd_per_million_tokens(device_hour_usd: float, output_tokens_per_s: float) -
     if output_tokens_per_s <= 0:
         raise QuantgateError(f"throughput must be > 0 output tokens/s, got {output_tokens_per_s}")
     return device_hour_usd / (3600 * output_tokens_per_s) * 1e6
+
+
+def mixed_seconds_per_token(baseline_s: float, quantized_s: float, quantized_fraction: float) -> float:
+    """Estimated seconds per output token of a build with `quantized_fraction` (0..1, by weight count) of its
+    targeted layers quantized and the rest 16-bit: baseline_s + (quantized_s - baseline_s) x fraction, from the
+    two measured builds (the 16-bit one and the one with every targeted layer quantized, same load).
+
+    Assumes each targeted weight costs the same time per token at its scheme wherever it sits, so a layer's
+    share of the difference is its share of the weights. That holds where decoding streams the weights
+    (memory-bound GPUs: time per token ~ bytes read) and where a scheme's kernel runs at one rate per weight
+    (CPU); it ignores per-shape kernel efficiency, which only per-layer timings would catch. The profile of the
+    mixed build itself is the check (the gate prints both). Raises QuantgateError for a fraction outside 0..1
+    or a time that is not positive."""
+    if not 0 <= quantized_fraction <= 1:
+        raise QuantgateError(f"quantized fraction must be within 0..1, got {quantized_fraction}")
+    if baseline_s <= 0 or quantized_s <= 0:
+        raise QuantgateError(f"seconds per token must be > 0, got {baseline_s} and {quantized_s}")
+    return baseline_s + (quantized_s - baseline_s) * quantized_fraction
 
 
 def check_context(params: CostParams, shape: KVShape, where: str = "params.yaml: cost.context_tokens") -> None:

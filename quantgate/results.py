@@ -313,6 +313,11 @@ class BuildProfile(Document):
     measured_as: str | None = None  # the build these figures were measured on, when they came from the content
     # cache (the same weights, config, serving settings and machine; pipeline/profile.py cache_key)
 
+    def top_load(self) -> LoadPoint | None:
+        """The load at the largest profiled concurrency (the one closest to a full batch, which the cost model
+        prices), or None when no load was measured."""
+        return max(self.loads.values(), key=lambda p: p.concurrency) if self.loads else None
+
 
 def write_profile(path: Path, profile: BuildProfile) -> None:
     """Write results/profile/<build>.json (a DVC metrics file)."""
@@ -341,6 +346,8 @@ class Screen(Document):
     seconds: float
     docs: int = 0  # candidate documents scored, every look
     looks: list[str] = []  # one line per look: "<docs per task>: team VERDICT, ..."
+    est_usd: float | None = None  # estimated $ per 1M output tokens (pipeline.search.Pricing); None: priced by bits
+    est_ratio: float | None = None  # the same as a multiple of the 16-bit build's
 
 
 class SearchResult(Document):
@@ -361,6 +368,10 @@ class SearchResult(Document):
     layers: int = 0  # Linear layers the base recipe quantizes
     max_bits_per_weight: float | None = None  # search.max_bits_per_weight: the bound every candidate was held to
     max_kept: int | None = None  # the most layers a candidate could keep 16-bit within it (None: no bound)
+    priced_by: str = ""  # the profiles the candidates' cost was estimated from, or why they were priced by bits
+    kept_is_cheaper: bool = False  # the quantized kernel measured slower: the most layers kept is the cheapest
+    est_usd: float | None = None  # the chosen candidate's estimated $ per 1M output tokens (None: not priced)
+    est_ratio: float | None = None  # the same as a multiple of the 16-bit build's
     sensitivity: dict[str, float] = {}  # KL per layer (nats/token), most sensitive first
     screens: list[Screen] = []
 

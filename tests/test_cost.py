@@ -13,6 +13,7 @@ from quantgate.cost import (
     kv_bytes_per_token,
     kv_capacity_tokens,
     kv_dtype_bytes,
+    mixed_seconds_per_token,
     requests_per_device,
     usd_per_million_tokens,
 )
@@ -68,6 +69,17 @@ def test_cost_per_million_tokens():
     assert usd_per_million_tokens(2.0, 1000) == pytest.approx(2.0 / 3.6)
     with pytest.raises(QuantgateError, match="throughput must be > 0"):
         usd_per_million_tokens(2.0, 0)
+
+
+def test_a_mixed_builds_time_per_token_is_linear_in_its_quantized_weight_share():
+    # the demo's profiles on AVX512+bf16 (README): fp16 135.5, int4 82.4 output tokens/s at 8 in flight
+    fp16, int4 = 1 / 135.5, 1 / 82.4
+    assert mixed_seconds_per_token(fp16, int4, 0.0) == fp16 and mixed_seconds_per_token(fp16, int4, 1.0) == int4
+    half = mixed_seconds_per_token(fp16, int4, 0.5)
+    assert half == pytest.approx((fp16 + int4) / 2) and 1 / half == pytest.approx(102.5, abs=0.05)  # the harmonic mean
+    for bad, args in (("within 0..1", (fp16, int4, 1.5)), ("must be > 0", (0.0, int4, 0.5))):
+        with pytest.raises(QuantgateError, match=bad):
+            mixed_seconds_per_token(*args)
 
 
 def test_bad_inputs_name_the_field(tmp_path):

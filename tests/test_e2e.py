@@ -75,7 +75,12 @@ def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mi
     assert kl == sorted(kl, reverse=True) and kl[-1] >= 0 and kl[0] > 0
     assert 1 <= result["evaluations"] == len(result["screens"])
     assert result["docs_spent"] == sum(s["docs"] for s in result["screens"]) <= SEARCH["doc_budget"]
-    assert result["screens"][0]["kept"] == 0 and result["screens"][0]["effective_bits"] == 4.25  # W4, g64 scales
+    first = result["screens"][0]
+    if result["kept_is_cheaper"]:  # int4 profiled slower than fp16 here: the bound's candidate is the cheapest
+        assert result["evaluations"] == 1 and first["kept"] > 0 and first["effective_bits"] <= 6.0
+        assert first["est_ratio"] > 1 and "output tokens/s per device" in result["priced_by"]
+    else:
+        assert first["kept"] == 0 and first["effective_bits"] == 4.25  # W4, g64 scales
     for s in result["screens"]:
         assert set(s["teams"]) == {"billing", "search", "support"}
         assert all(c["n"] == LIMIT for c in s["teams"].values())

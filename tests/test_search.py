@@ -11,6 +11,7 @@ from compressed_tensors.quantization import QuantizationArgs
 
 from pipeline.search import (
     BlockCache,
+    Pricing,
     SearchParams,
     bisect,
     bits_per_weight,
@@ -18,6 +19,7 @@ from pipeline.search import (
     effective_bits,
     mixed_recipe,
     next_k,
+    pricing,
     quantized_weights,
     rtn,
     sensitivity,
@@ -29,9 +31,10 @@ from pipeline.search import (
 from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
 from quantgate.recipes import load_recipe
-from quantgate.results import Screen, SearchResult, TeamScores, read_search
+from quantgate.results import BuildProfile, Screen, SearchResult, TeamScores, read_search, write_profile
 from quantgate.screening import Outcome, ScreenRun
 from tests.conftest import REPO
+from tests.test_profile import LOAD
 from tests.test_screening import comparison
 from tests.tiny import WORDS, tiny_llama_dir
 
@@ -87,7 +90,9 @@ def test_size_counts_tied_weights_once(tmp_path):
     assert size_mib(model, layers, set(layers), W4G) == pytest.approx(all16)
 
 
-def screens_for(threshold: int, n: int, screens_left: int, top: int | None = None) -> list[Screen]:
+def screens_for(
+    threshold: int, n: int, screens_left: int, top: int | None = None, kept_is_cheaper: bool = False
+) -> list[Screen]:
     """bisect against a fake screen that passes from `threshold` kept layers on, with a budget for
     `screens_left` screens (None once it is spent) and at most `top` units kept."""
     left = [screens_left]
@@ -107,7 +112,7 @@ def screens_for(threshold: int, n: int, screens_left: int, top: int | None = Non
             seconds=0,
         )
 
-    return bisect(n, screen, top)
+    return bisect(n, screen, top, kept_is_cheaper)
 
 
 def test_bisection_finds_the_fewest_kept_layers_within_the_budget():
@@ -163,8 +168,65 @@ def test_no_passing_screen_keeps_no_layer_16_bit():
     # an unproven candidate is not a build: int4-mixed is then the base recipe's (int4's weights, reused)
     done = screens_for(500, 210, 3)  # nothing short of every layer passes
     assert [s.kept for s in done] == [0, 14, 54] and not any(s.passed for s in done)
-    chosen, passed = choose(done)
-    assert (chosen.kept, passed) == (0, False)
+    assert choose(done) == (None, False)
+
+
+def test_where_a_kept_layer_is_cheaper_only_the_most_kept_candidate_is_screened():
+    # vLLM CPU's W4A16 measured slower than its bfloat16 GEMMs: each kept layer lowers the cost per token, so
+    # the cheapest candidate is the bound's; if it does not pass, fewer kept layers do not either
+    assert [(s.kept, s.passed) for s in screens_for(13, 210, 10, top=40, kept_is_cheaper=True)] == [(40, True)]
+    assert [(s.kept, s.passed) for s in screens_for(50, 210, 10, top=40, kept_is_cheaper=True)] == [(40, False)]
+    assert [s.kept for s in screens_for(13, 210, 10, kept_is_cheaper=True)] == [209]  # no bound: all but one
+    assert screens_for(13, 210, 0, top=40, kept_is_cheaper=True) == []
+
+
+def test_the_cheapest_passing_screen_is_chosen_by_its_estimated_cost():
+    def s(kept, passed, usd):
+        return Screen(kept=kept, passed=passed, worst_slack=0, teams={}, effective_bits=4.0, seconds=0, est_usd=usd)
+
+    assert choose([s(0, False, 0.337), s(20, True, 0.31), s(40, True, 0.29)])[0].kept == 40
+    assert choose([s(0, False, 0.2), s(20, True, 0.25), s(40, True, 0.29)])[0].kept == 20
+    assert choose([s(0, False, None), s(40, True, None), s(14, True, None)])[0].kept == 14  # by bits: fewest kept
+
+
+def profile_at(path, build, tokens_per_s, status="profiled"):
+    load = LOAD.model_copy(update={"concurrency": 8, "output_tokens_per_s": tokens_per_s})
+    small = LOAD.model_copy(update={"output_tokens_per_s": 1000.0})  # at concurrency 1: not the load priced
+    profile = BuildProfile(build=build, status=status, input_len=256, output_len=64, seed=0)
+    if status == "profiled":
+        profile = profile.model_copy(update={"loads": {"c1": small, "c8": load}})
+    else:
+        profile = profile.model_copy(update={"reason": "vLLM here cannot serve W4A16"})
+    write_profile(path / f"{build}.json", profile)
+
+
+def test_candidates_are_priced_from_the_16_bit_and_base_builds_measured_throughput(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(
+        "cost: {gpu_hour_usd: 3.6}\nquantize:\n  int4: {recipe: recipes/int4.yaml}\n"
+        "  int4-mixed: {recipe: results/search/recipe.yaml}\n"
+    )
+    builds, p = ["fp16", "int4", "int4-mixed"], SearchParams()
+    profile_at(tmp_path, "fp16", 125.0)
+    profile_at(tmp_path, "int4", 80.0)
+    price = pricing(tmp_path, p, builds)
+    assert price.measured and price.kept_is_cheaper  # int4 the slower: 1/80 s per token against 1/125
+    assert price.usd(0.0) == pytest.approx(3.6 / 3600 / 125 * 1e6) == pytest.approx(8.0)  # fp16's own $
+    assert price.usd(1.0) == pytest.approx(12.5) and price.ratio(1.0) == pytest.approx(125 / 80)
+    assert price.usd(0.5) == pytest.approx(10.25)  # halfway in seconds per token, not in tokens/s
+    assert "fp16.json and" in price.source and "125.0 and 80.0 output tokens/s" in price.source
+    profile_at(tmp_path, "int4", 250.0)  # a GPU: the quantized build the faster
+    assert not pricing(tmp_path, p, builds).kept_is_cheaper
+    # nothing measured: priced by bits, and the reason says why
+    profile_at(tmp_path, "int4", 0, status="unprofiled")
+    bits = pricing(tmp_path, p, builds)
+    assert not bits.measured and bits.usd(0.5) is None and not bits.kept_is_cheaper
+    assert bits.source == "int4 has no measured throughput (vLLM here cannot serve W4A16)"
+    (tmp_path / "int4.json").unlink()
+    assert "int4.json unreadable" in pricing(tmp_path, p, builds).source
+    assert pricing(tmp_path, p, ["fp16", "int4-mixed"]).source == "search.base int4 is not a build of this run"
+    with pytest.raises(QuantgateError, match=r"search.base: int4-mixed is made with results/search/recipe.yaml"):
+        pricing(tmp_path, SearchParams(base="int4-mixed"), builds)
 
 
 def test_the_bits_bound_is_screened_second_and_ends_the_search_when_it_does_not_pass():
@@ -275,7 +337,7 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     check_search(["fp16"], tmp_path / "params.yaml")  # the search build dropped: its block must go too (load_builds)
 
 
-def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome, **params):
+def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome, price=None, **params):
     """The search run on a tiny Llama (real ranking, recipe and outs) with screens that all end in `outcome`
     after 40 documents. Returns (out dir, result, [k screened, in order])."""
     import pipeline.search as search_stage
@@ -299,7 +361,7 @@ def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome,
     monkeypatch.setattr(search_stage, "screen_teams", screen_teams)
     p = SearchParams(recipe=str(REPO / "recipes/int4.yaml"), kl_samples=2, kl_seq_len=16, **params)
     out = tmp_path / "results/search"
-    result = search_stage.search(tiny_llama_dir(tmp_path / "tiny"), example_evals, out, p)
+    result = search_stage.search(tiny_llama_dir(tmp_path / "tiny"), example_evals, out, p, price)
     return out, result, [x.kept for x in result.screens]
 
 
@@ -346,6 +408,29 @@ def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_r
     assert "Kept: none" in (out / "trace.md").read_text()
 
 
+@pytest.mark.parametrize("outcome", [Outcome.PASS, Outcome.FAIL])
+def test_a_search_priced_where_kept_layers_are_cheaper_screens_the_bounds_candidate_alone(
+    tmp_path, monkeypatch, example_evals, outcome
+):
+    price = Pricing(baseline_s=1 / 125, quantized_s=1 / 80, usd_per_hour=3.6, source="fp16.json and int4.json")
+    out, result, screens = fake_screened_search(
+        tmp_path, monkeypatch, example_evals, outcome, price, max_bits_per_weight=8.0
+    )
+    assert screens == [result.max_kept] and 0 < result.max_kept < 14 and result.kept_is_cheaper
+    s = result.screens[0]
+    assert 8.0 < s.est_usd < 12.5 and s.est_ratio == pytest.approx(s.est_usd / 8.0, abs=1e-3)  # between fp16, int4
+    trace = (out / "trace.md").read_text()
+    assert "the quantized kernel is the slower one here" in trace
+    assert f"| {s.est_usd:.3f} ({s.est_ratio:.2f}x) |" in trace
+    if outcome is Outcome.PASS:
+        assert (result.passed, result.chosen, result.est_usd) == (True, result.max_kept, s.est_usd)
+        ignore = load_recipe("int4-mixed", out / "recipe.yaml").modifiers[0].ignore
+        assert ignore == ["lm_head", *result.kept_layers] and len(result.kept_layers) == result.max_kept
+    else:  # nothing passes: no layer kept, priced as the base build itself
+        assert (result.passed, result.chosen, result.kept_layers) == (False, 0, [])
+        assert result.est_usd == pytest.approx(12.5) and result.est_ratio == pytest.approx(1.5625)
+
+
 def test_two_builds_of_a_search_that_kept_no_layer_go_through_gate_and_register(kept_none, example_evals):
     """int4-mixed made from that recipe is int4's weights: the gate says so, register keeps a run for each."""
     from pipeline.gate import build_line
@@ -384,7 +469,7 @@ def test_the_trace_has_a_column_for_every_team_any_screen_looked_at():
     header = next(line for line in lines if line.startswith("| kept 16-bit"))
     assert "billing drop / margin (n) | search drop / margin (n)" in header
     row = next(line for line in lines if line.startswith("| 0 | 4.25 | 107.9 |"))
-    assert row.split(" | ")[4] == "not looked at"
+    assert row.split(" | ")[4:6] == ["+0.000 / 0.080 (FAIL, 40)", "not looked at"]  # after the cost column ("-")
 
 
 def test_the_recipes_imatrix_observer_is_what_candidates_are_quantized_with(tmp_path):
