@@ -60,7 +60,8 @@ SEARCH_RECIPE = "results/search/recipe.yaml"  # the search stage's out (dvc.yaml
 
 def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError unless exactly the build named by `search.build` reads the search's recipe:
-    when that build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is."""
+    when that build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is;
+    and, where params.yaml names `search.base`, that it is a build made with `search.recipe`."""
     data = read_yaml(path)
     target = (data.get("search") or {}).get("build")
     readers = [
@@ -76,6 +77,19 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
             f"{path}: search.build {target} is a build, so quantize.{target}.recipe must be {SEARCH_RECIPE} "
             "(the search stage writes it)"
         )
+    base, recipe = (data.get("search") or {}).get("base"), (data.get("search") or {}).get("recipe")
+    if target in builds and base is not None:  # its profile prices the search's candidates (a dep in dvc.yaml)
+        if base not in builds:
+            raise QuantgateError(
+                f"{path}: search.base {base} is not in builds: the search prices its candidates by that build's "
+                "profile; add it to builds, or name the build made with search.recipe"
+            )
+        made_with = ((data.get("quantize") or {}).get(base) or {}).get("recipe")
+        if made_with != recipe:
+            raise QuantgateError(
+                f"{path}: search.base {base} is made with {made_with} (quantize.{base}.recipe), not with "
+                f"search.recipe {recipe}; name the build made with the recipe the search falls back from"
+            )
 
 
 def main() -> None:

@@ -337,6 +337,22 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     check_search(["fp16"], tmp_path / "params.yaml")  # the search build dropped: its block must go too (load_builds)
 
 
+def test_validate_refuses_a_search_base_that_is_no_build_or_another_recipes(tmp_path):
+    from pipeline.validate import check_search
+
+    params = tmp_path / "params.yaml"
+    head = "search: {build: int4-mixed, recipe: recipes/int4.yaml, base: int4}\nquantize:\n"
+    mixed = "  int4-mixed: {recipe: results/search/recipe.yaml}\n"
+    params.write_text(head + mixed + "  int4: {recipe: recipes/int4.yaml}\n")
+    check_search(["fp16", "int4", "int4-mixed"], params)  # the default pairing
+    with pytest.raises(QuantgateError, match=r"params.yaml: search.base int4 is not in builds: the search prices"):
+        check_search(["fp16", "int4-mixed"], params)
+    params.write_text(head + mixed + "  int4: {recipe: recipes/sweep/int4_gptq_g64.yaml}\n")
+    with pytest.raises(QuantgateError, match=r"search.base int4 is made with recipes/sweep/int4_gptq_g64.yaml"):
+        check_search(["fp16", "int4", "int4-mixed"], params)
+    check_search(["fp16", "int4"], params)  # no search build: nothing to price
+
+
 def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome, price=None, **params):
     """The search run on a tiny Llama (real ranking, recipe and outs) with screens that all end in `outcome`
     after 40 documents. Returns (out dir, result, [k screened, in order])."""
