@@ -177,9 +177,13 @@ def search_problem(search_file: Path | None, build: str) -> str | None:
         return None
     kept = ", ".join(str(x.kept) for x in s.screens)
     bound = f"; at most {s.max_bits_per_weight:g} bits per weight" if s.max_bits_per_weight is not None else ""
+    if s.evaluations == 1:
+        cheapest = "; the cheapest here, where the quantized kernel is the slower one" if s.kept_is_cheaper else ""
+        which = f"the search's one screened candidate ({kept} layers kept 16-bit{bound}{cheapest}) was not shown"
+    else:
+        which = f"none of the search's {s.evaluations} screened candidates ({kept} layers kept 16-bit{bound}) was shown"
     return (
-        f"none of the search's {s.evaluations} screened candidates ({kept} layers kept 16-bit{bound}) was shown "
-        f"to pass every team, so it keeps {s.chosen} of {s.layers} layers 16-bit (results/search/trace.md); "
+        f"{which} to pass every team, so it keeps {s.chosen} of {s.layers} layers 16-bit (results/search/trace.md); "
         + search_advice(s)
     )
 

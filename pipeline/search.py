@@ -697,7 +697,7 @@ def search(
     )
     header = (
         f"{p.build}: {base_path} with the {len(kept)} most sensitive of its {len(order)} quantized layers kept "
-        f"16-bit\n(pipeline.search, {len(screens)} screens, {budget.spent} documents; "
+        f"16-bit\n(pipeline.search, {screens_of(len(screens))}, {budget.spent} documents; "
         f"{'passed' if passed else 'NO candidate passed'} "
         f"the screen; see {out_dir / TRACE})"
     )
@@ -707,6 +707,10 @@ def search(
     write_search(out_dir / RESULT, result)
     (out_dir / TRACE).write_text(trace(result, p))
     return result
+
+
+def screens_of(n: int) -> str:
+    return f"{n} screen" if n == 1 else f"{n} screens"
 
 
 def rounded(x: float | None, digits: int = 4) -> float | None:
@@ -724,7 +728,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
         + ", ".join(f"{name} = {'+'.join(members)}" for name, members in p.fused.items())
         + f" as one). Each screen looks at {p.looks} documents per task in turn, judged by the gate's interval at "
         f"each team's confidence split over {len(p.looks)} looks (Bonferroni), until every team is decided; "
-        f"{r.evaluations} screens, {r.docs_spent} of {r.doc_budget} candidate documents (search.doc_budget)."
+        f"{screens_of(r.evaluations)}, {r.docs_spent} of {r.doc_budget} candidate documents (search.doc_budget)."
         + (
             f" A candidate holds at most {r.max_bits_per_weight:g} bits per weight (search.max_bits_per_weight): "
             f"at most {r.max_kept} layers kept 16-bit."
@@ -905,7 +909,7 @@ def main() -> None:
         f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "
         f"~{r.size_mib} MiB"
         + ("" if r.est_usd is None else f", ~${r.est_usd:.3f} per 1M output tokens ({r.est_ratio:.2f}x 16-bit)")
-        + f"; {r.evaluations} screens, {r.docs_spent} of {r.doc_budget} documents; "
+        + f"; {screens_of(r.evaluations)}, {r.docs_spent} of {r.doc_budget} documents; "
         f"wrote {out_dir / RECIPE}"
     )
 

@@ -260,7 +260,7 @@ def test_report_says_whether_each_set_decides(tmp_path, teams):
 
 
 def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(tmp_path, teams):
-    from quantgate.results import Screen, SearchResult, write_search
+    from quantgate.results import Screen, SearchResult, read_search, write_search
 
     scores = [1.0, 0.0] * 100
     for build in ("fp16", "int4", "int4-mixed"):
@@ -287,6 +287,16 @@ def test_a_build_whose_search_found_no_passing_candidate_fails_with_that_reason(
     )
     assert result.builds["int4"].verdict == "PASS"  # another build's search result is not its own
     assert f"  - {b.reason}" in report(result)
+    write_search(search_file, found.model_copy(update={**failed, "screens": screens[1:], "evaluations": 1}))
+    write_search(search_file, read_search(search_file).model_copy(update={"kept_is_cheaper": True}))
+    assert (
+        gate(tmp_path / "eval", teams, params, search_file)
+        .builds["int4-mixed"]
+        .reason.startswith(
+            "the search's one screened candidate (32 layers kept 16-bit; at most 6 bits per weight; the cheapest here, "
+            "where the quantized kernel is the slower one) was not shown to pass every team, so it keeps 0 of 210"
+        )
+    )
 
 
 def test_the_advice_for_a_search_that_found_nothing_follows_what_stopped_it():
