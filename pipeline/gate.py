@@ -254,8 +254,9 @@ def build_line(build: str, b: BuildGate, search: SearchResult | None = None) -> 
 
 def estimate_line(result: GateResult, search: SearchResult | None) -> str | None:
     """Whether the search's cost estimate held: its chosen candidate's estimated $ per 1M output tokens beside
-    what the build's profile measured (the gate's own figure), or None when the search priced nothing."""
-    if search is None or search.est_usd is None or search.build not in result.builds:
+    what the build's profile measured (the gate's own figure), or None when the search priced nothing or kept no
+    layer 16-bit (the build is then the base build, whose measured throughput the estimate is)."""
+    if search is None or search.est_usd is None or not search.chosen or search.build not in result.builds:
         return None
     cost = result.buys.get(search.build)
     measured = (

@@ -336,3 +336,4 @@ def test_the_gate_sets_the_searchs_cost_estimate_beside_the_measured_cost():
     assert estimate_line(unprofiled, search).endswith("; it has no measured cost to check it against")
     assert f"  - {estimate_line(unprofiled, search)}" in report(unprofiled, search=search)
     assert estimate_line(result, search.model_copy(update={"est_usd": None})) is None  # priced by bits
+    assert estimate_line(result, search.model_copy(update={"chosen": 0})) is None  # the base build's own figure
