@@ -1,7 +1,8 @@
 """Did the search's cost estimate hold? The candidate of one screen of a finished search, made and profiled.
 
 The search prices each candidate before it exists (pipeline/search.py, Pricing): its seconds per output token
-interpolated by weight share between the 16-bit build's and the base build's measured throughput. This makes
+interpolated by weight share between the 16-bit build's and the base build's measured throughput, as a multiple
+of the 16-bit build's. This makes
 that candidate with quantize (the search's base recipe with the screen's layers in `ignore`, calibrated as
 quantize.<search.build>), profiles it as the profile stage does, and prints the estimate beside the
 measurement, in $ per 1M output tokens at cost.gpu_hour_usd (the gate's figure) and as a multiple of fp16's.
@@ -21,7 +22,7 @@ from pathlib import Path
 from benchmarks.common import report, rounded
 from pipeline.profile import ProfileParams, measured
 from pipeline.quantize import QuantizeParams, quantize
-from pipeline.search import SearchParams, mixed_recipe, units
+from pipeline.search import SearchParams, mixed_recipe
 from quantgate.cost import CostParams, usd_per_million_tokens
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import BASELINE_BUILD, load_block
@@ -49,10 +50,15 @@ def main() -> None:
         raise QuantgateError("results/search/search.json has no screen: run `dvc repro` with the search first")
     kept_n = r.screens[-1].kept if args.kept is None else args.kept
     screen = next((s for s in r.screens if s.kept == kept_n), None)
-    if screen is None or screen.est_usd is None:
-        raise QuantgateError(f"--kept {kept_n}: no priced screen kept that many ({[s.kept for s in r.screens]})")
-    order = [layer for unit in units(r.sensitivity, p.fused) for layer in unit]
-    kept = order[:kept_n]
+    if screen is None:
+        raise QuantgateError(f"--kept {kept_n}: no screen kept that many (screened: {[s.kept for s in r.screens]})")
+    if screen.est_ratio is None or len(screen.layers) != kept_n:
+        what = "priced by bits" if screen.est_ratio is None else "recorded without its layers"
+        raise QuantgateError(
+            f"--kept {kept_n}: that screen was {what} ({r.priced_by or 'no profiles'}); re-run the search with "
+            "profiles of fp16 and search.base"
+        )
+    kept = screen.layers
     args.work.mkdir(parents=True, exist_ok=True)
     recipe = args.work / "recipe.yaml"
     recipe.write_text(mixed_recipe(Path(p.recipe), kept, f"benchmarks.search_estimate: {kept_n} layers kept 16-bit"))
@@ -70,13 +76,13 @@ def main() -> None:
         {
             "kept": kept_n,
             "bits/weight": screen.effective_bits,
-            "est $/1M tok": screen.est_usd,
+            "est $/1M tok": rounded(screen.est_ratio * base_usd, 4),
             "est x fp16": screen.est_ratio,
             "measured $/1M tok": rounded(cost, 4),
             "measured x fp16": rounded(cost / base_usd, 3),
             "measured tok/s": rounded(tps, 1),
             "fp16 tok/s": rounded(base_tps, 1),
-            "error %": rounded(100 * (screen.est_usd - cost) / cost, 1),
+            "error %": rounded(100 * (screen.est_ratio * base_usd - cost) / cost, 1),
         }
     ]
     report(

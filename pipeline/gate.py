@@ -191,13 +191,14 @@ def search_problem(search_file: Path | None, build: str) -> str | None:
 def search_advice(s: SearchResult) -> str:
     """What could change a search that found no passing candidate, from what stopped it: a screen left
     undecided (more documents), the bound's own candidate failing (a higher bound), else the document budget
-    ending before the bisection did; and always the base recipe."""
+    ending before the bisection did (a search of one screen, where kept layers are cheaper, has no bisection);
+    and always the base recipe."""
     advice = []
     if any(x.outcome == "undecided" for x in s.screens):
         advice.append("raise search.doc_budget or add a later look to search.looks (a screen ended undecided)")
     if s.max_kept is not None and any(x.kept == s.max_kept and x.outcome == "fail" for x in s.screens):
         advice.append(f"raise search.max_bits_per_weight (its most layers kept, {s.max_kept}, FAILed)")
-    if not advice:
+    if not advice and not s.kept_is_cheaper:  # the bisection ran out of documents
         advice.append(f"raise search.doc_budget (its {s.doc_budget} documents ended the bisection)")
     return "; ".join([*advice, "or change the base recipe"])
 
@@ -253,21 +254,23 @@ def build_line(build: str, b: BuildGate, search: SearchResult | None = None) -> 
 
 
 def estimate_line(result: GateResult, search: SearchResult | None) -> str | None:
-    """Whether the search's cost estimate held: its chosen candidate's estimated $ per 1M output tokens beside
-    what the build's profile measured (the gate's own figure), or None when the search priced nothing or kept no
-    layer 16-bit (the build is then the base build, whose measured throughput the estimate is)."""
-    if search is None or search.est_usd is None or not search.chosen or search.build not in result.builds:
+    """Whether the search's cost estimate held: its chosen candidate's estimated cost per output token (a multiple
+    of the baseline's, priced here at the baseline's measured $ per 1M output tokens) beside what the build's
+    profile measured (the gate's own figure), or None when the search priced nothing or kept no layer 16-bit
+    (the build is then the base build, whose measured throughput the estimate is)."""
+    if search is None or search.est_ratio is None or not search.chosen or search.build not in result.builds:
         return None
-    cost = result.buys.get(search.build)
+    base, cost = result.buys.get(result.baseline), result.buys.get(search.build)
+    estimate = f"{search.est_ratio:.2f}x {result.baseline}'s cost per output token"
+    if base is not None and base.usd_per_mtok is not None:
+        usd = search.est_ratio * base.usd_per_mtok
+        estimate = f"${usd:.3f} per 1M output tokens ({search.est_ratio:.2f}x {result.baseline})"
     measured = (
         f"its profile measured ${cost.usd_per_mtok:.3f} ({cost.usd_per_mtok_x:.2f}x)"
         if cost is not None and cost.usd_per_mtok is not None and cost.usd_per_mtok_x is not None
         else "it has no measured cost to check it against"
     )
-    return (
-        f"{search.build}: the search estimated ${search.est_usd:.3f} per 1M output tokens ({search.est_ratio:.2f}x "
-        f"{result.baseline}) for {search.chosen} layers kept 16-bit; {measured}"
-    )
+    return f"{search.build}: the search estimated {estimate} for {search.chosen} layers kept 16-bit; {measured}"
 
 
 def precision_line(result: GateResult) -> str:

@@ -1,7 +1,7 @@
 """Stage `search`: the recipe of build int4-mixed, by a mixed-precision fallback search.
 
 Run by DVC: `python -m pipeline.search MODEL_DIR EVALS_DIR OUT_DIR PROFILE_DIR` (params block `search`; it
-also reads `evaluate.harness`, `evaluate.serve`, `gate`, `cost` and PROFILE_DIR/<fp16, search.base>.json).
+also reads `evaluate.harness`, `evaluate.serve`, `gate` and PROFILE_DIR/<fp16, search.base>.json).
 
 INT4 damage is not spread evenly over a model: a few Linear layers cost most of it. The search keeps the
 fewest most sensitive layers in 16-bit (the recipe's `ignore`) such that every team still passes, as
@@ -30,13 +30,15 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
    at the largest count within it, which is screened second: when it is not shown to pass, nothing
    within the bound is (more layers kept never loses quality, the bisection's own assumption), and the
    search ends after two screens. The search stops when the interval closes or the budget ends.
-   Cheapest by what it buys: each candidate is priced at the gate's figure, $ per 1M output tokens
-   (quantgate/cost.py), its time per token interpolated by weight share between the 16-bit build's and the
-   base build's (search.base, int4) throughput as the profile stage measured them on the serving platform
-   (Pricing). Where the quantized kernel is the faster one (GPUs: decoding streams fewer bytes) or nothing
-   was measured (then by bits per weight), fewer kept layers is cheaper: the bisection above. Where it is the
-   slower one (vLLM CPU's W4A16 against its bfloat16 GEMMs), every kept layer makes a candidate cheaper, so
-   the cheapest is the most the bound allows, and it is the only screen: it passes, or nothing does.
+   Cheapest by what it buys: each candidate is priced at the gate's figure, cost per output token, relative
+   to the 16-bit build's (quantgate/cost.py; the device-hour price scales every build alike), its time per
+   token interpolated by weight share between the 16-bit build's and the base build's (search.base, int4)
+   throughput as the profile stage measured them on the serving platform (Pricing). Where the quantized
+   kernel is the faster one (GPUs: decoding streams fewer bytes), the two are within
+   search.min_speed_difference, or nothing was measured (then by bits per weight), fewer kept layers is
+   cheaper: the bisection above. Where it is the slower one (vLLM CPU's W4A16 against its bfloat16 GEMMs),
+   every kept layer makes a candidate cheaper, so the cheapest is the most the bound allows (never every
+   layer), and it is the only screen: it passes, or nothing does.
 3. Out: OUT_DIR/recipe.yaml, the base recipe with the chosen kept layers added to `ignore` by exact
    module name, which quantize@int4-mixed makes with the base recipe's own method (GPTQ) and calibration;
    evaluate and the gate then confirm it on the full sets like any build. For a round-to-nearest recipe
@@ -66,7 +68,7 @@ from pydantic import Field, field_validator, model_validator
 
 from quantgate.console import progress
 from quantgate.conversations import CALIBRATION_FILE, Calibration, calibration_texts
-from quantgate.cost import CostParams, mixed_seconds_per_token, usd_per_million_tokens
+from quantgate.cost import mixed_seconds_per_token
 from quantgate.errors import QuantgateError, run_main
 from quantgate.executor import ExecutorParams, connect
 from quantgate.jsonl import read_jsonl
@@ -93,6 +95,9 @@ class SearchParams(Frozen):
     # the build made with `recipe` (quantize.<base>.recipe): its profile, with the 16-bit build's, prices the
     # candidates; dvc.yaml lists results/profile/<base>.json among the stage's deps, so DVC profiles it first
     base: str = "int4"
+    # below this relative throughput difference between fp16 and the base build, the profiles say nothing about
+    # which kernel is faster and candidates are priced by bits (profile TPOT moved ~15 % between runs here)
+    min_speed_difference: float = Field(default=0.15, ge=0, lt=1)
     looks: list[int] = Field(default=[40, 80, 160], min_length=1)  # first documents per task at each look
     doc_budget: int = Field(default=1500, gt=0)  # candidate documents scored over the whole search, every look
     # bits per weight a candidate may hold (its targeted layers; kept ones at 16): the int4-class bound. Above
@@ -238,16 +243,18 @@ class QuantizeBlock(Frozen):
 
 
 class Pricing(Frozen):
-    """What a candidate costs to serve, estimated before it exists (issue 32: cheapest by what it buys): the
-    16-bit build's and the base recipe's build's seconds per output token as the profile stage last measured
-    them on the serving platform (the load at the largest profiled concurrency, which the gate prices), and the
-    price of a device-hour (cost.gpu_hour_usd). Without both figures (`why` says which is missing) the search
-    falls back to bits per weight."""
+    """What a candidate costs to serve relative to the 16-bit build, estimated before it exists (issue 32:
+    cheapest by what it buys): the 16-bit build's and the base build's seconds per output token as the profile
+    stage measured them on the serving platform, at the same concurrency (the largest both profiled, which the
+    gate prices). The gate's $ per 1M output tokens is the device-hour price times seconds per token, so the
+    ratio to the 16-bit build's is the price-free part: a `cost` change never re-runs the search. Without both
+    figures (`source` says which is missing) the search prices by bits per weight."""
 
     baseline_s: float | None = None  # seconds per output token per device, the 16-bit build
-    quantized_s: float | None = None  # the same for the base recipe's build (every targeted layer quantized)
-    usd_per_hour: float = 0.0
-    source: str = ""  # the two profile files, or why the search prices by bits instead
+    quantized_s: float | None = None  # the same for the base build (every targeted layer quantized)
+    concurrency: int | None = None  # requests in flight both were measured at
+    noise: float = 0.0  # search.min_speed_difference: a smaller relative difference counts as none
+    source: str = ""  # the two profile files and figures, or why the search prices by bits instead
 
     @property
     def measured(self) -> bool:
@@ -255,20 +262,19 @@ class Pricing(Frozen):
 
     @property
     def kept_is_cheaper(self) -> bool:
-        """A layer kept 16-bit makes a candidate cheaper per token: the quantized kernel was measured slower
-        (vLLM CPU's W4A16 path against its bfloat16 GEMMs, benchmarks/README "profile")."""
-        return self.measured and self.quantized_s > self.baseline_s
+        """A layer kept 16-bit makes a candidate cheaper per token: the quantized kernel was measured slower by
+        more than the noise (vLLM CPU's W4A16 path against its bfloat16 GEMMs, benchmarks/README)."""
+        return self.measured and self.quantized_s > self.baseline_s * (1 + self.noise)
 
-    def usd(self, quantized_fraction: float) -> float | None:
-        """Estimated $ per 1M output tokens of a candidate (quantgate.cost.mixed_seconds_per_token), None
-        without measurements."""
-        if not self.measured:
-            return None
-        seconds = mixed_seconds_per_token(self.baseline_s, self.quantized_s, quantized_fraction)
-        return usd_per_million_tokens(self.usd_per_hour, 1 / seconds)
+    @property
+    def kept_is_dearer(self) -> bool:
+        """A layer kept 16-bit makes a candidate dearer: the quantized kernel measured faster beyond the noise."""
+        return self.measured and self.quantized_s < self.baseline_s * (1 - self.noise)
 
     def ratio(self, quantized_fraction: float) -> float | None:
-        """usd() as a multiple of the 16-bit build's $ per 1M output tokens."""
+        """Estimated cost per output token of a candidate with `quantized_fraction` of its targeted weights
+        quantized, as a multiple of the 16-bit build's (quantgate.cost.mixed_seconds_per_token); None without
+        measurements."""
         if not self.measured:
             return None
         return mixed_seconds_per_token(self.baseline_s, self.quantized_s, quantized_fraction) / self.baseline_s
@@ -281,7 +287,7 @@ def base_build(p: SearchParams, builds: list[str]) -> str | None:
         return None
     block = read_yaml(PARAMS_FILE).get("quantize", {}).get(p.base) or {}
     recipe = block.get("recipe") if isinstance(block, dict) else None
-    if recipe != p.recipe:
+    if recipe is None or Path(recipe) != Path(p.recipe):
         raise QuantgateError(
             f"{PARAMS_FILE}: search.base: {p.base} is made with {recipe} (quantize.{p.base}.recipe), not with "
             f"search.recipe {p.recipe}; name the build made with the recipe the search falls back from"
@@ -289,37 +295,50 @@ def base_build(p: SearchParams, builds: list[str]) -> str | None:
     return p.base
 
 
+def throughputs(profile_dir: Path, build: str) -> tuple[dict[int, float] | None, str]:
+    """({concurrency: output tokens/s} measured for `build` in `profile_dir`/<build>.json, "") or (None, why
+    not: unreadable, another build's record, unprofiled, no load, or no positive finite throughput)."""
+    path = profile_dir / f"{build}.json"
+    try:
+        profile = read_profile(path)
+    except QuantgateError as exc:
+        return None, f"{path} unreadable ({exc})"
+    if profile.build != build:
+        return None, f"{path} holds build {profile.build}'s profile, not {build}'s"
+    if profile.status != "profiled" or not profile.loads:
+        return None, f"{build} has no measured load ({profile.reason or 'none in ' + str(path)})"
+    measured = {p.concurrency: p.output_tokens_per_s for p in profile.loads.values()}
+    if bad := sorted(c for c, t in measured.items() if not (math.isfinite(t) and t > 0)):
+        return None, f"{path}: the profile measured no output tokens at {bad} in flight"
+    return measured, ""
+
+
 def pricing(profile_dir: Path, p: SearchParams, builds: list[str]) -> Pricing:
-    """The search's Pricing from `profile_dir`/<build>.json of the 16-bit build and the base recipe's build
-    (dvc.yaml lists both as the stage's deps, so DVC profiles them first). A missing, unreadable or unprofiled
-    record is no error: the search then ranks candidates by bits per weight and the trace says why.
-    Raises QuantgateError for a bad `cost` block."""
-    usd_per_hour = load_block("cost", CostParams).gpu_hour_usd
+    """The search's Pricing from `profile_dir`/<build>.json of the 16-bit build and search.base (dvc.yaml lists
+    both as the stage's deps, so DVC profiles them first), at the largest concurrency both measured. A missing,
+    unreadable, unprofiled or mismatched record is no error: the search then prices by bits per weight and the
+    trace says why. Raises QuantgateError for a search.base made with another recipe (base_build)."""
     base = base_build(p, builds)
     if base is None:
-        return Pricing(usd_per_hour=usd_per_hour, source=f"search.base {p.base} is not a build of this run")
-    seconds, problems = {}, []
-    for build in (BASELINE_BUILD, base):
-        path = profile_dir / f"{build}.json"
-        try:
-            profile = read_profile(path)
-        except QuantgateError as exc:
-            problems.append(f"{path} unreadable ({exc})")
-            continue
-        top = profile.top_load() if profile.status == "profiled" else None
-        if top is None or top.output_tokens_per_s <= 0:
-            problems.append(f"{build} has no measured throughput ({profile.reason or 'no load measured'})")
-            continue
-        seconds[build] = 1 / top.output_tokens_per_s
-    if problems:
-        return Pricing(usd_per_hour=usd_per_hour, source="; ".join(problems))
+        return Pricing(source=f"search.base {p.base} is not a build of this run")
+    (fp16, why16), (quantized, whyq) = throughputs(profile_dir, BASELINE_BUILD), throughputs(profile_dir, base)
+    if fp16 is None or quantized is None:
+        return Pricing(source="; ".join(w for w in (why16, whyq) if w))
+    common = set(fp16) & set(quantized)
+    if not common:
+        return Pricing(
+            source=f"{BASELINE_BUILD} and {base} were profiled at different concurrencies ({sorted(fp16)} vs "
+            f"{sorted(quantized)}); re-run their profiles with one profile.concurrency"
+        )
+    c = max(common)
     return Pricing(
-        baseline_s=seconds[BASELINE_BUILD],
-        quantized_s=seconds[base],
-        usd_per_hour=usd_per_hour,
+        baseline_s=1 / fp16[c],
+        quantized_s=1 / quantized[c],
+        concurrency=c,
+        noise=p.min_speed_difference,
         source=(
-            f"{profile_dir / BASELINE_BUILD}.json and {profile_dir / base}.json: {1 / seconds[BASELINE_BUILD]:.1f} "
-            f"and {1 / seconds[base]:.1f} output tokens/s per device"
+            f"{profile_dir / BASELINE_BUILD}.json and {profile_dir / base}.json: {fp16[c]:.1f} and {quantized[c]:.1f} "
+            f"output tokens/s per device at {c} in flight"
         ),
     )
 
@@ -451,10 +470,12 @@ def bisect(n_units: int, screen, top: int | None = None, kept_is_cheaper: bool =
     `top` (< n_units): the most units a candidate may keep (search.max_bits_per_weight); it is screened
     right after k = 0, and when it is not shown to pass, the search ends there: fewer kept layers lose more.
     `kept_is_cheaper` (Pricing.kept_is_cheaper: the quantized kernel is the slower one here): the cost falls as
-    k grows, so the cheapest candidate is the most units allowed (`top`, else n_units - 1), and it is the only
-    one screened: if it passes nothing cheaper exists, and if it does not, no smaller k passes either."""
+    k grows, so the cheapest candidate is the most units allowed (`top`, at most n_units - 1: all 16-bit is the
+    16-bit build), and it is the only one screened: if it passes nothing cheaper exists, and if it does not, no
+    smaller k passes either."""
     if kept_is_cheaper:
-        return [s] if (s := screen(n_units - 1 if top is None else top)) is not None else []
+        most = n_units - 1 if top is None else min(top, n_units - 1)
+        return [s] if most > 0 and (s := screen(most)) is not None else []
     done = [s] if (s := screen(0)) is not None else []
     if not done or done[0].passed:
         return done
@@ -490,12 +511,12 @@ def top_units(bits: list[float], max_bits: float | None) -> int | None:
 
 
 def choose(screens: list[Screen]) -> tuple[Screen | None, bool]:
-    """(chosen screen, whether it passed): the cheapest passing one (estimated $ per 1M output tokens where
+    """(chosen screen, whether it passed): the cheapest passing one (estimated cost per output token where
     the search priced it, else the fewest kept layers), else None: no layer kept, the base recipe (a candidate
     not shown to pass is not a build, and its point estimates are no verdict)."""
     passing = [s for s in screens if s.passed]
     if passing:
-        return min(passing, key=lambda s: (s.est_usd if s.est_usd is not None else 0.0, s.kept)), True
+        return min(passing, key=lambda s: (s.est_ratio if s.est_ratio is not None else 0.0, s.kept)), True
     return None, False
 
 
@@ -632,6 +653,8 @@ def search(
 
     budget = Budget(p.doc_budget)
     price = price or Pricing(source="no profiles given")
+    if price.measured:
+        print(f"search: {price_order(price)} ({price.source})", flush=True)
 
     def screen(k: int) -> Screen | None:
         began, spent = time.monotonic(), budget.spent
@@ -653,8 +676,8 @@ def search(
             seconds=round(time.monotonic() - began, 1),
             docs=run.docs,
             looks=run.trail,
-            est_usd=rounded(price.usd(quantized_fraction(layers, kept))),
             est_ratio=rounded(price.ratio(quantized_fraction(layers, kept))),
+            layers=order[: bounds[k]],
         )
         print(f"search: keep {len(kept):>3} 16-bit -> {s.outcome} ({'; '.join(run.trail)})", flush=True)
         return s
@@ -687,7 +710,6 @@ def search(
         size_mib=round(size_mib(model, layers, set(kept), args), 1),
         priced_by=price.source,
         kept_is_cheaper=price.kept_is_cheaper,
-        est_usd=rounded(price.usd(fraction)),
         est_ratio=rounded(price.ratio(fraction)),
         layers=len(order),
         max_bits_per_weight=p.max_bits_per_weight,
@@ -738,7 +760,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
         "",
         pricing_line(r),
         "",
-        "| kept 16-bit | bits/weight | weights MiB (est.) | $ / 1M tok (est.) | "
+        "| kept 16-bit | bits/weight | weights MiB (est.) | cost x 16-bit (est.) | "
         + " | ".join(f"{t} drop / margin (n)" for t in teams)
         + " | screen | docs | looks | s |",
         "|---|---|---|---|" + "---|" * len(teams) + "---|---|---|---|",
@@ -750,7 +772,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
             str(s.kept),
             f"{s.effective_bits:.2f}",
             "-" if s.size_mib is None else f"{s.size_mib:.1f}",
-            "-" if s.est_usd is None else f"{s.est_usd:.3f} ({s.est_ratio:.2f}x)",
+            "-" if s.est_ratio is None else f"{s.est_ratio:.2f}x",
             *cells,
             s.outcome,
             str(s.docs),
@@ -763,7 +785,7 @@ def trace(r: SearchResult, p: SearchParams) -> str:
         if r.passed
         else "no screened candidate was shown to pass: the base recipe's build, which the gate FAILs"
     )
-    cost = "" if r.est_usd is None else f", about ${r.est_usd:.3f} per 1M output tokens ({r.est_ratio:.2f}x 16-bit)"
+    cost = "" if r.est_ratio is None else f", about {r.est_ratio:.2f}x the 16-bit build's cost per output token"
     lines += [
         "",
         f"Chosen: {r.chosen} layers kept 16-bit ({verdict}), {r.effective_bits} bits per weight, "
@@ -775,23 +797,45 @@ def trace(r: SearchResult, p: SearchParams) -> str:
     return "\n".join(lines)
 
 
+KEPT_CHEAPER = (
+    "the quantized kernel is the slower one here, so a layer kept 16-bit makes a candidate cheaper per token: the "
+    "cheapest is the most layers search.max_bits_per_weight allows, the only one screened"
+)
+KEPT_DEARER = "the quantized kernel is the faster one here: fewer layers kept 16-bit is cheaper, so the bisection"
+
+
+def price_order(price: Pricing) -> str:
+    """What the measured speeds make of the search order, in words (printed when the search starts)."""
+    if price.kept_is_cheaper:
+        return KEPT_CHEAPER
+    if price.kept_is_dearer:
+        return KEPT_DEARER
+    return (
+        f"the two builds' speeds differ by less than search.min_speed_difference ({price.noise:.0%}), so fewer "
+        "layers kept 16-bit (smaller) counts as cheaper: the bisection"
+    )
+
+
 def pricing_line(r: SearchResult) -> str:
-    """The trace's sentence on how candidates were priced and what order that gives the screens."""
-    if r.est_usd is None:
+    """The trace's sentence on how candidates were priced, the order that gives the screens and, where kept
+    layers are cheaper, that every candidate still costs more per token than the 16-bit build."""
+    if r.est_ratio is None:
         return (
             f"Candidates priced by bits per weight ({r.priced_by or 'no profiles'}): fewer layers kept 16-bit is "
-            "cheaper, so the search looks for the fewest that pass."
+            "smaller, so the search looks for the fewest that pass."
         )
-    if r.kept_is_cheaper:
-        order = (
-            "the quantized kernel is the slower one here, so a layer kept 16-bit makes a candidate cheaper per token: "
-            "the cheapest candidate is the most layers the bound allows, and it is the only one screened"
-        )
-    else:
-        order = "fewer layers kept 16-bit is cheaper per token here, so the search looks for the fewest that pass"
+    ratios = [s.est_ratio for s in r.screens if s.est_ratio is not None]
+    dearer = (
+        f" Every int4-class candidate still costs more per output token than the 16-bit build here (at least "
+        f"{min(ratios):.2f}x); what it saves is memory (the weights column)."
+        if r.kept_is_cheaper and ratios
+        else ""
+    )
+    order = KEPT_CHEAPER if r.kept_is_cheaper else "fewer layers kept 16-bit is as cheap or cheaper, so the bisection"
     return (
-        f"Candidates priced by the cost model (gate's $ per 1M output tokens at cost.gpu_hour_usd), each weight's "
-        f"time per token interpolated between the measured builds ({r.priced_by}): {order}."
+        "Candidates priced relative to the 16-bit build by the cost model (the gate's $ per 1M output tokens is the "
+        "device-hour price times seconds per token), each weight's time per token interpolated between the "
+        f"measured builds ({r.priced_by}): {order}.{dearer}"
     )
 
 
@@ -908,7 +952,7 @@ def main() -> None:
     print(
         f"search: {r.build} keeps {r.chosen} of {r.layers} layers 16-bit, {outcome}; {r.effective_bits} bits/weight, "
         f"~{r.size_mib} MiB"
-        + ("" if r.est_usd is None else f", ~${r.est_usd:.3f} per 1M output tokens ({r.est_ratio:.2f}x 16-bit)")
+        + ("" if r.est_ratio is None else f", ~{r.est_ratio:.2f}x the 16-bit build's cost per token")
         + f"; {screens_of(r.evaluations)}, {r.docs_spent} of {r.doc_budget} documents; "
         f"wrote {out_dir / RECIPE}"
     )

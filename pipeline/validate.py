@@ -18,7 +18,7 @@ from pathlib import Path
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import PARAMS_FILE, load_builds, read_yaml
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_builds, read_yaml
 from quantgate.results import TeamSummary, write_teams
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
@@ -56,12 +56,13 @@ def summary(teams: list[Team], budgets: ValidateParams) -> dict[str, TeamSummary
 
 
 SEARCH_RECIPE = "results/search/recipe.yaml"  # the search stage's out (dvc.yaml), int4-mixed's recipe
+DEFAULT_SEARCH_RECIPE = "recipes/int4.yaml"  # pipeline.search.SearchParams.recipe's default
 
 
 def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError unless exactly the build named by `search.build` reads the search's recipe:
     when that build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is;
-    and, where params.yaml names `search.base`, that it is a build made with `search.recipe`."""
+    and that `search.base` is a quantized build of this run, made with `search.recipe` when the search runs."""
     data = read_yaml(path)
     target = (data.get("search") or {}).get("build")
     readers = [
@@ -77,19 +78,29 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
             f"{path}: search.build {target} is a build, so quantize.{target}.recipe must be {SEARCH_RECIPE} "
             "(the search stage writes it)"
         )
-    base, recipe = (data.get("search") or {}).get("base"), (data.get("search") or {}).get("recipe")
-    if target in builds and base is not None:  # its profile prices the search's candidates (a dep in dvc.yaml)
-        if base not in builds:
-            raise QuantgateError(
-                f"{path}: search.base {base} is not in builds: the search prices its candidates by that build's "
-                "profile; add it to builds, or name the build made with search.recipe"
-            )
-        made_with = ((data.get("quantize") or {}).get(base) or {}).get("recipe")
-        if made_with != recipe:
-            raise QuantgateError(
-                f"{path}: search.base {base} is made with {made_with} (quantize.{base}.recipe), not with "
-                f"search.recipe {recipe}; name the build made with the recipe the search falls back from"
-            )
+    search = data.get("search") or {}
+    base = search.get("base")
+    # dvc.yaml's search stage reads results/profile/<search.base>.json whether or not the search runs
+    if not isinstance(base, str) or base not in builds or (base == BASELINE_BUILD and target in builds):
+        why = (
+            "is missing (dvc.yaml's search stage names results/profile/${search.base}.json)"
+            if base is None
+            else f"{base} is the 16-bit build"
+            if base == BASELINE_BUILD
+            else f"{base} is not in builds"
+        )
+        raise QuantgateError(
+            f"{path}: search.base {why}: it names the quantized build whose profile, with fp16's, prices the "
+            "search's candidates (a dependency of the search stage even when the search is skipped); set it to the "
+            "build made with search.recipe (int4 by default), or to any build of this run when search.build is not one"
+        )
+    recipe = search.get("recipe", DEFAULT_SEARCH_RECIPE)
+    made_with = ((data.get("quantize") or {}).get(base) or {}).get("recipe")
+    if target in builds and (made_with is None or Path(made_with) != Path(recipe)):
+        raise QuantgateError(
+            f"{path}: search.base {base} is made with {made_with} (quantize.{base}.recipe), not with "
+            f"search.recipe {recipe}; name the build made with the recipe the search falls back from"
+        )
 
 
 def main() -> None:

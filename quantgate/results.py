@@ -346,8 +346,9 @@ class Screen(Document):
     seconds: float
     docs: int = 0  # candidate documents scored, every look
     looks: list[str] = []  # one line per look: "<docs per task>: team VERDICT, ..."
-    est_usd: float | None = None  # estimated $ per 1M output tokens (pipeline.search.Pricing); None: priced by bits
-    est_ratio: float | None = None  # the same as a multiple of the 16-bit build's
+    est_ratio: float | None = None  # estimated cost per output token / the 16-bit build's (pipeline.search.Pricing);
+    # None: priced by bits
+    layers: list[str] = []  # the layers it kept 16-bit, most sensitive unit first
 
 
 class SearchResult(Document):
@@ -370,8 +371,7 @@ class SearchResult(Document):
     max_kept: int | None = None  # the most layers a candidate could keep 16-bit within it (None: no bound)
     priced_by: str = ""  # the profiles the candidates' cost was estimated from, or why they were priced by bits
     kept_is_cheaper: bool = False  # the quantized kernel measured slower: the most layers kept is the cheapest
-    est_usd: float | None = None  # the chosen candidate's estimated $ per 1M output tokens (None: not priced)
-    est_ratio: float | None = None  # the same as a multiple of the 16-bit build's
+    est_ratio: float | None = None  # the chosen candidate's estimated cost per output token / the 16-bit build's
     sensitivity: dict[str, float] = {}  # KL per layer (nats/token), most sensitive first
     screens: list[Screen] = []
 

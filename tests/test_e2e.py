@@ -79,6 +79,7 @@ def test_search_ranks_layers_screens_within_budget_and_writes_the_recipe_int4_mi
     if result["kept_is_cheaper"]:  # int4 profiled slower than fp16 here: the bound's candidate is the cheapest
         assert result["evaluations"] == 1 and first["kept"] > 0 and first["effective_bits"] <= 6.0
         assert first["est_ratio"] > 1 and "output tokens/s per device" in result["priced_by"]
+        assert len(first["layers"]) == first["kept"] == len(set(first["layers"]))
     else:
         assert first["kept"] == 0 and first["effective_bits"] == 4.25  # W4, g64 scales
     for s in result["screens"]:

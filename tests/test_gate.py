@@ -322,18 +322,21 @@ def test_the_gate_sets_the_searchs_cost_estimate_beside_the_measured_cost():
     from pipeline.gate import estimate_line
     from quantgate.results import BuildCost, BuildGate, GateResult, SearchResult
 
-    search = SearchResult(
-        build="int4-mixed", recipe="recipes/int4.yaml", chosen=45, est_usd=0.318, est_ratio=1.552, priced_by="x"
-    )
+    search = SearchResult(build="int4-mixed", recipe="recipes/int4.yaml", chosen=45, est_ratio=1.552, priced_by="x")
     mixed = BuildGate(verdict="FAIL", shippable=False, teams={})
     measured = BuildCost(status="profiled", usd_per_mtok=0.344, usd_per_mtok_x=1.68)
-    result = GateResult(baseline="fp16", precision=None, builds={"int4-mixed": mixed}, buys={"int4-mixed": measured})
-    assert estimate_line(result, search) == (
+    fp16 = BuildCost(status="profiled", usd_per_mtok=0.205, usd_per_mtok_x=1.0)
+    buys = {"fp16": fp16, "int4-mixed": measured}
+    result = GateResult(baseline="fp16", precision=None, builds={"int4-mixed": mixed}, buys=buys)
+    assert estimate_line(result, search) == (  # 1.552 x fp16's measured $0.205
         "int4-mixed: the search estimated $0.318 per 1M output tokens (1.55x fp16) for 45 layers kept 16-bit; "
         "its profile measured $0.344 (1.68x)"
     )
     unprofiled = result.model_copy(update={"buys": {"int4-mixed": BuildCost(status="unprofiled", reason="r")}})
-    assert estimate_line(unprofiled, search).endswith("; it has no measured cost to check it against")
+    assert estimate_line(unprofiled, search) == (
+        "int4-mixed: the search estimated 1.55x fp16's cost per output token for 45 layers kept 16-bit; "
+        "it has no measured cost to check it against"
+    )
     assert f"  - {estimate_line(unprofiled, search)}" in report(unprofiled, search=search)
-    assert estimate_line(result, search.model_copy(update={"est_usd": None})) is None  # priced by bits
+    assert estimate_line(result, search.model_copy(update={"est_ratio": None})) is None  # priced by bits
     assert estimate_line(result, search.model_copy(update={"chosen": 0})) is None  # the base build's own figure

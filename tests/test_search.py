@@ -177,15 +177,17 @@ def test_where_a_kept_layer_is_cheaper_only_the_most_kept_candidate_is_screened(
     assert [(s.kept, s.passed) for s in screens_for(13, 210, 10, top=40, kept_is_cheaper=True)] == [(40, True)]
     assert [(s.kept, s.passed) for s in screens_for(50, 210, 10, top=40, kept_is_cheaper=True)] == [(40, False)]
     assert [s.kept for s in screens_for(13, 210, 10, kept_is_cheaper=True)] == [209]  # no bound: all but one
+    assert [s.kept for s in screens_for(13, 210, 10, top=210, kept_is_cheaper=True)] == [209]  # never all 16-bit
     assert screens_for(13, 210, 0, top=40, kept_is_cheaper=True) == []
+    assert screens_for(13, 210, 10, top=0, kept_is_cheaper=True) == []  # the bound holds the base recipe only
 
 
 def test_the_cheapest_passing_screen_is_chosen_by_its_estimated_cost():
-    def s(kept, passed, usd):
-        return Screen(kept=kept, passed=passed, worst_slack=0, teams={}, effective_bits=4.0, seconds=0, est_usd=usd)
+    def s(kept, passed, ratio):
+        return Screen(kept=kept, passed=passed, worst_slack=0, teams={}, effective_bits=4.0, seconds=0, est_ratio=ratio)
 
-    assert choose([s(0, False, 0.337), s(20, True, 0.31), s(40, True, 0.29)])[0].kept == 40
-    assert choose([s(0, False, 0.2), s(20, True, 0.25), s(40, True, 0.29)])[0].kept == 20
+    assert choose([s(0, False, 1.78), s(20, True, 1.7), s(40, True, 1.6)])[0].kept == 40
+    assert choose([s(0, False, 0.6), s(20, True, 0.7), s(40, True, 0.8)])[0].kept == 20
     assert choose([s(0, False, None), s(40, True, None), s(14, True, None)])[0].kept == 14  # by bits: fewest kept
 
 
@@ -203,30 +205,66 @@ def profile_at(path, build, tokens_per_s, status="profiled"):
 def test_candidates_are_priced_from_the_16_bit_and_base_builds_measured_throughput(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text(
-        "cost: {gpu_hour_usd: 3.6}\nquantize:\n  int4: {recipe: recipes/int4.yaml}\n"
-        "  int4-mixed: {recipe: results/search/recipe.yaml}\n"
+        "quantize:\n  int4: {recipe: recipes/int4.yaml}\n  int4-mixed: {recipe: results/search/recipe.yaml}\n"
     )
     builds, p = ["fp16", "int4", "int4-mixed"], SearchParams()
     profile_at(tmp_path, "fp16", 125.0)
     profile_at(tmp_path, "int4", 80.0)
     price = pricing(tmp_path, p, builds)
-    assert price.measured and price.kept_is_cheaper  # int4 the slower: 1/80 s per token against 1/125
-    assert price.usd(0.0) == pytest.approx(3.6 / 3600 / 125 * 1e6) == pytest.approx(8.0)  # fp16's own $
-    assert price.usd(1.0) == pytest.approx(12.5) and price.ratio(1.0) == pytest.approx(125 / 80)
-    assert price.usd(0.5) == pytest.approx(10.25)  # halfway in seconds per token, not in tokens/s
-    assert "fp16.json and" in price.source and "125.0 and 80.0 output tokens/s" in price.source
+    assert price.measured and price.kept_is_cheaper and price.concurrency == 8  # int4 the slower at 8 in flight
+    assert price.ratio(0.0) == 1.0 and price.ratio(1.0) == pytest.approx(125 / 80)
+    assert price.ratio(0.5) == pytest.approx((1 + 125 / 80) / 2)  # halfway in seconds per token, not in tokens/s
+    assert "fp16.json and" in price.source
+    assert "125.0 and 80.0 output tokens/s per device at 8 in flight" in price.source
     profile_at(tmp_path, "int4", 250.0)  # a GPU: the quantized build the faster
-    assert not pricing(tmp_path, p, builds).kept_is_cheaper
-    # nothing measured: priced by bits, and the reason says why
-    profile_at(tmp_path, "int4", 0, status="unprofiled")
-    bits = pricing(tmp_path, p, builds)
-    assert not bits.measured and bits.usd(0.5) is None and not bits.kept_is_cheaper
-    assert bits.source == "int4 has no measured throughput (vLLM here cannot serve W4A16)"
-    (tmp_path / "int4.json").unlink()
-    assert "int4.json unreadable" in pricing(tmp_path, p, builds).source
+    faster = pricing(tmp_path, p, builds)
+    assert faster.kept_is_dearer and not faster.kept_is_cheaper
+    profile_at(tmp_path, "int4", 118.0)  # within search.min_speed_difference (15 %) of fp16: no measured order
+    close = pricing(tmp_path, p, builds)
+    assert close.measured and not close.kept_is_cheaper and not close.kept_is_dearer
+
+
+@pytest.mark.parametrize(
+    "fp16, int4, why",
+    [
+        ("", None, "fp16.json unreadable"),
+        (None, "unprofiled", "int4 has no measured load (vLLM here cannot serve W4A16)"),
+        (None, 0.0, "int4.json: the profile measured no output tokens at [8] in flight"),
+        (None, float("nan"), "int4.json: the profile measured no output tokens at [8] in flight"),
+        (None, float("inf"), "int4.json: the profile measured no output tokens at [8] in flight"),
+        (None, "int8", "int4.json holds build int8's profile, not int4's"),
+        (None, "c2 only", "fp16 and int4 were profiled at different concurrencies ([1, 8] vs [2])"),
+    ],
+)
+def test_profiles_that_cannot_price_fall_back_to_bits_with_a_true_reason(tmp_path, monkeypatch, fp16, int4, why):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("quantize:\n  int4: {recipe: recipes/int4.yaml}\n")
+    profile_at(tmp_path, "fp16", 125.0)
+    if fp16 == "":
+        (tmp_path / "fp16.json").write_text("")
+    if int4 == "unprofiled":
+        profile_at(tmp_path, "int4", 0, status="unprofiled")
+    elif int4 == "int8":
+        profile_at(tmp_path, "int8", 80.0)
+        (tmp_path / "int8.json").rename(tmp_path / "int4.json")
+    elif int4 == "c2 only":
+        c2 = {"c2": LOAD.model_copy(update={"concurrency": 2})}
+        only = BuildProfile(build="int4", status="profiled", input_len=256, output_len=64, seed=0, loads=c2)
+        write_profile(tmp_path / "int4.json", only)
+    else:
+        profile_at(tmp_path, "int4", 80.0 if int4 is None else int4)
+    price = pricing(tmp_path, SearchParams(), ["fp16", "int4", "int4-mixed"])
+    assert not price.measured and price.ratio(0.5) is None and not price.kept_is_cheaper
+    assert why in price.source
+
+
+def test_a_search_base_that_is_no_build_or_another_recipes_build_prices_nothing_or_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("quantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n")
+    p = SearchParams()
     assert pricing(tmp_path, p, ["fp16", "int4-mixed"]).source == "search.base int4 is not a build of this run"
     with pytest.raises(QuantgateError, match=r"search.base: int4-mixed is made with results/search/recipe.yaml"):
-        pricing(tmp_path, SearchParams(base="int4-mixed"), builds)
+        pricing(tmp_path, SearchParams(base="int4-mixed"), ["fp16", "int4-mixed"])
 
 
 def test_the_bits_bound_is_screened_second_and_ends_the_search_when_it_does_not_pass():
@@ -332,25 +370,35 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     params.write_text(f"search:\n  build: int4-mixed\nquantize:\n  {quantize}\n")
     with pytest.raises(QuantgateError, match=message):
         check_search(builds, params)
-    params.write_text("search:\n  build: int4-mixed\nquantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n")
-    check_search(["fp16", "int4-mixed"], params)  # the default pairing
-    check_search(["fp16"], tmp_path / "params.yaml")  # the search build dropped: its block must go too (load_builds)
+    params.write_text(
+        "search:\n  build: int4-mixed\n  base: int4\nquantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n"
+        "  int4: {recipe: recipes/int4.yaml}\n"
+    )
+    check_search(["fp16", "int4", "int4-mixed"], params)  # the default pairing
+    params.write_text("search:\n  build: int4-mixed\n  base: fp16\nquantize: {}\n")
+    check_search(["fp16"], params)  # the search build dropped (its block too: load_builds); base any build
 
 
 def test_validate_refuses_a_search_base_that_is_no_build_or_another_recipes(tmp_path):
     from pipeline.validate import check_search
 
     params = tmp_path / "params.yaml"
-    head = "search: {build: int4-mixed, recipe: recipes/int4.yaml, base: int4}\nquantize:\n"
+    head = "search: {build: int4-mixed, recipe: ./recipes/int4.yaml, base: int4}\nquantize:\n"
     mixed = "  int4-mixed: {recipe: results/search/recipe.yaml}\n"
     params.write_text(head + mixed + "  int4: {recipe: recipes/int4.yaml}\n")
-    check_search(["fp16", "int4", "int4-mixed"], params)  # the default pairing
-    with pytest.raises(QuantgateError, match=r"params.yaml: search.base int4 is not in builds: the search prices"):
+    check_search(["fp16", "int4", "int4-mixed"], params)  # the default pairing, paths compared as paths
+    with pytest.raises(QuantgateError, match=r"params.yaml: search.base int4 is not in builds: it names the quantized"):
         check_search(["fp16", "int4-mixed"], params)
+    with pytest.raises(QuantgateError, match=r"search.base int4 is not in builds: .* even when the search is skipped"):
+        check_search(["fp16", "int8"], params)  # dvc.yaml still reads its profile
     params.write_text(head + mixed + "  int4: {recipe: recipes/sweep/int4_gptq_g64.yaml}\n")
     with pytest.raises(QuantgateError, match=r"search.base int4 is made with recipes/sweep/int4_gptq_g64.yaml"):
         check_search(["fp16", "int4", "int4-mixed"], params)
-    check_search(["fp16", "int4"], params)  # no search build: nothing to price
+    check_search(["fp16", "int4"], params)  # no search build: any build prices nothing
+    for base, why in (("null", "is missing"), ("fp16", "fp16 is the 16-bit build")):
+        params.write_text(f"search: {{build: int4-mixed, base: {base}}}\nquantize:\n" + mixed)
+        with pytest.raises(QuantgateError, match=f"search.base {why}"):
+            check_search(["fp16", "int4-mixed"], params)
 
 
 def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome, price=None, **params):
@@ -428,23 +476,28 @@ def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_r
 def test_a_search_priced_where_kept_layers_are_cheaper_screens_the_bounds_candidate_alone(
     tmp_path, monkeypatch, example_evals, outcome
 ):
-    price = Pricing(baseline_s=1 / 125, quantized_s=1 / 80, usd_per_hour=3.6, source="fp16.json and int4.json")
+    price = Pricing(baseline_s=1 / 125, quantized_s=1 / 80, concurrency=8, source="fp16.json and int4.json")
     out, result, screens = fake_screened_search(
         tmp_path, monkeypatch, example_evals, outcome, price, max_bits_per_weight=8.0
     )
     assert screens == [result.max_kept] and 0 < result.max_kept < 14 and result.kept_is_cheaper
     s = result.screens[0]
-    assert 8.0 < s.est_usd < 12.5 and s.est_ratio == pytest.approx(s.est_usd / 8.0, abs=1e-3)  # between fp16, int4
+    assert 1.0 < s.est_ratio < 125 / 80 and len(s.layers) == result.max_kept  # between fp16's and int4's
     trace = (out / "trace.md").read_text()
-    assert "the quantized kernel is the slower one here" in trace
-    assert f"| {s.est_usd:.3f} ({s.est_ratio:.2f}x) |" in trace
+    assert "the quantized kernel is the slower one here" in trace and f"| {s.est_ratio:.2f}x |" in trace
+    assert f"still costs more per output token than the 16-bit build here (at least {s.est_ratio:.2f}x)" in trace
     if outcome is Outcome.PASS:
-        assert (result.passed, result.chosen, result.est_usd) == (True, result.max_kept, s.est_usd)
+        assert (result.passed, result.chosen, result.est_ratio, result.kept_layers) == (
+            True,
+            result.max_kept,
+            s.est_ratio,
+            s.layers,
+        )
         ignore = load_recipe("int4-mixed", out / "recipe.yaml").modifiers[0].ignore
-        assert ignore == ["lm_head", *result.kept_layers] and len(result.kept_layers) == result.max_kept
+        assert ignore == ["lm_head", *result.kept_layers]
     else:  # nothing passes: no layer kept, priced as the base build itself
         assert (result.passed, result.chosen, result.kept_layers) == (False, 0, [])
-        assert result.est_usd == pytest.approx(12.5) and result.est_ratio == pytest.approx(1.5625)
+        assert result.est_ratio == pytest.approx(1.5625)
 
 
 def test_two_builds_of_a_search_that_kept_no_layer_go_through_gate_and_register(kept_none, example_evals):
