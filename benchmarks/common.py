@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantgate.errors import QuantgateError
+from quantgate.results import rounded  # noqa: F401 (the benchmarks' own name for it)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -135,11 +136,6 @@ def measure(cmd: list[str] | str, cwd: Path, *, interval: float = 0.2, timeout: 
     wall = time.monotonic() - started
     log.seek(0)
     return Measured(round(wall, 1), round(peak / 2**30, 2), proc.returncode, log.read())
-
-
-def rounded(x: float | None, nd: int) -> float | None:
-    """`x` rounded to `nd` decimals; None (a figure that could not be measured) stays None."""
-    return None if x is None else round(x, nd)
 
 
 def machine() -> dict:

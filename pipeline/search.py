@@ -77,7 +77,7 @@ from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, lo
 from quantgate.precision import native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import check_group_size, load_recipe, weight_schemes
 from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
-from quantgate.results import Screen, SearchResult, TeamScores, read_profile, read_search, write_search
+from quantgate.results import Screen, SearchResult, TeamScores, read_profile, read_search, rounded, write_search
 from quantgate.scoring import HarnessParams, run_team
 from quantgate.screening import Budget, Outcome, look_confidence, sequential
 from quantgate.serving import ServeParams
@@ -676,7 +676,7 @@ def search(
             seconds=round(time.monotonic() - began, 1),
             docs=run.docs,
             looks=run.trail,
-            est_ratio=rounded(price.ratio(quantized_fraction(layers, kept))),
+            est_ratio=rounded(price.ratio(quantized_fraction(layers, kept)), 4),
             layers=order[: bounds[k]],
         )
         print(f"search: keep {len(kept):>3} 16-bit -> {s.outcome} ({'; '.join(run.trail)})", flush=True)
@@ -710,7 +710,7 @@ def search(
         size_mib=round(size_mib(model, layers, set(kept), args), 1),
         priced_by=price.source,
         kept_is_cheaper=price.kept_is_cheaper,
-        est_ratio=rounded(price.ratio(fraction)),
+        est_ratio=rounded(price.ratio(fraction), 4),
         layers=len(order),
         max_bits_per_weight=p.max_bits_per_weight,
         max_kept=None if top is None else bounds[top],
@@ -733,10 +733,6 @@ def search(
 
 def screens_of(n: int) -> str:
     return f"{n} screen" if n == 1 else f"{n} screens"
-
-
-def rounded(x: float | None, digits: int = 4) -> float | None:
-    return None if x is None else round(x, digits)
 
 
 def trace(r: SearchResult, p: SearchParams) -> str:

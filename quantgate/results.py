@@ -29,6 +29,11 @@ SCORES = "scores.json"  # the team's status, per-sample scores and aggregates fo
 SAMPLES = "samples.jsonl"  # lm-eval's per-sample log, one JSON object per line
 
 
+def rounded(x: float | None, nd: int) -> float | None:
+    """`x` rounded to `nd` decimals; None (a figure that could not be measured) stays None."""
+    return None if x is None else round(x, nd)
+
+
 class Document(BaseModel):
     """Base of the results documents: immutable, no unknown keys, verdicts stored as their strings."""
 
