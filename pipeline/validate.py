@@ -64,7 +64,8 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
     when that build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is;
     and that `search.base` is a quantized build of this run, made with `search.recipe` when the search runs."""
     data = read_yaml(path)
-    target = (data.get("search") or {}).get("build")
+    search = data.get("search") or {}
+    target = search.get("build")
     readers = [
         b for b, q in (data.get("quantize") or {}).items() if isinstance(q, dict) and q.get("recipe") == SEARCH_RECIPE
     ]
@@ -78,7 +79,6 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
             f"{path}: search.build {target} is a build, so quantize.{target}.recipe must be {SEARCH_RECIPE} "
             "(the search stage writes it)"
         )
-    search = data.get("search") or {}
     base = search.get("base")
     # dvc.yaml's search stage reads results/profile/<search.base>.json whether or not the search runs
     if not isinstance(base, str) or base not in builds or (base == BASELINE_BUILD and target in builds):
