@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -456,22 +459,30 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
+    # vLLM binds its ZMQ IPC sockets in VLLM_RPC_BASE_PATH (default: /tmp) and never removes them:
+    # a folder per server, removed after it stops (190 sockets were left in /tmp by one `make test`)
+    ipc = tempfile.mkdtemp(prefix="quantgate-vllm-ipc-")
+    env["VLLM_RPC_BASE_PATH"] = ipc
     if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
         env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
     if not gpu and params.kv_cache_gib:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(params.kv_cache_gib)
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            command(params, model_dir, name, port, gpu),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    guard = orphan_guard(proc.pid)
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                command(params, model_dir, name, port, gpu),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+    except BaseException:
+        shutil.rmtree(ipc, ignore_errors=True)
+        raise
+    guard = orphan_guard(proc.pid, ipc)
     waiting = progress(desc=f"{name}: vLLM server starting", bar_format="{desc} {elapsed}")
     watch = None
     try:
@@ -507,14 +518,17 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         stop(proc)
         guard.kill()
         guard.wait()
+        shutil.rmtree(ipc, ignore_errors=True)
 
 
-def orphan_guard(pgid: int) -> subprocess.Popen:
+def orphan_guard(pgid: int, ipc: str | None = None) -> subprocess.Popen:
     """A watcher, in a session of its own, that SIGKILLs process group `pgid` (a vLLM server's) once this
-    process is gone. `stop` ends the group on every exit path this process lives through; the guard covers
-    the one it does not: a SIGKILL, as when a Ray node or worker running the stage dies. Kill the guard
-    after `stop`."""
+    process is gone, then removes the server's IPC socket folder `ipc` (if given). `stop` ends the group
+    on every exit path this process lives through; the guard covers the one it does not: a SIGKILL, as
+    when a Ray node or worker running the stage dies. Kill the guard after `stop`."""
     watch = f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; kill -KILL -{pgid} 2>/dev/null"
+    if ipc:
+        watch += f"; sleep 1; rm -rf {shlex.quote(ipc)}"
     return subprocess.Popen(
         ["sh", "-c", watch],
         stdin=subprocess.DEVNULL,

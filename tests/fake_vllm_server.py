@@ -3,11 +3,13 @@
 /v1/completions (quantgate's smoke request) as vLLM does. Every later request logs, as vLLM's
 engine does when one step outlasts its RPC timeout, the error line ENGINE_ERROR; then, with MODE
 "hang", leaves the request unanswered until the test kills the process, and with MODE "exit" the
-process exits with code 1. Its stdout is the server log."""
+process exits with code 1. Its stdout is the server log. Like vLLM, it leaves a socket in
+VLLM_RPC_BASE_PATH."""
 
 import json
 import os
 import signal
+import socket
 import sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -46,6 +48,10 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
+    # vLLM's engine binds its ZMQ IPC sockets in VLLM_RPC_BASE_PATH and leaves them there
+    if base := os.environ.get("VLLM_RPC_BASE_PATH"):
+        ipc = socket.socket(socket.AF_UNIX)
+        ipc.bind(os.path.join(base, f"fake-{os.getpid()}"))
     # an error line from before it was ready, as vLLM CPU logs one at each start: never a death's reason
     print("WARNING 12-04 09:59:00 [importing.py:44] ModuleNotFoundError: No module named 'triton'", flush=True)
     HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()

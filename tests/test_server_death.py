@@ -10,13 +10,16 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import psutil
 import pytest
 import requests
 
@@ -117,6 +120,38 @@ def test_deaths_turns_the_symptom_into_the_death_and_leaves_other_errors_alone(f
             with server.deaths():
                 raise requests.ConnectionError("HTTPConnectionPool(host='127.0.0.1'): Connection refused")
         assert isinstance(info.value.__cause__, requests.ConnectionError)
+
+
+def test_each_server_has_an_ipc_folder_of_its_own_removed_when_it_stops(fake_vllm, tmp_path):
+    with fake_vllm("hang", "int8", tmp_path / "int8" / "server.log") as server:
+        env = psutil.Process(server.pid).environ()
+        ipc = Path(env["VLLM_RPC_BASE_PATH"])
+        assert ipc.name.startswith("quantgate-vllm-ipc-") and ipc.parent == Path(tempfile.gettempdir())
+        assert [p.name for p in ipc.iterdir()] == [f"fake-{server.pid}"]  # the stand-in's socket
+    assert not ipc.exists()
+
+
+def test_the_orphan_guard_kills_the_server_and_removes_its_ipc_folder_when_the_stage_is_killed(tmp_path):
+    ipc = tmp_path / "ipc"
+    ipc.mkdir()
+    (ipc / "socket").touch()
+    stage = (
+        "import subprocess, sys, time\n"
+        "from quantgate.serving import orphan_guard\n"
+        "server = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        f"orphan_guard(server.pid, {str(ipc)!r})\n"
+        "print(server.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", stage], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    server = int(proc.stdout.readline())
+    assert psutil.pid_exists(server) and ipc.exists()
+    proc.kill()  # SIGKILL: no finally runs in the stage
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while (ipc.exists() or psutil.pid_exists(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(server) and not ipc.exists()
 
 
 def test_a_remote_endpoint_never_dies_here(tmp_path):
