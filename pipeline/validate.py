@@ -18,8 +18,9 @@ from pathlib import Path
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_builds, read_yaml
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml
 from quantgate.results import TeamSummary, write_teams
+from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
 
@@ -55,52 +56,40 @@ def summary(teams: list[Team], budgets: ValidateParams) -> dict[str, TeamSummary
     return out
 
 
-SEARCH_RECIPE = "results/search/recipe.yaml"  # the search stage's out (dvc.yaml), int4-mixed's recipe
-DEFAULT_SEARCH_RECIPE = "recipes/int4.yaml"  # pipeline.search.SearchParams.recipe's default
-
-
 def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
-    """Raise QuantgateError unless exactly the build named by `search.build` reads the search's recipe:
-    when that build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is;
-    and that `search.base` is a quantized build of this run, made with `search.recipe` when the search runs."""
+    """Raise QuantgateError unless params.yaml's `search` block reads as the search stage reads it (every key,
+    SearchParams) and exactly the build named by `search.build` reads the search's recipe: when that build is
+    in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is; and `search.base` is a
+    quantized build of this run, made with `search.recipe` when the search runs (check_base)."""
     data = read_yaml(path)
-    search = data.get("search") or {}
-    target = search.get("build")
-    readers = [
-        b for b, q in (data.get("quantize") or {}).items() if isinstance(q, dict) and q.get("recipe") == SEARCH_RECIPE
-    ]
-    if stray := [b for b in readers if b != target]:
+    if not isinstance(data.get("search"), dict) or data["search"].get("base") is None:
+        raise QuantgateError(
+            f"{path}: search.base is missing (dvc.yaml's search stage names results/profile/${{search.base}}.json): "
+            "set it to the build made with search.recipe (int4 by default)"
+        )
+    p = load_block("search", SearchParams, path)
+    quantize = data.get("quantize") or {}
+    readers = [b for b, q in quantize.items() if isinstance(q, dict) and q.get("recipe") == SEARCH_RECIPE]
+    if stray := [b for b in readers if b != p.build]:
         raise QuantgateError(
             f"{path}: quantize.{stray[0]}.recipe is {SEARCH_RECIPE}, which the search writes for search.build "
-            f"({target}) only; set search.build: {stray[0]} or give quantize.{stray[0]} its own recipe"
+            f"({p.build}) only; set search.build: {stray[0]} or give quantize.{stray[0]} its own recipe"
         )
-    if target in builds and target not in readers:
+    if p.build in builds and p.build not in readers:
         raise QuantgateError(
-            f"{path}: search.build {target} is a build, so quantize.{target}.recipe must be {SEARCH_RECIPE} "
+            f"{path}: search.build {p.build} is a build, so quantize.{p.build}.recipe must be {SEARCH_RECIPE} "
             "(the search stage writes it)"
         )
-    base = search.get("base")
     # dvc.yaml's search stage reads results/profile/<search.base>.json whether or not the search runs
-    if not isinstance(base, str) or base not in builds or (base == BASELINE_BUILD and target in builds):
-        why = (
-            "is missing (dvc.yaml's search stage names results/profile/${search.base}.json)"
-            if base is None
-            else f"{base} is the 16-bit build"
-            if base == BASELINE_BUILD
-            else f"{base} is not in builds"
-        )
+    if p.base not in builds or (p.base == BASELINE_BUILD and p.build in builds):
+        why = f"{p.base} is the 16-bit build" if p.base == BASELINE_BUILD else f"{p.base} is not in builds"
         raise QuantgateError(
             f"{path}: search.base {why}: it names the quantized build whose profile, with fp16's, prices the "
             "search's candidates (a dependency of the search stage even when the search is skipped); set it to the "
             "build made with search.recipe (int4 by default), or to any build of this run when search.build is not one"
         )
-    recipe = search.get("recipe", DEFAULT_SEARCH_RECIPE)
-    made_with = ((data.get("quantize") or {}).get(base) or {}).get("recipe")
-    if target in builds and (made_with is None or Path(made_with) != Path(recipe)):
-        raise QuantgateError(
-            f"{path}: search.base {base} is made with {made_with} (quantize.{base}.recipe), not with "
-            f"search.recipe {recipe}; name the build made with the recipe the search falls back from"
-        )
+    if p.build in builds:
+        check_base(p, quantize, path)
 
 
 def main() -> None:

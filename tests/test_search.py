@@ -263,7 +263,7 @@ def test_a_search_base_that_is_no_build_or_another_recipes_build_prices_nothing_
     (tmp_path / "params.yaml").write_text("quantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n")
     p = SearchParams()
     assert pricing(tmp_path, p, ["fp16", "int4-mixed"]).source == "search.base int4 is not a build of this run"
-    with pytest.raises(QuantgateError, match=r"search.base: int4-mixed is made with results/search/recipe.yaml"):
+    with pytest.raises(QuantgateError, match=r"params.yaml: search.base int4-mixed is made with results/search/recipe.yaml"):
         pricing(tmp_path, SearchParams(base="int4-mixed"), ["fp16", "int4-mixed"])
 
 
@@ -367,7 +367,7 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     from pipeline.validate import check_search
 
     params = tmp_path / "params.yaml"
-    params.write_text(f"search:\n  build: int4-mixed\nquantize:\n  {quantize}\n")
+    params.write_text(f"search:\n  build: int4-mixed\n  base: int4\nquantize:\n  {quantize}\n")
     with pytest.raises(QuantgateError, match=message):
         check_search(builds, params)
     params.write_text(
@@ -399,6 +399,28 @@ def test_validate_refuses_a_search_base_that_is_no_build_or_another_recipes(tmp_
         params.write_text(f"search: {{build: int4-mixed, base: {base}}}\nquantize:\n" + mixed)
         with pytest.raises(QuantgateError, match=f"search.base {why}"):
             check_search(["fp16", "int4-mixed"], params)
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("lookz: [40, 80]", r"search.lookz"),
+        ("looks: [80, 40]", r"search.looks.*growing document counts"),
+        ("max_evals: 4", r"search.max_evals was replaced: the search spends search.doc_budget"),
+        ("doc_budget: 0", r"search.doc_budget"),
+    ],
+)
+def test_validate_reads_every_key_of_the_search_block_as_the_search_stage_does(tmp_path, line, message):
+    from pipeline.validate import check_search
+
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        f"search:\n  base: int4\n  {line}\nquantize:\n  int4-mixed: {{recipe: results/search/recipe.yaml}}\n"
+        "  int4: {recipe: recipes/int4.yaml}\n"
+    )
+    with pytest.raises(QuantgateError, match=message) as err:
+        check_search(["fp16", "int4", "int4-mixed"], params)
+    assert str(err.value).startswith(f"{params}") and "\n" not in str(err.value).strip()
 
 
 def fake_screened_search(tmp_path, monkeypatch, example_evals, outcome: Outcome, price=None, **params):
