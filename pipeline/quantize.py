@@ -19,26 +19,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from pydantic import field_validator
-
 from quantgate.console import log_progress, per_build
 from quantgate.conversations import CALIBRATION_FILE, Calibration, calibration_texts
-from quantgate.devices import check_devices, visible_devices
+from quantgate.devices import visible_devices
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json, sha256_file
 from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_manifest
-from quantgate.params import Frozen, load_block, read_yaml
-from quantgate.precision import KvCacheDtype, native_16bit
+from quantgate.params import load_block, read_yaml
+from quantgate.precision import native_16bit
+from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import check_group_size, load_recipe, needs_data, needs_sequential, weight_schemes
-
-
-class QuantizeParams(Frozen):
-    recipe: str  # llm-compressor recipe YAML, e.g. recipes/int4.yaml
-    calibration: Calibration | None = None  # required when the recipe needs data
-    devices: str = "auto"  # GPUs llm-compressor uses (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
-
-    _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
-    kv_cache_dtype: KvCacheDtype = "auto"  # vLLM --kv-cache-dtype every server of this build uses (build.json)
 
 
 def scheme_label(config: dict) -> str:

@@ -633,6 +633,12 @@ def search(
     bits = [effective_bits(layers, set(order[:b]), args) for b in bounds]
     top = top_units(bits, p.max_bits_per_weight)
     screens = bisect(len(ranked), screen, top, price.kept_is_cheaper)
+    if not screens and top == 0 and price.kept_is_cheaper:
+        raise QuantgateError(
+            f"search.max_bits_per_weight {p.max_bits_per_weight:g} allows no layer kept 16-bit (the base recipe is "
+            f"{bits[0]:.2f} bits per weight, one unit kept makes {bits[1]:.2f}), so {p.build} could only be "
+            f"{p.base}'s recipe again; raise the bound, set it to null, or drop {p.build} from builds"
+        )
     if not screens:
         raise QuantgateError(
             f"search.doc_budget {p.doc_budget}: too small for one look at every team ({p.looks[0]} documents per "

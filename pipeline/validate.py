@@ -19,6 +19,7 @@ from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml
+from quantgate.quantize_params import QuantizeParams
 from quantgate.results import TeamSummary, write_teams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
@@ -56,20 +57,34 @@ def summary(teams: list[Team], budgets: ValidateParams) -> dict[str, TeamSummary
     return out
 
 
-def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
-    """Raise QuantgateError unless params.yaml's `search` block reads as the search stage reads it (every key,
-    SearchParams) and exactly the build named by `search.build` reads the search's recipe: when that build is
-    in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is; and `search.base` is a
-    quantized build of this run, made with `search.recipe` when the search runs (check_base)."""
+def same_path(a: object, b: str) -> bool:
+    """Whether params value `a` is a string naming the path `b` (./x and x are one file)."""
+    return isinstance(a, str) and bool(a) and Path(a) == Path(b)
+
+
+def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
+    """The `search` block, read as the search stage reads it (every key, SearchParams), once its pairing with
+    the quantize blocks holds: exactly the build named by `search.build` reads the search's recipe (when that
+    build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is); the search
+    falls back from a recipe of its own, not from the one it writes; and `search.base` is a quantized build of
+    this run, made with `search.recipe` when the search runs (check_base). dvc.yaml interpolates search.base
+    and search.recipe, so both must be written. Raises QuantgateError naming `path` and the key."""
     data = read_yaml(path)
-    if not isinstance(data.get("search"), dict) or data["search"].get("base") is None:
-        raise QuantgateError(
-            f"{path}: search.base is missing (dvc.yaml's search stage names results/profile/${{search.base}}.json): "
-            "set it to the build made with search.recipe (int4 by default)"
-        )
+    raw = data.get("search")
+    for key, what in (("base", "the build made with search.recipe (int4 by default)"), ("recipe", "recipes/int4.yaml")):
+        if not isinstance(raw, dict) or not isinstance(raw.get(key), str) or not raw[key]:
+            raise QuantgateError(
+                f"{path}: search.{key} is missing (dvc.yaml's search stage reads ${{search.{key}}}); set it, "
+                f"e.g. to {what}"
+            )
     p = load_block("search", SearchParams, path)
+    if p.build == BASELINE_BUILD:
+        raise QuantgateError(
+            f"{path}: search.build is {BASELINE_BUILD}, the 16-bit build prepare makes, which no recipe makes; name "
+            "the quantized build whose recipe the search writes (int4-mixed by default)"
+        )
     quantize = data.get("quantize") or {}
-    readers = [b for b, q in quantize.items() if isinstance(q, dict) and q.get("recipe") == SEARCH_RECIPE]
+    readers = [b for b, q in quantize.items() if isinstance(q, dict) and same_path(q.get("recipe"), SEARCH_RECIPE)]
     if stray := [b for b in readers if b != p.build]:
         raise QuantgateError(
             f"{path}: quantize.{stray[0]}.recipe is {SEARCH_RECIPE}, which the search writes for search.build "
@@ -79,6 +94,12 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
         raise QuantgateError(
             f"{path}: search.build {p.build} is a build, so quantize.{p.build}.recipe must be {SEARCH_RECIPE} "
             "(the search stage writes it)"
+        )
+    if same_path(p.recipe, SEARCH_RECIPE) or p.base == p.build:
+        raise QuantgateError(
+            f"{path}: the search falls back from search.recipe (made as search.base), so neither can be what it "
+            f"writes ({SEARCH_RECIPE}, search.build {p.build}); set search.recipe: recipes/int4.yaml and "
+            "search.base: int4"
         )
     # dvc.yaml's search stage reads results/profile/<search.base>.json whether or not the search runs
     if p.base not in builds or (p.base == BASELINE_BUILD and p.build in builds):
@@ -90,6 +111,60 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> None:
         )
     if p.build in builds:
         check_base(p, quantize, path)
+        if not Path(p.recipe).is_file():
+            raise QuantgateError(
+                f"{path}: search.recipe {p.recipe}: no such file; give the recipe int4-mixed falls back from"
+            )
+    return p
+
+
+def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, QuantizeParams]:
+    """{build: its quantize block} for every quantized build, each read as the quantize stage reads it
+    (QuantizeParams: every key), its recipe an existing file (but the search's, which the search writes).
+    Raises QuantgateError naming `path`, the line and the key."""
+    blocks = {b: load_block(f"quantize.{b}", QuantizeParams, path) for b in builds if b != BASELINE_BUILD}
+    for b, q in blocks.items():
+        if not same_path(q.recipe, SEARCH_RECIPE) and not Path(q.recipe).is_file():
+            raise QuantgateError(
+                f"{path}: quantize.{b}.recipe {q.recipe}: no such file; add the recipe under recipes/ or fix the path"
+            )
+    return blocks
+
+
+def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError unless every count of calibration conversations asked for (quantize.<build>.calibration
+    .samples, search.kl_samples) fits in the calibrate stage's file, which holds calibrate.samples of them."""
+    calibrate = read_yaml(path).get("calibrate")
+    have = calibrate.get("samples") if isinstance(calibrate, dict) else None
+    if not isinstance(have, int):
+        return  # the calibrate stage names its own block's errors
+    asks = {f"quantize.{b}.calibration.samples": q.calibration.samples for b, q in blocks.items() if q.calibration}
+    if search.build in blocks:
+        asks["search.kl_samples"] = search.kl_samples
+    if over := {k: n for k, n in asks.items() if n > have}:
+        key, n = next(iter(over.items()))
+        raise QuantgateError(
+            f"{path}: {key} asks for {n} calibration conversations, but results/calibration.jsonl holds "
+            f"calibrate.samples = {have}; lower {key} or raise calibrate.samples"
+        )
+
+
+def check_doc_budget(search: SearchParams, teams: list[Team], builds: list[str], path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError when the search runs (search.build in `builds`) and search.doc_budget cannot pay for
+    one look at every team: search.looks[0] documents per task (fewer where a task has fewer, or
+    evaluate.harness.limit is lower), the first look of the first screen (quantgate.screening.sequential)."""
+    if search.build not in builds:
+        return
+    harness = ((read_yaml(path).get("evaluate") or {}).get("harness")) or {}
+    limit = harness.get("limit") if isinstance(harness, dict) and isinstance(harness.get("limit"), int) else None
+    per_task = search.looks[0] if limit is None else min(search.looks[0], limit)
+    need = sum(min(per_task, task.n_docs) for t in teams for task in t.tasks)
+    if search.doc_budget < need:
+        raise QuantgateError(
+            f"{path}: search.doc_budget {search.doc_budget} cannot pay for one look at every team: {need} documents "
+            f"({per_task} per task, search.looks[0]); raise it to {need} or more (a screen that runs out of budget "
+            "decides nothing)"
+        )
 
 
 def main() -> None:
@@ -99,12 +174,15 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
-    check_search(builds)
+    search = check_search(builds)
+    blocks = check_quantize(builds)
+    check_samples(search, blocks)
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))
     loaded = load_teams(evals_dir, budgets=budgets)
     own = team_conversations(loaded)
+    check_doc_budget(search, loaded, builds)
     teams = summary(loaded, budgets)
     write_teams(out_json, teams)
     print(f"validate: builds {', '.join(builds)}: each quantized build has its quantize block")

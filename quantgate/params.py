@@ -164,7 +164,8 @@ BASELINE_BUILD = "fp16"  # prepare's 16-bit build (models/fp16 in dvc.yaml)
 def load_builds(path: Path = PARAMS_FILE) -> list[str]:
     """params.yaml `builds`: every build of a run, listed once (dvc.yaml's evaluate `foreach` reads it too).
 
-    Raises QuantgateError unless it is a non-empty list of distinct names.
+    Raises QuantgateError unless it is a non-empty list of distinct names with the 16-bit build among them,
+    each quantized build with a quantize block and each quantize block a build.
     """
     data = read_yaml(path)
     builds = data.get("builds") if isinstance(data, dict) else None
@@ -175,6 +176,11 @@ def load_builds(path: Path = PARAMS_FILE) -> list[str]:
     if bad := [b for b in builds if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", b)]:
         raise QuantgateError(
             f"{path}: `builds` {bad}: a build name is lowercase letters, digits, _ and - (it names folders and stages)"
+        )
+    if BASELINE_BUILD not in builds:
+        raise QuantgateError(
+            f"{path}: `builds` {builds} has no {BASELINE_BUILD}: every build is gated against the 16-bit build "
+            f"prepare makes; add {BASELINE_BUILD} to builds"
         )
     quantize = data.get("quantize") if isinstance(data.get("quantize"), dict) else {}
     quantized = [b for b in builds if b != BASELINE_BUILD]

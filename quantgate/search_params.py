@@ -16,7 +16,9 @@ SEARCH_RECIPE = "results/search/recipe.yaml"  # the search stage's out (dvc.yaml
 class SearchParams(Frozen):
     """params.yaml block `search`."""
 
-    build: str = "int4-mixed"  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
+    build: str = Field(
+        default="int4-mixed", min_length=1
+    )  # the build whose recipe this writes (its quantize block names OUT_DIR/recipe.yaml)
     recipe: str = "recipes/int4.yaml"  # the recipe (scheme, method) the search falls back from: int4's
     # the build made with `recipe` (quantize.<base>.recipe): its profile, with the 16-bit build's, prices the
     # candidates; dvc.yaml lists results/profile/<base>.json among the stage's deps, so DVC profiles it first
@@ -42,6 +44,22 @@ class SearchParams(Frozen):
         if isinstance(data, dict) and (old := [k for k in REPLACED if k in data]):
             raise ValueError(f"search.{old[0]} was replaced: {REPLACED[old[0]]}")
         return data
+
+    @field_validator("fused")
+    @classmethod
+    def _groups(cls, fused: dict[str, list[str]]) -> dict[str, list[str]]:
+        # vLLM loads a fused module's members as one weight: a member in two groups, or twice in one, would
+        # let the search keep part of a fused module 16-bit, which vLLM cannot load
+        seen: dict[str, str] = {}
+        for name, members in fused.items():
+            if len(members) < 2:
+                raise ValueError(f"fused.{name} must list the two or more layers vLLM loads as {name}; got {members}")
+            for m in members:
+                if m in seen:
+                    where = "twice" if seen[m] == name else f"in fused.{seen[m]} too"
+                    raise ValueError(f"fused.{name} lists {m} {where}: a layer belongs to one fused module, once")
+                seen[m] = name
+        return fused
 
     @field_validator("looks")
     @classmethod

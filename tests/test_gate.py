@@ -182,7 +182,7 @@ def test_the_builds_of_a_run_are_listed_once_in_params_yaml():
     [
         (
             "builds: [fp8, int4]\nquantize: {fp8: {}, int4: {}}\ngate: {baseline: fp16}\n",
-            "gate.baseline 'fp16' is not in builds",
+            r"`builds` \['fp8', 'int4'\] has no fp16: every build is gated against the 16-bit build",
         ),
         ("builds: [fp16, fp8, fp8]\ngate: {baseline: fp16}\n", "names a build twice"),
         (

@@ -3,6 +3,7 @@ and its choice, the recipe it writes, the KL ranking on a tiny random Llama, and
 with its screens faked (one that keeps no layer, as on the e2e project), through the gate and register."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -367,15 +368,18 @@ def test_validate_refuses_a_search_build_that_does_not_read_the_search_recipe(tm
     from pipeline.validate import check_search
 
     params = tmp_path / "params.yaml"
-    params.write_text(f"search:\n  build: int4-mixed\n  base: int4\nquantize:\n  {quantize}\n")
+    params.write_text(
+        f"search:\n  build: int4-mixed\n  base: int4\n  recipe: recipes/int4.yaml\nquantize:\n  {quantize}\n"
+    )
     with pytest.raises(QuantgateError, match=message):
         check_search(builds, params)
     params.write_text(
-        "search:\n  build: int4-mixed\n  base: int4\nquantize:\n  int4-mixed: {recipe: results/search/recipe.yaml}\n"
+        "search:\n  build: int4-mixed\n  base: int4\n  recipe: recipes/int4.yaml\nquantize:\n"
+        "  int4-mixed: {recipe: results/search/recipe.yaml}\n"
         "  int4: {recipe: recipes/int4.yaml}\n"
     )
     check_search(["fp16", "int4", "int4-mixed"], params)  # the default pairing
-    params.write_text("search:\n  build: int4-mixed\n  base: fp16\nquantize: {}\n")
+    params.write_text("search:\n  build: int4-mixed\n  base: fp16\n  recipe: recipes/int4.yaml\nquantize: {}\n")
     check_search(["fp16"], params)  # the search build dropped (its block too: load_builds); base any build
 
 
@@ -396,7 +400,9 @@ def test_validate_refuses_a_search_base_that_is_no_build_or_another_recipes(tmp_
         check_search(["fp16", "int4", "int4-mixed"], params)
     check_search(["fp16", "int4"], params)  # no search build: any build prices nothing
     for base, why in (("null", "is missing"), ("fp16", "fp16 is the 16-bit build")):
-        params.write_text(f"search: {{build: int4-mixed, base: {base}}}\nquantize:\n" + mixed)
+        params.write_text(
+            f"search: {{build: int4-mixed, base: {base}, recipe: recipes/int4.yaml}}\nquantize:\n" + mixed
+        )
         with pytest.raises(QuantgateError, match=f"search.base {why}"):
             check_search(["fp16", "int4-mixed"], params)
 
@@ -415,7 +421,8 @@ def test_validate_reads_every_key_of_the_search_block_as_the_search_stage_does(t
 
     params = tmp_path / "params.yaml"
     params.write_text(
-        f"search:\n  base: int4\n  {line}\nquantize:\n  int4-mixed: {{recipe: results/search/recipe.yaml}}\n"
+        f"search:\n  base: int4\n  recipe: recipes/int4.yaml\n  {line}\nquantize:\n"
+        "  int4-mixed: {recipe: results/search/recipe.yaml}\n"
         "  int4: {recipe: recipes/int4.yaml}\n"
     )
     with pytest.raises(QuantgateError, match=message) as err:
@@ -492,6 +499,20 @@ def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_r
     assert written == base  # the base recipe's ignore, no layer added
     assert load_recipe("int4-mixed", out / "recipe.yaml").modifiers[0].ignore == ["lm_head"]
     assert "Kept: none" in (out / "trace.md").read_text()
+
+
+def test_a_bits_bound_that_allows_no_kept_layer_where_kept_layers_are_cheaper_says_so(
+    tmp_path, monkeypatch, example_evals
+):
+    price = Pricing(baseline_s=1 / 125, quantized_s=1 / 80, concurrency=8, source="fp16.json and int4.json")
+    with pytest.raises(QuantgateError) as err:  # not the document budget's message: nothing was screened
+        fake_screened_search(tmp_path, monkeypatch, example_evals, Outcome.PASS, price, max_bits_per_weight=4.26)
+    assert re.fullmatch(
+        r"search.max_bits_per_weight 4.26 allows no layer kept 16-bit \(the base recipe is 4.25 bits per weight, one "
+        r"unit kept makes \d+\.\d\d\), so int4-mixed could only be int4's recipe again; raise the bound, set it to "
+        r"null, or drop int4-mixed from builds",
+        str(err.value),
+    ), err.value
 
 
 @pytest.mark.parametrize("outcome", [Outcome.PASS, Outcome.FAIL])

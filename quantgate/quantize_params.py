@@ -1,0 +1,22 @@
+"""params.yaml's `quantize.<build>` block: what the quantize stage reads to make one build, and what validate
+checks of it before any stage runs."""
+
+from __future__ import annotations
+
+from pydantic import field_validator
+
+from quantgate.conversations import Calibration
+from quantgate.devices import check_devices
+from quantgate.params import Frozen
+from quantgate.precision import KvCacheDtype
+
+
+class QuantizeParams(Frozen):
+    """params.yaml block `quantize.<build>`."""
+
+    recipe: str  # llm-compressor recipe YAML, e.g. recipes/int4.yaml
+    calibration: Calibration | None = None  # required when the recipe needs data
+    devices: str = "auto"  # GPUs llm-compressor uses (CUDA_VISIBLE_DEVICES): auto | cpu | "0" | "0,1"
+
+    _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
+    kv_cache_dtype: KvCacheDtype = "auto"  # vLLM --kv-cache-dtype every server of this build uses (build.json)

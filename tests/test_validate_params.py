@@ -1,0 +1,172 @@
+"""validate reads params.yaml as the stages will, before any of them runs (pipeline/validate.py): the search
+block's pairing with the quantize blocks and builds, every quantize block's keys and recipe file, calibration
+counts against the calibrate stage's file, and the search's document budget against one look at every team.
+Each case is a one-line QuantgateError naming params.yaml (and the line, where the parse found one) and the key."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.validate import check_doc_budget, check_quantize, check_samples, check_search
+from quantgate.errors import QuantgateError
+from quantgate.params import load_builds, read_yaml
+from quantgate.teams import load_teams
+
+REPO = Path(__file__).resolve().parents[1]
+BUILDS = ["fp16", "fp8", "int8", "int4", "int4-mixed"]
+
+
+@pytest.fixture
+def params(tmp_path, monkeypatch):
+    """edit(change) writes the repo's params.yaml, with change(doc) applied, to a folder holding the repo's
+    recipes (relative paths resolve as under `dvc repro`), and returns its path."""
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    monkeypatch.chdir(tmp_path)
+
+    def edit(change=lambda doc: None) -> Path:
+        doc = read_yaml(REPO / "params.yaml")
+        change(doc)
+        path = tmp_path / "params.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    return edit
+
+
+def one_line_error(call, match: str) -> str:
+    with pytest.raises(QuantgateError) as err:
+        call()
+    message = str(err.value)
+    assert "\n" not in message.strip() and re.search(match, message), message
+    return message
+
+
+def test_the_repos_params_pass_every_check(params):
+    path = params()
+    builds = load_builds(path)
+    search = check_search(builds, path)
+    blocks = check_quantize(builds, path)
+    check_samples(search, blocks, path)
+    check_doc_budget(search, load_teams(REPO / "evals"), builds, path)
+    assert builds == BUILDS and set(blocks) == set(BUILDS) - {"fp16"} and search.base == "int4"
+
+
+def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):
+    def int8_reads_it(doc):
+        doc["quantize"]["int8"]["recipe"] = "./results/search/recipe.yaml"
+
+    path = params(int8_reads_it)
+    one_line_error(
+        lambda: check_search(BUILDS, path),
+        r"params.yaml: quantize.int8.recipe is results/search/recipe.yaml, which the search writes for search.build "
+        r"\(int4-mixed\) only",
+    )
+
+    def mixed_spelled_so(doc):
+        doc["quantize"]["int4-mixed"]["recipe"] = "./results/search/recipe.yaml"
+
+    assert check_search(BUILDS, params(mixed_spelled_so)).build == "int4-mixed"  # the same file: accepted
+
+
+@pytest.mark.parametrize(
+    "search, message",
+    [
+        ({"recipe": "results/search/recipe.yaml", "base": "int4-mixed"}, r"neither can be what it writes"),
+        ({"base": "int4-mixed"}, r"neither can be what it writes"),
+        ({"build": "fp16"}, r"search.build is fp16, the 16-bit build prepare makes"),
+        ({"build": ""}, r"search.build: String should have at least 1 character"),
+        ({"recipe": None}, r"search.recipe is missing \(dvc.yaml's search stage reads \$\{search.recipe\}\)"),
+        ({"recipe": "recipes/nosuch.yaml"}, r"search.base int4 is made with recipes/int4.yaml .* not with"),
+        ({"fused": {"qkv_proj": []}}, r"fused.qkv_proj must list the two or more layers"),
+        ({"fused": {"qkv_proj": ["q_proj", "q_proj", "v_proj"]}}, r"fused.qkv_proj lists q_proj twice"),
+        (
+            {"fused": {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "q_proj"]}},
+            r"fused.gate_up_proj lists q_proj in fused.qkv_proj too",
+        ),
+    ],
+)
+def test_a_search_block_the_search_cannot_run_as_written_is_refused(params, search, message):
+    def change(doc):
+        doc["search"] |= search
+
+    path = params(change)
+    one_line_error(lambda: check_search(BUILDS, path), rf"^{re.escape(str(path))}(:\d+)?: .*{message}")
+
+
+def test_a_search_recipe_that_is_no_file_is_refused(params):
+    def change(doc):
+        doc["search"]["recipe"] = doc["quantize"]["int4"]["recipe"] = "recipes/nosuch.yaml"
+
+    path = params(change)
+    one_line_error(lambda: check_search(BUILDS, path), r"search.recipe recipes/nosuch.yaml: no such file")
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ("recipes/fp8.yaml", r"quantize.fp8"),
+        (None, r"quantize.fp8"),
+        ({"recipe": "recipes/fp8.yaml", "kv_cache_dtype": "fp9"}, r"quantize.fp8.kv_cache_dtype"),
+        ({"recipe": "recipes/fp8.yaml", "recipe_": "x"}, r"quantize.fp8.recipe_"),
+        ({"recipe": "recipes/nosuch.yaml"}, r"quantize.fp8.recipe recipes/nosuch.yaml: no such file"),
+    ],
+)
+def test_each_quantize_block_is_read_as_the_quantize_stage_reads_it(params, block, message):
+    def change(doc):
+        doc["quantize"]["fp8"] = block
+
+    path = params(change)
+    one_line_error(lambda: check_quantize(BUILDS, path), rf"^{re.escape(str(path))}(:\d+)?: .*{message}")
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (lambda doc: doc["search"].update(kl_samples=65), "search.kl_samples asks for 65"),
+        (
+            lambda doc: doc["quantize"]["int4-mixed"]["calibration"].update(samples=640),
+            "quantize.int4-mixed.calibration.samples asks for 640",
+        ),
+    ],
+)
+def test_calibration_counts_beyond_the_calibrate_stages_file_are_refused(params, change, key):
+    path = params(change)
+    search, blocks = check_search(BUILDS, path), check_quantize(BUILDS, path)
+    one_line_error(
+        lambda: check_samples(search, blocks, path),
+        rf"{key} calibration conversations, but results/calibration.jsonl holds calibrate.samples = 64",
+    )
+
+
+def test_a_build_list_without_the_16_bit_build_is_refused(params):
+    def change(doc):
+        doc["builds"] = BUILDS[1:]
+
+    path = params(change)
+    one_line_error(lambda: load_builds(path), r"has no fp16: every build is gated against the 16-bit build")
+
+
+def test_a_doc_budget_below_one_look_at_every_team_is_refused_when_the_search_runs(params):
+    teams = load_teams(REPO / "evals")
+    need = sum(min(40, task.n_docs) for t in teams for task in t.tasks)  # search.looks[0] = 40
+    short = params(lambda doc: doc["search"].update(doc_budget=need - 1))
+    search = check_search(BUILDS, short)
+    one_line_error(
+        lambda: check_doc_budget(search, teams, BUILDS, short),
+        rf"search.doc_budget {need - 1} cannot pay for one look at every team: {need} documents "
+        rf"\(40 per task, search.looks\[0\]\); raise it to {need} or more",
+    )
+    without_search = [b for b in BUILDS if b != "int4-mixed"]
+    check_doc_budget(search, teams, without_search, short)  # no search: nothing to pay for
+    enough = params(lambda doc: doc["search"].update(doc_budget=need))
+    check_doc_budget(check_search(BUILDS, enough), teams, BUILDS, enough)
+
+
+def test_the_budget_counts_evaluate_harness_limit(params):
+    teams = load_teams(REPO / "evals")
+    need = sum(min(5, task.n_docs) for t in teams for task in t.tasks)
+    path = params(lambda doc: (doc["evaluate"]["harness"].update(limit=5), doc["search"].update(doc_budget=need)))
+    check_doc_budget(check_search(BUILDS, path), teams, BUILDS, path)
