@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TypeVar
+from types import UnionType
+from typing import TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -131,8 +132,13 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
             place = f"{where}:{line}" if line else where
             field = ".".join(str(p) for p in loc)
             nested = _model_at(model, e["loc"]) if e["type"] in ("model_type", "dict_type") else None
-            # a validator's own ValueError is the message; pydantic's "Value error, " prefix is noise to a user
-            msg = _not_a_mapping(nested, e.get("input")) if nested else e["msg"].removeprefix("Value error, ")
+            parent = _model_at(model, e["loc"][:-1]) if e["type"] == "extra_forbidden" else None
+            if nested:
+                msg = _not_a_mapping(nested, e.get("input"))
+            elif parent:
+                msg = f"unknown key (the keys here: {_fields(parent)})"
+            else:  # a validator's own ValueError is the message; pydantic's "Value error, " prefix is noise to a user
+                msg = e["msg"].removeprefix("Value error, ")
             problems.append(f"{place}: {field}: {msg}" if field else f"{place}: {msg}")
         raise QuantgateError("; ".join(problems)) from None
 
@@ -147,15 +153,29 @@ def _not_a_mapping(model: type[BaseModel], data: object) -> str:
     return f"must be a mapping of fields ({', '.join(model.model_fields)}); got {_got(data)}"
 
 
+def _fields(model: type[BaseModel]) -> str:
+    """'a, b, c': the keys a block of `model` takes."""
+    return ", ".join(model.model_fields)
+
+
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model of the field at `loc` inside `model` (None when it is not a model)."""
+    """The pydantic model of the field at `loc` inside `model` (None when it is not a model). A field may
+    hold a Model, `Model | None`, or `dict[str, Model]` (whose key is the next part of `loc`)."""
+    current: object = model
     for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str):
+            field = current.model_fields.get(part)
+            if field is None:
+                return None
+            current = field.annotation
+        elif get_origin(current) is dict:
+            current = get_args(current)[1]
+        else:
             return None
-        model = annotation
-    return model
+        if get_origin(current) in (Union, UnionType):  # Model | None
+            models = [a for a in get_args(current) if a is not type(None)]
+            current = models[0] if len(models) == 1 else None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
 BASELINE_BUILD = "fp16"  # prepare's 16-bit build (models/fp16 in dvc.yaml)

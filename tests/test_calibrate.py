@@ -49,7 +49,7 @@ def test_a_prompt_quoting_an_eval_document_is_refused_with_both_places(evals, tm
     [
         ("topics: []\ntasks: ['x {topic}']\n", "topics: List should have at least 1 item"),
         ("topics: [a]\ntasks: ['no placeholder']\n", "every task must contain {topic}"),
-        ("topic: [a]\ntasks: ['{topic}']\n", "topic: Extra inputs are not permitted"),
+        ("topic: [a]\ntasks: ['{topic}']\n", "topic: unknown key (the keys here: topics, tasks)"),
     ],
 )
 def test_bad_prompt_file_names_the_file_and_field(tmp_path, text, message):
