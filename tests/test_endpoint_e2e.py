@@ -7,9 +7,11 @@ project's `dvc repro`, whose fp16 and fp8 builds it links."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -42,7 +44,14 @@ def deployment(project, tmp_path_factory):
         (root / "models" / build).symlink_to(project / "models" / build)
     digest = json.loads((root / "models/fp16/build.json").read_text())["weights_digest"]
     name = served_name("fp16", digest)
-    env = dict(project_env(), VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    ipc = tempfile.mkdtemp(prefix="qg-ipc-")  # vLLM's ZMQ sockets (short: a socket path has 108 bytes at most)
+    env = dict(
+        project_env(),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_RPC_BASE_PATH=ipc,
+    )
     log = open(root / "deployment.log", "w")  # open for the server's life
     proc = subprocess.Popen(
         [SERVE_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "models/fp16"),
@@ -64,6 +73,7 @@ def deployment(project, tmp_path_factory):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         log.close()
+        shutil.rmtree(ipc, ignore_errors=True)  # vLLM leaves its sockets behind
 
 
 def test_a_build_is_scored_on_the_endpoint_that_serves_it(deployment):
