@@ -21,7 +21,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml
 from quantgate.quantize_params import QuantizeParams
 from quantgate.results import TeamSummary, write_teams
-from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base
+from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_file
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
 
@@ -58,8 +58,9 @@ def summary(teams: list[Team], budgets: ValidateParams) -> dict[str, TeamSummary
 
 
 def same_path(a: object, b: str) -> bool:
-    """Whether params value `a` is a string naming the path `b` (./x and x are one file)."""
-    return isinstance(a, str) and bool(a) and Path(a) == Path(b)
+    """Whether params value `a` is a string naming the path `b` (./x, x and /abs/x are one file; relative
+    paths are read from the working folder, the repository root under `dvc repro`)."""
+    return isinstance(a, str) and bool(a) and same_file(a, b)
 
 
 def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
@@ -109,12 +110,13 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
             "search's candidates (a dependency of the search stage even when the search is skipped); set it to the "
             "build made with search.recipe (int4 by default), or to any build of this run when search.build is not one"
         )
+    if not Path(p.recipe).is_file():  # a dep of the search stage (dvc.yaml) even when the search is skipped
+        raise QuantgateError(
+            f"{path}: search.recipe {p.recipe}: no such file; name the recipe {p.build} falls back from "
+            "(recipes/int4.yaml by default)"
+        )
     if p.build in builds:
         check_base(p, quantize, path)
-        if not Path(p.recipe).is_file():
-            raise QuantgateError(
-                f"{path}: search.recipe {p.recipe}: no such file; give the recipe int4-mixed falls back from"
-            )
     return p
 
 
@@ -151,13 +153,12 @@ def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path:
 
 def check_doc_budget(search: SearchParams, teams: list[Team], builds: list[str], path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError when the search runs (search.build in `builds`) and search.doc_budget cannot pay for
-    one look at every team: search.looks[0] documents per task (fewer where a task has fewer, or
-    evaluate.harness.limit is lower), the first look of the first screen (quantgate.screening.sequential)."""
+    one look at every team: search.looks[0] documents per task (fewer where a task has fewer, after its team's
+    `limit:`), the first look of the first screen (quantgate.screening.sequential). The search sets its own
+    document limits, so evaluate.harness.limit does not count here."""
     if search.build not in builds:
         return
-    harness = ((read_yaml(path).get("evaluate") or {}).get("harness")) or {}
-    limit = harness.get("limit") if isinstance(harness, dict) and isinstance(harness.get("limit"), int) else None
-    per_task = search.looks[0] if limit is None else min(search.looks[0], limit)
+    per_task = search.looks[0]
     need = sum(min(per_task, task.n_docs) for t in teams for task in t.tasks)
     if search.doc_budget < need:
         raise QuantgateError(
@@ -174,8 +175,8 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
+    blocks = check_quantize(builds)  # first: a recipe file that is missing is named as such
     search = check_search(builds)
-    blocks = check_quantize(builds)
     check_samples(search, blocks)
     budgets = load_budgets()
     if evals_dir.is_dir():

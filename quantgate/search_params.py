@@ -77,13 +77,18 @@ REPLACED = {
 }
 
 
+def same_file(a: str, b: str) -> bool:
+    """Whether paths `a` and `b` name one file (./x, x and /abs/x alike; relative to the working folder)."""
+    return Path(a).resolve() == Path(b).resolve()
+
+
 def check_base(p: SearchParams, quantize: dict, path: Path) -> None:
     """Raise QuantgateError (naming `path`'s search.base and quantize.<base>.recipe) unless search.base is
     made with search.recipe, as read from `quantize` (params.yaml's quantize blocks, as written): the base's
     profile prices the candidates as the recipe the search falls back from. Recipe paths compare as paths."""
     block = quantize.get(p.base) if isinstance(quantize, dict) else None
     recipe = block.get("recipe") if isinstance(block, dict) else None
-    if recipe is None or Path(recipe) != Path(p.recipe):
+    if not isinstance(recipe, str) or not same_file(recipe, p.recipe):
         raise QuantgateError(
             f"{path}: search.base {p.base} is made with {recipe} (quantize.{p.base}.recipe), not with "
             f"search.recipe {p.recipe}; name the build made with the recipe the search falls back from"

@@ -79,7 +79,8 @@ def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):
         ({"build": "fp16"}, r"search.build is fp16, the 16-bit build prepare makes"),
         ({"build": ""}, r"search.build: String should have at least 1 character"),
         ({"recipe": None}, r"search.recipe is missing \(dvc.yaml's search stage reads \$\{search.recipe\}\)"),
-        ({"recipe": "recipes/nosuch.yaml"}, r"search.base int4 is made with recipes/int4.yaml .* not with"),
+        ({"recipe": "recipes/nosuch.yaml"}, r"search.recipe recipes/nosuch.yaml: no such file"),
+        ({"recipe": "recipes/int8.yaml"}, r"search.base int4 is made with recipes/int4.yaml .* not with"),
         ({"fused": {"qkv_proj": []}}, r"fused.qkv_proj must list the two or more layers"),
         ({"fused": {"qkv_proj": ["q_proj", "q_proj", "v_proj"]}}, r"fused.qkv_proj lists q_proj twice"),
         (
@@ -165,8 +166,31 @@ def test_a_doc_budget_below_one_look_at_every_team_is_refused_when_the_search_ru
     check_doc_budget(check_search(BUILDS, enough), teams, BUILDS, enough)
 
 
-def test_the_budget_counts_evaluate_harness_limit(params):
+def test_the_budget_ignores_evaluate_harness_limit_as_the_search_does(params):
     teams = load_teams(REPO / "evals")
-    need = sum(min(5, task.n_docs) for t in teams for task in t.tasks)
-    path = params(lambda doc: (doc["evaluate"]["harness"].update(limit=5), doc["search"].update(doc_budget=need)))
-    check_doc_budget(check_search(BUILDS, path), teams, BUILDS, path)
+    need = sum(min(40, task.n_docs) for t in teams for task in t.tasks)  # the search scores its own 40 per task
+    path = params(lambda doc: (doc["evaluate"]["harness"].update(limit=5), doc["search"].update(doc_budget=need - 1)))
+    one_line_error(
+        lambda: check_doc_budget(check_search(BUILDS, path), teams, BUILDS, path),
+        rf"cannot pay for one look at every team: {need} documents \(40 per task, search.looks\[0\]\)",
+    )
+
+
+def test_a_search_recipe_is_a_file_even_when_the_search_is_skipped(params):
+    def change(doc):
+        doc["builds"].remove("int4-mixed")
+        del doc["quantize"]["int4-mixed"]
+        doc["search"]["recipe"] = "recipes/nope.yaml"
+
+    path = params(change)
+    one_line_error(
+        lambda: check_search(load_builds(path), path),
+        r"search.recipe recipes/nope.yaml: no such file; name the recipe int4-mixed falls back from",
+    )
+
+
+def test_one_recipe_file_spelled_absolute_or_relative_is_the_same_recipe(params, tmp_path):
+    def change(doc):
+        doc["search"]["recipe"] = str(tmp_path / "recipes/int4.yaml")
+
+    assert check_search(BUILDS, params(change)).base == "int4"
