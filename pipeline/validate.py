@@ -21,7 +21,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml
 from quantgate.quantize_params import QuantizeParams
 from quantgate.results import TeamSummary, write_teams
-from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_file
+from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
 
@@ -55,12 +55,6 @@ def summary(teams: list[Team], budgets: ValidateParams) -> dict[str, TeamSummary
             budget=budgets.for_team(t.name).model_dump(),
         )
     return out
-
-
-def same_path(a: object, b: str) -> bool:
-    """Whether params value `a` is a string naming the path `b` (./x, x and /abs/x are one file; relative
-    paths are read from the working folder, the repository root under `dvc repro`)."""
-    return isinstance(a, str) and bool(a) and same_file(a, b)
 
 
 def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:

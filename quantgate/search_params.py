@@ -77,9 +77,10 @@ REPLACED = {
 }
 
 
-def same_file(a: str, b: str) -> bool:
-    """Whether paths `a` and `b` name one file (./x, x and /abs/x alike; relative to the working folder)."""
-    return Path(a).resolve() == Path(b).resolve()
+def same_path(a: object, b: str) -> bool:
+    """Whether params value `a` is a string naming the path `b` (./x, x and /abs/x are one file; relative
+    paths are read from the working folder, the repository root under `dvc repro`)."""
+    return isinstance(a, str) and bool(a) and Path(a).resolve() == Path(b).resolve()
 
 
 def check_base(p: SearchParams, quantize: dict, path: Path) -> None:
@@ -88,7 +89,7 @@ def check_base(p: SearchParams, quantize: dict, path: Path) -> None:
     profile prices the candidates as the recipe the search falls back from. Recipe paths compare as paths."""
     block = quantize.get(p.base) if isinstance(quantize, dict) else None
     recipe = block.get("recipe") if isinstance(block, dict) else None
-    if not isinstance(recipe, str) or not same_file(recipe, p.recipe):
+    if not same_path(recipe, p.recipe):
         raise QuantgateError(
             f"{path}: search.base {p.base} is made with {recipe} (quantize.{p.base}.recipe), not with "
             f"search.recipe {p.recipe}; name the build made with the recipe the search falls back from"
