@@ -21,6 +21,7 @@ from quantgate import store
 from quantgate.credentials import drop_credentials
 from quantgate.errors import QuantgateError
 from quantgate.executor import ExecutorParams, asks, failure, feasible, named
+from quantgate.scratch import scratch_dir
 
 PROJECT = Path(__file__).resolve().parents[1]  # the project install on a node (the image's checkout)
 
@@ -50,7 +51,7 @@ def on_node(request: dict) -> Iterator[tuple[dict, Path, Path]]:
     Raises QuantgateError naming the node (IP and id) for anything that fails inside the block.
     """
     node = node_identity()
-    work = Path(tempfile.mkdtemp(prefix="quantgate-task-"))
+    work = scratch_dir("quantgate-task-")  # one a SIGKILLed task left is swept by the next
     os.chdir(work)  # never the pipeline machine's project folder: nothing here is read from it
     try:
         model_dir = store.fetch(request["store"], request["where"], Path(request["node_cache"]))

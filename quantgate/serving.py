@@ -8,6 +8,7 @@ The server is always stopped when the `with` block exits, on error and Ctrl-C to
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -48,6 +49,7 @@ from quantgate.precision import (
     slowdown_problem,
     w4a16_problem,
 )
+from quantgate.scratch import scratch_dir
 
 HEALTH_POLL_S = 2.0
 
@@ -459,10 +461,12 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
     )
-    # vLLM binds its ZMQ IPC sockets in VLLM_RPC_BASE_PATH (default: /tmp) and never removes them:
-    # a folder per server, removed after it stops (190 sockets were left in /tmp by one `make test`)
-    ipc = tempfile.mkdtemp(prefix="quantgate-vllm-ipc-")
-    env["VLLM_RPC_BASE_PATH"] = ipc
+    # vLLM binds its ZMQ IPC sockets in VLLM_RPC_BASE_PATH (default: /tmp) and never removes them (190
+    # were left by one `make test`), nor its torch.distributed file store (TMPDIR/vllm_dist_<uuid>, one per
+    # server): both go in a folder per server, removed after it stops. The inductor cache stays shared.
+    ipc = str(scratch_dir("quantgate-vllm-ipc-"))
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+    env.update(VLLM_RPC_BASE_PATH=ipc, TMPDIR=ipc)
     if params.cpu_cores:  # vLLM's auto binding pins every server's worker to the same cores
         env["VLLM_CPU_OMP_THREADS_BIND"] = params.cpu_cores
     if not gpu and params.kv_cache_gib:
@@ -519,6 +523,16 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
         guard.kill()
         guard.wait()
         shutil.rmtree(ipc, ignore_errors=True)
+
+
+def inductor_cache_dir() -> str:
+    """torch inductor's default cache folder, `<temp>/torchinductor_<user>`, as torch computes it
+    (torch/_inductor/runtime/cache_dir_utils.py), so a server given its own TMPDIR still reuses it."""
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):  # no user name for this uid (some containers)
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 def orphan_guard(pgid: int, ipc: str | None = None) -> subprocess.Popen:
