@@ -29,7 +29,7 @@ demo: setup
 test: setup
 	ruff check .
 	ruff format --check .
-	python -m pytest tests --durations=15
+	python -m pytest tests --durations=40
 
 test-unit: setup
 	python -m pytest tests -m "not e2e"
