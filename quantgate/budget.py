@@ -61,6 +61,16 @@ class ValidateParams(Frozen):
             return self.budget
         return self.budget.model_copy(update=override.model_dump(exclude_none=True))
 
+    def source(self, team: str, what: str) -> str:
+        """The params.yaml key that sets `team`'s budget for `what` ("documents", "prompt tokens" or
+        "generated tokens", as `over` names them): validate.teams.<team>.<field> where the release side
+        gave the team its own, else validate.budget.<field>."""
+        field = what.replace(" ", "_")
+        override = self.teams.get(team)
+        if override is not None and getattr(override, field) is not None:
+            return f"validate.teams.{team}.{field}"
+        return f"validate.budget.{field}"
+
 
 @dataclass(frozen=True)
 class DocCost:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -195,13 +197,17 @@ TEAM_NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")  # also an MLflow tag key part
 
 
 def inspect_team(
-    path: Path, taken: dict[str, Path] | None = None, budget: Budget | None = None
+    path: Path,
+    taken: dict[str, Path] | None = None,
+    budget: Budget | None = None,
+    budget_key: Callable[[str], str] | None = None,
 ) -> tuple[Team | None, list[str]]:
     """Load one team folder and collect every problem; the Team is None if it cannot be built.
 
     `taken`: task names other teams' folders declare, {name: task file} (declared_tasks); a task of this team
     with one of them is a problem, as is a name two of its own task files give. `budget`: what the set may
-    cost per build (quantgate/budget.py); None checks no budget.
+    cost per build (quantgate/budget.py); None checks no budget. `budget_key`: the params.yaml key that set
+    each of its counts (ValidateParams.source), named when the set is over it.
     """
     policy_path = path / POLICY_FILE
     problems: list[str] = []
@@ -247,7 +253,7 @@ def inspect_team(
         digest=digest_tree(path),
         scores_digest=scores_digest(path, tasks),
     )
-    if budget is not None and (found := _over_budget(team, budget)):
+    if budget is not None and (found := _over_budget(team, budget, budget_key or shared_budget_key)):
         return None, found
     return team, []
 
@@ -288,9 +294,9 @@ def _name_clashes(tasks: list[Task], taken: dict[str, Path]) -> list[str]:
     return problems
 
 
-def _over_budget(team: Team, budget: Budget) -> list[str]:
-    """One line per count of the team's cost over `budget`, naming its data files, the count and the budget,
-    and the largest `limit:` that fits."""
+def _over_budget(team: Team, budget: Budget, budget_key: Callable[[str], str]) -> list[str]:
+    """One line per count of the team's cost over `budget`, naming its data files, the count, the budget and
+    the params.yaml key that set it (`budget_key`), and the largest `limit:` that fits."""
     cost = team.cost
     excess = over(cost, budget)
     if not excess:
@@ -302,11 +308,20 @@ def _over_budget(team: Team, budget: Budget) -> list[str]:
         if fits
         else "shorten the prompts"
     )
-    return [
-        f"{files}: {count:,} {what} per build (estimated: {cost.line()}) is over the budget of {most:,} "
-        f"(params.yaml validate.budget); {fix}, or ask the release side for validate.teams.{team.name}"
-        for what, count, most in excess
-    ]
+    lines = []
+    for what, count, most in excess:
+        key = budget_key(what)
+        ask = "to raise it" if key.startswith("validate.teams.") else f"for validate.teams.{team.name}"
+        lines.append(
+            f"{files}: {count:,} {what} per build (estimated: {cost.line()}) is over the budget of {most:,} "
+            f"(params.yaml {key}); {fix}, or ask the release side {ask}"
+        )
+    return lines
+
+
+def shared_budget_key(what: str) -> str:
+    """validate.budget.<field>: the key of the budget every team shares, for `what` (a count, as `over` names it)."""
+    return ValidateParams().source("", what)
 
 
 def scores_digest(path: Path, tasks: list[Task]) -> str:
@@ -378,7 +393,8 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
     for folder in folders if only is None else [root / only]:
         taken = {name: file for other, found in declared.items() if other != folder for name, file in found}
         budget = budgets.for_team(folder.name) if budgets is not None else None
-        team, problems = inspect_team(folder, taken, budget)
+        keys = partial(budgets.source, folder.name) if budgets is not None else shared_budget_key
+        team, problems = inspect_team(folder, taken, budget, keys)
         if team is None:
             errors.append(_listing(folder.name, problems))
         else:

@@ -64,11 +64,11 @@ def test_a_set_over_budget_is_refused_in_one_line_naming_file_count_budget_and_t
     problems = str(err.value).splitlines()[1:]
     assert [p.strip() for p in problems] == [
         f"{data}: 400 documents per build (estimated: {load_team(example_evals / 'billing').cost.line()}) is over "
-        "the budget of 300 (params.yaml validate.budget); evaluate fewer with `limit: 250` in "
+        "the budget of 300 (params.yaml validate.budget.documents); evaluate fewer with `limit: 250` in "
         f"{example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
         "validate.teams.billing",
         f"{data}: 9,600 generated tokens per build (estimated: {load_team(example_evals / 'billing').cost.line()}) "
-        "is over the budget of 6,000 (params.yaml validate.budget); evaluate fewer with `limit: 250` in "
+        "is over the budget of 6,000 (params.yaml validate.budget.generated_tokens); evaluate fewer with `limit: 250` in "
         f"{example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
         "validate.teams.billing",
     ]
@@ -83,6 +83,13 @@ def test_the_release_side_overrides_a_teams_budget_in_params_not_the_team(exampl
     with pytest.raises(QuantgateError) as err:
         load_teams(example_evals, budgets=tight)
     assert "team billing:" not in str(err.value) and "team search:" in str(err.value)
+    assert "(params.yaml validate.budget.documents); " in str(err.value)
+    own = ValidateParams(budget=Budget(documents=100), teams={"billing": {"documents": 300}})
+    with pytest.raises(QuantgateError) as err:  # over its own budget: the key named is the team's own
+        load_teams(example_evals, budgets=own, only="billing")
+    assert "is over the budget of 300 (params.yaml validate.teams.billing.documents); evaluate fewer with" in str(
+        err.value
+    ) and str(err.value).rstrip().endswith("or ask the release side to raise it")
     policy = example_evals / "billing" / "team.yaml"  # a team cannot raise its own budget
     policy.write_text(policy.read_text() + "budget: {documents: 500}\n")
     with pytest.raises(QuantgateError, match=r"team.yaml:10: budget: unknown key \(the keys here: owner,"):
