@@ -110,13 +110,16 @@ def validate(path: Path) -> None:
 
     A team's calibration.jsonl is checked too, against every team's eval documents (for one team folder: its
     own and those of the team folders beside it that validate)."""
-    from quantgate.budget import check_budget_teams, load_budgets
+    from quantgate.budget import budget_source, check_budget_teams, load_budgets
     from quantgate.calibration import CHECKED, TEAM_FILE, eval_strings, team_conversations
     from quantgate.teams import POLICY_FILE, load_team, load_teams, teams_beside
 
     scope, strings = "", None  # None: team_conversations reads the teams' documents if some team has the file
     with command_errors():
         budgets = load_budgets(required=False)  # params.yaml of the project folder it runs in, else the defaults
+        folder = path.parent if (path / POLICY_FILE).is_file() else path
+        if folder.is_dir():  # a misspelled validate.teams key would leave its team on the shared budget
+            check_budget_teams(budgets, sorted(p.name for p in folder.iterdir() if (p / POLICY_FILE).is_file()))
         if (path / POLICY_FILE).is_file():
             teams = [load_team(path, budgets)]
             if (path / TEAM_FILE).is_file():  # compared with the teams beside it too: loaded only then
@@ -125,8 +128,6 @@ def validate(path: Path) -> None:
                 if broken:  # their documents could not be read: say so rather than claim a comparison
                     scope = f" (not compared with {', '.join(broken)}: they do not validate)"
         else:
-            if path.is_dir():
-                check_budget_teams(budgets, sorted(p.name for p in path.iterdir() if (p / POLICY_FILE).is_file()))
             teams = load_teams(path, budgets=budgets)
         own = team_conversations(teams, strings)
     for t in teams:
@@ -135,6 +136,7 @@ def validate(path: Path) -> None:
         click.echo(f"ok: {t.name} ({tasks}), owner {policy.owner}, metric {policy.metric}; per build {t.cost.line()}")
     if own:
         click.echo(f"ok: {len(own)} team calibration conversations, {CHECKED}{scope}")
+    click.echo(f"budget: {budget_source()}")
 
 
 @cli.command("serve")

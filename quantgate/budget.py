@@ -183,6 +183,17 @@ def load_budgets(path: Path = PARAMS_FILE, required: bool = True) -> ValidatePar
     return load_block("validate", ValidateParams, path)
 
 
+def budget_source(path: Path = PARAMS_FILE) -> str:
+    """Which budget `load_budgets(path, required=False)` read, for the user: a team checking its folder outside
+    the project folder gets the defaults, which `dvc repro` may not use."""
+    if path.is_file() and "validate" in (read_yaml(path) or {}):
+        return f"{path.resolve()} `validate` (validate.budget, validate.teams)"
+    return (
+        f"the defaults (no {path.name} with a `validate` block in {Path.cwd()}); run this in the project folder "
+        "to check against the budget `dvc repro` uses"
+    )
+
+
 def check_budget_teams(params: ValidateParams, teams: list[str], path: Path = PARAMS_FILE) -> None:
     """Raises QuantgateError (params.yaml line) for a validate.teams key that is no team: a typo would leave
     that team on the default budget."""

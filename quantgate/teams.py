@@ -296,27 +296,52 @@ def _name_clashes(tasks: list[Task], taken: dict[str, Path]) -> list[str]:
 
 def _over_budget(team: Team, budget: Budget, budget_key: Callable[[str], str]) -> list[str]:
     """One line per count of the team's cost over `budget`, naming its data files, the count, the budget and
-    the params.yaml key that set it (`budget_key`), and the largest `limit:` that fits."""
+    the params.yaml key that set it (`budget_key`), and what to do: the largest `limit:` that fits where that
+    still leaves a set that can PASS (min_docs), else what else to change (max_gen_toks, the prompts) or
+    whom to ask."""
     cost = team.cost
     excess = over(cost, budget)
     if not excess:
         return []
-    files = ", ".join(f"{Path(t.config['dataset_kwargs']['data_files'][scored_split(t.config)])}" for t in team.tasks)
+    files = ", ".join(shown(Path(t.config["dataset_kwargs"]["data_files"][scored_split(t.config)])) for t in team.tasks)
+    policy_file = shown(team.path / POLICY_FILE)
     fits = largest_limit([list(t.costs) for t in team.tasks], budget)
-    fix = (
-        f"evaluate fewer with `limit: {fits}` in {team.path / POLICY_FILE} (documents per task)"
-        if fits
-        else "shorten the prompts"
-    )
+    need = min_docs(team.policy)
+    kept = sum(min(fits, t.n_docs) for t in team.tasks) if fits else 0
     lines = []
     for what, count, most in excess:
         key = budget_key(what)
-        ask = "to raise it" if key.startswith("validate.teams.") else f"for validate.teams.{team.name}"
+        ask = (
+            "to raise it"
+            if key.startswith("validate.teams.")
+            else f"for validate.teams.{team.name}.{key.split('.')[-1]}"
+        )
+        if fits and (need is None or kept >= need):
+            fix = f"evaluate fewer with `limit: {fits}` in {policy_file} (documents per task)"
+        elif fits:  # the limit that fits leaves too few documents for identical builds to PASS
+            fix = (
+                f"no set that can PASS fits: `limit: {fits}` in {policy_file} would score {kept} documents, fewer "
+                f"than the {need} its margin needs"
+            )
+        elif what == "generated tokens":  # max_gen_toks per generation document, whatever the prompt
+            fix = "lower generation_kwargs.max_gen_toks in its task YAML"
+        elif what == "prompt tokens":
+            fix = "shorten the prompts (few-shot examples count in every prompt)"
+        else:
+            fix = "merge or drop tasks (each scores at least one document)"
         lines.append(
             f"{files}: {count:,} {what} per build (estimated: {cost.line()}) is over the budget of {most:,} "
             f"(params.yaml {key}); {fix}, or ask the release side {ask}"
         )
     return lines
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the working folder where it lies under it (as the user typed it), else as is."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def shared_budget_key(what: str) -> str:

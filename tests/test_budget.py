@@ -66,15 +66,48 @@ def test_a_set_over_budget_is_refused_in_one_line_naming_file_count_budget_and_t
         f"{data}: 400 documents per build (estimated: {load_team(example_evals / 'billing').cost.line()}) is over "
         "the budget of 300 (params.yaml validate.budget.documents); evaluate fewer with `limit: 250` in "
         f"{example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
-        "validate.teams.billing",
+        "validate.teams.billing.documents",
         f"{data}: 9,600 generated tokens per build (estimated: {load_team(example_evals / 'billing').cost.line()}) "
-        "is over the budget of 6,000 (params.yaml validate.budget.generated_tokens); evaluate fewer with `limit: 250` in "
-        f"{example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
-        "validate.teams.billing",
+        "is over the budget of 6,000 (params.yaml validate.budget.generated_tokens); evaluate fewer with "
+        f"`limit: 250` in {example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
+        "validate.teams.billing.generated_tokens",
     ]
     with open(example_evals / "billing" / "team.yaml", "a") as f:
         f.write("limit: 250\n")  # the suggested limit fits: 250 docs x 24 tokens = 6,000
     assert load_team(example_evals / "billing", small).cost.documents == 250
+
+
+def test_a_limit_that_fits_but_leaves_too_few_documents_to_pass_is_not_suggested(example_evals):
+    billing = load_team(example_evals / "billing")  # 400 docs, 24 generated tokens each, PASS needs 32 docs
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "billing", ValidateParams(budget=Budget(generated_tokens=500)))
+    assert (
+        "is over the budget of 500 (params.yaml validate.budget.generated_tokens); no set that can PASS fits: "
+        f"`limit: 20` in {example_evals / 'billing' / 'team.yaml'} would score 20 documents, fewer than the 32 its "
+        "margin needs, or ask the release side for validate.teams.billing.generated_tokens"
+    ) in str(err.value)
+    assert billing.cost.generated_tokens == 400 * 24
+    with pytest.raises(QuantgateError) as err:  # not even one document: the generation length is what costs
+        load_team(example_evals / "billing", ValidateParams(budget=Budget(generated_tokens=10)))
+    assert (
+        "(params.yaml validate.budget.generated_tokens); lower generation_kwargs.max_gen_toks in its task YAML, "
+        in str(err.value)
+    )
+
+
+def test_one_team_folder_is_checked_against_the_budget_keys_and_says_which_budget(example_evals, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
+    assert (
+        res.exit_code == 0
+        and f"budget: the defaults (no params.yaml with a `validate` block in {tmp_path})" in res.output
+    )
+    (tmp_path / "params.yaml").write_text("validate:\n  teams:\n    biling: {generated_tokens: 20000}\n")
+    res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
+    assert res.exit_code != 0 and "params.yaml:3: validate.teams.biling: not a team under evals/" in res.output
+    (tmp_path / "params.yaml").write_text("validate:\n  teams:\n    billing: {generated_tokens: 20000}\n")
+    res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
+    assert res.exit_code == 0 and f"budget: {tmp_path / 'params.yaml'} `validate`" in res.output
 
 
 def test_the_release_side_overrides_a_teams_budget_in_params_not_the_team(example_evals, tmp_path):
