@@ -18,7 +18,7 @@ from pathlib import Path
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
-from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.quantize_params import QuantizeParams
 from quantgate.results import TeamSummary, write_teams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
@@ -68,45 +68,53 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
     raw = data.get("search")
     for key, what in (("base", "the build made with search.recipe (int4 by default)"), ("recipe", "recipes/int4.yaml")):
         if not isinstance(raw, dict) or not isinstance(raw.get(key), str) or not raw[key]:
+            at = where(path, f"search.{key}")
             raise QuantgateError(
-                f"{path}: search.{key} is missing (dvc.yaml's search stage reads ${{search.{key}}}); set it, "
+                f"{at}: search.{key} is missing (dvc.yaml's search stage reads ${{search.{key}}}); set it, "
                 f"e.g. to {what}"
             )
     p = load_block("search", SearchParams, path)
     if p.build == BASELINE_BUILD:
+        at = where(path, "search.build")
         raise QuantgateError(
-            f"{path}: search.build is {BASELINE_BUILD}, the 16-bit build prepare makes, which no recipe makes; name "
+            f"{at}: search.build is {BASELINE_BUILD}, the 16-bit build prepare makes, which no recipe makes; name "
             "the quantized build whose recipe the search writes (int4-mixed by default)"
         )
     quantize = data.get("quantize") or {}
     readers = [b for b, q in quantize.items() if isinstance(q, dict) and same_path(q.get("recipe"), SEARCH_RECIPE)]
     if stray := [b for b in readers if b != p.build]:
+        at = where(path, f"quantize.{stray[0]}.recipe")
         raise QuantgateError(
-            f"{path}: quantize.{stray[0]}.recipe is {SEARCH_RECIPE}, which the search writes for search.build "
+            f"{at}: quantize.{stray[0]}.recipe is {SEARCH_RECIPE}, which the search writes for search.build "
             f"({p.build}) only; set search.build: {stray[0]} or give quantize.{stray[0]} its own recipe"
         )
     if p.build in builds and p.build not in readers:
+        at = where(path, f"quantize.{p.build}.recipe")
         raise QuantgateError(
-            f"{path}: search.build {p.build} is a build, so quantize.{p.build}.recipe must be {SEARCH_RECIPE} "
+            f"{at}: search.build {p.build} is a build, so quantize.{p.build}.recipe must be {SEARCH_RECIPE} "
             "(the search stage writes it)"
         )
     if same_path(p.recipe, SEARCH_RECIPE) or p.base == p.build:
+        at = where(path, "search.recipe" if same_path(p.recipe, SEARCH_RECIPE) else "search.base")
         raise QuantgateError(
-            f"{path}: the search falls back from search.recipe (made as search.base), so neither can be what it "
+            f"{at}: the search "
+            "falls back from search.recipe (made as search.base), so neither can be what it "
             f"writes ({SEARCH_RECIPE}, search.build {p.build}); set search.recipe: recipes/int4.yaml and "
             "search.base: int4"
         )
     # dvc.yaml's search stage reads results/profile/<search.base>.json whether or not the search runs
     if p.base not in builds or (p.base == BASELINE_BUILD and p.build in builds):
         why = f"{p.base} is the 16-bit build" if p.base == BASELINE_BUILD else f"{p.base} is not in builds"
+        at = where(path, "search.base")
         raise QuantgateError(
-            f"{path}: search.base {why}: it names the quantized build whose profile, with fp16's, prices the "
+            f"{at}: search.base {why}: it names the quantized build whose profile, with fp16's, prices the "
             "search's candidates (a dependency of the search stage even when the search is skipped); set it to the "
             "build made with search.recipe (int4 by default), or to any build of this run when search.build is not one"
         )
     if not Path(p.recipe).is_file():  # a dep of the search stage (dvc.yaml) even when the search is skipped
+        at = where(path, "search.recipe")
         raise QuantgateError(
-            f"{path}: search.recipe {p.recipe}: no such file; name the recipe {p.build} falls back from "
+            f"{at}: search.recipe {p.recipe}: no such file; name the recipe {p.build} falls back from "
             "(recipes/int4.yaml by default)"
         )
     if p.build in builds:
@@ -121,8 +129,9 @@ def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, Qua
     blocks = {b: load_block(f"quantize.{b}", QuantizeParams, path) for b in builds if b != BASELINE_BUILD}
     for b, q in blocks.items():
         if not same_path(q.recipe, SEARCH_RECIPE) and not Path(q.recipe).is_file():
+            at = where(path, f"quantize.{b}.recipe")
             raise QuantgateError(
-                f"{path}: quantize.{b}.recipe {q.recipe}: no such file; add the recipe under recipes/ or fix the path"
+                f"{at}: quantize.{b}.recipe {q.recipe}: no such file; add the recipe under recipes/ or fix the path"
             )
     return blocks
 
@@ -139,8 +148,9 @@ def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path:
         asks["search.kl_samples"] = search.kl_samples
     if over := {k: n for k, n in asks.items() if n > have}:
         key, n = next(iter(over.items()))
+        at = where(path, key)
         raise QuantgateError(
-            f"{path}: {key} asks for {n} calibration conversations, but results/calibration.jsonl holds "
+            f"{at}: {key} asks for {n} calibration conversations, but results/calibration.jsonl holds "
             f"calibrate.samples = {have}; lower {key} or raise calibrate.samples"
         )
 
@@ -155,8 +165,9 @@ def check_doc_budget(search: SearchParams, teams: list[Team], builds: list[str],
     per_task = search.looks[0]
     need = sum(min(per_task, task.n_docs) for t in teams for task in t.tasks)
     if search.doc_budget < need:
+        at = where(path, "search.doc_budget")
         raise QuantgateError(
-            f"{path}: search.doc_budget {search.doc_budget} cannot pay for one look at every team: {need} documents "
+            f"{at}: search.doc_budget {search.doc_budget} cannot pay for one look at every team: {need} documents "
             f"({per_task} per task, search.looks[0]); raise it to {need} or more (a screen that runs out of budget "
             "decides nothing)"
         )

@@ -83,6 +83,16 @@ def read_yaml(path: Path) -> object:
         raise QuantgateError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
 
 
+def where(path: Path, dotted: str) -> str:
+    """ "path:line" of the key `dotted` ("search.looks.0": list items by index) in a YAML file, or of the
+    nearest key above it that is written there (a missing key: the block it belongs in); "path" alone when
+    none is, or the file cannot be read."""
+    keys = tuple(int(k) if k.isdigit() else k for k in dotted.split("."))
+    lines = key_lines(path) if Path(path).is_file() else {}
+    line = next((lines[keys[:i]] for i in range(len(keys), 0, -1) if keys[:i] in lines), None)
+    return f"{path}:{line}" if line else str(path)
+
+
 def key_lines(path: Path) -> dict[tuple, int]:
     """{key path: 1-based line} of every mapping key and sequence item in a YAML file,
     e.g. {("canary", "alpha"): 57}; empty if the file cannot be read or parsed (read_yaml says why)."""

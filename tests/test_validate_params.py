@@ -61,8 +61,8 @@ def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):
     path = params(int8_reads_it)
     one_line_error(
         lambda: check_search(BUILDS, path),
-        r"params.yaml: quantize.int8.recipe is results/search/recipe.yaml, which the search writes for search.build "
-        r"\(int4-mixed\) only",
+        r"params.yaml:\d+: quantize.int8.recipe is results/search/recipe.yaml, which the search writes for "
+        r"search.build \(int4-mixed\) only",
     )
 
     def mixed_spelled_so(doc):
@@ -194,3 +194,23 @@ def test_one_recipe_file_spelled_absolute_or_relative_is_the_same_recipe(params,
         doc["search"]["recipe"] = str(tmp_path / "recipes/int4.yaml")
 
     assert check_search(BUILDS, params(change)).base == "int4"
+
+
+def test_each_refusal_names_the_line_of_its_key(params):
+    """The line is the key's own, or its block's where the key is missing."""
+    path = params(lambda doc: doc["search"].update(doc_budget=1))
+    lines = path.read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.strip().startswith("doc_budget:"))
+    teams = load_teams(REPO / "evals")
+    message = one_line_error(lambda: check_doc_budget(check_search(BUILDS, path), teams, BUILDS, path), "doc_budget")
+    assert message.startswith(f"{path}:{line}: search.doc_budget 1 cannot pay")
+    path = params(lambda doc: doc["search"].pop("recipe"))
+    block = path.read_text().splitlines().index("search:") + 1
+    assert one_line_error(lambda: check_search(BUILDS, path), "missing").startswith(
+        f"{path}:{block}: search.recipe is missing"
+    )
+    path = params(lambda doc: doc["quantize"]["int8"].update(recipe="recipes/nope.yaml"))
+    line = path.read_text().splitlines().index("    recipe: recipes/nope.yaml") + 1
+    assert one_line_error(lambda: check_quantize(BUILDS, path), "no such file").startswith(
+        f"{path}:{line}: quantize.int8.recipe recipes/nope.yaml: no such file"
+    )
