@@ -22,7 +22,7 @@ from pathlib import Path
 from pipeline.report import fmt
 from quantgate.cost import CostParams, KVShape, check_context, devices_for, in_flight, usd_per_million_tokens
 from quantgate.errors import QuantgateError
-from quantgate.params import PARAMS_FILE, key_lines, load_block
+from quantgate.params import PARAMS_FILE, load_block, where
 from quantgate.results import BuildCost, BuildGate, BuildProfile, GateResult, read_profile
 from quantgate.stats import BASELINE, Verdict
 
@@ -34,14 +34,13 @@ def load_cost(baseline: BuildProfile | None, path: Path = PARAMS_FILE) -> CostPa
     Raises QuantgateError "params.yaml:<line>: cost.<field>: ..." for a bad field (negative price, unknown
     key, ...) and for a context longer than the model's or the server's."""
     cost = load_block("cost", CostParams, path)
-    line = key_lines(path).get(("cost", "context_tokens"))
-    where = f"{path}:{line}: cost.context_tokens" if line else f"{path}: cost.context_tokens"
+    at = f"{where(path, 'cost.context_tokens')}: cost.context_tokens"
     if baseline is not None and baseline.kv_shape:
-        check_context(cost, KVShape(**baseline.kv_shape), where)
+        check_context(cost, KVShape(**baseline.kv_shape), at)
     served_max_len = baseline.max_concurrency_at if baseline is not None else None
     if served_max_len is not None and cost.context_tokens > served_max_len:
         raise QuantgateError(
-            f"{where}: {cost.context_tokens} tokens is longer than the server's max_model_len ({served_max_len}, "
+            f"{at}: {cost.context_tokens} tokens is longer than the server's max_model_len ({served_max_len}, "
             f"evaluate.serve.max_model_len); lower it or raise max_model_len"
         )
     return cost

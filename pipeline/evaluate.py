@@ -48,7 +48,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.executor import ExecutorParams
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
-from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, load_builds
+from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds, where
 from quantgate.precision import RECORD as PRECISION
 from quantgate.precision import precision_record
 from quantgate.results import SAMPLES, SCORES, Placement, ServingRecord, TeamScores, read_scores, write_scores
@@ -368,10 +368,9 @@ def check_endpoint_builds(params: EvaluateParams, builds: list[str], path: Path 
     a typo would silently score that build on a local server instead."""
     for build in params.endpoints:
         if build not in builds:
-            line = key_lines(path).get(("evaluate", "endpoints", build))
+            at = where(path, f"evaluate.endpoints.{build}")
             raise QuantgateError(
-                f"{path}:{line}: evaluate.endpoints.{build}: not a build of this run (builds: {builds}); "
-                "fix the name or drop it"
+                f"{at}: evaluate.endpoints.{build}: not a build of this run (builds: {builds}); fix the name or drop it"
             )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import Field
 
 from quantgate.errors import QuantgateError
-from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, read_yaml
+from quantgate.params import PARAMS_FILE, Frozen, load_block, read_yaml, where
 
 # Characters per token of the estimate. SmolLM2's tokenizer (the builtin model) reads the shipped sets' rendered
 # prompts at 2.7 (billing: arithmetic, a digit a token), 4.1 (search) and 4.7 (support) characters per token
@@ -199,8 +199,8 @@ def check_budget_teams(params: ValidateParams, teams: list[str], path: Path = PA
     that team on the default budget."""
     for team in params.teams:
         if team not in teams:
-            line = key_lines(path).get(("validate", "teams", team)) if path.is_file() else None
+            at = where(path, f"validate.teams.{team}")
             raise QuantgateError(
-                f"{path}:{line}: validate.teams.{team}: not a team under evals/ (teams: {', '.join(teams)}); "
+                f"{at}: validate.teams.{team}: not a team under evals/ (teams: {', '.join(teams)}); "
                 "fix the name or drop it"
             )
