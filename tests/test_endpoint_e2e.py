@@ -44,13 +44,15 @@ def deployment(project, tmp_path_factory):
         (root / "models" / build).symlink_to(project / "models" / build)
     digest = json.loads((root / "models/fp16/build.json").read_text())["weights_digest"]
     name = served_name("fp16", digest)
-    ipc = tempfile.mkdtemp(prefix="qg-ipc-")  # vLLM's ZMQ sockets (short: a socket path has 108 bytes at most)
+    # vLLM's ZMQ sockets and torch.distributed file store, removed after (short: a socket path has 108 bytes at most)
+    ipc = tempfile.mkdtemp(prefix="qg-ipc-")
     env = dict(
         project_env(),
         VLLM_CPU_KVCACHE_SPACE="1",
         HF_HUB_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         VLLM_RPC_BASE_PATH=ipc,
+        TMPDIR=ipc,
     )
     log = open(root / "deployment.log", "w")  # open for the server's life
     proc = subprocess.Popen(
