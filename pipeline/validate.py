@@ -86,7 +86,13 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
         at = where(path, f"quantize.{stray[0]}.recipe")
         raise QuantgateError(
             f"{at}: quantize.{stray[0]}.recipe is {SEARCH_RECIPE}, which the search writes for search.build "
-            f"({p.build}) only; set search.build: {stray[0]} or give quantize.{stray[0]} its own recipe"
+            f"({p.build}) only; "
+            + (  # search.build's own block reads it too: switching search.build alone moves the clash there
+                f"give quantize.{stray[0]} its own recipe (to search for {stray[0]} instead, also give "
+                f"quantize.{p.build} its own and set search.build: {stray[0]})"
+                if p.build in readers
+                else f"set search.build: {stray[0]} or give quantize.{stray[0]} its own recipe"
+            )
         )
     if p.build in builds and p.build not in readers:
         at = where(path, f"quantize.{p.build}.recipe")

@@ -62,7 +62,8 @@ def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):
     one_line_error(
         lambda: check_search(BUILDS, path),
         r"params.yaml:\d+: quantize.int8.recipe is results/search/recipe.yaml, which the search writes for "
-        r"search.build \(int4-mixed\) only",
+        r"search.build \(int4-mixed\) only; give quantize.int8 its own recipe \(to search for int8 instead, also "
+        r"give quantize.int4-mixed its own and set search.build: int8\)$",
     )
 
     def mixed_spelled_so(doc):
