@@ -161,6 +161,25 @@ def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path:
         )
 
 
+def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError when calibrate.samples asks for more conversations than can exist: the teams' own
+    (`own`) plus every line of the recorded set (<calibrate.recorded>.jsonl). An upper bound: the calibrate stage
+    also leaves out recorded answers that quote an eval document or are short, and refuses then."""
+    calibrate = read_yaml(path).get("calibrate")
+    if not isinstance(calibrate, dict) or not isinstance(calibrate.get("samples"), int):
+        return  # the calibrate stage names its own block's errors
+    recorded = Path(str(calibrate.get("recorded", "recipes/calibration/recorded")) + ".jsonl")
+    if not recorded.is_file():
+        return  # the calibrate stage says how to record it
+    lines = sum(1 for line in recorded.read_text(errors="replace").splitlines() if line.strip())
+    if (n := calibrate["samples"]) > own + lines:
+        raise QuantgateError(
+            f"{where(path, 'calibrate.samples')}: calibrate.samples {n} asks for more calibration conversations than "
+            f"there are: {own} of the teams' own and {lines} recorded in {recorded}; lower it to {own + lines} or "
+            "fewer, or record more with `make calibration`"
+        )
+
+
 def check_doc_budget(search: SearchParams, teams: list[Team], builds: list[str], path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError when the search runs (search.build in `builds`) and search.doc_budget cannot pay for
     one look at every team: search.looks[0] documents per task (fewer where a task has fewer, after its team's
@@ -194,6 +213,7 @@ def main() -> None:
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))
     loaded = load_teams(evals_dir, budgets=budgets)
     own = team_conversations(loaded)
+    check_calibration_supply(len(own))
     check_doc_budget(search, loaded, builds)
     teams = summary(loaded, budgets)
     write_teams(out_json, teams)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.validate import check_doc_budget, check_quantize, check_samples, check_search
+from pipeline.validate import check_calibration_supply, check_doc_budget, check_quantize, check_samples, check_search
 from quantgate.errors import QuantgateError
 from quantgate.params import load_builds, read_yaml
 from quantgate.teams import load_teams
@@ -215,3 +215,16 @@ def test_each_refusal_names_the_line_of_its_key(params):
     assert one_line_error(lambda: check_quantize(BUILDS, path), "no such file").startswith(
         f"{path}:{line}: quantize.int8.recipe recipes/nope.yaml: no such file"
     )
+
+
+def test_calibrate_samples_above_every_conversation_there_is_is_refused(params):
+    recorded = sum(1 for line in (REPO / "recipes/calibration/recorded.jsonl").read_text().splitlines() if line)
+    path = params(lambda doc: doc["calibrate"].update(samples=recorded + 24 + 1))
+    message = one_line_error(lambda: check_calibration_supply(24, path), "record more")
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip().startswith("samples:"))
+    assert message.startswith(
+        f"{path}:{line}: calibrate.samples {recorded + 25} asks for more calibration conversations than there are: "
+        f"24 of the teams' own and {recorded} recorded in recipes/calibration/recorded.jsonl; lower it to "
+        f"{recorded + 24} or fewer, or record more with `make calibration`"
+    )
+    check_calibration_supply(24, params(lambda doc: doc["calibrate"].update(samples=recorded + 24)))  # the bound
