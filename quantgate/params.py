@@ -88,9 +88,13 @@ def where(path: Path, dotted: str) -> str:
     nearest key above it that is written there (a missing key: the block it belongs in); "path" alone when
     none is, or the file cannot be read."""
     keys = tuple(int(k) if k.isdigit() else k for k in dotted.split("."))
-    lines = key_lines(path) if Path(path).is_file() else {}
-    line = next((lines[keys[:i]] for i in range(len(keys), 0, -1) if keys[:i] in lines), None)
+    line = line_of(key_lines(path) if Path(path).is_file() else {}, keys)
     return f"{path}:{line}" if line else str(path)
+
+
+def line_of(lines: dict[tuple, int], keys: tuple) -> int | None:
+    """The line of key path `keys` in `lines` (key_lines), or of its nearest enclosing key there; None if none is."""
+    return next((lines[keys[:i]] for i in range(len(keys), 0, -1) if keys[:i] in lines), None)
 
 
 def key_lines(path: Path) -> dict[tuple, int]:
@@ -138,7 +142,7 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
         problems = []
         for e in exc.errors():
             loc = at + tuple(str(p) if not isinstance(p, int) else p for p in e["loc"])
-            line = next((lines[loc[:i]] for i in range(len(loc), 0, -1) if loc[:i] in lines), None)
+            line = line_of(lines, loc)
             place = f"{where}:{line}" if line else where
             field = ".".join(str(p) for p in loc)
             nested = _model_at(model, e["loc"]) if e["type"] in ("model_type", "dict_type") else None
