@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from quantgate.budget import Budget, Cost, DocCost, ValidateParams, doc_costs, estimate, largest_limit, over
+from quantgate.budget import Cost, DocCost, ValidateParams, doc_costs, estimate, largest_limit, over
 from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
 from quantgate.errors import QuantgateError
 from quantgate.fewshot import check_examples, scored_split
@@ -197,17 +195,14 @@ TEAM_NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")  # also an MLflow tag key part
 
 
 def inspect_team(
-    path: Path,
-    taken: dict[str, Path] | None = None,
-    budget: Budget | None = None,
-    budget_key: Callable[[str], str] | None = None,
+    path: Path, taken: dict[str, Path] | None = None, budgets: ValidateParams | None = None
 ) -> tuple[Team | None, list[str]]:
     """Load one team folder and collect every problem; the Team is None if it cannot be built.
 
     `taken`: task names other teams' folders declare, {name: task file} (declared_tasks); a task of this team
-    with one of them is a problem, as is a name two of its own task files give. `budget`: what the set may
-    cost per build (quantgate/budget.py); None checks no budget. `budget_key`: the params.yaml key that set
-    each of its counts (ValidateParams.source), named when the set is over it.
+    with one of them is a problem, as is a name two of its own task files give. `budgets`: what the sets may
+    cost per build (quantgate/budget.py: this team's, and the params.yaml key that set it); None checks no
+    budget.
     """
     policy_path = path / POLICY_FILE
     problems: list[str] = []
@@ -253,7 +248,7 @@ def inspect_team(
         digest=digest_tree(path),
         scores_digest=scores_digest(path, tasks),
     )
-    if budget is not None and (found := _over_budget(team, budget, budget_key or shared_budget_key)):
+    if budgets is not None and (found := _over_budget(team, budgets)):
         return None, found
     return team, []
 
@@ -294,12 +289,12 @@ def _name_clashes(tasks: list[Task], taken: dict[str, Path]) -> list[str]:
     return problems
 
 
-def _over_budget(team: Team, budget: Budget, budget_key: Callable[[str], str]) -> list[str]:
-    """One line per count of the team's cost over `budget`, naming its data files, the count, the budget and
-    the params.yaml key that set it (`budget_key`), and what to do: the largest `limit:` that fits where that
+def _over_budget(team: Team, budgets: ValidateParams) -> list[str]:
+    """One line per count of the team's cost over its budget, naming its data files, the count, the budget and
+    the params.yaml key that set it (ValidateParams.source), and what to do: the largest `limit:` that fits where that
     still leaves a set that can PASS (min_docs), else what else to change (max_gen_toks, the prompts) or
     whom to ask."""
-    cost = team.cost
+    cost, budget = team.cost, budgets.for_team(team.name)
     excess = over(cost, budget)
     if not excess:
         return []
@@ -310,7 +305,7 @@ def _over_budget(team: Team, budget: Budget, budget_key: Callable[[str], str]) -
     kept = sum(min(fits, t.n_docs) for t in team.tasks) if fits else 0
     lines = []
     for what, count, most in excess:
-        key = budget_key(what)
+        key = budgets.source(team.name, what)
         ask = (
             "to raise it"
             if key.startswith("validate.teams.")
@@ -342,11 +337,6 @@ def shown(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
-
-
-def shared_budget_key(what: str) -> str:
-    """validate.budget.<field>: the key of the budget every team shares, for `what` (a count, as `over` names it)."""
-    return ValidateParams().source("", what)
 
 
 def scores_digest(path: Path, tasks: list[Task]) -> str:
@@ -417,9 +407,7 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
     declared = {folder: declared_tasks(folder) for folder in folders}
     for folder in folders if only is None else [root / only]:
         taken = {name: file for other, found in declared.items() if other != folder for name, file in found}
-        budget = budgets.for_team(folder.name) if budgets is not None else None
-        keys = partial(budgets.source, folder.name) if budgets is not None else shared_budget_key
-        team, problems = inspect_team(folder, taken, budget, keys)
+        team, problems = inspect_team(folder, taken, budgets)
         if team is None:
             errors.append(_listing(folder.name, problems))
         else:
