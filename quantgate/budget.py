@@ -178,15 +178,21 @@ def load_budgets(path: Path = PARAMS_FILE, required: bool = True) -> ValidatePar
     """params.yaml `validate` as ValidateParams. With required=False (a team checking its folder outside the
     project folder, or with an older params.yaml) a missing file or block gives the defaults. Raises
     QuantgateError (file:line) on a wrong field."""
-    if not required and (not path.is_file() or "validate" not in (read_yaml(path) or {})):
+    if not required and not has_validate_block(path):
         return ValidateParams()
     return load_block("validate", ValidateParams, path)
+
+
+def has_validate_block(path: Path) -> bool:
+    """Whether `path` is a params file with a `validate` block (load_budgets(required=False) else gives the
+    defaults)."""
+    return path.is_file() and "validate" in (read_yaml(path) or {})
 
 
 def budget_source(path: Path = PARAMS_FILE) -> str:
     """Which budget `load_budgets(path, required=False)` read, for the user: a team checking its folder outside
     the project folder gets the defaults, which `dvc repro` may not use."""
-    if path.is_file() and "validate" in (read_yaml(path) or {}):
+    if has_validate_block(path):
         return f"{path.resolve()} `validate` (validate.budget, validate.teams)"
     return (
         f"the defaults (no {path.name} with a `validate` block in {Path.cwd()}); run this in the project folder "
