@@ -89,19 +89,18 @@ def test_a_server_killed_while_scoring_a_team_fails_its_build_with_that_reason(p
         stderr=subprocess.STDOUT,
         text=True,
     )
-    said, killed = [], {}
+    said, killed, watcher = [], {}, None
     for line in proc.stdout:
         said.append(line)
         if ready := re.search(r"vLLM server ready at (http://\S+)/v1", line):
-            threading.Thread(
+            watcher = threading.Thread(
                 target=kill_worker_once_scoring, args=(proc.pid, ready.group(1), killed), daemon=True
-            ).start()
+            )
+            watcher.start()
     assert proc.wait(timeout=600) == 0, "".join(said)[-3000:]
     said = "".join(said)
-    for _ in range(100):  # the watcher notices the stage's end within 0.05 s
-        if killed:
-            break
-        time.sleep(0.1)
+    if watcher is not None:
+        watcher.join(timeout=10)  # it notices the stage's end within 0.05 s
     assert "at" in killed, f"{killed.get('missed')}\n{said[-3000:]}"
 
     # the stage: every team an error whose reason is the death, the first team's scoring cut short
