@@ -147,6 +147,8 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
             f"quantize.{build}: {recipe_path} uses {', '.join(needs)}, which needs calibration data; add "
             "calibration: {samples: 256, seq_len: 512} to the block"
         )
+    if p.w4a8:
+        check_w4a16(build, recipe_path, recipe)
     if (layerwise := needs_sequential(recipe)) and p.calibration and p.calibration.pipeline != "sequential":
         raise QuantgateError(
             f"{recipe_path} (quantize.{build}.recipe): "
@@ -165,7 +167,7 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
         )
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(twin, out, ignore=shutil.ignore_patterns(MANIFEST))
-        return save_manifest(build, out, base, record, p.kv_cache_dtype)
+        return save_manifest(build, out, base, record, p)
     dtype = getattr(torch, base["dtype"])  # the 16-bit build's dtype, which the saved build keeps
     # calibrate in float32 where 16-bit arithmetic is emulated; the build is cast back before it is saved
     work_dtype = dtype if native_16bit() else torch.float32
@@ -203,19 +205,39 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
     model.to(dtype)  # floating-point tensors only: integer zero points and packed weights keep their type
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
-    return save_manifest(build, out, base, record, p.kv_cache_dtype)
+    return save_manifest(build, out, base, record, p)
 
 
-def save_manifest(build: str, out: Path, base: dict, record: dict, kv_cache_dtype: str) -> dict:
+def check_w4a16(build: str, recipe_path: Path, recipe) -> None:
+    """Raise QuantgateError unless every config group of `recipe` is W4A16 (4-bit integer weights, no
+    activation quantization): the only weights vLLM CPU serves as W4A8 (quantize.<build>.w4a8)."""
+    schemes = [s for s, _ in weight_schemes(recipe)]
+    bad = [
+        s
+        for s in schemes
+        if s.input_activations is not None or s.weights is None or (s.weights.num_bits, s.weights.type) != (4, "int")
+    ]
+    if bad or not schemes:
+        raise QuantgateError(
+            f"quantize.{build}.w4a8: true needs a W4A16 recipe (4-bit integer weights, 16-bit activations), and "
+            f"{recipe_path} {'quantizes nothing' if not schemes else 'has another scheme'}; give the block a W4A16 "
+            "recipe such as recipes/int4.yaml, or drop w4a8"
+        )
+
+
+def save_manifest(build: str, out: Path, base: dict, record: dict, p: QuantizeParams) -> dict:
     """Write build.json of the build in `out` (scheme read from its config.json, lineage from the 16-bit
-    build's manifest `base` and the recipe `record`) and return it. A kv_cache_dtype other than "auto" is
-    recorded there, so that every vLLM server of the build uses it."""
-    config = json.loads((out / "config.json").read_text())
+    build's manifest `base` and the recipe `record`) and return it. How every vLLM server of the build runs
+    it is recorded there too: p.kv_cache_dtype when not "auto", and w4a8: true when p.w4a8 (its scheme is then
+    W4A8, what vLLM serves, though config.json holds W4A16 weights)."""
+    scheme = "W4A8" if p.w4a8 else scheme_label(json.loads((out / "config.json").read_text()))  # what is served
     manifest = write_manifest(
-        out, build=build, scheme=scheme_label(config), dtype=base["dtype"], base_model=base["base_model"], recipe=record
+        out, build=build, scheme=scheme, dtype=base["dtype"], base_model=base["base_model"], recipe=record
     )
-    if kv_cache_dtype != "auto":
-        manifest["kv_cache_dtype"] = kv_cache_dtype
+    settings = {"kv_cache_dtype": p.kv_cache_dtype} if p.kv_cache_dtype != "auto" else {}
+    settings |= {"w4a8": True} if p.w4a8 else {}
+    if settings:
+        manifest |= settings
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 

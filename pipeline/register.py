@@ -66,8 +66,6 @@ def tags_of(
         **tags.gate_tags(build_gate, teams),
         tags.MODEL: model_name,
     }
-    if "kv_cache_dtype" in manifest:  # how every server of this build holds its KV cache
-        build_tags["kv_cache_dtype"] = manifest["kv_cache_dtype"]
     if (record := eval_dir / build / PRECISION).is_file():  # the activation dtype the gate judged it at
         build_tags[tags.EVAL_DTYPE] = json.loads(record.read_text())["dtype"]
     gate_evidence = {t: c.dump() for t, c in build_gate.teams.items()} if build_gate else {"baseline": build}

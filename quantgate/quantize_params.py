@@ -20,3 +20,6 @@ class QuantizeParams(Frozen):
 
     _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
     kv_cache_dtype: KvCacheDtype = "auto"  # vLLM --kv-cache-dtype every server of this build uses (build.json)
+    # serve the W4A16 weights with int8 activations (vLLM CPU's W4A8 path on AMX, VLLM_CPU_INT4_W4A8=1), recorded
+    # in build.json so every server of the build does; refused where vLLM would serve W4A16 (quantgate.precision)
+    w4a8: bool = False

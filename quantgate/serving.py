@@ -37,6 +37,7 @@ from quantgate.precision import (
     GIB,
     KV_CACHE_DTYPES,
     NEEDS_16BIT,
+    W4A8_ENV,
     Dtype,
     exit_words,
     is_fp8,
@@ -47,6 +48,7 @@ from quantgate.precision import (
     resolve_eager,
     resolve_kv_cache_gib,
     slowdown_problem,
+    w4a8_problem,
     w4a16_problem,
 )
 from quantgate.scratch import scratch_dir
@@ -289,14 +291,20 @@ def runtime_record(params: ServeParams, model_dir: Path) -> dict:
     }
 
 
+def build_setting(model_dir: Path, key: str, default):
+    """`key` of model_dir/build.json, where the quantize stage records how every server of the build runs it
+    (kv_cache_dtype, w4a8); `default` where it is not set or there is no readable build.json."""
+    try:
+        return json.loads((Path(model_dir) / "build.json").read_text()).get(key, default)
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
 def kv_cache_dtype(model_dir: Path) -> str:
     """The build's vLLM --kv-cache-dtype: `kv_cache_dtype` of model_dir/build.json (the quantize stage
     records quantize.<build>.kv_cache_dtype there when it is not auto), else "auto" (also for a
     directory without build.json). Raises ServerStartError for a value vLLM does not take here."""
-    try:
-        value = json.loads((Path(model_dir) / "build.json").read_text()).get("kv_cache_dtype", "auto")
-    except (OSError, ValueError, AttributeError):
-        return "auto"
+    value = build_setting(model_dir, "kv_cache_dtype", "auto")
     if value not in KV_CACHE_DTYPES:
         raise ServerStartError(
             f"{model_dir}/build.json: kv_cache_dtype {value!r} is not one of {', '.join(KV_CACHE_DTYPES)}"
@@ -304,12 +312,23 @@ def kv_cache_dtype(model_dir: Path) -> str:
     return value
 
 
+def serves_w4a8(model_dir: Path) -> bool:
+    """True if the build is served as W4A8: `w4a8: true` in model_dir/build.json (quantize.<build>.w4a8),
+    which makes vLLM CPU run its W4A16 weights with int8 activations on AMX (W4A8_ENV=1 for its servers).
+    Raises ServerStartError for a value that is not a boolean."""
+    value = build_setting(model_dir, "w4a8", False)
+    if not isinstance(value, bool):
+        raise ServerStartError(f"{model_dir}/build.json: w4a8 {value!r} is not true or false")
+    return value
+
+
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
     """Fail in seconds, not after a server start, for a build this serving env cannot run: a W4A16
-    build at `params.dtype` (resolved), a KV-cache dtype the processor lacks, or a build served only through
-    emulation too slow to score (params.max_slowdown). Raises
-    ServerStartError with the reason that holds here (quantgate.precision.w4a16_problem,
-    kv_cache_problem); `requested` is evaluate.serve.dtype as written."""
+    build at `params.dtype` (resolved), a build served as W4A8 where vLLM would not take that path, a
+    KV-cache dtype the processor lacks, or a build served only through emulation too slow to score
+    (params.max_slowdown). Raises ServerStartError with the reason that holds here
+    (quantgate.precision.w4a16_problem, w4a8_problem, kv_cache_problem); `requested` is
+    evaluate.serve.dtype as written."""
     if (kv := kv_cache_dtype(model_dir)) != "auto":
         try:
             problem = kv_cache_problem(probe(params.python), kv)
@@ -329,13 +348,18 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         )
     if not is_w4a16(model_dir):
         return
+    w4a8 = serves_w4a8(model_dir)
     try:
-        problem = w4a16_problem(probe(params.python), params.dtype, requested or params.dtype)
+        if w4a8:
+            problem = w4a8_problem(probe(params.python), params.dtype)
+        else:
+            problem = w4a16_problem(probe(params.python), params.dtype, requested or params.dtype)
     except QuantgateError as exc:
         raise ServerStartError(str(exc)) from None
     if problem:
         raise ServerStartError(
-            f"vLLM cannot serve the W4A16 build {model_dir} here: {problem} (checked before starting a server)"
+            f"vLLM cannot serve the {'W4A8' if w4a8 else 'W4A16'} build {model_dir} here: {problem} "
+            "(checked before starting a server)"
         )
 
 
@@ -452,10 +476,10 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     except QuantgateError as exc:
         raise ServerStartError(str(exc)) from None
     port = params.port or free_port(params.host)
-    # VLLM_CPU_INT4_W4A8=0: on AMX machines at bf16 vLLM would run a W4A16 build as W4A8
+    # W4A8_ENV=0 but for a build served as W4A8: on AMX at bf16 vLLM would run every W4A16 build as W4A8
     env = dict(
         os.environ,
-        VLLM_CPU_INT4_W4A8="0",
+        **{W4A8_ENV: "1" if serves_w4a8(model_dir) else "0"},
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
         HF_HUB_OFFLINE="1",

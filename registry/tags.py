@@ -3,7 +3,8 @@ register stage write or read, and the builders of a version's lineage and gate t
 
 Tags on every model version (searchable in the UI and with `search_model_versions`):
   build, scheme, dtype, weights_sha256 (one digest over all weight files),
-  weights_sha256.<file>, base_model.id, base_model.sha256, recipe, git_commit, dvc_lock_sha256,
+  weights_sha256.<file>, base_model.id, base_model.sha256, recipe, kv_cache_dtype and w4a8 (where the build
+  sets them: how every server of it runs it), git_commit, dvc_lock_sha256,
   params_sha256, version.<library> for the pipeline stack, version.serving.<library>,
   gate.verdict, gate.<team>.{verdict,metric,delta,ci,recovery_pct,reason,team_sha256},
   eval.dtype, evidence_sha256, recommended ("yes" | "no" | "baseline") and recommendation (why),
@@ -60,6 +61,7 @@ BUYS_FIELDS = (
     "tpot_ms_p50",
 )
 
+SERVING_SETTINGS = ("kv_cache_dtype", "w4a8")  # build.json fields every server of a build uses, tagged as such
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
 
 
@@ -102,6 +104,8 @@ def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
         "params_sha256": sha256_file(PARAMS_FILE),
     }
     tags.update({f"{WEIGHTS}.{name}": digest for name, digest in manifest["weights"].items()})
+    # how every server of the build runs it (build.json, quantize.<build>): its KV cache dtype, W4A8
+    tags.update({key: str(manifest[key]).lower() for key in SERVING_SETTINGS if manifest.get(key)})
     if Path("dvc.lock").is_file():
         tags["dvc_lock_sha256"] = sha256_file(Path("dvc.lock"))
     for lib in PIPELINE_LIBS:

@@ -172,6 +172,13 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
     again = stage.measured("int4-mixed", twin, serve, params)
     assert runs == ["fp16"] and first.measured_as is None
     assert (again.build, again.measured_as, again.loads) == ("int4-mixed", "fp16", first.loads)
+    # the same weights served as W4A8 (quantize.<build>.w4a8) run another kernel: measured anew
+    manifest = json.loads((twin / "build.json").read_text())
+    (twin / "build.json").write_text(json.dumps(manifest | {"w4a8": True}))
+    assert stage.cache_key(twin, serve, params) != stage.cache_key(build_dir, serve, params)
+    stage.measured("int4-w4a8", twin, serve, params)
+    assert runs == ["fp16", "int4-w4a8"]
+    runs.pop()
     # another load, other serving settings or other weights: measured anew
     stage.measured("fp16", build_dir, serve, params.model_copy(update={"output_len": 8}))
     stage.measured("fp16", build_dir, ServeParams(kv_cache_gib=4, extra_args=["--max-num-seqs", "8"]), params)

