@@ -20,6 +20,7 @@ from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.quantize_params import QuantizeParams
+from quantgate.recipes import declared_schemes
 from quantgate.results import TeamSummary, write_teams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
@@ -128,16 +129,27 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
     return p
 
 
+W4A16_SCHEMES = ("W4A16", "W4A16_ASYM")  # llm-compressor's presets, and config groups read as W4A16
+
+
 def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, QuantizeParams]:
     """{build: its quantize block} for every quantized build, each read as the quantize stage reads it
-    (QuantizeParams: every key), its recipe an existing file (but the search's, which the search writes).
+    (QuantizeParams: every key), its recipe an existing file (but the search's, which the search writes), and
+    W4A16 where the block sets w4a8 (as far as the YAML declares its schemes: recipes.declared_schemes).
     Raises QuantgateError naming `path`, the line and the key."""
     blocks = {b: load_block(f"quantize.{b}", QuantizeParams, path) for b in builds if b != BASELINE_BUILD}
     for b, q in blocks.items():
-        if not same_path(q.recipe, SEARCH_RECIPE) and not Path(q.recipe).is_file():
+        if same_path(q.recipe, SEARCH_RECIPE):
+            continue
+        if not Path(q.recipe).is_file():
             at = where(path, f"quantize.{b}.recipe")
             raise QuantgateError(
                 f"{at}: quantize.{b}.recipe {q.recipe}: no such file; add the recipe under recipes/ or fix the path"
+            )
+        if q.w4a8 and (other := [s for s in declared_schemes(Path(q.recipe)) if s not in W4A16_SCHEMES]):
+            raise QuantgateError(
+                f"{where(path, f'quantize.{b}.w4a8')}: quantize.{b}.w4a8: true serves W4A16 weights as W4A8, and "
+                f"{q.recipe} makes {other[0]}; give the block a W4A16 recipe such as recipes/int4.yaml, or drop w4a8"
             )
     return blocks
 

@@ -49,6 +49,33 @@ def load_recipe(build: str, path: Path, field: str | None = None):
     return recipe
 
 
+def declared_schemes(path: Path) -> list[str]:
+    """The schemes a recipe YAML declares, read as YAML (no llm-compressor import, so validate can ask): each
+    modifier's `scheme` preset name (a string, or the keys of a {preset: targets} mapping), and "W<bits>A<bits>"
+    for each of its `config_groups` (weights' num_bits, input_activations' or 16; "FP" for float weights).
+    Empty when it declares none that this reading knows; the quantize stage's parse then decides."""
+    found: list[str] = []
+
+    def walk(node) -> None:
+        if not isinstance(node, dict):
+            return
+        scheme = node.get("scheme")
+        if isinstance(scheme, str):
+            found.append(scheme)
+        elif isinstance(scheme, dict):
+            found.extend(str(k) for k in scheme)
+        for group in (node.get("config_groups") or {}).values() if isinstance(node.get("config_groups"), dict) else ():
+            if isinstance(group, dict) and isinstance(group.get("weights"), dict):
+                w, a = group["weights"], group.get("input_activations")
+                kind = "FP" if w.get("type") == "float" else "W"
+                found.append(f"{kind}{w.get('num_bits')}A{a.get('num_bits') if isinstance(a, dict) else 16}")
+        for value in node.values():
+            walk(value)
+
+    walk(read_yaml(path))
+    return found
+
+
 def needs_data(recipe) -> list[str]:
     """Names of the recipe's modifiers that need calibration data (llm-compressor's requires_calibration_data)."""
     return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]

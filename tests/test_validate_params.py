@@ -228,3 +228,33 @@ def test_calibrate_samples_above_every_conversation_there_is_is_refused(params):
         f"{recorded + 24} or fewer, or record more with `make calibration`"
     )
     check_calibration_supply(24, params(lambda doc: doc["calibrate"].update(samples=recorded + 24)))  # the bound
+
+
+@pytest.mark.parametrize("recipe, scheme", [("recipes/int8.yaml", "W8A8"), ("recipes/fp8.yaml", "FP8_DYNAMIC")])
+def test_w4a8_on_a_recipe_that_is_not_w4a16_is_refused_at_its_line(params, recipe, scheme):
+    def change(doc):
+        doc["builds"].append("x-w4a8")
+        doc["quantize"]["x-w4a8"] = {"recipe": recipe, "w4a8": True}
+
+    path = params(change)
+    message = one_line_error(
+        lambda: check_quantize(BUILDS + ["x-w4a8"], path),
+        rf"quantize.x-w4a8.w4a8: true serves W4A16 weights as W4A8, and {recipe} makes {scheme}; give the block",
+    )
+    assert re.match(rf"{re.escape(str(path))}:(\d+): ", message).group(1) == str(
+        next(i for i, line in enumerate(path.read_text().splitlines(), 1) if "w4a8: true" in line)
+    )
+
+
+def test_int4s_recipe_served_as_w4a8_passes_and_the_schemes_are_read_from_the_yaml(params):
+    def change(doc):
+        doc["builds"].append("int4-w4a8")
+        doc["quantize"]["int4-w4a8"] = dict(doc["quantize"]["int4"], w4a8=True)
+
+    path = params(change)
+    blocks = check_quantize(BUILDS + ["int4-w4a8"], path)
+    assert blocks["int4-w4a8"].w4a8 and not blocks["int4"].w4a8
+    from quantgate.recipes import declared_schemes
+
+    assert declared_schemes(Path("recipes/int4.yaml")) == ["W4A16"]
+    assert declared_schemes(Path("recipes/int8.yaml")) == ["W8A8"]
