@@ -485,7 +485,7 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
     if not platform.is_cpu:
         return f"W4A8 is vLLM CPU's AMX path ({W4A8_ENV}); on a GPU ({platform.device}) {elsewhere}"
     if not platform.isa.get("amx"):
-        return f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs; this is a {platform.kind} CPU and {elsewhere}"
+        return f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs, and this CPU is {platform.kind}: {elsewhere}"
     if dtype != "bfloat16":
         return (
             f"vLLM CPU's W4A8 path takes bfloat16 activations only and evaluate.serve.dtype resolves to {dtype}; "

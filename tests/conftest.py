@@ -182,6 +182,34 @@ def project(tmp_path_factory):
     return root
 
 
+LOCAL = {"models", ".dvc", ".quantgate", "mlflow.db", "mlartifacts"}  # not copied by light_copy
+
+
+def light_copy(project: Path, dst: Path, drop_eval: str | None = None, link_each_model: bool = False) -> Path:
+    """`project` (an e2e project) at `dst` without its DVC cache, eval cache and registry, its models linked:
+    models/ itself, or with `link_each_model` a folder of links, one per build (a stage may then write a new
+    build there, not in the shared project); results/eval/<drop_eval> removed when given."""
+    dst.mkdir()
+    for item in project.iterdir():
+        if item.name == "models" and link_each_model:
+            (dst / "models").mkdir()
+            for build in item.iterdir():
+                (dst / "models" / build.name).symlink_to(build.resolve())
+        elif item.name == "models":
+            (dst / item.name).symlink_to(item)
+        elif item.name in LOCAL:
+            continue
+        elif item.is_symlink():
+            (dst / item.name).symlink_to(os.readlink(item))
+        elif item.is_dir():
+            shutil.copytree(item, dst / item.name, symlinks=True)
+        else:
+            shutil.copy2(item, dst / item.name)
+    if drop_eval:
+        shutil.rmtree(dst / "results/eval" / drop_eval)
+    return dst
+
+
 def approved_version(client, model: str, build: str, entry: dict, n_docs: int) -> str:
     """The model version of `build` (its results/registry.json `entry`) in an e2e project's registry,
     approved: a build whose gate did not PASS on the CI-sized sets (`n_docs` documents) is a run

@@ -9,42 +9,21 @@ of it the server start. The same with a stand-in server process, in seconds: tes
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
 from benchmarks.common import project_env
-from tests.conftest import run
+from tests.conftest import light_copy, run
 
 pytestmark = pytest.mark.e2e
 BUILD = "int8"  # vLLM serves W8A8 with oneDNN on every CPU kind (FP8 and W4A16 it may refuse before a start)
-LOCAL = {"models", ".dvc", ".quantgate", "mlflow.db", "mlartifacts"}  # not copied (the models are linked)
-
-
-def light_copy(project: Path, dst: Path) -> Path:
-    """`project` without its DVC cache, eval cache and registry, its models linked, BUILD's results removed."""
-    dst.mkdir()
-    for item in project.iterdir():
-        if item.name == "models":
-            (dst / item.name).symlink_to(item)
-        elif item.name in LOCAL:
-            continue
-        elif item.is_symlink():
-            (dst / item.name).symlink_to(os.readlink(item))
-        elif item.is_dir():
-            shutil.copytree(item, dst / item.name, symlinks=True)
-        else:
-            shutil.copy2(item, dst / item.name)
-    shutil.rmtree(dst / "results/eval" / BUILD)
-    return dst
 
 
 def kill_worker_once_scoring(stage_pid: int, base: str, killed: dict) -> None:
@@ -79,7 +58,7 @@ def test_a_server_killed_while_scoring_a_team_fails_its_build_with_that_reason(p
     from quantgate.results import read_gate, read_teams
     from registry import store
 
-    work = light_copy(project, tmp_path / "p")
+    work = light_copy(project, tmp_path / "p", drop_eval=BUILD)
     out = f"results/eval/{BUILD}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipeline.evaluate", BUILD, f"models/{BUILD}", "evals", out],

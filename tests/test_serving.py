@@ -128,8 +128,10 @@ def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_
     # everywhere else vLLM would serve the same weights as W4A16: refused, naming the machine kind
     for platform in (AVX2, AVX512_BF16, AVX512_NO_BF16):
         got = precision.w4a8_problem(platform, "bfloat16")
-        assert got.startswith("vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs; this is a ")
-        assert f"this is a {platform.kind} CPU" in got and "what is gated would not be what is served" in got
+        assert got.startswith(
+            f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs, and this CPU is {platform.kind}: "
+        )
+        assert got.endswith("vLLM would serve its weights as W4A16 there, so what is gated would not be what is served")
     assert "on a GPU (NVIDIA H200)" in precision.w4a8_problem(GPU, "bfloat16")
     assert "takes bfloat16 activations only and evaluate.serve.dtype resolves to float32" in (
         precision.w4a8_problem(AMX, "float32")
