@@ -271,14 +271,10 @@ def from_cache(
     """Copy every team already scored for this build and serving record from CACHE_DIR into OUT_DIR/<team>/.
 
     Returns ({team: its cached scores}, [(team, cache key) still to score]); appends the cached teams'
-    names to `timing["cached"]`. The key (cache_key) includes the build's KV cache dtype when it is not
-    "auto", and w4a8 when it is served as W4A8: they change what the build computes.
+    names to `timing["cached"]`. The key (cache_key) includes the build's serving settings (its KV cache
+    dtype, W4A8) through `model_files` (quantgate.manifest.config_digest): they change what the build computes.
     """
     serve_config = serving.dump()
-    if (kv := manifest.get("kv_cache_dtype", "auto")) != "auto":
-        serve_config["kv_cache_dtype"] = kv
-    if manifest.get("w4a8"):  # the same weights served as W4A8 compute other scores
-        serve_config["w4a8"] = True
     docs, pending = {}, []
     for team in teams:
         key = cache_key(manifest["weights_digest"], team, harness, serve_config, model_files)

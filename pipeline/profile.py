@@ -50,7 +50,7 @@ from quantgate.params import Frozen, load_block
 from quantgate.precision import probe, probe_key
 from quantgate.remote import node_python, on_node, published, settle, submit
 from quantgate.results import BuildProfile, LoadPoint, Placement, read_profile, write_profile
-from quantgate.serving import ServeParams, kv_cache_dtype, resolved, serves_w4a8, vllm_server
+from quantgate.serving import ServeParams, kv_cache_dtype, resolved, vllm_server
 
 LOGS = Path("results/logs")
 CACHE_DIR = Path(".quantgate/cache/profile")
@@ -160,9 +160,10 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
 def cache_key(model_dir: Path, serve: ServeParams, params: ProfileParams) -> str | None:
     """Content key of one build's profile (sha256 hex), or None where it cannot be formed (no build.json,
     a serving env that cannot be probed): then the build is measured. In it is everything that changes the
-    figures: the weights and config/tokenizer files (quantgate.manifest), the KV cache dtype, W4A8 serving, the
-    serving settings as resolved here (precision, eager mode, KV space, cores, extra flags), the serving env and the
-    machine (quantgate.precision.probe_key: its packages, the CPU flags, the GPUs) and the load. Not the
+    figures: the weights and config/tokenizer files with the build's own serving settings (KV cache dtype, W4A8:
+    quantgate.manifest.config_digest), the serving settings as resolved here (precision, eager mode, KV space,
+    cores, extra flags), the serving env and the machine (quantgate.precision.probe_key: its packages, the CPU
+    flags, the GPUs) and the load. Not the
     build's name: two builds with the same weights (int4-mixed when its search keeps no layer 16-bit) are
     one measurement, as evaluate's cache makes them one scoring."""
     try:
@@ -173,7 +174,6 @@ def cache_key(model_dir: Path, serve: ServeParams, params: ProfileParams) -> str
                 "weights": weights,
                 "model_files": config_digest(model_dir),
                 "kv_cache_dtype": kv_cache_dtype(model_dir),
-                **({"w4a8": True} if serves_w4a8(model_dir) else {}),  # keys of builds served as W4A16 unchanged
                 "serve": served,
                 "platform": probe_key(serve.python),
                 "load": params.model_dump(mode="json", exclude={"timeout_s"}),

@@ -27,12 +27,32 @@ def weight_digests(model_dir: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in files}
 
 
+# build.json fields that say how every vLLM server of the build runs it (quantize.<build>: vLLM's
+# --kv-cache-dtype; w4a8: VLLM_CPU_INT4_W4A8=1), recorded only where set
+SERVING_SETTINGS = ("kv_cache_dtype", "w4a8")
+
+
+def serving_settings(model_dir: Path) -> dict:
+    """{field: value} of SERVING_SETTINGS that model_dir/build.json sets; {} where it sets none or cannot be read."""
+    try:
+        manifest = json.loads((model_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: manifest[k] for k in SERVING_SETTINGS if isinstance(manifest, dict) and k in manifest}
+
+
 def config_digest(model_dir: Path) -> str:
     """One sha256 over every file of `model_dir` besides the weights and build.json (config,
-    generation config, tokenizer, chat template, recipe): they change what a server computes
-    from the same weights, so the evaluation cache keys on them too."""
+    generation config, tokenizer, chat template, recipe) and the build's serving settings
+    (serving_settings): they change what a server computes from the same weights, so the evaluation
+    and profile caches and the store's address (quantgate/store.py) key on them too. Two builds with one
+    set of weights and no setting (int4 and int4-mixed when its search keeps no layer) get one digest; int4
+    and int4 served as W4A8 two. A build without settings gets the digest of its files alone, as before."""
     files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix != ".safetensors" and p.name != MANIFEST)
-    return digest_of({p.name: sha256_file(p) for p in files})
+    digests = {p.name: sha256_file(p) for p in files}
+    if settings := serving_settings(model_dir):
+        return digest_of({**digests, MANIFEST: digest_of({k: str(v) for k, v in sorted(settings.items())})})
+    return digest_of(digests)
 
 
 def write_manifest(model_dir: Path, *, build: str, scheme: str, dtype: str, base_model: dict, recipe: dict) -> dict:

@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from quantgate.hashing import sha256_file
+from quantgate.manifest import SERVING_SETTINGS
 from quantgate.params import PARAMS_FILE
 from quantgate.results import BuildCost, BuildGate, TeamSummary
 from quantgate.stats import BASELINE, Verdict
@@ -61,7 +62,6 @@ BUYS_FIELDS = (
     "tpot_ms_p50",
 )
 
-SERVING_SETTINGS = ("kv_cache_dtype", "w4a8")  # build.json fields every server of a build uses, tagged as such
 PIPELINE_LIBS = ["llmcompressor", "compressed-tensors", "lm_eval", "transformers", "torch", "mlflow", "dvc"]
 
 

@@ -152,17 +152,20 @@ def test_evaluate_stage_runs_without_registry_and_cloud_credentials(monkeypatch)
     assert not set(secrets) & set(seen) and all(seen[k] == v for k, v in kept.items())
 
 
-def test_the_same_weights_served_as_w4a8_are_another_cache_entry(example_evals, tmp_path, monkeypatch):
-    # int4-w4a8 is int4's weights served with int8 activations: its scores are its own, never int4's cached ones
-    from pipeline import evaluate
-    from quantgate.results import ServingRecord
+def test_the_same_weights_served_as_w4a8_are_another_cache_entry(example_evals, tmp_path):
+    # int4-w4a8 is int4's weights served with int8 activations: its scores are its own, never int4's cached ones;
+    # int4-mixed with int4's weights and no serving setting is int4's entry (quantgate.manifest.config_digest)
+    import json
 
-    seen = []
-    monkeypatch.setattr(evaluate, "CACHE_DIR", tmp_path / "cache")
-    monkeypatch.setattr(evaluate, "cache_key", lambda w, team, h, serve_config, m: seen.append(serve_config) or "k")
-    teams = [t for t in load_teams(example_evals) if t.name == "search"]
-    serving = ServingRecord(versions={"vllm": "0.32.0"}, dtype="bfloat16", max_model_len=2048, extra_args=[])
-    for manifest in ({"weights_digest": "w"}, {"weights_digest": "w", "w4a8": True}):
-        _, pending = evaluate.from_cache("b", teams, manifest, "m", serving, HarnessParams(), tmp_path, {"cached": []})
-        assert [t.name for t, _ in pending] == ["search"]
-    assert "w4a8" not in seen[0] and seen[1] == seen[0] | {"w4a8": True}
+    from pipeline.evaluate import cache_key
+    from quantgate.manifest import config_digest
+
+    team = next(t for t in load_teams(example_evals) if t.name == "search")
+    keys = {}
+    for name, settings in (("int4", {}), ("int4-mixed", {}), ("int4-w4a8", {"w4a8": True})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        (d / "build.json").write_text(json.dumps({"build": name, "weights_digest": "w" * 64, **settings}))
+        keys[name] = cache_key("w" * 64, team, HarnessParams(), {"dtype": "bfloat16"}, config_digest(d))
+    assert keys["int4-mixed"] == keys["int4"] != keys["int4-w4a8"]

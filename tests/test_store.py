@@ -54,6 +54,27 @@ def test_a_damaged_or_half_published_build_is_refused_and_a_damaged_cached_copy_
         fetch(str(store), where, cache)
 
 
+def test_the_same_weights_served_otherwise_are_another_address_and_each_node_gets_its_own_build_json(build, tmp_path):
+    # int4 and int4-w4a8 (quantize.<build>.w4a8), or fp8 and fp8-kv8: one set of weights, but a node that fetched
+    # int4's folder for int4-w4a8 would serve it as W4A16; a twin without settings (int4-mixed) shares int4's
+    import json
+
+    twins = {}
+    for name, settings in (("int8-mixed", {}), ("int8-w4a8", {"w4a8": True}), ("int8-kv8", {"kv_cache_dtype": "fp8"})):
+        twin = shutil.copytree(build, build.parent / name)
+        (twin / "build.json").write_text(json.dumps(read_manifest(build) | {"build": name, **settings}))
+        twins[name] = twin
+    store = str(tmp_path / "store")
+    where = {name: publish(d, store) for name, d in {"int8": build, **twins}.items()}
+    assert where["int8-mixed"] == where["int8"]
+    assert len({where["int8"], where["int8-w4a8"], where["int8-kv8"]}) == 3
+    assert len({w.split("/")[1] for w in where.values()}) == 1  # one weights digest
+    local = fetch(store, where["int8-w4a8"], tmp_path / "node-cache")
+    assert read_manifest(local)["w4a8"] is True and "w4a8" not in read_manifest(
+        fetch(store, where["int8"], tmp_path / "nc")
+    )
+
+
 def test_a_build_whose_weights_changed_after_it_was_made_is_not_published(build, tmp_path):
     (build / "model-00001-of-00002.safetensors").write_bytes(b"edited")
     with pytest.raises(QuantgateError, match="sha256 does not match build.json"):
