@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from quantgate.errors import QuantgateError
-from quantgate.params import Frozen
+from quantgate.params import Frozen, where
 
 SEARCH_RECIPE = "results/search/recipe.yaml"  # the search stage's out (dvc.yaml): search.build's recipe
 
@@ -84,13 +84,19 @@ def same_path(a: object, b: str) -> bool:
 
 
 def check_base(p: SearchParams, quantize: dict, path: Path) -> None:
-    """Raise QuantgateError (naming `path`'s search.base and quantize.<base>.recipe) unless search.base is
-    made with search.recipe, as read from `quantize` (params.yaml's quantize blocks, as written): the base's
-    profile prices the candidates as the recipe the search falls back from. Recipe paths compare as paths."""
+    """Raise QuantgateError (naming `path`'s line of search.base and quantize.<base>.recipe) unless search.base
+    is made with search.recipe and served as the candidates are (not as W4A8), as read from `quantize`
+    (params.yaml's quantize blocks, as written): the base's profile prices the candidates as the recipe the
+    search falls back from. Recipe paths compare as paths."""
     block = quantize.get(p.base) if isinstance(quantize, dict) else None
     recipe = block.get("recipe") if isinstance(block, dict) else None
     if not same_path(recipe, p.recipe):
         raise QuantgateError(
-            f"{path}: search.base {p.base} is made with {recipe} (quantize.{p.base}.recipe), not with "
-            f"search.recipe {p.recipe}; name the build made with the recipe the search falls back from"
+            f"{where(path, 'search.base')}: search.base {p.base} is made with {recipe} (quantize.{p.base}.recipe), "
+            f"not with search.recipe {p.recipe}; name the build made with the recipe the search falls back from"
+        )
+    if block.get("w4a8") is True:  # its profile would price W4A16 candidates at another kernel's speed
+        raise QuantgateError(
+            f"{where(path, 'search.base')}: search.base {p.base} is served as W4A8 (quantize.{p.base}.w4a8), and "
+            "the search's candidates are served as W4A16; name the W4A16 build made with search.recipe (int4)"
         )

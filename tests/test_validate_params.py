@@ -258,3 +258,17 @@ def test_int4s_recipe_served_as_w4a8_passes_and_the_schemes_are_read_from_the_ya
 
     assert declared_schemes(Path("recipes/int4.yaml")) == ["W4A16"]
     assert declared_schemes(Path("recipes/int8.yaml")) == ["W8A8"]
+
+
+def test_a_search_base_served_as_w4a8_is_refused_at_its_line(params):
+    def change(doc):
+        doc["builds"].append("int4-w4a8")
+        doc["quantize"]["int4-w4a8"] = dict(doc["quantize"]["int4"], w4a8=True)
+        doc["search"]["base"] = "int4-w4a8"
+
+    path = params(change)
+    line = next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip() == "base: int4-w4a8")
+    one_line_error(
+        lambda: check_search(BUILDS + ["int4-w4a8"], path),
+        rf"^{re.escape(str(path))}:{line}: search.base int4-w4a8 is served as W4A8 .*name the W4A16 build",
+    )
