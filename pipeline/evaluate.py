@@ -61,6 +61,7 @@ from quantgate.serving import (
     ServerStartError,
     check_endpoint,
     runtime_record,
+    serves_w4a8,
     serving_versions,
     vllm_server,
 )
@@ -167,6 +168,12 @@ def serving_config(
             extra_args=params.serve.extra_args,
         )
         return precision, serving, None
+    if serves_w4a8(model_dir):  # fail closed: what the deployment computes could not be known
+        raise QuantgateError(
+            f"{where(PARAMS_FILE, f'evaluate.endpoints.{build}')}: evaluate.endpoints.{build}: {build} is served as "
+            "W4A8 (w4a8 in its build.json), which cannot be checked on a deployment (vLLM publishes neither "
+            "VLLM_CPU_INT4_W4A8 nor the kernel it runs); drop this entry to score it on a local or Ray server"
+        )
     remote = check_endpoint(build, weights_digest, endpoint, os.environ.get("OPENAI_API_KEY", ""))
     print(f"evaluate[{build}]: {endpoint.url} serves {remote['served']} (vLLM {remote['vllm']})", flush=True)
     precision = {

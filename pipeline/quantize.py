@@ -25,7 +25,7 @@ from quantgate.devices import visible_devices
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json, sha256_file
 from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_manifest
-from quantgate.params import load_block, read_yaml
+from quantgate.params import PARAMS_FILE, load_block, read_yaml, where
 from quantgate.precision import native_16bit
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import check_group_size, load_recipe, needs_data, needs_sequential, weight_schemes
@@ -218,10 +218,17 @@ def check_w4a16(build: str, recipe_path: Path, recipe) -> None:
         if s.input_activations is not None or s.weights is None or (s.weights.num_bits, s.weights.type) != (4, "int")
     ]
     if bad or not schemes:
+        w, a = (bad[0].weights, bad[0].input_activations) if bad else (None, None)
+        makes = (
+            "quantizes nothing"
+            if not schemes
+            else f"makes {(w.type if w else 'no').upper()}{w.num_bits if w else ''} weights with "
+            + (f"{a.num_bits}-bit {a.type} activations" if a else "16-bit activations")
+        )
         raise QuantgateError(
-            f"quantize.{build}.w4a8: true needs a W4A16 recipe (4-bit integer weights, 16-bit activations), and "
-            f"{recipe_path} {'quantizes nothing' if not schemes else 'has another scheme'}; give the block a W4A16 "
-            "recipe such as recipes/int4.yaml, or drop w4a8"
+            f"{where(PARAMS_FILE, f'quantize.{build}.w4a8')}: quantize.{build}.w4a8: true needs a W4A16 recipe (4-bit "
+            f"integer weights, 16-bit activations), and {recipe_path} {makes}; give the block a W4A16 recipe such as "
+            "recipes/int4.yaml (the int8 activations come from vLLM at serving, not from the recipe), or drop w4a8"
         )
 
 

@@ -63,7 +63,8 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
     the quantize blocks holds: exactly the build named by `search.build` reads the search's recipe (when that
     build is in `builds`, its quantize block's recipe is SEARCH_RECIPE, and no other build's is); the search
     falls back from a recipe of its own, not from the one it writes; and `search.base` is a quantized build of
-    this run, made with `search.recipe` when the search runs (check_base). dvc.yaml interpolates search.base
+    this run, made with `search.recipe` and not served as W4A8 when the search runs (check_base), nor is the
+    build the search writes (it screens at 16-bit activations). dvc.yaml interpolates search.base
     and search.recipe, so both must be written. Raises QuantgateError naming `path` and the key."""
     data = read_yaml(path)
     raw = data.get("search")
@@ -126,6 +127,13 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
         )
     if p.build in builds:
         check_base(p, quantize, path)
+        if isinstance(quantize.get(p.build), dict) and quantize[p.build].get("w4a8") is True:
+            raise QuantgateError(
+                f"{where(path, f'quantize.{p.build}.w4a8')}: quantize.{p.build}.w4a8: the search screens "
+                f"{p.build}'s candidates at 16-bit activations and prices them with search.base's W4A16 profile, so "
+                f"it cannot make a W4A8 build; drop w4a8 here (a W4A8 build of int4's recipe is a build of its own: "
+                "docs/machines.md)"
+            )
     return p
 
 
@@ -146,10 +154,11 @@ def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, Qua
             raise QuantgateError(
                 f"{at}: quantize.{b}.recipe {q.recipe}: no such file; add the recipe under recipes/ or fix the path"
             )
-        if q.w4a8 and (other := [s for s in declared_schemes(Path(q.recipe)) if s not in W4A16_SCHEMES]):
+        if q.w4a8 and (other := [s for s in declared_schemes(Path(q.recipe)) if s.upper() not in W4A16_SCHEMES]):
             raise QuantgateError(
-                f"{where(path, f'quantize.{b}.w4a8')}: quantize.{b}.w4a8: true serves W4A16 weights as W4A8, and "
-                f"{q.recipe} makes {other[0]}; give the block a W4A16 recipe such as recipes/int4.yaml, or drop w4a8"
+                f"{where(path, f'quantize.{b}.w4a8')}: quantize.{b}.w4a8: true serves W4A16 weights (4-bit, 16-bit "
+                f"activations) as W4A8, and {q.recipe} declares {other[0]}; give the block a W4A16 recipe such as "
+                "recipes/int4.yaml (the int8 activations come from vLLM at serving, not from the recipe), or drop w4a8"
             )
     return blocks
 

@@ -481,9 +481,12 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
     would serve the same weights as W4A16, another build's kernel, so the gate would judge what is not served:
     refused. On AMX the probe's tiny W4A8 call must have answered "ok"; any other answer is the reason.
     """
-    elsewhere = "vLLM would serve its weights as W4A16 there, so what is gated would not be what is served"
+    elsewhere = (
+        "vLLM would serve its weights as W4A16 here, so what is gated would not be what is served; drop the build "
+        "from `builds` on this machine, or evaluate it on an AMX CPU"
+    )
     if not platform.is_cpu:
-        return f"W4A8 is vLLM CPU's AMX path ({W4A8_ENV}); on a GPU ({platform.device}) {elsewhere}"
+        return f"W4A8 is vLLM CPU's AMX path ({W4A8_ENV}) and this is a GPU ({platform.device}): {elsewhere}"
     if not platform.isa.get("amx"):
         return f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs, and this CPU is {platform.kind}: {elsewhere}"
     if dtype != "bfloat16":
@@ -494,7 +497,8 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
     if platform.w4a8 != OK:
         return (
             f"vLLM CPU's W4A8 kernel (int4_scaled_mm_cpu, AMX, {platform.kernel_library}) in the platform probe: "
-            f"{platform.w4a8 or 'no answer'}"
+            f"{platform.w4a8 or 'no answer'}, so a server would run a kernel that fails here; drop the build from "
+            "`builds` (its W4A16 twin, without w4a8, is served as before)"
         )
     return None
 

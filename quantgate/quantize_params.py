@@ -3,6 +3,8 @@ checks of it before any stage runs."""
 
 from __future__ import annotations
 
+import json
+
 from pydantic import field_validator
 
 from quantgate.conversations import Calibration
@@ -23,3 +25,10 @@ class QuantizeParams(Frozen):
     # serve the W4A16 weights with int8 activations (vLLM CPU's W4A8 path on AMX, VLLM_CPU_INT4_W4A8=1), recorded
     # in build.json so every server of the build does; refused where vLLM would serve W4A16 (quantgate.precision)
     w4a8: bool = False
+
+    @field_validator("w4a8", mode="before")
+    @classmethod
+    def _w4a8_is_a_boolean(cls, value):
+        if not isinstance(value, bool):  # pydantic would take "yes", 1 or "true" as a bool, and say little otherwise
+            raise ValueError(f"{json.dumps(value)} is not true or false; write w4a8: true, or leave it out")
+        return value

@@ -293,11 +293,18 @@ def runtime_record(params: ServeParams, model_dir: Path) -> dict:
 
 def build_setting(model_dir: Path, key: str, default):
     """`key` of model_dir/build.json, where the quantize stage records how every server of the build runs it
-    (kv_cache_dtype, w4a8); `default` where it is not set or there is no readable build.json."""
+    (kv_cache_dtype, w4a8); `default` where it is not set or there is no build.json. Raises ServerStartError
+    for a build.json that is there but not a JSON object: the setting cannot be known, so nothing is served."""
+    path = Path(model_dir) / "build.json"
     try:
-        return json.loads((Path(model_dir) / "build.json").read_text()).get(key, default)
-    except (OSError, ValueError, AttributeError):
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
         return default
+    except (OSError, ValueError) as exc:
+        raise ServerStartError(f"{path}: unreadable ({type(exc).__name__}); re-run `dvc repro` to remake it") from None
+    if not isinstance(manifest, dict):
+        raise ServerStartError(f"{path}: not a JSON object; re-run `dvc repro` to remake it")
+    return manifest.get(key, default)
 
 
 def kv_cache_dtype(model_dir: Path) -> str:
@@ -318,7 +325,7 @@ def serves_w4a8(model_dir: Path) -> bool:
     Raises ServerStartError for a value that is not a boolean."""
     value = build_setting(model_dir, "w4a8", False)
     if not isinstance(value, bool):
-        raise ServerStartError(f"{model_dir}/build.json: w4a8 {value!r} is not true or false")
+        raise ServerStartError(f"{model_dir}/build.json: w4a8 {json.dumps(value)} is not true or false")
     return value
 
 
@@ -329,6 +336,12 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     (params.max_slowdown). Raises ServerStartError with the reason that holds here
     (quantgate.precision.w4a16_problem, w4a8_problem, kv_cache_problem); `requested` is
     evaluate.serve.dtype as written."""
+    w4a8 = serves_w4a8(model_dir)
+    if w4a8 and not is_w4a16(model_dir):  # vLLM would ignore the switch and serve what the weights are
+        raise ServerStartError(
+            f"{model_dir}/build.json says w4a8, but its config.json holds no W4A16 weights (vLLM serves only "
+            "those as W4A8); re-run `dvc repro` to remake the build"
+        )
     if (kv := kv_cache_dtype(model_dir)) != "auto":
         try:
             problem = kv_cache_problem(probe(params.python), kv)
@@ -348,7 +361,6 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         )
     if not is_w4a16(model_dir):
         return
-    w4a8 = serves_w4a8(model_dir)
     try:
         if w4a8:
             problem = w4a8_problem(probe(params.python), params.dtype)

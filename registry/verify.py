@@ -1,17 +1,20 @@
 """Check that a model version's artifacts are still the weights that were registered.
 
 The reference is the version's tags (in the registry database), not anything inside the
-artifact store: `weights_sha256.<file>` per weight file and `weights_sha256` over them all.
+artifact store: `weights_sha256.<file>` per weight file and `weights_sha256` over them all, and the serving
+settings (`kv_cache_dtype`, `w4a8`) its build.json must still set.
 The artifacts are the version's source, `<run artifact uri>/model`. A build run that is not a
 version yet is checked the same way against its run tags before it is registered by override.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, sha256_file
+from quantgate.manifest import MANIFEST, SERVING_SETTINGS
 from registry import versions
 
 PREFIX = "weights_sha256."
@@ -50,7 +53,29 @@ def verify_version(mlflow_client, model_name: str, version, dest_dir: Path) -> P
             f"{label}: source {mv.source} is not its run's `model` artifacts "
             f"({run.info.artifact_uri}/model); refusing to serve it"
         )
-    return check_artifacts(mlflow_client, mv.run_id, expected, label, dest_dir)
+    local = check_artifacts(mlflow_client, mv.run_id, expected, label, dest_dir)
+    check_serving_settings(mv.tags, local, label)
+    return local
+
+
+def check_serving_settings(tags: dict[str, str], local: Path, label: str, action: str = "serve") -> None:
+    """Raise QuantgateError unless the downloaded build.json in `local` sets the serving settings its tags record
+    (quantgate.manifest.SERVING_SETTINGS: kv_cache_dtype, w4a8, tagged at registration): every server reads them
+    from build.json, so one edited, lost or unreadable after the gate would serve the weights as something else
+    than what was gated (a W4A8 build as W4A16)."""
+    tagged = {k: tags[k] for k in SERVING_SETTINGS if k in tags}
+    try:
+        manifest = json.loads((local / MANIFEST).read_text())
+        found = {k: str(manifest[k]).lower() for k in SERVING_SETTINGS if k in manifest}
+    except FileNotFoundError:
+        found = {}  # served with vLLM's defaults: right only where none was tagged (below)
+    except (OSError, ValueError, TypeError):
+        raise QuantgateError(f"{label}: model/{MANIFEST} is unreadable; refusing to {action} it") from None
+    if found != tagged:
+        raise QuantgateError(
+            f"{label}: model/{MANIFEST} sets {found or 'no serving setting'} but the tags recorded {tagged or 'none'} "
+            f"when it was gated; refusing to {action} it"
+        )
 
 
 def verify_run(mlflow_client, run, dest_dir: Path) -> Path:
@@ -58,7 +83,9 @@ def verify_run(mlflow_client, run, dest_dir: Path) -> Path:
     run's own weight tags, as `verify_version` does for a version (same errors)."""
     label = f"run {run.info.run_id}"
     expected = expected_weights(run.data.tags, label)
-    return check_artifacts(mlflow_client, run.info.run_id, expected, label, dest_dir, action="register")
+    local = check_artifacts(mlflow_client, run.info.run_id, expected, label, dest_dir, action="register")
+    check_serving_settings(run.data.tags, local, label, action="register")
+    return local
 
 
 def check_artifacts(

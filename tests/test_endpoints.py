@@ -155,3 +155,16 @@ def test_evaluate_scores_a_checked_endpoint_and_records_it(fake_vllm, tmp_path, 
         "endpoint": fake_vllm.url,
     }
     assert not (out / "server.log").exists()
+
+
+def test_a_build_served_as_w4a8_is_not_scored_on_an_endpoint(fake_vllm, tmp_path, example_evals, monkeypatch):
+    # a deployment publishes neither VLLM_CPU_INT4_W4A8 nor its kernel: its scores could be W4A16's
+    model = safetensors_build(tmp_path / "int4-w4a8", "int4-w4a8", seed=0, shards=1)
+    manifest = json.loads((model / "build.json").read_text())
+    (model / "build.json").write_text(json.dumps(manifest | {"w4a8": True}))
+    fake_vllm.ids = [served_name("int4-w4a8", manifest["weights_digest"])]
+    monkeypatch.setattr(stage, "run_team", lambda *a: pytest.fail("scored"))
+    params = stage.EvaluateParams(endpoints={"int4-w4a8": endpoint(fake_vllm.url)})
+    with pytest.raises(QuantgateError, match=r"evaluate.endpoints.int4-w4a8: int4-w4a8 is served as W4A8 .*drop this"):
+        stage.evaluate("int4-w4a8", model, example_evals, tmp_path / "out", params)
+    assert not (tmp_path / "out").exists()

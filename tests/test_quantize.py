@@ -357,7 +357,8 @@ def test_w4a8_on_a_recipe_that_is_not_w4a16_is_refused_before_the_model_loads(sr
     c = Calibration(samples=4, seq_len=32)
     with pytest.raises(
         QuantgateError,
-        match=rf"quantize.int8-w4a8.w4a8: true needs a W4A16 recipe .* and .*{recipe} has another scheme; give the",
+        match=rf"quantize.int8-w4a8.w4a8: true needs a W4A16 recipe .* and .*{recipe} makes "
+        r".* weights with 8-bit \w+ activations; give",
     ):
         quantize(
             "int8-w4a8", src, tmp_path / "out", QuantizeParams(recipe=str(REPO / recipe), calibration=c, w4a8=True)

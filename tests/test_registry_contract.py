@@ -546,6 +546,33 @@ def test_missing_and_extra_weight_files_refused(reg, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
+def test_a_build_json_that_no_longer_sets_what_was_gated_is_refused_for_serving(reg, tmp_path):
+    # every server reads w4a8 / kv_cache_dtype from the downloaded build.json: edited or lost after the gate,
+    # a W4A8 build would be served as W4A16 (or the reverse)
+    import json
+
+    r = reg({"int4": "PASS"})
+    v = r.version("int4")
+    stored = r.backend.artifact_file(r.client, r.client.get_model_version(r.model, v), "build.json")
+    manifest = json.loads(stored.read_text())
+    assert "w4a8" not in manifest and verify_version(r.client, r.model, v, tmp_path / "ok").is_dir()
+    stored.write_text(json.dumps(manifest | {"w4a8": True}))
+    with pytest.raises(
+        QuantgateError,
+        match=rf"{r.model} v{v}: model/build.json sets \{{'w4a8': 'true'\}} but the tags recorded none when it was "
+        "gated; refusing to serve it",
+    ):
+        verify_version(r.client, r.model, v, tmp_path / "a")
+    stored.write_text(json.dumps(manifest))
+    r.client.set_model_version_tag(r.model, v, "w4a8", "true")  # gated as W4A8; its build.json lost the setting
+    with pytest.raises(QuantgateError, match=r"sets no serving setting but the tags recorded \{'w4a8': 'true'\}"):
+        verify_version(r.client, r.model, v, tmp_path / "b")
+    stored.write_text("{broken")
+    with pytest.raises(QuantgateError, match=r"model/build.json is unreadable; refusing to serve it"):
+        verify_version(r.client, r.model, v, tmp_path / "c")
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover
 def test_alias_to_missing_or_deleted_version_refused(reg):
     r = reg({"int4": "PASS", "fp8": "PASS"})
     a, b = r.version("int4"), r.version("fp8")

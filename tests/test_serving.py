@@ -131,13 +131,16 @@ def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_
         assert got.startswith(
             f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs, and this CPU is {platform.kind}: "
         )
-        assert got.endswith("vLLM would serve its weights as W4A16 there, so what is gated would not be what is served")
-    assert "on a GPU (NVIDIA H200)" in precision.w4a8_problem(GPU, "bfloat16")
+        assert got.endswith(
+            "vLLM would serve its weights as W4A16 here, so what is gated would not be what is served; drop the "
+            "build from `builds` on this machine, or evaluate it on an AMX CPU"
+        )
+    assert "and this is a GPU (NVIDIA H200): vLLM would serve" in precision.w4a8_problem(GPU, "bfloat16")
     assert "takes bfloat16 activations only and evaluate.serve.dtype resolves to float32" in (
         precision.w4a8_problem(AMX, "float32")
     )
     hung = Platform("cpu", kernel_library="_C", w4a8="no answer in 60 s", isa={"amx": True})
-    assert precision.w4a8_problem(hung, "bfloat16").endswith("in the platform probe: no answer in 60 s")
+    assert "in the platform probe: no answer in 60 s, so a server" in precision.w4a8_problem(hung, "bfloat16")
     # check_servable asks the W4A8 question of a W4A8 build, the W4A16 one of its W4A16 twin
     int4 = build(tmp_path, "int4", W4A16, scheme="W4A16")
     w4a8 = build(tmp_path, "int4-w4a8", W4A16, scheme="W4A8", w4a8=True)
@@ -147,9 +150,19 @@ def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_
         check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
     monkeypatch.setattr(serving, "probe", lambda python: AMX)
     check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
-    (w4a8 / "build.json").write_text(json.dumps({"w4a8": "yes"}))
-    with pytest.raises(ServerStartError, match=r"int4-w4a8/build.json: w4a8 'yes' is not true or false"):
+    (w4a8 / "build.json").write_text(json.dumps({"w4a8": None}))
+    with pytest.raises(ServerStartError, match=r"int4-w4a8/build.json: w4a8 null is not true or false"):
         check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
+    # a build.json that cannot be read is refused, not read as "no setting" (it would be served as W4A16)
+    for text, why in (("{not json", r"unreadable \(JSONDecodeError\)"), ("[1, 2]", "not a JSON object")):
+        (w4a8 / "build.json").write_text(text)
+        with pytest.raises(ServerStartError, match=rf"int4-w4a8/build.json: {why}; re-run `dvc repro`"):
+            check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
+    # w4a8 over weights that are not W4A16: vLLM would ignore the switch
+    for name, group in (("fp16", None), ("fp8", FP8_DYNAMIC)):
+        other = build(tmp_path, f"{name}-w4a8", group, w4a8=True)
+        with pytest.raises(ServerStartError, match=r"build.json says w4a8, but its config.json holds no W4A16 weights"):
+            check_servable(ServeParams(python="py", dtype="bfloat16"), other, "auto")
 
 
 def test_only_a_w4a8_build_is_started_with_vllms_w4a8_switch_on(tmp_path, monkeypatch):

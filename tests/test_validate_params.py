@@ -114,6 +114,7 @@ def test_a_search_recipe_that_is_no_file_is_refused(params):
         ({"recipe": "recipes/fp8.yaml", "kv_cache_dtype": "fp9"}, r"quantize.fp8.kv_cache_dtype"),
         ({"recipe": "recipes/fp8.yaml", "recipe_": "x"}, r"quantize.fp8.recipe_"),
         ({"recipe": "recipes/nosuch.yaml"}, r"quantize.fp8.recipe recipes/nosuch.yaml: no such file"),
+        ({"recipe": "recipes/fp8.yaml", "w4a8": "yes"}, r'quantize.fp8.w4a8: "yes" is not true or false; write w4a8'),
     ],
 )
 def test_each_quantize_block_is_read_as_the_quantize_stage_reads_it(params, block, message):
@@ -239,7 +240,7 @@ def test_w4a8_on_a_recipe_that_is_not_w4a16_is_refused_at_its_line(params, recip
     path = params(change)
     message = one_line_error(
         lambda: check_quantize(BUILDS + ["x-w4a8"], path),
-        rf"quantize.x-w4a8.w4a8: true serves W4A16 weights as W4A8, and {recipe} makes {scheme}; give the block",
+        rf"quantize.x-w4a8.w4a8: true serves W4A16 weights .* as W4A8, and {recipe} declares {scheme}; give the block",
     )
     assert re.match(rf"{re.escape(str(path))}:(\d+): ", message).group(1) == str(
         next(i for i, line in enumerate(path.read_text().splitlines(), 1) if "w4a8: true" in line)
@@ -271,4 +272,43 @@ def test_a_search_base_served_as_w4a8_is_refused_at_its_line(params):
     one_line_error(
         lambda: check_search(BUILDS + ["int4-w4a8"], path),
         rf"^{re.escape(str(path))}:{line}: search.base int4-w4a8 is served as W4A8 .*name the W4A16 build",
+    )
+
+
+def test_w4a8_reads_scheme_names_as_llm_compressor_does_and_says_where_int8_activations_come_from(params, tmp_path):
+    recipes = {
+        "lower": "quant_stage:\n  quant_modifiers:\n    QuantizationModifier: {targets: [Linear], scheme: w4a16}\n",
+        "acts": (
+            "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g:\n"
+            "          targets: [Linear]\n"
+            "          weights: {num_bits: 4, type: int, strategy: group, group_size: 64}\n"
+            "          input_activations: {num_bits: 8, type: int, dynamic: true}\n"
+        ),
+    }
+    for name, text in recipes.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+
+    def with_recipe(name):
+        def change(doc):
+            doc["builds"].append("x-w4a8")
+            doc["quantize"]["x-w4a8"] = {"recipe": str(tmp_path / f"{name}.yaml"), "w4a8": True}
+
+        return params(change)
+
+    assert check_quantize(BUILDS + ["x-w4a8"], with_recipe("lower"))["x-w4a8"].w4a8  # scheme: w4a16 is W4A16
+    one_line_error(
+        lambda: check_quantize(BUILDS + ["x-w4a8"], with_recipe("acts")),
+        r"acts.yaml declares W4A8; .*the int8 activations come from vLLM at serving, not from the recipe",
+    )
+
+
+def test_the_build_the_search_writes_cannot_be_served_as_w4a8(params):
+    def change(doc):
+        doc["quantize"]["int4-mixed"]["w4a8"] = True
+
+    path = params(change)
+    one_line_error(
+        lambda: check_search(BUILDS, path),
+        rf"^{re.escape(str(path))}:\d+: quantize.int4-mixed.w4a8: the search screens int4-mixed's candidates at "
+        r"16-bit activations .*drop w4a8 here",
     )
