@@ -32,13 +32,20 @@ def weight_digests(model_dir: Path) -> dict[str, str]:
 SERVING_SETTINGS = ("kv_cache_dtype", "w4a8")
 
 
-def serving_settings(model_dir: Path) -> dict:
-    """{field: value} of SERVING_SETTINGS that model_dir/build.json sets; {} where it sets none or cannot be read."""
+def serving_tags(manifest: dict) -> dict[str, str]:
+    """{field: value as a registry tag} of the SERVING_SETTINGS a build.json content sets to other than vLLM's
+    default (w4a8 false, kv_cache_dtype auto and a missing field are the default, so they are left out):
+    {"w4a8": "true"}, {"kv_cache_dtype": "fp8"}. The registry tags these, and verifies them on download."""
+    return {k: str(manifest[k]).lower() for k in SERVING_SETTINGS if manifest.get(k) not in (None, False, "auto")}
+
+
+def serving_settings(model_dir: Path) -> dict[str, str]:
+    """serving_tags of model_dir/build.json; {} where it sets none or cannot be read."""
     try:
         manifest = json.loads((model_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return {}
-    return {k: manifest[k] for k in SERVING_SETTINGS if isinstance(manifest, dict) and k in manifest}
+    return serving_tags(manifest) if isinstance(manifest, dict) else {}
 
 
 def config_digest(model_dir: Path) -> str:
@@ -51,7 +58,7 @@ def config_digest(model_dir: Path) -> str:
     files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix != ".safetensors" and p.name != MANIFEST)
     digests = {p.name: sha256_file(p) for p in files}
     if settings := serving_settings(model_dir):
-        return digest_of({**digests, MANIFEST: digest_of({k: str(v) for k, v in sorted(settings.items())})})
+        return digest_of({**digests, MANIFEST: digest_of(settings)})
     return digest_of(digests)
 
 

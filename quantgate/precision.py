@@ -272,6 +272,18 @@ def quant_groups(model_dir: Path) -> list[dict]:
     return [g for g in groups.values() if isinstance(g, dict)]
 
 
+def is_int4_w16(model_dir: Path) -> bool:
+    """True if every compressed-tensors config group of `model_dir` has 4-bit integer weights and unquantized
+    activations (W4A16 at int, the only weights vLLM CPU serves as W4A8); False for a 16-bit build."""
+    groups = quant_groups(model_dir)
+    return bool(groups) and all(
+        (g.get("weights") or {}).get("num_bits") == 4
+        and (g.get("weights") or {}).get("type", "int") == "int"
+        and not g.get("input_activations")
+        for g in groups
+    )
+
+
 def is_fp8(model_dir: Path) -> bool:
     """True if `model_dir` is a compressed-tensors build with FP8 (float, 8-bit) weights (llm-compressor's
     FP8_DYNAMIC and FP8 schemes)."""
@@ -482,8 +494,8 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
     refused. On AMX the probe's tiny W4A8 call must have answered "ok"; any other answer is the reason.
     """
     elsewhere = (
-        "vLLM would serve its weights as W4A16 here, so what is gated would not be what is served; drop the build "
-        "from `builds` on this machine, or evaluate it on an AMX CPU"
+        "vLLM would serve its weights as W4A16 here, so what is gated would not be what is served; serve it on an "
+        "AMX CPU (in a pipeline run here: drop it from `builds`)"
     )
     if not platform.is_cpu:
         return f"W4A8 is vLLM CPU's AMX path ({W4A8_ENV}) and this is a GPU ({platform.device}): {elsewhere}"
@@ -494,11 +506,16 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
             f"vLLM CPU's W4A8 path takes bfloat16 activations only and evaluate.serve.dtype resolves to {dtype}; "
             f"set it to auto or bfloat16"
         )
+    if not platform.w4a8:
+        return (
+            "the platform probe made no W4A8 call on this AMX CPU, so nothing shows vLLM's W4A8 kernel runs here; "
+            "probe again (remove the serving env's quantgate-probe folder)"
+        )
     if platform.w4a8 != OK:
         return (
             f"vLLM CPU's W4A8 kernel (int4_scaled_mm_cpu, AMX, {platform.kernel_library}) in the platform probe: "
-            f"{platform.w4a8 or 'no answer'}, so a server would run a kernel that fails here; drop the build from "
-            "`builds` (its W4A16 twin, without w4a8, is served as before)"
+            f"{platform.w4a8}, so a server would run a kernel that fails here; serve its W4A16 twin (the same "
+            "weights without w4a8) instead"
         )
     return None
 

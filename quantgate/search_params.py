@@ -97,6 +97,8 @@ def check_base(p: SearchParams, quantize: dict, path: Path) -> None:
         )
     if block.get("w4a8") is True:  # its profile would price W4A16 candidates at another kernel's speed
         raise QuantgateError(
-            f"{where(path, 'search.base')}: search.base {p.base} is served as W4A8 (quantize.{p.base}.w4a8), and "
-            "the search's candidates are served as W4A16; name the W4A16 build made with search.recipe (int4)"
+            f"{where(path, f'quantize.{p.base}.w4a8')}: search.base {p.base} is served as W4A8 "
+            f"(quantize.{p.base}.w4a8), and the search's candidates are served as W4A16, so its profile cannot price "
+            f"them; drop quantize.{p.base}.w4a8 (to serve its weights as W4A8 too, add a build of its own with the "
+            "same recipe and w4a8: true)"
         )

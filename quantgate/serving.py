@@ -41,6 +41,7 @@ from quantgate.precision import (
     Dtype,
     exit_words,
     is_fp8,
+    is_int4_w16,
     is_w4a16,
     kv_cache_problem,
     probe,
@@ -301,9 +302,9 @@ def build_setting(model_dir: Path, key: str, default):
     except FileNotFoundError:
         return default
     except (OSError, ValueError) as exc:
-        raise ServerStartError(f"{path}: unreadable ({type(exc).__name__}); re-run `dvc repro` to remake it") from None
+        raise ServerStartError(f"{path}: unreadable ({type(exc).__name__}); remake the build (`dvc repro`)") from None
     if not isinstance(manifest, dict):
-        raise ServerStartError(f"{path}: not a JSON object; re-run `dvc repro` to remake it")
+        raise ServerStartError(f"{path}: not a JSON object; remake the build (`dvc repro`)")
     return manifest.get(key, default)
 
 
@@ -325,7 +326,9 @@ def serves_w4a8(model_dir: Path) -> bool:
     Raises ServerStartError for a value that is not a boolean."""
     value = build_setting(model_dir, "w4a8", False)
     if not isinstance(value, bool):
-        raise ServerStartError(f"{model_dir}/build.json: w4a8 {json.dumps(value)} is not true or false")
+        raise ServerStartError(
+            f"{model_dir}/build.json: w4a8 {json.dumps(value)} is not true or false; remake the build (`dvc repro`)"
+        )
     return value
 
 
@@ -337,10 +340,10 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     (quantgate.precision.w4a16_problem, w4a8_problem, kv_cache_problem); `requested` is
     evaluate.serve.dtype as written."""
     w4a8 = serves_w4a8(model_dir)
-    if w4a8 and not is_w4a16(model_dir):  # vLLM would ignore the switch and serve what the weights are
+    if w4a8 and not is_int4_w16(model_dir):  # vLLM would ignore the switch and serve what the weights are
         raise ServerStartError(
-            f"{model_dir}/build.json says w4a8, but its config.json holds no W4A16 weights (vLLM serves only "
-            "those as W4A8); re-run `dvc repro` to remake the build"
+            f"{model_dir}/build.json says w4a8, but its config.json holds other weights than W4A16 at int4 (vLLM "
+            "serves only those as W4A8); remake the build (`dvc repro`)"
         )
     if (kv := kv_cache_dtype(model_dir)) != "auto":
         try:

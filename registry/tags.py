@@ -29,7 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from quantgate.hashing import sha256_file
-from quantgate.manifest import SERVING_SETTINGS
+from quantgate.manifest import serving_tags
 from quantgate.params import PARAMS_FILE
 from quantgate.results import BuildCost, BuildGate, TeamSummary
 from quantgate.stats import BASELINE, Verdict
@@ -105,7 +105,7 @@ def lineage_tags(manifest: dict, serving: dict) -> dict[str, str]:
     }
     tags.update({f"{WEIGHTS}.{name}": digest for name, digest in manifest["weights"].items()})
     # how every server of the build runs it (build.json, quantize.<build>): its KV cache dtype, W4A8
-    tags.update({key: str(manifest[key]).lower() for key in SERVING_SETTINGS if manifest.get(key)})
+    tags.update(serving_tags(manifest))
     if Path("dvc.lock").is_file():
         tags["dvc_lock_sha256"] = sha256_file(Path("dvc.lock"))
     for lib in PIPELINE_LIBS:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from quantgate.errors import QuantgateError
 from quantgate.hashing import digest_of, sha256_file
-from quantgate.manifest import MANIFEST, SERVING_SETTINGS
+from quantgate.manifest import MANIFEST, SERVING_SETTINGS, serving_tags
 from registry import versions
 
 PREFIX = "weights_sha256."
@@ -59,22 +59,28 @@ def verify_version(mlflow_client, model_name: str, version, dest_dir: Path) -> P
 
 
 def check_serving_settings(tags: dict[str, str], local: Path, label: str, action: str = "serve") -> None:
-    """Raise QuantgateError unless the downloaded build.json in `local` sets the serving settings its tags record
-    (quantgate.manifest.SERVING_SETTINGS: kv_cache_dtype, w4a8, tagged at registration): every server reads them
-    from build.json, so one edited, lost or unreadable after the gate would serve the weights as something else
-    than what was gated (a W4A8 build as W4A16)."""
+    """Raise QuantgateError unless the downloaded build.json in `local` still sets the serving settings the
+    version's tags recorded at registration (quantgate.manifest.serving_tags: w4a8, kv_cache_dtype): every
+    server reads them from build.json, so one edited or lost after the gate would serve the weights as something
+    else than what was gated (a W4A8 build as W4A16). A w4a8 the tags do not record is refused too (every W4A8
+    build is tagged so); a kv_cache_dtype they do not record is not: versions registered before that tag was
+    written were served with their build.json's, and still are. No build.json and no setting tagged: served
+    with vLLM's defaults, as before."""
     tagged = {k: tags[k] for k in SERVING_SETTINGS if k in tags}
     try:
         manifest = json.loads((local / MANIFEST).read_text())
-        found = {k: str(manifest[k]).lower() for k in SERVING_SETTINGS if k in manifest}
     except FileNotFoundError:
-        found = {}  # served with vLLM's defaults: right only where none was tagged (below)
-    except (OSError, ValueError, TypeError):
-        raise QuantgateError(f"{label}: model/{MANIFEST} is unreadable; refusing to {action} it") from None
-    if found != tagged:
+        manifest = {}
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise QuantgateError(f"{label}: model/{MANIFEST} is unreadable or not a JSON object; refusing to {action} it")
+    found = serving_tags(manifest)
+    if any(found.get(k) != v for k, v in tagged.items()) or ("w4a8" in found and "w4a8" not in tagged):
         raise QuantgateError(
             f"{label}: model/{MANIFEST} sets {found or 'no serving setting'} but the tags recorded {tagged or 'none'} "
-            f"when it was gated; refusing to {action} it"
+            f"when it was gated, so it would be served otherwise than it was gated; refusing to {action} it "
+            "(serve another version, or register the build again with `dvc repro`)"
         )
 
 

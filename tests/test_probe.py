@@ -163,8 +163,7 @@ def test_a_w4a8_call_that_dies_with_sigill_refuses_the_w4a8_build_in_one_line(fa
     reason = precision.w4a8_problem(got, "bfloat16")
     assert reason == (
         "vLLM CPU's W4A8 kernel (int4_scaled_mm_cpu, AMX, _C) in the platform probe: died with SIGILL, so a server "
-        "would run a kernel that fails here; drop the build from `builds` (its W4A16 twin, without w4a8, is served "
-        "as before)"
+        "would run a kernel that fails here; serve its W4A16 twin (the same weights without w4a8) instead"
     )
     assert w4a16_problem(got, "bfloat16", "auto") is None  # its W4A16 twin is still served
 

@@ -560,16 +560,25 @@ def test_a_build_json_that_no_longer_sets_what_was_gated_is_refused_for_serving(
     with pytest.raises(
         QuantgateError,
         match=rf"{r.model} v{v}: model/build.json sets \{{'w4a8': 'true'\}} but the tags recorded none when it was "
-        "gated; refusing to serve it",
+        "gated, so it would be served otherwise than it was gated; refusing to serve it",
     ):
         verify_version(r.client, r.model, v, tmp_path / "a")
+    # the defaults written out, or a KV cache dtype from before that tag was written: served as before
+    for setting in ({"w4a8": False, "kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8"}):
+        stored.write_text(json.dumps(manifest | setting))
+        assert verify_version(r.client, r.model, v, tmp_path / f"ok-{len(setting)}").is_dir()
+    r.client.set_model_version_tag(r.model, v, "kv_cache_dtype", "fp8")  # a tagged one must still be set
     stored.write_text(json.dumps(manifest))
+    with pytest.raises(QuantgateError, match=r"sets no serving setting but the tags recorded \{'kv_cache_dtype'"):
+        verify_version(r.client, r.model, v, tmp_path / "kv")
+    r.client.delete_model_version_tag(r.model, v, "kv_cache_dtype")
     r.client.set_model_version_tag(r.model, v, "w4a8", "true")  # gated as W4A8; its build.json lost the setting
     with pytest.raises(QuantgateError, match=r"sets no serving setting but the tags recorded \{'w4a8': 'true'\}"):
         verify_version(r.client, r.model, v, tmp_path / "b")
-    stored.write_text("{broken")
-    with pytest.raises(QuantgateError, match=r"model/build.json is unreadable; refusing to serve it"):
-        verify_version(r.client, r.model, v, tmp_path / "c")
+    for broken in ("{broken", "[1, 2]"):
+        stored.write_text(broken)
+        with pytest.raises(QuantgateError, match=r"model/build.json is unreadable or not a JSON object; refusing"):
+            verify_version(r.client, r.model, v, tmp_path / f"c{len(broken)}")
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)  # store-independent beyond what other tests cover

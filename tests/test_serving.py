@@ -132,13 +132,15 @@ def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_
             f"vLLM CPU runs W4A16 weights as W4A8 only on AMX CPUs, and this CPU is {platform.kind}: "
         )
         assert got.endswith(
-            "vLLM would serve its weights as W4A16 here, so what is gated would not be what is served; drop the "
-            "build from `builds` on this machine, or evaluate it on an AMX CPU"
+            "vLLM would serve its weights as W4A16 here, so what is gated would not be what is served; serve it on an "
+            "AMX CPU (in a pipeline run here: drop it from `builds`)"
         )
     assert "and this is a GPU (NVIDIA H200): vLLM would serve" in precision.w4a8_problem(GPU, "bfloat16")
     assert "takes bfloat16 activations only and evaluate.serve.dtype resolves to float32" in (
         precision.w4a8_problem(AMX, "float32")
     )
+    unasked = Platform("cpu", kernel_library="_C", w4a8="", isa={"amx": True})
+    assert precision.w4a8_problem(unasked, "bfloat16").startswith("the platform probe made no W4A8 call on this AMX")
     hung = Platform("cpu", kernel_library="_C", w4a8="no answer in 60 s", isa={"amx": True})
     assert "in the platform probe: no answer in 60 s, so a server" in precision.w4a8_problem(hung, "bfloat16")
     # check_servable asks the W4A8 question of a W4A8 build, the W4A16 one of its W4A16 twin
@@ -156,12 +158,15 @@ def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_
     # a build.json that cannot be read is refused, not read as "no setting" (it would be served as W4A16)
     for text, why in (("{not json", r"unreadable \(JSONDecodeError\)"), ("[1, 2]", "not a JSON object")):
         (w4a8 / "build.json").write_text(text)
-        with pytest.raises(ServerStartError, match=rf"int4-w4a8/build.json: {why}; re-run `dvc repro`"):
+        with pytest.raises(ServerStartError, match=rf"int4-w4a8/build.json: {why}; remake the build \(`dvc repro`\)"):
             check_servable(ServeParams(python="py", dtype="bfloat16"), w4a8, "auto")
     # w4a8 over weights that are not W4A16: vLLM would ignore the switch
-    for name, group in (("fp16", None), ("fp8", FP8_DYNAMIC)):
+    fp4 = {"format": "nvfp4-pack-quantized", "input_activations": None, "weights": {"num_bits": 4, "type": "float"}}
+    for name, group in (("fp16", None), ("fp8", FP8_DYNAMIC), ("fp4", fp4)):
         other = build(tmp_path, f"{name}-w4a8", group, w4a8=True)
-        with pytest.raises(ServerStartError, match=r"build.json says w4a8, but its config.json holds no W4A16 weights"):
+        with pytest.raises(
+            ServerStartError, match=r"build.json says w4a8, but its config.json holds other weights than W4A16 at int4"
+        ):
             check_servable(ServeParams(python="py", dtype="bfloat16"), other, "auto")
 
 

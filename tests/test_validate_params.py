@@ -268,10 +268,16 @@ def test_a_search_base_served_as_w4a8_is_refused_at_its_line(params):
         doc["search"]["base"] = "int4-w4a8"
 
     path = params(change)
-    line = next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip() == "base: int4-w4a8")
     one_line_error(
         lambda: check_search(BUILDS + ["int4-w4a8"], path),
-        rf"^{re.escape(str(path))}:{line}: search.base int4-w4a8 is served as W4A8 .*name the W4A16 build",
+        rf"^{re.escape(str(path))}:\d+: search.base int4-w4a8 is served as W4A8 .*drop quantize.int4-w4a8.w4a8",
+    )
+    # int4 itself made W4A8: the advice is to keep it W4A16 and add a build of its own, not to name int4 again
+    path = params(lambda doc: doc["quantize"]["int4"].update(w4a8=True))
+    line = next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip() == "w4a8: true")
+    one_line_error(
+        lambda: check_search(BUILDS, path),
+        rf"^{re.escape(str(path))}:{line}: search.base int4 is served as W4A8 .*drop quantize.int4.w4a8 \(to serve",
     )
 
 
