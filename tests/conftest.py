@@ -9,6 +9,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,31 @@ def light_copy(project: Path, dst: Path, drop_eval: str | None = None, link_each
     if drop_eval:
         shutil.rmtree(dst / "results/eval" / drop_eval)
     return dst
+
+
+@contextmanager
+def registered_in_copy(work: Path, build: str):
+    """Run the register stage's function in `work` (a light_copy) for `build` and the baseline, into a registry of
+    the copy's own (sqlite in work/mlflow.db); yields (register's result, an MLflow client of that registry)."""
+    from _pytest.monkeypatch import MonkeyPatch
+
+    from pipeline.register import RegisterParams, register
+    from quantgate.results import read_gate, read_teams
+    from registry import store
+
+    with MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
+        result = read_gate(work / "results/gate.json")
+        registered = register(
+            work / "models",
+            result.model_copy(update={"builds": {build: result.builds[build]}}),
+            (work / "results/gate_report.md").read_text(),
+            work / "results/eval",
+            load_block("register", RegisterParams, work / "params.yaml"),
+            read_teams(work / "results/teams.json"),
+        )
+        yield registered, store.client()
 
 
 def approved_version(client, model: str, build: str, entry: dict, n_docs: int) -> str:

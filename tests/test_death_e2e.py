@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from benchmarks.common import project_env
-from tests.conftest import light_copy, run
+from tests.conftest import light_copy, registered_in_copy, run
 
 pytestmark = pytest.mark.e2e
 BUILD = "int8"  # vLLM serves W8A8 with oneDNN on every CPU kind (FP8 and W4A16 it may refuse before a start)
@@ -51,13 +51,6 @@ def kill_worker_once_scoring(stage_pid: int, base: str, killed: dict) -> None:
 
 
 def test_a_server_killed_while_scoring_a_team_fails_its_build_with_that_reason(project, tmp_path):
-    from _pytest.monkeypatch import MonkeyPatch
-
-    from pipeline.register import RegisterParams, register
-    from quantgate.params import load_block
-    from quantgate.results import read_gate, read_teams
-    from registry import store
-
     work = light_copy(project, tmp_path / "p", drop_eval=BUILD)
     out = f"results/eval/{BUILD}"
     proc = subprocess.Popen(
@@ -108,19 +101,7 @@ def test_a_server_killed_while_scoring_a_team_fails_its_build_with_that_reason(p
     assert reason in (work / "results/gate_report.md").read_text()
 
     # register (BUILD and the baseline, in a registry of the copy's own): a run with the reason, no version
-    with MonkeyPatch.context() as mp:
-        mp.chdir(work)
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
-        result = read_gate(work / "results/gate.json")
-        registered = register(
-            work / "models",
-            result.model_copy(update={"builds": {BUILD: result.builds[BUILD]}}),
-            (work / "results/gate_report.md").read_text(),
-            work / "results/eval",
-            load_block("register", RegisterParams, work / "params.yaml"),
-            read_teams(work / "results/teams.json"),
-        )
-        client = store.client()
+    with registered_in_copy(work, BUILD) as (registered, client):
         assert BUILD not in registered["builds"] and registered["unregistered"][BUILD]["verdict"] == "FAIL"
         versions = client.search_model_versions(f"name='{registered['model_name']}'")
         assert [v.tags.get("build") for v in versions] == ["fp16"]

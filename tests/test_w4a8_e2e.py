@@ -17,7 +17,7 @@ import yaml
 
 from benchmarks.common import project_env
 from quantgate.precision import probe, resolve_dtype, w4a8_problem
-from tests.conftest import SERVE_PYTHON, light_copy, run
+from tests.conftest import SERVE_PYTHON, light_copy, registered_in_copy, run
 
 pytestmark = pytest.mark.e2e
 BUILD = "int4-w4a8"
@@ -31,13 +31,6 @@ def stage(argv: list[str], cwd) -> str:
 
 
 def test_int4s_weights_served_as_w4a8_are_a_build_of_their_own_gated_as_served(project, tmp_path):
-    from _pytest.monkeypatch import MonkeyPatch
-
-    from pipeline.register import RegisterParams, register
-    from quantgate.params import load_block
-    from quantgate.results import read_gate, read_teams
-    from registry import store
-
     work = light_copy(project, tmp_path / "p", link_each_model=True)
     doc = yaml.safe_load((work / "params.yaml").read_text())
     doc["builds"].append(BUILD)
@@ -78,20 +71,9 @@ def test_int4s_weights_served_as_w4a8_are_a_build_of_their_own_gated_as_served(p
     assert gate.get("same_weights_as") == "int4"
 
     # register, in a registry of the copy's own: the run says how the build is served
-    with MonkeyPatch.context() as mp:
-        mp.chdir(work)
-        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{work / 'mlflow.db'}")
-        result = read_gate(work / "results/gate.json")
-        registered = register(
-            work / "models",
-            result.model_copy(update={"builds": {BUILD: result.builds[BUILD]}}),
-            (work / "results/gate_report.md").read_text(),
-            work / "results/eval",
-            load_block("register", RegisterParams, work / "params.yaml"),
-            read_teams(work / "results/teams.json"),
-        )
+    with registered_in_copy(work, BUILD) as (registered, client):
         entry = registered["builds"].get(BUILD) or registered["unregistered"][BUILD]
-        tags = store.client().get_run(entry["run_id"]).data.tags
+        tags = client.get_run(entry["run_id"]).data.tags
         assert (tags["w4a8"], tags["scheme"], tags["same_weights_as"]) == ("true", "W4A8", "int4")
         if refusal:
             assert BUILD in registered["unregistered"] and entry["verdict"] == "FAIL"
