@@ -213,3 +213,11 @@ def log_progress(pattern: str, *, desc: str, unit: str = "it") -> Iterator[None]
         stage.watchers.remove(watch)
         if bar is not None:
             bar.close()
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the working folder where it lies under it (as the user typed it), else as is."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

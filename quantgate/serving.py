@@ -29,7 +29,7 @@ from typing import Annotated, Literal
 import httpx
 from pydantic import Field, field_validator
 
-from quantgate.console import progress
+from quantgate.console import progress, shown
 from quantgate.devices import check_devices, visible_devices
 from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
@@ -351,7 +351,9 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         except QuantgateError as exc:
             raise ServerStartError(str(exc)) from None
         if problem:
-            raise ServerStartError(f"vLLM cannot serve {model_dir} here: {problem} (checked before starting a server)")
+            raise ServerStartError(
+                f"vLLM cannot serve {shown(model_dir)} here: {problem} (checked before starting a server)"
+            )
     try:
         slow = is_fp8(model_dir) and slowdown_problem(
             params.python, probe(params.python), model_dir, params.dtype, params.max_slowdown
@@ -360,7 +362,7 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         raise ServerStartError(str(exc)) from None
     if slow:
         raise ServerStartError(
-            f"vLLM would serve {model_dir} here too slowly to score: {slow} (checked before starting a server)"
+            f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} (checked before starting a server)"
         )
     if not is_w4a16(model_dir):
         return
@@ -373,7 +375,7 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         raise ServerStartError(str(exc)) from None
     if problem:
         raise ServerStartError(
-            f"vLLM cannot serve the {'W4A8' if w4a8 else 'W4A16'} build {model_dir} here: {problem} "
+            f"vLLM cannot serve the {'W4A8' if w4a8 else 'W4A16'} build {shown(model_dir)} here: {problem} "
             "(checked before starting a server)"
         )
 

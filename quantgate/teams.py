@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from quantgate.budget import Cost, DocCost, ValidateParams, doc_costs, estimate, largest_limit, over
 from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
+from quantgate.console import shown
 from quantgate.errors import QuantgateError
 from quantgate.fewshot import check_examples, scored_split
 from quantgate.hashing import digest_of, digest_tree, sha256_file
@@ -329,14 +330,6 @@ def _over_budget(team: Team, budgets: ValidateParams) -> list[str]:
             f"(params.yaml {key}); {fix}, or ask the release side {ask}"
         )
     return lines
-
-
-def shown(path: Path) -> str:
-    """`path` relative to the working folder where it lies under it (as the user typed it), else as is."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def scores_digest(path: Path, tasks: list[Task]) -> str:
