@@ -301,8 +301,10 @@ def _speed_file(python: str, request_json: str) -> Path:
     return cache_dir(python) / f"{probe_key(python)}-speed-{digest_json(request_json)[:16]}.json"
 
 
-def _time_once(python: str, request_json: str) -> dict:
-    code, stdout, stderr = _run_probe(python, ["speed", request_json])
+def _time_once(python: str, request_json: str, stop_above: float | None = None) -> dict:
+    code, stdout, stderr = _run_probe(
+        python, ["speed", request_json, *([] if stop_above is None else [f"{stop_above:g}"])]
+    )
     if code is None:  # slower than PROBE_TIMEOUT_S for a few layers: that is itself the answer (not kept)
         return {"ratio": float("inf"), "why": f"the timing itself took over {PROBE_TIMEOUT_S} s"}
     try:
@@ -323,15 +325,20 @@ def fastest(runs: list[dict]) -> dict:
     if not timed:
         return runs[0]
     base = {t: min(r["ms_16bit"][t] for r in timed) for t in timed[0]["ms_16bit"]}
-    slow = {t: min(r["ms_scheme"][t] for r in timed) for t in timed[0]["ms_scheme"]}
-    per = {t: round(slow[t] / base[t], 2) for t in base}
+    # a run that stopped early (platform_probe.speed's stop_above) timed fewer token counts
+    slow = {t: min((r["ms_scheme"][t] for r in timed if t in r["ms_scheme"]), default=None) for t in base}
+    slow = {t: v for t, v in slow.items() if v is not None}
+    per = {t: round(slow[t] / base[t], 2) for t in slow}
+    untimed = [t for t in base if t not in slow]
+    merged = {k: v for k, v in timed[0].items() if k != "untimed"}
     return {
-        **timed[0],
+        **merged,
         "ratio": max(per.values()),
         "per_tokens": per,
         "ms_16bit": base,
         "ms_scheme": slow,
         "timings": sum(r.get("timings", 1) for r in timed),
+        **({"untimed": untimed} if untimed else {}),
     }
 
 
@@ -349,13 +356,17 @@ def _keep(python: str, request_json: str, d: dict) -> dict:
 def _speed(python: str, request_json: str, bound: float | None = None) -> dict:
     """The speed timing of `request_json`, kept on disk; a ratio within NEAR of `bound` (the rule it will be
     held to) rests on RETIMES timings (fastest), so that a busy machine does not decide for good."""
+    stop_above = None if bound is None else bound * NEAR  # past it one ratio decides; the rest are not timed
     try:
         d = json.loads(_speed_file(python, request_json).read_text())
     except (OSError, ValueError):
-        d = _keep(python, request_json, _time_once(python, request_json))
-    near = bound is not None and bound / NEAR <= d["ratio"] <= bound * NEAR
+        d = None
+    if d is None or (d.get("untimed") and not (stop_above is not None and d["ratio"] > stop_above)):
+        d = _keep(python, request_json, _time_once(python, request_json, stop_above))  # none kept, or one that
+        # stopped early at a lower bound than this one
+    near = bound is not None and bound / NEAR <= d["ratio"] <= stop_above
     if near and d.get("timings", 1) < RETIMES:
-        runs = [d] + [_time_once(python, request_json) for _ in range(RETIMES - d.get("timings", 1))]
+        runs = [d] + [_time_once(python, request_json, stop_above) for _ in range(RETIMES - d.get("timings", 1))]
         d = _keep(python, request_json, fastest(runs))
     return d
 
@@ -369,7 +380,8 @@ def emulation_slowdown(
     to float32). Measured in the serving env at `python` (whose Platform is `platform`) with vLLM's own FP8
     path (quantgate/platform_probe.py `speed`: the build's architecture, a few layers timed, the whole
     forward extrapolated). None for every other build (native kernels) and on a GPU.
-    Returns {"ratio", "per_tokens": {tokens: ratio}, "ms_16bit", "ms_scheme", "kernel"}, kept on disk by
+    Returns {"ratio", "per_tokens": {tokens: ratio}, "ms_16bit", "ms_scheme", "kernel", "untimed" (token counts
+    left once one ratio was over NEAR x `bound`: that ratio decides)}, kept on disk by
     probe_key (~30 s once per serving env, CPU, dtype and architecture; a ratio within NEAR of `bound`, the
     rule it is held to, is timed RETIMES times and the fastest kept: a busy machine must not decide for good).
     Raises QuantgateError if the serving env cannot run it or config.json cannot be read."""
@@ -404,6 +416,8 @@ def slowdown_problem(
     read = ", ".join(f"{r:g}x for {SPEED_READS.get(t, (f'{t} tokens',))[0]}" for t, r in per.items())
     slowed = " and ".join(SPEED_READS.get(t, ("", f"{t} tokens"))[1] for t, r in per.items() if r > max_slowdown)
     measured = f"its forward ran slower than the 16-bit build's here: {read}" if read else speed.get("why", "")
+    if untimed := [SPEED_READS.get(t, (f"{t} tokens",))[0] for t in speed.get("untimed", [])]:
+        measured += f" ({' and '.join(untimed)} not timed: one ratio over the bound decides)"
     return (
         f"FP8 is emulated by vLLM CPU on this {platform.kind} CPU at {dtype} (no FP8 GEMM without AMX-FP8); "
         f"{measured}; {slowed or 'it'} would take over {max_slowdown:g}x the 16-bit build's time, over "

@@ -406,10 +406,66 @@ def timing(ms16: float, ms8: float) -> dict:
     }
 
 
+def test_once_one_ratio_is_over_the_bound_the_other_token_counts_are_not_timed(tmp_path, monkeypatch):
+    # emulated FP8 on a 2-core AMX Xeon at bfloat16 (2026-12-05): 908.77x for one decoding token, and its
+    # 256-token prompt took 46 s per call for two layers, 3 of the 3.7 minutes the timing took; the first ratio
+    # already decides, so the prompt is not timed (platform_probe.speed, stop_above = NEAR x the bound)
+    calls = []
+
+    def time_once(python, request, stop_above=None):
+        calls.append(stop_above)
+        got = {**timing(51.15, 46486.2), "ratio": 908.77, "per_tokens": {"1": 908.77}}
+        got["ms_16bit"] = {"1": 51.15, "256": 128.69}
+        if stop_above is None or stop_above >= 908.77:  # the prompt timed too
+            return {**got, "ratio": 5340.5, "per_tokens": {"1": 908.77, "256": 5340.5}}
+        return {**got, "untimed": ["256"]}
+
+    monkeypatch.setattr(precision, "_time_once", time_once)
+    monkeypatch.setattr(precision, "_speed_file", lambda python, request: tmp_path / f"{request}.json")
+    precision._speed.cache_clear()
+    assert precision._speed("py", "amx", 3.0)["untimed"] == ["256"] and calls == [4.5]
+    precision._speed.cache_clear()
+    assert precision._speed("py", "amx", 500.0)["ratio"] == 908.77 and calls == [4.5]  # still decides: kept
+    precision._speed.cache_clear()
+    # a bound the decoding ratio does not decide (908.77 is within 1.5x of 1000): the whole timing again
+    got = precision._speed("py", "amx", 1000.0)
+    assert calls == [4.5, 1500.0] and got["ratio"] == 5340.5 and "untimed" not in got
+    precision._speed.cache_clear()
+    # the refusal names what was timed and what was not
+    (tmp_path / "amx.json").unlink()
+    monkeypatch.setattr(precision, "_speed", lambda python, request, bound=None: time_once(python, request, 4.5))
+    fp8 = build(tmp_path, "fp8", FP8_DYNAMIC)
+    why = precision.slowdown_problem("py", AMX, fp8, "bfloat16", 3.0)
+    assert "908.77x for one decoding token (a 256-token prompt not timed: one ratio over the bound decides); " in why
+    assert "each generated token would take over 3x" in why
+
+
+def test_speed_stops_timing_once_a_ratio_is_over_stop_above():
+    # platform_probe.speed itself, on a two-layer model of 64 hidden units (torch steps of vLLM's FP8 path where
+    # vLLM is not installed, as in the pipeline env)
+    from quantgate import platform_probe
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+    }
+    request = {"scheme": "FP8_DYNAMIC", "dtype": "float32", "config": config, "tokens": [1, 8]}
+    every = platform_probe.speed(request)
+    assert set(every["per_tokens"]) == {"1", "8"} and "untimed" not in every and every["ratio"] > 0
+    first = platform_probe.speed(request, stop_above=0.0)  # any ratio is over 0: only one decoding token timed
+    assert set(first["per_tokens"]) == {"1"} and first["untimed"] == ["8"] and set(first["ms_16bit"]) == {"1", "8"}
+    assert first["ratio"] == first["per_tokens"]["1"]
+
+
 def test_a_ratio_near_the_bound_is_timed_again_and_the_fastest_sides_decide(tmp_path, monkeypatch):
     # a busy machine slows whichever side it lands on: 3.6x first, then the quiet runs say 2.5x
     runs = [timing(10.0, 36.0), timing(12.0, 25.0), timing(10.0, 27.0)]
-    monkeypatch.setattr(precision, "_time_once", lambda python, request: runs.pop(0))
+    monkeypatch.setattr(precision, "_time_once", lambda python, request, stop_above=None: runs.pop(0))
     monkeypatch.setattr(precision, "_speed_file", lambda python, request: tmp_path / f"{request}.json")
     precision._speed.cache_clear()
     got = precision._speed("py", "far", None)  # no bound given: one timing is the answer
