@@ -31,7 +31,7 @@ from pipeline.report import table
 from quantgate.budget import CHARS_PER_TOKEN, Cost
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
-from quantgate.manifest import read_manifest
+from quantgate.manifest import read_manifest, serving_settings
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
 from quantgate.precision import MACHINE_TABLE
 from quantgate.precision import RECORD as PRECISION
@@ -154,9 +154,17 @@ def same_weights(digests: dict[str, str]) -> dict[str, str]:
     return {b: first[d] for b, d in digests.items() if first[d] != b}
 
 
+def served_apart(model_dir: Path, twin_dir: Path) -> dict[str, str]:
+    """The serving settings (quantgate.manifest.serving_settings) that `model_dir` sets and its twin (the build
+    with the same weights) does not, or sets otherwise: {"w4a8": "true"} for a W4A8 build of int4's weights."""
+    mine, theirs = serving_settings(model_dir), serving_settings(twin_dir)
+    return {k: v for k, v in mine.items() if theirs.get(k) != v}
+
+
 def same_weights_note(build: str, b: BuildGate, search: SearchResult | None) -> str | None:
     """The note "same weights as <build>" for a build that has another's weights, with why when its search (the
-    search stage's result) kept no layer 16-bit or was skipped; None for a build with weights of its own."""
+    search stage's result) kept no layer 16-bit or was skipped, and what it is served with that the other is not
+    (", served with w4a8=true"); None for a build with weights of its own."""
     if not b.same_weights_as:
         return None
     why, own = "", search is not None and search.build == build
@@ -164,7 +172,8 @@ def same_weights_note(build: str, b: BuildGate, search: SearchResult | None) -> 
         why = " (its search was skipped: no layer kept 16-bit)"
     elif own and search.chosen == 0:
         why = " (the search kept no layer 16-bit)"
-    return f"same weights as {b.same_weights_as}{why}"
+    served = ", ".join(f"{k}={v}" for k, v in (b.served_with or {}).items())
+    return f"same weights as {b.same_weights_as}{why}" + (f", served with {served}" if served else "")
 
 
 def search_problem(search_file: Path | None, build: str) -> str | None:
@@ -233,6 +242,8 @@ def gate(
                 )
         worst = max((Verdict(c.verdict) for c in comparisons.values()), key=SEVERITY.index)
         twin = {"same_weights_as": twins[build]} if build in twins else {}  # unset, not null: gate.json keeps its shape
+        if twin and (served := served_apart(models_dir / build, models_dir / twins[build])):
+            twin["served_with"] = served
         if why := search_problem(search_file, build):
             builds[build] = BuildGate(verdict=Verdict.FAIL, shippable=False, teams=comparisons, reason=why, **twin)
         else:

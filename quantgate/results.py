@@ -203,14 +203,16 @@ class BuildGate(Document):
     """The gate's judgement of one build: the worst team verdict, and one comparison per team.
     `recommended` (None before the gate priced builds) is a separate field from the verdict: non-inferior
     for every team AND cheaper to serve than the baseline on the measured platform; `recommendation` says why.
-    `same_weights_as` names another build whose weights digest is this one's (a search that kept no layer);
-    it is a fact for release managers, not evidence: the verdict stays this build's own."""
+    `same_weights_as` names another build whose weights digest is this one's (a search that kept no layer, a
+    W4A8 build of int4's weights); it is a fact for release managers, not evidence: the verdict stays this
+    build's own. `served_with` is what its servers set that that build's do not (quantgate.manifest.serving_tags)."""
 
     verdict: Verdict
     shippable: bool
     teams: dict[str, TeamComparison]
     reason: str | None = None  # why the build FAILs whatever its teams' verdicts (its search found nothing)
     same_weights_as: str | None = None  # the first build of this run (params.yaml order) with the same weights
+    served_with: dict[str, str] | None = None  # serving settings it differs from that build in ({"w4a8": "true"})
     recommended: bool | None = None
     recommendation: str | None = None
 

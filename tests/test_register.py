@@ -159,12 +159,16 @@ def test_a_blank_model_name_is_refused_at_load_naming_the_field(tmp_path):
             load_block("register", RegisterParams, params)
 
 
-def gate_twins(root: Path, evals: Path, search: SearchResult) -> GateResult:
+def gate_twins(root: Path, evals: Path, search: SearchResult, w4a8: bool = False) -> GateResult:
     """The real gate on int4 and int4-mixed made from one set of weights (one seed), scored alike on a set too
-    small to decide (INCONCLUSIVE for both teams' rows), after the search stage's result `search`."""
+    small to decide (INCONCLUSIVE for both teams' rows), after the search stage's result `search`; with
+    `w4a8`, int4-mixed's build.json says it is served as W4A8 (quantize.<build>.w4a8)."""
     for build, seed in (("fp16", 0), ("int4", 1), ("int4-mixed", 1)):
         safetensors_build(root / "models" / build, build, seed, shards=1)
         write_scores(root / "results/eval", build, "search", [1.0, 0.0] * 5)
+    if w4a8:
+        manifest = root / "models/int4-mixed/build.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "w4a8": True, "scheme": "W4A8"}))
     write_search(root / SEARCH_RESULT, search)
     teams = [t for t in load_teams(evals) if t.name == "search"]
     params = GateParams(baseline="fp16", candidates=["int4", "int4-mixed"], bootstrap_resamples=1000)
@@ -204,6 +208,19 @@ def runs_by_build(client) -> dict:
     return found
 
 
+def test_a_w4a8_build_of_int4s_weights_is_said_to_be_served_otherwise(registry_dir, example_evals):
+    """int4-w4a8 (quantize.<build>.w4a8) copies int4's weights: the gate line must not read as if it were
+    int4, so the note names what its servers set that int4's do not."""
+    result = gate_twins(registry_dir, example_evals, KEPT_NONE_FAILED, w4a8=True)
+    w4a8 = result.builds["int4-mixed"]
+    assert w4a8.served_with == {"w4a8": "true"} and result.builds["int4"].served_with is None
+    assert "served_with" not in result.builds["int4"].dump()
+    assert same_weights_note("int4-mixed", w4a8, None) == "same weights as int4, served with w4a8=true"
+    assert "  - same weights as int4 (the search kept no layer 16-bit), served with w4a8=true\n" in report(
+        result, search=KEPT_NONE_FAILED
+    )
+
+
 def test_two_builds_with_one_set_of_weights_keep_a_run_each_with_their_own_verdict(registry_dir, example_evals):
     """The search kept no layer, so int4-mixed is int4's weights with int4's evidence, but the gate FAILs it
     (its search found nothing) and calls int4 INCONCLUSIVE: register stopped on "recorded gate.verdict=
@@ -214,6 +231,7 @@ def test_two_builds_with_one_set_of_weights_keep_a_run_each_with_their_own_verdi
     assert int4.teams == mixed.teams  # the same per-team evidence
     assert mixed.reason.startswith("none of the search's 2 screened candidates (0, 32 layers kept 16-bit; at most 6")
     assert (int4.same_weights_as, mixed.same_weights_as) == (None, "int4")
+    assert mixed.served_with is None  # served alike: the note says nothing of serving
     assert "same_weights_as" not in int4.dump() and mixed.dump()["same_weights_as"] == "int4"
     md = report(result, search=KEPT_NONE_FAILED)
     assert "- **int4-mixed**: FAIL (not shippable)\n  - none of the search's 2 screened" in md

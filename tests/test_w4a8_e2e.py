@@ -68,7 +68,7 @@ def test_int4s_weights_served_as_w4a8_are_a_build_of_their_own_gated_as_served(p
         print(f"\ne2e: {BUILD} served here ({platform.kind}); gate {gate['verdict']}")
         assert all(d["status"] == "ok" for d in docs.values()), [d.get("reason") for d in docs.values()]
         assert profile["status"] == "profiled"
-    assert gate.get("same_weights_as") == "int4"
+    assert (gate.get("same_weights_as"), gate.get("served_with")) == ("int4", {"w4a8": "true"})
 
     # register, in a registry of the copy's own: the run says how the build is served
     with registered_in_copy(work, BUILD) as (registered, client):
