@@ -50,7 +50,7 @@ from quantgate.params import Frozen, load_block
 from quantgate.precision import probe, probe_key
 from quantgate.remote import node_python, on_node, published, settle, submit
 from quantgate.results import BuildProfile, LoadPoint, Placement, read_profile, write_profile
-from quantgate.serving import ServeParams, kv_cache_dtype, resolved, vllm_server
+from quantgate.serving import BEFORE_SERVER, ServeParams, kv_cache_dtype, resolved, vllm_server
 
 LOGS = Path("results/logs")
 CACHE_DIR = Path(".quantgate/cache/profile")
@@ -264,7 +264,10 @@ def main() -> None:
         result = measured(build, model_dir, serve, params)
     write_profile(out, result)
     why = f": {result.reason}" if result.reason else ""  # the reason once (main prints it for every executor)
-    print(f"profile[{build}]: {result.status}{why}; wrote {out}", file=sys.stderr if why else sys.stdout, flush=True)
+    wrote = f"wrote {out}"
+    if why.endswith(BEFORE_SERVER):  # evaluate printed the same refusal in full: its head here, the rest in OUT
+        why, wrote = f": {why.split(': ', 2)[1]} {BEFORE_SERVER}", f"wrote {out} with the whole reason"
+    print(f"profile[{build}]: {result.status}{why}; {wrote}", file=sys.stderr if why else sys.stdout, flush=True)
 
 
 if __name__ == "__main__":

@@ -332,6 +332,9 @@ def serves_w4a8(model_dir: Path) -> bool:
     return value
 
 
+BEFORE_SERVER = "(checked before starting a server)"  # ends every check_servable reason
+
+
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
     """Fail in seconds, not after a server start, for a build this serving env cannot run: a W4A16
     build at `params.dtype` (resolved), a build served as W4A8 where vLLM would not take that path, a
@@ -351,9 +354,7 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         except QuantgateError as exc:
             raise ServerStartError(str(exc)) from None
         if problem:
-            raise ServerStartError(
-                f"vLLM cannot serve {shown(model_dir)} here: {problem} (checked before starting a server)"
-            )
+            raise ServerStartError(f"vLLM cannot serve {shown(model_dir)} here: {problem} {BEFORE_SERVER}")
     try:
         slow = is_fp8(model_dir) and slowdown_problem(
             params.python, probe(params.python), model_dir, params.dtype, params.max_slowdown
@@ -361,9 +362,7 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     except QuantgateError as exc:
         raise ServerStartError(str(exc)) from None
     if slow:
-        raise ServerStartError(
-            f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} (checked before starting a server)"
-        )
+        raise ServerStartError(f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} {BEFORE_SERVER}")
     if not is_w4a16(model_dir):
         return
     try:
@@ -376,7 +375,7 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     if problem:
         raise ServerStartError(
             f"vLLM cannot serve the {'W4A8' if w4a8 else 'W4A16'} build {shown(model_dir)} here: {problem} "
-            "(checked before starting a server)"
+            + BEFORE_SERVER
         )
 
 

@@ -224,3 +224,29 @@ def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_wr
     monkeypatch.setattr(stage, "CODE_VERSION", stage.CODE_VERSION + 1)  # what a profile measures changed
     stage.measured("fp16", build_dir, serve, params)
     assert runs == ["fp16"] * 3
+
+
+UNPROFILED = {"build": "fp8", "status": "unprofiled", "input_len": 64, "output_len": 16, "seed": 1234}
+
+
+def test_a_refusal_before_any_server_is_said_in_full_once_evaluate_said_it_profile_gives_its_head(
+    build_dir, monkeypatch, capsys
+):
+    # evaluate prints check_servable's whole reason; profile's line gives its head and writes the rest to its out
+    slow = (
+        "vLLM would serve models/fp8 here too slowly to score: FP8 is emulated by vLLM CPU on this AMX CPU at "
+        f"bfloat16 (no FP8 GEMM without AMX-FP8); its forward ran slower ... {serving.BEFORE_SERVER}"
+    )
+    (build_dir.parent.parent / "params.yaml").write_text("profile: {}\nevaluate: {serve: {}}\nexecutor: {}\n")
+    monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason=slow))
+    monkeypatch.setattr("sys.argv", ["profile", "fp8", "models/fp8", "results/profile/fp8.json"])
+    stage.main()
+    assert capsys.readouterr().err == (
+        "profile[fp8]: unprofiled: vLLM would serve models/fp8 here too slowly to score (checked before starting a "
+        "server); wrote results/profile/fp8.json with the whole reason\n"
+    )
+    assert json.loads((build_dir.parent.parent / "results/profile/fp8.json").read_text())["reason"] == slow
+    # any other reason is said in full: no stage printed it before
+    monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason="boom"))
+    stage.main()
+    assert capsys.readouterr().err == "profile[fp8]: unprofiled: boom; wrote results/profile/fp8.json\n"
