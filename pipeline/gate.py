@@ -31,7 +31,7 @@ from pipeline.report import table
 from quantgate.budget import CHARS_PER_TOKEN, Cost
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
-from quantgate.manifest import read_manifest, serving_settings
+from quantgate.manifest import SERVING_DEFAULTS, read_manifest, serving_settings
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
 from quantgate.precision import MACHINE_TABLE
 from quantgate.precision import RECORD as PRECISION
@@ -155,10 +155,13 @@ def same_weights(digests: dict[str, str]) -> dict[str, str]:
 
 
 def served_apart(model_dir: Path, twin_dir: Path) -> dict[str, str]:
-    """The serving settings (quantgate.manifest.serving_settings) that `model_dir` sets and its twin (the build
-    with the same weights) does not, or sets otherwise: {"w4a8": "true"} for a W4A8 build of int4's weights."""
+    """The serving settings (quantgate.manifest.serving_settings) in which `model_dir` differs from its twin (the
+    build with the same weights), as `model_dir` sets them, vLLM's default where it sets none: {"w4a8": "true"}
+    for a W4A8 build of int4's weights, {"w4a8": "false"} for int4 beside a W4A8 build listed before it."""
     mine, theirs = serving_settings(model_dir), serving_settings(twin_dir)
-    return {k: v for k, v in mine.items() if theirs.get(k) != v}
+    return {
+        k: mine.get(k, SERVING_DEFAULTS[k]) for k in sorted(mine.keys() | theirs.keys()) if mine.get(k) != theirs.get(k)
+    }
 
 
 def same_weights_note(build: str, b: BuildGate, search: SearchResult | None) -> str | None:

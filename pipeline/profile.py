@@ -31,6 +31,7 @@ and names the node (`placement`).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -265,8 +266,9 @@ def main() -> None:
     write_profile(out, result)
     why = f": {result.reason}" if result.reason else ""  # the reason once (main prints it for every executor)
     wrote = f"wrote {out}"
-    if why.endswith(BEFORE_SERVER):  # evaluate printed the same refusal in full: its head here, the rest in OUT
-        why, wrote = f": {why.split(': ', 2)[1]} {BEFORE_SERVER}", f"wrote {out} with the whole reason"
+    head = re.match(r"(vLLM (?:cannot|would) serve .+? here(?: too slowly to score)?): ", result.reason or "")
+    if head and why.endswith(BEFORE_SERVER):  # a refusal evaluate prints whole: its head here, the rest in OUT
+        why, wrote = f": {head[1]} {BEFORE_SERVER}", f"wrote {out} with the whole reason"
     print(f"profile[{build}]: {result.status}{why}; {wrote}", file=sys.stderr if why else sys.stdout, flush=True)
 
 

@@ -30,6 +30,7 @@ def weight_digests(model_dir: Path) -> dict[str, str]:
 # build.json fields that say how every vLLM server of the build runs it (quantize.<build>: vLLM's
 # --kv-cache-dtype; w4a8: VLLM_CPU_INT4_W4A8=1), recorded only where set
 SERVING_SETTINGS = ("kv_cache_dtype", "w4a8")
+SERVING_DEFAULTS = {"kv_cache_dtype": "auto", "w4a8": "false"}  # vLLM's, as serving_tags writes values
 
 
 def serving_tags(manifest: dict) -> dict[str, str]:

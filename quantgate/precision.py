@@ -303,7 +303,7 @@ def _speed_file(python: str, request_json: str) -> Path:
 
 def _time_once(python: str, request_json: str, stop_above: float | None = None) -> dict:
     code, stdout, stderr = _run_probe(
-        python, ["speed", request_json, *([] if stop_above is None else [f"{stop_above:g}"])]
+        python, ["speed", request_json, *([] if stop_above is None else [repr(stop_above)])]
     )
     if code is None:  # slower than PROBE_TIMEOUT_S for a few layers: that is itself the answer (not kept)
         return {"ratio": float("inf"), "why": f"the timing itself took over {PROBE_TIMEOUT_S} s"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import re
 import shlex
@@ -133,12 +134,22 @@ class ServeParams(Frozen):
     startup_timeout_s: int = Field(default=600, gt=0)
     # a build served only through emulation (FP8 on a CPU) whose forward runs more than this many times slower
     # than the 16-bit build's here is refused before any server starts (quantgate.precision.slowdown_problem)
-    max_slowdown: float | None = Field(default=3.0, gt=1)  # None: emulated builds are served however slow
+    max_slowdown: float | None = 3.0  # None: emulated builds are served however slow
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
     _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
+
+    @field_validator("max_slowdown")
+    @classmethod
+    def _a_finite_bound_over_1(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 1):
+            raise ValueError(
+                f"{value:g} is no bound (a build's forward at most that many times slower than the 16-bit build's): "
+                "write a number greater than 1, e.g. 3, or null to serve emulated builds however slow"
+            )
+        return value
 
     @field_validator("max_model_len")
     @classmethod

@@ -246,6 +246,13 @@ def test_a_refusal_before_any_server_is_said_in_full_once_evaluate_said_it_profi
         "server); wrote results/profile/fp8.json with the whole reason\n"
     )
     assert json.loads((build_dir.parent.parent / "results/profile/fp8.json").read_text())["reason"] == slow
+    # a folder whose name holds ": " is not cut there
+    odd = slow.replace("models/fp8", "/data/run: 2/models/fp8")
+    monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason=odd))
+    stage.main()
+    assert capsys.readouterr().err.startswith(
+        "profile[fp8]: unprofiled: vLLM would serve /data/run: 2/models/fp8 here too slowly to score (checked before"
+    )
     # any other reason is said in full: no stage printed it before
     monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason="boom"))
     stage.main()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.gate import GateParams, gate, report, same_weights_note
+from pipeline.gate import GateParams, gate, report, same_weights_note, served_apart
 from pipeline.register import RegisterParams, register
 from quantgate.errors import QuantgateError
 from quantgate.results import (
@@ -219,6 +219,9 @@ def test_a_w4a8_build_of_int4s_weights_is_said_to_be_served_otherwise(registry_d
     assert "  - same weights as int4 (the search kept no layer 16-bit), served with w4a8=true\n" in report(
         result, search=KEPT_NONE_FAILED
     )
+    # listed the other way round (the W4A8 build first), int4's line says what it is served without
+    assert served_apart(registry_dir / "models/int4", registry_dir / "models/int4-mixed") == {"w4a8": "false"}
+    assert served_apart(registry_dir / "models/int4", registry_dir / "models/int4") == {}
 
 
 def test_two_builds_with_one_set_of_weights_keep_a_run_each_with_their_own_verdict(registry_dir, example_evals):

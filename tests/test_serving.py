@@ -387,8 +387,9 @@ def test_an_fp8_build_too_slow_by_its_measured_forward_is_refused_before_a_serve
     monkeypatch.setattr(serving, "probe", lambda python: GPU)
     check_servable(ServeParams(python="py", dtype="bfloat16"), fp8, "auto")
     assert len(timed) == 2
-    with pytest.raises(ValueError, match="greater than 1"):
-        ServeParams(max_slowdown=1)
+    for no_bound in (1, 0, -1, float("inf"), float("nan")):  # inf: timed, never refused (a timing that ran out
+        with pytest.raises(ValueError, match="write a number greater than 1, e.g. 3, or null"):  # 3 times over)
+            ServeParams(max_slowdown=no_bound)
     # null: no bound, nothing timed
     monkeypatch.setattr(serving, "probe", lambda python: AVX2)
     check_servable(ServeParams(python="py", dtype="float32", max_slowdown=None), fp8, "auto")
