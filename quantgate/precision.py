@@ -24,6 +24,7 @@ take float16/bfloat16 activations.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -305,7 +306,7 @@ def _time_once(python: str, request_json: str, stop_above: float | None = None) 
     code, stdout, stderr = _run_probe(
         python, ["speed", request_json, *([] if stop_above is None else [repr(stop_above)])]
     )
-    if code is None:  # slower than PROBE_TIMEOUT_S for a few layers: that is itself the answer (not kept)
+    if code is None:  # slower than PROBE_TIMEOUT_S for a few layers: that is itself the answer
         return {"ratio": float("inf"), "why": f"the timing itself took over {PROBE_TIMEOUT_S} s"}
     try:
         d = json.loads(stdout.strip().splitlines()[-1])
@@ -343,12 +344,13 @@ def fastest(runs: list[dict]) -> dict:
 
 
 def _keep(python: str, request_json: str, d: dict) -> dict:
-    if d["ratio"] != float("inf"):  # a timed-out timing is not kept
-        cache = _speed_file(python, request_json)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(d) + "\n")
-        tmp.replace(cache)
+    # a timed-out timing is kept too: timing it again would cost every later stage PROBE_TIMEOUT_S, and callers
+    # that each timed it could disagree (one timed out on a busy machine, one did not)
+    cache = _speed_file(python, request_json)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d) + "\n")  # inf is written Infinity, which json.loads reads back
+    tmp.replace(cache)
     return d
 
 
@@ -416,12 +418,13 @@ def slowdown_problem(
     read = ", ".join(f"{r:g}x for {SPEED_READS.get(t, (f'{t} tokens',))[0]}" for t, r in per.items())
     slowed = " and ".join(SPEED_READS.get(t, ("", f"{t} tokens"))[1] for t, r in per.items() if r > max_slowdown)
     measured = f"its forward ran slower than the 16-bit build's here: {read}" if read else speed.get("why", "")
+    advice = "raise it" if math.isfinite(speed["ratio"]) else "set it to null"  # no bound is over a timing that ran out
     if untimed := [SPEED_READS.get(t, (f"{t} tokens",))[0] for t in speed.get("untimed", [])]:
         measured += f" ({' and '.join(untimed)} not timed: one ratio over the bound decides)"
     return (
         f"FP8 is emulated by vLLM CPU on this {platform.kind} CPU at {dtype} (no FP8 GEMM without AMX-FP8); "
         f"{measured}; {slowed or 'it'} would take over {max_slowdown:g}x the 16-bit build's time, over "
-        f"evaluate.serve.max_slowdown {max_slowdown:g} (raise it to serve the build anyway); GPUs with FP8 "
+        f"evaluate.serve.max_slowdown {max_slowdown:g} ({advice} to serve the build anyway); GPUs with FP8 "
         f"(compute capability 8.9+) serve it natively"
     )
 

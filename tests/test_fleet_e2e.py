@@ -380,7 +380,7 @@ def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, cha
         else {"prompt": "The three primary colours are"}
     )
     path = "/chat/completions" if chat else "/completions"
-    direct, _ = streamed_text(fp16.url, path, {**body, "model": fp16.model})
+    direct, alone = streamed_text(fp16.url, path, {**body, "model": fp16.model})
     with AppServer(cutting_proxy(fp16.url, after=3), grace_s=1) as proxy:
         cut = Backend(f"{proxy.url}/v1", fp16.model, "cut-fp16")
         router = Router(lambda: {"stable": fp16, "candidate": cut, "shadow": None}, fast_router(), model_name=MODEL)
@@ -388,7 +388,9 @@ def test_stream_broken_mid_answer_is_finished_by_stable_word_for_word(fleet, cha
         with RouterServer(router) as server:
             via, events = streamed_text(f"{server.url}/v1", path, body)
     print(f"\nresumed {path}: {via!r} (fp16 alone: {direct!r})")
-    assert via == direct and len(direct.split()) >= 4
+    # more chunks than the proxy lets through, so the cut fell mid-answer (words vary with the kind: on a 2-core
+    # AMX Xeon at bfloat16 fp16 answered "L'Étoile, la Marseillaise," in 12 tokens, 3 words)
+    assert via == direct and len([e for e in alone if e.event == "message" and e.data != "[DONE]"]) > 3
     assert events[-1].data == "[DONE]" and not any(e.event == "error" for e in events)
     outcomes = sorted((s.role, s.outcome, s.retried) for s in router.samples_since(0))
     assert outcomes == [("candidate", "cut", False), ("stable", "ok", True)]

@@ -432,6 +432,16 @@ def test_once_one_ratio_is_over_the_bound_the_other_token_counts_are_not_timed(t
     got = precision._speed("py", "amx", 1000.0)
     assert calls == [4.5, 1500.0] and got["ratio"] == 5340.5 and "untimed" not in got
     precision._speed.cache_clear()
+    # a timing that ran out (PROBE_TIMEOUT_S) is kept as well: not every later stage waits for it again
+    ran_out = {"ratio": float("inf"), "why": "the timing itself took over 300 s"}
+    monkeypatch.setattr(precision, "_time_once", lambda python, request, stop_above=None: calls.append(0) or ran_out)
+    assert precision._speed("py", "slowest", 3.0) == ran_out and len(calls) == 3
+    precision._speed.cache_clear()
+    assert precision._speed("py", "slowest", 3.0)["ratio"] == float("inf") and len(calls) == 3
+    precision._speed.cache_clear()
+    monkeypatch.setattr(precision, "_speed", lambda python, request, bound=None: ran_out)
+    why = precision.slowdown_problem("py", AMX, build(tmp_path, "fp8-slowest", FP8_DYNAMIC), "bfloat16", 3.0)
+    assert "the timing itself took over 300 s; it would take over 3x" in why and "(set it to null to serve" in why
     # the refusal names what was timed and what was not
     (tmp_path / "amx.json").unlink()
     monkeypatch.setattr(precision, "_speed", lambda python, request, bound=None: time_once(python, request, 4.5))
