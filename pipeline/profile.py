@@ -31,7 +31,6 @@ and names the node (`placement`).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from quantgate.params import Frozen, load_block
 from quantgate.precision import probe, probe_key
 from quantgate.remote import node_python, on_node, published, settle, submit
 from quantgate.results import BuildProfile, LoadPoint, Placement, read_profile, write_profile
-from quantgate.serving import BEFORE_SERVER, ServeParams, kv_cache_dtype, resolved, vllm_server
+from quantgate.serving import BEFORE_SERVER, ServeParams, kv_cache_dtype, refusal_head, resolved, vllm_server
 
 LOGS = Path("results/logs")
 CACHE_DIR = Path(".quantgate/cache/profile")
@@ -266,9 +265,8 @@ def main() -> None:
     write_profile(out, result)
     why = f": {result.reason}" if result.reason else ""  # the reason once (main prints it for every executor)
     wrote = f"wrote {out}"
-    head = re.match(r"(vLLM (?:cannot|would) serve .+? here(?: too slowly to score)?): ", result.reason or "")
-    if head and why.endswith(BEFORE_SERVER):  # a refusal evaluate prints whole: its head here, the rest in OUT
-        why, wrote = f": {head[1]} {BEFORE_SERVER}", f"wrote {out} with the whole reason"
+    if head := refusal_head(result.reason or ""):  # a refusal evaluate prints whole: its head here, the rest in OUT
+        why, wrote = f": {head} {BEFORE_SERVER}", f"wrote {out} with the whole reason"
     print(f"profile[{build}]: {result.status}{why}; {wrote}", file=sys.stderr if why else sys.stdout, flush=True)
 
 

@@ -37,7 +37,8 @@ def serving_tags(manifest: dict) -> dict[str, str]:
     """{field: value as a registry tag} of the SERVING_SETTINGS a build.json content sets to other than vLLM's
     default (w4a8 false, kv_cache_dtype auto and a missing field are the default, so they are left out):
     {"w4a8": "true"}, {"kv_cache_dtype": "fp8"}. The registry tags these, and verifies them on download."""
-    return {k: str(manifest[k]).lower() for k in SERVING_SETTINGS if manifest.get(k) not in (None, False, "auto")}
+    tags = {k: str(manifest[k]).lower() for k in SERVING_SETTINGS if manifest.get(k) is not None}
+    return {k: v for k, v in tags.items() if v != SERVING_DEFAULTS[k]}
 
 
 def serving_settings(model_dir: Path) -> dict[str, str]:

@@ -327,8 +327,7 @@ def fastest(runs: list[dict]) -> dict:
         return runs[0]
     base = {t: min(r["ms_16bit"][t] for r in timed) for t in timed[0]["ms_16bit"]}
     # a run that stopped early (platform_probe.speed's stop_above) timed fewer token counts
-    slow = {t: min((r["ms_scheme"][t] for r in timed if t in r["ms_scheme"]), default=None) for t in base}
-    slow = {t: v for t, v in slow.items() if v is not None}
+    slow = {t: min(ms) for t in base if (ms := [r["ms_scheme"][t] for r in timed if t in r["ms_scheme"]])}
     per = {t: round(slow[t] / base[t], 2) for t in slow}
     untimed = [t for t in base if t not in slow]
     merged = {k: v for k, v in timed[0].items() if k != "untimed"}

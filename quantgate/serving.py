@@ -344,6 +344,14 @@ def serves_w4a8(model_dir: Path) -> bool:
 
 
 BEFORE_SERVER = "(checked before starting a server)"  # ends every check_servable reason
+_HEAD = re.compile(r"(vLLM (?:cannot|would) serve .+? here(?: too slowly to score)?): ")
+
+
+def refusal_head(reason: str) -> str | None:
+    """The head of a check_servable refusal, what it refuses without why ("vLLM would serve models/fp8 here too
+    slowly to score"), or None for any other reason. Kept beside the messages it reads."""
+    head = _HEAD.match(reason) if reason.endswith(BEFORE_SERVER) else None
+    return head[1] if head else None
 
 
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
