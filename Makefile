@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := $(CURDIR)/.venv/bin
 export PATH := $(VENV):$(PATH)
 
-.PHONY: setup demo test test-unit bench gpu-check calibration
+.PHONY: setup demo test test-unit check-workers bench gpu-check calibration
 
 setup:
 	@scripts/setup.sh
@@ -26,18 +26,23 @@ demo: setup
 	@quantgate report
 	@quantgate status
 
-# The unit tests in TEST_WORKERS processes (pytest-xdist; about 4.7 min instead of 7 on 2 cores), then the e2e
-# tests one at a time (each uses the whole machine: vLLM servers, quantization); both always run, the first
-# failure's status is make's
+# The unit tests in TEST_WORKERS processes (pytest-xdist, one test file per process at a time: a file's tests share
+# its module fixtures, such as the registry servers; about 5 min instead of 7 on 2 cores), then the e2e tests one at
+# a time (each uses the whole machine: vLLM servers, quantization). The e2e tests run even when a unit test failed,
+# so one run shows every failure; make then fails. Ctrl-C stops both.
 TEST_WORKERS ?= 2
-test: setup
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+test: check-workers setup
 	ruff check .
 	ruff format --check .
-	rc=0; python -m pytest tests -m "not e2e" -n $(TEST_WORKERS) --durations=15 || rc=$$?; \
+	trap 'exit 130' INT; rc=0; python -m pytest tests -m "not e2e" $(XDIST) --durations=15 || rc=$$?; \
 	python -m pytest tests -m e2e --durations=30 || { s=$$?; [ $$rc -ne 0 ] || rc=$$s; }; exit $$rc
 
-test-unit: setup
-	python -m pytest tests -m "not e2e" -n $(TEST_WORKERS)
+test-unit: check-workers setup
+	python -m pytest tests -m "not e2e" $(XDIST)
+
+check-workers:
+	@[[ "$(TEST_WORKERS)" =~ ^([0-9]+|auto|logical)$$ ]] || { echo "make: TEST_WORKERS='$(TEST_WORKERS)': give a number of test processes (2, the default; 0 runs them in this one), auto or logical" >&2; exit 2; }
 
 # Every benchmark in turn (benchmarks/, README "Numbers"); incremental reuses pipeline_cost's project.
 bench: setup

@@ -28,6 +28,7 @@ import math
 import os
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -230,10 +231,7 @@ def probe(python: str) -> Platform:
                 raise ValueError
         except (ValueError, IndexError):
             raise QuantgateError(probe_failure(python, code, stderr)) from None
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(d, indent=1) + "\n")
-        tmp.replace(cache)  # atomic: parallel stages read a whole answer or none
+        _write_whole(cache, json.dumps(d, indent=1) + "\n")
     return Platform(
         device=d["device"],
         native_bf16=d.get("native_bf16", True),
@@ -345,12 +343,17 @@ def fastest(runs: list[dict]) -> dict:
 def _keep(python: str, request_json: str, d: dict) -> dict:
     # a timed-out timing is kept too: timing it again would cost every later stage PROBE_TIMEOUT_S, and callers
     # that each timed it could disagree (one timed out on a busy machine, one did not)
-    cache = _speed_file(python, request_json)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(d) + "\n")  # inf is written Infinity, which json.loads reads back
-    tmp.replace(cache)
+    _write_whole(_speed_file(python, request_json), json.dumps(d) + "\n")  # inf is written Infinity, read back
     return d
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write `path` by renaming a temporary file of this process and thread over it: parallel stages, and
+    servers started side by side in one process (a fleet), read a whole answer or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 @lru_cache(maxsize=None)

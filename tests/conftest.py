@@ -64,14 +64,34 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Stop in one line, before any test runs, when tests that make real builds and projects are selected
     and the disk cannot hold them: a full disk errors every later test in its fixture instead."""
-    if not any(item.get_closest_marker("e2e") or item.get_closest_marker("services") for item in items):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller checked (pytest_sessionstart)
         return
+    if any(item.get_closest_marker("e2e") or item.get_closest_marker("services") for item in items):
+        check_disk()
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist (`-n N`) the controller collects nothing and a worker's pytest.exit reads as a crash
+    (xdist restarts it, ten times): the controller checks the disk before any worker starts, for the tests the
+    -m expression can select."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    from _pytest.mark.expression import Expression  # pytest's own -m parser (private module, there since 6.0)
+
+    expression = Expression.compile(config.option.markexpr) if config.option.markexpr else None
+    if expression is None or any(expression.evaluate(lambda name, m=m, **kw: name == m) for m in ("e2e", "services")):
+        check_disk()
+
+
+def check_disk() -> None:
     need = float(os.environ.get("QUANTGATE_TEST_MIN_FREE_GIB", MIN_FREE_GIB))
     short = [f"{where} has {free / 2**30:.1f} GiB free" for where, free in disk_free() if free < need * 2**30]
     if short:
         pytest.exit(
-            f"the end-to-end tests need about {need:g} GiB free on disk ({'; '.join(short)}); free some space (old "
-            "clones, /tmp), run only the unit tests (`make test-unit`), or set QUANTGATE_TEST_MIN_FREE_GIB",
+            f"the end-to-end and service tests need about {need:g} GiB free on disk ({'; '.join(short)}); free some "
+            "space (old clones, /tmp), run only the tests that build nothing (`pytest tests -m 'not e2e and not "
+            "services'`), or set QUANTGATE_TEST_MIN_FREE_GIB",
             returncode=2,
         )
 
