@@ -79,9 +79,23 @@ def pytest_sessionstart(session):
         return
     from _pytest.mark.expression import Expression  # pytest's own -m parser (private module, there since 6.0)
 
-    expression = Expression.compile(config.option.markexpr) if config.option.markexpr else None
-    if expression is None or any(expression.evaluate(lambda name, m=m, **kw: name == m) for m in ("e2e", "services")):
+    if not config.option.markexpr:
+        return check_disk()
+    try:
+        expression = Expression.compile(config.option.markexpr)
+    except SyntaxError as exc:  # pytest's own words; under xdist the workers would each fail on it, in a traceback
+        pytest.exit(f"Wrong expression passed to '-m': {config.option.markexpr}: {exc}", returncode=4)
+    if any(expression.evaluate(only(marker)) for marker in ("e2e", "services")):
         check_disk()
+
+
+def only(marker: str):
+    """A -m matcher (pytest's ExpressionMatcher: the name positional, keyword arguments free) true for `marker`."""
+
+    def matches(name: str, /, **kwargs) -> bool:
+        return name == marker
+
+    return matches
 
 
 def check_disk() -> None:

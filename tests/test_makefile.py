@@ -1,6 +1,9 @@
 """The README's `make test` as make reads it (no set-up or test is run: `check-workers` has no prerequisite and
-`make -n` only prints): a bad TEST_WORKERS stops it in one line before the set-up, not after 40 minutes of tests."""
+`make -n` only prints): a bad TEST_WORKERS stops it in one line before the set-up, not after 40 minutes of tests;
+its test command, run by bash with a stand-in `python`, runs the e2e tests after a unit failure, exits with the first
+failure's status, and stops at Ctrl-C."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,8 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on PATH")
 
 
+# a make that runs this test (make -j, make -i) passes its flags down; the child make must not inherit them
+CLEAN = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+
 def make(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "-s", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["make", "-s", *args], cwd=REPO, env=CLEAN, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("workers", ["abc", "", "-1", "2 3"])
@@ -31,8 +38,41 @@ def test_a_worker_count_pytest_xdist_reads_passes(workers):
 
 
 def test_the_worker_count_is_checked_before_the_set_up_and_reaches_both_unit_runs():
-    planned = make("-n", "test", "TEST_WORKERS=3").stdout
-    assert planned.index("TEST_WORKERS") < planned.index("scripts/setup.sh")
-    unit = [line for line in planned.splitlines() if '-m "not e2e"' in line]
-    assert len(unit) == 1 and "-n 3 --dist loadfile" in unit[0]
-    assert "-n 3 --dist loadfile" in make("-n", "test-unit", "TEST_WORKERS=3").stdout
+    for target in ("test", "test-unit"):
+        planned = make("-n", target, "TEST_WORKERS=3").stdout
+        assert planned.index("TEST_WORKERS") < planned.index("scripts/setup.sh"), target
+        unit = [line for line in planned.splitlines() if '-m "not e2e"' in line]
+        assert len(unit) == 1 and "-n 3 --dist loadfile" in unit[0], target
+
+
+STAND_IN = """#!/bin/sh
+echo "$*" >> "$CALLS"
+[ "$(wc -l < "$CALLS")" -eq 1 ] || exit "$E2E_RC"
+[ "$UNIT_RC" != int ] || { kill -INT "$PPID"; exit 2; }  # Ctrl-C reaches the shell too; pytest then exits 2
+exit "$UNIT_RC"
+"""
+
+
+def run_test_command(tmp_path: Path, unit_rc: str, e2e_rc: str) -> tuple[int, list[str]]:
+    """`make test`'s last command (after lint) run by bash with `python` a stand-in that exits `unit_rc` the first
+    time (`int`: sends SIGINT to the shell, then exits 2) and `e2e_rc` after; (its status, the stand-in's calls)."""
+    planned = make("-n", "test").stdout
+    command = planned[planned.index("trap ") :]
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin/python").write_text(STAND_IN)
+    (tmp_path / "bin/python").chmod(0o755)
+    env = {**CLEAN, "PATH": f"{tmp_path / 'bin'}:{CLEAN['PATH']}", "CALLS": str(tmp_path / "calls")}
+    out = subprocess.run(["bash", "-c", command], env={**env, "UNIT_RC": unit_rc, "E2E_RC": e2e_rc}, timeout=60)
+    return out.returncode, (tmp_path / "calls").read_text().splitlines()
+
+
+@pytest.mark.parametrize(("unit_rc", "e2e_rc", "status"), [("0", "0", 0), ("1", "0", 1), ("0", "5", 5), ("1", "5", 1)])
+def test_the_e2e_tests_run_after_a_unit_failure_and_the_first_failure_is_the_status(tmp_path, unit_rc, e2e_rc, status):
+    rc, calls = run_test_command(tmp_path, unit_rc, e2e_rc)
+    assert rc == status
+    assert len(calls) == 2 and "-m not e2e -n 2 --dist loadfile" in calls[0] and "-m e2e " in calls[1], calls
+
+
+def test_ctrl_c_in_the_unit_tests_stops_before_the_e2e_tests(tmp_path):
+    rc, calls = run_test_command(tmp_path, "int", "0")
+    assert rc == 130 and len(calls) == 1, calls
