@@ -27,7 +27,7 @@ demo: setup
 	@quantgate status
 
 # The unit tests in TEST_WORKERS processes (pytest-xdist, one test file per process at a time: a file's tests share
-# its module fixtures, such as the registry servers; about 5 min instead of 7 on 2 cores), then the e2e tests one at
+# its module fixtures, such as the registry servers; 3-4 min instead of 7 on 2 cores), then the e2e tests one at
 # a time (each uses the whole machine: vLLM servers, quantization). The e2e tests run even when a unit test failed,
 # so one run shows every failure; make then fails. Ctrl-C stops both.
 TEST_WORKERS ?= 2
