@@ -99,6 +99,8 @@ def only(marker: str):
 
 
 def check_disk() -> None:
+    """pytest.exit (status 2) naming each place with less than QUANTGATE_TEST_MIN_FREE_GIB (default MIN_FREE_GIB)
+    free, and what to do; nothing when both have it."""
     need = float(os.environ.get("QUANTGATE_TEST_MIN_FREE_GIB", MIN_FREE_GIB))
     short = [f"{where} has {free / 2**30:.1f} GiB free" for where, free in disk_free() if free < need * 2**30]
     if short:
