@@ -646,7 +646,9 @@ def test_ttft_and_tpot_are_measured_on_streams(fakes):
         complete(client, stream=True)
         complete(client, stream=False)
     s, u = router.samples_since(0)
-    assert s.stream and 0.25 <= s.ttft_s < 1.5 and 0.05 <= s.tpot_s < 0.5  # upper bounds loose: busy CI
+    # upper bounds loose: busy CI; TPOT's lower one 10 % under the fake's gap: a first chunk read late shortens the
+    # mean of the gaps after it (a fresh-clone run of the unit tests in two processes measured 0.0498)
+    assert s.stream and 0.25 <= s.ttft_s < 1.5 and 0.045 <= s.tpot_s < 0.5
     assert s.total_s == pytest.approx(s.ttft_s + 4 * s.tpot_s)
     assert not u.stream and u.ttft_s is None and u.tpot_s is None and u.total_s >= 0.2
 
