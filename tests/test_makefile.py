@@ -5,6 +5,7 @@ failure's status, and stops at Ctrl-C."""
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -62,7 +63,14 @@ def run_test_command(tmp_path: Path, unit_rc: str, e2e_rc: str) -> tuple[int, li
     (tmp_path / "bin/python").write_text(STAND_IN)
     (tmp_path / "bin/python").chmod(0o755)
     env = {**CLEAN, "PATH": f"{tmp_path / 'bin'}:{CLEAN['PATH']}", "CALLS": str(tmp_path / "calls")}
-    out = subprocess.run(["bash", "-c", command], env={**env, "UNIT_RC": unit_rc, "E2E_RC": e2e_rc}, timeout=60)
+    out = subprocess.run(
+        ["bash", "-c", command],
+        env={**env, "UNIT_RC": unit_rc, "E2E_RC": e2e_rc},
+        timeout=60,
+        # as from a terminal: a shell started with SIGINT ignored (this test run in the background, `make test &`)
+        # cannot trap it, and Ctrl-C could not reach it anyway
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     return out.returncode, (tmp_path / "calls").read_text().splitlines()
 
 
