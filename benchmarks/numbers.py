@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS
 from quantgate.errors import QuantgateError, run_main
+from quantgate.files import write_whole
 
 ORDER = ("pipeline_cost", "incremental", "eval_engine", "serving", "quality", "canary_sim")
 START, END = "<!-- numbers:start -->", "<!-- numbers:end -->"
@@ -156,28 +155,6 @@ def replace_section(readme: Path, text: str) -> str:
             f"{readme}: needs the lines {START} and {END} once each (in that order) around the Numbers tables"
         )
     return content[: a + len(START)] + "\n" + text + "\n" + content[b:]
-
-
-def write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder, so `path` is whole or
-    untouched; an existing file keeps its permissions, and a symlink its target.
-
-    Raises QuantgateError when the folder does not exist or `path` is a folder."""
-    path = path.resolve() if path.is_symlink() else path
-    if not path.parent.is_dir():
-        raise QuantgateError(f"{path}: folder {path.parent} does not exist; create it or give another path")
-    if path.is_dir():
-        raise QuantgateError(f"{path}: is a folder; give a file path")
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".md")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main() -> None:

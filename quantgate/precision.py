@@ -28,7 +28,6 @@ import math
 import os
 import signal
 import subprocess
-import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Literal, get_args
 
 from quantgate import platform_probe
 from quantgate.errors import QuantgateError
+from quantgate.files import write_whole
 from quantgate.hashing import digest_json
 
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]  # evaluate.serve.dtype
@@ -231,7 +231,8 @@ def probe(python: str) -> Platform:
                 raise ValueError
         except (ValueError, IndexError):
             raise QuantgateError(probe_failure(python, code, stderr)) from None
-        _write_whole(cache, json.dumps(d, indent=1) + "\n")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(cache, json.dumps(d, indent=1) + "\n")
     return Platform(
         device=d["device"],
         native_bf16=d.get("native_bf16", True),
@@ -343,17 +344,10 @@ def fastest(runs: list[dict]) -> dict:
 def _keep(python: str, request_json: str, d: dict) -> dict:
     # a timed-out timing is kept too: timing it again would cost every later stage PROBE_TIMEOUT_S, and callers
     # that each timed it could disagree (one timed out on a busy machine, one did not)
-    _write_whole(_speed_file(python, request_json), json.dumps(d) + "\n")  # inf is written Infinity, read back
+    speed_file = _speed_file(python, request_json)
+    speed_file.parent.mkdir(parents=True, exist_ok=True)
+    write_whole(speed_file, json.dumps(d) + "\n")  # inf is written Infinity, read back
     return d
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write `path` by renaming a temporary file of this process and thread over it: parallel stages, and
-    servers started side by side in one process (a fleet), read a whole answer or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 @lru_cache(maxsize=None)

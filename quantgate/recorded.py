@@ -17,11 +17,11 @@ since it was made: each of those would make a build from data its lineage does n
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from quantgate.calibration import is_chat
 from quantgate.errors import QuantgateError
+from quantgate.files import write_whole
 from quantgate.hashing import sha256_file
 from quantgate.jsonl import read_jsonl
 
@@ -41,11 +41,7 @@ def write_record(stem: Path, conversations: list[list[dict]], made_with: dict, m
     written whole to a temporary name and renamed, so a reader never sees half a record."""
     data, meta = record_files(stem)
     data.parent.mkdir(parents=True, exist_ok=True)
-    tmp = data.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for messages in conversations:
-            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
-    tmp.replace(data)
+    write_whole(data, "".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in conversations))
     description = {
         "made_with": made_with,
         "model": model,
@@ -53,9 +49,7 @@ def write_record(stem: Path, conversations: list[list[dict]], made_with: dict, m
         "sha256": sha256_file(data),
         **where,
     }
-    tmp = meta.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(description, indent=2) + "\n")
-    tmp.replace(meta)
+    write_whole(meta, json.dumps(description, indent=2) + "\n")
     return description
 
 

@@ -179,23 +179,6 @@ def test_readme_section_is_replaced_between_the_markers_only(tmp_path, monkeypat
         numbers.replace_section(readme, "x")
 
 
-def test_write_whole_keeps_permissions_and_leaves_nothing_behind_on_failure(tmp_path):
-    import os
-
-    from benchmarks.numbers import write_whole
-    from quantgate.errors import QuantgateError
-
-    readme = tmp_path / "README.md"
-    readme.write_text("old\n")
-    os.chmod(readme, 0o644)
-    write_whole(readme, "new\n")
-    assert readme.read_text() == "new\n" and readme.stat().st_mode & 0o777 == 0o644
-    (tmp_path / "adir").mkdir()
-    with pytest.raises(QuantgateError, match="adir: is a folder; give a file path"):
-        write_whole(tmp_path / "adir", "x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "adir"]
-
-
 def test_incremental_refuses_unknown_scenarios(monkeypatch):
     from benchmarks import incremental
     from quantgate.errors import QuantgateError

@@ -2,7 +2,6 @@
 stand-in `vllm` package run through the real probe script, a kernel call that dies with a signal recorded as
 that call's answer, a probe that dies named with its stage and signal, and the answer kept on disk."""
 
-import json
 import os
 import signal
 import stat
@@ -226,22 +225,3 @@ def test_a_probe_that_dies_names_its_stage_signal_and_no_false_advice(tmp_path, 
 def test_machine_kind_names(isa, kind):
     assert Platform("cpu", isa=isa).kind == kind
     assert Platform("NVIDIA H200").kind == "GPU (NVIDIA H200)"
-
-
-def test_caches_written_from_threads_side_by_side_are_always_whole(tmp_path):
-    """A fleet starts servers from threads of one process, and each may write the probe's cache: with one temporary
-    name per process, one thread's rename took the other's file away (FileNotFoundError) or wrote its half."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    cache = tmp_path / "probe" / "answer.json"
-    texts = [json.dumps({"writer": i, "pad": "x" * 200_000}) for i in range(4)]
-
-    def write(i: int) -> None:
-        for _ in range(50):
-            precision._write_whole(cache, texts[i])
-
-    with ThreadPoolExecutor(4) as pool:
-        for done in [pool.submit(write, i) for i in range(4)]:
-            done.result()
-    assert cache.read_text() in texts
-    assert not list(cache.parent.glob("*.tmp"))

@@ -1,0 +1,59 @@
+"""quantgate.files.write_whole: the one way quantgate writes a file that others may read meanwhile."""
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from quantgate.errors import QuantgateError
+from quantgate.files import write_whole
+
+
+def test_writers_in_threads_side_by_side_each_leave_a_whole_file(tmp_path):
+    """A fleet starts servers from threads of one process, and each may write the probe's cache: with one temporary
+    name per process, one thread's rename took the other's file away (FileNotFoundError) or wrote its half."""
+    cache = tmp_path / "answer.json"
+    texts = [json.dumps({"writer": i, "pad": "x" * 200_000}) for i in range(4)]
+
+    def write(i: int) -> None:
+        for _ in range(50):
+            write_whole(cache, texts[i])
+
+    with ThreadPoolExecutor(4) as pool:
+        for done in [pool.submit(write, i) for i in range(4)]:
+            done.result()
+    assert cache.read_text() in texts
+    assert [p.name for p in tmp_path.iterdir()] == ["answer.json"]
+
+
+def test_keeps_permissions_and_a_symlinks_target(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("old\n")
+    os.chmod(readme, 0o600)
+    write_whole(readme, "new\n")
+    assert readme.read_text() == "new\n" and readme.stat().st_mode & 0o777 == 0o600
+    link = tmp_path / "link.md"
+    link.symlink_to(readme)
+    write_whole(link, "through the link\n")
+    assert link.is_symlink() and readme.read_text() == "through the link\n"
+    write_whole(tmp_path / "fresh.json", "{}\n")
+    assert (tmp_path / "fresh.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_bad_paths_are_one_line_errors_and_leave_nothing_behind(tmp_path):
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(QuantgateError, match="adir: is a folder; give a file path"):
+        write_whole(tmp_path / "adir", "x")
+    with pytest.raises(QuantgateError, match=r"missing/a.json: folder .*missing does not exist; create it"):
+        write_whole(tmp_path / "missing" / "a.json", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "record.json"
+    path.write_text("old\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_whole(path, "half \ud800")  # a lone surrogate cannot be written as UTF-8
+    assert path.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
