@@ -22,7 +22,9 @@ from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_build
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import declared_schemes
 from quantgate.results import TeamSummary, write_teams
+from quantgate.scoring import HarnessParams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
+from quantgate.serving import ServeParams
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
 
@@ -182,6 +184,16 @@ def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path:
         )
 
 
+def check_serving(path: Path = PARAMS_FILE) -> ServeParams:
+    """The `evaluate.serve` and `evaluate.harness` blocks as evaluate, profile, search and the gateway read them,
+    so that a bad field (`max_slowdown: fast`, `dtype: bf16`) stops the run here, before a build is made, not at
+    the first stage that serves one. Returns evaluate.serve.
+
+    Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
+    load_block("evaluate.harness", HarnessParams, path)
+    return load_block("evaluate.serve", ServeParams, path)
+
+
 def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError when calibrate.samples asks for more conversations than can exist: the teams' own
     (`own`) plus every line of the recorded set (<calibrate.recorded>.jsonl). An upper bound: the calibrate stage
@@ -229,6 +241,7 @@ def main() -> None:
     blocks = check_quantize(builds)  # first: a recipe file that is missing is named as such
     search = check_search(builds)
     check_samples(search, blocks)
+    check_serving()
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))

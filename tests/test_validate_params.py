@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.validate import check_calibration_supply, check_doc_budget, check_quantize, check_samples, check_search
+from pipeline.validate import (
+    check_calibration_supply,
+    check_doc_budget,
+    check_quantize,
+    check_samples,
+    check_search,
+    check_serving,
+)
 from quantgate.errors import QuantgateError
 from quantgate.params import load_builds, read_yaml
 from quantgate.teams import load_teams
@@ -51,6 +58,7 @@ def test_the_repos_params_pass_every_check(params):
     blocks = check_quantize(builds, path)
     check_samples(search, blocks, path)
     check_doc_budget(search, load_teams(REPO / "evals"), builds, path)
+    assert check_serving(path).max_slowdown == 3.0
     assert builds == BUILDS and set(blocks) == set(BUILDS) - {"fp16"} and search.base == "int4"
 
 
@@ -318,3 +326,24 @@ def test_the_build_the_search_writes_cannot_be_served_as_w4a8(params):
         rf"^{re.escape(str(path))}:\d+: quantize.int4-mixed.w4a8: the search screens int4-mixed's candidates at "
         r"16-bit activations .*drop w4a8 here",
     )
+
+
+@pytest.mark.parametrize(
+    "block, key, value, field",
+    [
+        ("serve", "max_slowdown", "fast", "evaluate.serve.max_slowdown"),
+        ("serve", "dtype", "bf16", "evaluate.serve.dtype"),
+        ("serve", "max_slowdwn", 5, "evaluate.serve.max_slowdwn"),
+        ("harness", "num_concurrent", 0, "evaluate.harness.num_concurrent"),
+    ],
+)
+def test_a_bad_serving_field_stops_validate_naming_its_line(params, block, key, value, field):
+    """Before, a bad evaluate.serve field passed validate and stopped the run at the first stage that served a
+    build, after prepare and calibrate."""
+    path = params(lambda doc: doc["evaluate"][block].update({key: value}))
+    lines = path.read_text().splitlines()
+    at = lines.index("evaluate:")
+    for name in (f"{block}:", f"{key}:"):  # the key's line, under evaluate: and its block
+        at = next(i for i in range(at, len(lines)) if lines[i].strip().startswith(name))
+    line = at + 1
+    one_line_error(lambda: check_serving(path), rf"^{re.escape(str(path))}:{line}: .*{re.escape(field)}")
