@@ -223,6 +223,11 @@ def inspect_team(
             policy = parse(TeamPolicy, read_yaml(policy_path), str(policy_path), policy_path)
         except QuantgateError as exc:
             problems.append(str(exc))
+    problems += [
+        f"{p}: task files end in .yaml, and this one would not be scored; rename it {p.with_suffix('.yaml').name}"
+        for p in sorted(path.glob("*.yml"))
+        if not p.name.startswith(("_", "."))
+    ]
     tasks = [t for p in task_files(path) if (t := _load_task(p, policy, problems)) is not None]
     problems += _name_clashes(tasks, taken or {})
     if not tasks and not problems:
@@ -252,6 +257,24 @@ def inspect_team(
     if budgets is not None and (found := _over_budget(team, budgets)):
         return None, found
     return team, []
+
+
+def _unread_team(path: Path) -> str | None:
+    """Why the folder `path` under the eval sets looks like a team that would not be read (and so not gated), or
+    None: a folder (not hidden, not _shared) without a regular team.yaml that holds a team.yml, a team.yaml that
+    is no file, or task or data files (*.yaml, *.yml, *.jsonl)."""
+    if not path.is_dir() or path.name.startswith(("_", ".")) or (path / POLICY_FILE).is_file():
+        return None
+    if (path / "team.yml").exists():
+        return f"{path / 'team.yml'}: the policy file is {POLICY_FILE}; rename it, or this team is not gated"
+    if (path / POLICY_FILE).exists():
+        return f"{path / POLICY_FILE}: not a file; a team's policy is a YAML file (see `quantgate evals new`)"
+    if any(path.glob("*.yaml")) or any(path.glob("*.yml")) or any(path.glob("*.jsonl")):
+        return (
+            f"{path}: has task or data files but no {POLICY_FILE}; add one (see `quantgate evals new`) or move the "
+            "folder out of the eval sets"
+        )
+    return None
 
 
 def task_files(path: Path) -> list[Path]:
@@ -376,27 +399,24 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
     One set of rules either way: each team is checked (inspect_team) with the task names of every other team
     folder under `root` (declared_tasks) and its budget from `budgets` (None: no budget). Raises QuantgateError
     listing every problem of every team checked (each named), if there is no team, or (checking all) if a
-    folder has task YAMLs but no team.yaml.
+    folder looks like a team that would not be read (task or data files but no team.yaml, a team.yml).
     """
     if not root.is_dir():
         raise QuantgateError(f"{root}: not a folder of team eval sets; see evals/README.md")
     folders = [p for p in sorted(root.iterdir()) if (p / POLICY_FILE).is_file()]
     if only is not None and not (root / only / POLICY_FILE).is_file():
-        raise QuantgateError(f"{root / only}: no {POLICY_FILE}; a team folder has one (see `quantgate evals new`)")
-    if not folders:
-        raise QuantgateError(f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md")
+        why = _unread_team(root / only)
+        raise QuantgateError(
+            why or f"{root / only}: no {POLICY_FILE}; a team folder has one (see `quantgate evals new`)"
+        )
+    if not folders:  # `root` may be one team's folder that would not be read: say why
+        raise QuantgateError(
+            _unread_team(root) or f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md"
+        )
     teams, errors = [], []
     for p in sorted(root.iterdir()) if only is None else []:  # task files without a policy would drop a team
-        if p.is_dir() and not (p / POLICY_FILE).is_file() and any(p.glob("*.yaml")):
-            errors.append(
-                _listing(
-                    p.name,
-                    [
-                        f"{p}: has task YAMLs but no {POLICY_FILE}; add one (see "
-                        "`quantgate evals new`) or move the folder out of the eval sets"
-                    ],
-                )
-            )
+        if (why := _unread_team(p)) is not None:
+            errors.append(_listing(p.name, [why]))
     declared = {folder: declared_tasks(folder) for folder in folders}
     for folder in folders if only is None else [root / only]:
         taken = {name: file for other, found in declared.items() if other != folder for name, file in found}

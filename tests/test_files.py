@@ -57,3 +57,30 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
         write_whole(path, "half \ud800")  # a lone surrogate cannot be written as UTF-8
     assert path.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+
+
+def test_a_device_or_fifo_is_refused_not_replaced(tmp_path):
+    """Renaming over /dev/null as root replaced the device with a regular file; a FIFO stands in for it."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(QuantgateError, match="fifo: not a regular file"):
+        write_whole(fifo, "x")
+    assert fifo.is_fifo()  # (not tried on /dev/null: a regression would replace the machine's)
+
+
+def test_a_symlink_loop_and_a_long_name_are_handled(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(QuantgateError, match="loop: a symlink that resolves to no file"):
+        write_whole(loop, "x")
+    long = tmp_path / ("n" * 250)  # a temporary named after the whole name would pass NAME_MAX (255)
+    write_whole(long, "x")
+    assert long.read_text() == "x"
+
+
+def test_setuid_and_other_mode_bits_are_kept(tmp_path):
+    path = tmp_path / "tool"
+    path.write_text("old")
+    os.chmod(path, 0o4755)
+    write_whole(path, "new")
+    assert path.stat().st_mode & 0o7777 == 0o4755

@@ -112,9 +112,48 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
 def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
     (example_evals / "search" / "team.yaml").unlink()
     with pytest.raises(
-        QuantgateError, match=r"team search: 1 problem\(s\):\n  .*search: has task YAMLs but no team.yaml"
+        QuantgateError, match=r"team search: 1 problem\(s\):\n  .*search: has task or data files but no team.yaml"
     ):
         load_teams(example_evals)
+
+
+def test_a_team_written_with_yml_files_is_named_not_dropped(example_evals):
+    """billing's files renamed to .yml: validate passed and listed only search and support, so billing was not
+    gated and nothing said so."""
+    billing = example_evals / "billing"
+    (billing / "team.yaml").rename(billing / "team.yml")
+    (billing / "arithmetic.yaml").rename(billing / "arithmetic.yml")
+    with pytest.raises(
+        QuantgateError, match=r"team billing: 1 problem\(s\):\n  .*billing/team.yml: the policy file is team.yaml"
+    ):
+        load_teams(example_evals)
+    (billing / "team.yml").rename(billing / "team.yaml")
+    with pytest.raises(
+        QuantgateError, match=r"billing/arithmetic.yml: task files end in .yaml, .* rename it arithmetic.yaml"
+    ):
+        load_teams(example_evals)
+    with pytest.raises(QuantgateError, match=r"arithmetic.yml: task files end in .yaml"):
+        load_teams(example_evals, only="billing")
+    (billing / "team.yaml").rename(billing / "team.yml")
+    with pytest.raises(QuantgateError, match=r"^\S*billing/team.yml: the policy file is team.yaml"):
+        load_teams(billing)  # `quantgate evals validate evals/billing`: not "no team folders"
+
+
+def test_a_folder_with_only_data_or_a_policy_that_is_a_folder_is_named(example_evals):
+    support = example_evals / "support"
+    for p in support.glob("*.yaml"):
+        p.unlink()
+    with pytest.raises(QuantgateError, match=r"support: has task or data files but no team.yaml"):
+        load_teams(example_evals)
+    (support / "team.yaml").mkdir()
+    with pytest.raises(QuantgateError, match=r"support/team.yaml: not a file"):
+        load_teams(example_evals)
+    with pytest.raises(QuantgateError, match=r"support/team.yaml: not a file"):
+        load_teams(example_evals, only="support")
+    shutil.rmtree(support)
+    (example_evals / "_shared").mkdir()
+    (example_evals / "_shared" / "x.yaml").write_text("a: 1\n")  # shared templates: not a team, not an error
+    assert [t.name for t in load_teams(example_evals)] == ["billing", "search"]
 
 
 def test_hidden_yaml_files_are_not_tasks(example_evals):
