@@ -45,16 +45,16 @@ from pathlib import Path
 from quantgate.console import per_build, progress
 from quantgate.credentials import drop_credentials
 from quantgate.errors import QuantgateError, run_main
+from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
 from quantgate.executor import ExecutorParams
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, verify_weights
-from quantgate.params import PARAMS_FILE, Frozen, load_block, load_builds, where
+from quantgate.params import PARAMS_FILE, load_block, load_builds, where
 from quantgate.precision import RECORD as PRECISION
 from quantgate.precision import precision_record
 from quantgate.results import SAMPLES, SCORES, Placement, ServingRecord, TeamScores, read_scores, write_scores
 from quantgate.scoring import HarnessParams, effective_limit, run_team
 from quantgate.serving import (
-    Endpoint,
     ServeParams,
     Server,
     ServerDied,
@@ -69,12 +69,6 @@ from quantgate.teams import Team, load_teams
 
 CACHE_DIR = Path(".quantgate/cache/eval")
 TIMING = "timing.json"  # per build: server start vs scoring seconds (benchmarks/pipeline_cost.py reads it)
-
-
-class EvaluateParams(Frozen):
-    serve: ServeParams = ServeParams()
-    harness: HarnessParams = HarnessParams()
-    endpoints: dict[str, Endpoint] = {}  # build -> a vLLM deployment elsewhere, scored instead of a local server
 
 
 ENDPOINT = "endpoint.json"  # results/eval/<build>/endpoint.json: the remote endpoint a build was scored on
@@ -366,17 +360,6 @@ def evaluate(
     (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
     (out_dir / PRECISION).write_text(json.dumps(precision, indent=1) + "\n")
     return docs
-
-
-def check_endpoint_builds(params: EvaluateParams, builds: list[str], path: Path = PARAMS_FILE) -> None:
-    """Raises QuantgateError (params.yaml line) for an evaluate.endpoints key that is not in `builds`:
-    a typo would silently score that build on a local server instead."""
-    for build in params.endpoints:
-        if build not in builds:
-            at = where(path, f"evaluate.endpoints.{build}")
-            raise QuantgateError(
-                f"{at}: evaluate.endpoints.{build}: not a build of this run (builds: {builds}); fix the name or drop it"
-            )
 
 
 def main() -> None:

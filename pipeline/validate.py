@@ -18,13 +18,12 @@ from pathlib import Path
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.errors import QuantgateError, run_main
+from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import declared_schemes
 from quantgate.results import TeamSummary, write_teams
-from quantgate.scoring import HarnessParams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
-from quantgate.serving import ServeParams
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
 
 
@@ -184,14 +183,15 @@ def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path:
         )
 
 
-def check_serving(path: Path = PARAMS_FILE) -> ServeParams:
-    """The `evaluate.serve` and `evaluate.harness` blocks as evaluate, profile, search and the gateway read them,
-    so that a bad field (`max_slowdown: fast`, `dtype: bf16`) stops the run here, before a build is made, not at
-    the first stage that serves one. Returns evaluate.serve.
+def check_evaluate(builds: list[str], path: Path = PARAMS_FILE) -> EvaluateParams:
+    """The `evaluate` block as the evaluate stage reads it (and profile, search and the gateway read its `serve`
+    and `harness`), with its endpoints naming builds of this run: a bad field (`max_slowdown: fast`,
+    `dtype: bf16`, an endpoint URL) stops the run here, before a build is made, not at the first server.
 
     Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
-    load_block("evaluate.harness", HarnessParams, path)
-    return load_block("evaluate.serve", ServeParams, path)
+    params = load_block("evaluate", EvaluateParams, path)
+    check_endpoint_builds(params, builds, path)
+    return params
 
 
 def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:
@@ -241,7 +241,7 @@ def main() -> None:
     blocks = check_quantize(builds)  # first: a recipe file that is missing is named as such
     search = check_search(builds)
     check_samples(search, blocks)
-    check_serving()
+    check_evaluate(builds)
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))

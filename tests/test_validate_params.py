@@ -13,10 +13,10 @@ import yaml
 from pipeline.validate import (
     check_calibration_supply,
     check_doc_budget,
+    check_evaluate,
     check_quantize,
     check_samples,
     check_search,
-    check_serving,
 )
 from quantgate.errors import QuantgateError
 from quantgate.params import load_builds, read_yaml
@@ -58,7 +58,7 @@ def test_the_repos_params_pass_every_check(params):
     blocks = check_quantize(builds, path)
     check_samples(search, blocks, path)
     check_doc_budget(search, load_teams(REPO / "evals"), builds, path)
-    assert check_serving(path).max_slowdown == 3.0
+    assert check_evaluate(builds, path).serve.max_slowdown == 3.0
     assert builds == BUILDS and set(blocks) == set(BUILDS) - {"fp16"} and search.base == "int4"
 
 
@@ -346,4 +346,24 @@ def test_a_bad_serving_field_stops_validate_naming_its_line(params, block, key, 
     for name in (f"{block}:", f"{key}:"):  # the key's line, under evaluate: and its block
         at = next(i for i in range(at, len(lines)) if lines[i].strip().startswith(name))
     line = at + 1
-    one_line_error(lambda: check_serving(path), rf"^{re.escape(str(path))}:{line}: .*{re.escape(field)}")
+    one_line_error(lambda: check_evaluate(BUILDS, path), rf"^{re.escape(str(path))}:{line}: .*{re.escape(field)}")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda e: e.update({"harnes": {}}), r"evaluate.harnes: unknown key"),
+        (
+            lambda e: e.update({"endpoints": {"int4": {"url": "ftp://x", "dtype": "bfloat16"}}}),
+            r"evaluate.endpoints.int4.url: .*not an http\(s\) URL ending in /v1",
+        ),
+        (
+            lambda e: e.update({"endpoints": {"int5": {"url": "http://10.0.0.5:8000/v1", "dtype": "bfloat16"}}}),
+            r"evaluate.endpoints.int5: not a build of this run",
+        ),
+    ],
+)
+def test_the_whole_evaluate_block_is_checked_as_evaluate_reads_it(params, change, message):
+    """Each passed validate and stopped evaluate@<build> after prepare, calibrate and the quantize stages."""
+    path = params(lambda doc: change(doc["evaluate"]))
+    one_line_error(lambda: check_evaluate(BUILDS, path), rf"^{re.escape(str(path))}:\d+: {message}")
