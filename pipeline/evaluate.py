@@ -61,6 +61,7 @@ from quantgate.serving import (
     ServerStartError,
     check_endpoint,
     runtime_record,
+    served_max_model_len,
     serves_w4a8,
     serving_versions,
     vllm_server,
@@ -107,9 +108,13 @@ def make_lm(server, model_dir: Path, harness: HarnessParams, max_length: int):
     """lm-eval's local-completions client for `server`, tokenizing with the build's tokenizer.
 
     `max_length` (tokens) is the server's max_model_len: lm-eval cuts prompts to it (its own
-    default is 2048 whatever the server takes), and run_team refuses prompts that get cut.
+    default is 2048 whatever the server takes), and run_team refuses prompts that get cut; -1 (vLLM fit it
+    at start) is read from the server (served_max_model_len). Raises QuantgateError if it cannot be.
     """
     from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    if max_length == -1:
+        max_length = served_max_model_len(server)
 
     return LocalCompletionsAPI(
         base_url=f"{server.base_url}/completions",

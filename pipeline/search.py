@@ -56,6 +56,7 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 import time
@@ -73,7 +74,7 @@ from quantgate.executor import ExecutorParams, connect
 from quantgate.jsonl import read_jsonl
 from quantgate.judging import GateBlock, judge
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds, read_yaml
-from quantgate.precision import native_16bit, probe, resolve_dtype, w4a16_problem
+from quantgate.precision import model_context, native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import check_group_size, load_recipe, weight_schemes
 from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
 from quantgate.results import Screen, SearchResult, TeamScores, read_profile, read_search, rounded, write_search
@@ -551,6 +552,8 @@ def search(
     args = scheme.weights
     harness = load_block("evaluate.harness", HarnessParams).model_copy(update={"limit": max(p.looks)})
     max_length = load_block("evaluate.serve", ServeParams).max_model_len
+    if max_length == -1:  # what vLLM could fit at most; the screens run in-process, with no server to ask
+        max_length = model_context(json.loads((model_dir / "config.json").read_text()), f"{model_dir}/config.json")
     gate = load_block("gate", GateBlock)
     teams = load_teams(evals_dir)
 

@@ -624,8 +624,24 @@ def resolve_kv_cache_gib(
     except (OSError, ValueError):
         raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; cannot size the KV cache") from None
     per_token = kv_bytes_per_token(config, dtype, f"{model_dir}/config.json")
-    gib = max(1, -(-per_token * max_model_len * AUTO_KV_SEQUENCES // GIB))  # rounded up
-    return gib, f"auto: CPU: {AUTO_KV_SEQUENCES} sequences x {max_model_len} tokens x {per_token} B/token"
+    tokens, of = max_model_len, "tokens"
+    if max_model_len == -1:  # vLLM fits the length at start, at most the model's own context
+        tokens, of = model_context(config, f"{model_dir}/config.json"), "tokens (max_model_len -1: the model's context)"
+    gib = max(1, -(-per_token * tokens * AUTO_KV_SEQUENCES // GIB))  # rounded up
+    return gib, f"auto: CPU: {AUTO_KV_SEQUENCES} sequences x {tokens} {of} x {per_token} B/token"
+
+
+def model_context(config: dict, where: str = "config.json") -> int:
+    """The longest context (tokens) a Hugging Face config.json declares (`max_position_embeddings`): what
+    `evaluate.serve.max_model_len: -1` stands for where no server has fit it yet (vLLM fits it to memory, at most
+    this). SmolLM2-135M: 8192. Raises QuantgateError naming `where` when the field is missing or no number."""
+    value = config.get("max_position_embeddings")
+    if not isinstance(value, int) or value < 1:
+        raise QuantgateError(
+            f"{where} has no max_position_embeddings: evaluate.serve.max_model_len -1 cannot be resolved; "
+            "set it to a number of tokens"
+        )
+    return value
 
 
 def precision_record(python: str, requested: str) -> dict:

@@ -693,6 +693,26 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 # under the name `<build>@sha256:<weights_digest>` (OCI's name@digest form; weights_digest is
 # models/<build>/build.json's one digest over the sha256 of every weight file, the registry's
 # weights_sha256 tag). vLLM lists that name as the model `id` of GET /v1/models.
+def served_max_model_len(server: Server, timeout_s: float = 10.0) -> int:
+    """The context length (tokens) `server` serves its model with, as vLLM reports it (GET /v1/models,
+    `max_model_len` of the card named server.name): what `evaluate.serve.max_model_len: -1` became once vLLM
+    fit it to the memory at start.
+
+    Raises QuantgateError naming the server when it does not answer within `timeout_s` or reports no length."""
+    try:
+        r = httpx.get(f"{server.base_url}/models", timeout=timeout_s)
+        cards = {c["id"]: c for c in r.json()["data"]}
+        length = cards[server.name]["max_model_len"]
+        if not isinstance(length, int) or length < 1:
+            raise ValueError(length)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise QuantgateError(
+            f"{server.base_url}/models: no max_model_len for {server.name} ({type(exc).__name__}), needed for "
+            "evaluate.serve.max_model_len -1; set it to a number of tokens"
+        ) from None
+    return length
+
+
 DIGEST_SEP = "@sha256:"
 
 

@@ -12,7 +12,7 @@ import pytest
 import pipeline.evaluate as stage
 from quantgate.errors import QuantgateError
 from quantgate.params import load_block
-from quantgate.serving import Endpoint, check_endpoint, free_port, served_name
+from quantgate.serving import Endpoint, Server, check_endpoint, free_port, served_max_model_len, served_name
 from tests.conftest import safetensors_build
 
 DIGEST = "ab" * 32
@@ -168,3 +168,23 @@ def test_a_build_served_as_w4a8_is_not_scored_on_an_endpoint(fake_vllm, tmp_path
     with pytest.raises(QuantgateError, match=r"evaluate.endpoints.int4-w4a8: int4-w4a8 is served as W4A8 .*drop this"):
         stage.evaluate("int4-w4a8", model, example_evals, tmp_path / "out", params)
     assert not (tmp_path / "out").exists()
+
+
+def test_max_model_len_minus_one_is_read_from_the_server(fake_vllm, tmp_path, monkeypatch):
+    """evaluate.serve.max_model_len -1 (vLLM fits it at start) went to lm-eval as max_length -1, and every team
+    failed with "prompt is N tokens > -2"; the length the server reports is used instead."""
+    from lm_eval.models import openai_completions
+
+    from quantgate.scoring import HarnessParams
+
+    server = Server(base_url=fake_vllm.url, name=served_name("int4", DIGEST), log_path=tmp_path / "log")
+    assert served_max_model_len(server) == 1024
+    seen = {}
+    monkeypatch.setattr(openai_completions, "LocalCompletionsAPI", lambda **kw: seen.update(kw))
+    stage.make_lm(server, tmp_path, HarnessParams(), -1)
+    assert seen["max_length"] == 1024
+    stage.make_lm(server, tmp_path, HarnessParams(), 512)
+    assert seen["max_length"] == 512
+    other = Server(base_url=fake_vllm.url, name="int8", log_path=tmp_path / "log")
+    with pytest.raises(QuantgateError, match=r"/v1/models: no max_model_len for int8 \(KeyError\), needed for"):
+        served_max_model_len(other)

@@ -56,6 +56,16 @@ def test_auto_serving_values_per_platform(tmp_path, platform, config, dtype, gib
     assert resolve_eager(False, platform) == (False, "set in evaluate.serve.enforce_eager")
 
 
+def test_auto_kv_cache_for_max_model_len_minus_one_takes_the_models_context(tmp_path):
+    """-1 gave "16 sequences x -1 tokens", a 1 GiB floor; vLLM fits the length up to the model's context."""
+    config = SMOLLM2 | {"max_position_embeddings": 8192}
+    gib, why = resolve_kv_cache_gib("auto", AVX2, model(tmp_path, config), "float32", -1)
+    assert gib == 6  # 46,080 B x 8192 x 16 = 5.63 GiB, rounded up
+    assert why == "auto: CPU: 16 sequences x 8192 tokens (max_model_len -1: the model's context) x 46080 B/token"
+    with pytest.raises(QuantgateError, match=r"m/config.json has no max_position_embeddings: .*set it to a number"):
+        resolve_kv_cache_gib("auto", AVX2, model(tmp_path, SMOLLM2), "float32", -1)
+
+
 @pytest.mark.parametrize("platform", [AVX2, GPU])
 def test_resolved_params_become_the_vllm_argv_and_env(tmp_path, monkeypatch, platform):
     monkeypatch.setattr(serving, "probe", lambda python: platform)
