@@ -22,6 +22,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from quantgate.errors import QuantgateError
+from quantgate.files import write_whole
 from quantgate.stats import Verdict
 
 SEARCH_RESULT = Path("results/search/search.json")  # the search stage's metrics (dvc.yaml)
@@ -66,13 +67,22 @@ class TeamSummary(Document):
     budget: dict[str, int] | None = None
 
 
+def _write(path: Path, text: str) -> None:
+    """Write one results document whole (quantgate.files.write_whole: a reader, DVC or the gate never sees half
+    of it), its folders made first. Raises QuantgateError naming the path when it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise QuantgateError(f"{path}: cannot make its folder ({exc.strerror or type(exc).__name__})") from None
+    write_whole(path, text + "\n")
+
+
 _TEAMS = TypeAdapter(dict[str, TeamSummary])
 
 
 def write_teams(path: Path, teams: dict[str, TeamSummary]) -> None:
     """Write results/teams.json ({team: TeamSummary})."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({name: t.dump() for name, t in teams.items()}, indent=2) + "\n")
+    _write(path, json.dumps({name: t.dump() for name, t in teams.items()}, indent=2))
 
 
 def read_teams(path: Path) -> dict[str, TeamSummary]:
@@ -144,8 +154,7 @@ class TeamScores(Document):
 
 def write_scores(folder: Path, scores: TeamScores) -> None:
     """Write `folder`/scores.json."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / SCORES).write_text(json.dumps(scores.dump(), indent=1) + "\n")
+    _write(folder / SCORES, json.dumps(scores.dump(), indent=1))
 
 
 def read_scores(path: Path) -> TeamScores:
@@ -260,8 +269,7 @@ class GateResult(Document):
 
 def write_gate(path: Path, result: GateResult) -> None:
     """Write results/gate.json (also DVC's metrics file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.dump(), indent=2) + "\n")
+    _write(path, json.dumps(result.dump(), indent=2))
 
 
 def read_gate(path: Path) -> GateResult:
@@ -328,8 +336,7 @@ class BuildProfile(Document):
 
 def write_profile(path: Path, profile: BuildProfile) -> None:
     """Write results/profile/<build>.json (a DVC metrics file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.model_dump(mode="json"), indent=2) + "\n")
+    _write(path, json.dumps(profile.model_dump(mode="json"), indent=2))
 
 
 def read_profile(path: Path) -> BuildProfile:
@@ -385,8 +392,7 @@ class SearchResult(Document):
 
 def write_search(path: Path, result: SearchResult) -> None:
     """Write results/search/search.json (also DVC's metrics file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
+    _write(path, json.dumps(result.model_dump(mode="json"), indent=2))
 
 
 def read_search(path: Path) -> SearchResult:

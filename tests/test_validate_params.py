@@ -367,3 +367,22 @@ def test_the_whole_evaluate_block_is_checked_as_evaluate_reads_it(params, change
     """Each passed validate and stopped evaluate@<build> after prepare, calibrate and the quantize stages."""
     path = params(lambda doc: change(doc["evaluate"]))
     one_line_error(lambda: check_evaluate(BUILDS, path), rf"^{re.escape(str(path))}:\d+: {message}")
+
+
+def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2():
+    """It was a FileNotFoundError traceback and exit 1."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "pipeline.validate", "evals", "/proc/quantgate-teams.json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "quantgate: error: /proc/quantgate-teams.json: cannot write in /proc (No such file or directory); "
+        "give a folder you can write"
+    ]
