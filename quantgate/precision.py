@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -151,10 +152,12 @@ def exit_words(returncode: int) -> str:
         return f"died with signal {-returncode}"
 
 
-def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: bool = False) -> str:
-    """The one-line reason a probe of `python` gave no answer, with advice that holds for that cause:
-    the stage it was in (its last `probe:` line), how it ended (signal, exit code, timeout) and the last
-    error line it printed."""
+def probe_failure(
+    python: str, returncode: int | None, stderr: str, timed_out: bool = False, args: tuple[str, ...] = ()
+) -> str:
+    """The one-line reason a probe of `python` (platform_probe.py `args`: none for the platform, `speed JSON`
+    for an emulation timing) gave no answer, with advice that holds for that cause: the stage it was in (its
+    last `probe:` line), how it ended (signal, exit code, timeout) and the last error line it printed."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     stages = [ln.removeprefix("probe: ") for ln in lines if ln.startswith("probe: ")]
     where = f" while at stage '{stages[-1]}'" if stages else ""
@@ -174,8 +177,12 @@ def probe_failure(python: str, returncode: int | None, stderr: str, timed_out: b
             "`grep -o 'avx2\\|avx512f\\|avx512_bf16\\|amx_tile' /proc/cpuinfo | sort -u`"
         )
     else:
-        advice = f"run `{python} {PROBE_SCRIPT}` to see it whole"
-    return f"serving python {python!r} cannot report its vLLM platform: the probe {how}{where}{said}; {advice}"
+        advice = f"run `{shlex.join([python, str(PROBE_SCRIPT), *args])}` to see it whole"
+    cannot = "report its vLLM platform"
+    if args[:1] == ("speed",):  # the platform answered; timing a build's emulated forward did not
+        cannot = "time this build's emulated forward"
+        advice += " (or set evaluate.serve.max_slowdown: null to serve emulated builds untimed, however slow)"
+    return f"serving python {python!r} cannot {cannot}: the probe {how}{where}{said}; {advice}"
 
 
 def _run_probe(python: str, args: list[str]) -> tuple[int | None, str, str]:
@@ -312,7 +319,7 @@ def _time_once(python: str, request_json: str, stop_above: float | None = None) 
         if code != 0 or not isinstance(d, dict) or not isinstance(d.get("ratio"), (int, float)):
             raise ValueError
     except (ValueError, IndexError):
-        raise QuantgateError(probe_failure(python, code, stderr)) from None
+        raise QuantgateError(probe_failure(python, code, stderr, args=("speed", request_json))) from None
     return {**d, "timings": 1}
 
 

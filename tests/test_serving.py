@@ -396,6 +396,26 @@ def test_an_fp8_build_too_slow_by_its_measured_forward_is_refused_before_a_serve
     assert len(timed) == 2
 
 
+def test_a_timing_that_fails_is_named_as_the_timing_not_as_the_platform(tmp_path):
+    """Seen with oneDNN held to AVX2 on an AMX machine: the FP8 timing failed in oneDNN, and the reason said the
+    serving python "cannot report its vLLM platform" (it had) with advice that ran the platform probe, not it."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\necho 'probe: timing FP8_DYNAMIC layers at float32 on 1 tokens' >&2\n"
+        "echo 'RuntimeError: could not create a primitive descriptor for the matmul primitive.' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    with pytest.raises(QuantgateError) as err:
+        precision._time_once(str(fake), '{"scheme": "FP8_DYNAMIC"}')
+    assert str(err.value) == (
+        f"serving python '{fake}' cannot time this build's emulated forward: the probe exited with code 1 while at "
+        "stage 'timing FP8_DYNAMIC layers at float32 on 1 tokens': RuntimeError: could not create a primitive "
+        f"descriptor for the matmul primitive.; run `{fake} {precision.PROBE_SCRIPT} speed "
+        '\'{"scheme": "FP8_DYNAMIC"}\'` to see it whole (or set evaluate.serve.max_slowdown: null to serve '
+        "emulated builds untimed, however slow)"
+    )
+
+
 def timing(ms16: float, ms8: float) -> dict:
     return {
         "ratio": round(ms8 / ms16, 2),
