@@ -207,6 +207,8 @@ def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfilePar
             write_profile(cached, result)
         except OSError as exc:  # the measurement stands; only its reuse is lost
             print(f"profile[{build}]: not kept in the cache ({cached}: {exc.strerror or exc})", flush=True)
+        except QuantgateError as exc:  # write_profile's own one line (a folder in its place, a read-only folder)
+            print(f"profile[{build}]: not kept in the cache ({exc})", flush=True)
     return result
 
 

@@ -139,12 +139,10 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
         return model.model_validate(data)
     except ValidationError as exc:
         lines = key_lines(source) if source is not None else {}
-        problems = []
+        problems: dict[tuple, list[str]] = {}  # one entry per field: a union's members' messages merged
+        given: dict[tuple, object] = {}
         for e in exc.errors():
-            loc = at + tuple(str(p) if not isinstance(p, int) else p for p in e["loc"])
-            line = line_of(lines, loc)
-            place = f"{where}:{line}" if line else where
-            field = ".".join(str(p) for p in loc)
+            loc = at + tuple(str(p) if not isinstance(p, int) else p for p in e["loc"] if not _union_member(p))
             nested = _model_at(model, e["loc"]) if e["type"] in ("model_type", "dict_type") else None
             parent = _model_at(model, e["loc"][:-1]) if e["type"] == "extra_forbidden" else None
             if nested:
@@ -153,8 +151,50 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
                 msg = f"unknown key (the keys here: {_fields(parent)})"
             else:  # a validator's own ValueError is the message; pydantic's "Value error, " prefix is noise to a user
                 msg = e["msg"].removeprefix("Value error, ")
-            problems.append(f"{place}: {field}: {msg}" if field else f"{place}: {msg}")
-        raise QuantgateError("; ".join(problems)) from None
+                if e["type"] != "value_error" and "input" in e and not isinstance(e["input"], dict):
+                    given[loc] = e["input"]  # pydantic's own messages do not say what they were given
+            if msg not in problems.setdefault(loc, []):
+                problems[loc].append(msg)
+        out = []
+        for loc, msgs in problems.items():
+            line = line_of(lines, loc)
+            place = f"{where}:{line}" if line else where
+            field = ".".join(str(p) for p in loc)
+            msg = " or ".join([msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
+            msg += f"; got {_got(given[loc])}{_as_text(given[loc])}" if loc in given else ""
+            out.append(f"{place}: {field}: {msg}" if field else f"{place}: {msg}")
+        raise QuantgateError("; ".join(out)) from None
+
+
+# how pydantic names a union's member in an error's loc (`int | Literal["auto"]`: "constrained-int",
+# "literal['auto']"), not a key of the file
+_MEMBER = re.compile(r"(constrained-|function-)?\w+(\[.*\])?")
+_TYPES = {"int", "float", "bool", "str", "none", "list", "dict", "literal", "tuple", "set"}
+
+
+def _as_text(value: object) -> str:
+    """A hint for a number that YAML read as text: quoted, or an exponent without a dot (PyYAML follows YAML 1.1,
+    where 1e3 is a string and 1.0e3 a float)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    if "e" in value.lower() and "." not in value:
+        return f" (YAML 1.1 reads {value} as text: write it with a dot, e.g. {value.lower().replace('e', '.0e', 1)})"
+    return " (a number in quotes is text: write it unquoted)"
+
+
+def _union_member(part: object) -> bool:
+    return (
+        isinstance(part, str)
+        and bool(m := _MEMBER.fullmatch(part))
+        and (
+            part.split("[")[0].removeprefix("constrained-").removeprefix("function-") in _TYPES
+            or m.group(1) is not None
+        )
+    )
 
 
 def _got(data: object) -> str:

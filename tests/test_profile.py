@@ -198,7 +198,7 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
 
 
 def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_written_costs_only_reuse(
-    build_dir, monkeypatch
+    build_dir, monkeypatch, capsys
 ):
     from quantgate.manifest import write_manifest
 
@@ -216,6 +216,7 @@ def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_wr
     entry.parent.mkdir(parents=True)
     entry.mkdir()  # a folder where the entry should be: neither read nor written, the build still measured
     assert stage.measured("fp16", build_dir, serve, params).status == "profiled" and runs == ["fp16"]
+    assert f"not kept in the cache ({entry}: is a folder; give a file path)" in capsys.readouterr().out
     entry.rmdir()
     unprofiled = BuildProfile(build="fp16", status="unprofiled", reason="boom", input_len=32, output_len=16, seed=1)
     entry.write_text(json.dumps(unprofiled.model_dump(mode="json")))  # not a measurement: never a hit

@@ -386,3 +386,26 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2():
         "quantgate: error: /proc/quantgate-teams.json: cannot write in /proc (No such file or directory); "
         "give a folder you can write"
     ]
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [  # a union's members were two garbled problems: "kv_cache_gib.constrained-int: ...; kv_cache_gib.literal['auto']"
+        ("kv_cache_gib", "auto2", "kv_cache_gib: Input should be a valid integer or 'auto'; got str 'auto2'"),
+        ("enforce_eager", "maybe", "enforce_eager: Input should be a valid boolean or 'auto'; got str 'maybe'"),
+        (
+            "max_slowdown",
+            "1e3",
+            "max_slowdown: Input should be a valid number; got str '1e3' (YAML 1.1 reads 1e3 as text: write it with "
+            "a dot, e.g. 1.0e3)",
+        ),
+        ("devices", 0, "devices: Input should be a valid string; got int 0"),
+        ("port", 70000, "port: Input should be less than or equal to 65535; got int 70000"),
+    ],
+)
+def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, message):
+    path = params(lambda doc: doc["evaluate"]["serve"].update({key: value}))
+    if value == "1e3":  # as a user writes it; safe_dump would quote the string
+        path.write_text(path.read_text().replace("'1e3'", "1e3"))
+    got = one_line_error(lambda: check_evaluate(BUILDS, path), r"evaluate\.serve\.")
+    assert got.split("evaluate.serve.", 1)[1] == message
