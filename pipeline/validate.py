@@ -17,8 +17,11 @@ from pathlib import Path
 
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibration import CHECKED, team_conversations
+from quantgate.cost import CostParams
 from quantgate.errors import QuantgateError, run_main
 from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
+from quantgate.executor import ExecutorParams
+from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import declared_schemes
@@ -194,6 +197,17 @@ def check_evaluate(builds: list[str], path: Path = PARAMS_FILE) -> EvaluateParam
     return params
 
 
+def check_later_blocks(path: Path = PARAMS_FILE) -> None:
+    """The `gate`, `cost` and `executor` blocks as the search, gate and serving stages read them: a typo there
+    stops the run here, not after the builds are made. (`profile`, `register` and `prepare` are read by their
+    own stages: prepare runs next, and DVC re-runs only the stage that stopped once the block is mended.)
+
+    Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
+    load_block("gate", GateBlock, path)
+    load_block("cost", CostParams, path)
+    load_block("executor", ExecutorParams, path)
+
+
 def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError when calibrate.samples asks for more conversations than can exist: the teams' own
     (`own`) plus every line of the recorded set (<calibrate.recorded>.jsonl). An upper bound: the calibrate stage
@@ -242,6 +256,7 @@ def main() -> None:
     search = check_search(builds)
     check_samples(search, blocks)
     check_evaluate(builds)
+    check_later_blocks()
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))

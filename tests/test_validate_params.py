@@ -14,6 +14,7 @@ from pipeline.validate import (
     check_calibration_supply,
     check_doc_budget,
     check_evaluate,
+    check_later_blocks,
     check_quantize,
     check_samples,
     check_search,
@@ -59,6 +60,7 @@ def test_the_repos_params_pass_every_check(params):
     check_samples(search, blocks, path)
     check_doc_budget(search, load_teams(REPO / "evals"), builds, path)
     assert check_evaluate(builds, path).serve.max_slowdown == 3.0
+    check_later_blocks(path)
     assert builds == BUILDS and set(blocks) == set(BUILDS) - {"fp16"} and search.base == "int4"
 
 
@@ -409,3 +411,17 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         path.write_text(path.read_text().replace("'1e3'", "1e3"))
     got = one_line_error(lambda: check_evaluate(BUILDS, path), r"evaluate\.serve\.")
     assert got.split("evaluate.serve.", 1)[1] == message
+
+
+@pytest.mark.parametrize(
+    "block, key, value, message",
+    [
+        ("gate", "bootstrap_resamples", "lots", r"gate.bootstrap_resamples: Input should be a valid integer"),
+        ("executor", "kind", "locl", r"executor.kind: Input should be 'local' or 'ray'; got str 'locl'"),
+        ("cost", "qps", -1, r"cost.qps: Input should be greater than 0"),
+    ],
+)
+def test_the_blocks_later_stages_read_are_checked_here(params, block, key, value, message):
+    """Each passed validate and stopped the search, gate or an evaluate stage after the builds were made."""
+    path = params(lambda doc: doc[block].update({key: value}))
+    one_line_error(lambda: check_later_blocks(path), rf"^{re.escape(str(path))}:\d+: {message}")
