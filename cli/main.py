@@ -36,6 +36,8 @@ def report(gate_json: Path) -> None:
     from pipeline.gate import build_line, estimate_line, precision_line, search_of, table
     from quantgate.results import SEARCH_RESULT, read_gate
 
+    if gate_json.is_dir():
+        raise click.ClickException(f"{gate_json} is a folder; give the gate's JSON file (results/gate.json)")
     if not gate_json.is_file():
         raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
     with command_errors():

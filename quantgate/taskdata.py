@@ -38,6 +38,8 @@ def data_files(path: Path, files: dict, where: Callable[..., str], problems: lis
                 f"{at}: {rel!r} must be one file inside the team folder (its digest and the evaluation cache "
                 "cover only that folder)"
             )
+        elif given.is_dir():
+            problems.append(f"{at}: {rel} is a folder; name the JSONL file (one document per line) in it")
         elif not given.is_file():
             problems.append(f"{at}: {rel} not found next to the task file")
         else:

@@ -156,6 +156,25 @@ def test_a_folder_with_only_data_or_a_policy_that_is_a_folder_is_named(example_e
     assert [t.name for t in load_teams(example_evals)] == ["billing", "search"]
 
 
+def test_a_data_file_that_is_a_folder_is_named_as_a_folder(example_evals):
+    data = example_evals / "billing" / "data.jsonl"
+    data.unlink()
+    data.mkdir()
+    with pytest.raises(QuantgateError, match=r"arithmetic.yaml:\d+: .*data.jsonl is a folder; name the JSONL file"):
+        load_teams(example_evals)
+
+
+def test_report_of_a_folder_says_it_is_a_folder(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    res = CliRunner().invoke(cli, ["report", "--gate-json", str(tmp_path)])
+    assert res.exit_code == 1 and f"{tmp_path} is a folder; give the gate's JSON file" in res.output, res.output
+    res = CliRunner().invoke(cli, ["report", "--gate-json", str(tmp_path / "gate.json")])
+    assert res.exit_code == 1 and "gate.json not found: run `dvc repro` first" in res.output, res.output
+
+
 def test_hidden_yaml_files_are_not_tasks(example_evals):
     """macOS copies a folder with `._<name>` resource forks (binary, not YAML); editors leave `.name.yaml` backups."""
     (example_evals / "billing" / "._arithmetic.yaml").write_bytes(b"\x00\x05\x16\x07Mac OS X        \x00\x02")
