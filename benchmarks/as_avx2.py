@@ -12,7 +12,10 @@ set-up and make's exit status; the clone is removed unless --keep.
 What it is not: an AVX2 machine. The cores, caches and clocks are this machine's, so a time is a rehearsal's,
 not a measurement of the kind; oneDNN held to AVX2 refuses the FP8 GEMM that `torch._scaled_mm` asks of it
 ("could not create a primitive descriptor for the matmul primitive"), where a real AVX2-only CPU times it
-(docs/machines.md), so an FP8 build fails closed for another reason here. Nothing in this checkout is changed.
+(docs/machines.md), so an FP8 build fails closed for another reason here. Two unit tests fail in a rehearsed
+`make test` by design: tests/test_serving.py's probe-against-/proc/cpuinfo check (torch is made to disagree with
+the processor), and the AutoRound recipe test (AutoRound reads bf16 support from CPUID itself, so it tunes in
+bfloat16 against a float32 model). Nothing in this checkout is changed.
 """
 
 from __future__ import annotations
