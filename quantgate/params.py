@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from types import UnionType
-from typing import TypeVar, Union, get_args, get_origin
+from typing import Annotated, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -141,8 +141,9 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
         lines = key_lines(source) if source is not None else {}
         problems: dict[tuple, list[str]] = {}  # one entry per field: a union's members' messages merged
         given: dict[tuple, object] = {}
+        hints: dict[tuple, str] = {}
         for e in exc.errors():
-            loc = at + tuple(str(p) if not isinstance(p, int) else p for p in e["loc"] if not _union_member(p))
+            loc = at + tuple(str(p) if not isinstance(p, int) else p for p in _without_union_tags(model, e["loc"]))
             nested = _model_at(model, e["loc"]) if e["type"] in ("model_type", "dict_type") else None
             parent = _model_at(model, e["loc"][:-1]) if e["type"] == "extra_forbidden" else None
             if nested:
@@ -153,6 +154,7 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
                 msg = e["msg"].removeprefix("Value error, ")
                 if e["type"] != "value_error" and "input" in e and not isinstance(e["input"], dict):
                     given[loc] = e["input"]  # pydantic's own messages do not say what they were given
+                    hints[loc] = _as_text(e["input"]) if e["type"] in NUMBER_ERRORS else ""
             if msg not in problems.setdefault(loc, []):
                 problems[loc].append(msg)
         out = []
@@ -161,40 +163,62 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
             place = f"{where}:{line}" if line else where
             field = ".".join(str(p) for p in loc)
             msg = " or ".join([msgs[0], *(m.removeprefix("Input should be ") for m in msgs[1:])])
-            msg += f"; got {_got(given[loc])}{_as_text(given[loc])}" if loc in given else ""
+            msg += f"; got {_got(given[loc])}{hints[loc]}" if loc in given else ""
             out.append(f"{place}: {field}: {msg}" if field else f"{place}: {msg}")
         raise QuantgateError("; ".join(out)) from None
 
 
-# how pydantic names a union's member in an error's loc (`int | Literal["auto"]`: "constrained-int",
-# "literal['auto']"), not a key of the file
-_MEMBER = re.compile(r"(constrained-|function-)?\w+(\[.*\])?")
-_TYPES = {"int", "float", "bool", "str", "none", "list", "dict", "literal", "tuple", "set"}
+NUMBER_ERRORS = ("int_type", "float_type")  # a number field given text (the models are strict: no coercion)
 
 
 def _as_text(value: object) -> str:
-    """A hint for a number that YAML read as text: quoted, or an exponent without a dot (PyYAML follows YAML 1.1,
-    where 1e3 is a string and 1.0e3 a float)."""
-    if not isinstance(value, str):
+    """A hint for a number that YAML read as text, given to a number field: quoted, or a float PyYAML does not
+    read as one (it follows YAML 1.1, whose floats need a dot and a signed exponent: 1e3 and 1.0e3 are text,
+    1.0e+3 is 1000.0)."""
+    if not isinstance(value, str) or not re.search(r"\d", value):  # nan, inf: words, not quoted numbers
         return ""
     try:
         float(value)
     except ValueError:
         return ""
-    if "e" in value.lower() and "." not in value:
-        return f" (YAML 1.1 reads {value} as text: write it with a dot, e.g. {value.lower().replace('e', '.0e', 1)})"
+    mantissa, e, exponent = value.lower().partition("e")
+    if e:
+        fixed = (
+            (mantissa if "." in mantissa else mantissa + ".0")
+            + "e"
+            + (exponent if exponent[:1] in "+-" else "+" + exponent)
+        )
+        return f" (YAML 1.1 reads {value} as text: write {fixed})"
     return " (a number in quotes is text: write it unquoted)"
 
 
-def _union_member(part: object) -> bool:
-    return (
-        isinstance(part, str)
-        and bool(m := _MEMBER.fullmatch(part))
-        and (
-            part.split("[")[0].removeprefix("constrained-").removeprefix("function-") in _TYPES
-            or m.group(1) is not None
-        )
-    )
+def _without_union_tags(model: type[BaseModel], loc: tuple) -> tuple:
+    """`loc` of a pydantic error without the parts pydantic adds for a union's member (`int | Literal["auto"]`:
+    "constrained-int", "literal['auto']"), found by walking `model`'s annotations along `loc`, not by name (a
+    build or team may be called "int")."""
+    out, current = [], model
+    for part in loc:
+        while get_origin(current) is Annotated:
+            current = get_args(current)[0]
+        if get_origin(current) in (Union, UnionType):
+            members = [a for a in get_args(current) if a is not type(None)]
+            if len(members) > 1:  # pydantic tags the member: drop the tag, stop walking (which member is unknown)
+                current = None
+                continue
+            current = members[0]
+            while get_origin(current) is Annotated:
+                current = get_args(current)[0]
+        out.append(part)
+        if isinstance(current, type) and issubclass(current, BaseModel) and isinstance(part, str):
+            field = current.model_fields.get(part)
+            current = field.annotation if field is not None else None
+        elif get_origin(current) is dict:
+            current = get_args(current)[1]
+        elif get_origin(current) in (list, tuple, set):
+            current = get_args(current)[0] if get_args(current) else None
+        else:
+            current = None
+    return tuple(out)
 
 
 def _got(data: object) -> str:

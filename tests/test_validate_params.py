@@ -398,9 +398,16 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2():
         (
             "max_slowdown",
             "1e3",
-            "max_slowdown: Input should be a valid number; got str '1e3' (YAML 1.1 reads 1e3 as text: write it with "
-            "a dot, e.g. 1.0e3)",
+            "max_slowdown: Input should be a valid number; got str '1e3' (YAML 1.1 reads 1e3 as text: write 1.0e+3)",
         ),
+        (
+            "max_model_len",
+            "3",
+            "max_model_len: Input should be a valid integer; got str '3' (a number in quotes is "
+            "text: write it unquoted)",
+        ),
+        ("max_model_len", "nan", "max_model_len: Input should be a valid integer; got str 'nan'"),
+        ("dtype", "16", "dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'; got str '16'"),
         ("devices", 0, "devices: Input should be a valid string; got int 0"),
         ("port", 70000, "port: Input should be less than or equal to 65535; got int 70000"),
     ],
@@ -425,3 +432,12 @@ def test_the_blocks_later_stages_read_are_checked_here(params, block, key, value
     """Each passed validate and stopped the search, gate or an evaluate stage after the builds were made."""
     path = params(lambda doc: doc[block].update({key: value}))
     one_line_error(lambda: check_later_blocks(path), rf"^{re.escape(str(path))}:\d+: {message}")
+
+
+def test_a_key_named_like_a_type_is_kept_in_the_field_path(params):
+    """A build, team or resource may be called "int" or "str": only the parts pydantic adds for a union's member
+    leave the path, found from the model's annotations, not by name."""
+    path = params(lambda doc: doc["executor"].update({"resources": {"int": "many", "str": "x"}}))
+    got = one_line_error(lambda: check_later_blocks(path), r"executor\.resources\.int")
+    assert "executor.resources.int: Input should be a valid number; got str 'many'" in got
+    assert "executor.resources.str: Input should be a valid number; got str 'x'" in got
