@@ -32,7 +32,7 @@ from quantgate.budget import CHARS_PER_TOKEN, Cost
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import SEVERITY, GateBlock, judge
 from quantgate.manifest import SERVING_DEFAULTS, read_manifest, serving_settings
-from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds
+from quantgate.params import PARAMS_FILE, load_block, load_builds
 from quantgate.precision import MACHINE_TABLE
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
@@ -63,14 +63,9 @@ class GateParams(GateBlock):
 
 
 def load_params(path: Path = PARAMS_FILE) -> GateParams:
-    """GateParams from params.yaml: block `gate`, candidates from `builds`; raises QuantgateError if the
-    baseline is not the 16-bit build (load_builds refuses builds without it)."""
+    """GateParams from params.yaml: block `gate` (GateBlock refuses a baseline other than the 16-bit build),
+    candidates from `builds`; raises QuantgateError naming the line of a bad field."""
     block, builds = load_block("gate", GateBlock, path), load_builds(path)
-    if block.baseline != BASELINE_BUILD:
-        raise QuantgateError(
-            f"{path}: gate.baseline {block.baseline!r} is a quantized build; the baseline is the 16-bit build "
-            f"prepare makes, {BASELINE_BUILD!r}"
-        )
     return GateParams(**block.model_dump(), candidates=[b for b in builds if b != block.baseline])
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from quantgate.errors import QuantgateError
-from quantgate.params import Frozen
+from quantgate.params import BASELINE_BUILD, Frozen
 from quantgate.results import Sample, TeamComparison, TeamScores
 from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
 from quantgate.teams import Team
@@ -23,9 +23,18 @@ SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
 class GateBlock(Frozen):
     """params.yaml block `gate`."""
 
-    baseline: str = "fp16"
+    baseline: str = BASELINE_BUILD
     bootstrap_resamples: int = Field(default=10000, ge=1000)
     seed: int = 0
+
+    @field_validator("baseline")
+    @classmethod
+    def _the_16bit_build(cls, value: str) -> str:
+        if value != BASELINE_BUILD:  # read here, so validate refuses it before any build is made
+            raise ValueError(
+                f"{value!r} is not the 16-bit build; the baseline is the one prepare makes, {BASELINE_BUILD!r}"
+            )
+        return value
 
 
 def paired_arrays(

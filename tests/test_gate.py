@@ -187,7 +187,7 @@ def test_the_builds_of_a_run_are_listed_once_in_params_yaml():
         ("builds: [fp16, fp8, fp8]\ngate: {baseline: fp16}\n", "names a build twice"),
         (
             "builds: [fp16, fp8]\nquantize: {fp8: {}}\ngate: {baseline: fp8}\n",
-            "gate.baseline 'fp8' is a quantized build; the baseline is the 16-bit build prepare makes, 'fp16'",
+            "gate.baseline: 'fp8' is not the 16-bit build; the baseline is the one prepare makes, 'fp16'",
         ),
         ("builds: fp16\ngate: {baseline: fp16}\n", "`builds` must be a list of build names"),
         ("builds: [fp16, fp8]\nquantize: {fp8: {}}\ngate: {baseline: fp16, candidates: [fp8]}\n", "candidates"),

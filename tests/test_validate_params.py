@@ -426,6 +426,7 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ("gate", "bootstrap_resamples", "lots", r"gate.bootstrap_resamples: Input should be a valid integer"),
         ("executor", "kind", "locl", r"executor.kind: Input should be 'local' or 'ray'; got str 'locl'"),
         ("cost", "qps", -1, r"cost.qps: Input should be greater than 0"),
+        ("gate", "baseline", "int4", r"gate.baseline: 'int4' is not the 16-bit build; the baseline is the one prepare"),
     ],
 )
 def test_the_blocks_later_stages_read_are_checked_here(params, block, key, value, message):
