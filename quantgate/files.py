@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -9,27 +10,46 @@ from pathlib import Path
 from quantgate.errors import QuantgateError
 
 
+def _umask() -> int:
+    """This process's umask, read from /proc/self/status (Linux 4.7+): os.umask can only read it by setting it,
+    which would change it for the threads beside this one for a moment. 0o022 where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def write_whole(path: Path | str, text: str) -> None:
     """Write `text` (UTF-8) to `path` through a temporary file of its own in the same folder, renamed over
     `path` (rename is atomic within one file system, POSIX rename(2)): `path` is whole or untouched, and
     writers in parallel processes or threads each leave one whole file. An existing file keeps its permission
-    bits (a new one gets 0o644), and a symlink its target. Not fsync'd: it guards readers, not power loss.
+    bits (0o777: setuid and setgid are dropped, as a write clears them), a new one gets 0o666 less the umask
+    (as open(2) would), and a symlink keeps its target. Not fsync'd: it guards readers, not power loss.
 
     Raises QuantgateError in one line, naming `path`, when its folder does not exist, it is a folder or
-    anything but a regular file (a device, a FIFO: renaming over one would replace it), or the folder cannot be
-    written (its permissions, a read-only file system, a name too long)."""
+    anything but a regular file (a device, a FIFO: renaming over one would replace it), a symlink loop, or it
+    or its folder cannot be read or written (permissions, a read-only file system, a name too long)."""
     path = Path(path)
     try:
         path = path.resolve(strict=False) if path.is_symlink() else path
-    except (OSError, RuntimeError):  # a symlink loop
-        raise QuantgateError(f"{path}: a symlink that resolves to no file (a loop); give a file path") from None
-    if not path.parent.is_dir():
+        folder_ok, is_dir, exists = path.parent.is_dir(), path.is_dir(), path.exists()
+        is_file = path.is_file()
+    except RuntimeError:  # Python 3.11's resolve on a symlink loop
+        raise QuantgateError(f"{path}: a symlink loop; give a file path") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise QuantgateError(f"{path}: a symlink loop; give a file path") from None
+        raise QuantgateError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    if not folder_ok:
         raise QuantgateError(f"{path}: folder {path.parent} does not exist; create it or give another path")
-    if path.is_dir():
+    if is_dir:
         raise QuantgateError(f"{path}: is a folder; give a file path")
-    if path.exists() and not path.is_file():
+    if exists and not is_file:
         raise QuantgateError(f"{path}: not a regular file (a device, FIFO or socket); give a file path")
-    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644
+    mode = path.stat().st_mode & 0o777 if exists else 0o666 & ~_umask()
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
     except OSError as exc:

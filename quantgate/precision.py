@@ -238,8 +238,7 @@ def probe(python: str) -> Platform:
                 raise ValueError
         except (ValueError, IndexError):
             raise QuantgateError(probe_failure(python, code, stderr)) from None
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        write_whole(cache, json.dumps(d, indent=1) + "\n")
+        _keep_file(cache, json.dumps(d, indent=1) + "\n")
     return Platform(
         device=d["device"],
         native_bf16=d.get("native_bf16", True),
@@ -351,10 +350,18 @@ def fastest(runs: list[dict]) -> dict:
 def _keep(python: str, request_json: str, d: dict) -> dict:
     # a timed-out timing is kept too: timing it again would cost every later stage PROBE_TIMEOUT_S, and callers
     # that each timed it could disagree (one timed out on a busy machine, one did not)
-    speed_file = _speed_file(python, request_json)
-    speed_file.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(speed_file, json.dumps(d) + "\n")  # inf is written Infinity, read back
+    _keep_file(_speed_file(python, request_json), json.dumps(d) + "\n")  # inf is written Infinity, read back
     return d
+
+
+def _keep_file(path: Path, text: str) -> None:
+    """Keep an answer on disk for the next stage, if the folder lets it: a cache that cannot be written costs
+    only its reuse, never the answer (the build it decides is not failed over a cache)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, text)
+    except (OSError, QuantgateError):
+        pass
 
 
 @lru_cache(maxsize=None)

@@ -37,7 +37,11 @@ def test_keeps_permissions_and_a_symlinks_target(tmp_path):
     link.symlink_to(readme)
     write_whole(link, "through the link\n")
     assert link.is_symlink() and readme.read_text() == "through the link\n"
-    write_whole(tmp_path / "fresh.json", "{}\n")
+    old = os.umask(0o022)
+    try:
+        write_whole(tmp_path / "fresh.json", "{}\n")
+    finally:
+        os.umask(old)
     assert (tmp_path / "fresh.json").stat().st_mode & 0o777 == 0o644
 
 
@@ -71,16 +75,34 @@ def test_a_device_or_fifo_is_refused_not_replaced(tmp_path):
 def test_a_symlink_loop_and_a_long_name_are_handled(tmp_path):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
-    with pytest.raises(QuantgateError, match="loop: a symlink that resolves to no file"):
+    with pytest.raises(QuantgateError, match="loop: a symlink loop; give a file path"):
         write_whole(loop, "x")
     long = tmp_path / ("n" * 250)  # a temporary named after the whole name would pass NAME_MAX (255)
     write_whole(long, "x")
     assert long.read_text() == "x"
 
 
-def test_setuid_and_other_mode_bits_are_kept(tmp_path):
-    path = tmp_path / "tool"
-    path.write_text("old")
-    os.chmod(path, 0o4755)
-    write_whole(path, "new")
-    assert path.stat().st_mode & 0o7777 == 0o4755
+def test_a_new_file_follows_the_umask_and_setuid_is_not_restored(tmp_path):
+    old = os.umask(0o077)
+    try:
+        write_whole(tmp_path / "private.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "private.json").stat().st_mode & 0o7777 == 0o600
+    tool = tmp_path / "tool"
+    tool.write_text("old")
+    os.chmod(tool, 0o4755)
+    write_whole(tool, "new")  # a write clears setuid; a rename must not bring it back
+    assert tool.stat().st_mode & 0o7777 == 0o755
+
+
+def test_a_probe_answer_whose_cache_cannot_be_written_still_stands(tmp_path, monkeypatch):
+    """A timing whose cache write failed became a ServerStartError: the FP8 build FAILed over a cache."""
+    from quantgate import precision
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setattr(precision, "_speed_file", lambda python, request: blocker / "speed.json")
+    answer = {"ratio": 8.1, "timings": 1}
+    assert precision._keep("py", "{}", answer) is answer
+    assert blocker.read_text() == ""
