@@ -224,7 +224,9 @@ def inspect_team(
         except QuantgateError as exc:
             problems.append(str(exc))
     problems += [
-        f"{p}: task files end in .yaml, and this one would not be scored; rename it {p.with_suffix('.yaml').name}"
+        f"{p}: a second policy file beside {POLICY_FILE}; delete the one you do not mean"
+        if p.name == "team.yml"
+        else f"{p}: task files end in .yaml, and this one would not be scored; rename it {p.with_suffix('.yaml').name}"
         for p in sorted(path.glob("*.yml"))
         if not p.name.startswith(("_", "."))
     ]
@@ -409,9 +411,12 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
         raise QuantgateError(
             why or f"{root / only}: no {POLICY_FILE}; a team folder has one (see `quantgate evals new`)"
         )
-    if not folders:  # `root` may be one team's folder that would not be read: say why
+    if not folders:  # `root` may be one team's folder, or hold only teams, that would not be read: say why
+        unread = [_listing(p.name, [why]) for p in sorted(root.iterdir()) if (why := _unread_team(p))]
         raise QuantgateError(
-            _unread_team(root) or f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md"
+            _unread_team(root)
+            or "\n".join(unread if only is None else [])
+            or f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md"
         )
     teams, errors = [], []
     for p in sorted(root.iterdir()) if only is None else []:  # task files without a policy would drop a team

@@ -137,6 +137,16 @@ def test_a_team_written_with_yml_files_is_named_not_dropped(example_evals):
     (billing / "team.yaml").rename(billing / "team.yml")
     with pytest.raises(QuantgateError, match=r"^\S*billing/team.yml: the policy file is team.yaml"):
         load_teams(billing)  # `quantgate evals validate evals/billing`: not "no team folders"
+    for team in ("search", "support"):  # every team written so: each named, not "no team folders"
+        (example_evals / team / "team.yaml").rename(example_evals / team / "team.yml")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    named = [line.strip().split(": ")[0] for line in str(err.value).splitlines() if line.startswith("  ")]
+    assert named == [str(example_evals / team / "team.yml") for team in ("billing", "search", "support")]
+    (billing / "arithmetic.yml").rename(billing / "arithmetic.yaml")
+    (billing / "team.yaml").write_text((billing / "team.yml").read_text())
+    with pytest.raises(QuantgateError, match=r"billing/team.yml: a second policy file beside team.yaml; delete"):
+        load_teams(example_evals, only="billing")
 
 
 def test_a_folder_with_only_data_or_a_policy_that_is_a_folder_is_named(example_evals):
