@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantgate.errors import QuantgateError
+from quantgate.precision import model_context
 from quantgate.results import rounded  # noqa: F401 (the benchmarks' own name for it)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,13 +235,16 @@ def hf_lm(model_dir: Path, params, batch_size: int | None = None):
     import torch
     from lm_eval.models.huggingface import HFLM
 
+    max_length = params.serve.max_model_len
+    if max_length == -1:  # vLLM fits it at start, at most the model's own context
+        max_length = model_context(json.loads((model_dir / "config.json").read_text()), f"{model_dir}/config.json")
     return HFLM(
         pretrained=str(model_dir),
         dtype=params.serve.dtype,
         batch_size=batch_size or params.harness.batch_size,
         device="cuda" if torch.cuda.is_available() else "cpu",
         add_bos_token=params.harness.add_bos_token,
-        max_length=params.serve.max_model_len,
+        max_length=max_length,
     )  # the context the vLLM engine gets
 
 

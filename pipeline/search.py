@@ -56,7 +56,6 @@ quantize" is one of the choices) do; llm-compressor has no such search yet (its 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import sys
 import time
@@ -552,8 +551,6 @@ def search(
     args = scheme.weights
     harness = load_block("evaluate.harness", HarnessParams).model_copy(update={"limit": max(p.looks)})
     max_length = load_block("evaluate.serve", ServeParams).max_model_len
-    if max_length == -1:  # what vLLM could fit at most; the screens run in-process, with no server to ask
-        max_length = model_context(json.loads((model_dir / "config.json").read_text()), f"{model_dir}/config.json")
     gate = load_block("gate", GateBlock)
     teams = load_teams(evals_dir)
 
@@ -594,6 +591,8 @@ def search(
     ranked = units(ranking, p.fused)
     order = [layer for unit in ranked for layer in unit]  # kept 16-bit from the top, a unit at a time
     bounds = list(itertools.accumulate((len(u) for u in ranked), initial=0))  # layers in the top k units
+    if max_length == -1:  # what vLLM could fit at most; the screens run in-process, with no server to ask
+        max_length = model_context(model.config.to_dict(), f"{model_dir}/config.json")
     lm = hf_lm(model, tokenizer, harness, max_length)
     baseline = {}
     for team in teams:

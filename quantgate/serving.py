@@ -689,10 +689,6 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     proc.wait()
 
 
-# Remote endpoints (evaluate.endpoints): a vLLM deployment quantgate did not start serves a build
-# under the name `<build>@sha256:<weights_digest>` (OCI's name@digest form; weights_digest is
-# models/<build>/build.json's one digest over the sha256 of every weight file, the registry's
-# weights_sha256 tag). vLLM lists that name as the model `id` of GET /v1/models.
 def served_max_model_len(server: Server, timeout_s: float = 10.0) -> int:
     """The context length (tokens) `server` serves its model with, as vLLM reports it (GET /v1/models,
     `max_model_len` of the card named server.name): what `evaluate.serve.max_model_len: -1` became once vLLM
@@ -700,7 +696,11 @@ def served_max_model_len(server: Server, timeout_s: float = 10.0) -> int:
 
     Raises QuantgateError naming the server when it does not answer within `timeout_s` or reports no length."""
     try:
-        r = httpx.get(f"{server.base_url}/models", timeout=timeout_s)
+        key = os.environ.get("OPENAI_API_KEY", "")  # a remote endpoint may ask for it, as check_endpoint sends it
+        r = httpx.get(
+            f"{server.base_url}/models", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=timeout_s
+        )
+        r.raise_for_status()
         cards = {c["id"]: c for c in r.json()["data"]}
         length = cards[server.name]["max_model_len"]
         if not isinstance(length, int) or length < 1:
@@ -713,6 +713,10 @@ def served_max_model_len(server: Server, timeout_s: float = 10.0) -> int:
     return length
 
 
+# Remote endpoints (evaluate.endpoints): a vLLM deployment quantgate did not start serves a build
+# under the name `<build>@sha256:<weights_digest>` (OCI's name@digest form; weights_digest is
+# models/<build>/build.json's one digest over the sha256 of every weight file, the registry's
+# weights_sha256 tag). vLLM lists that name as the model `id` of GET /v1/models.
 DIGEST_SEP = "@sha256:"
 
 

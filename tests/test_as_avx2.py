@@ -52,5 +52,8 @@ def test_another_torch_or_no_torch_is_refused(tmp_path):
 def test_the_installed_torch_is_the_one_it_rewrites():
     """A torch upgrade that changes get_capabilities fails here, not an hour into a rehearsal."""
     for venv in (".venv", ".venv-serve"):
-        text = next((REPO / venv).glob("lib/python3*/site-packages/torch/cpu/__init__.py")).read_text()
+        found = next((REPO / venv).glob("lib/python3*/site-packages/torch/cpu/__init__.py"), None)
+        if found is None:
+            pytest.skip(f"{venv} has no torch")
+        text = found.read_text()
         assert text.count(as_avx2.ORIGINAL) + text.count(as_avx2.PATCHED) == 1, venv

@@ -371,23 +371,23 @@ def test_the_whole_evaluate_block_is_checked_as_evaluate_reads_it(params, change
     one_line_error(lambda: check_evaluate(BUILDS, path), rf"^{re.escape(str(path))}:\d+: {message}")
 
 
-def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2():
-    """It was a FileNotFoundError traceback and exit 1."""
+def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
+    """It was a FileNotFoundError traceback and exit 1 (`/proc/x.json`); here a file stands where its folder
+    should be, which fails the same way on any system and for any user."""
     import subprocess
     import sys
 
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "teams.json"
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline.validate", "evals", "/proc/quantgate-teams.json"],
+        [sys.executable, "-m", "pipeline.validate", "evals", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == [
-        "quantgate: error: /proc/quantgate-teams.json: cannot write in /proc (No such file or directory); "
-        "give a folder you can write"
-    ]
+    assert r.stderr.strip().splitlines() == [f"quantgate: error: {out}: cannot make its folder (File exists)"]
 
 
 @pytest.mark.parametrize(
