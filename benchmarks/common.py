@@ -237,7 +237,13 @@ def hf_lm(model_dir: Path, params, batch_size: int | None = None):
 
     max_length = params.serve.max_model_len
     if max_length == -1:  # vLLM fits it at start, at most the model's own context
-        max_length = model_context(json.loads((model_dir / "config.json").read_text()), f"{model_dir}/config.json")
+        try:
+            config = json.loads((model_dir / "config.json").read_text())
+        except (OSError, ValueError):
+            raise QuantgateError(
+                f"{model_dir}/config.json: missing or not JSON; cannot resolve max_model_len -1"
+            ) from None
+        max_length = model_context(config, f"{model_dir}/config.json")
     return HFLM(
         pretrained=str(model_dir),
         dtype=params.serve.dtype,

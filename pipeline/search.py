@@ -556,6 +556,8 @@ def search(
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=None if native_16bit() else torch.float32)
     model.eval()
+    if max_length == -1:  # what vLLM could fit at most; the screens run in-process, with no server to ask
+        max_length = model_context(model.config.to_dict(), f"{model_dir}/config.json")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     linears = {
         name: m for name, m in match_named_modules(model, scheme.targets, ignore) if isinstance(m, torch.nn.Linear)
@@ -591,8 +593,6 @@ def search(
     ranked = units(ranking, p.fused)
     order = [layer for unit in ranked for layer in unit]  # kept 16-bit from the top, a unit at a time
     bounds = list(itertools.accumulate((len(u) for u in ranked), initial=0))  # layers in the top k units
-    if max_length == -1:  # what vLLM could fit at most; the screens run in-process, with no server to ask
-        max_length = model_context(model.config.to_dict(), f"{model_dir}/config.json")
     lm = hf_lm(model, tokenizer, harness, max_length)
     baseline = {}
     for team in teams:

@@ -35,6 +35,8 @@ def write_whole(path: Path | str, text: str) -> None:
     path = Path(path)
     try:
         path = path.resolve(strict=False) if path.is_symlink() else path
+        if path.is_symlink():  # Python 3.13+ resolves a loop without raising, to a link still
+            raise RuntimeError("symlink loop")
         folder_ok, is_dir, exists = path.parent.is_dir(), path.is_dir(), path.exists()
         is_file = path.is_file()
     except RuntimeError:  # Python 3.11's resolve on a symlink loop

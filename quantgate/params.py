@@ -154,7 +154,9 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
                 msg = e["msg"].removeprefix("Value error, ")
                 if e["type"] != "value_error" and "input" in e and not isinstance(e["input"], dict):
                     given[loc] = e["input"]  # pydantic's own messages do not say what they were given
-                    hints[loc] = _as_text(e["input"]) if e["type"] in NUMBER_ERRORS else ""
+                    if e["type"] in NUMBER_ERRORS:  # a union's other member (Literal["auto"]) must not erase it
+                        hints[loc] = _as_text(e["input"], integer=e["type"] == "int_type")
+                    hints.setdefault(loc, "")
             if msg not in problems.setdefault(loc, []):
                 problems[loc].append(msg)
         out = []
@@ -171,7 +173,7 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
 NUMBER_ERRORS = ("int_type", "float_type")  # a number field given text (the models are strict: no coercion)
 
 
-def _as_text(value: object) -> str:
+def _as_text(value: object, integer: bool = False) -> str:
     """A hint for a number that YAML read as text, given to a number field: quoted, or a float PyYAML does not
     read as one (it follows YAML 1.1, whose floats need a dot and a signed exponent: 1e3 and 1.0e3 are text,
     1.0e+3 is 1000.0)."""
@@ -182,6 +184,9 @@ def _as_text(value: object) -> str:
     except ValueError:
         return ""
     mantissa, e, exponent = value.lower().partition("e")
+    if e and integer:  # YAML's 2.0e+3 is a float, which an integer field refuses too
+        number = float(value)
+        return f" (YAML 1.1 reads {value} as text: write {int(number)})" if number.is_integer() else ""
     if e:
         fixed = (
             (mantissa if "." in mantissa else mantissa + ".0")

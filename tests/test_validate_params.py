@@ -407,6 +407,17 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
             "text: write it unquoted)",
         ),
         ("max_model_len", "nan", "max_model_len: Input should be a valid integer; got str 'nan'"),
+        (
+            "kv_cache_gib",
+            "4",
+            "kv_cache_gib: Input should be a valid integer or 'auto'; got str '4' (a number in quotes "
+            "is text: write it unquoted)",
+        ),
+        (
+            "max_model_len",
+            "2e3",
+            "max_model_len: Input should be a valid integer; got str '2e3' (YAML 1.1 reads 2e3 as text: write 2000)",
+        ),
         ("dtype", "16", "dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'; got str '16'"),
         ("devices", 0, "devices: Input should be a valid string; got int 0"),
         ("port", 70000, "port: Input should be less than or equal to 65535; got int 70000"),
@@ -414,8 +425,8 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
 )
 def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, message):
     path = params(lambda doc: doc["evaluate"]["serve"].update({key: value}))
-    if value == "1e3":  # as a user writes it; safe_dump would quote the string
-        path.write_text(path.read_text().replace("'1e3'", "1e3"))
+    if value in ("1e3", "2e3"):  # as a user writes it; safe_dump would quote the string
+        path.write_text(path.read_text().replace(f"'{value}'", value))
     got = one_line_error(lambda: check_evaluate(BUILDS, path), r"evaluate\.serve\.")
     assert got.split("evaluate.serve.", 1)[1] == message
 
