@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quantgate.errors import QuantgateError
-from quantgate.precision import model_context
+from quantgate.precision import model_config, model_context
 from quantgate.results import rounded  # noqa: F401 (the benchmarks' own name for it)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,12 +237,7 @@ def hf_lm(model_dir: Path, params, batch_size: int | None = None):
 
     max_length = params.serve.max_model_len
     if max_length == -1:  # vLLM fits it at start, at most the model's own context
-        try:
-            config = json.loads((model_dir / "config.json").read_text())
-        except (OSError, ValueError):
-            raise QuantgateError(
-                f"{model_dir}/config.json: missing or not JSON; cannot resolve max_model_len -1"
-            ) from None
+        config = model_config(model_dir, "cannot resolve max_model_len -1")
         max_length = model_context(config, f"{model_dir}/config.json")
     return HFLM(
         pretrained=str(model_dir),

@@ -203,8 +203,7 @@ def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfilePar
     result = profile(build, model_dir, serve, params)
     if cached is not None and result.status == "profiled":
         try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            write_profile(cached, result)
+            write_profile(cached, result)  # it makes the folder
         except OSError as exc:  # the measurement stands; only its reuse is lost
             print(f"profile[{build}]: not kept in the cache ({cached}: {exc.strerror or exc})", flush=True)
         except QuantgateError as exc:  # write_profile's own one line (a folder in its place, a read-only folder)

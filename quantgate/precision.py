@@ -399,10 +399,7 @@ def emulation_slowdown(
     Raises QuantgateError if the serving env cannot run it or config.json cannot be read."""
     if not is_fp8(model_dir) or not platform.is_cpu:
         return None
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; cannot time its forward") from None
+    config = model_config(model_dir, "cannot time its forward")
     shape = {k: config[k] for k in SHAPE_KEYS if k in config}  # the same architecture, the same cached answer
     request = {"scheme": "FP8_DYNAMIC", "dtype": dtype, "config": shape, "tokens": list(SPEED_TOKENS)}
     return _speed(python, json.dumps(request, sort_keys=True), bound)
@@ -633,16 +630,22 @@ def resolve_kv_cache_gib(
         return int(requested), "set in evaluate.serve.kv_cache_gib"
     if not platform.is_cpu:
         return None, f"auto: GPU ({platform.device}): vLLM sizes it (--gpu-memory-utilization)"
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; cannot size the KV cache") from None
+    config = model_config(model_dir, "cannot size the KV cache")
     per_token = kv_bytes_per_token(config, dtype, f"{model_dir}/config.json")
     tokens, of = max_model_len, "tokens"
     if max_model_len == -1:  # vLLM fits the length at start, at most the model's own context
         tokens, of = model_context(config, f"{model_dir}/config.json"), "tokens (max_model_len -1: the model's context)"
     gib = max(1, -(-per_token * tokens * AUTO_KV_SEQUENCES // GIB))  # rounded up
     return gib, f"auto: CPU: {AUTO_KV_SEQUENCES} sequences x {tokens} {of} x {per_token} B/token"
+
+
+def model_config(model_dir: Path, why: str) -> dict:
+    """`model_dir`/config.json as a dict. Raises QuantgateError "<dir>/config.json: missing or not JSON; <why>"
+    (`why`: what cannot be done without it)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raise QuantgateError(f"{model_dir}/config.json: missing or not JSON; {why}") from None
 
 
 def model_context(config: dict, where: str = "config.json") -> int:

@@ -411,17 +411,17 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
         raise QuantgateError(
             why or f"{root / only}: no {POLICY_FILE}; a team folder has one (see `quantgate evals new`)"
         )
+    # task or data files without a policy would drop a team (checking all; `only` has its team.yaml by now)
+    unread = (
+        [_listing(p.name, [why]) for p in sorted(root.iterdir()) if (why := _unread_team(p))] if only is None else []
+    )
     if not folders:  # `root` may be one team's folder, or hold only teams, that would not be read: say why
-        unread = [_listing(p.name, [why]) for p in sorted(root.iterdir()) if (why := _unread_team(p))]
         raise QuantgateError(
             _unread_team(root)
-            or "\n".join(unread if only is None else [])
+            or "\n".join(unread)
             or f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md"
         )
-    teams, errors = [], []
-    for p in sorted(root.iterdir()) if only is None else []:  # task files without a policy would drop a team
-        if (why := _unread_team(p)) is not None:
-            errors.append(_listing(p.name, [why]))
+    teams, errors = [], unread
     declared = {folder: declared_tasks(folder) for folder in folders}
     for folder in folders if only is None else [root / only]:
         taken = {name: file for other, found in declared.items() if other != folder for name, file in found}
