@@ -37,12 +37,6 @@ def test_keeps_permissions_and_a_symlinks_target(tmp_path):
     link.symlink_to(readme)
     write_whole(link, "through the link\n")
     assert link.is_symlink() and readme.read_text() == "through the link\n"
-    old = os.umask(0o022)
-    try:
-        write_whole(tmp_path / "fresh.json", "{}\n")
-    finally:
-        os.umask(old)
-    assert (tmp_path / "fresh.json").stat().st_mode & 0o777 == 0o644
 
 
 def test_bad_paths_are_one_line_errors_and_leave_nothing_behind(tmp_path):
@@ -82,13 +76,17 @@ def test_a_symlink_loop_and_a_long_name_are_handled(tmp_path):
     assert long.read_text() == "x"
 
 
-def test_a_new_file_follows_the_umask_and_setuid_is_not_restored(tmp_path):
-    old = os.umask(0o077)
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_a_new_file_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
     try:
-        write_whole(tmp_path / "private.json", "{}")
+        write_whole(tmp_path / "fresh.json", "{}")
     finally:
         os.umask(old)
-    assert (tmp_path / "private.json").stat().st_mode & 0o7777 == 0o600
+    assert (tmp_path / "fresh.json").stat().st_mode & 0o7777 == mode
+
+
+def test_setuid_is_not_restored(tmp_path):
     tool = tmp_path / "tool"
     tool.write_text("old")
     os.chmod(tool, 0o4755)
