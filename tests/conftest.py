@@ -18,7 +18,7 @@ from benchmarks.common import project_env, scratch_project
 from pipeline.evaluate import EvaluateParams
 from quantgate.errors import QuantgateError
 from quantgate.params import load_block
-from quantgate.precision import precision_record, probe, slowdown_problem, w4a16_problem
+from quantgate.precision import precision_record, probe, slowdown_problem, w4a16_problem, w8a8_problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -157,17 +157,18 @@ SMOLLM2_FP8_CONFIG = {
 def run_precision() -> dict:
     """The precision the e2e run gets on this machine (params.yaml's evaluate.serve.dtype through
     the one rule, quantgate.precision), with "w4a16_problem": why W4A16 cannot be served at it
-    here, and "fp8_problem": why the fp8 build is too slow to score here (evaluate.serve.max_slowdown,
-    the probe's timing of vLLM's FP8 path), each or None. The probe is the only source: the tests expect
-    what it says, never a guess."""
+    here, "int8_problem": why the int8 W8A8 build cannot, and "fp8_problem": why the fp8 build is too
+    slow to score here (evaluate.serve.max_slowdown, the probe's timing of vLLM's FP8 path), each or None.
+    The probe is the only source: the tests expect what it says, never a guess."""
     serve = load_block("evaluate", EvaluateParams, REPO / "params.yaml").serve
     requested = serve.dtype
     try:
         record = precision_record(SERVE_PYTHON, requested)
         platform = probe(SERVE_PYTHON)
         problem = w4a16_problem(platform, record["dtype"], requested)
+        int8 = w8a8_problem(platform, record["dtype"])
     except QuantgateError as exc:  # no serving env: the e2e tests then fail on their own
-        return {"dtype": None, "w4a16_problem": str(exc), "fp8_problem": str(exc)}
+        return {"dtype": None, "w4a16_problem": str(exc), "int8_problem": str(exc), "fp8_problem": str(exc)}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(SMOLLM2_FP8_CONFIG))
@@ -178,7 +179,7 @@ def run_precision() -> dict:
             "cannot time this build's emulated forward: "
             + str(exc).split(" emulated forward: ")[-1].split("; run `")[0]
         )
-    return {**record, "w4a16_problem": problem, "fp8_problem": fp8}
+    return {**record, "w4a16_problem": problem, "int8_problem": int8, "fp8_problem": fp8}
 
 
 def w4a16_servable() -> bool:

