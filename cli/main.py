@@ -64,8 +64,8 @@ def status(model: str | None) -> None:
         describe=lambda exc: f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}",
     ):
         if model is None:
-            from pipeline.register import RegisterParams
             from quantgate.params import PARAMS_FILE, load_block
+            from quantgate.register_params import RegisterParams
 
             if not PARAMS_FILE.is_file():
                 raise QuantgateError(

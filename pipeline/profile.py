@@ -37,8 +37,6 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from pydantic import Field
-
 from quantgate.console import per_build
 from quantgate.cost import KVShape, kv_bytes_per_token, kv_capacity_tokens, kv_dtype_bytes
 from quantgate.errors import QuantgateError, project_relative, run_main
@@ -46,8 +44,9 @@ from quantgate.executor import ExecutorParams, connect
 from quantgate.hashing import digest_json
 from quantgate.loadgen import Load, bench, disk_mib, startup_report, tree_rss_gib
 from quantgate.manifest import config_digest, read_manifest
-from quantgate.params import Frozen, load_block
+from quantgate.params import load_block
 from quantgate.precision import probe, probe_key
+from quantgate.profile_params import ProfileParams
 from quantgate.remote import node_python, on_node, published, settle, submit
 from quantgate.results import BuildProfile, LoadPoint, Placement, read_profile, write_profile
 from quantgate.serving import BEFORE_SERVER, ServeParams, kv_cache_dtype, refusal_head, resolved, vllm_server
@@ -56,19 +55,6 @@ LOGS = Path("results/logs")
 CACHE_DIR = Path(".quantgate/cache/profile")
 # bump when what a profile measures or records changes (this module, quantgate/loadgen.py): older entries then miss
 CODE_VERSION = 1
-
-
-class ProfileParams(Frozen):
-    """params.yaml block `profile`: the load each build is measured under (defaults: ~1-2 min per build
-    on 2 CPU cores, server start included)."""
-
-    concurrency: list[int] = Field(default=[1, 8], min_length=1)  # requests in flight, one benchmark each
-    prompts_per_concurrency: int = Field(default=2, ge=1)  # N: each concurrency C sends max(N, C) prompts
-    input_len: int = Field(default=32, ge=1)  # prompt tokens (random, fixed by seed)
-    output_len: int = Field(default=16, ge=1)  # generated tokens per request (ignore_eos)
-    seed: int = 1234  # the prompt set: every build gets the same prompts
-    timeout_s: int = Field(default=600, ge=1)  # per benchmark run, seconds
-    cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the server; None = evaluate.serve's
 
 
 def arithmetic_kv(model_dir: Path, serve: ServeParams, kv_dtype: str, on_cpu: bool) -> dict:

@@ -26,21 +26,15 @@ import re
 import sys
 from pathlib import Path
 
-from pydantic import Field
-
 from pipeline.buys import buys_table
 from pipeline.report import table
 from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.manifest import verify_weights
-from quantgate.params import Frozen, load_block
+from quantgate.params import load_block
 from quantgate.precision import RECORD as PRECISION
+from quantgate.register_params import RegisterParams
 from quantgate.results import SCORES, BuildGate, GateResult, TeamSummary, read_gate, read_scores, read_teams
 from registry import aliases, audit, runs, store, tags, versions
-
-
-class RegisterParams(Frozen):
-    model_name: str = Field(default="smollm2-135m-instruct", min_length=1, pattern=r"\S")  # MLflow refuses ''
-    experiment: str = Field(default="quantgate-builds", min_length=1, pattern=r"\S")
 
 
 def serving_of(eval_dir: Path, build: str) -> dict:

@@ -23,8 +23,10 @@ from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
 from quantgate.executor import ExecutorParams
 from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
+from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import declared_schemes
+from quantgate.register_params import RegisterParams
 from quantgate.results import TeamSummary, write_teams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
 from quantgate.teams import POLICY_FILE, Team, load_teams, min_docs
@@ -198,14 +200,16 @@ def check_evaluate(builds: list[str], path: Path = PARAMS_FILE) -> EvaluateParam
 
 
 def check_later_blocks(path: Path = PARAMS_FILE) -> None:
-    """The `gate`, `cost` and `executor` blocks as the search, gate and serving stages read them: a typo there
-    stops the run here, not after the builds are made. (`profile`, `register` and `prepare` are read by their
-    own stages: prepare runs next, and DVC re-runs only the stage that stopped once the block is mended.)
+    """The `gate`, `cost`, `executor`, `profile` and `register` blocks as the search, gate, serving, profile and
+    register stages read them: a typo there stops the run here, not after the builds are made and scored.
+    (`prepare` is read by its own stage, which runs next.)
 
     Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
     load_block("gate", GateBlock, path)
     load_block("cost", CostParams, path)
     load_block("executor", ExecutorParams, path)
+    load_block("profile", ProfileParams, path)
+    load_block("register", RegisterParams, path)
 
 
 def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:

@@ -438,10 +438,15 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ("executor", "kind", "locl", r"executor.kind: Input should be 'local' or 'ray'; got str 'locl'"),
         ("cost", "qps", -1, r"cost.qps: Input should be greater than 0"),
         ("gate", "baseline", "int4", r"gate.baseline: 'int4' is not the 16-bit build; the baseline is the one prepare"),
+        ("profile", "concurrency", [], r"profile.concurrency: List should have at least 1 item after validation"),
+        ("profile", "timeout_s", "10m", r"profile.timeout_s: Input should be a valid integer.*; got str '10m'"),
+        ("register", "model_name", " ", r"register.model_name: String should match pattern"),
+        ("register", "experimnt", "x", r"register.experimnt: unknown key \(the keys here: model_name, experiment\)"),
     ],
 )
 def test_the_blocks_later_stages_read_are_checked_here(params, block, key, value, message):
-    """Each passed validate and stopped the search, gate or an evaluate stage after the builds were made."""
+    """Each passed validate and stopped the search, gate, an evaluate, profile or the register stage after the
+    builds were made (profile and register: after every build was scored)."""
     path = params(lambda doc: doc[block].update({key: value}))
     one_line_error(lambda: check_later_blocks(path), rf"^{re.escape(str(path))}:\d+: {message}")
 
