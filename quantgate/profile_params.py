@@ -3,19 +3,25 @@ validate before any stage runs."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import Field, field_validator
 
 from quantgate.params import Frozen
+from quantgate.serving import check_cpu_cores
 
 
 class ProfileParams(Frozen):
     """params.yaml block `profile`: the load each build is measured under (defaults: ~1-2 min per build
     on 2 CPU cores, server start included)."""
 
-    concurrency: list[int] = Field(default=[1, 8], min_length=1)  # requests in flight, one benchmark each
+    # requests in flight, one benchmark each (vLLM bench's semaphore: 0 would mean unbounded)
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 8], min_length=1)
     prompts_per_concurrency: int = Field(default=2, ge=1)  # N: each concurrency C sends max(N, C) prompts
     input_len: int = Field(default=32, ge=1)  # prompt tokens (random, fixed by seed)
     output_len: int = Field(default=16, ge=1)  # generated tokens per request (ignore_eos)
-    seed: int = 1234  # the prompt set: every build gets the same prompts
+    seed: int = Field(default=1234, ge=0)  # the prompt set: every build gets the same prompts (numpy: >= 0)
     timeout_s: int = Field(default=600, ge=1)  # per benchmark run, seconds
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the server; None = evaluate.serve's
+
+    _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))

@@ -3,14 +3,41 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import posixpath
+
+from pydantic import field_validator
 
 from quantgate.params import Frozen
 
+# MLflow's own limits (mlflow/utils/validation.py, 3.x: _validate_model_name, _validate_experiment_name); the
+# register stage would otherwise meet them after every build is scored
+MAX_EXPERIMENT_NAME = 500
+
 
 class RegisterParams(Frozen):
-    """params.yaml block `register`: the registered model's name and the experiment its runs go to (MLflow
-    refuses an empty or blank name)."""
+    """params.yaml block `register`: the registered model's name and the experiment its runs go to, each a name
+    MLflow accepts (raises ValueError, as pydantic's message, for one it refuses)."""
 
-    model_name: str = Field(default="smollm2-135m-instruct", min_length=1, pattern=r"\S")
-    experiment: str = Field(default="quantgate-builds", min_length=1, pattern=r"\S")
+    model_name: str = "smollm2-135m-instruct"
+    experiment: str = "quantgate-builds"
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty or blank: give the registered model's name")
+        if "/" in value or ":" in value:
+            raise ValueError(f"{value!r}: MLflow refuses a model name with '/' or ':'; use '-' instead")
+        norm = posixpath.normpath(value)
+        if norm != value or norm == "." or norm.startswith(".."):
+            raise ValueError(f"{value!r}: MLflow refuses a model name that reads as a relative path; rename it")
+        return value
+
+    @field_validator("experiment")
+    @classmethod
+    def _experiment(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty or blank: give the MLflow experiment's name")
+        if len(value) > MAX_EXPERIMENT_NAME:
+            raise ValueError(f"{len(value)} characters; MLflow takes at most {MAX_EXPERIMENT_NAME}")
+        return value

@@ -51,6 +51,7 @@ from quantgate.precision import (
     resolve_eager,
     resolve_kv_cache_gib,
     slowdown_problem,
+    takes_probed_int8_kernel,
     w4a8_problem,
     w4a16_problem,
     w8a8_problem,
@@ -387,7 +388,8 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
         raise ServerStartError(f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} {BEFORE_SERVER}")
     if is_int8_w8a8(model_dir):
         try:
-            problem = w8a8_problem(probe(params.python), params.dtype)
+            platform = probe(params.python)
+            problem = takes_probed_int8_kernel(model_dir, platform) and w8a8_problem(platform, params.dtype)
         except QuantgateError as exc:
             raise ServerStartError(str(exc)) from None
         if problem:

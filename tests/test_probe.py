@@ -2,6 +2,7 @@
 stand-in `vllm` package run through the real probe script, a kernel call that dies with a signal recorded as
 that call's answer, a probe that dies named with its stage and signal, and the answer kept on disk."""
 
+import json
 import os
 import signal
 import stat
@@ -200,6 +201,43 @@ def test_the_int8_call_takes_vllms_kernel_and_its_abort_at_float16_is_an_answer(
     for kind in ("avx2", "avx512", "avx512_bf16"):
         got = probe(fake_python(kind))
         assert (got.w8a8_kernel, got.w8a8) == ("onednn_scaled_mm (oneDNN)", dict.fromkeys(platform_probe.DTYPES, "ok"))
+
+
+def test_a_call_that_crashes_leaves_no_core_file(tmp_path, monkeypatch):
+    import resource
+
+    monkeypatch.chdir(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))  # as `ulimit -c unlimited` would leave it
+    except (ValueError, OSError):
+        pass
+    try:
+        assert platform_probe.isolated(lambda: str(resource.getrlimit(resource.RLIMIT_CORE))) == "(0, 0)"
+        assert platform_probe.isolated(os.abort) == "died with SIGABRT"
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    assert not list(tmp_path.glob("core*"))
+
+
+def test_an_answer_with_a_hung_call_is_not_kept(fake_python, tmp_path, monkeypatch):
+    python = fake_python("avx512")
+    monkeypatch.setattr(platform_probe, "CALL_TIMEOUT_S", 30.0)
+    real = precision._run_probe
+
+    def hung(py, args):  # the probe's answer with one call that gave no answer in time
+        code, out, err = real(py, args)
+        doc = json.loads(out.strip().splitlines()[-1])
+        doc["w8a8"]["float16"] = "no answer in 30 s"
+        return code, json.dumps(doc) + "\n", err
+
+    monkeypatch.setattr(precision, "_run_probe", hung)
+    assert probe(python).w8a8["float16"] == "no answer in 30 s"
+    assert not list((tmp_path / "probe-cache").glob("*.json"))  # asked again by the next stage
+    precision.probe.cache_clear()
+    monkeypatch.setattr(precision, "_run_probe", real)
+    assert probe(python).w8a8["float16"] == "ok"
+    assert len(list((tmp_path / "probe-cache").glob("*.json"))) == 1
 
 
 def test_an_int8_call_with_a_wrong_result_says_what_it_got(fake_python):

@@ -155,7 +155,7 @@ def test_a_blank_model_name_is_refused_at_load_naming_the_field(tmp_path):
     params = tmp_path / "params.yaml"
     for blank in ("''", "'  '"):
         params.write_text(f"register:\n  model_name: {blank}\n")
-        with pytest.raises(QuantgateError, match=r"params.yaml:2: register.model_name: String should"):
+        with pytest.raises(QuantgateError, match=r"params.yaml:2: register.model_name: must not be empty or blank"):
             load_block("register", RegisterParams, params)
 
 

@@ -74,8 +74,14 @@ AMX = Platform(
     w8a8_kernel="int8_scaled_mm_with_quant (AMX)",
     isa={"avx512": True, "avx512_bf16": True, "amx": True},
 )
-# SmolLM2-135M-Instruct's config.json (the attention shape)
-SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+# SmolLM2-135M-Instruct's config.json (the attention and MLP shape)
+SMOLLM2 = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+}
 
 
 def build(tmp_path: Path, name: str, group: dict | None, **manifest) -> Path:
@@ -172,8 +178,8 @@ def test_int8_w8a8_is_refused_before_a_server_where_its_kernel_fails_at_that_dty
     # a missing op refuses at every dtype, naming the library; advice without a dtype that works
     gone = Platform("cpu", kernel_library="_C_AVX2", w8a8=dict.fromkeys(ONEDNN_OK, "missing"), w8a8_kernel=ONEDNN)
     assert precision.w8a8_problem(gone, "float32") == (
-        "this vLLM CPU build has no int8 W8A8 kernel for this processor: _C_AVX2 lacks onednn_scaled_mm (oneDNN)'s "
-        "ops; serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
+        "this vLLM CPU build has no int8 W8A8 kernel for this processor: _C_AVX2 has no ops for onednn_scaled_mm "
+        "(oneDNN); serve it on another machine kind (in a pipeline run here: drop it from `builds`)"
     )
     # an error at every dtype proves nothing about the kernel (the call may be out of date): the server decides;
     # a death is a reason even so
@@ -185,6 +191,23 @@ def test_int8_w8a8_is_refused_before_a_server_where_its_kernel_fails_at_that_dty
     )
     # a probe from before the call (no answers) leaves it to the server
     assert precision.w8a8_problem(Platform("cpu", kernel_library="_C"), "float32") is None
+
+
+def test_an_int8_build_that_amx_serves_with_onednn_is_left_to_the_server(tmp_path, monkeypatch):
+    """vLLM takes AMX's int8 kernel only for symmetric activations and K % 32 == 0, N % 16 == 0; the probe called
+    that kernel, so its float32 answer says nothing about a build served by oneDNN."""
+    monkeypatch.setattr(serving, "probe", lambda python: AMX)
+    asymmetric = dict(INT8_W8A8, input_activations={**INT8_W8A8["input_activations"], "symmetric": False})
+    odd = build(tmp_path, "odd", INT8_W8A8)
+    (odd / "config.json").write_text(
+        json.dumps({**json.loads((odd / "config.json").read_text()), "hidden_size": 600, "intermediate_size": 1540})
+    )
+    for model in (build(tmp_path, "asym", asymmetric), odd):
+        assert not precision.takes_probed_int8_kernel(model, AMX)
+        check_servable(ServeParams(python="py", dtype="float32"), model, "float32")
+    assert precision.takes_probed_int8_kernel(build(tmp_path, "int8", INT8_W8A8), AMX)  # SmolLM2: 576, 1536
+    # where the probe called oneDNN, its answers hold for every int8 build
+    assert precision.takes_probed_int8_kernel(build(tmp_path, "asym2", asymmetric), AVX2)
 
 
 def test_w4a8_is_served_only_where_vllm_takes_that_path_and_the_reason_says_why_elsewhere(tmp_path, monkeypatch):

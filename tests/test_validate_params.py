@@ -60,7 +60,7 @@ def test_the_repos_params_pass_every_check(params):
     check_samples(search, blocks, path)
     check_doc_budget(search, load_teams(REPO / "evals"), builds, path)
     assert check_evaluate(builds, path).serve.max_slowdown == 3.0
-    check_later_blocks(path)
+    check_later_blocks(check_evaluate(BUILDS, path), path)
     assert builds == BUILDS and set(blocks) == set(BUILDS) - {"fp16"} and search.base == "int4"
 
 
@@ -419,7 +419,7 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
             "max_model_len: Input should be a valid integer; got str '2e3' (YAML 1.1 reads 2e3 as text: write 2000)",
         ),
         ("dtype", "16", "dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'; got str '16'"),
-        ("devices", 0, "devices: Input should be a valid string; got int 0"),
+        ("devices", 0, 'devices: Input should be a valid string; got int 0 (YAML reads 0 as a number: quote it, "0")'),
         ("port", 70000, "port: Input should be less than or equal to 65535; got int 70000"),
     ],
 )
@@ -439,8 +439,33 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ("cost", "qps", -1, r"cost.qps: Input should be greater than 0"),
         ("gate", "baseline", "int4", r"gate.baseline: 'int4' is not the 16-bit build; the baseline is the one prepare"),
         ("profile", "concurrency", [], r"profile.concurrency: List should have at least 1 item after validation"),
+        ("profile", "concurrency", [1, 0], r"profile.concurrency.1: Input should be greater than or equal to 1"),
+        ("profile", "seed", -5, r"profile.seed: Input should be greater than or equal to 0"),
+        ("profile", "cpu_cores", "abc", r"profile.cpu_cores: 'abc' is not a core list"),
+        (
+            "profile",
+            "cpu_cores",
+            1,
+            r"profile.cpu_cores: Input should be a valid string; got int 1 \(YAML reads 1 as a "
+            r'number: quote it, "1"\)',
+        ),
+        (
+            "profile",
+            "input_len",
+            99999,
+            r"profile.input_len: input_len \+ output_len = 100015 tokens, over "
+            r"evaluate.serve.max_model_len 2048: vLLM would refuse every benchmark request",
+        ),
+        (
+            "register",
+            "model_name",
+            "team/model",
+            r"register.model_name: 'team/model': MLflow refuses a model name with",
+        ),
+        ("register", "model_name", "..", r"register.model_name: '..': MLflow refuses a model name that reads as a rel"),
+        ("register", "experiment", "x" * 501, r"register.experiment: 501 characters; MLflow takes at most 500"),
         ("profile", "timeout_s", "10m", r"profile.timeout_s: Input should be a valid integer.*; got str '10m'"),
-        ("register", "model_name", " ", r"register.model_name: String should match pattern"),
+        ("register", "model_name", " ", r"register.model_name: must not be empty or blank"),
         ("register", "experimnt", "x", r"register.experimnt: unknown key \(the keys here: model_name, experiment\)"),
     ],
 )
@@ -448,13 +473,15 @@ def test_the_blocks_later_stages_read_are_checked_here(params, block, key, value
     """Each passed validate and stopped the search, gate, an evaluate, profile or the register stage after the
     builds were made (profile and register: after every build was scored)."""
     path = params(lambda doc: doc[block].update({key: value}))
-    one_line_error(lambda: check_later_blocks(path), rf"^{re.escape(str(path))}:\d+: {message}")
+    one_line_error(
+        lambda: check_later_blocks(check_evaluate(BUILDS, path), path), rf"^{re.escape(str(path))}:\d+: {message}"
+    )
 
 
 def test_a_key_named_like_a_type_is_kept_in_the_field_path(params):
     """A build, team or resource may be called "int" or "str": only the parts pydantic adds for a union's member
     leave the path, found from the model's annotations, not by name."""
     path = params(lambda doc: doc["executor"].update({"resources": {"int": "many", "str": "x"}}))
-    got = one_line_error(lambda: check_later_blocks(path), r"executor\.resources\.int")
+    got = one_line_error(lambda: check_later_blocks(check_evaluate(BUILDS, path), path), r"executor\.resources\.int")
     assert "executor.resources.int: Input should be a valid number; got str 'many'" in got
     assert "executor.resources.str: Input should be a valid number; got str 'x'" in got
