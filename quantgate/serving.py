@@ -363,8 +363,7 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     W8A8 build at a dtype whose int8 kernel fails here, a KV-cache dtype the processor lacks, or a build served
     only through emulation too slow to score (params.max_slowdown). Raises ServerStartError with the reason
     that holds here (quantgate.precision.w4a16_problem, w4a8_problem, w8a8_problem, kv_cache_problem,
-    slowdown_problem); `requested` is
-    evaluate.serve.dtype as written."""
+    slowdown_problem); `requested` is evaluate.serve.dtype as written."""
     w4a8 = serves_w4a8(model_dir)
     if w4a8 and not is_int4_w16(model_dir):  # vLLM would ignore the switch and serve what the weights are
         raise ServerStartError(
