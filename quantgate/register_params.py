@@ -12,6 +12,9 @@ from quantgate.params import Frozen
 # MLflow's own limits (mlflow/utils/validation.py, 3.x: _validate_model_name, _validate_experiment_name); the
 # register stage would otherwise meet them after every build is scored
 MAX_EXPERIMENT_NAME = 500
+# MLflow's SQL stores keep a registered model's name in String(256) (mlflow/store/model_registry/dbmodels), and the
+# registry lock (registry/lock.py) is a model named <name>.quantgate-lock, renamed <that>.stale.<12 hex> when broken
+MAX_MODEL_NAME = 256 - len(".quantgate-lock.stale.") - 12
 
 
 class RegisterParams(Frozen):
@@ -28,6 +31,11 @@ class RegisterParams(Frozen):
             raise ValueError("must not be empty or blank: give the registered model's name")
         if "/" in value or ":" in value:
             raise ValueError(f"{value!r}: MLflow refuses a model name with '/' or ':'; use '-' instead")
+        if len(value) > MAX_MODEL_NAME:
+            raise ValueError(
+                f"{len(value)} characters; at most {MAX_MODEL_NAME} (MLflow's SQL stores keep 256, and the registry "
+                "lock adds its suffix to the name)"
+            )
         norm = posixpath.normpath(value)
         if norm != value or norm == "." or norm.startswith(".."):
             raise ValueError(f"{value!r}: MLflow refuses a model name that reads as a relative path; rename it")

@@ -206,6 +206,20 @@ def test_an_int8_build_that_amx_serves_with_onednn_is_left_to_the_server(tmp_pat
         assert not precision.takes_probed_int8_kernel(model, AMX)
         check_servable(ServeParams(python="py", dtype="float32"), model, "float32")
     assert precision.takes_probed_int8_kernel(build(tmp_path, "int8", INT8_W8A8), AMX)  # SmolLM2: 576, 1536
+    # vLLM picks the kernel per linear: one that fits (qkv_proj: N 960, K 576) runs AMX's, and fails the request
+    mixed = build(tmp_path, "mixed", INT8_W8A8)
+    (mixed / "config.json").write_text(
+        json.dumps({**json.loads((mixed / "config.json").read_text()), "intermediate_size": 1544})
+    )
+    assert precision.linear_shapes(json.loads((mixed / "config.json").read_text())) == [
+        (960, 576),
+        (576, 576),
+        (3088, 576),
+        (576, 1544),
+    ]
+    assert precision.takes_probed_int8_kernel(mixed, AMX)
+    with pytest.raises(ServerStartError, match=r"at float16 in the platform probe: died with SIGABRT"):
+        check_servable(ServeParams(python="py", dtype="float16"), mixed, "float16")
     # where the probe called oneDNN, its answers hold for every int8 build
     assert precision.takes_probed_int8_kernel(build(tmp_path, "asym2", asymmetric), AVX2)
 

@@ -419,7 +419,12 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
             "max_model_len: Input should be a valid integer; got str '2e3' (YAML 1.1 reads 2e3 as text: write 2000)",
         ),
         ("dtype", "16", "dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'; got str '16'"),
-        ("devices", 0, 'devices: Input should be a valid string; got int 0 (YAML reads 0 as a number: quote it, "0")'),
+        (
+            "devices",
+            0,
+            "devices: Input should be a valid string; got int 0 (YAML reads it as a number: put it in quotes "
+            "as you wrote it)",
+        ),
         ("port", 70000, "port: Input should be less than or equal to 65535; got int 70000"),
     ],
 )
@@ -446,8 +451,8 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
             "profile",
             "cpu_cores",
             1,
-            r"profile.cpu_cores: Input should be a valid string; got int 1 \(YAML reads 1 as a "
-            r'number: quote it, "1"\)',
+            r"profile.cpu_cores: Input should be a valid string; got int 1 \(YAML reads it as a number: put it in "
+            r"quotes as you wrote it\)",
         ),
         (
             "profile",
@@ -464,6 +469,13 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ),
         ("register", "model_name", "..", r"register.model_name: '..': MLflow refuses a model name that reads as a rel"),
         ("register", "experiment", "x" * 501, r"register.experiment: 501 characters; MLflow takes at most 500"),
+        (
+            "register",
+            "model_name",
+            "m" * 223,
+            r"register.model_name: 223 characters; at most 222 \(MLflow's SQL stores",
+        ),
+        ("profile", "seed", 2**32, r"profile.seed: Input should be less than or equal to 4294967295"),
         ("profile", "timeout_s", "10m", r"profile.timeout_s: Input should be a valid integer.*; got str '10m'"),
         ("register", "model_name", " ", r"register.model_name: must not be empty or blank"),
         ("register", "experimnt", "x", r"register.experimnt: unknown key \(the keys here: model_name, experiment\)"),
