@@ -36,9 +36,11 @@ SCRATCH_COMMIT = "scratch project"
 
 
 def project_env() -> dict[str, str]:
-    """Environment for commands run in a scratch project: the pipeline env first on PATH and
-    no MLFLOW_TRACKING_URI, so each project uses its own sqlite registry."""
-    env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}")
+    """Environment for commands run in a scratch project: the pipeline env first on PATH,
+    no MLFLOW_TRACKING_URI, so each project uses its own sqlite registry, and DVC's analytics off
+    (DVC_NO_ANALYTICS: a project's `dvc init` runs before its config can say so, and its daemon
+    leaves a temporary file and tries the network)."""
+    env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", DVC_NO_ANALYTICS="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
 
