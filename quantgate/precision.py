@@ -314,14 +314,19 @@ def is_fp8(model_dir: Path) -> bool:
     )
 
 
+def _int8_activations(group: dict) -> dict | None:
+    """A compressed-tensors config group's `input_activations` when they are 8-bit integers, else None."""
+    activations = group.get("input_activations") or {}
+    return activations if activations.get("num_bits") == 8 and activations.get("type", "int") == "int" else None
+
+
 def is_int8_w8a8(model_dir: Path) -> bool:
     """True if `model_dir` is a compressed-tensors build with 8-bit integer weights and 8-bit integer activations
     (llm-compressor's W8A8 at int: the int8 build's SmoothQuant + GPTQ)."""
     return any(
         (g.get("weights") or {}).get("num_bits") == 8
         and (g.get("weights") or {}).get("type", "int") == "int"
-        and (g.get("input_activations") or {}).get("num_bits") == 8
-        and (g.get("input_activations") or {}).get("type", "int") == "int"
+        and _int8_activations(g)
         for g in quant_groups(model_dir)
     )
 
@@ -329,7 +334,8 @@ def is_int8_w8a8(model_dir: Path) -> bool:
 def linear_shapes(config: dict) -> list[tuple[int, int]] | None:
     """(N, K) of a decoder layer's linears as vLLM builds them for a Llama-style config.json: the fused qkv_proj
     (N = (heads + 2 x kv heads) x head_dim, K = hidden), o_proj, the fused gate_up_proj (N = 2 x intermediate) and
-    down_proj; None where a field is missing or not an integer."""
+    down_proj; None where a field is missing or not an integer. (quantgate.cost.KVShape reads the heads the same
+    way; it is not imported here: every stage that asks the probe would then re-run when the cost model changes.)"""
     hidden, inner, heads = config.get("hidden_size"), config.get("intermediate_size"), config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads", heads)
     if not all(isinstance(v, int) and v > 0 for v in (hidden, inner, heads, kv_heads)):
@@ -356,13 +362,12 @@ def takes_probed_int8_kernel(model_dir: Path, platform: Platform) -> bool:
     be read (the server decides)."""
     if platform.w8a8_kernel != platform_probe.W8A8_SGL:
         return True
-    groups = [g for g in quant_groups(model_dir) if (g.get("input_activations") or {}).get("type", "int") == "int"]
-    groups = [g for g in groups if (g.get("input_activations") or {}).get("num_bits") == 8]
-    if not groups or not all((g.get("input_activations") or {}).get("symmetric", True) is True for g in groups):
+    activations = [a for g in quant_groups(model_dir) if (a := _int8_activations(g))]
+    if not activations or not all(a.get("symmetric", True) is True for a in activations):
         return False
     try:
-        shapes = linear_shapes(json.loads((Path(model_dir) / "config.json").read_text()))
-    except (OSError, ValueError, AttributeError):
+        shapes = linear_shapes(model_config(model_dir, "cannot tell which int8 kernel vLLM would pick"))
+    except (QuantgateError, AttributeError):  # AttributeError: a config.json that is not a mapping
         return False
     return any(k % 32 == 0 and n % 16 == 0 for n, k in shapes or [])
 

@@ -497,3 +497,12 @@ def test_a_key_named_like_a_type_is_kept_in_the_field_path(params):
     got = one_line_error(lambda: check_later_blocks(check_evaluate(BUILDS, path), path), r"executor\.resources\.int")
     assert "executor.resources.int: Input should be a valid number; got str 'many'" in got
     assert "executor.resources.str: Input should be a valid number; got str 'x'" in got
+
+
+def test_the_longest_model_name_validate_takes_fits_mlflows_column_with_the_registry_locks_suffix():
+    """register_params.MAX_MODEL_NAME restates registry/lock.py's suffixes (quantgate/ does not import registry/):
+    the longest name's broken lock, <name>.quantgate-lock.stale.<12 hex>, must fit MLflow's String(256)."""
+    from quantgate.register_params import MAX_MODEL_NAME
+    from registry.lock import lock_name
+
+    assert len(f"{lock_name('m' * MAX_MODEL_NAME)}.stale.{'0' * 12}") == 256
