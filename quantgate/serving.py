@@ -104,6 +104,8 @@ def check_cpu_cores(value: str | None) -> str | None:
     cores = set()
     for part in value.split(","):
         lo, _, hi = part.partition("-")
+        if int(hi or lo) < int(lo):  # "1-0" is an empty range: vLLM would bind no core
+            raise ValueError(f"{value!r}: the range {part!r} is empty; give the lower core first, like {hi}-{lo}")
         cores |= set(range(int(lo), int(hi or lo) + 1))
     here = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     if missing := sorted(cores - here):

@@ -419,7 +419,8 @@ def test_extra_args_cannot_set_what_quantgate_sets_for_every_server(args, owned)
     "field, value, message",
     [("startup_timeout_s", -1, "greater than 0"), ("max_model_len", 0, "at least 1\\), or -1 for vLLM's own fit"),
      ("kv_cache_gib", -2, "greater than or equal to 1"), ("port", 70000, "less than or equal to 65535"),
-     ("cpu_cores", "zero", "'zero' is not a core list"), ("cpu_cores", "0-1,", "is not a core list")],
+     ("cpu_cores", "zero", "'zero' is not a core list"), ("cpu_cores", "0-1,", "is not a core list"),
+     ("cpu_cores", "0,1-0", "'0,1-0': the range '1-0' is empty; give the lower core first, like 0-1")],
 )  # fmt: skip
 def test_serve_settings_out_of_range_are_refused_at_load(field, value, message):
     with pytest.raises(ValueError, match=message):
