@@ -366,51 +366,40 @@ def check_servable(params: ServeParams, model_dir: Path, requested: str = "") ->
     only through emulation too slow to score (params.max_slowdown). Raises ServerStartError with the reason
     that holds here (quantgate.precision.w4a16_problem, w4a8_problem, w8a8_problem, kv_cache_problem,
     slowdown_problem); `requested` is evaluate.serve.dtype as written."""
+    try:
+        problem = _servable_problem(params, model_dir, requested)
+    except QuantgateError as exc:  # the probe could not answer, or a config.json does not read: its own reason
+        raise ServerStartError(str(exc)) from None
+    if problem:
+        raise ServerStartError(problem)
+
+
+def _servable_problem(params: ServeParams, model_dir: Path, requested: str) -> str | None:
+    """check_servable's refusal as one line, or None; the probe is asked only for the builds it concerns."""
     w4a8 = serves_w4a8(model_dir)
     if w4a8 and not is_int4_w16(model_dir):  # vLLM would ignore the switch and serve what the weights are
-        raise ServerStartError(
+        return (
             f"{model_dir}/build.json says w4a8, but its config.json holds other weights than W4A16 at int4 (vLLM "
             "serves only those as W4A8); remake the build (`dvc repro`)"
         )
-    if (kv := kv_cache_dtype(model_dir)) != "auto":
-        try:
-            problem = kv_cache_problem(probe(params.python), kv)
-        except QuantgateError as exc:
-            raise ServerStartError(str(exc)) from None
-        if problem:
-            raise ServerStartError(f"vLLM cannot serve {shown(model_dir)} here: {problem} {BEFORE_SERVER}")
-    try:
-        slow = is_fp8(model_dir) and slowdown_problem(
-            params.python, probe(params.python), model_dir, params.dtype, params.max_slowdown
-        )
-    except QuantgateError as exc:
-        raise ServerStartError(str(exc)) from None
-    if slow:
-        raise ServerStartError(f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} {BEFORE_SERVER}")
+    if (kv := kv_cache_dtype(model_dir)) != "auto" and (problem := kv_cache_problem(probe(params.python), kv)):
+        return f"vLLM cannot serve {shown(model_dir)} here: {problem} {BEFORE_SERVER}"
+    if is_fp8(model_dir) and (
+        slow := slowdown_problem(params.python, probe(params.python), model_dir, params.dtype, params.max_slowdown)
+    ):
+        return f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} {BEFORE_SERVER}"
     if is_int8_w8a8(model_dir):
-        try:
-            platform = probe(params.python)
-            problem = takes_probed_int8_kernel(model_dir, platform) and w8a8_problem(platform, params.dtype)
-        except QuantgateError as exc:
-            raise ServerStartError(str(exc)) from None
-        if problem:
-            raise ServerStartError(
-                f"vLLM cannot serve the int8 W8A8 build {shown(model_dir)} here: {problem} {BEFORE_SERVER}"
-            )
+        platform = probe(params.python)
+        if takes_probed_int8_kernel(model_dir, platform) and (problem := w8a8_problem(platform, params.dtype)):
+            return f"vLLM cannot serve the int8 W8A8 build {shown(model_dir)} here: {problem} {BEFORE_SERVER}"
     if not is_w4a16(model_dir):
-        return
-    try:
-        if w4a8:
-            problem = w4a8_problem(probe(params.python), params.dtype)
-        else:
-            problem = w4a16_problem(probe(params.python), params.dtype, requested or params.dtype)
-    except QuantgateError as exc:
-        raise ServerStartError(str(exc)) from None
-    if problem:
-        raise ServerStartError(
-            f"vLLM cannot serve the {'W4A8' if w4a8 else 'W4A16'} build {shown(model_dir)} here: {problem} "
-            + BEFORE_SERVER
-        )
+        return None
+    if w4a8:
+        problem = w4a8_problem(probe(params.python), params.dtype)
+    else:
+        problem = w4a16_problem(probe(params.python), params.dtype, requested or params.dtype)
+    scheme = "W4A8" if w4a8 else "W4A16"
+    return problem and f"vLLM cannot serve the {scheme} build {shown(model_dir)} here: {problem} {BEFORE_SERVER}"
 
 
 # vLLM's engine start failure ends with a wrapper ("RuntimeError: Engine core initialization failed. See

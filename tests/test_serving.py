@@ -155,6 +155,18 @@ def test_check_servable_fails_w4a16_with_the_true_reason_and_asks_only_for_w4a16
         check_servable(ServeParams(python="py", dtype="float32"), int4, "float32")
 
 
+def test_check_servable_gives_a_probe_that_cannot_answer_as_the_start_failure(tmp_path, monkeypatch):
+    def unanswerable(python):
+        raise QuantgateError(f"serving python {python!r} cannot report its vLLM platform: the probe exited with code 3")
+
+    monkeypatch.setattr(serving, "probe", unanswerable)
+    check_servable(ServeParams(python="py"), build(tmp_path, "fp16", None))  # asks nothing of the probe
+    for name, group in (("int4", W4A16), ("int8", INT8_W8A8)):
+        with pytest.raises(ServerStartError) as raised:
+            check_servable(ServeParams(python="py"), build(tmp_path, name, group))
+        assert str(raised.value) == "serving python 'py' cannot report its vLLM platform: the probe exited with code 3"
+
+
 def test_int8_w8a8_is_refused_before_a_server_where_its_kernel_fails_at_that_dtype(tmp_path, monkeypatch):
     int8 = build(tmp_path, "int8", INT8_W8A8)
     assert precision.is_int8_w8a8(int8)
