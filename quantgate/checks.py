@@ -93,6 +93,14 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
                 f"{where('metric_list', i)}: metric_list[{i}]: higher_is_better={m['higher_is_better']} contradicts "
                 f"team.yaml higher_is_better={higher_is_better}; make them agree (the gate's direction)"
             )
+    output_type = config.get("output_type", "generate_until")
+    if (scored := PER_DOC_METRICS.get(output_type)) is not None and gated_metric not in scored:
+        problems.append(
+            f"{where('output_type')}: output_type {output_type} gives no per-document {gated_metric!r}, the metric "
+            "team.yaml gates on"
+            + (f" (it gives {', '.join(sorted(scored))})" if scored else "")
+            + f"; {PER_DOC_HINT[output_type]}"
+        )
     if gated_metric not in names:
         problems.append(
             f"{where('metric_list')}: team.yaml gates on metric {gated_metric!r}, which is not in metric_list {names}"
@@ -108,6 +116,22 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
 
 
 OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikelihood_rolling")
+# The 0/1 scores per document that ConfigurableTask.process_results gives for each output type (lm-eval
+# 0.4.13, lm_eval/api/task.py), the ones the gate can pair; generate_until applies any metric per document.
+# loglikelihood's perplexity is a log-likelihood per document (its aggregation makes it a perplexity), and
+# loglikelihood_rolling's perplexities are (log-likelihood, words) pairs weighted over the set: no mean of
+# either is a score.
+PER_DOC_METRICS = {
+    "multiple_choice": frozenset({"acc", "acc_norm", "acc_bytes", "acc_mutual_info", "exact_match"}),
+    "loglikelihood": frozenset({"acc"}),
+    "loglikelihood_rolling": frozenset(),
+}
+PER_DOC_HINT = {
+    "multiple_choice": "gate on one of those",
+    "loglikelihood": "gate on acc (is the target the greedy continuation) or make it a multiple_choice task",
+    "loglikelihood_rolling": "its perplexities are weighted over the whole set, not paired per document: "
+    "gate a multiple_choice or generate_until task instead",
+}
 SPLIT_KEYS = ("test_split", "validation_split", "training_split", "fewshot_split")
 # lm-eval task keys that take Python callables, load code or prompts from elsewhere, or allow
 # running generated code: a team's YAML can only name them, and they are team code either way.
@@ -193,6 +217,17 @@ def check_task(task_path: Path, config: dict) -> list[str]:
             f"{where('repeats')}: repeats must be 1 (greedy scoring gives the same answer every time; "
             f"repeats multiply the cost for every build), got {config['repeats']!r}"
         )
+    if config.get("doc_to_text") is None:
+        problems.append(
+            f"{where('task')}: doc_to_text is missing: give the prompt template (e.g. "
+            '"Question: {{question}}\\nAnswer:"); lm-eval builds every prompt from it'
+        )
+    for key in ("target_delimiter", "fewshot_delimiter"):
+        if key in config and not isinstance(config[key], str):
+            problems.append(
+                f"{where(key)}: {key} must be text (lm-eval joins prompt and answer with it), got "
+                f"{type(config[key]).__name__} {config[key]!r}; quote it"
+            )
     for key in TEMPLATE_KEYS + ("description", "gen_prefix"):
         value = config.get(key)
         ok = (str, list) if key == "doc_to_choice" else (str, int) if key == "doc_to_target" else (str,)
@@ -347,12 +382,14 @@ def check_data(
     skip: set[str] = set()
     shot_skip: set[str] = set(RENDERED) - set(shots)
     seen: dict[str, int] = {}
+    seen_rendered: dict[str, int] = {}
     rendered: list[tuple[dict | None, dict | None]] = []
     for n, written, doc in rows:
         main, shot = {}, {}
         # a repeated document counts twice in the paired test, as if it were two pieces of evidence
-        if (first := seen.setdefault(json.dumps(doc, sort_keys=True, ensure_ascii=False, default=str), n)) != n:
+        if (first := seen.setdefault(_key(doc), n)) != n:
             problems.append(f"{data_path}:{n}: repeats the document of line {first}; remove the repeat")
+            first = None  # reported
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if doc.get(f) is None})
         for f, key in missing:
             state = "null; give it a value" if f in written else "missing; add it"
@@ -369,8 +406,19 @@ def check_data(
                 shot_skip,
                 shot,
             )
+        # ... and so does one that differs only in fields no template reads (an id): lm-eval scores what renders
+        if first == n and main and (same := seen_rendered.setdefault(_key(main), n)) != n:
+            problems.append(
+                f"{data_path}:{n}: renders the same prompt and answer as line {same} (they differ only in "
+                "fields no template reads), so lm-eval would score one document twice; remove the repeat"
+            )
         rendered.append((main or None, {**main, **shot} if main and (shot or not shots) else None))
     return problems, rendered
+
+
+def _key(value: dict) -> str:
+    """A document (or what its templates render) as one comparable string."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
 
 
 # lm-eval filters a team task may use (lm_eval/filters): none runs code the team wrote.

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from quantgate.budget import Cost, DocCost, ValidateParams, doc_costs, estimate, largest_limit, over
 from quantgate.checks import BINARY_METRICS, check_data, check_filters, check_metrics, check_task, min_docs_to_pass
@@ -56,6 +56,13 @@ class TeamPolicy(Frozen):
     confidence: float = Field(default=0.95, ge=0.5, lt=1.0)
     chat_template: bool = False
     limit: int | None = Field(default=None, gt=0)  # evaluate only the first N docs per task
+
+    @field_validator("owner", "contact")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():  # gate-failure notices would go to nobody
+            raise ValueError("is blank; name who owns the set and who to tell when the gate fails")
+        return value
 
 
 @dataclass(frozen=True)
@@ -153,9 +160,10 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         )
         return None
     split = scored_split(config)
-    if split not in files:
+    if split is None:  # a split that is set but not a data_files key is check_task's (SPLIT_KEYS)
         problems.append(
-            f"{where('test_split')}: test_split {split!r} is not a key of dataset_kwargs.data_files {sorted(files)}"
+            f"{where('dataset_kwargs')}: no test_split (nor validation_split): set test_split to the key of "
+            f"dataset_kwargs.data_files lm-eval scores, one of {sorted(files)}"
         )
     resolved = data_files(path, files, where, problems)
     if resolved is None:
@@ -229,6 +237,12 @@ def inspect_team(
         else f"{p}: task files end in .yaml, and this one would not be scored; rename it {p.with_suffix('.yaml').name}"
         for p in sorted(path.glob("*.yml"))
         if not p.name.startswith(("_", "."))
+    ]
+    problems += [
+        f"{p}: task files are read from the team folder itself, and this one in a subfolder would not be scored; "
+        f"move it to {path}/ (or name it with a leading _ if it is not a task)"
+        for p in sorted(q for pattern in ("*/**/*.yaml", "*/**/*.yml") for q in path.glob(pattern))
+        if not p.name.startswith(("_", ".")) and not any(part.startswith(".") for part in p.relative_to(path).parts)
     ]
     tasks = [t for p in task_files(path) if (t := _load_task(p, policy, problems)) is not None]
     problems += _name_clashes(tasks, taken or {})

@@ -8,8 +8,9 @@
   "3" read as the number 3 when the task has choices, a rendered "[...]" target as a list),
   rendered in the sandbox.
 - `check_document`: renders one document's templates in the sandbox, under a time limit, and
-  checks what they give: a prompt is text; for multiple_choice the choices are a non-empty
-  list of distinct non-empty strings (or numbers) and the target an index into them.
+  checks what they give: a prompt is text; for multiple_choice the choices are a list of 2 or
+  more distinct non-empty strings (or numbers) and the target an index into them; for
+  loglikelihood(_rolling) the target is text.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def check_templates(where: Callable[..., str], config: dict) -> list[str]:
         key = ".".join(at)
         try:
             parts = sandbox.unsafe_parts(source)
-        except jinja2.TemplateSyntaxError as exc:
-            problems.append(f"{where(*at)}: {key}: template syntax error: {exc.message}; fix the template")
+            sandbox.compile_template(source)  # an unknown filter or test fails here, not at parse
+        except jinja2.TemplateSyntaxError as exc:  # TemplateAssertionError (unknown filter) included
+            problems.append(f"{where(*at)}: {key}: template syntax error: {exc.message.rstrip('.')}; fix the template")
             continue
         except RecursionError:
             problems.append(f"{where(*at)}: {key}: template nested too deeply to parse; simplify it")
@@ -174,11 +176,18 @@ def check_document(
         )
     if config.get("output_type") == "multiple_choice" and {"doc_to_choice", "doc_to_target"} <= set(values):
         problems += _choice_problems(config, values["doc_to_choice"], values["doc_to_target"], at)
+    if config.get("output_type") in ("loglikelihood", "loglikelihood_rolling") and "doc_to_target" in values:
+        target = values["doc_to_target"]
+        if not isinstance(target, str) or not target.strip():
+            problems.append(
+                f"{at}: doc_to_target gives {type(target).__name__} {repr(target)[:60]}; a "
+                f"{config['output_type']} task scores the likelihood of the target's text: give the answer as text"
+            )
     return problems
 
 
 def _choice_problems(config: dict, choices, target, at: str) -> list[str]:
-    """A multiple_choice document's choices: a non-empty list of distinct non-empty strings (or
+    """A multiple_choice document's choices: a list of 2 or more distinct non-empty strings (or
     numbers); its target: an index into them."""
     if (
         not isinstance(choices, list)
@@ -189,6 +198,8 @@ def _choice_problems(config: dict, choices, target, at: str) -> list[str]:
         )
     ):
         return [f"{at}: choices must be a non-empty list of non-empty strings, got {str(choices)[:80]}"]
+    if len(choices) < 2:  # the one choice is always the most likely: every build scores 1 and PASSes
+        return [f"{at}: only one choice {str(choices)[:80]}: every build would score it right; give 2 or more"]
     problems = []
     if len(set(map(str, choices))) != len(choices):
         problems.append(f"{at}: duplicate choices {choices}; make them distinct")

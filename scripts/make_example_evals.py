@@ -13,7 +13,10 @@ import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "evals"
-BILLING_DOCS = 400  # enough for an equally good build to PASS at 8 points (benchmarks/README.md "Example sets")
+# questions drawn; the repeats among them are left out (289 distinct stay), since lm-eval would score a
+# repeated question twice, as two pieces of evidence; 289 are enough for an equally good build to PASS at
+# 8 points (benchmarks/README.md "Example sets")
+BILLING_DRAWS = 400
 
 CAPITALS = [
     ("France", "Paris"),
@@ -197,14 +200,16 @@ def search_rows(rng: random.Random) -> list[dict]:
 
 
 def billing_rows(rng: random.Random) -> list[dict]:
-    rows = []
-    for i in range(BILLING_DOCS):
+    rows, seen = [], set()
+    for i in range(BILLING_DRAWS):
         a, b = (rng.randint(1, 9), rng.randint(1, 9)) if i % 2 else (rng.randint(10, 60), rng.randint(1, 30))
         op = "+" if i % 3 else "-"
         if op == "-" and b > a:
             a, b = b, a
         result = a + b if op == "+" else a - b
-        rows.append({"id": f"arith-{i:03d}", "question": f"What is {a} {op} {b}?", "answer": str(result)})
+        if (question := f"What is {a} {op} {b}?") not in seen:
+            seen.add(question)
+            rows.append({"id": f"arith-{i:03d}", "question": question, "answer": str(result)})
     return rows
 
 

@@ -26,7 +26,7 @@ def test_a_generation_set_costs_its_rendered_prompts_and_max_gen_toks_per_docume
     docs = lines(example_evals / "billing" / "data.jsonl")
     chars = sum(len(f"{d['question']} Reply with the number only.") + len(" ") for d in docs)  # + target delimiter
     cost = load_team(example_evals / "billing").cost
-    assert (cost.documents, cost.generated_tokens) == (400, 400 * 24)  # max_gen_toks: 24
+    assert (cost.documents, cost.generated_tokens) == (289, 289 * 24)  # max_gen_toks: 24
     assert cost.prompt_tokens == math.ceil(chars / CHARS_PER_TOKEN)
 
 
@@ -58,16 +58,16 @@ def test_the_default_budget_holds_the_shipped_teams_five_times_over():
 
 def test_a_set_over_budget_is_refused_in_one_line_naming_file_count_budget_and_the_limit_that_fits(example_evals):
     data = example_evals / "billing" / "data.jsonl"
-    small = ValidateParams(budget=Budget(documents=300, generated_tokens=6000))
+    small = ValidateParams(budget=Budget(documents=250, generated_tokens=6000))
     with pytest.raises(QuantgateError) as err:
         load_team(example_evals / "billing", small)
     problems = str(err.value).splitlines()[1:]
     assert [p.strip() for p in problems] == [
-        f"{data}: 400 documents per build (estimated: {load_team(example_evals / 'billing').cost.line()}) is over "
-        "the budget of 300 (params.yaml validate.budget.documents); evaluate fewer with `limit: 250` in "
+        f"{data}: 289 documents per build (estimated: {load_team(example_evals / 'billing').cost.line()}) is over "
+        "the budget of 250 (params.yaml validate.budget.documents); evaluate fewer with `limit: 250` in "
         f"{example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
         "validate.teams.billing.documents",
-        f"{data}: 9,600 generated tokens per build (estimated: {load_team(example_evals / 'billing').cost.line()}) "
+        f"{data}: 6,936 generated tokens per build (estimated: {load_team(example_evals / 'billing').cost.line()}) "
         "is over the budget of 6,000 (params.yaml validate.budget.generated_tokens); evaluate fewer with "
         f"`limit: 250` in {example_evals / 'billing' / 'team.yaml'} (documents per task), or ask the release side for "
         "validate.teams.billing.generated_tokens",
@@ -78,7 +78,7 @@ def test_a_set_over_budget_is_refused_in_one_line_naming_file_count_budget_and_t
 
 
 def test_a_limit_that_fits_but_leaves_too_few_documents_to_pass_is_not_suggested(example_evals):
-    billing = load_team(example_evals / "billing")  # 400 docs, 24 generated tokens each, PASS needs 32 docs
+    billing = load_team(example_evals / "billing")  # 289 docs, 24 generated tokens each, PASS needs 32 docs
     with pytest.raises(QuantgateError) as err:
         load_team(example_evals / "billing", ValidateParams(budget=Budget(generated_tokens=500)))
     assert (
@@ -86,7 +86,7 @@ def test_a_limit_that_fits_but_leaves_too_few_documents_to_pass_is_not_suggested
         f"`limit: 20` in {example_evals / 'billing' / 'team.yaml'} would score 20 documents, fewer than the 32 its "
         "margin needs, or ask the release side for validate.teams.billing.generated_tokens"
     ) in str(err.value)
-    assert billing.cost.generated_tokens == 400 * 24
+    assert billing.cost.generated_tokens == 289 * 24
     with pytest.raises(QuantgateError) as err:  # not even one document: the generation length is what costs
         load_team(example_evals / "billing", ValidateParams(budget=Budget(generated_tokens=10)))
     assert (
@@ -117,10 +117,10 @@ def test_the_release_side_overrides_a_teams_budget_in_params_not_the_team(exampl
         load_teams(example_evals, budgets=tight)
     assert "team billing:" not in str(err.value) and "team search:" in str(err.value)
     assert "(params.yaml validate.budget.documents); " in str(err.value)
-    own = ValidateParams(budget=Budget(documents=100), teams={"billing": {"documents": 300}})
+    own = ValidateParams(budget=Budget(documents=100), teams={"billing": {"documents": 200}})
     with pytest.raises(QuantgateError) as err:  # over its own budget: the key named is the team's own
         load_teams(example_evals, budgets=own, only="billing")
-    assert "is over the budget of 300 (params.yaml validate.teams.billing.documents); evaluate fewer with" in str(
+    assert "is over the budget of 200 (params.yaml validate.teams.billing.documents); evaluate fewer with" in str(
         err.value
     ) and str(err.value).rstrip().endswith("or ask the release side to raise it")
     policy = example_evals / "billing" / "team.yaml"  # a team cannot raise its own budget
@@ -137,10 +137,10 @@ def test_the_estimate_is_on_the_ok_line_in_teams_json_and_in_the_gate_report(exa
     res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
     cost = load_team(example_evals / "billing").cost
     assert res.exit_code == 0 and f"metric exact_match; per build {cost.line()}" in res.output
-    assert cost.line() == f"400 docs, ~{cost.prompt_tokens:,} prompt tokens, <= 9,600 generated tokens"
+    assert cost.line() == f"289 docs, ~{cost.prompt_tokens:,} prompt tokens, <= 6,936 generated tokens"
     teams = load_teams(example_evals)
     billing = summary(teams, ValidateParams())["billing"].dump()
-    assert billing["cost"] == {"documents": 400, "prompt_tokens": cost.prompt_tokens, "generated_tokens": 9600}
+    assert billing["cost"] == {"documents": 289, "prompt_tokens": cost.prompt_tokens, "generated_tokens": 6936}
     assert billing["budget"] == {"documents": 4000, "prompt_tokens": 1_000_000, "generated_tokens": 100_000}
     md = report(GateResult(baseline="fp16", precision=None, builds={}), costs={t.name: t.cost for t in teams})
     assert f"- billing: {cost.line()}" in md and "## What each team's set costs per build" in md

@@ -20,13 +20,13 @@ def test_examples_load(example_evals):
     task = teams["search"].tasks[0]
     assert task.name == "search_capitals"
     assert task.config["dataset_kwargs"]["data_files"]["test"].endswith("evals/search/data.jsonl")
-    assert {n: t.tasks[0].n_docs for n, t in teams.items()} == {"billing": 400, "search": 216, "support": 304}
+    assert {n: t.tasks[0].n_docs for n, t in teams.items()} == {"billing": 289, "search": 216, "support": 304}
 
 
 def test_digest_changes_with_data_only_for_that_team(example_evals):
     before = {t.name: t.digest for t in load_teams(example_evals)}
     with open(example_evals / "billing" / "data.jsonl", "a") as f:
-        f.write('{"id": "x", "question": "What is 1 + 1?", "answer": "2"}\n')
+        f.write('{"id": "x", "question": "What is 123 + 456?", "answer": "579"}\n')
     after = {t.name: t.digest for t in load_teams(example_evals)}
     assert after["billing"] != before["billing"]
     assert after["search"] == before["search"] and after["support"] == before["support"]
@@ -65,7 +65,7 @@ def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
     assert res.exit_code == 1
     assert all(e in res.output for e in expected) and "Traceback" not in res.output
     ok = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "billing")])
-    assert ok.exit_code == 0 and "ok: billing (billing_arithmetic, 400 docs)" in ok.output
+    assert ok.exit_code == 0 and "ok: billing (billing_arithmetic, 289 docs)" in ok.output
 
 
 def test_oversize_file_refused(example_evals, monkeypatch):
