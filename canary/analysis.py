@@ -24,7 +24,8 @@ alpha / (k * len(steps)) per step (`fail_level`), however often it is looked at.
   Lambda_m) may be read after every request. FAIL when p_n <= fail_level.
 - shadow_agreement: share of sampled greedy candidate answers equal to the fp16 build's on
   the first policy.shadow_compare_words words: the same test on disagreements, p0 = 1 -
-  shadow_agreement's min.
+  shadow_agreement's min. Where the gateway names m > 1 teams (shadow_check), half the level
+  for the whole sample and half shared by the m teams, each tested on its own samples (FAIL only).
 - ttft_p95_ratio / tpot_p95_ratio: p95(candidate) / p95(stable) over successful streaming
   attempts (p95: numpy.percentile, linear interpolation, Hyndman & Fan type 7). Test: Mann-Whitney
   U of H1: candidate latencies are stochastically greater than threshold x stable's (H. B. Mann &
@@ -62,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import special, stats
@@ -179,11 +180,20 @@ def _judge(ev: _Evidence, higher_is_worse: bool, level: float, *, passes: bool, 
     )
 
 
-def _rate_check(name: str, bad: list[bool], threshold: float, policy: CanaryPolicy, higher_is_worse: bool) -> Check:
+def _rate_check(
+    name: str,
+    bad: list[bool],
+    threshold: float,
+    policy: CanaryPolicy,
+    higher_is_worse: bool,
+    level: float | None = None,
+    label: str | None = None,
+) -> Check:
     """A binomial check from outcomes in arrival order (True = a failure / a disagreement): the
     share of failures at most `threshold`, or the share of agreements at least `threshold`.
     PASS with min_samples and a count of `bad` no larger than the boundary rate p0 gives half
-    the time, P(X >= k | n, p0) >= 1/2 (so 1 failure in 69+ requests passes a 1 % threshold)."""
+    the time, P(X >= k | n, p0) >= 1/2 (so 1 failure in 69+ requests passes a 1 % threshold).
+    `level`: the FAIL level, fail_level(policy) unless given; `label`: the name in the line, `name` unless given."""
     n, k = len(bad), sum(bad)
     enough = n >= policy.min_samples
     p0 = threshold if higher_is_worse else 1 - threshold  # the boundary rate of `bad`
@@ -193,7 +203,10 @@ def _rate_check(name: str, bad: list[bool], threshold: float, policy: CanaryPoli
     typical = bool(n) and float(stats.binom.sf(k - 1, n, p0)) >= 0.5
     fmt = ".3f" if higher_is_worse else ".2f"
     ev = _Evidence(name, value, threshold, p, n, n_text, fmt)
-    return _judge(ev, higher_is_worse, fail_level(policy), passes=enough and typical, fail_within=True)
+    check = _judge(
+        ev, higher_is_worse, fail_level(policy) if level is None else level, passes=enough and typical, fail_within=True
+    )
+    return check if label is None else replace(check, text=check.text.replace(name, label, 1))
 
 
 def _bound(policy: CanaryPolicy, name: str) -> float:
@@ -244,10 +257,29 @@ def latency_check(samples: Iterable[Sample], policy: CanaryPolicy, metric: str) 
     return _judge(ev, True, latency_level(policy), passes=passes)
 
 
-def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy) -> Check:
-    """Agreement with the fp16 build against shadow_agreement's min (mSPRT on disagreements)."""
+def shadow_check(shadows: Iterable[ShadowSample], policy: CanaryPolicy, teams: int = 1) -> Check:
+    """Agreement with the fp16 build against shadow_agreement's min (mSPRT on disagreements).
+
+    `teams`: how many teams the gateway's shadow samples can name (gateway.router.Router.shadow_teams: the teams
+    with their own rate limit, and "anonymous"), known before the step. With more than one, the check's level is
+    split in halves (Bonferroni): one for all the samples, one shared evenly by the teams, each judged on its own
+    samples. A build that disagrees with fp16 on one team's prompts then FAILs on that team's, named in the line,
+    where the mix of teams agrees well enough (a step's traffic is not a fixed mix). A team's test only FAILs; PASS
+    and INCONCLUSIVE are the whole sample's. With one, the whole sample at the whole level, as before."""
+    shadows = list(shadows)
+    threshold, level = _bound(policy, "shadow_agreement"), fail_level(policy)
     disagree = [not s.agree for s in shadows]
-    return _rate_check("shadow_agreement", disagree, _bound(policy, "shadow_agreement"), policy, higher_is_worse=False)
+    if teams <= 1:
+        return _rate_check("shadow_agreement", disagree, threshold, policy, higher_is_worse=False)
+    per_team = level / 2 / max(teams, len({s.team for s in shadows}))  # more than announced: an older gateway
+    for team in sorted({s.team for s in shadows}):
+        mine = [not s.agree for s in shadows if s.team == team]
+        check = _rate_check(
+            "shadow_agreement", mine, threshold, policy, False, per_team, f"shadow_agreement of team {team}"
+        )
+        if check.verdict is Verdict.FAIL:
+            return check
+    return _rate_check("shadow_agreement", disagree, threshold, policy, higher_is_worse=False, level=level / 2)
 
 
 def gauge_check(engine: Sequence[EngineSample], policy: CanaryPolicy, name: str) -> Check:
@@ -284,14 +316,15 @@ def analyze(
     shadows: Sequence[ShadowSample],
     policy: CanaryPolicy,
     engine: Sequence[EngineSample] = (),
+    teams: int = 1,
 ) -> StepResult:
     """The listed checks of a step, in policy.checks' order, from its samples (e.g.
-    router.samples_since(step_start)) and the candidate's vLLM scrapes of the step."""
+    router.samples_since(step_start)) and the candidate's vLLM scrapes of the step; `teams` as shadow_check's."""
     judge = {
         "error_rate": lambda: error_rate_check(samples, policy),
         "ttft_p95_ratio": lambda: latency_check(samples, policy, "ttft"),
         "tpot_p95_ratio": lambda: latency_check(samples, policy, "tpot"),
-        "shadow_agreement": lambda: shadow_check(shadows, policy),
+        "shadow_agreement": lambda: shadow_check(shadows, policy, teams),
         "vllm_requests_waiting": lambda: gauge_check(engine, policy, "vllm_requests_waiting"),
         "vllm_kv_cache_usage": lambda: gauge_check(engine, policy, "vllm_kv_cache_usage"),
     }

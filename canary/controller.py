@@ -166,6 +166,9 @@ class Split(TrafficSplit, Protocol):
     @property
     def shadow_fraction(self) -> float: ...
 
+    @property
+    def shadow_teams(self) -> int: ...
+
 
 class GatewaySplit(RemoteRouter):
     """A running gateway's split (gateway.admin.RemoteRouter) that notices a restart.
@@ -181,6 +184,7 @@ class GatewaySplit(RemoteRouter):
         self.version, self.lost_s, self.beat = version, lost_s, beat
         self.seen: tuple | None = None  # (pid, started_at) of the gateway the canary runs on
         self.shadow_fraction = 0.5  # the gateway's (fleet.router.shadow_fraction), as its state reports it
+        self.shadow_teams = 1  # the teams its shadow samples can name (Router.shadow_teams); 1 from an older one
 
     def _identity(self, s: dict) -> tuple:
         return s.get("pid"), s.get("started_at")
@@ -193,6 +197,7 @@ class GatewaySplit(RemoteRouter):
     def attach(self, state: dict) -> None:
         self.seen = self._identity(state)
         self.shadow_fraction = float(state.get("shadow_fraction", self.shadow_fraction))
+        self.shadow_teams = int(state.get("shadow_teams", self.shadow_teams))
 
     def engine(self, version: str) -> EngineSample | None:
         url = self.state()["fleet"].get(version, {}).get("url")  # the gateway's vLLM server, as it reports it
@@ -284,7 +289,7 @@ class _Look:
         scraped = split.engine(version) if any(policy.check(n) for n in GAUGES) else None
         self.engine += [scraped] if scraped else []
         samples, shadows = step_samples(split, self.t0, self.run_t0, policy.min_samples), split.shadows_since(self.t0)
-        result = analyze(samples, shadows, policy, self.engine)
+        result = analyze(samples, shadows, policy, self.engine, teams=split.shadow_teams)
         n_cand = sum(s.role == "candidate" for s in split.samples_since(self.t0))
         elapsed = time.time() - self.t0
         decision = step_decision(result.verdict, elapsed, step, policy)

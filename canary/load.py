@@ -5,6 +5,9 @@ slow backend shows up as latency, not as a lower request rate). Arrivals are Poi
 (exponential gaps with mean 1/rps, seeded) or a fixed 1/rps interval. Requests rotate
 through completions / completions streaming / chat / chat streaming, all greedy
 (temperature 0) with short max_tokens, so the router's shadow comparison applies to them.
+Each request names the team whose eval set its prompt comes from in the `team_header` (params.yaml
+limits.team_header, x-team by default), so a gateway whose limits list that team judges its shadow
+agreement per team (canary/analysis.py shadow_check).
 End-to-end latency = request sent to last byte; TTFT (streaming only) = to the first SSE event.
 """
 
@@ -33,6 +36,17 @@ KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat"
 # answers (fp8 shadow agreement 0.25 vs 0.86 measured), so canary demo traffic is chat.
 APIS = {"both": KINDS, "chat": KINDS[2:], "completions": KINDS[:2]}
 PERCENTILES = (50, 95, 99)
+
+
+class Prompt(str):
+    """A prompt's text (a str, so it goes wherever text goes) and the `team` whose eval set it comes from."""
+
+    team: str
+
+    def __new__(cls, text: str, team: str) -> Prompt:
+        self = super().__new__(cls, text)
+        self.team = team
+        return self
 
 
 @dataclass(frozen=True)
@@ -102,9 +116,10 @@ def render(template, doc: dict) -> str:
     return jinja2.Template(template, undefined=jinja2.StrictUndefined).render(**doc)
 
 
-def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[str]:
+def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[Prompt]:
     """doc_to_text of every task's test documents under `evals_dir` (at most `limit` per task), in
-    team and file order. Raises QuantgateError if the eval sets do not load (quantgate.teams.load_teams)."""
+    team and file order, each with its team. Raises QuantgateError if the eval sets do not load
+    (quantgate.teams.load_teams)."""
     prompts = []
     for team in load_teams(evals_dir):
         for task in team.tasks:
@@ -112,7 +127,7 @@ def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[str]:
             path = Path(task.config["dataset_kwargs"]["data_files"][split])
             docs = [doc for _, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`")]
             try:
-                prompts += [render(task.config.get("doc_to_text"), d) for d in docs[:limit]]
+                prompts += [Prompt(render(task.config.get("doc_to_text"), d), team.name) for d in docs[:limit]]
             except jinja2.TemplateError as exc:
                 raise QuantgateError(f"{task.path}: doc_to_text does not render: {exc}") from None
     if not prompts:
@@ -132,17 +147,19 @@ def request_body(kind: str, stream: bool, prompt: str, model: str, max_tokens: i
     return {**body, "prompt": prompt}
 
 
-async def _one(client: httpx.AsyncClient, url: str, kind: str, stream: bool, body: dict, timeout_s: float) -> Result:
+async def _one(
+    client: httpx.AsyncClient, url: str, kind: str, stream: bool, body: dict, timeout_s: float, headers: dict
+) -> Result:
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     t0, ttft, status = time.perf_counter(), None, 0
     try:
         async with asyncio.timeout(timeout_s):
             if not stream:
-                r = await client.post(url + path, json=body)
+                r = await client.post(url + path, json=body, headers=headers)
                 status = r.status_code
                 err = None if status == 200 and "choices" in r.json() else f"HTTP {status}"
             else:
-                async with aconnect_sse(client, "POST", url + path, json=body) as source:
+                async with aconnect_sse(client, "POST", url + path, json=body, headers=headers) as source:
                     status = source.response.status_code
                     err = f"HTTP {status}" if status != 200 else "no [DONE]"
                     if status == 200:
@@ -164,7 +181,7 @@ async def _one(client: httpx.AsyncClient, url: str, kind: str, stream: bool, bod
 class LoadOptions:
     """How `replay` sends: max_tokens per request, timeout_s per request (and for the last answers),
     arrivals "poisson" or "fixed", the seed of the arrivals and prompts, `stop` (set: stop sending),
-    `api` (APIS: which endpoints)."""
+    `api` (APIS: which endpoints), `team_header` (the header that names a Prompt's team; None: none)."""
 
     max_tokens: int = 16
     timeout_s: float = 60.0
@@ -172,6 +189,7 @@ class LoadOptions:
     seed: int = 0
     stop: threading.Event | None = None
     api: str = "both"
+    team_header: str | None = "x-team"  # params.yaml limits.team_header's default
 
 
 async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, **options) -> LoadReport:
@@ -211,8 +229,11 @@ async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s:
         while at < duration_s and not (stop is not None and stop.is_set()):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             kind, stream = kinds[i % len(kinds)]
-            body = request_body(kind, stream, rng.choice(prompts), model, max_tokens)
-            tasks.append(asyncio.create_task(_one(client, url, kind, stream, body, timeout_s)))
+            prompt = rng.choice(prompts)
+            team = getattr(prompt, "team", None)
+            headers = {o.team_header: team} if team and o.team_header else {}
+            body = request_body(kind, stream, prompt, model, max_tokens)
+            tasks.append(asyncio.create_task(_one(client, url, kind, stream, body, timeout_s, headers)))
             at += rng.expovariate(rps) if arrivals == "poisson" else 1.0 / rps
             i += 1
         results = await asyncio.gather(*tasks)

@@ -6,8 +6,8 @@ then the token is all that guards the split). Every request needs `Authorization
 <token>` (hmac.compare_digest); else 401. The token: env QUANTGATE_ADMIN_TOKEN, else one
 generated at start and written to WORK_DIR/admin.token (mode 0600; `admin_token`).
 
-    GET /admin/state                 {url, pid, started_at, weight, shadow_fraction, stable, candidate, shadow,
-                                      fleet: {version: {url, pid, why, ..., alive}}}
+    GET /admin/state                 {url, pid, started_at, weight, shadow_fraction, shadow_teams, stable,
+                                      candidate, shadow, fleet: {version: {url, pid, why, ..., alive}}}
     PUT /admin/weight {"percent": p} set the candidate's share (0-100; else 400)
     GET /admin/samples?since=EPOCH_S {samples: [Sample...], shadows: [ShadowSample...]} (gateway.metrics)
     POST /admin/webhook              MLflow registry webhook deliveries (gateway/webhook.py): signed
@@ -118,7 +118,13 @@ def admin_app(router, state: Callable[[], dict], token: str, webhook=None) -> St
         backends = dataclasses.asdict(router.backends) if router.backends else {}
         labels = {role: (backends.get(role) or {}).get("label") for role in ("stable", "candidate", "shadow")}
         return JSONResponse(
-            {**state(), "weight": router.weight, "shadow_fraction": router.params.shadow_fraction, **labels}
+            {
+                **state(),
+                "weight": router.weight,
+                "shadow_fraction": router.params.shadow_fraction,
+                "shadow_teams": router.shadow_teams,
+                **labels,
+            }
         )
 
     async def put_weight(request: Request) -> JSONResponse:

@@ -53,6 +53,9 @@ class ShadowSample:
     agree: bool
     candidate: str  # candidate label
     shadow: str  # shadow label
+    # the request's team as the gateway's limits name it (gateway.limits.Limiter.team); "anonymous" (limits.ANONYMOUS)
+    # for one that names none, a team without its own rate limit, or a gateway without limits
+    team: str = "anonymous"
 
 
 class Recorder:

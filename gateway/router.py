@@ -64,7 +64,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.limits import Limiter
+from gateway.limits import ANONYMOUS, Limiter
 from gateway.metrics import OK_OUTCOMES, Recorder, Sample, ShadowSample
 from gateway.payloads import (
     chunk_text,
@@ -271,6 +271,7 @@ class _Request:
     chain: Chain
     path: str
     body: dict
+    team: str  # as the limits name it (gateway.limits.Limiter.team), for the shadow sample
 
 
 @dataclass
@@ -379,6 +380,12 @@ class Router:
         """Shadow comparisons made at or after `t`."""
         return self.recorder.shadows_since(t)
 
+    @property
+    def shadow_teams(self) -> int:
+        """How many teams a shadow sample can name: those with their own rate limit and "anonymous" (every
+        request, without limits); fixed before any request, so the canary can split its level among them."""
+        return 1 + (len(self.limits.limits.rate_limits.teams) if self.limits is not None else 0)
+
     def drain(self) -> None:
         """Send nothing more to the candidate (weight 0)."""
         self.set_weight(0)
@@ -476,8 +483,9 @@ class Router:
             return error(503, "no backends resolved yet")
         attempt = self._stream if body.get("stream") is True else self._unary
         chain = attempts(backends, backends.candidate is not None and self._rng.random() * 100 < self._weight)
+        team = self.limits.team(request.headers) if self.limits is not None else ANONYMOUS
         for i in range(len(chain)):
-            response, failed = await attempt(backends, chain[i:], path, body, retried=i > 0)
+            response, failed = await attempt(_Request(backends, chain[i:], path, body, team), retried=i > 0)
             if not failed:
                 break
         return response
@@ -535,17 +543,16 @@ class Router:
         self._record(at, outcome, r.status_code, stream=False, tokens=tokens)
         return r, outcome, doc
 
-    async def _unary(
-        self, backends: Backends, chain: Chain, path: str, body: dict, retried: bool
-    ) -> tuple[Response, bool]:
-        role, backend = chain[0]
+    async def _unary(self, req: _Request, retried: bool) -> tuple[Response, bool]:
+        path, body = req.path, req.body
+        role, backend = req.chain[0]
         headers = _who(role, backend, retried)
         r, outcome, doc = await self._post(role, backend, path, body, retried)
         if r is None:
             status, what = (504, "timed out") if outcome == "timeout" else (502, "is unreachable")
             return error(status, f"{role} backend {what}", headers), True
         if role == Role.CANDIDATE and outcome == "ok" and doc:
-            self._maybe_shadow(backends, path, body, response_text(doc))
+            self._maybe_shadow(req, body, response_text(doc))
         ctype = r.headers.get("content-type", "application/json")
         return Response(r.content, r.status_code, headers={**headers, "content-type": ctype}), r.status_code >= 500
 
@@ -590,10 +597,9 @@ class Router:
             await upstream.aclose()
         return opened
 
-    async def _stream(
-        self, backends: Backends, chain: Chain, path: str, body: dict, retried: bool
-    ) -> tuple[Response, bool]:
-        role, backend = chain[0]
+    async def _stream(self, req: _Request, retried: bool) -> tuple[Response, bool]:
+        path, body = req.path, req.body
+        role, backend = req.chain[0]
         headers = _who(role, backend, retried)
         state = _Stream(wants_usage=bool(_stream_options(body).get("include_usage")))
         payload = _upstream_payload(body, backend.model)
@@ -603,7 +609,7 @@ class Router:
             first = state.observe(o.first)
             if not state.failed:
                 leg = _Leg(at, o, first, state, body, 0, ttft=time.perf_counter() - at.t0)
-                relay = self._relay(_Request(backends, chain, path, body), leg)
+                relay = self._relay(req, leg)
                 ctype = o.upstream.headers.get("content-type", "text/event-stream")
                 return StreamingResponse(relay, headers={**headers, "content-type": ctype}), False
             await o.upstream.aclose()
@@ -626,7 +632,7 @@ class Router:
                     yield out
             if not (resumable and leg.outcome in ("cut", "server_error")):
                 if leg.at.role == Role.CANDIDATE and leg.outcome == "ok":
-                    self._maybe_shadow(req.backends, req.path, leg.body, "".join(leg.state.text))
+                    self._maybe_shadow(req, leg.body, "".join(leg.state.text))
                 return
             nxt = await self._next_leg(req, leg)
             if not isinstance(nxt, _Leg):  # the answer ends here: [DONE], an SSE error, or nothing
@@ -721,27 +727,31 @@ class Router:
         return _error_message(o.content) or o.what or "sent an error as its first chunk"
 
     # --- shadow ---------------------------------------------------------------------
-    def _maybe_shadow(self, backends: Backends, path: str, body: dict, text: str) -> None:
-        """Mirror a sampled greedy candidate request to the shadow backend, in the background."""
+    def _maybe_shadow(self, req: _Request, body: dict, text: str) -> None:
+        """Mirror a sampled greedy candidate request (`body`, as the candidate got it) to the shadow backend, in
+        the background."""
+        backends = req.backends
         if backends.shadow is None or not is_greedy(body) or self._rng.random() >= self.params.shadow_fraction:
             return
         if len(self._shadow_tasks) >= SHADOW_MAX_INFLIGHT:
             self.recorder.shadow_not_compared("skipped")
             return
-        task = asyncio.create_task(self._shadow(backends, path, body, text))
+        task = asyncio.create_task(self._shadow(req, body, text))
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
-    async def _shadow(self, backends: Backends, path: str, body: dict, candidate_text: str) -> None:
-        t = time.time()
+    async def _shadow(self, req: _Request, body: dict, candidate_text: str) -> None:
+        t, backends = time.time(), req.backends
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        _, outcome, doc = await self._post(SHADOWED, backends.shadow, path, plain, retried=False)
+        _, outcome, doc = await self._post(SHADOWED, backends.shadow, req.path, plain, retried=False)
         if outcome != "ok" or not doc:
             self.recorder.shadow_not_compared("error")
             return
         agree = same_words(candidate_text, response_text(doc), self.params.shadow_compare_words)
         self.recorder.add_shadow(
-            ShadowSample(t=t, agree=agree, candidate=backends.candidate.label, shadow=backends.shadow.label)
+            ShadowSample(
+                t=t, agree=agree, candidate=backends.candidate.label, shadow=backends.shadow.label, team=req.team
+            )
         )
 
 

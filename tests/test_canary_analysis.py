@@ -129,6 +129,28 @@ def shadows(k, n, agree_first=True):
     return [ShadowSample(t=0.0, agree=a, candidate="v2", shadow="v1") for a in (agree if agree_first else agree[::-1])]
 
 
+def test_a_build_that_drifts_on_one_teams_prompts_fails_on_that_team_where_the_mix_passes():
+    agree = lambda team, k, n: [  # noqa: E731
+        ShadowSample(t=0.0, agree=i < k, candidate="v2", shadow="v1", team=team) for i in range(n)
+    ]
+    mix = agree("billing", 30, 30) + agree("search", 30, 30) + agree("support", 0, 20)  # 60 of 80 agree
+    whole = shadow_check(mix, POLICY)  # the gateway names no team: one sample
+    assert whole.verdict is Verdict.PASS and whole.value == pytest.approx(0.75)
+    c = shadow_check(mix, POLICY, teams=4)  # billing, search, support and anonymous
+    expected = always_valid([True] * 20, 0.6)  # support's disagreements against 1 - 0.4
+    assert c.verdict is Verdict.FAIL and c.value == 0.0 and c.n == 20
+    assert c.p_value == pytest.approx(expected, rel=1e-9) and expected <= LEVEL / 2 / 4
+    assert c.text == f"shadow_agreement of team support 0.00 < 0.40 (n=20, p={expected:.2g}) FAIL"
+    # every team as good as the mix: the whole sample decides (at half the level)
+    even = [s for team in ("billing", "search", "support") for s in agree(team, 20, 27)]
+    split, one = shadow_check(even, POLICY, teams=4), shadow_check(even, POLICY)
+    assert (split.verdict, split.value, split.n, split.text) == (Verdict.PASS, one.value, 81, one.text)
+    # what the split costs: 15 disagreements in 15 would FAIL a team at the whole level, not at its eighth
+    few = agree("billing", 30, 30) + agree("support", 0, 15)
+    assert LEVEL / 2 / 4 < always_valid([True] * 15, 0.6) <= LEVEL
+    assert shadow_check(few, POLICY, teams=4).verdict is not Verdict.FAIL
+
+
 def test_shadow_agreement_fail_and_live_line():
     c = shadow_check(shadows(10, 37), AT_07)
     expected = always_valid([False] * 10 + [True] * 27, 0.3)  # disagreements against 1 - 0.7

@@ -179,6 +179,8 @@ def test_a_gateway_that_does_not_come_back_in_time_aborts(gateway):
 
 
 class FakeSplit:
+    shadow_teams = 1
+
     def __init__(self, recovers):
         self.recovers, self.weights = list(recovers), []
 

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from canary.commands import COMMANDS, load
-from canary.load import KINDS, prompts_from_evals, render, replay
+from canary.load import KINDS, Prompt, prompts_from_evals, render, replay
 from gateway.payloads import chunk_text
 from gateway.router import Backend, Router, RouterParams, Schedule
 from gateway.server import AppServer, RouterServer
@@ -711,6 +711,23 @@ def test_shadow_agreement_is_recorded_for_greedy_candidate_requests(fakes):
     assert all(b["model"] == "shadow-served" and "stream" not in b for b in fakes["shadow"].seen)
 
 
+def test_a_shadow_sample_names_the_requests_team_as_the_limits_do(fakes):
+    from gateway.limits import Limiter, Limits
+
+    limiter = Limiter(Limits(rate_limits={"teams": {"billing": {"rps": 100, "burst": 100}}}))
+    with running(fleet(fakes, shadow="shadow"), weight=100, limits=limiter, shadow_fraction=1.0) as (router, client):
+        for team in ("billing", "search", None):  # search has no rate limit of its own: anonymous, as for none
+            body = {"model": "m", "prompt": "2+2?", "max_tokens": 8, "temperature": 0}
+            assert (
+                client.post("/v1/completions", json=body, headers={"x-team": team} if team else {}).status_code == 200
+            )
+        got = wait_for(lambda: router.shadows_since(0), 3)
+        assert router.shadow_teams == 2  # billing and anonymous
+    assert sorted(s.team for s in got) == ["anonymous", "anonymous", "billing"]
+    with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0) as (router, client):
+        assert router.shadow_teams == 1  # no limits: every request is anonymous
+
+
 def test_shadow_compares_only_the_first_words(fakes):
     fakes["shadow"].reset(text="the candidate answer is six")  # equal on the first 4 words
     with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0, shadow_compare_words=4) as (
@@ -810,10 +827,23 @@ def test_replay_through_the_router_mixes_kinds_and_reports(fakes):
     assert all(b["temperature"] == 0 and b["max_tokens"] == 16 for b in bodies)
 
 
+def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(fakes):
+    from gateway.limits import Limiter, Limits
+
+    limiter = Limiter(Limits(rate_limits={"teams": {t: {"rps": 100, "burst": 100} for t in ("billing", "support")}}))
+    prompts = [Prompt("2+2?", "billing"), Prompt("Great product.", "support")]
+    with running(fleet(fakes, shadow="shadow"), weight=100, limits=limiter, shadow_fraction=1.0) as (router, client):
+        report = replay(str(client.base_url), prompts, rps=40, duration_s=0.5, arrivals="fixed", api="completions")
+        got = wait_for(lambda: router.shadows_since(0), 20)
+    assert report.success_rate == 1.0 and len(got) == 20 and {s.team for s in got} == {"billing", "support"}
+    assert {b["prompt"] for b in fakes["candidate"].seen} == {"2+2?", "Great product."}  # the text, as sent
+
+
 def test_prompts_from_evals_render_doc_to_text(example_evals):
     prompts = prompts_from_evals(example_evals, limit=1)
     n_tasks = sum(len(t.tasks) for t in load_teams(example_evals))
     assert len(prompts) == n_tasks and all(p.strip() and "{{" not in p for p in prompts)
+    assert [p.team for p in prompts] == [t.name for t in load_teams(example_evals) for _ in t.tasks]
     assert render("{{question}} Reply.", {"question": "2+2?"}) == "2+2? Reply."
     assert render("question", {"question": "2+2?"}) == "2+2?"  # a bare field name, as lm-eval reads it
 

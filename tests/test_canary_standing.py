@@ -325,6 +325,7 @@ def test_the_gateway_serves_its_admin_endpoint_with_a_token(monkeypatch, tmp_pat
         assert s["fleet"]["2"]["alive"] and s["fleet"]["2"]["why"] == "candidate" and s["url"].startswith("http")
         assert httpx.put(f"{admin[1]}/admin/weight", json={"percent": 30}, headers=auth).json() == {"weight": 30}
         assert s["shadow_fraction"] == params.router.shadow_fraction  # what a canary's plan counts on
+        assert s["shadow_teams"] == 1  # params.yaml's limits name no team of their own: one shadow sample
     finally:
         stop.set()
         t.join(30)
