@@ -26,52 +26,17 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pydantic import Field, field_validator
-
+from quantgate.calibrate_params import CalibrateParams, load_prompts
 from quantgate.calibration import eval_strings, overlap, team_conversations
 from quantgate.console import LOG_DIR, progress
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, read_manifest
-from quantgate.params import Frozen, load_block, parse, read_yaml
+from quantgate.params import load_block
 from quantgate.precision import probe, resolve_dtype
 from quantgate.recorded import read_record, write_record
 from quantgate.serving import ServeParams, vllm_server
 from quantgate.teams import load_teams
-
-
-class CalibrateParams(Frozen):
-    prompts: str = "recipes/calibration/prompts.yaml"
-    samples: int = Field(default=256, gt=0)  # conversations
-    min_tokens: int = Field(default=512, gt=0)  # per conversation, chat template included
-    max_answer_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.7, ge=0)  # > 0: varied answers, as traffic is
-    seed: int = 0
-    concurrency: int = Field(default=16, gt=0)  # requests in flight; vLLM batches them
-    recorded: str = "recipes/calibration/recorded"  # the recorded set: <recorded>.jsonl and <recorded>.json
-
-
-class PromptSet(Frozen):
-    topics: list[str] = Field(min_length=1)
-    tasks: list[str] = Field(min_length=1)
-
-    @field_validator("tasks")
-    @classmethod
-    def _has_topic(cls, tasks: list[str]) -> list[str]:
-        if bad := [t for t in tasks if "{topic}" not in t]:
-            raise ValueError(f"every task must contain {{topic}}; {bad[0]!r} does not")
-        return tasks
-
-
-def load_prompts(path: Path) -> list[str]:
-    """Every task applied to every topic of the prompt file at `path`, tasks varying fastest.
-
-    Raises QuantgateError naming the file (and field) if it is missing or malformed.
-    """
-    if not path.is_file():
-        raise QuantgateError(f"{path}: calibration prompt file not found (calibrate.prompts)")
-    spec = parse(PromptSet, read_yaml(path), str(path), path)
-    return [task.replace("{topic}", topic) for topic in spec.topics for task in spec.tasks]
 
 
 def check_prompts(prompts: list[str], path: Path, strings: dict[str, str]) -> None:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
+from quantgate.calibrate_params import CalibrateParams, load_prompts
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.cost import CostParams
 from quantgate.errors import QuantgateError, run_main
@@ -169,13 +170,27 @@ def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, Qua
     return blocks
 
 
-def check_samples(search: SearchParams, blocks: dict[str, QuantizeParams], path: Path = PARAMS_FILE) -> None:
+def check_calibrate(path: Path = PARAMS_FILE) -> CalibrateParams:
+    """The `calibrate` block as the calibrate stage reads it (CalibrateParams: every key), its prompt file an
+    existing, well-formed prompt set (load_prompts). Read before the counts asked of it, so that a bad
+    calibrate.samples is named as itself. Raises QuantgateError naming `path`, the line and the key (or the
+    prompt file and its field)."""
+    p = load_block("calibrate", CalibrateParams, path)
+    if not Path(p.prompts).is_file():
+        raise QuantgateError(
+            f"{where(path, 'calibrate.prompts')}: calibrate.prompts {p.prompts}: no such file; name the prompt set "
+            "(recipes/calibration/prompts.yaml by default) or fix the path"
+        )
+    load_prompts(Path(p.prompts))
+    return p
+
+
+def check_samples(
+    search: SearchParams, blocks: dict[str, QuantizeParams], calibrate: CalibrateParams, path: Path = PARAMS_FILE
+) -> None:
     """Raise QuantgateError unless every count of calibration conversations asked for (quantize.<build>.calibration
     .samples, search.kl_samples) fits in the calibrate stage's file, which holds calibrate.samples of them."""
-    calibrate = read_yaml(path).get("calibrate")
-    have = calibrate.get("samples") if isinstance(calibrate, dict) else None
-    if not isinstance(have, int):
-        return  # the calibrate stage names its own block's errors
+    have = calibrate.samples
     asks = {f"quantize.{b}.calibration.samples": q.calibration.samples for b, q in blocks.items() if q.calibration}
     if search.build in blocks:
         asks["search.kl_samples"] = search.kl_samples
@@ -222,18 +237,15 @@ def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> No
         )
 
 
-def check_calibration_supply(own: int, path: Path = PARAMS_FILE) -> None:
+def check_calibration_supply(own: int, calibrate: CalibrateParams, path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError when calibrate.samples asks for more conversations than can exist: the teams' own
     (`own`) plus every line of the recorded set (<calibrate.recorded>.jsonl). An upper bound: the calibrate stage
     also leaves out recorded answers that quote an eval document or are short, and refuses then."""
-    calibrate = read_yaml(path).get("calibrate")
-    if not isinstance(calibrate, dict) or not isinstance(calibrate.get("samples"), int):
-        return  # the calibrate stage names its own block's errors
-    recorded = Path(str(calibrate.get("recorded", "recipes/calibration/recorded")) + ".jsonl")
+    recorded = Path(calibrate.recorded + ".jsonl")
     if not recorded.is_file():
         return  # the calibrate stage says how to record it
     lines = sum(1 for line in recorded.read_text(errors="replace").splitlines() if line.strip())
-    if (n := calibrate["samples"]) > own + lines:
+    if (n := calibrate.samples) > own + lines:
         raise QuantgateError(
             f"{where(path, 'calibrate.samples')}: calibrate.samples {n} asks for more calibration conversations than "
             f"there are: {own} of the teams' own and {lines} recorded in {recorded}; lower it to {own + lines} or "
@@ -266,16 +278,17 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
-    blocks = check_quantize(builds)  # first: a recipe file that is missing is named as such
+    calibrate = check_calibrate()  # before the counts asked of it: a bad calibrate.samples is named as itself
+    blocks = check_quantize(builds)  # a recipe file that is missing is named as such
     search = check_search(builds)
-    check_samples(search, blocks)
+    check_samples(search, blocks, calibrate)
     check_later_blocks(check_evaluate(builds))
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))
     loaded = load_teams(evals_dir, budgets=budgets)
     own = team_conversations(loaded)
-    check_calibration_supply(len(own))
+    check_calibration_supply(len(own), calibrate)
     check_doc_budget(search, loaded, builds)
     teams = summary(loaded, budgets)
     write_teams(out_json, teams)

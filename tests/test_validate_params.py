@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pipeline.validate import (
+    check_calibrate,
     check_calibration_supply,
     check_doc_budget,
     check_evaluate,
@@ -57,7 +58,7 @@ def test_the_repos_params_pass_every_check(params):
     builds = load_builds(path)
     search = check_search(builds, path)
     blocks = check_quantize(builds, path)
-    check_samples(search, blocks, path)
+    check_samples(search, blocks, check_calibrate(path), path)
     check_doc_budget(search, load_teams(REPO / "evals"), builds, path)
     assert check_evaluate(builds, path).serve.max_slowdown == 3.0
     check_later_blocks(check_evaluate(BUILDS, path), path)
@@ -149,7 +150,7 @@ def test_calibration_counts_beyond_the_calibrate_stages_file_are_refused(params,
     path = params(change)
     search, blocks = check_search(BUILDS, path), check_quantize(BUILDS, path)
     one_line_error(
-        lambda: check_samples(search, blocks, path),
+        lambda: check_samples(search, blocks, check_calibrate(path), path),
         rf"{key} calibration conversations, but results/calibration.jsonl holds calibrate.samples = 64",
     )
 
@@ -231,14 +232,44 @@ def test_each_refusal_names_the_line_of_its_key(params):
 def test_calibrate_samples_above_every_conversation_there_is_is_refused(params):
     recorded = sum(1 for line in (REPO / "recipes/calibration/recorded.jsonl").read_text().splitlines() if line)
     path = params(lambda doc: doc["calibrate"].update(samples=recorded + 24 + 1))
-    message = one_line_error(lambda: check_calibration_supply(24, path), "record more")
+    message = one_line_error(lambda: check_calibration_supply(24, check_calibrate(path), path), "record more")
     line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip().startswith("samples:"))
     assert message.startswith(
         f"{path}:{line}: calibrate.samples {recorded + 25} asks for more calibration conversations than there are: "
         f"24 of the teams' own and {recorded} recorded in recipes/calibration/recorded.jsonl; lower it to "
         f"{recorded + 24} or fewer, or record more with `make calibration`"
     )
-    check_calibration_supply(24, params(lambda doc: doc["calibrate"].update(samples=recorded + 24)))  # the bound
+    bound = params(lambda doc: doc["calibrate"].update(samples=recorded + 24))
+    check_calibration_supply(24, check_calibrate(bound), bound)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"samples": "64"}, r"calibrate.samples: Input should be a valid integer; got str '64' \(a number in quotes"),
+        ({"temperature": -1}, r"calibrate.temperature: Input should be greater than or equal to 0; got int -1$"),
+        ({"sample": 64}, r"calibrate.sample: unknown key \(the keys here: prompts, samples, "),
+        ({"samples": -3}, r"calibrate.samples: Input should be greater than 0; got int -3$"),
+        (
+            {"prompts": "nope.yaml"},
+            r"calibrate.prompts nope.yaml: no such file; name the prompt set \(recipes/calibration/prompts.yaml "
+            r"by default\) or fix the path$",
+        ),
+    ],
+)
+def test_the_calibrate_block_is_read_as_the_calibrate_stage_reads_it_at_its_line(params, change, message):
+    """Each passed validate and stopped the calibrate stage; samples: -3 was named as
+    quantize.int8.calibration.samples asking for more than there are."""
+    path = params(lambda doc: doc["calibrate"].update(change))
+    key = next(iter(change))
+    line = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if text.strip().startswith(f"{key}:"))
+    one_line_error(lambda: check_calibrate(path), rf"^{re.escape(str(path))}:{line}: {message}")
+
+
+def test_a_calibration_prompt_set_that_is_malformed_is_refused_naming_its_file(params, tmp_path):
+    (tmp_path / "bad.yaml").write_text("topics: [a]\ntasks: [no topic here]\n")
+    path = params(lambda doc: doc["calibrate"].update(prompts=str(tmp_path / "bad.yaml")))
+    one_line_error(lambda: check_calibrate(path), r"bad.yaml:2: tasks: every task must contain \{topic\}")
 
 
 @pytest.mark.parametrize("recipe, scheme", [("recipes/int8.yaml", "W8A8"), ("recipes/fp8.yaml", "FP8_DYNAMIC")])

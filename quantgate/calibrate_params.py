@@ -1,0 +1,45 @@
+"""params.yaml's `calibrate` block (the calibration conversations) and its prompt file, read by the calibrate
+stage and checked by validate before any stage runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from quantgate.errors import QuantgateError
+from quantgate.params import Frozen, parse, read_yaml
+
+
+class CalibrateParams(Frozen):
+    prompts: str = "recipes/calibration/prompts.yaml"
+    samples: int = Field(default=256, gt=0)  # conversations
+    min_tokens: int = Field(default=512, gt=0)  # per conversation, chat template included
+    max_answer_tokens: int = Field(default=256, gt=0)
+    temperature: float = Field(default=0.7, ge=0)  # > 0: varied answers, as traffic is
+    seed: int = 0
+    concurrency: int = Field(default=16, gt=0)  # requests in flight; vLLM batches them
+    recorded: str = "recipes/calibration/recorded"  # the recorded set: <recorded>.jsonl and <recorded>.json
+
+
+class PromptSet(Frozen):
+    topics: list[str] = Field(min_length=1)
+    tasks: list[str] = Field(min_length=1)
+
+    @field_validator("tasks")
+    @classmethod
+    def _has_topic(cls, tasks: list[str]) -> list[str]:
+        if bad := [t for t in tasks if "{topic}" not in t]:
+            raise ValueError(f"every task must contain {{topic}}; {bad[0]!r} does not")
+        return tasks
+
+
+def load_prompts(path: Path) -> list[str]:
+    """Every task applied to every topic of the prompt file at `path`, tasks varying fastest.
+
+    Raises QuantgateError naming the file (and field) if it is missing or malformed.
+    """
+    if not path.is_file():
+        raise QuantgateError(f"{path}: calibration prompt file not found (calibrate.prompts)")
+    spec = parse(PromptSet, read_yaml(path), str(path), path)
+    return [task.replace("{topic}", topic) for topic in spec.topics for task in spec.tasks]
