@@ -28,7 +28,7 @@ from quantgate.manifest import MANIFEST, read_manifest, verify_weights, write_ma
 from quantgate.params import PARAMS_FILE, load_block, read_yaml, where
 from quantgate.precision import native_16bit
 from quantgate.quantize_params import QuantizeParams
-from quantgate.recipes import check_group_size, load_recipe, needs_data, needs_sequential, weight_schemes
+from quantgate.recipes import check_calibration, check_group_size, load_recipe, weight_schemes
 
 
 def scheme_label(config: dict) -> str:
@@ -142,19 +142,9 @@ def quantize(build: str, src: Path, out: Path, p: QuantizeParams, calibration_fi
 
     recipe_path = Path(p.recipe)
     recipe = load_recipe(build, recipe_path)
-    if (needs := needs_data(recipe)) and p.calibration is None:
-        raise QuantgateError(
-            f"quantize.{build}: {recipe_path} uses {', '.join(needs)}, which needs calibration data; add "
-            "calibration: {samples: 256, seq_len: 512} to the block"
-        )
+    needs = check_calibration(build, recipe, recipe_path, p.calibration)
     if p.w4a8:
         check_w4a16(build, recipe_path, recipe)
-    if (layerwise := needs_sequential(recipe)) and p.calibration and p.calibration.pipeline != "sequential":
-        raise QuantgateError(
-            f"{recipe_path} (quantize.{build}.recipe): "
-            + "; ".join(f"{name} {why}" for name, why in layerwise.items())
-            + f"; set quantize.{build}.calibration.pipeline: sequential (it is {p.calibration.pipeline})"
-        )
     base = read_manifest(src)
     if needs:  # a missing or malformed calibration file is refused before it is hashed
         calibration_texts(calibration_file, p.calibration.samples, "quantize.*.calibration.samples")

@@ -12,7 +12,10 @@ document counts, folder digests) that the report and the registry read.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
@@ -26,7 +29,7 @@ from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
-from quantgate.recipes import declared_schemes
+from quantgate.recipes import check_calibration, declared_schemes, load_recipe
 from quantgate.register_params import RegisterParams
 from quantgate.results import TeamSummary, write_teams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
@@ -150,7 +153,8 @@ W4A16_SCHEMES = ("W4A16", "W4A16_ASYM")  # llm-compressor's presets, and config 
 def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, QuantizeParams]:
     """{build: its quantize block} for every quantized build, each read as the quantize stage reads it
     (QuantizeParams: every key), its recipe an existing file (but the search's, which the search writes), and
-    W4A16 where the block sets w4a8 (as far as the YAML declares its schemes: recipes.declared_schemes).
+    W4A16 where the block sets w4a8 (as far as the YAML declares its schemes: recipes.declared_schemes), and
+    the recipe one the quantize stage can run with the block's calibration (check_recipe).
     Raises QuantgateError naming `path`, the line and the key."""
     blocks = {b: load_block(f"quantize.{b}", QuantizeParams, path) for b in builds if b != BASELINE_BUILD}
     for b, q in blocks.items():
@@ -167,7 +171,44 @@ def check_quantize(builds: list[str], path: Path = PARAMS_FILE) -> dict[str, Qua
                 f"activations) as W4A8, and {q.recipe} declares {other[0]}; give the block a W4A16 recipe such as "
                 "recipes/int4.yaml (the int8 activations come from vLLM at serving, not from the recipe), or drop w4a8"
             )
+        check_recipe(b, q, path)
     return blocks
+
+
+@contextlib.contextmanager
+def llm_compressor_quiet() -> Iterator[None]:
+    """llm-compressor's log lines off while validate parses recipes with it: validate's log is shown whole with
+    any error, and those lines ("No accelerator available! Compressing model on CPU instead") say nothing of
+    params.yaml. Its logger reads LLM_COMPRESSOR_LOG_DISABLED when llm-compressor is imported, here or later."""
+    from loguru import logger
+
+    before = os.environ.get("LLM_COMPRESSOR_LOG_DISABLED")
+    os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = "true"
+    logger.disable("llmcompressor")
+    try:
+        yield
+    finally:
+        logger.enable("llmcompressor")
+        if before is None:
+            del os.environ["LLM_COMPRESSOR_LOG_DISABLED"]
+        else:
+            os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = before
+
+
+def check_recipe(build: str, q: QuantizeParams, path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError unless quantize.<build>.recipe parses as the quantize stage parses it (load_recipe:
+    llm-compressor's Recipe) and its calibration suits it (check_calibration: a block for a recipe that needs
+    data, the sequential pipeline for a modifier that needs it), naming `path`, the line and the key."""
+    try:
+        with llm_compressor_quiet():
+            recipe = load_recipe(build, Path(q.recipe))
+    except QuantgateError as exc:
+        raise QuantgateError(
+            f"{where(path, f'quantize.{build}.recipe')}: quantize.{build}.recipe {q.recipe} is not an llm-compressor "
+            f"recipe: {exc}; name one under recipes/ (recipes/README.md)"
+        ) from None
+    at = f"quantize.{build}.calibration" + (".pipeline" if q.calibration else "")
+    check_calibration(build, recipe, Path(q.recipe), q.calibration, where(path, at))
 
 
 def check_calibrate(path: Path = PARAMS_FILE) -> CalibrateParams:

@@ -10,6 +10,7 @@ import math
 from functools import reduce
 from pathlib import Path
 
+from quantgate.conversations import Calibration
 from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
 
@@ -79,6 +80,30 @@ def declared_schemes(path: Path) -> list[str]:
 def needs_data(recipe) -> list[str]:
     """Names of the recipe's modifiers that need calibration data (llm-compressor's requires_calibration_data)."""
     return [type(m).__name__ for m in recipe.modifiers if getattr(m, "requires_calibration_data", False)]
+
+
+def check_calibration(
+    build: str, recipe, recipe_path: Path, calibration: Calibration | None, at: str | None = None
+) -> list[str]:
+    """needs_data(recipe), once quantize.<build>.calibration suits the recipe (`recipe_path`, parsed by
+    load_recipe): the quantize stage's rule, asked by validate too (`at`, "params.yaml:LINE", starts its messages).
+
+    Raises QuantgateError when the recipe needs calibration data and the block has no calibration, or has a
+    modifier that runs right only in the sequential pipeline (needs_sequential) and calibration.pipeline is not
+    sequential."""
+    prefix = f"{at}: " if at else ""
+    if (needs := needs_data(recipe)) and calibration is None:
+        raise QuantgateError(
+            f"{prefix}quantize.{build}: {recipe_path} uses {', '.join(needs)}, which needs calibration data; add "
+            "calibration: {samples: 256, seq_len: 512} to the block"
+        )
+    if (layerwise := needs_sequential(recipe)) and calibration and calibration.pipeline != "sequential":
+        raise QuantgateError(
+            f"{prefix}{recipe_path} (quantize.{build}.recipe): "
+            + "; ".join(f"{name} {why}" for name, why in layerwise.items())
+            + f"; set quantize.{build}.calibration.pipeline: sequential (it is {calibration.pipeline})"
+        )
+    return needs
 
 
 # modifiers that run right only in llm-compressor's sequential calibration pipeline, and why (0.14.0.1):

@@ -136,6 +136,47 @@ def test_each_quantize_block_is_read_as_the_quantize_stage_reads_it(params, bloc
     one_line_error(lambda: check_quantize(BUILDS, path), rf"^{re.escape(str(path))}(:\d+)?: .*{message}")
 
 
+def line_of_text(path: Path, text: str) -> int:
+    """The 1-based line of `path` that starts, stripped, with `text`."""
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith(text))
+
+
+def test_a_recipe_file_llm_compressor_cannot_parse_is_refused_at_its_line(params):
+    """Before, only the file's existence was checked: README.md passed and stopped quantize@fp8 (load_recipe)."""
+    shutil.copy(REPO / "README.md", "README.md")
+    path = params(lambda doc: doc["quantize"]["fp8"].update(recipe="README.md"))
+    line = line_of_text(path, "recipe: README.md")
+    one_line_error(
+        lambda: check_quantize(BUILDS, path),
+        rf"^{re.escape(str(path))}:{line}: quantize.fp8.recipe README.md is not an llm-compressor recipe: README.md:"
+        r"\d+: invalid YAML: [^;]*; name one under recipes/ \(recipes/README.md\)$",
+    )
+
+
+def test_a_recipe_that_needs_data_without_calibration_is_refused_at_its_block(params):
+    """int8's SmoothQuant + GPTQ recipe with no quantize.int8.calibration passed and stopped quantize@int8."""
+    path = params(lambda doc: doc["quantize"]["int8"].pop("calibration"))
+    lines = path.read_text().splitlines()
+    line = lines.index("  int8:") + 1
+    one_line_error(
+        lambda: check_quantize(BUILDS, path),
+        rf"^{re.escape(str(path))}:{line}: quantize.int8: recipes/int8.yaml uses SmoothQuantModifier, GPTQModifier, "
+        r"which needs calibration data; add calibration: \{samples: 256, seq_len: 512\} to the block$",
+    )
+
+
+def test_a_sequential_only_recipe_in_the_basic_pipeline_is_refused_at_its_line(params):
+    path = params(lambda doc: doc["quantize"]["int4"].update(recipe="recipes/sweep/int4_awq_g64.yaml"))
+    lines = path.read_text().splitlines()
+    start = lines.index("    recipe: recipes/sweep/int4_awq_g64.yaml")
+    line = next(i for i in range(start, len(lines)) if lines[i].strip() == "pipeline: basic") + 1
+    one_line_error(
+        lambda: check_quantize(BUILDS, path),
+        rf"^{re.escape(str(path))}:{line}: recipes/sweep/int4_awq_g64.yaml \(quantize.int4.recipe\): AWQModifier "
+        r"fits its scales .*; set quantize.int4.calibration.pipeline: sequential \(it is basic\)$",
+    )
+
+
 @pytest.mark.parametrize(
     "change, key",
     [
