@@ -20,7 +20,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.report import fmt
-from quantgate.cost import CostParams, KVShape, check_context, devices_for, in_flight, usd_per_million_tokens
+from quantgate.cost import (
+    CostParams,
+    KVShape,
+    check_context,
+    check_max_model_len,
+    devices_for,
+    in_flight,
+    usd_per_million_tokens,
+)
 from quantgate.errors import QuantgateError
 from quantgate.params import PARAMS_FILE, load_block, where
 from quantgate.results import BuildCost, BuildGate, BuildProfile, GateResult, read_profile
@@ -37,12 +45,7 @@ def load_cost(baseline: BuildProfile | None, path: Path = PARAMS_FILE) -> CostPa
     at = f"{where(path, 'cost.context_tokens')}: cost.context_tokens"
     if baseline is not None and baseline.kv_shape:
         check_context(cost, KVShape(**baseline.kv_shape), at)
-    served_max_len = baseline.max_concurrency_at if baseline is not None else None
-    if served_max_len is not None and cost.context_tokens > served_max_len:
-        raise QuantgateError(
-            f"{at}: {cost.context_tokens} tokens is longer than the server's max_model_len ({served_max_len}, "
-            f"evaluate.serve.max_model_len); lower it or raise max_model_len"
-        )
+    check_max_model_len(cost, baseline.max_concurrency_at if baseline is not None else None, at)
     return cost
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
 from quantgate.calibrate_params import CalibrateParams, load_prompts
 from quantgate.calibration import CHECKED, team_conversations
-from quantgate.cost import CostParams
+from quantgate.cost import CostParams, check_max_model_len
 from quantgate.errors import QuantgateError, run_main
 from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
 from quantgate.executor import ExecutorParams
@@ -261,11 +261,12 @@ def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> No
     (`prepare` is read by its own stage, which runs next.)
 
     A profile request (`input_len` + `output_len` tokens) must fit `evaluate.serve.max_model_len` (when it is set:
-    -1 is the length vLLM fits), or the server refuses every benchmark request.
+    -1 is the length vLLM fits), or the server refuses every benchmark request; so must the request the cost
+    model prices (`cost.context_tokens`), which the gate checks against the server it profiled.
 
     Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
     load_block("gate", GateBlock, path)
-    load_block("cost", CostParams, path)
+    cost = load_block("cost", CostParams, path)
     load_block("executor", ExecutorParams, path)
     profile = load_block("profile", ProfileParams, path)
     load_block("register", RegisterParams, path)
@@ -276,6 +277,7 @@ def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> No
             f"{profile.input_len + profile.output_len} tokens, over evaluate.serve.max_model_len {limit}: vLLM would "
             "refuse every benchmark request; lower them or raise max_model_len"
         )
+    check_max_model_len(cost, limit, f"{where(path, 'cost.context_tokens')}: cost.context_tokens")
 
 
 def check_calibration_supply(own: int, calibrate: CalibrateParams, path: Path = PARAMS_FILE) -> None:

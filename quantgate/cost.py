@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
@@ -42,6 +42,19 @@ class CostParams(Frozen):
     batch_cap: int = Field(default=32, gt=0)  # the engine's running-batch cap (vLLM --max-num-seqs)
     utilization: float = Field(default=0.8, gt=0, le=1)  # planned load per device: the headroom
     usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)  # vLLM --gpu-memory-utilization
+
+    @field_validator("output_tokens")
+    @classmethod
+    def _within_context(cls, value: int, info: ValidationInfo) -> int:
+        """Raises ValueError unless the output fits the context with a prompt: context_tokens counts a request's
+        prompt (at least one token) and its output, so a context of no more than the output sizes no request."""
+        context = info.data.get("context_tokens")
+        if isinstance(context, int) and value >= context:
+            raise ValueError(
+                f"{value} tokens is not less than cost.context_tokens ({context}), which counts the prompt and these "
+                "output tokens of one request; lower output_tokens or raise context_tokens"
+            )
+        return value
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,17 @@ def mixed_seconds_per_token(baseline_s: float, quantized_s: float, quantized_fra
     if baseline_s <= 0 or quantized_s <= 0:
         raise QuantgateError(f"seconds per token must be > 0, got {baseline_s} and {quantized_s}")
     return baseline_s + (quantized_s - baseline_s) * quantized_fraction
+
+
+def check_max_model_len(params: CostParams, max_model_len: int | None, where: str) -> None:
+    """Raises QuantgateError (`where` starts it: "params.yaml:LINE: cost.context_tokens") when cost.context_tokens
+    exceeds the server's max_model_len (evaluate.serve's, or what a profiled server ran with; unchecked when None
+    or not positive, the length vLLM fits): the server would refuse the request the cost model prices."""
+    if max_model_len is not None and max_model_len > 0 and params.context_tokens > max_model_len:
+        raise QuantgateError(
+            f"{where}: {params.context_tokens} tokens is longer than the server's max_model_len ({max_model_len}, "
+            f"evaluate.serve.max_model_len); lower it or raise max_model_len"
+        )
 
 
 def check_context(params: CostParams, shape: KVShape, where: str = "params.yaml: cost.context_tokens") -> None:

@@ -578,3 +578,36 @@ def test_the_longest_model_name_validate_takes_fits_mlflows_column_with_the_regi
     from registry.lock import lock_name
 
     assert len(f"{lock_name('m' * MAX_MODEL_NAME)}.stale.{'0' * 12}") == 256
+
+
+@pytest.mark.parametrize(
+    "change, key, message",
+    [
+        (
+            {"context_tokens": 100000},
+            "context_tokens",
+            r"cost.context_tokens: 100000 tokens is longer than the server's max_model_len \(2048, "
+            r"evaluate.serve.max_model_len\); lower it or raise max_model_len$",
+        ),
+        (
+            {"context_tokens": 200, "output_tokens": 250},
+            "output_tokens",
+            r"cost.output_tokens: 250 tokens is not less than cost.context_tokens \(200\), which counts the prompt "
+            r"and these output tokens of one request; lower output_tokens or raise context_tokens$",
+        ),
+    ],
+)
+def test_a_cost_request_no_server_of_this_run_can_hold_is_refused_at_its_line(params, change, key, message):
+    """Both passed validate; the first stopped the gate (pipeline/buys.py load_cost) after every build was scored."""
+    path = params(lambda doc: doc["cost"].update(change))
+    line = line_of_text(path, f"{key}:")
+    one_line_error(
+        lambda: check_later_blocks(check_evaluate(BUILDS, path), path), rf"^{re.escape(str(path))}:{line}: {message}"
+    )
+
+
+def test_cost_context_tokens_is_unchecked_when_vllm_fits_max_model_len(params):
+    path = params(
+        lambda doc: (doc["cost"].update(context_tokens=100000), doc["evaluate"]["serve"].update(max_model_len=-1))
+    )
+    check_later_blocks(check_evaluate(BUILDS, path), path)
