@@ -27,6 +27,7 @@ from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
 from quantgate.executor import ExecutorParams
 from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
+from quantgate.precision import python_problem
 from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import check_calibration, declared_schemes, load_recipe
@@ -255,6 +256,17 @@ def check_evaluate(builds: list[str], path: Path = PARAMS_FILE) -> EvaluateParam
     return params
 
 
+def check_serving_python(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError, naming `path`, the line and the fix, unless evaluate.serve.python is an interpreter
+    this machine can run: every build's profile, the search and `make calibration` start their vLLM servers here
+    (a Ray node runs its own install's), and a missing one failed only at the first server."""
+    if problem := python_problem(evaluate.serve.python):
+        raise QuantgateError(
+            f"{where(path, 'evaluate.serve.python')}: evaluate.serve.python {evaluate.serve.python} {problem}; run "
+            "`make setup` (it makes the serving env, .venv-serve) or fix the path"
+        )
+
+
 def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> None:
     """The `gate`, `cost`, `executor`, `profile` and `register` blocks as the search, gate, serving, profile and
     register stages read them: a typo there stops the run here, not after the builds are made and scored.
@@ -325,7 +337,9 @@ def main() -> None:
     blocks = check_quantize(builds)  # a recipe file that is missing is named as such
     search = check_search(builds)
     check_samples(search, blocks, calibrate)
-    check_later_blocks(check_evaluate(builds))
+    evaluate = check_evaluate(builds)
+    check_serving_python(evaluate)
+    check_later_blocks(evaluate)
     budgets = load_budgets()
     if evals_dir.is_dir():
         check_budget_teams(budgets, sorted(p.name for p in evals_dir.iterdir() if (p / POLICY_FILE).is_file()))

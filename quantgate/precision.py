@@ -222,6 +222,16 @@ def _has_timeout(answer: dict) -> bool:
     return any(isinstance(c, str) and c.startswith("no answer in") for c in calls)
 
 
+def python_problem(python: str) -> str | None:
+    """Why the interpreter at `python` cannot be run ("not found", "is not an executable file"); None when it can."""
+    path = Path(python)
+    if not python or not path.exists():
+        return "not found"
+    if not path.is_file() or not os.access(path, os.X_OK):
+        return "is not an executable file"
+    return None
+
+
 @lru_cache(maxsize=None)
 def probe(python: str) -> Platform:
     """The Platform of the serving env at `python`.
@@ -233,8 +243,8 @@ def probe(python: str) -> Platform:
     Raises QuantgateError, one line, if the probe cannot answer: the interpreter is missing, the vLLM import
     fails, or the probe dies (which stage, which signal or exit code, its last error line, true advice).
     """
-    if not Path(python).exists():
-        raise QuantgateError(f"serving python {python!r} not found; run `make setup` (evaluate.serve.python)")
+    if problem := python_problem(python):
+        raise QuantgateError(f"serving python {python!r} {problem}; run `make setup` (evaluate.serve.python)")
     cache = cache_dir(python) / f"{probe_key(python)}.json"
     try:
         d = json.loads(cache.read_text())

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import httpx
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from quantgate.console import progress, shown
 from quantgate.devices import check_devices, visible_devices
@@ -47,6 +47,7 @@ from quantgate.precision import (
     is_w4a16,
     kv_cache_problem,
     probe,
+    python_problem,
     resolve_dtype,
     resolve_eager,
     resolve_kv_cache_gib,
@@ -164,6 +165,21 @@ class ServeParams(Frozen):
         return value
 
     _devices = field_validator("devices")(classmethod(lambda cls, value: check_devices(value)))
+
+    @field_validator("python", "host")
+    @classmethod
+    def _written(cls, value: str, info: ValidationInfo) -> str:
+        """Raises ValueError for an empty or blank interpreter or host: a python of "" is the current folder (which
+        exists, so it passed as found), and a host of "" makes the server's URL http://:PORT/v1, which no client
+        reaches; either failed only at the first server."""
+        if not value.strip():
+            what = (
+                "the serving env's interpreter, e.g. .venv-serve/bin/python"
+                if info.field_name == "python"
+                else ("the address vLLM listens on, e.g. 127.0.0.1")
+            )
+            raise ValueError(f"must not be empty or blank: give {what}")
+        return value
 
 
 class Watch:
@@ -503,8 +519,8 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     that exits after that is a death: Server.death() says why, Server.deaths() raises it.
     The process group is terminated (then killed after 30 s) on every exit path.
     """
-    if not Path(params.python).exists():
-        raise ServerStartError(f"serving python {params.python} not found; run `make setup` (evaluate.serve.python)")
+    if problem := python_problem(params.python):
+        raise ServerStartError(f"serving python {params.python} {problem}; run `make setup` (evaluate.serve.python)")
     requested = params.dtype
     cuda_visible = visible_devices(params.devices, "evaluate.serve.devices")  # before any probe or start
     params = resolved(params)

@@ -19,6 +19,7 @@ from pipeline.validate import (
     check_quantize,
     check_samples,
     check_search,
+    check_serving_python,
 )
 from quantgate.errors import QuantgateError
 from quantgate.params import load_builds, read_yaml
@@ -611,3 +612,43 @@ def test_cost_context_tokens_is_unchecked_when_vllm_fits_max_model_len(params):
         lambda doc: (doc["cost"].update(context_tokens=100000), doc["evaluate"]["serve"].update(max_model_len=-1))
     )
     check_later_blocks(check_evaluate(BUILDS, path), path)
+
+
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("python", "the serving env's interpreter, e.g. .venv-serve/bin/python"),
+        ("host", "the address vLLM listens on, e.g. 127.0.0.1"),
+    ],
+)
+def test_an_empty_serving_python_or_host_is_refused_at_its_line(params, key, message):
+    """Both passed validate and failed at the first server ("" as a python is the current folder, which exists)."""
+    path = params(lambda doc: doc["evaluate"]["serve"].update({key: ""}))
+    line = line_of_text(path, f"{key}: ''")
+    one_line_error(
+        lambda: check_evaluate(BUILDS, path),
+        rf"^{re.escape(str(path))}:{line}: evaluate.serve.{key}: must not be empty or blank: give "
+        rf"{re.escape(message)}$",
+    )
+
+
+@pytest.mark.parametrize(
+    "python, problem", [("nowhere/bin/python", "not found"), ("plain", "is not an executable file")]
+)
+def test_a_serving_python_this_machine_cannot_run_is_refused_at_its_line(params, python, problem):
+    """Both passed validate and failed at the first server, after prepare, calibrate and the quantize stages."""
+    Path("plain").write_text("")
+    path = params(lambda doc: doc["evaluate"]["serve"].update(python=python))
+    line = line_of_text(path, f"python: {python}")
+    one_line_error(
+        lambda: check_serving_python(check_evaluate(BUILDS, path), path),
+        rf"^{re.escape(str(path))}:{line}: evaluate.serve.python {python} {problem}; run `make setup` \(it makes "
+        r"the serving env, .venv-serve\) or fix the path$",
+    )
+
+
+def test_a_serving_python_this_machine_can_run_passes(params, tmp_path):
+    (tmp_path / "python").write_text("#!/bin/sh\n")
+    (tmp_path / "python").chmod(0o755)
+    path = params(lambda doc: doc["evaluate"]["serve"].update(python=str(tmp_path / "python")))
+    check_serving_python(check_evaluate(BUILDS, path), path)
