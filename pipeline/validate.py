@@ -24,7 +24,7 @@ from quantgate.calibration import CHECKED, team_conversations
 from quantgate.cost import CostParams, check_max_model_len
 from quantgate.errors import QuantgateError, run_main
 from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
-from quantgate.executor import ExecutorParams
+from quantgate.executor import ExecutorParams, cluster_address
 from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.precision import python_problem
@@ -279,7 +279,12 @@ def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> No
     Raises QuantgateError naming params.yaml, the line where the parse found one, and the field."""
     load_block("gate", GateBlock, path)
     cost = load_block("cost", CostParams, path)
-    load_block("executor", ExecutorParams, path)
+    executor = load_block("executor", ExecutorParams, path)
+    if executor.kind == "ray":
+        try:
+            cluster_address(executor)
+        except QuantgateError as exc:
+            raise QuantgateError(f"{where(path, 'executor.address')}: {exc}") from None
     profile = load_block("profile", ProfileParams, path)
     load_block("register", RegisterParams, path)
     limit = evaluate.serve.max_model_len

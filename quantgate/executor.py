@@ -17,10 +17,15 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
+
+# where nodes read builds from: object stores and shared filesystems fsspec opens without connecting (s3fs, gcsfs,
+# adlfs, the local one for a shared path); not http(s) (read-only: publish cannot write there), nor ftp/sftp and
+# the like, which connect when opened, so a bad one would fail inside every task rather than here
+STORE_PROTOCOLS = ("s3", "gs", "gcs", "az", "abfs", "abfss", "file")
 
 
 class ExecutorParams(Frozen):
@@ -34,6 +39,42 @@ class ExecutorParams(Frozen):
     store: str | None = None  # URL every node reads builds from (quantgate/store.py); None = the DVC remote
     node_cache: str = "/tmp/quantgate/builds"  # where a node keeps the builds it fetched (its own disk)
     connect_timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("store")
+    @classmethod
+    def _a_store(cls, value: str | None) -> str | None:
+        """Raises ValueError for a store nodes cannot be sent to: empty, a relative path (a node would read it in
+        its task's scratch folder), a URL of another protocol than STORE_PROTOCOLS, or one whose fsspec filesystem
+        is not installed here (publish writes it from here)."""
+        if value is None:
+            return value
+        protocol = value.partition("://")[0] if "://" in value else "file"
+        local = protocol == "file" and not value.removeprefix("file://").startswith("/")  # a node's scratch folder
+        if not value.strip() or protocol not in STORE_PROTOCOLS or local:
+            raise ValueError(
+                f"{value!r} is not a store: give a URL every node can read (s3://bucket/prefix, gs://, az:// or "
+                "file://), an absolute shared path, or null for the project's default DVC remote"
+            )
+        import fsspec
+
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            raise ValueError(f"{value!r}: {exc}") from None
+        return value
+
+    @field_validator("node_cache")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        """Raises ValueError unless it is an absolute path: a task runs in a scratch folder removed after it, so
+        a relative one ("" included) would be fetched into that folder and lost with it."""
+        if not value.startswith("/"):
+            raise ValueError(
+                f"{value!r} is not an absolute path: a task runs in a scratch folder removed after it, so the "
+                "builds would be fetched again every time; give a folder on the node's own disk, e.g. "
+                "/tmp/quantgate/builds"
+            )
+        return value
 
     def demand(self) -> dict[str, float]:
         """The resources one task asks for, as Ray names them (CPU, GPU and the custom ones)."""

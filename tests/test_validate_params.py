@@ -652,3 +652,45 @@ def test_a_serving_python_this_machine_can_run_passes(params, tmp_path):
     (tmp_path / "python").chmod(0o755)
     path = params(lambda doc: doc["evaluate"]["serve"].update(python=str(tmp_path / "python")))
     check_serving_python(check_evaluate(BUILDS, path), path)
+
+
+@pytest.mark.parametrize(
+    "change, key, message",
+    [
+        (
+            {"store": "ftp://x"},
+            "store",
+            r"executor.store: 'ftp://x' is not a store: give a URL every node can read \(s3://bucket/prefix, gs://, "
+            r"az:// or file://\), an absolute shared path, or null for the project's default DVC remote$",
+        ),
+        ({"store": "builds"}, "store", r"executor.store: 'builds' is not a store: "),
+        (
+            {"node_cache": ""},
+            "node_cache",
+            r"executor.node_cache: '' is not an absolute path: a task runs in a scratch folder removed after it, so "
+            r"the builds would be fetched again every time; give a folder on the node's own disk, e.g. "
+            r"/tmp/quantgate/builds$",
+        ),
+        (
+            {"kind": "ray"},
+            "address",
+            r"executor.kind is ray but no cluster address: set executor.address \(host:port of the head\) or "
+            r"RAY_ADDRESS$",
+        ),
+    ],
+)
+def test_an_executor_block_evaluate_cannot_use_is_refused_at_its_line(params, monkeypatch, change, key, message):
+    """Each passed validate and stopped evaluate@<build> (cluster_address, or the store inside every task)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = params(lambda doc: doc["executor"].update(change))
+    line = line_of_text(path, f"{key}:")
+    one_line_error(
+        lambda: check_later_blocks(check_evaluate(BUILDS, path), path), rf"^{re.escape(str(path))}:{line}: {message}"
+    )
+
+
+def test_a_ray_executor_with_ray_address_set_and_stores_of_every_kind_pass(params, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    for store in ("s3://bucket/prefix", "file:///shared/builds", "/shared/builds", None):
+        path = params(lambda doc, store=store: doc["executor"].update(kind="ray", store=store))
+        check_later_blocks(check_evaluate(BUILDS, path), path)
