@@ -202,6 +202,25 @@ class CanaryTopology(Frozen):
     router: RouterAddress = RouterAddress()
     servers: Servers = Servers()
 
+    @model_validator(mode="after")
+    def _ports_apart(self) -> CanaryTopology:
+        """Raises ValueError when two listeners of one canary share a port (0, a free port each, never does):
+        the router and any server, or the candidate and the stable or shadow server. The shadow may share the
+        stable server's port: it is usually the stable server itself."""
+        s = self.servers
+        pairs = [
+            ("router.port", self.router.port, f"servers.{role}.port", getattr(s, role).port)
+            for role in ("stable", "candidate", "shadow")
+        ]
+        pairs += [
+            ("servers.candidate.port", s.candidate.port, f"servers.{r}.port", getattr(s, r).port)
+            for r in ("stable", "shadow")
+        ]
+        for a, port, b, other in pairs:
+            if port and port == other:
+                raise ValueError(f"{a} {port} is also {b}; give each its own port, or 0 for a free one")
+        return self
+
 
 def load_policy(path: Path = PARAMS_FILE) -> CanaryPolicy:
     """Block `canary` of params.yaml. Raises QuantgateError naming params.yaml:<line>: canary.<field>."""

@@ -411,6 +411,32 @@ def test_bad_topology_values_name_the_field(tmp_path, changes, field):
 
 
 @pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"servers__stable__port": 9000, "servers__candidate__port": 9000},
+            "servers.candidate.port 9000 is also servers.stable.port",
+        ),
+        ({"router__port": 9001, "servers__shadow__port": 9001}, "router.port 9001 is also servers.shadow.port"),
+        ({"router__port": 9002, "servers__candidate__port": 9002}, "router.port 9002 is also servers.candidate.port"),
+    ],
+)
+def test_a_topology_whose_listeners_share_a_port_is_refused(tmp_path, changes, message):
+    """load_topology took them; the second listener failed to bind mid-canary."""
+    with pytest.raises(QuantgateError) as exc:
+        load_topology(write_params(tmp_path, block="canary_topology", **changes))
+    assert re.fullmatch(
+        rf".*params.yaml:\d+: canary_topology: {message}; give each its own port, or 0 for a free one", str(exc.value)
+    ), exc.value
+
+
+def test_the_shadow_may_share_the_stable_servers_port_and_0_never_clashes(tmp_path):
+    path = write_params(tmp_path, block="canary_topology", servers__stable__port=9000, servers__shadow__port=9000)
+    assert load_topology(path).servers.shadow.port == 9000
+    assert load_topology(write_params(tmp_path, block="canary_topology", router__port=0)).router.port == 0
+
+
+@pytest.mark.parametrize(
     "key,value,says",
     [
         ("max_error_rate", 0.02, "is now an entry of canary.checks: `- {name: error_rate, max: 0.02}`"),
