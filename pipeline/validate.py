@@ -190,6 +190,10 @@ def llm_compressor_quiet() -> Iterator[None]:
         yield
     finally:
         logger.enable("llmcompressor")
+        try:  # llm-compressor adds its METRIC level only when imported with logging on; it logs at it later
+            logger.level("METRIC")
+        except ValueError:
+            logger.level("METRIC", no=38)  # llmcompressor/logger.py configure_logger's number
         if before is None:
             del os.environ["LLM_COMPRESSOR_LOG_DISABLED"]
         else:

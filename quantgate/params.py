@@ -2,11 +2,13 @@
 
 Each stage reads only its own block (`load_block("quantize", QuantizeParams)`); unknown keys,
 wrong types and duplicate keys fail with the file, line and dotted field path
-("params.yaml:57: canary.alpha: ..."), so a typo never silently takes a default.
+("params.yaml:57: canary.alpha: ..."), so a typo never silently takes a default; a top-level key that
+no block is (`check_blocks`, BLOCKS) fails the same way.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from types import UnionType
@@ -264,6 +266,33 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 
 BASELINE_BUILD = "fp16"  # prepare's 16-bit build (models/fp16 in dvc.yaml)
+# the top-level keys of params.yaml some module reads (tests/test_layout.py keeps this equal to the blocks read
+# with load_block, `builds` and the shipped params.yaml); a key starting with _ is free (YAML anchors to share)
+BLOCKS = (
+    "builds", "validate", "prepare", "calibrate", "quantize", "search", "evaluate", "executor", "profile", "cost",
+    "gate", "register", "canary", "canary_topology", "fleet", "limits",
+)  # fmt: skip
+
+
+def check_blocks(path: Path = PARAMS_FILE) -> dict:
+    """The parsed params.yaml, once it is a mapping of known blocks (BLOCKS). Raises QuantgateError for a file
+    that is not a mapping, and for a top-level key no stage or command reads (a typo would pass silently: its
+    block's defaults would run), naming the line and the closest block name."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise QuantgateError(
+            f"{path}: must be a mapping of blocks (builds:, evaluate:, gate:, ...), got "
+            f"{'an empty file' if data is None else type(data).__name__}"
+        )
+    for key in data:
+        if not (isinstance(key, str) and key.startswith("_")) and key not in BLOCKS:
+            close = difflib.get_close_matches(str(key), BLOCKS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the blocks are {', '.join(BLOCKS)}"
+            raise QuantgateError(
+                f"{where(path, str(key))}: {key}: no stage or command reads this block; {hint} (a key starting "
+                "with _ is free for YAML anchors)"
+            )
+    return data
 
 
 def load_builds(path: Path = PARAMS_FILE) -> list[str]:
@@ -272,8 +301,8 @@ def load_builds(path: Path = PARAMS_FILE) -> list[str]:
     Raises QuantgateError unless it is a non-empty list of distinct names with the 16-bit build among them,
     each quantized build with a quantize block and each quantize block a build.
     """
-    data = read_yaml(path)
-    builds = data.get("builds") if isinstance(data, dict) else None
+    data = check_blocks(path)
+    builds = data.get("builds")
     if not (isinstance(builds, list) and builds and all(isinstance(b, str) and b for b in builds)):
         raise QuantgateError(f"{path}: `builds` must be a list of build names, e.g. [fp16, fp8, int4]; got {builds!r}")
     if len(set(builds)) != len(builds):

@@ -30,8 +30,10 @@ class SearchParams(Frozen):
     doc_budget: int = Field(default=1500, gt=0)  # candidate documents scored over the whole search, every look
     # bits per weight a candidate may hold (its targeted layers; kept ones at 16): the int4-class bound. Above
     # ~6, int8 (W8A8, ~8 bits with scales, native kernels on every machine kind) frees about as much memory
-    # with far less quality risk. None = no bound (candidates up to every layer but one 16-bit)
-    max_bits_per_weight: float | None = Field(default=6.0, gt=0)
+    # with far less quality risk. None = no bound (candidates up to every layer but one 16-bit). At least 4: no
+    # int4 candidate holds fewer (the exact floor, the base recipe's own bits with its scales and 16-bit layers,
+    # needs the model's shapes: the search stage checks it); at most 16: a bound no candidate can exceed is null
+    max_bits_per_weight: float | None = Field(default=6.0, ge=4, le=16)
     kl_samples: int = Field(default=4, gt=0)  # calibration conversations for the sensitivity ranking
     kl_seq_len: int = Field(default=128, gt=0)  # tokens of each
     # layers vLLM loads as one fused module, kept or quantized together: {fused name: member layer names};

@@ -146,3 +146,13 @@ def test_no_long_function_and_no_long_parameter_list_in_gateway_or_canary():
                 if lines > MAX_LINES or params > MAX_PARAMS:
                     offenders.append(f"{rel}:{node.lineno} {node.name}: {lines} lines, {params} parameters")
     assert not offenders, f"longer than {MAX_LINES} lines or more than {MAX_PARAMS} parameters: {offenders}"
+
+
+def test_params_blocks_are_the_blocks_the_code_reads_and_the_shipped_params_yaml_has():
+    from quantgate.params import BLOCKS
+
+    read = {"builds"}  # load_builds
+    for path in (REPO / d for d in ("quantgate", "pipeline", "canary", "gateway", "registry", "cli")):
+        for py in path.rglob("*.py"):
+            read |= {m.split(".")[0] for m in re.findall(r'load_block\(\s*"([a-z_.]+)"', py.read_text())}
+    assert set(BLOCKS) == read == set(yaml.safe_load((REPO / "params.yaml").read_text()))

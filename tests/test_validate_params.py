@@ -94,6 +94,8 @@ def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):
         ({"recipe": None}, r"search.recipe is missing \(dvc.yaml's search stage reads \$\{search.recipe\}\)"),
         ({"recipe": "recipes/nosuch.yaml"}, r"search.recipe recipes/nosuch.yaml: no such file"),
         ({"recipe": "recipes/int8.yaml"}, r"search.base int4 is made with recipes/int4.yaml .* not with"),
+        ({"max_bits_per_weight": 3}, r"search.max_bits_per_weight: Input should be greater than or equal to 4"),
+        ({"max_bits_per_weight": 100}, r"search.max_bits_per_weight: Input should be less than or equal to 16"),
         ({"fused": {"qkv_proj": []}}, r"fused.qkv_proj must list the two or more layers"),
         ({"fused": {"qkv_proj": ["q_proj", "q_proj", "v_proj"]}}, r"fused.qkv_proj lists q_proj twice"),
         (
@@ -694,3 +696,22 @@ def test_a_ray_executor_with_ray_address_set_and_stores_of_every_kind_pass(param
     for store in ("s3://bucket/prefix", "file:///shared/builds", "/shared/builds", None):
         path = params(lambda doc, store=store: doc["executor"].update(kind="ray", store=store))
         check_later_blocks(check_evaluate(BUILDS, path), path)
+
+
+def test_a_block_no_stage_reads_is_refused_with_the_closest_name(params, tmp_path):
+    from quantgate.params import check_blocks, load_builds
+
+    def typo(doc):
+        doc["evalute"] = {"serve": {"dtype": "bfloat16"}}  # its settings would never reach a server
+        doc["_shared"] = {"port": 0}  # a key for YAML anchors is free
+
+    path = params(typo)
+    expected = r":\d+: evalute: no stage or command reads this block; did you mean evaluate\? \(a key starting with _"
+    one_line_error(lambda: load_builds(path), rf"^{re.escape(str(path))}{expected} is free for YAML anchors\)$")
+    odd = params(lambda doc: doc.update({"zzz": 1}))
+    one_line_error(lambda: check_blocks(odd), r": zzz: no stage or command reads this block; the blocks are builds, ")
+    for text, what in (("", "an empty file"), ("- builds\n", "list")):
+        (tmp_path / "odd.yaml").write_text(text)
+        one_line_error(
+            lambda: load_builds(tmp_path / "odd.yaml"), rf"odd.yaml: must be a mapping of blocks .*got {what}$"
+        )
