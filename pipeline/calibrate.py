@@ -26,11 +26,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from quantgate.calibrate_params import CalibrateParams, load_prompts
+from quantgate.calibrate_params import CalibrateParams, load_prompts, made_with
 from quantgate.calibration import eval_strings, overlap, team_conversations
 from quantgate.console import LOG_DIR, progress
 from quantgate.errors import QuantgateError, run_main
-from quantgate.hashing import digest_json
 from quantgate.manifest import config_digest, read_manifest
 from quantgate.params import load_block
 from quantgate.precision import probe, resolve_dtype
@@ -111,18 +110,6 @@ def generate(tokenizer, base_url: str, name: str, prompts: list[str], strings: d
                 future.cancel()
             bar.close()
     return out, left_out
-
-
-def made_with(p: CalibrateParams, prompts: list[str]) -> dict:
-    """The settings a recorded set depends on: the prompts' content (their digest) and the packing and
-    sampling settings. `samples` is not one of them: a record of N serves any samples <= N."""
-    return {
-        "prompts_sha256": digest_json(prompts),
-        "min_tokens": p.min_tokens,
-        "max_answer_tokens": p.max_answer_tokens,
-        "temperature": p.temperature,
-        "seed": p.seed,
-    }
 
 
 def model_identity(model_dir: Path) -> dict:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from quantgate.budget import ValidateParams, check_budget_teams, load_budgets
-from quantgate.calibrate_params import CalibrateParams, load_prompts
+from quantgate.calibrate_params import CalibrateParams, load_prompts, made_with
 from quantgate.calibration import CHECKED, team_conversations
 from quantgate.cost import CostParams, check_max_model_len
 from quantgate.errors import QuantgateError, run_main
@@ -31,6 +32,7 @@ from quantgate.precision import python_problem
 from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import check_calibration, declared_schemes, load_recipe
+from quantgate.recorded import settings_problem
 from quantgate.register_params import RegisterParams
 from quantgate.results import TeamSummary, write_teams
 from quantgate.search_params import SEARCH_RECIPE, SearchParams, check_base, same_path
@@ -220,14 +222,16 @@ def check_calibrate(path: Path = PARAMS_FILE) -> CalibrateParams:
     """The `calibrate` block as the calibrate stage reads it (CalibrateParams: every key), its prompt file an
     existing, well-formed prompt set (load_prompts). Read before the counts asked of it, so that a bad
     calibrate.samples is named as itself. Raises QuantgateError naming `path`, the line and the key (or the
-    prompt file and its field)."""
+    prompt file and its field), or when the recorded calibration set (calibrate.recorded) was made with other
+    settings than these: the calibrate stage would refuse it after prepare."""
     p = load_block("calibrate", CalibrateParams, path)
     if not Path(p.prompts).is_file():
         raise QuantgateError(
             f"{where(path, 'calibrate.prompts')}: calibrate.prompts {p.prompts}: no such file; name the prompt set "
             "(recipes/calibration/prompts.yaml by default) or fix the path"
         )
-    load_prompts(Path(p.prompts))
+    if problem := settings_problem(Path(p.recorded), made_with(p, load_prompts(Path(p.prompts)))):
+        raise QuantgateError(f"{where(path, 'calibrate')}: calibrate: {problem}")
     return p
 
 
@@ -260,13 +264,21 @@ def check_evaluate(builds: list[str], path: Path = PARAMS_FILE) -> EvaluateParam
     return params
 
 
+FIND_VLLM = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+
+
 def check_serving_python(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> None:
     """Raise QuantgateError, naming `path`, the line and the fix, unless evaluate.serve.python is an interpreter
     this machine can run: every build's profile, the search and `make calibration` start their vLLM servers here
     (a Ray node runs its own install's), and a missing one failed only at the first server."""
-    if problem := python_problem(evaluate.serve.python):
+    python = evaluate.serve.python
+    if (problem := python_problem(python)) is None:
+        # vLLM found, not imported (that takes seconds; the platform probe does it once, later)
+        found = subprocess.run([python, "-c", FIND_VLLM], capture_output=True, timeout=60, check=False)
+        problem = None if found.returncode == 0 else "cannot import vllm (no such module there)"
+    if problem:
         raise QuantgateError(
-            f"{where(path, 'evaluate.serve.python')}: evaluate.serve.python {evaluate.serve.python} {problem}; run "
+            f"{where(path, 'evaluate.serve.python')}: evaluate.serve.python {python} {problem}; run "
             "`make setup` (it makes the serving env, .venv-serve) or fix the path"
         )
 

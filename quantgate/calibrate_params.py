@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from quantgate.errors import QuantgateError
+from quantgate.hashing import digest_json
 from quantgate.params import Frozen, parse, read_yaml
 
 
@@ -43,3 +44,15 @@ def load_prompts(path: Path) -> list[str]:
         raise QuantgateError(f"{path}: calibration prompt file not found (calibrate.prompts)")
     spec = parse(PromptSet, read_yaml(path), str(path), path)
     return [task.replace("{topic}", topic) for topic in spec.topics for task in spec.tasks]
+
+
+def made_with(p: CalibrateParams, prompts: list[str]) -> dict:
+    """The settings a recorded set depends on: the prompts' content (their digest) and the packing and
+    sampling settings. `samples` is not one of them: a record of N serves any samples <= N."""
+    return {
+        "prompts_sha256": digest_json(prompts),
+        "min_tokens": p.min_tokens,
+        "max_answer_tokens": p.max_answer_tokens,
+        "temperature": p.temperature,
+        "seed": p.seed,
+    }

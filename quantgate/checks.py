@@ -125,10 +125,14 @@ PER_DOC_METRICS = {
     "multiple_choice": frozenset({"acc", "acc_norm", "acc_bytes", "acc_mutual_info", "exact_match"}),
     "loglikelihood": frozenset({"acc"}),
     "loglikelihood_rolling": frozenset(),
+    # generate_until calls each metric on (gold, answer): exact_match returns a score, the rest of the registry's
+    # metrics (acc, bleu, f1, ...) pass the pair on to a set-level aggregation
+    "generate_until": frozenset({"exact_match"}),
 }
 PER_DOC_HINT = {
     "multiple_choice": "gate on one of those",
     "loglikelihood": "gate on acc (is the target the greedy continuation) or make it a multiple_choice task",
+    "generate_until": "gate on exact_match (with a filter_list that extracts the answer)",
     "loglikelihood_rolling": "its perplexities are weighted over the whole set, not paired per document: "
     "gate a multiple_choice or generate_until task instead",
 }
@@ -222,12 +226,21 @@ def check_task(task_path: Path, config: dict) -> list[str]:
             f"{where('task')}: doc_to_text is missing: give the prompt template (e.g. "
             '"Question: {{question}}\\nAnswer:"); lm-eval builds every prompt from it'
         )
-    for key in ("target_delimiter", "fewshot_delimiter"):
-        if key in config and not isinstance(config[key], str):
-            problems.append(
-                f"{where(key)}: {key} must be text (lm-eval joins prompt and answer with it), got "
-                f"{type(config[key]).__name__} {config[key]!r}; quote it"
-            )
+    fewshot = config.get("fewshot_config") if isinstance(config.get("fewshot_config"), dict) else {}
+    for at, block in (((), config), (("fewshot_config",), fewshot)):
+        for key, joins in (("target_delimiter", "a prompt and its answer"), ("fewshot_delimiter", "few-shot examples")):
+            if key in block and not isinstance(block[key], str):
+                value = block[key]
+                problems.append(
+                    f"{where(*at, key)}: {'.'.join((*at, key))} must be text (lm-eval puts it between {joins}), got "
+                    f"{type(value).__name__} {value!r}; "
+                    + ("remove the key for lm-eval's default" if value is None else "quote it")
+                )
+    if isinstance(config.get("doc_to_choice"), list) and len(config["doc_to_choice"]) < 2:
+        problems.append(
+            f"{where('doc_to_choice')}: doc_to_choice lists {len(config['doc_to_choice'])} choice(s): every build "
+            "would score the one right; give 2 or more"
+        )
     for key in TEMPLATE_KEYS + ("description", "gen_prefix"):
         value = config.get(key)
         ok = (str, list) if key == "doc_to_choice" else (str, int) if key == "doc_to_target" else (str,)
@@ -351,7 +364,12 @@ Row = tuple[int, dict, dict]  # (line, the document as written, the document as 
 
 
 def check_data(
-    config: dict, data_path: Path, rows: list[Row], where: Callable[..., str], render: bool = True
+    config: dict,
+    data_path: Path,
+    rows: list[Row],
+    where: Callable[..., str],
+    render: bool = True,
+    scored: int | None = None,
 ) -> tuple[list[str], list[tuple[dict | None, dict | None]]]:
     """(problems, rendered) of the documents of one JSONL data file, checked on what lm-eval will see.
 
@@ -366,7 +384,9 @@ def check_data(
     every document's templates give in the sandbox (quantgate/templates.py check_document: rendering errors,
     a multiple_choice target that is not an index into the choices or is the answer text, empty or duplicate
     choices, unsafe templates). `where(key)` names the task file's line of a key. Pass render=False when
-    check_templates refused a template: it is then not rendered at all.
+    check_templates refused a template: it is then not rendered at all. `scored`: how many of the first rows
+    lm-eval scores (team.yaml `limit`; None: all, 0: a file of few-shot examples only); a repeat among them counts
+    twice in the paired test and is refused, one elsewhere is never scored and is not.
     """
     problems: list[str] = []
     try:
@@ -387,7 +407,8 @@ def check_data(
     for n, written, doc in rows:
         main, shot = {}, {}
         # a repeated document counts twice in the paired test, as if it were two pieces of evidence
-        if (first := seen.setdefault(_key(doc), n)) != n:
+        paired = scored is None or len(rendered) < scored  # this row is one of the scored documents
+        if paired and (first := seen.setdefault(_key(doc), n)) != n:
             problems.append(f"{data_path}:{n}: repeats the document of line {first}; remove the repeat")
             first = None  # reported
         missing = sorted({(f, key) for key, fs in fields.items() for f in fs if doc.get(f) is None})
@@ -407,7 +428,7 @@ def check_data(
                 shot,
             )
         # ... and so does one that differs only in fields no template reads (an id): lm-eval scores what renders
-        if first == n and main and (same := seen_rendered.setdefault(_key(main), n)) != n:
+        if paired and first == n and main and (same := seen_rendered.setdefault(_key(main), n)) != n:
             problems.append(
                 f"{data_path}:{n}: renders the same prompt and answer as line {same} (they differ only in "
                 "fields no template reads), so lm-eval would score one document twice; remove the repeat"

@@ -53,6 +53,29 @@ def write_record(stem: Path, conversations: list[list[dict]], made_with: dict, m
     return description
 
 
+def _other_settings(recorded_with: dict, made_with: dict) -> str | None:
+    """Which settings of `made_with` the record was not made with, and what to do; None when it was."""
+    if differ := [k for k in sorted(made_with) if recorded_with.get(k) != made_with[k]]:
+        said = ", ".join(f"{k} {recorded_with.get(k)!r} vs {made_with[k]!r} now" for k in differ)
+        return f"recorded with other calibrate settings ({said}); restore them or {REMAKE}"
+    return None
+
+
+def settings_problem(stem: Path, made_with: dict) -> str | None:
+    """What read_record would refuse in the record's description alone, before any model exists: "<stem>.json:
+    recorded with other calibrate settings (...)" or a missing or unreadable description; None when it suits.
+    validate asks it so that a changed calibrate setting stops the run before prepare, not at calibrate."""
+    meta = record_files(stem)[1]
+    try:
+        recorded_with = json.loads(meta.read_text())["made_with"]
+    except FileNotFoundError:
+        return f"{meta}: no recorded calibration set (calibrate.recorded); {REMAKE}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{meta}: not a recorded set's description; {REMAKE}"
+    problem = _other_settings(recorded_with, made_with) if isinstance(recorded_with, dict) else "not a record"
+    return problem and f"{meta}: {problem}"
+
+
 def read_record(stem: Path, made_with: dict, model: dict) -> list[tuple[str, list[dict]]]:
     """The recorded conversations of `stem` as (source `<file>:<line>`, messages), in recorded order.
 
@@ -73,9 +96,8 @@ def read_record(stem: Path, made_with: dict, model: dict) -> list[tuple[str, lis
             f"{data}: changed since it was recorded (its sha256 is not the one {meta.name} holds); restore it "
             f"(`git checkout {data}`) or {REMAKE}"
         )
-    if differ := [k for k in sorted(made_with) if recorded_with.get(k) != made_with[k]]:
-        said = ", ".join(f"{k} {recorded_with.get(k)!r} vs {made_with[k]!r} now" for k in differ)
-        raise QuantgateError(f"{meta}: recorded with other calibrate settings ({said}); restore them or {REMAKE}")
+    if problem := _other_settings(recorded_with, made_with):
+        raise QuantgateError(f"{meta}: {problem}")
     if differ := [k for k in sorted(model) if recorded_model.get(k) != model[k]]:
         raise QuantgateError(
             f"{meta}: recorded from another 16-bit build ({', '.join(differ)} differ from models/fp16's); {REMAKE}"

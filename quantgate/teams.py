@@ -60,7 +60,7 @@ class TeamPolicy(Frozen):
     @field_validator("owner", "contact")
     @classmethod
     def _not_blank(cls, value: str) -> str:
-        if not value.strip():  # gate-failure notices would go to nobody
+        if not any(ch.isprintable() and not ch.isspace() for ch in value):  # notices would go to nobody
             raise ValueError("is blank; name who owns the set and who to tell when the gate fails")
         return value
 
@@ -173,7 +173,8 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         return None
     rendered, clean = {}, True
     for name, file in resolved.items():
-        found, rendered[name] = check_data(config, file, rows[name], where, render=not unsafe)
+        scored = (policy.limit if policy is not None else None) if name == split else 0  # None: every row
+        found, rendered[name] = check_data(config, file, rows[name], where, render=not unsafe, scored=scored)
         problems += capped(file, found)
         clean = clean and not found
     found, examples = check_examples(where, config, resolved, rows, rendered, compare=clean)

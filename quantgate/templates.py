@@ -74,7 +74,18 @@ def check_templates(where: Callable[..., str], config: dict) -> list[str]:
             continue
         for expr, why in parts:
             problems.append(f"{where(*at)}: {key}: unsafe template `{expr}`: {why}; {POLICY_HINT}")
+        for kind, name in _unknown_names(source):
+            problems.append(f"{where(*at)}: {key}: template syntax error: no {kind} named {name!r}; fix the template")
     return problems
+
+
+def _unknown_names(source: str) -> list[tuple[str, str]]:
+    """("filter" | "test", name) of every filter or test in `source` that the sandbox lacks: Jinja checks those
+    inside an `if` only when a document takes that branch, so compiling alone misses them."""
+    tree = sandbox.ENV.parse(source)
+    found = [("filter", n.name) for n in tree.find_all(jinja2.nodes.Filter) if n.name not in sandbox.ENV.filters]
+    found += [("test", n.name) for n in tree.find_all(jinja2.nodes.Test) if n.name not in sandbox.ENV.tests]
+    return list(dict.fromkeys(found))
 
 
 def lm_eval_value(config: dict, key: str, doc: dict, features: set[str]):
@@ -199,6 +210,8 @@ def _choice_problems(config: dict, choices, target, at: str) -> list[str]:
     ):
         return [f"{at}: choices must be a non-empty list of non-empty strings, got {str(choices)[:80]}"]
     if len(choices) < 2:  # the one choice is always the most likely: every build scores 1 and PASSes
+        if isinstance(config.get("doc_to_choice"), list):
+            return []  # a fixed list: check_task names it once, at its line
         return [f"{at}: only one choice {str(choices)[:80]}: every build would score it right; give 2 or more"]
     problems = []
     if len(set(map(str, choices))) != len(choices):

@@ -1,5 +1,6 @@
 """Loading team eval sets: the shipped examples, and clear errors on bad input."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -191,3 +192,25 @@ def test_hidden_yaml_files_are_not_tasks(example_evals):
     (example_evals / "billing" / ".arithmetic.yaml").write_text("task: [unclosed\n")
     billing = next(t for t in load_teams(example_evals) if t.name == "billing")
     assert [t.path.name for t in billing.tasks] == ["arithmetic.yaml"]
+
+
+def test_repeats_lm_eval_never_scores_are_accepted(example_evals):
+    # a few-shot example shown twice, and a repeat past team.yaml's limit, are never scored: nothing counts twice
+    shots = example_evals / "support" / "fewshot.jsonl"
+    shots.write_text(shots.read_text() + shots.read_text().splitlines()[0] + "\n")
+    data = example_evals / "billing" / "data.jsonl"
+    first = json.loads(data.read_text().splitlines()[0])
+    data.write_text(data.read_text() + json.dumps({**first, "id": "again"}) + "\n")
+    with pytest.raises(QuantgateError, match=r"data.jsonl:290: renders the same prompt and answer as line 1"):
+        load_teams(example_evals)
+    policy = example_evals / "billing" / "team.yaml"
+    policy.write_text(policy.read_text() + "limit: 200\n")
+    assert {t.name: t.tasks[0].n_docs for t in load_teams(example_evals)}["billing"] == 200
+
+
+def test_a_contact_of_invisible_characters_is_blank(example_evals):
+    policy = example_evals / "support" / "team.yaml"
+    lines = ['contact: "\\u00a0\\u200b"' if ln.startswith("contact:") else ln for ln in policy.read_text().splitlines()]
+    policy.write_text("\n".join(lines) + "\n")
+    with pytest.raises(QuantgateError, match=r"team.yaml:\d+: contact: is blank; name who owns the set"):
+        load_teams(example_evals)

@@ -649,6 +649,18 @@ def test_a_serving_python_this_machine_cannot_run_is_refused_at_its_line(params,
     )
 
 
+def test_a_serving_python_without_vllm_is_refused_and_the_serving_env_passes(params):
+    import sys
+
+    path = params(lambda doc: doc["evaluate"]["serve"].update(python=sys.executable))  # the pipeline env: no vLLM
+    one_line_error(
+        lambda: check_serving_python(check_evaluate(BUILDS, path), path),
+        rf"evaluate.serve.python {re.escape(sys.executable)} cannot import vllm \(no such module there\); run `make",
+    )
+    serving = str(REPO / ".venv-serve" / "bin" / "python")
+    check_serving_python(check_evaluate(BUILDS, params(lambda doc: doc["evaluate"]["serve"].update(python=serving))))
+
+
 def test_a_serving_python_this_machine_can_run_passes(params, tmp_path):
     (tmp_path / "python").write_text("#!/bin/sh\n")
     (tmp_path / "python").chmod(0o755)
@@ -715,3 +727,15 @@ def test_a_block_no_stage_reads_is_refused_with_the_closest_name(params, tmp_pat
         one_line_error(
             lambda: load_builds(tmp_path / "odd.yaml"), rf"odd.yaml: must be a mapping of blocks .*got {what}$"
         )
+
+
+def test_calibrate_settings_the_recorded_set_was_not_made_with_are_refused_before_prepare(params):
+    from pipeline.validate import check_calibrate
+
+    path = params(lambda doc: doc["calibrate"].update(temperature=0.5))
+    one_line_error(
+        lambda: check_calibrate(path),
+        rf"^{re.escape(str(path))}:\d+: calibrate: recipes/calibration/recorded.json: recorded with other calibrate "
+        r"settings \(temperature 0.7 vs 0.5 now\); restore them or make one with `make calibration`",
+    )
+    assert check_calibrate(params()).temperature == 0.7  # the shipped settings are the recorded ones
