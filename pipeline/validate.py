@@ -230,7 +230,11 @@ def check_calibrate(path: Path = PARAMS_FILE) -> CalibrateParams:
             f"{where(path, 'calibrate.prompts')}: calibrate.prompts {p.prompts}: no such file; name the prompt set "
             "(recipes/calibration/prompts.yaml by default) or fix the path"
         )
-    if problem := settings_problem(Path(p.recorded), made_with(p, load_prompts(Path(p.prompts)))):
+    try:
+        prompts = load_prompts(Path(p.prompts))
+    except QuantgateError as exc:  # the file's own line and field, and the key that named the file
+        raise QuantgateError(f"{where(path, 'calibrate.prompts')}: calibrate.prompts {p.prompts}: {exc}") from None
+    if problem := settings_problem(Path(p.recorded), made_with(p, prompts)):
         raise QuantgateError(f"{where(path, 'calibrate')}: calibrate: {problem}")
     return p
 

@@ -739,3 +739,13 @@ def test_calibrate_settings_the_recorded_set_was_not_made_with_are_refused_befor
         r"settings \(temperature 0.7 vs 0.5 now\); restore them or make one with `make calibration`",
     )
     assert check_calibrate(params()).temperature == 0.7  # the shipped settings are the recorded ones
+
+
+def test_a_calibrate_prompts_file_that_is_no_prompt_set_names_the_key_and_the_file(params, tmp_path):
+    from pipeline.validate import check_calibrate
+
+    (tmp_path / "notes.yaml").write_text("- just\n- a list\n")
+    path = params(lambda doc: doc["calibrate"].update(prompts="notes.yaml"))
+    one_line_error(
+        lambda: check_calibrate(path), rf"^{re.escape(str(path))}:\d+: calibrate.prompts notes.yaml: notes.yaml"
+    )
