@@ -117,9 +117,9 @@ def check_metrics(task_path: Path, config: dict, gated_metric: str, higher_is_be
 
 OUTPUT_TYPES = ("multiple_choice", "generate_until", "loglikelihood", "loglikelihood_rolling")
 # The 0/1 scores per document that ConfigurableTask.process_results gives for each output type (lm-eval
-# 0.4.13, lm_eval/api/task.py), the ones the gate can pair. loglikelihood's perplexity is a log-likelihood per document (its aggregation makes it a perplexity), and
-# loglikelihood_rolling's perplexities are (log-likelihood, words) pairs weighted over the set: no mean of
-# either is a score.
+# 0.4.13, lm_eval/api/task.py), the ones the gate can pair. loglikelihood's perplexity is a log-likelihood per
+# document (its aggregation makes it a perplexity), and loglikelihood_rolling's perplexities are
+# (log-likelihood, words) pairs weighted over the set: no mean of either is a score.
 PER_DOC_METRICS = {
     "multiple_choice": frozenset({"acc", "acc_norm", "acc_bytes", "acc_mutual_info", "exact_match"}),
     "loglikelihood": frozenset({"acc"}),
