@@ -61,18 +61,32 @@ def _other_settings(recorded_with: dict, made_with: dict) -> str | None:
     return None
 
 
+def _description(meta: Path) -> dict:
+    """A record's description (`<stem>.json`), its `made_with` and `model` mappings in it; raises QuantgateError
+    naming the file when it is missing or is no such description."""
+    try:
+        description = json.loads(meta.read_text())
+    except FileNotFoundError:
+        raise QuantgateError(f"{meta}: no recorded calibration set (calibrate.recorded); {REMAKE}") from None
+    except (OSError, ValueError):
+        description = None
+    if not (
+        isinstance(description, dict) and all(isinstance(description.get(k), dict) for k in ("made_with", "model"))
+    ):
+        raise QuantgateError(f"{meta}: not a recorded set's description; {REMAKE}")
+    return description
+
+
 def settings_problem(stem: Path, made_with: dict) -> str | None:
     """What read_record would refuse in the record's description alone, before any model exists: "<stem>.json:
     recorded with other calibrate settings (...)" or a missing or unreadable description; None when it suits.
     validate asks it so that a changed calibrate setting stops the run before prepare, not at calibrate."""
     meta = record_files(stem)[1]
     try:
-        recorded_with = json.loads(meta.read_text())["made_with"]
-    except FileNotFoundError:
-        return f"{meta}: no recorded calibration set (calibrate.recorded); {REMAKE}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{meta}: not a recorded set's description; {REMAKE}"
-    problem = _other_settings(recorded_with, made_with) if isinstance(recorded_with, dict) else "not a record"
+        recorded_with = _description(meta)["made_with"]
+    except QuantgateError as exc:
+        return str(exc)
+    problem = _other_settings(recorded_with, made_with)
     return problem and f"{meta}: {problem}"
 
 
@@ -86,11 +100,8 @@ def read_record(stem: Path, made_with: dict, model: dict) -> list[tuple[str, lis
     if not data.is_file() or not meta.is_file():
         missing = data if not data.is_file() else meta
         raise QuantgateError(f"{missing}: no recorded calibration set (calibrate.recorded); {REMAKE}")
-    try:
-        description = json.loads(meta.read_text())
-        recorded_with, recorded_model = description["made_with"], description["model"]
-    except (ValueError, KeyError, TypeError):
-        raise QuantgateError(f"{meta}: not a recorded set's description; {REMAKE}") from None
+    description = _description(meta)
+    recorded_with, recorded_model = description["made_with"], description["model"]
     if sha256_file(data) != description.get("sha256"):
         raise QuantgateError(
             f"{data}: changed since it was recorded (its sha256 is not the one {meta.name} holds); restore it "
