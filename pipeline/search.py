@@ -74,7 +74,7 @@ from quantgate.jsonl import read_jsonl
 from quantgate.judging import GateBlock, judge
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds, read_yaml
 from quantgate.precision import model_context, native_16bit, probe, resolve_dtype, w4a16_problem
-from quantgate.recipes import check_group_size, load_recipe, weight_schemes
+from quantgate.recipes import bits_per_weight, check_group_size, load_recipe, weight_schemes
 from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
 from quantgate.results import Screen, SearchResult, TeamScores, read_profile, read_search, rounded, write_search
 from quantgate.scoring import HarnessParams, run_team
@@ -148,13 +148,6 @@ def quantized_weights(model, linears: dict, args, batches: list) -> dict:
             q = observer.get_qparams()
             out[name] = fake_quantize(m.weight.data, q["scale"], q["zero_point"], args)
     return out
-
-
-def bits_per_weight(args, in_features: int) -> float:
-    """Stored bits per weight of a layer quantized at `args`: the weight bits plus one 16-bit scale per
-    group (per row for channel), plus a num_bits zero point per group when asymmetric."""
-    per = args.group_size if args.strategy == "group" else in_features
-    return args.num_bits + (16 + (0 if args.symmetric else args.num_bits)) / per
 
 
 def effective_bits(layers: dict[str, tuple[int, int]], kept: set[str], args) -> float:

@@ -31,7 +31,7 @@ from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_build
 from quantgate.precision import python_problem
 from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
-from quantgate.recipes import check_calibration, declared_schemes, load_recipe
+from quantgate.recipes import check_calibration, declared_schemes, least_bits_per_weight, load_recipe, weight_schemes
 from quantgate.recorded import settings_problem
 from quantgate.register_params import RegisterParams
 from quantgate.results import TeamSummary, write_teams
@@ -140,6 +140,7 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
         )
     if p.build in builds:
         check_base(p, quantize, path)
+        check_bits_bound(p, path)
         if isinstance(quantize.get(p.build), dict) and quantize[p.build].get("w4a8") is True:
             raise QuantgateError(
                 f"{where(path, f'quantize.{p.build}.w4a8')}: quantize.{p.build}.w4a8: the search screens "
@@ -148,6 +149,27 @@ def check_search(builds: list[str], path: Path = PARAMS_FILE) -> SearchParams:
                 "docs/machines.md)"
             )
     return p
+
+
+def check_bits_bound(p: SearchParams, path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError when search.max_bits_per_weight is below the fewest bits per weight search.recipe's
+    weight scheme stores (recipes.least_bits_per_weight: 4.25 for W4A16 at group size 64), the bound the search
+    would refuse only after quantize and profile (search.top_units, with the model's layer widths). A recipe
+    that does not parse, or quantizes no weights, is left to check_quantize and the search, which name it."""
+    if p.max_bits_per_weight is None:
+        return
+    try:
+        with llm_compressor_quiet():
+            recipe = load_recipe(p.base, Path(p.recipe), "search.recipe")
+    except QuantgateError:
+        return
+    schemes = [s for s, _ in weight_schemes(recipe) if s.weights is not None]
+    if schemes and (floor := least_bits_per_weight(schemes[0].weights)) > p.max_bits_per_weight:
+        raise QuantgateError(
+            f"{where(path, 'search.max_bits_per_weight')}: search.max_bits_per_weight {p.max_bits_per_weight:g} is "
+            f"below the {floor:.2f} bits per weight search.recipe {p.recipe} stores for every layer it quantizes, so "
+            f"no candidate of {p.build} fits; raise it above {floor:.2f}, or set it to null for no bound"
+        )
 
 
 W4A16_SCHEMES = ("W4A16", "W4A16_ASYM")  # llm-compressor's presets, and config groups read as W4A16

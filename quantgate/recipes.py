@@ -170,3 +170,21 @@ def check_group_size(
             f"{where}: group_size {group_size} does not divide the input width {bad[0][1]} of layer "
             f"{bad[0][0]} ({len(bad)} layers affected); {fix} (gcd of widths = {g})"
         )
+
+
+def bits_per_weight(args, in_features: int) -> float:
+    """Stored bits per weight of a layer of `in_features` inputs quantized at `args` (compressed-tensors'
+    QuantizationArgs): the weight bits plus one 16-bit scale per group (per row for channel), plus a num_bits
+    zero point per group when asymmetric. For example W4A16 at group size 64: 4 + 16/64 = 4.25."""
+    per = args.group_size if args.strategy == "group" else in_features
+    return args.num_bits + (16 + (0 if args.symmetric else args.num_bits)) / per
+
+
+def least_bits_per_weight(args) -> float:
+    """The fewest stored bits per weight a layer quantized at `args` can have, whatever its width: exactly
+    bits_per_weight for group strategy (the group, not the layer, sets the scales' share); the weight bits
+    alone otherwise (a channel's scale share shrinks as the layer widens). A bound on bits per weight below it
+    leaves no build (the search's top_units refuses it once the model is loaded)."""
+    if args.strategy == "group":
+        return bits_per_weight(args, args.group_size)
+    return float(args.num_bits)

@@ -15,7 +15,6 @@ from pipeline.search import (
     Pricing,
     SearchParams,
     bisect,
-    bits_per_weight,
     choose,
     effective_bits,
     mixed_recipe,
@@ -31,7 +30,7 @@ from pipeline.search import (
 )
 from quantgate.errors import QuantgateError
 from quantgate.params import read_yaml
-from quantgate.recipes import load_recipe
+from quantgate.recipes import bits_per_weight, least_bits_per_weight, load_recipe
 from quantgate.results import BuildProfile, Screen, SearchResult, TeamScores, read_search, write_profile
 from quantgate.screening import Outcome, ScreenRun
 from tests.conftest import REPO
@@ -76,6 +75,9 @@ def test_bits_per_weight_and_effective_bits():
     assert effective_bits(layers, set(), g64) == 4.25
     assert effective_bits(layers, {"b"}, g64) == (300 * 4.25 + 100 * 16) / 400
     assert effective_bits(layers, {"a", "b"}, g64) == 16
+    # the floor validate holds search.max_bits_per_weight to, before any model exists
+    assert least_bits_per_weight(g64) == 4.25 and least_bits_per_weight(asym) == 4 + 20 / 64
+    assert least_bits_per_weight(channel) == 8 < bits_per_weight(channel, 100_000)
 
 
 def test_size_counts_tied_weights_once(tmp_path):

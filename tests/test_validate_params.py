@@ -96,6 +96,10 @@ def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):
         ({"recipe": "recipes/int8.yaml"}, r"search.base int4 is made with recipes/int4.yaml .* not with"),
         ({"max_bits_per_weight": 3}, r"search.max_bits_per_weight: Input should be greater than or equal to 4"),
         ({"max_bits_per_weight": 100}, r"search.max_bits_per_weight: Input should be less than or equal to 16"),
+        (
+            {"max_bits_per_weight": 4.2},
+            r"search.max_bits_per_weight 4.2 is below the 4.25 bits per weight search.recipe recipes/int4.yaml stores",
+        ),
         ({"fused": {"qkv_proj": []}}, r"fused.qkv_proj must list the two or more layers"),
         ({"fused": {"qkv_proj": ["q_proj", "q_proj", "v_proj"]}}, r"fused.qkv_proj lists q_proj twice"),
         (
