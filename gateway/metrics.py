@@ -83,8 +83,9 @@ class Recorder:
         self._shadow = Counter(
             "canary_shadow_comparisons",
             "Shadow comparisons by result (agree, disagree; "
-            "error = shadow request failed, skipped = too many in flight)",
-            ["result"],
+            "error = shadow request failed, skipped = too many in flight) and the request's team as the limits "
+            "name it (anonymous for none)",
+            ["result", "team"],
             registry=r,
         )
         self._limit = Gauge(
@@ -117,11 +118,12 @@ class Recorder:
     def add_shadow(self, s: ShadowSample) -> None:
         with self._lock:
             self._shadows.append(s)
-        self._shadow.labels("agree" if s.agree else "disagree").inc()
+        self._shadow.labels("agree" if s.agree else "disagree", s.team).inc()
 
-    def shadow_not_compared(self, reason: str) -> None:
-        """Count a sampled request that was not compared: "error" (shadow failed) or "skipped" (too many in flight)."""
-        self._shadow.labels(reason).inc()
+    def shadow_not_compared(self, reason: str, team: str) -> None:
+        """Count a sampled request of `team` (ShadowSample.team) that was not compared: "error" (shadow failed) or
+        "skipped" (too many in flight)."""
+        self._shadow.labels(reason, team).inc()
 
     def set_limits(self, rows: list[tuple[str, str, float]]) -> None:
         """Show (team, limit, value) rows, gateway.limits.Limits.gauges()."""

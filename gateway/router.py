@@ -734,7 +734,7 @@ class Router:
         if backends.shadow is None or not is_greedy(body) or self._rng.random() >= self.params.shadow_fraction:
             return
         if len(self._shadow_tasks) >= SHADOW_MAX_INFLIGHT:
-            self.recorder.shadow_not_compared("skipped")
+            self.recorder.shadow_not_compared("skipped", req.team)
             return
         task = asyncio.create_task(self._shadow(req, body, text))
         self._shadow_tasks.add(task)
@@ -745,7 +745,7 @@ class Router:
         plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         _, outcome, doc = await self._post(SHADOWED, backends.shadow, req.path, plain, retried=False)
         if outcome != "ok" or not doc:
-            self.recorder.shadow_not_compared("error")
+            self.recorder.shadow_not_compared("error", req.team)
             return
         agree = same_words(candidate_text, response_text(doc), self.params.shadow_compare_words)
         self.recorder.add_shadow(

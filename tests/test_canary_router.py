@@ -723,7 +723,10 @@ def test_a_shadow_sample_names_the_requests_team_as_the_limits_do(fakes):
             )
         got = wait_for(lambda: router.shadows_since(0), 3)
         assert router.shadow_teams == 2  # billing and anonymous
+        m = metric_values(client.get("/metrics").text)
     assert sorted(s.team for s in got) == ["anonymous", "anonymous", "billing"]
+    assert m[("canary_shadow_comparisons_total", (("result", "agree"), ("team", "billing")))] == 1
+    assert m[("canary_shadow_comparisons_total", (("result", "agree"), ("team", "anonymous")))] == 2
     with running(fleet(fakes, shadow="shadow"), weight=100, shadow_fraction=1.0) as (router, client):
         assert router.shadow_teams == 1  # no limits: every request is anonymous
 
@@ -805,7 +808,7 @@ def test_metrics_show_counters_histograms_weight_and_shadow(fakes):
     assert m[("canary_ttft_seconds_count", (("role", "stable"),))] == 3
     assert m[("canary_tpot_seconds_count", (("role", "candidate"),))] == 1
     assert m[("canary_candidate_weight_percent", ())] == 40
-    assert m[("canary_shadow_comparisons_total", (("result", "agree"),))] == 1
+    assert m[("canary_shadow_comparisons_total", (("result", "agree"), ("team", "anonymous")))] == 1
     assert ("canary_requests_total", (("outcome", "ok"), ("role", "stable"))) not in metric_values(
         Router(fleet(fakes), RouterParams()).recorder.exposition()[0].decode()
     )  # per-router registry
