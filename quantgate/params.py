@@ -59,6 +59,10 @@ def _read_text(path: Path) -> str:
     except FileNotFoundError:
         where = f" in {Path.cwd()}; run from the project folder" if not path.is_absolute() else ""
         raise QuantgateError(f"{path}: file not found{where}") from None
+    except IsADirectoryError:
+        raise QuantgateError(f"{path}: is a folder, not a file; give the YAML file (move the folder away)") from None
+    except PermissionError:
+        raise QuantgateError(f"{path}: not readable by this user; fix its permissions") from None
     except UnicodeDecodeError as exc:
         raise QuantgateError(f"{path}: not UTF-8 (byte {exc.start}); save it as UTF-8") from None
 

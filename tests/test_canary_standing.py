@@ -404,3 +404,20 @@ def test_serve_outside_the_project_says_where_it_looked(tmp_path, monkeypatch):
     with pytest.raises(QuantgateError) as exc:
         load_fleet_params(Path("params.yaml"))
     assert str(exc.value) == f"params.yaml: file not found in {tmp_path}; run from the project folder"
+
+
+def test_a_params_yaml_that_is_a_folder_is_named_as_one(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").mkdir()
+    with pytest.raises(QuantgateError) as exc:
+        load_fleet_params(Path("params.yaml"))
+    assert str(exc.value) == "params.yaml: is a folder, not a file; give the YAML file (move the folder away)"
+    res = CliRunner().invoke(cli, ["status"])  # not "no params.yaml": there is one, a folder
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+    assert "params.yaml: is a folder, not a file" in res.output, res.output
