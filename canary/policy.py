@@ -144,7 +144,8 @@ class CanaryPolicy(Frozen):
         beat = info.data.get("check_interval_s")
         if beat is not None and v < 3 * beat:  # a live controller beats once per look
             raise ValueError(
-                f"must be >= 3 x check_interval_s ({3 * beat:g} s), or live canaries are reaped; got {v:g}"
+                f"must be >= 3 x check_interval_s ({3 * beat:g} s), or live canaries are reaped; got {v:g}: raise "
+                "it, or lower check_interval_s"
             )
         return v
 

@@ -24,9 +24,10 @@ PARAMS_FILE = Path("params.yaml")
 
 class Frozen(BaseModel):
     """Base for every params/policy block: immutable, no unknown keys, strict types (YAML
-    `true` or `"64"` for an int field is refused, not read as 1 or 64)."""
+    `true` or `"64"` for an int field is refused, not read as 1 or 64), finite numbers (YAML's `.inf`
+    and `.nan` are refused: an infinite timeout or rate would disable the bound it sets)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 T = TypeVar("T", bound=BaseModel)

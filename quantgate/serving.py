@@ -140,7 +140,8 @@ class ServeParams(Frozen):
     startup_timeout_s: int = Field(default=600, gt=0)
     # a build served only through emulation (FP8 on a CPU) whose forward runs more than this many times slower
     # than the 16-bit build's here is refused before any server starts (quantgate.precision.slowdown_problem)
-    max_slowdown: float | None = 3.0  # None: emulated builds are served however slow
+    # None: emulated builds are served however slow; inf reaches the validator below, whose message says what to write
+    max_slowdown: float | None = Field(default=3.0, allow_inf_nan=True)
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
     extra_args: list[str] = []
 

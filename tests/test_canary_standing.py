@@ -421,3 +421,27 @@ def test_a_params_yaml_that_is_a_folder_is_named_as_one(tmp_path, monkeypatch):
     res = CliRunner().invoke(cli, ["status"])  # not "no params.yaml": there is one, a folder
     assert res.exit_code != 0 and "Traceback" not in res.output, res.output
     assert "params.yaml: is a folder, not a file" in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("canary:\n  max_step_s: .inf\n", "2: canary.max_step_s"),  # once: the plan's feasibility check skipped
+        ("canary:\n  measure_s: .inf\n", "2: canary.measure_s"),  # once: traffic measured forever
+        ("canary:\n  steps: [10, .nan]\n", "2: canary.steps.1"),
+        ("limits:\n  rate_limits:\n    default: {rps: .inf, burst: 10}\n", "3: limits.rate_limits.default.rps"),
+        ("search:\n  max_bits_per_weight: .inf\n", "2: search.max_bits_per_weight"),
+    ],
+)
+def test_an_infinite_or_nan_number_in_params_is_refused_naming_the_key(tmp_path, text, key):
+    from canary.policy import load_policy
+    from gateway.limits import load_limits
+    from quantgate.params import load_block
+    from quantgate.search_params import SearchParams
+
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    load = {"canary": load_policy, "limits": load_limits, "search": lambda p: load_block("search", SearchParams, p)}
+    with pytest.raises(QuantgateError) as exc:
+        load[key.split(": ")[1].split(".")[0]](path)
+    assert str(exc.value).startswith(f"{path}:{key}: Input should be a finite number; got float "), exc.value
