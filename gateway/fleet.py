@@ -122,6 +122,21 @@ class FleetParams(Frozen):
     def _consistent(self) -> FleetParams:  # an after-validator: it also sees a default admin port
         if self.admin.port and self.admin.port == self.port:
             raise ValueError(f"admin.port {self.port} is also fleet.port; give the admin endpoint its own port")
+        # vLLM servers' ports: a clash would show only once a server has taken minutes to start
+        taken = {"fleet.port": self.port, "admin.port": self.admin.port}
+        for role in ("serving", "warm"):
+            port = getattr(self.servers, role).port
+            if port and (other := next((name for name, p in taken.items() if p == port), None)):
+                raise ValueError(
+                    f"servers.{role}.port {port} is also {other}; give each its own port, or 0 for a free one"
+                )
+            taken[f"servers.{role}.port"] = port
+        if self.servers.warm.port and self.max_servers > 2:
+            raise ValueError(
+                f"servers.warm.port {self.servers.warm.port}: up to {self.max_servers - 1} warm servers run at once "
+                f"(max_servers {self.max_servers}) and one port serves one; set it to 0 (a free port each), or "
+                "max_servers to 2"
+            )
         if self.restart_backoff_max_s < self.restart_backoff_s:
             raise ValueError(
                 f"restart_backoff_max_s {self.restart_backoff_max_s:g} is below restart_backoff_s "

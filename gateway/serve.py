@@ -25,6 +25,7 @@ resumes its step on the restarted gateway.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import signal
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Gauge
+from pydantic import ValidationError
 
 from gateway.admin import admin_app, admin_token
 from gateway.fleet import Fleet, FleetParams, process_alive
@@ -71,14 +73,26 @@ def reap_orphans(work_dir: Path, log: Callable[[str], None] = print) -> int:
 
 
 def check_bindable(host: str, port: int, what: str) -> None:
-    """Raises QuantgateError naming `what` when `host`:`port` cannot be bound now (port 0: the host is checked)."""
+    """Raises QuantgateError when `host`:`port` cannot be bound now (port 0: the host is checked), naming
+    `what`.host (e.g. fleet.host: a name that does not resolve, an address of no interface here) or `what`.port
+    (in use, or below 1024 without the right), whichever the failure is about."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError as exc:
+        except socket.gaierror as exc:  # before OSError: a subclass of it
             raise QuantgateError(
-                f"{what}: cannot listen on {host}:{port} ({exc.strerror}); free it or pick another"
+                f"{what}.host: {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1 or "
+                "0.0.0.0 (--host)"
+            ) from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise QuantgateError(
+                    f"{what}.host: {host} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1 "
+                    "or 0.0.0.0"
+                ) from None
+            raise QuantgateError(
+                f"{what}.port: cannot listen on {host}:{port} ({exc.strerror}); free it or pick another"
             ) from None
 
 
@@ -227,7 +241,7 @@ def _check_startable(settings: Settings, work_dir: Path) -> None:
     except OSError as exc:
         raise QuantgateError(f"--work-dir {work_dir}: {exc.strerror}; give a writable folder") from None
     for what, host, port in (
-        ("fleet.port", params.host, params.port),
+        ("fleet", params.host, params.port),
         ("fleet.admin", params.admin.host, params.admin.port),
     ):
         check_bindable(host, port, what)  # before a server takes minutes to start
@@ -236,6 +250,13 @@ def _check_startable(settings: Settings, work_dir: Path) -> None:
             f"fleet.port and fleet.admin.port are both {params.port}: the gateway and its admin endpoint need "
             "a port each (--port, --admin-port)"
         )
+    try:  # the block's own rules (the vLLM servers' ports too) over --port and --admin-port, set after it was read
+        FleetParams.model_validate(params.model_dump())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise QuantgateError(
+            f"fleet: {first['msg'].removeprefix('Value error, ')} (params.yaml, --port, --admin-port)"
+        ) from None
     Limiter(settings.limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
 
 

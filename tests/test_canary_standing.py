@@ -378,10 +378,13 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(QuantgateError, match=rf"fleet.port: cannot listen on 127.0.0.1:{port}"):
-            check_bindable("127.0.0.1", port, "fleet.port")
-    with pytest.raises(QuantgateError, match=r"^fleet.host: cannot listen on 999.1.1.1:0 \("):  # port 0: host checked
-        check_bindable("999.1.1.1", 0, "fleet.host")
+        with pytest.raises(QuantgateError, match=rf"^fleet.port: cannot listen on 127.0.0.1:{port} \(.*\); free it"):
+            check_bindable("127.0.0.1", port, "fleet")
+    # a bad host is the host's fault, not the port's (once "fleet.port: ... free it or pick another")
+    with pytest.raises(QuantgateError, match=r"^fleet.host: '999.1.1.1' is no address of this machine \(.*\); give"):
+        check_bindable("999.1.1.1", 0, "fleet")  # port 0: the host is checked
+    with pytest.raises(QuantgateError, match=r"^fleet.admin.host: 192.0.2.1 is no address of this machine"):
+        check_bindable("192.0.2.1", 0, "fleet.admin")  # TEST-NET-1: resolves, but no interface here has it
     from gateway.limits import Limits
     from gateway.serve import Settings, run_gateway
     from quantgate.serving import ServeParams
@@ -445,3 +448,42 @@ def test_an_infinite_or_nan_number_in_params_is_refused_naming_the_key(tmp_path,
     with pytest.raises(QuantgateError) as exc:
         load[key.split(": ")[1].split(".")[0]](path)
     assert str(exc.value).startswith(f"{path}:{key}: Input should be a finite number; got float "), exc.value
+
+
+@pytest.mark.parametrize(
+    "fleet, message",
+    [
+        ("  servers: {serving: {port: 8000}}\n", "servers.serving.port 8000 is also fleet.port"),
+        ("  servers: {warm: {port: 8001}}\n", "servers.warm.port 8001 is also admin.port"),
+        (
+            "  servers: {serving: {port: 9000}, warm: {port: 9000}}\n",
+            "servers.warm.port 9000 is also servers.serving.port",
+        ),
+        ("  servers: {warm: {port: 9001}}\n", r"servers.warm.port 9001: up to 2 warm servers run at once"),
+    ],
+)
+def test_vllm_server_ports_that_clash_are_refused_before_any_server(tmp_path, fleet, message):
+    """Once found only after a vLLM server had taken minutes to start (fleet.servers.*.port)."""
+    bad = tmp_path / "params.yaml"
+    bad.write_text("fleet:\n" + fleet)
+    with pytest.raises(QuantgateError, match=rf"^{bad}:1: fleet: {message}"):
+        load_fleet_params(bad)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("fleet:\n  max_servers: 2\n  servers: {serving: {port: 9000}, warm: {port: 9001}}\n")
+    assert load_fleet_params(ok).servers.warm.port == 9001  # one warm server: a fixed port serves it
+
+
+def test_serve_options_are_checked_with_the_fleet_blocks_rules(tmp_path):
+    from gateway.fleet import FleetServers, ServerOverride
+    from gateway.limits import Limits
+    from gateway.serve import Settings, run_gateway
+    from quantgate.serving import ServeParams, free_port
+
+    port = free_port()  # --port P after params.yaml was read, where servers.serving.port is P
+    clash = FleetParams(servers=FleetServers(serving=ServerOverride(port=port))).model_copy(update={"port": port})
+    with pytest.raises(QuantgateError) as exc:
+        run_gateway(None, "m", Settings(ServeParams(), clash, Limits()), tmp_path / "work", log=lambda _: None)
+    assert str(exc.value) == (
+        f"fleet: servers.serving.port {port} is also fleet.port; give each its own port, or 0 for a free one "
+        "(params.yaml, --port, --admin-port)"
+    )
