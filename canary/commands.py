@@ -114,6 +114,7 @@ def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | No
     """Open-loop load (greedy completions and chat, streaming and not) through the router; prints
     success rate, outcomes and latency percentiles. Exits 1 if any request failed."""
     with command_errors():
+        url = http_url(url, "--url", "the router's (or an OpenAI server's)", "http://127.0.0.1:8080")
         prompts = prompts_from_evals(evals_dir, limit)
         report = replay(url, prompts, rps, duration, **vars(options))
     for line in report.lines():
@@ -126,15 +127,23 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for v in values:
         version, sep, url = v.partition("=")
-        if not sep or not version.strip() or not url.startswith("http"):
+        version = version.strip()
+        if not sep or not version or not url.startswith("http"):
             raise click.BadParameter(f"{v!r}: give VERSION=URL, e.g. 1=http://127.0.0.1:8001/v1")
-        out[version.strip()] = url
+        if version in out:  # once, the last silently won
+            raise click.BadParameter(
+                f"v{version} is given twice ({out[version]} and {url}); give one server per version"
+            )
+        try:
+            out[version] = http_url(url, "--reuse", "a server's OpenAI", "http://127.0.0.1:8001/v1")
+        except QuantgateError as exc:
+            raise click.BadParameter(str(exc).removeprefix("--reuse ")) from None
     return out
 
 
-def gateway_url(value: str) -> str:
-    """--gateway: an http(s) URL with a host and a port in 1-65535 (or none), stripped.
-    Raises QuantgateError naming --gateway otherwise."""
+def http_url(value: str, option: str, what: str, example: str) -> str:
+    """`value` stripped, when it is an http(s) URL with a host and a port in 1-65535 (or none). Raises
+    QuantgateError naming `option` and saying to give `what` URL, e.g. `example`, otherwise."""
     import httpx
 
     url = value.strip()
@@ -144,11 +153,13 @@ def gateway_url(value: str) -> str:
     except (httpx.InvalidURL, ValueError, TypeError):
         parsed, port_ok = None, False
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
-        raise QuantgateError(
-            f"--gateway {value!r}: give the admin endpoint's http(s) URL with its host and port, "
-            "e.g. http://127.0.0.1:8001 (`quantgate serve` prints it)"
-        )
+        raise QuantgateError(f"{option} {value!r}: give {what} http(s) URL with its host and port, e.g. {example}")
     return url
+
+
+def gateway_url(value: str) -> str:
+    """--gateway: http_url of the gateway's admin endpoint. Raises QuantgateError naming --gateway otherwise."""
+    return http_url(value, "--gateway", "the admin endpoint's", "http://127.0.0.1:8001 (`quantgate serve` prints it)")
 
 
 def sigterm_as_ctrl_c() -> None:

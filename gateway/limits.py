@@ -200,10 +200,12 @@ def read_team_keys(path: Path, teams: Mapping[str, Rate]) -> dict[str, str]:
         if team not in teams:
             raise QuantgateError(f"{path}: team {team!r} has no limits.rate_limits.teams entry in params; add one")
         if not isinstance(digests, list) or not all(
-            isinstance(d, str) and re.fullmatch(r"[0-9a-f]{64}", d) for d in digests
+            isinstance(d, str) and re.fullmatch(r"[0-9a-fA-F]{64}", d) for d in digests
         ):
-            raise QuantgateError(f"{path}: {team}: must be a list of SHA-256 hex digests (printf %s KEY | sha256sum)")
-        for d in digests:
+            raise QuantgateError(
+                f"{path}: {team}: must be a list of SHA-256 hex digests, 64 hex digits each (printf %s KEY | sha256sum)"
+            )
+        for d in (d.lower() for d in digests):  # hexdigest() is lower-case; a tool may print upper
             if teams_of.setdefault(d, team) != team:
                 raise QuantgateError(f"{path}: digest {d[:12]}... is listed for {teams_of[d]} and {team}; keep one")
     return teams_of

@@ -252,6 +252,16 @@ def test_teams_by_api_key_and_neither_header_reaches_the_backend(tmp_path):
     assert not any({"authorization", "x-team"} & set(h) for h in backend.headers)
 
 
+def test_an_upper_case_digest_names_the_same_key(tmp_path):
+    """sha256sum prints lower case, other tools upper; once refused as "not SHA-256 hex"."""
+    from gateway.limits import read_team_keys
+
+    path = tmp_path / "keys.yaml"
+    digest = hashlib.sha256(b"sk-billing-1").hexdigest()
+    path.write_text(yaml.safe_dump({"billing": [digest.upper()]}))
+    assert read_team_keys(path, {"billing": None}) == {digest: "billing"}
+
+
 @pytest.mark.parametrize(
     "doc,problem",
     [

@@ -915,3 +915,24 @@ def test_rates_and_durations_must_be_finite_and_positive(value):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 2 and f"Invalid value for '{option}'" in result.output, (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_load_and_reuse_urls_are_checked_before_anything_is_sent(tmp_path):
+    """`canary load --url localhost:9` once said "did not answer with a model (UnsupportedProtocol); is the
+    router running there?"; a second `--reuse 1=...` silently replaced the first."""
+    from cli.main import cli
+
+    result = CliRunner().invoke(cli, ["canary", "load", "--url", "localhost:9", "--rps", "1", "--duration", "1"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert (
+        "--url 'localhost:9': give the router's (or an OpenAI server's) http(s) URL with its host and port, "
+        "e.g. http://127.0.0.1:8080"
+    ) in result.output, result.output
+    run = ["canary", "run", "m", "2", "--by", "t"]
+    for reuse, message in (
+        (["1=http://127.0.0.1:9/v1", "1=http://127.0.0.1:10/v1"], "v1 is given twice"),
+        (["1=http://:9/v1"], "'http://:9/v1': give a server's OpenAI http(s) URL with its host and port"),
+    ):
+        result = CliRunner().invoke(cli, [*run, *(a for r in reuse for a in ("--reuse", r))])
+        assert result.exit_code == 2 and "Invalid value for '--reuse'" in result.output, result.output
+        assert message in result.output, result.output
