@@ -48,6 +48,7 @@ from gateway.webhook import PATH as WEBHOOK_PATH
 from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams
+from registry import aliases
 
 PIDS = "server.pid"  # per version folder: the vLLM API server's pid (= its process group id)
 
@@ -177,6 +178,7 @@ def run_gateway(
     """
     stop, work_dir, params = stop or threading.Event(), Path(work_dir), settings.fleet
     _check_startable(settings, work_dir)
+    aliases.current(mlflow_client, model_name)  # a model not registered here: refused before any file is written
     reap_orphans(work_dir, log)
     token = admin_token(work_dir, log)
     started_at = time.time()

@@ -487,3 +487,17 @@ def test_serve_options_are_checked_with_the_fleet_blocks_rules(tmp_path):
         f"fleet: servers.serving.port {port} is also fleet.port; give each its own port, or 0 for a free one "
         "(params.yaml, --port, --admin-port)"
     )
+
+
+def test_serve_of_a_model_not_registered_writes_nothing(tmp_path, monkeypatch):
+    """`serve nosuchmodel` once wrote WORK_DIR/admin.token (a live gateway's, in a shared work dir) first."""
+    from gateway.limits import Limits
+    from gateway.serve import Settings, run_gateway
+    from registry import store
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    client = store.client(f"sqlite:///{tmp_path}/mlflow.db")
+    params = FleetParams(port=0, admin=AdminAddress(port=0))
+    with pytest.raises(QuantgateError, match=r"^model 'nosuchmodel' is not registered at .*check the name"):
+        run_gateway(client, "nosuchmodel", Settings(ServeParams(), params, Limits()), tmp_path / "work", log=print)
+    assert not (tmp_path / "work" / "admin.token").exists()
