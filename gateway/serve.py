@@ -177,8 +177,7 @@ def run_gateway(
     cannot be bound; every server it started is stopped on every exit path.
     """
     stop, work_dir, params = stop or threading.Event(), Path(work_dir), settings.fleet
-    _check_startable(settings, work_dir)
-    aliases.current(mlflow_client, model_name)  # a model not registered here: refused before any file is written
+    _check_startable(settings, work_dir, mlflow_client, model_name)
     reap_orphans(work_dir, log)
     token = admin_token(work_dir, log)
     started_at = time.time()
@@ -234,9 +233,10 @@ def _router(fleet: Fleet, model_name: str, settings: Settings) -> Router:
     )
 
 
-def _check_startable(settings: Settings, work_dir: Path) -> None:
+def _check_startable(settings: Settings, work_dir: Path, mlflow_client, model_name: str) -> None:
     """Refuse, before a server takes minutes to start: a work dir that cannot be written, an address that
-    cannot be bound, one port for both endpoints, a limits block whose team_keys_file does not read."""
+    cannot be bound, one port for both endpoints (or a vLLM server's port that clashes), a limits block whose
+    team_keys_file does not read, a model not registered at the client's registry (before any file is written)."""
     params = settings.fleet
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
@@ -260,6 +260,7 @@ def _check_startable(settings: Settings, work_dir: Path) -> None:
             f"fleet: {first['msg'].removeprefix('Value error, ')} (params.yaml, --port, --admin-port)"
         ) from None
     Limiter(settings.limits, lambda path, body: 0)  # reads limits.team_keys_file now: its errors before any server
+    aliases.current(mlflow_client, model_name)
 
 
 def _on_alias(planner: Planner, router: Router, log: Callable[[str], None]) -> Callable[[str, str | None], None]:

@@ -4,7 +4,7 @@ With `ray`, evaluate@<build> runs its vLLM servers and lm-eval scoring as Ray ta
 `executor.address` (or RAY_ADDRESS): one task per replica, each placed by the resources the block declares
 (CPUs, GPUs, and custom resources that name the nodes with a serving env, e.g. `{quantgate_serving: 1}` on
 nodes started with `ray start --resources '{"quantgate_serving": 8}'`). A node runs quantgate from its own
-install of the project with both of its envs (README "At scale": the image, or the KubeRay worker group).
+install of the project with both of its envs (docs/at-scale.md: the image, or the KubeRay worker group).
 
 connect() refuses, in one line and before any server starts, a cluster that does not answer and one with
 no live node that has the declared resources. failure() turns what Ray raises when a task's node or worker
