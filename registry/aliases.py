@@ -139,15 +139,62 @@ def _verified(mlflow_client, model_name: str, version: str) -> None:
         verify_version(mlflow_client, model_name, version, Path(tmp))
 
 
-def _require_run(mlflow_client, run_id: str | None) -> None:
+# How canary/controller.py records a canary (canary/status.py; registry/ does not import canary/): a run in
+# this experiment, tagged model, candidate_version and canary.phase, and outcome once it ended.
+CANARY_EXPERIMENT = "quantgate-canary"
+PASSED = ("promoting", "promoted")  # passed every step (promoting: the controller's own promote, in progress)
+STARTING = ("initializing", "progressing")  # a canary setting `candidate` is still running
+
+
+def _run_kind(mlflow_client, run) -> str | None:
+    """What `run` is when it is not a canary run ("an audit run (action promote)", ...), else None."""
+    exp = mlflow_client.get_experiment(run.info.experiment_id)
+    if exp.name == CANARY_EXPERIMENT:
+        return None
+    t, p = run.data.tags, run.data.params
+    if exp.name == audit.AUDIT_EXPERIMENT:
+        return f"an audit run (action {p.get('action', '?')})"
+    if tags.BUILD in t:
+        return f"a build run (build {t[tags.BUILD]})"
+    return f"a run of experiment {exp.name!r}"
+
+
+def _require_canary_run(
+    mlflow_client, run_id: str | None, model_name: str, version: str, phases: tuple[str, ...]
+) -> None:
+    """QuantgateError unless run `run_id` (None: no run given) is a canary run of `model_name` v`version`
+    whose canary.phase is one of `phases` (PASSED for a promotion, STARTING for `candidate`)."""
     from mlflow.exceptions import MlflowException
 
     if run_id is None:
         return
     try:
-        mlflow_client.get_run(run_id)
+        run = mlflow_client.get_run(run_id)
     except MlflowException:
         raise QuantgateError(f"canary run {run_id!r} does not exist at this tracking URI") from None
+    use = "give the run id `quantgate canary run` printed for this version"
+    if (kind := _run_kind(mlflow_client, run)) is not None:
+        raise QuantgateError(f"canary run {run_id} is {kind}, not a canary run ({CANARY_EXPERIMENT}); {use}")
+    t = run.data.tags
+    of = (t.get("model"), t.get("candidate_version"))
+    if of != (model_name, version):
+        raise QuantgateError(
+            f"canary run {run_id} is the canary of {of[0]} v{of[1]}, not of {model_name} v{version}; {use}"
+        )
+    phase = t.get("canary.phase")
+    if run.info.lifecycle_stage != "active":
+        state = "deleted"
+    elif t.get("outcome") == "aborted" or phase == "aborted":
+        state = f"aborted ({t.get('outcome.reason', 'no reason recorded')})"
+    else:
+        state = f"in phase {phase}" if phase else "without a canary.phase tag"
+    if state.startswith("in phase ") and phase in phases:
+        return
+    need = "passed every step" if phases == PASSED else "is running"
+    raise QuantgateError(
+        f"canary run {run_id} of {model_name} v{version} is {state}; only a canary that {need} "
+        f"(canary.phase {' or '.join(phases)}) can be given"
+    )
 
 
 def promote(
@@ -164,7 +211,8 @@ def promote(
 
     The old production (or, when there was none, the `fallback` build that served) becomes
     `previous`; `candidate` is cleared if it was `version`.
-    `version` must be approved and (verify=True) its artifacts must match its weight tags.
+    `version` must be approved and (verify=True) its artifacts must match its weight tags;
+    `canary_run_id`, when given, must be a canary run of this version that passed every step.
     Raises AliasConflict when production is not `expected_production` (nothing changes),
     QuantgateError when `version` is missing, not approved or its weights do not verify.
     Returns the alias changes made (empty when `version` already is production).
@@ -173,7 +221,7 @@ def promote(
     version = versions.version_number(version)
     expected = None if expected_production is None else versions.version_number(expected_production)
     _require_servable(mlflow_client, model_name, version)
-    _require_run(mlflow_client, canary_run_id)
+    _require_canary_run(mlflow_client, canary_run_id, model_name, version, PASSED)
     if verify:
         _verified(mlflow_client, model_name, version)  # slow (download): before taking the lock
     with lock.held(mlflow_client, model_name, f"promote v{version} by {by}", by=by) as held:
@@ -258,11 +306,12 @@ def rollback(
 def set_candidate(
     mlflow_client, model_name: str, version, by: str, reason: str, canary_run_id: str | None = None, verify: bool = True
 ) -> list[Change]:
-    """Point `candidate` (the canary) at an approved `version` whose weights verify."""
+    """Point `candidate` (the canary) at an approved `version` whose weights verify; `canary_run_id`, when
+    given, must be a running canary run of this version."""
     _require_text(by=by, reason=reason)
     version = versions.version_number(version)
     _require_servable(mlflow_client, model_name, version)
-    _require_run(mlflow_client, canary_run_id)
+    _require_canary_run(mlflow_client, canary_run_id, model_name, version, STARTING)
     if verify:
         _verified(mlflow_client, model_name, version)
     with lock.held(mlflow_client, model_name, f"candidate v{version} by {by}", by=by) as held:

@@ -243,7 +243,10 @@ def _version_or_none(ctx, param, value: str) -> str | None:
 )
 @_by
 @_reason
-@click.option("--canary-run-id", help="The MLflow run of the canary that supports this promotion (recorded).")
+@click.option(
+    "--canary-run-id",
+    help="The MLflow run of this version's canary that passed every step, supporting this promotion (recorded).",
+)
 def promote(
     model: str, version: str, expect_production: str | None, by: str, reason: str, canary_run_id: str | None
 ) -> None:

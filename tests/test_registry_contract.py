@@ -445,8 +445,13 @@ def test_promote_rollback_and_history_point_in_time(reg):
         QuantgateError, match=rf"v{base} is not approved for serving: not approved \(no `approval` tag\)"
     ):
         aliases.promote(r.client, r.model, base, None, "rm", "no", verify=False)
-    canary = r.client.create_run(audit.experiment_id(r.client), run_name="canary").info.run_id
+    exp = store.experiment_id(
+        r.client, aliases.CANARY_EXPERIMENT, r.client.tracking_uri
+    )  # a canary run as canary/controller.py makes it
+    canary = r.client.create_run(exp, tags={"model": r.model, "candidate_version": a}).info.run_id
+    r.client.set_tag(canary, "canary.phase", "initializing")
     aliases.set_candidate(r.client, r.model, a, "canary-bot", "canary start", canary_run_id=canary, verify=False)
+    r.client.set_tag(canary, "canary.phase", "promoting")
     assert [
         str(c) for c in aliases.promote(r.client, r.model, a, None, "rm", "canary clean", canary_run_id=canary)
     ] == [f"production: none -> v{a}", f"previous: none -> v{base}", f"candidate: v{a} -> none"]  # fallback served

@@ -301,3 +301,48 @@ def test_a_rollback_to_a_revoked_version_says_where_to_go_instead(reg):
     assert result.exit_code == 0 and f"warning: v{fallback} is still 'fallback'; it stays the 16-bit baseline" in (
         result.output
     ), result.output
+
+
+def _canary_run(client, model: str, version: str, phase: str, outcome: str | None = None) -> str:
+    """A run as canary/controller.py records one (experiment quantgate-canary, its tags)."""
+    from canary.status import EXPERIMENT
+
+    exp = store.experiment_id(client, EXPERIMENT)
+    run_id = client.create_run(exp, tags={"model": model, "candidate_version": version}).info.run_id
+    client.set_tag(run_id, "canary.phase", phase)
+    if outcome:
+        client.set_tag(run_id, "outcome", outcome)
+        client.set_tag(run_id, "outcome.reason", "p99 latency FAIL")
+    return run_id
+
+
+def test_promote_takes_only_a_passed_canary_of_this_version_as_evidence(reg):
+    """--canary-run-id once accepted any run: an audit run, a build run, another version's canary, an aborted one."""
+    client, model, out = reg({"int4": "PASS", "fp8": "PASS"})
+    v4, v8 = (str(out["builds"][b]["version"]) for b in ("int4", "fp8"))
+    approval.approve(client, model, v4, "rm", "gate PASS")
+    audit_id = client.search_runs([audit.experiment_id(client)], "params.action = 'approve'")[0].info.run_id
+    refused = {
+        audit_id: "is an audit run (action approve), not a canary run (quantgate-canary)",
+        out["builds"]["int4"]["run_id"]: "is a build run (build int4), not a canary run",
+        _canary_run(client, model, v8, "promoted", "promoted"): f"is the canary of {model} v{v8}, not of {model} v{v4}",
+        _canary_run(client, model, v4, "aborted", "aborted"): "is aborted (p99 latency FAIL); only a canary that "
+        "passed every step (canary.phase promoting or promoted) can be given",
+        _canary_run(client, model, v4, "progressing"): "is in phase progressing; only a canary that passed",
+    }
+    for run_id, said in refused.items():
+        result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "r",
+                         "--canary-run-id", run_id)  # fmt: skip
+        _one_line_error(result, f"canary run {run_id} ", said)
+    assert "production" not in aliases.current(client, model)
+    passed = _canary_run(client, model, v4, "promoted", "promoted")
+    result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "canary clean",
+                     "--canary-run-id", passed)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert [e.canary_run_id for e in audit.history(client, model) if e.alias == "production"] == [passed]
+
+
+def test_registry_names_the_canary_experiment_as_canary_does():
+    from canary.status import EXPERIMENT
+
+    assert aliases.CANARY_EXPERIMENT == EXPERIMENT  # registry/ does not import canary/: it restates the name
