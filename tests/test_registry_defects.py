@@ -346,3 +346,16 @@ def test_registry_names_the_canary_experiment_as_canary_does():
     from canary.status import EXPERIMENT
 
     assert aliases.CANARY_EXPERIMENT == EXPERIMENT  # registry/ does not import canary/: it restates the name
+
+
+def test_status_of_an_unknown_model_names_the_uri_and_what_to_check(reg):
+    """It said "not registered at this tracking URI; run `dvc repro`": dvc repro registers only params.yaml's model."""
+    client, model, _ = reg({"int4": "PASS"})
+    result = _invoke("status", "nosuchmodel")
+    _one_line_error(
+        result,
+        f"model 'nosuchmodel' is not registered at {store.tracking_uri()}; check the name (params.yaml "
+        "register.model_name) or MLFLOW_TRACKING_URI",
+    )
+    assert "dvc repro" not in result.output
+    assert _invoke("history", "nosuchmodel").output == result.output  # the same advice as history's
