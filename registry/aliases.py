@@ -139,6 +139,19 @@ def _require_servable(mlflow_client, model_name: str, version: str) -> approval.
     return a
 
 
+def _exists(mlflow_client, model_name: str, version: str) -> bool:
+    """Whether `model_name` has version `version` (in any status)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow_client.get_model_version(model_name, version)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return False
+    return True
+
+
 def _verified(mlflow_client, model_name: str, version: str) -> None:
     with tempfile.TemporaryDirectory(prefix="quantgate-verify-") as tmp:
         verify_version(mlflow_client, model_name, version, Path(tmp))
@@ -219,7 +232,8 @@ def promote(
     `version` must be approved and (verify=True) its artifacts must match its weight tags;
     `canary_run_id`, when given, must be a canary run of this version that passed every step.
     Raises AliasConflict when production is not `expected_production` (nothing changes),
-    QuantgateError when `version` is missing, not approved or its weights do not verify.
+    QuantgateError when `expected_production` does not exist, or `version` is missing, not approved or
+    its weights do not verify.
     Returns the alias changes made (empty when `version` already is production).
     """
     _require_text(by=by, reason=reason)
@@ -232,6 +246,12 @@ def promote(
     with lock.held(mlflow_client, model_name, f"promote v{version} by {by}", by=by) as held:
         now = current(mlflow_client, model_name)
         prod = now.get(PRODUCTION)
+        if prod != expected and expected is not None and not _exists(mlflow_client, model_name, expected):
+            raise QuantgateError(
+                f"{model_name} v{expected}, the production you expected, does not exist (never registered, or "
+                f"deleted); production is {version_label(prod)}: give --expect-production {prod or 'none'} "
+                f"(see `quantgate status {model_name}`); nothing was changed"
+            )
         if prod != expected:
             raise AliasConflict(
                 f"{model_name}: production is {version_label(prod)}, not {version_label(expected)} as expected; "

@@ -359,3 +359,24 @@ def test_status_of_an_unknown_model_names_the_uri_and_what_to_check(reg):
     )
     assert "dvc repro" not in result.output
     assert _invoke("history", "nosuchmodel").output == result.output  # the same advice as history's
+
+
+def test_expecting_a_production_version_that_does_not_exist_says_so(reg):
+    """It said "production is none, not v5 as expected; someone else changed it first": nobody did."""
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    approval.approve(client, model, v, "rm", "gate PASS")
+    result = _invoke("promote", model, v, "--expect-production", "5", "--by", "rm", "--reason", "r")
+    _one_line_error(
+        result,
+        f"{model} v5, the production you expected, does not exist (never registered, or deleted); production is "
+        "none: give --expect-production none",
+    )
+    assert "someone else" not in result.output and "production" not in aliases.current(client, model)
+    aliases.promote(client, model, v, None, "rm", "go", verify=False)
+    fallback = aliases.current(client, model)["fallback"]
+    approval.approve(client, model, fallback, "rm", "the 16-bit build")
+    result = _invoke("promote", model, fallback, "--expect-production", "5", "--by", "rm", "--reason", "r")
+    assert f"production is v{v}: give --expect-production {v}" in result.output, result.output
+    with pytest.raises(aliases.AliasConflict, match="someone else changed it first"):  # an existing one: a conflict
+        aliases.promote(client, model, v, fallback, "rm", "r", verify=False)
