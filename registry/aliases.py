@@ -304,8 +304,9 @@ def rollback(
         prod = now.get(PRODUCTION)
         if prod is None:
             raise QuantgateError(f"{model_name} has no production alias: nothing to roll back")
+        alt = _other_target(mlflow_client, model_name, now, to)
         if now.get(to) is None:
-            hint = f"; `--to {FALLBACK}` goes to the 16-bit build" if to == PREVIOUS else ""
+            hint = f"; `--to {alt[0]}` goes to {alt[1]}" if alt else _no_target(model_name)
             raise QuantgateError(f"{model_name} has no {to!r} alias: nothing to roll back to{hint}")
         if now.get(to) != target:
             raise AliasConflict(
@@ -313,11 +314,10 @@ def rollback(
                 f"during the rollback; nothing was changed; retry"
             )
         if target == prod:
-            raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production")
+            hint = f"; `--to {alt[0]}` goes to {alt[1]}" if alt else _no_target(model_name)
+            raise QuantgateError(f"{model_name}: {to} is v{target}, which already is production{hint}")
         if approval.approval_of(mlflow_client, model_name, target).state == approval.REVOKED:
-            other = (
-                f"`quantgate rollback {model_name} --to {FALLBACK}` (the 16-bit build), or " if to == PREVIOUS else ""
-            )
+            other = f"`quantgate rollback {model_name} --to {alt[0]}` ({alt[1]}), or " if alt else ""
             raise QuantgateError(
                 f"{model_name} v{target} ({to}) has its approval revoked; go to another version: {other}"
                 f"`quantgate promote {model_name} VERSION` with an approved one"
@@ -326,6 +326,22 @@ def rollback(
         if now.get(PREVIOUS) == target:
             changes.append(Change(PREVIOUS, target, None))
         return _apply(mlflow_client, model_name, held, changes, action="rollback", by=by, reason=reason)
+
+
+def _other_target(mlflow_client, model_name: str, now: dict[str, str], to: str) -> tuple[str, str] | None:
+    """(alias, what it is) of the other rollback target when a rollback to it would work (set, not production,
+    not revoked), else None: what a refused rollback to `to` may suggest."""
+    other = FALLBACK if to == PREVIOUS else PREVIOUS
+    v = now.get(other)
+    if v is None or v == now.get(PRODUCTION):
+        return None
+    if approval.approval_of(mlflow_client, model_name, v).state == approval.REVOKED:
+        return None
+    return other, ("the 16-bit build" if other == FALLBACK else f"v{v}")
+
+
+def _no_target(model_name: str) -> str:
+    return f"; no other rollback target either: `quantgate promote {model_name} VERSION` with an approved one"
 
 
 def set_candidate(

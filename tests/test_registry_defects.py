@@ -380,3 +380,28 @@ def test_expecting_a_production_version_that_does_not_exist_says_so(reg):
     assert f"production is v{v}: give --expect-production {v}" in result.output, result.output
     with pytest.raises(aliases.AliasConflict, match="someone else changed it first"):  # an existing one: a conflict
         aliases.promote(client, model, v, fallback, "rm", "r", verify=False)
+
+
+def test_a_refused_rollback_suggests_only_a_target_that_would_work(reg):
+    """production = fallback = v1, previous = v2 revoked: rollback suggested `--to fallback`, which then failed
+    with "fallback is v1, which already is production"."""
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    base = aliases.current(client, model)["fallback"]
+    for x in (v, base):
+        approval.approve(client, model, x, "rm", "gate PASS")
+    aliases.promote(client, model, v, None, "rm", "go", verify=False)
+    aliases.promote(client, model, base, v, "rm", "back to 16-bit", verify=False)  # previous = v
+    approval.revoke(client, model, v, "rm", "bad outputs")
+    result = _invoke("rollback", model, "--by", "oncall", "--reason", "p99")
+    _one_line_error(
+        result,
+        f"{model} v{v} (previous) has its approval revoked; go to another version: `quantgate promote {model} "
+        "VERSION` with an approved one",
+    )
+    assert "--to fallback" not in result.output
+    result = _invoke("rollback", model, "--to", "fallback", "--by", "oncall", "--reason", "p99")
+    _one_line_error(result, f"fallback is v{base}, which already is production; no other rollback target either")
+    approval.approve(client, model, v, "rm", "fixed upstream")  # previous would work now: it is suggested
+    result = _invoke("rollback", model, "--to", "fallback", "--by", "oncall", "--reason", "p99")
+    _one_line_error(result, f"which already is production; `--to previous` goes to v{v}")
