@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from quantgate.errors import QuantgateError
 from registry import audit, lock, versions
-from registry.tags import PASSING, RECOMMENDATION, RECOMMENDED, VERDICT
+from registry.tags import BASELINE, PASSING, RECOMMENDATION, RECOMMENDED, VERDICT
 
 TAG, BY, REASON, AT, OVERRIDE = "approval", "approval.by", "approval.reason", "approval.at", "approval.override_reason"
 APPROVED, REVOKED = "approved", "revoked"
@@ -274,7 +274,8 @@ def read_recommendation(tags: dict[str, str]) -> tuple[str, str]:
     gate_says, why = tags.get(RECOMMENDED), tags.get(RECOMMENDATION, "")
     by, reason = (tags.get(RECO_BY) or "").strip(), (tags.get(RECO_REASON) or "").strip()
     if by and reason:
-        return "override", f"recommended by {by}'s override: {reason} (the gate said {gate_says or '-'}: {why})"
+        said = "recorded no recommendation" if gate_says is None else f"said {gate_says}" + (f": {why}" if why else "")
+        return "override", f"recommended by {by}'s override: {reason} (the gate {said})"
     if gate_says is None:
         return "-", "no recommendation recorded (registered before builds were profiled)"
     if gate_says == "baseline":
@@ -282,11 +283,25 @@ def read_recommendation(tags: dict[str, str]) -> tuple[str, str]:
     return gate_says, f"{'recommended' if gate_says == 'yes' else 'not recommended'}: {why}"
 
 
+def recommend_problem(tags: dict[str, str]) -> str | None:
+    """Why a version's recommendation cannot be overridden (the 16-bit baseline: the builds are priced against
+    it), or None."""
+    if tags.get(RECOMMENDED) == "baseline" or tags.get(VERDICT) == BASELINE:
+        return (
+            "it is the 16-bit baseline (gate.verdict=BASELINE): the builds are priced against it, so it has no "
+            "recommendation to override; drop --recommend"
+        )
+    return None
+
+
 def override_recommendation(mlflow_client, model_name: str, version, by: str, reason: str) -> tuple[str, str]:
     """Record that `by` recommends `version` whatever the gate's cost policy said, and why (tags and an audit
-    run); return read_recommendation of the version afterwards. Raises QuantgateError for a missing version
-    or an empty --by / reason."""
+    run); return read_recommendation of the version afterwards. Raises QuantgateError for a missing version,
+    the 16-bit baseline (`recommend_problem`) or an empty --by / reason."""
     require_text(by=by, recommend=reason)
+    mv = versions.require_version(mlflow_client, model_name, version)
+    if (problem := recommend_problem(mv.tags)) is not None:  # before the lock and the audit run
+        raise QuantgateError(f"{model_name} v{mv.version}: --recommend refused: {problem}")
     with _version_change(mlflow_client, model_name, version, by, reason, "recommend") as (mv, at):
         writes = {RECO_BY: by, RECO_REASON: reason, RECO_AT: at.isoformat(timespec="milliseconds")}
         _write_all(mlflow_client, model_name, mv, writes)

@@ -185,6 +185,10 @@ def approve(
         if recommend_reason is not None:  # refused before anything is written
             approval.require_text(recommend=recommend_reason)
         client, by = _acting(by, model, "approve")
+        if recommend_reason is not None:  # the baseline has no recommendation: refused before the approval
+            problem = approval.recommend_problem(versions.require_version(client, model, version).tags)
+            if problem is not None:
+                raise QuantgateError(f"{model} v{version}: --recommend refused: {problem}")
         a = approval.approve(client, model, version, by, reason, override_reason)
         if recommend_reason is not None:
             _, reco = approval.override_recommendation(client, model, version, by, recommend_reason)

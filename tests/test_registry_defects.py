@@ -405,3 +405,23 @@ def test_a_refused_rollback_suggests_only_a_target_that_would_work(reg):
     approval.approve(client, model, v, "rm", "fixed upstream")  # previous would work now: it is suggested
     result = _invoke("rollback", model, "--to", "fallback", "--by", "oncall", "--reason", "p99")
     _one_line_error(result, f"which already is production; `--to previous` goes to v{v}")
+
+
+def test_recommend_is_refused_on_the_baseline_and_worded_truly_without_a_gate_recommendation(reg):
+    """--recommend on the 16-bit build wrote "recommended by alice's override: why (the gate said -: )" and status
+    showed reco=override on the baseline; on a version with no recommendation it said "the gate said -: "."""
+    client, model, out = reg({"int4": "PASS"})
+    v, base = str(out["builds"]["int4"]["version"]), aliases.current(client, model)["fallback"]
+    n_events = len(audit.history(client, model))
+    result = _invoke("approve", model, base, "--by", "alice", "--reason", "r", "--recommend", "why")
+    _one_line_error(result, f"{model} v{base}: --recommend refused: it is the 16-bit baseline (gate.verdict=BASELINE)")
+    assert len(audit.history(client, model)) == n_events  # refused before the approval too
+    assert approval.approval_of(client, model, base).state == "none"
+    with pytest.raises(QuantgateError, match="it is the 16-bit baseline"):
+        approval.override_recommendation(client, model, base, "alice", "why")
+    assert approval.RECO_BY not in client.get_model_version(model, base).tags
+    assert client.get_model_version(model, v).tags.get("recommended") is None  # the gate recorded none
+    result = _invoke("approve", model, v, "--by", "alice", "--reason", "r", "--recommend", "why")
+    assert result.exit_code == 0, result.output
+    assert "recommended by alice's override: why (the gate recorded no recommendation)" in result.output
+    assert "-: " not in result.output
