@@ -21,6 +21,7 @@ import click
 
 from canary.commands import path_option
 from quantgate.errors import QuantgateError, command_errors
+from registry.commands import model_arg
 
 
 @click.group()
@@ -52,7 +53,7 @@ def report(gate_json: Path) -> None:
 
 
 @cli.command()
-@click.argument("model", required=False)
+@click.argument("model", required=False, callback=model_arg)
 def status(model: str | None) -> None:
     """Registered versions with verdicts and aliases, then the builds left unregistered (MODEL defaults to
     params register.model_name)."""

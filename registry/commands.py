@@ -7,7 +7,8 @@
     quantgate rollback MODEL --reason TEXT [--by NAME] [--to previous|fallback]
     quantgate history MODEL [--at ISO-TIME]
 
-Each parses, calls registry/, prints; a QuantgateError or an MLflow error is one line, no traceback.
+Each parses (MODEL against MLflow's name rule: `model_arg`), calls registry/, prints; a QuantgateError or an
+MLflow error is one line, no traceback.
 `--by` defaults to $USER; against a server that authenticates, its user is recorded instead
 and must have EDIT or MANAGE on the model (registry/access.py). The registry is
 `MLFLOW_TRACKING_URI` (default ./mlflow.db).
@@ -69,6 +70,27 @@ def _acting(by: str, model: str | None, action: str) -> tuple[object, str]:
     if given and by != user:
         click.echo(f"note: the MLflow server authenticates you as {user}; recorded as {user}, not --by {by}", err=True)
     return client, user
+
+
+def model_arg(ctx, param, value: str | None) -> str | None:
+    """MODEL: a registered model's name as MLflow accepts it (quantgate.register_params: not blank, no '/' or ':',
+    not a relative path, short enough for the registry lock's suffix) and not one of quantgate's registry locks.
+    Raises click.BadParameter naming MODEL and the rule before the registry is touched; None passes (no MODEL)."""
+    from pydantic import ValidationError
+
+    from quantgate.register_params import RegisterParams
+    from registry.lock import is_lock
+
+    if value is None:
+        return None
+    try:
+        RegisterParams(model_name=value)
+    except ValidationError as exc:
+        why = exc.errors()[0]["msg"].removeprefix("Value error, ").removeprefix(f"{value!r}: ")
+        raise click.BadParameter(f"{value!r} is not a model name MLflow accepts: {why}") from None
+    if is_lock(value):
+        raise click.BadParameter(f"{value!r} is quantgate's registry lock, not a model; give the model's name")
+    return value
 
 
 def version_arg(ctx, param, value: str) -> str:
@@ -157,7 +179,7 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @_by
 @_reason
@@ -204,7 +226,7 @@ def approve(
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @_by
 @_reason
@@ -236,7 +258,7 @@ def _version_or_none(ctx, param, value: str) -> str | None:
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @click.option(
     "--expect-production",
@@ -267,7 +289,7 @@ def promote(
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @_by
 @_reason
 @click.option("--to", "to", type=click.Choice(["previous", "fallback"]), default="previous", show_default=True)
@@ -298,7 +320,7 @@ def _when(ctx, param, value: str | None) -> datetime | None:
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.option(
     "--at",
     "at",

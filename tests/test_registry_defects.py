@@ -425,3 +425,28 @@ def test_recommend_is_refused_on_the_baseline_and_worded_truly_without_a_gate_re
     assert result.exit_code == 0, result.output
     assert "recommended by alice's override: why (the gate recorded no recommendation)" in result.output
     assert "-: " not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("approve", "", "1", "--reason", "r"), "'' is not a model name MLflow accepts: must not be empty or blank"),
+        (
+            ("approve", "smollm2/x", "1", "--reason", "r"),
+            "'smollm2/x' is not a model name MLflow accepts: MLflow refuses a model name with '/' or ':'",
+        ),  # fmt: skip
+        (("revoke", "a:b", "1", "--reason", "r"), "'a:b' is not a model name MLflow accepts"),
+        (("promote", "..", "1", "--expect-production", "none", "--reason", "r"), "reads as a relative path"),
+        (("rollback", " ", "--reason", "r"), "must not be empty or blank"),
+        (("history", "m.quantgate-lock"), "'m.quantgate-lock' is quantgate's registry lock, not a model"),
+        (("status", "x/y"), "'x/y' is not a model name MLflow accepts"),
+    ],
+)
+def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
+    """`approve "" 1` gave MLflow's "Missing value for required parameter 'name'"; `approve smollm2/x 1` named the
+    internal lock `smollm2/x.quantgate-lock`."""
+    client, model, _ = reg({"int4": "PASS"})
+    result = _invoke(*args, "--by", "alice") if args[0] not in ("history", "status") else _invoke(*args)
+    _one_line_error(result, "Invalid value for '", "MODEL", said)
+    assert "quantgate-lock'" not in result.output or "registry lock" in result.output
+    assert "Missing value" not in result.output
