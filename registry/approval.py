@@ -54,6 +54,7 @@ class Approval:
     reason: str | None = None
     override_reason: str | None = None
     unchanged: bool = False  # approve() found this very approval already recorded and wrote nothing
+    was: str | None = None  # revoke(): the state it revoked (none: never approved, the revocation is a veto)
 
     @property
     def override(self) -> bool:
@@ -233,14 +234,16 @@ def revoke(mlflow_client, model_name: str, version, by: str, reason: str) -> App
     """Revoke the approval of `version` (also a veto on a version never approved).
 
     Aliases are not moved: revoking the production version leaves it serving until a
-    rollback (`quantgate rollback`), but it can no longer be promoted or made candidate.
+    rollback (`quantgate rollback`), but it can no longer be promoted or made candidate, nor be
+    a rollback's target. The returned Approval's `was` is the state revoked (none: a veto).
     """
     require_text(by=by, reason=reason)
     with _version_change(mlflow_client, model_name, version, by, reason, "revoke") as (mv, at):
+        was = read_approval(mv.tags, versions.recorded_verdict(mlflow_client, mv)).state
         writes = {TAG: REVOKED}  # first: fail closed
         writes.update({BY: by, REASON: reason, AT: at.isoformat(timespec="milliseconds"), OVERRIDE: None})
         _write_all(mlflow_client, model_name, mv, writes)
-    return approval_of(mlflow_client, model_name, mv.version)
+    return replace(approval_of(mlflow_client, model_name, mv.version), was=was)
 
 
 def _write_all(mlflow_client, model_name: str, mv, writes: dict[str, str | None]) -> None:

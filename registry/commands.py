@@ -231,7 +231,7 @@ def approve(
 @_by
 @_reason
 def revoke(model: str, version: str, by: str, reason: str) -> None:
-    """Revoke the approval of MODEL VERSION (it can no longer be promoted)."""
+    """Revoke the approval of MODEL VERSION (it can no longer be promoted); on a version never approved, a veto."""
     from registry import aliases, approval, versions
 
     advice = {  # what each alias still does with a revoked version
@@ -248,7 +248,13 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
             for al, v in aliases.current(client, model).items()
             if v == versions.version_number(version) and al in advice
         )
-    click.echo(f"{model} v{version}: {a.why}")
+    if a.was == "none":  # nothing to take back: say what was recorded
+        click.echo(
+            f"{model} v{version}: was never approved (no `approval` tag); recorded a veto: {a.why} "
+            f"(no promote, candidate or rollback goes to it until it is approved)"
+        )
+    else:
+        click.echo(f"{model} v{version}: " + ("was already revoked; again: " if a.was == "revoked" else "") + a.why)
     for al in serving:
         click.echo(f"warning: v{version} is still {al!r}; {advice[al]}")
 

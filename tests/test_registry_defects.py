@@ -450,3 +450,18 @@ def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
     _one_line_error(result, "Invalid value for '", "MODEL", said)
     assert "quantgate-lock'" not in result.output or "registry lock" in result.output
     assert "Missing value" not in result.output
+
+
+def test_revoking_a_version_never_approved_says_it_records_a_veto(reg):
+    """It said only "revoked by alice", as if an approval had been taken back."""
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    result = _invoke("revoke", model, v, "--by", "alice", "--reason", "bad outputs")
+    assert result.exit_code == 0, result.output
+    assert f"{model} v{v}: was never approved (no `approval` tag); recorded a veto: revoked by alice" in result.output
+    assert "until it is approved" in result.output
+    result = _invoke("revoke", model, v, "--by", "bob", "--reason", "still bad")
+    assert f"{model} v{v}: was already revoked; again: revoked by bob" in result.output, result.output
+    approval.approve(client, model, v, "rm", "fixed")
+    result = _invoke("revoke", model, v, "--by", "carol", "--reason", "p99")
+    assert f"{model} v{v}: revoked by carol" in result.output and "recorded a veto" not in result.output
