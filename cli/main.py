@@ -29,8 +29,11 @@ def cli() -> None:
     """quantgate: quantize a shared model, gate each build per team, register, promote."""
 
 
+GATE_JSON = Path("results/gate.json")  # what the gate stage of `dvc repro` writes
+
+
 @cli.command()
-@click.option("--gate-json", type=click.Path(path_type=Path), default=Path("results/gate.json"), show_default=True)
+@click.option("--gate-json", type=click.Path(path_type=Path), default=GATE_JSON, show_default=True)
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
@@ -40,7 +43,12 @@ def report(gate_json: Path) -> None:
     if gate_json.is_dir():
         raise click.ClickException(f"{gate_json} is a folder; give the gate's JSON file (results/gate.json)")
     if not gate_json.is_file():
-        raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
+        if gate_json == GATE_JSON:
+            raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
+        raise click.ClickException(
+            f"--gate-json {gate_json} not found: run `dvc repro` first and drop --gate-json (it writes "
+            f"{GATE_JSON}, the default, only), or give an existing gate JSON file"
+        )
     with command_errors():
         result = read_gate(gate_json)
         search = search_of(SEARCH_RESULT)  # says why two builds have one set of weights

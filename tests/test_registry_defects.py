@@ -465,3 +465,16 @@ def test_revoking_a_version_never_approved_says_it_records_a_veto(reg):
     approval.approve(client, model, v, "rm", "fixed")
     result = _invoke("revoke", model, v, "--by", "carol", "--reason", "p99")
     assert f"{model} v{v}: revoked by carol" in result.output and "recorded a veto" not in result.output
+
+
+def test_report_of_a_missing_gate_json_elsewhere_does_not_send_to_dvc_repro(tmp_path, monkeypatch):
+    """`report --gate-json /nonexistent.json` said "run `dvc repro` first": it writes results/gate.json only."""
+    monkeypatch.chdir(tmp_path)
+    missing = tmp_path / "nonexistent.json"
+    result = _invoke("report", "--gate-json", str(missing))
+    _one_line_error(
+        result,
+        f"--gate-json {missing} not found: run `dvc repro` first and drop --gate-json (it writes results/gate.json, "
+        "the default, only), or give an existing gate JSON file",
+    )
+    _one_line_error(_invoke("report"), "results/gate.json not found: run `dvc repro` first")  # the default: it does
