@@ -38,6 +38,7 @@ def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
     from pipeline.gate import build_line, estimate_line, precision_line, search_of, table
+    from pipeline.report import check_consistent
     from quantgate.results import SEARCH_RESULT, read_gate
 
     if gate_json.is_dir():
@@ -51,6 +52,7 @@ def report(gate_json: Path) -> None:
         )
     with command_errors():
         result = read_gate(gate_json)
+        check_consistent(result, gate_json)  # a build milder than its worst team would print as shippable
         search = search_of(SEARCH_RESULT)  # says why two builds have one set of weights
     lines = [table(result), precision_line(result)]
     if result.buys:

@@ -478,3 +478,22 @@ def test_report_of_a_missing_gate_json_elsewhere_does_not_send_to_dvc_repro(tmp_
         "the default, only), or give an existing gate JSON file",
     )
     _one_line_error(_invoke("report"), "results/gate.json not found: run `dvc repro` first")  # the default: it does
+
+
+def test_report_refuses_a_build_that_passes_with_a_team_failing(tmp_path, monkeypatch):
+    """A gate.json with build int8 PASS and one team FAIL printed `int8: PASS`; the gate gives a build its worst
+    team's verdict (pipeline/gate.py), so no gate wrote that file."""
+    from quantgate.results import write_gate
+
+    monkeypatch.chdir(tmp_path)
+    result = gate_result({"int8": "PASS"})
+    teams = dict(result.builds["int8"].teams)
+    teams["billing"] = teams["search"].model_copy(update={"verdict": "FAIL"})
+    bad = result.model_copy(update={"builds": {"int8": result.builds["int8"].model_copy(update={"teams": teams})}})
+    write_gate(tmp_path / "bad.json", bad)
+    out = _invoke("report", "--gate-json", str(tmp_path / "bad.json"))
+    _one_line_error(out, "bad.json: build int8 is PASS but its team billing is FAIL; the gate gives a build its worst")
+    assert "int8: PASS" not in out.output
+    write_gate(tmp_path / "good.json", gate_result({"int8": "PASS", "int4": "FAIL"}))  # consistent: reported
+    out = _invoke("report", "--gate-json", str(tmp_path / "good.json"))
+    assert out.exit_code == 0 and "int8: PASS" in out.output and "int4: FAIL" in out.output, out.output
