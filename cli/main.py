@@ -38,8 +38,7 @@ def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
     from pipeline.gate import build_line, estimate_line, precision_line, search_of, table
-    from pipeline.report import check_consistent
-    from quantgate.results import SEARCH_RESULT, read_gate
+    from quantgate.results import SEARCH_RESULT, check_consistent, read_gate
 
     if gate_json.is_dir():
         raise click.ClickException(f"{gate_json} is a folder; give the gate's JSON file (results/gate.json)")

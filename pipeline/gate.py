@@ -30,7 +30,7 @@ from pipeline.plot import cost_plot, recovery_plot
 from pipeline.report import table
 from quantgate.budget import CHARS_PER_TOKEN, Cost
 from quantgate.errors import QuantgateError, project_relative, run_main
-from quantgate.judging import SEVERITY, GateBlock, judge
+from quantgate.judging import GateBlock, judge
 from quantgate.manifest import SERVING_DEFAULTS, read_manifest, serving_settings
 from quantgate.params import PARAMS_FILE, load_block, load_builds
 from quantgate.precision import MACHINE_TABLE
@@ -49,6 +49,7 @@ from quantgate.results import (
     write_gate,
 )
 from quantgate.stats import (
+    SEVERITY,
     Verdict,
     docs_for_power,
     pass_probability,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from quantgate.errors import QuantgateError
 from quantgate.results import GateResult
 
 
@@ -30,19 +29,3 @@ def table(result: GateResult, builds: list[str] | None = None) -> str:
                 f"{fmt(c.recovery_pct, '.1f')} | {fmt(c.p_value, '.3g')} | {c.verdict} |"
             )
     return "\n".join(lines)
-
-
-def check_consistent(result: GateResult, path) -> None:
-    """Raise QuantgateError naming the build and team when a build's verdict is milder than one of its teams'
-    (PASS with a team FAIL): the gate gives a build its worst team's verdict, or FAIL (pipeline/gate.py), so
-    such a file was not written by the gate as it stands."""
-    from quantgate.judging import SEVERITY
-    from quantgate.stats import Verdict
-
-    for build, b in result.builds.items():
-        for team, c in b.teams.items():
-            if SEVERITY.index(Verdict(c.verdict)) > SEVERITY.index(Verdict(b.verdict)):
-                raise QuantgateError(
-                    f"{path}: build {build} is {b.verdict} but its team {team} is {c.verdict}; the gate gives a "
-                    f"build its worst team's verdict, so this file is not the gate's: re-run `dvc repro gate`"
-                )

@@ -17,8 +17,6 @@ from quantgate.results import Sample, TeamComparison, TeamScores
 from quantgate.stats import Verdict, compare_binary, compare_continuous, is_binary, verdict
 from quantgate.teams import Team
 
-SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
-
 
 class GateBlock(Frozen):
     """params.yaml block `gate`."""

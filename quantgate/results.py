@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from quantgate.errors import QuantgateError
 from quantgate.files import write_whole
-from quantgate.stats import Verdict
+from quantgate.stats import BASELINE, SEVERITY, Verdict
 
 SEARCH_RESULT = Path("results/search/search.json")  # the search stage's metrics (dvc.yaml)
 SCORES = "scores.json"  # the team's status, per-sample scores and aggregates for one build
@@ -275,6 +275,19 @@ def write_gate(path: Path, result: GateResult) -> None:
 def read_gate(path: Path) -> GateResult:
     """Read results/gate.json; raises QuantgateError if it is missing or not a gate result."""
     return _read(path, TypeAdapter(GateResult), "gate result", "gate")
+
+
+def check_consistent(result: GateResult, path: Path) -> None:
+    """Raise QuantgateError naming the build and team when a build's verdict is milder than one of its teams'
+    (PASS with a team FAIL): the gate gives a build its worst team's verdict, or FAIL (pipeline/gate.py), so
+    such a file was not written by the gate as it stands."""
+    for build, b in result.builds.items():
+        for team, c in b.teams.items():
+            if b.verdict != BASELINE and SEVERITY.index(Verdict(c.verdict)) > SEVERITY.index(Verdict(b.verdict)):
+                raise QuantgateError(
+                    f"{path}: build {build} is {b.verdict} but its team {team} is {c.verdict}; the gate gives a "
+                    f"build its worst team's verdict, so this file is not the gate's: re-run `dvc repro gate`"
+                )
 
 
 # results/profile/<build>.json

@@ -34,6 +34,10 @@ class Verdict(str, Enum):
     ANOMALOUS = "ANOMALOUS"  # candidate better than baseline by more than the margin, with confidence
 
 
+# mildest first: a build's verdict is its worst team's (pipeline/gate.py)
+SEVERITY = [Verdict.PASS, Verdict.INCONCLUSIVE, Verdict.ANOMALOUS, Verdict.FAIL]
+
+
 # Not a verdict but a role: the 16-bit build the gate judges every other build against is never judged
 # itself; where a verdict stands for a build (tag gate.verdict, the buys plot) it says BASELINE instead.
 BASELINE = "BASELINE"
