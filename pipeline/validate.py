@@ -338,8 +338,8 @@ def check_serving_python(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> 
 
 def check_later_blocks(evaluate: EvaluateParams, path: Path = PARAMS_FILE) -> None:
     """The `gate`, `cost`, `executor`, `profile` and `register` blocks as the search, gate, serving, profile and
-    register stages read them: a typo there stops the run here, not after the builds are made and scored.
-    (`prepare` is read by its own stage, which runs next.)
+    register stages read them: a typo there stops the run here, not after the builds are made and scored
+    (`prepare` is check_prepare's).
 
     A profile request (`input_len` + `output_len` tokens) must fit `evaluate.serve.max_model_len` (when it is set:
     -1 is the length vLLM fits), or the server refuses every benchmark request; so must the request the cost

@@ -36,23 +36,40 @@ def builtin_gguf() -> Path:
     return gguf
 
 
+def read_config(path: Path) -> dict:
+    """A model's config.json (`path`) as a mapping. Raises QuantgateError naming the file when it cannot be read,
+    is not JSON, or is not a JSON object."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QuantgateError(f"{path}: cannot be read ({exc}); fix the file or prepare.source") from None
+    except ValueError as exc:
+        raise QuantgateError(f"{path}: not JSON ({exc}); write it with save_pretrained") from None
+    if not isinstance(config, dict):
+        raise QuantgateError(f"{path}: not a JSON object of model settings; write it with save_pretrained")
+    return config
+
+
 def source_context(p: PrepareParams) -> tuple[int | None, str]:
     """(the longest context in tokens the model at `p.source` declares, where it was read): BUILTIN_CONTEXT
-    for the builtin model, else its config.json's max_position_embeddings; None where that holds no positive
-    number (prepare and vLLM read other fields then). Call after check_source."""
+    for the builtin model, else its config.json's max_position_embeddings; None without that field, or with RoPE
+    scaling (vLLM multiplies the length by some scalings' factor, vllm/config/model.py _get_and_verify_max_len, so
+    only vLLM can tell). Raises QuantgateError when the field is there and no whole number of tokens."""
     if p.source == BUILTIN:
         return BUILTIN_CONTEXT, f"{BUILTIN_ID}'s context"
     path = Path(p.source) / "config.json"
-    try:
-        value = json.loads(path.read_text(encoding="utf-8")).get("max_position_embeddings")
-    except (OSError, ValueError, AttributeError):
-        return None, str(path)
-    return (value if isinstance(value, int) and value > 0 else None), f"max_position_embeddings in {path}"
+    config = read_config(path)
+    if config.get("rope_scaling") or config.get("rope_parameters"):
+        return None, f"{path} scales RoPE"
+    value = config.get("max_position_embeddings")
+    if value is not None and (type(value) is not int or value < 1):  # a bool is an int to isinstance
+        raise QuantgateError(f"{path}: max_position_embeddings {value!r} is no number of tokens; fix config.json")
+    return value, f"max_position_embeddings in {path}"
 
 
 def check_source(p: PrepareParams) -> None:
     """Raise QuantgateError unless prepare can load `p.source`: the builtin GGUF is installed (builtin_gguf), or
-    the path is a Hugging Face model directory (its config.json exists)."""
+    the path is a Hugging Face model directory (its config.json a JSON object: read_config)."""
     if p.source == BUILTIN:
         builtin_gguf()
     elif not (Path(p.source) / "config.json").is_file():
@@ -62,3 +79,5 @@ def check_source(p: PrepareParams) -> None:
         raise QuantgateError(
             f"prepare.source={p.source}: {what}; use `{BUILTIN}` or a directory written by save_pretrained"
         )
+    else:
+        read_config(Path(p.source) / "config.json")

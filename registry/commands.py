@@ -237,8 +237,9 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
     advice = {  # what each alias still does with a revoked version
         aliases.PRODUCTION: f"run `quantgate rollback {model} --reason ...`",
         aliases.CANDIDATE: "the canary must drop it",
-        aliases.FALLBACK: "it stays the 16-bit baseline that failed requests are retried on and rollbacks "
-        "reach (`dvc repro` sets it); a build to replace it comes from `dvc repro`",
+        aliases.FALLBACK: "failed requests are still retried on it (the gateway's 16-bit baseline), but no "
+        f"rollback goes to it now (`rollback --to fallback` is refused until `quantgate approve {model} "
+        f"{version}`); a build to replace it comes from `dvc repro`",
     }
     with _errors():
         client, by = _acting(by, model, "revoke")

@@ -298,9 +298,16 @@ def test_a_rollback_to_a_revoked_version_says_where_to_go_instead(reg):
     assert aliases.current(client, model)["production"] == v4  # nothing moved
     fallback = aliases.current(client, model)["fallback"]
     result = _invoke("revoke", model, fallback, "--by", "rm", "--reason", "test")
-    assert result.exit_code == 0 and f"warning: v{fallback} is still 'fallback'; it stays the 16-bit baseline" in (
-        result.output
-    ), result.output
+    # what the warning says the veto does is what rollback then does (it once said rollbacks still reach it)
+    assert result.exit_code == 0 and (
+        f"warning: v{fallback} is still 'fallback'; failed requests are still retried on it (the gateway's 16-bit "
+        f"baseline), but no rollback goes to it now (`rollback --to fallback` is refused until `quantgate approve "
+        f"{model} {fallback}`)"
+    ) in result.output.replace("\n", " "), result.output
+    _one_line_error(
+        _invoke("rollback", model, "--to", "fallback", "--by", "oncall", "--reason", "p99"),
+        f"v{fallback} (fallback) has its approval revoked",
+    )
 
 
 def _canary_run(client, model: str, version: str, phase: str, outcome: str | None = None) -> str:

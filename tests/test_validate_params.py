@@ -127,6 +127,22 @@ def test_a_max_model_len_longer_than_the_models_context_is_refused(params, tmp_p
 
         path = params(at)
         check_context_length(check_prepare(path), check_evaluate(BUILDS, path), path)
+    # linear RoPE scaling: vLLM serves 1024 x 4 tokens, so 5000 is its to refuse, not validate's
+    (tmp_path / "model" / "config.json").write_text(
+        '{"max_position_embeddings": 1024, "rope_scaling": {"type": "linear", "factor": 4}}'
+    )
+    path = params(local)
+    check_context_length(check_prepare(path), check_evaluate(BUILDS, path), path)
+    (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": true}')
+    one_line_error(
+        lambda: check_context_length(check_prepare(path), check_evaluate(BUILDS, path), path),
+        r"config.json: max_position_embeddings True is no number of tokens; fix config.json$",
+    )
+    (tmp_path / "model" / "config.json").write_text("[]")
+    one_line_error(
+        lambda: check_prepare(path),
+        r"params.yaml:\d+: .*model/config.json: not a JSON object of model settings; write it with save_pretrained$",
+    )
 
 
 def test_a_local_model_directory_passes_as_prepare_source(params, tmp_path):
