@@ -17,6 +17,24 @@ MAX_EXPERIMENT_NAME = 500
 MAX_MODEL_NAME = 256 - len(".quantgate-lock.stale.") - 12
 
 
+def model_name_problem(value: str, locked: bool = True) -> str | None:
+    """Why `value` cannot name a registered model, or None: MLflow's rules (not blank, no '/' or ':', not a
+    relative path) and, where quantgate will lock the model to change it (`locked`), MAX_MODEL_NAME."""
+    if not value.strip():
+        return "must not be empty or blank: give the registered model's name"
+    if "/" in value or ":" in value:
+        return f"{value!r}: MLflow refuses a model name with '/' or ':'; use '-' instead"
+    if locked and len(value) > MAX_MODEL_NAME:
+        return (
+            f"{len(value)} characters; at most {MAX_MODEL_NAME} for a model quantgate changes (MLflow's SQL stores "
+            "keep 256, and quantgate's registry lock adds its suffix to the name)"
+        )
+    norm = posixpath.normpath(value)
+    if norm != value or norm == "." or norm.startswith(".."):
+        return f"{value!r}: MLflow refuses a model name that reads as a relative path; rename it"
+    return None
+
+
 class RegisterParams(Frozen):
     """params.yaml block `register`: the registered model's name and the experiment its runs go to, each a name
     MLflow accepts (raises ValueError, as pydantic's message, for one it refuses)."""
@@ -27,18 +45,8 @@ class RegisterParams(Frozen):
     @field_validator("model_name")
     @classmethod
     def _model_name(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("must not be empty or blank: give the registered model's name")
-        if "/" in value or ":" in value:
-            raise ValueError(f"{value!r}: MLflow refuses a model name with '/' or ':'; use '-' instead")
-        if len(value) > MAX_MODEL_NAME:
-            raise ValueError(
-                f"{len(value)} characters; at most {MAX_MODEL_NAME} (MLflow's SQL stores keep 256, and the registry "
-                "lock adds its suffix to the name)"
-            )
-        norm = posixpath.normpath(value)
-        if norm != value or norm == "." or norm.startswith(".."):
-            raise ValueError(f"{value!r}: MLflow refuses a model name that reads as a relative path; rename it")
+        if (problem := model_name_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("experiment")

@@ -73,24 +73,23 @@ def _acting(by: str, model: str | None, action: str) -> tuple[object, str]:
 
 
 def model_arg(ctx, param, value: str | None) -> str | None:
-    """MODEL: a registered model's name as MLflow accepts it (quantgate.register_params: not blank, no '/' or ':',
-    not a relative path, short enough for the registry lock's suffix) and not one of quantgate's registry locks.
-    Raises click.BadParameter naming MODEL and the rule before the registry is touched; None passes (no MODEL)."""
-    from pydantic import ValidationError
-
-    from quantgate.register_params import RegisterParams
+    """MODEL: a registered model's name (quantgate.register_params.model_name_problem: MLflow's rules, and for a
+    command that changes the model, short enough for the registry lock's suffix; `status` and `history` only
+    read) and not one of quantgate's registry locks. Raises click.BadParameter naming MODEL and the rule before
+    the registry is touched; None passes (no MODEL)."""
+    from quantgate.register_params import model_name_problem
     from registry.lock import is_lock
 
     if value is None:
         return None
-    try:
-        RegisterParams(model_name=value)
-    except ValidationError as exc:
-        why = exc.errors()[0]["msg"].removeprefix("Value error, ").removeprefix(f"{value!r}: ")
-        raise click.BadParameter(f"{value!r} is not a model name MLflow accepts: {why}") from None
+    if (problem := model_name_problem(value, locked=ctx.command.name not in READ_ONLY)) is not None:
+        raise click.BadParameter(f"{value!r}: {problem.removeprefix(f'{value!r}: ')}")
     if is_lock(value):
         raise click.BadParameter(f"{value!r} is quantgate's registry lock, not a model; give the model's name")
     return value
+
+
+READ_ONLY = ("status", "history")  # commands that take no registry lock
 
 
 def version_arg(ctx, param, value: str) -> str:

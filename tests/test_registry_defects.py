@@ -437,16 +437,17 @@ def test_recommend_is_refused_on_the_baseline_and_worded_truly_without_a_gate_re
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (("approve", "", "1", "--reason", "r"), "'' is not a model name MLflow accepts: must not be empty or blank"),
-        (
-            ("approve", "smollm2/x", "1", "--reason", "r"),
-            "'smollm2/x' is not a model name MLflow accepts: MLflow refuses a model name with '/' or ':'",
-        ),  # fmt: skip
-        (("revoke", "a:b", "1", "--reason", "r"), "'a:b' is not a model name MLflow accepts"),
+        (("approve", "", "1", "--reason", "r"), "'': must not be empty or blank"),
+        (("approve", "smollm2/x", "1", "--reason", "r"), "'smollm2/x': MLflow refuses a model name with '/' or ':'"),
+        (("revoke", "a:b", "1", "--reason", "r"), "'a:b': MLflow refuses a model name with '/' or ':'"),
         (("promote", "..", "1", "--expect-production", "none", "--reason", "r"), "reads as a relative path"),
         (("rollback", " ", "--reason", "r"), "must not be empty or blank"),
         (("history", "m.quantgate-lock"), "'m.quantgate-lock' is quantgate's registry lock, not a model"),
-        (("status", "x/y"), "'x/y' is not a model name MLflow accepts"),
+        (("status", "x/y"), "'x/y': MLflow refuses a model name with '/' or ':'"),
+        (
+            ("promote", "m" * 230, "1", "--expect-production", "none", "--reason", "r"),
+            "230 characters; at most 222 for a model quantgate changes",
+        ),
     ],
 )
 def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
@@ -457,6 +458,16 @@ def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
     _one_line_error(result, "Invalid value for '", "MODEL", said)
     assert "quantgate-lock'" not in result.output or "registry lock" in result.output
     assert "Missing value" not in result.output
+
+
+def test_a_long_model_name_mlflow_accepts_can_be_read(reg):
+    """`status` and `history` take no lock: a 230-character model MLflow registered was refused as one it refuses."""
+    client, _, _ = reg({"int4": "PASS"})
+    long = "m" * 230
+    client.create_registered_model(long)
+    for args in (("status", long), ("history", long)):
+        result = _invoke(*args)
+        assert result.exit_code == 0 and "Invalid value" not in result.output, result.output
 
 
 def test_revoking_a_version_never_approved_says_it_records_a_veto(reg):

@@ -641,7 +641,7 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
             "register",
             "model_name",
             "m" * 223,
-            r"register.model_name: 223 characters; at most 222 \(MLflow's SQL stores",
+            r"register.model_name: 223 characters; at most 222 for a model quantgate changes \(MLflow's SQL stores",
         ),
         ("profile", "seed", 2**32, r"profile.seed: Input should be less than or equal to 4294967295"),
         ("profile", "timeout_s", "10m", r"profile.timeout_s: Input should be a valid integer.*; got str '10m'"),
