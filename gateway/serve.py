@@ -43,7 +43,7 @@ from gateway.admin import admin_app, admin_token
 from gateway.fleet import Fleet, FleetParams, process_alive
 from gateway.limits import Limiter, Limits, tokenizer_counter
 from gateway.router import Router
-from gateway.server import AppServer, RouterServer
+from gateway.server import AppServer, RouterServer, family_of, url_host
 from gateway.webhook import PATH as WEBHOOK_PATH
 from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
@@ -73,27 +73,30 @@ def reap_orphans(work_dir: Path, log: Callable[[str], None] = print) -> int:
     return killed
 
 
+OPTIONS = {"fleet": ("--host", "--port"), "fleet.admin": (None, "--admin-port")}  # what `quantgate serve` sets
+
+
 def check_bindable(host: str, port: int, what: str) -> None:
     """Raises QuantgateError when `host`:`port` cannot be bound now (port 0: the host is checked), naming
     `what`.host (e.g. fleet.host: a name that does not resolve, an address of no interface here) or `what`.port
-    (in use, or below 1024 without the right), whichever the failure is about."""
-    with socket.socket() as s:
+    (in use, or below 1024 without the right), whichever the failure is about, and where to change it (params.yaml,
+    or the serve option that sets it: OPTIONS)."""
+    host_option, port_option = OPTIONS.get(what, (None, None))
+    with socket.socket(family_of(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except socket.gaierror as exc:  # before OSError: a subclass of it
-            raise QuantgateError(
-                f"{what}.host: {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1 or "
-                "0.0.0.0 (--host)"
-            ) from None
-        except OSError as exc:
-            if exc.errno == errno.EADDRNOTAVAIL:
+        except OSError as exc:  # socket.gaierror (a name that does not resolve) too
+            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+                at = f"params.yaml {what}.host" + (f" or {host_option}" if host_option else "")
                 raise QuantgateError(
-                    f"{what}.host: {host} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1 "
-                    "or 0.0.0.0"
+                    f"{what}.host: {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1, "
+                    f"0.0.0.0 or ::1 ({at})"
                 ) from None
+            at = f"params.yaml {what}.port or {port_option}" if port_option else f"params.yaml {what}.port"
             raise QuantgateError(
-                f"{what}.port: cannot listen on {host}:{port} ({exc.strerror}); free it or pick another"
+                f"{what}.port: cannot listen on {url_host(host)}:{port} ({exc.strerror}); free it or pick another "
+                f"({at})"
             ) from None
 
 
@@ -145,8 +148,7 @@ def webhook_url(params: FleetParams, admin_url: str) -> str:
         return params.webhook_url
     port = admin_url.rsplit(":", 1)[1]
     host = "127.0.0.1" if params.admin.host in ("0.0.0.0", "::", "") else params.admin.host
-    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
-    return f"http://{host}:{port}{WEBHOOK_PATH}"
+    return f"http://{url_host(host)}:{port}{WEBHOOK_PATH}"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,17 @@ import uvicorn
 from quantgate.errors import QuantgateError
 
 
+def family_of(host: str) -> socket.AddressFamily:
+    """The socket family to bind `host` with: IPv6 for an IPv6 address (it has a ':', e.g. ::1 or ::), IPv4
+    for anything else (an IPv4 address, or a name, resolved to IPv4)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets (RFC 3986 3.2.2)."""
+    return f"[{host}]" if ":" in host else host
+
+
 class AppServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0):
         self.app, self.host, self.port, self.grace_s = app, host, port, grace_s
@@ -28,16 +39,17 @@ class AppServer:
     @property
     def url(self) -> str:
         """http://host:port (no trailing slash)."""
-        return f"http://{self.host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> AppServer:
-        """Bind (IPv4), start serving and return once the app's startup has finished.
+        """Bind (IPv4, or IPv6 for an IPv6 host: family_of), start serving and return once the app's startup has
+        finished.
 
         Raises QuantgateError if the port cannot be bound or the app fails to start in time.
         """
         # proto IPPROTO_TCP (not 0) so asyncio sets TCP_NODELAY on accepted connections;
         # without it Nagle + delayed ACK add ~40 ms to every response
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock = socket.socket(family_of(self.host), socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))

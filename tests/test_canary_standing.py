@@ -383,8 +383,10 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
     # a bad host is the host's fault, not the port's (once "fleet.port: ... free it or pick another")
     with pytest.raises(QuantgateError, match=r"^fleet.host: '999.1.1.1' is no address of this machine \(.*\); give"):
         check_bindable("999.1.1.1", 0, "fleet")  # port 0: the host is checked
-    with pytest.raises(QuantgateError, match=r"^fleet.admin.host: 192.0.2.1 is no address of this machine"):
+    with pytest.raises(QuantgateError, match=r"^fleet.admin.host: '192.0.2.1' is no address of this machine .*"):
         check_bindable("192.0.2.1", 0, "fleet.admin")  # TEST-NET-1: resolves, but no interface here has it
+    with pytest.raises(QuantgateError, match=r"\(params.yaml fleet.admin.host\)$"):  # --host is the gateway's only
+        check_bindable("256.1.1.1", 0, "fleet.admin")
     from gateway.limits import Limits
     from gateway.serve import Settings, run_gateway
     from quantgate.serving import ServeParams
@@ -398,6 +400,39 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
     bad.write_text("fleet:\n  port: 8001\n")
     with pytest.raises(QuantgateError, match="fleet: .*admin.port 8001 is also fleet.port"):
         load_fleet_params(bad)
+
+
+def test_an_ipv6_host_is_served_on_ipv6():
+    """fleet.host '::1' was refused as "no address of this machine": the gateway bound IPv4 sockets only."""
+    import socket
+
+    import httpx
+
+    from gateway.serve import check_bindable
+    from gateway.server import AppServer
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    check_bindable("::1", 0, "fleet")
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+        elif scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+
+    server = AppServer(app, host="::1").start()
+    try:
+        assert server.url.startswith("http://[::1]:")
+        assert httpx.get(server.url, trust_env=False).text == "ok"
+    finally:
+        server.stop()
 
 
 def test_serve_outside_the_project_says_where_it_looked(tmp_path, monkeypatch):
