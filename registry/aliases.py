@@ -195,6 +195,12 @@ def _require_canary_run(
         raise QuantgateError(f"canary run {run_id} is {kind}, not a canary run ({CANARY_EXPERIMENT}); {use}")
     t = run.data.tags
     of = (t.get("model"), t.get("candidate_version"))
+    if None in of:
+        missing = " and ".join(k for k, v in zip(("model", "candidate_version"), of, strict=True) if v is None)
+        raise QuantgateError(
+            f"canary run {run_id} in {CANARY_EXPERIMENT} has no {missing} tag, so it is no canary `quantgate canary "
+            f"run` recorded; {use}"
+        )
     if of != (model_name, version):
         raise QuantgateError(
             f"canary run {run_id} is the canary of {of[0]} v{of[1]}, not of {model_name} v{version}; {use}"

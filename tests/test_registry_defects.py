@@ -337,6 +337,10 @@ def test_promote_takes_only_a_passed_canary_of_this_version_as_evidence(reg):
         "passed every step (canary.phase promoting or promoted) can be given",
         _canary_run(client, model, v4, "progressing"): "is in phase progressing; only a canary that passed",
     }
+    from canary.status import EXPERIMENT
+
+    untagged = client.create_run(store.experiment_id(client, EXPERIMENT)).info.run_id  # once "canary of None vNone"
+    refused[untagged] = "in quantgate-canary has no model and candidate_version tag, so it is no canary"
     for run_id, said in refused.items():
         result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "r",
                          "--canary-run-id", run_id)  # fmt: skip
