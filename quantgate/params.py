@@ -9,6 +9,7 @@ no block is (`check_blocks`, BLOCKS) fails the same way.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from types import UnionType
@@ -189,12 +190,13 @@ def _as_text(value: object, integer: bool = False) -> str:
     if not isinstance(value, str) or not re.search(r"\d", value):  # nan, inf: words, not quoted numbers
         return ""
     try:
-        float(value)
+        number = float(value)
     except ValueError:
         return ""
+    if not math.isfinite(number):  # 1e400: no rewriting makes it a number a block takes
+        return f" ({value} is beyond any float: write a finite number)"
     mantissa, e, exponent = value.lower().partition("e")
     if e and integer:  # YAML's 2.0e+3 is a float, which an integer field refuses too
-        number = float(value)
         return f" (YAML 1.1 reads {value} as text: write {int(number)})" if number.is_integer() else ""
     if e:
         fixed = (

@@ -586,6 +586,12 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
             "2e3",
             "max_model_len: Input should be a valid integer; got str '2e3' (YAML 1.1 reads 2e3 as text: write 2000)",
         ),
+        (  # once "write 1.0e+400", which YAML reads as .inf, refused in turn
+            "max_slowdown",
+            "1e400",
+            "max_slowdown: Input should be a valid number; got str '1e400' (1e400 is beyond any float: write a "
+            "finite number)",
+        ),
         ("dtype", "16", "dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'; got str '16'"),
         (
             "devices",
