@@ -127,7 +127,7 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for v in values:
         version, sep, url = v.partition("=")
-        version = version.strip()
+        version, url = version.strip(), url.strip()
         if not sep or not version or not url.startswith("http"):
             raise click.BadParameter(f"{v!r}: give VERSION=URL, e.g. 1=http://127.0.0.1:8001/v1")
         if version in out:  # once, the last silently won

@@ -43,7 +43,7 @@ def report(gate_json: Path) -> None:
     if gate_json.is_dir():
         raise click.ClickException(f"{gate_json} is a folder; give the gate's JSON file (results/gate.json)")
     if not gate_json.is_file():
-        if gate_json == GATE_JSON:
+        if gate_json.resolve() == GATE_JSON.resolve():  # the default, however it is spelled
             raise click.ClickException(f"{gate_json} not found: run `dvc repro` first")
         raise click.ClickException(
             f"--gate-json {gate_json} not found: run `dvc repro` first and drop --gate-json (it writes "

@@ -932,7 +932,11 @@ def test_load_and_reuse_urls_are_checked_before_anything_is_sent(tmp_path):
     for reuse, message in (
         (["1=http://127.0.0.1:9/v1", "1=http://127.0.0.1:10/v1"], "v1 is given twice"),
         (["1=http://:9/v1"], "'http://:9/v1': give a server's OpenAI http(s) URL with its host and port"),
+        (["1= ftp://127.0.0.1:9/v1"], "'1= ftp://127.0.0.1:9/v1': give VERSION=URL"),
     ):
         result = CliRunner().invoke(cli, [*run, *(a for r in reuse for a in ("--reuse", r))])
         assert result.exit_code == 2 and "Invalid value for '--reuse'" in result.output, result.output
         assert message in result.output, result.output
+    # a space after = is stripped as around the version: the option parses (the run then stops at the registry)
+    result = CliRunner().invoke(cli, [*run, "--reuse", f"1= http://127.0.0.1:{free_port()}/v1"])
+    assert result.exit_code == 1 and "Invalid value for '--reuse'" not in result.output, result.output

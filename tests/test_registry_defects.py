@@ -500,6 +500,10 @@ def test_report_of_a_missing_gate_json_elsewhere_does_not_send_to_dvc_repro(tmp_
         "the default, only), or give an existing gate JSON file",
     )
     _one_line_error(_invoke("report"), "results/gate.json not found: run `dvc repro` first")  # the default: it does
+    default = tmp_path / "results" / "gate.json"  # the default spelt whole is the default
+    result = _invoke("report", "--gate-json", str(default))
+    _one_line_error(result, f"{default} not found: run `dvc repro` first")
+    assert "drop --gate-json" not in result.output
 
 
 def test_report_refuses_a_build_that_passes_with_a_team_failing(tmp_path, monkeypatch):
