@@ -148,15 +148,18 @@ def acquire(
     wait_s: float = WAIT_S,
     stale_after_s: float = STALE_AFTER_S,
     by: str | None = None,
+    token: str | None = None,
 ) -> Lock:
     """Take the lock on `model_name` for `holder` (a description, e.g. "promote v3 by alice"),
-    waiting up to `wait_s` seconds; `by` (default `holder`) is who is recorded if a stale lock is broken.
+    waiting up to `wait_s` seconds; `by` (default `holder`) is who is recorded if a stale lock is broken;
+    `token` (default: a new one) is what the lock carries, so a caller can release it even when an interrupt
+    lands between its creation and this function's return (held).
 
     Raises LockBusy (a QuantgateError) naming the holder when it stays held.
     """
     from mlflow.exceptions import MlflowException
 
-    token = uuid.uuid4().hex
+    token = token or uuid.uuid4().hex
     deadline = time.monotonic() + wait_s
     while True:
         tags = {
@@ -195,9 +198,11 @@ def acquire(
 
 @contextmanager
 def held(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S, by: str | None = None) -> Iterator[Lock]:
-    """`with held(client, model, what, by=who) as lock:` acquire, run, release (also on error)."""
-    lock = acquire(mlflow_client, model_name, holder, wait_s, by=by)
+    """`with held(client, model, what, by=who) as lock:` acquire, run, release (also on error). An interrupt
+    (Ctrl-C) while the lock is being taken releases it too: its token is chosen here, before it exists, and
+    release() deletes only a lock carrying it (it once stayed held until broken as stale, blocking rollbacks)."""
+    token = uuid.uuid4().hex
     try:
-        yield lock
+        yield acquire(mlflow_client, model_name, holder, wait_s, by=by, token=token)
     finally:
-        lock.release()
+        Lock(mlflow_client, model_name, token).release()

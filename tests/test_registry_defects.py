@@ -523,3 +523,22 @@ def test_report_refuses_a_build_that_passes_with_a_team_failing(tmp_path, monkey
     write_gate(tmp_path / "good.json", gate_result({"int8": "PASS", "int4": "FAIL"}))  # consistent: reported
     out = _invoke("report", "--gate-json", str(tmp_path / "good.json"))
     assert out.exit_code == 0 and "int8: PASS" in out.output and "int4: FAIL" in out.output, out.output
+
+
+def test_an_interrupt_while_the_lock_is_taken_leaves_no_lock(reg, monkeypatch):
+    """Ctrl-C landing after MLflow created the lock but before `held` could release it left the lock held until it
+    was broken as stale (120 s): every alias change, rollback included, was refused meanwhile."""
+    client, model, _ = reg({"int4": "PASS"})
+    create = client.create_registered_model
+
+    def created_then_interrupted(*args, **kwargs):
+        create(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client, "create_registered_model", created_then_interrupted)
+    with pytest.raises(KeyboardInterrupt), lock.held(client, model, "candidate v1 by rm"):
+        pass
+    assert lock.holder_of(client, model) is None
+    monkeypatch.setattr(client, "create_registered_model", create)
+    with lock.held(client, model, "promote v1 by rm", wait_s=1):  # at once: nothing left behind
+        assert lock.holder_of(client, model)["lock.holder"] == "promote v1 by rm"
