@@ -323,7 +323,7 @@ def run(
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
     Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
     """
-    from canary.controller import Admin, Local, run_canary, run_canary_on_gateway
+    from canary.controller import Admin, Interrupted, Local, run_canary, run_canary_on_gateway
     from canary.policy import load_policy, load_topology
     from gateway.admin import read_token
     from gateway.fleet import load_fleet_params
@@ -349,9 +349,16 @@ def run(
             else:
                 local = Local(load_block("evaluate.serve", ServeParams), work_dir, load_topology(), router, reuse or {})
                 outcome = run_canary(client, model, version, policy, by, local, hooks)
+    except Interrupted as exc:  # the run was opened: it is recorded as aborted, with what changed on the way out
+        o = exc.outcome
+        changed = f"aliases: {'; '.join(o.changes)}" if o.changes else "no alias changed"
+        raise click.ClickException(
+            f"canary run {o.run_id} of {model} v{version} interrupted at step {o.step} ({o.percent:g}%): aborted "
+            f"({o.reason}); {changed}"
+        ) from None
     except KeyboardInterrupt:
         raise click.ClickException(
-            f"canary of {model} v{version} interrupted: aborted, `candidate` not set, other aliases unchanged"
+            f"canary of {model} v{version} interrupted before its run was opened: nothing recorded, no alias changed"
         ) from None
     finally:
         stop_load.set()

@@ -57,7 +57,7 @@ from gateway.router import Router, RouterParams
 from quantgate.errors import QuantgateError
 from quantgate.serving import ServeParams, serving_versions
 from quantgate.stats import Verdict
-from registry import aliases, approval, store, tags, versions
+from registry import aliases, approval, lock, store, tags, versions
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,15 @@ class Outcome:
     reason: str
     run_id: str
     changes: tuple[str, ...] = ()
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a SIGTERM that interrupts) during a canary, raised once its run is recorded as aborted:
+    `outcome` says at which step, and which aliases changed on the way out."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.reason)
+        self.outcome = outcome
 
 
 class Aborted(Exception):
@@ -385,46 +394,52 @@ def _open_run(
     mlflow_client, model_name: str, version: str, builds: tuple, policy: CanaryPolicy, by: str, log
 ) -> tuple[Spec, Status]:
     """The canary's MLflow run, phase initializing; `builds` = preflight()'s (stable, production, fallback).
-    Raises QuantgateError while another canary of the model is live (one at a time)."""
-    other = live_run(mlflow_client, model_name, policy.stale_after_s)
-    if other is not None:
-        t = other.data.tags
-        raise QuantgateError(
-            f"a canary of {model_name} is in progress: v{t.get('candidate_version')}, run {other.info.run_id} "
-            f"({t.get('canary.phase')}, step {t.get('canary.step')}, controller {t.get('canary.controller')}); "
-            "wait for it to promote or abort, or stop it (Ctrl-C in its terminal)"
-        )
+    Raises QuantgateError while another canary of the model is live (one at a time); an interrupt or error
+    after the run exists records it as aborted (Interrupted for Ctrl-C)."""
     stable, production, fallback = builds
     exp_id = store.experiment_id(mlflow_client, EXPERIMENT, mlflow_client.tracking_uri)
-    run_id = mlflow_client.create_run(
-        exp_id,
-        run_name=f"canary-{model_name}-v{version}",
-        tags={
-            "model": model_name,
-            "candidate_version": version,
-            "stable_version": stable,
-            "fallback_version": fallback,
-            "by": by,
-        },
-    ).info.run_id
+    status = Status(mlflow_client, "")
+    # the check and the run, born live (phase and heartbeat), under the model's registry lock: two canaries
+    # started at once both passed the check before either run existed, and both ran
+    with lock.held(mlflow_client, model_name, f"canary of v{version} by {by} starting", by=by):
+        other = live_run(mlflow_client, model_name, policy.stale_after_s)
+        if other is not None:
+            t = other.data.tags
+            raise QuantgateError(
+                f"a canary of {model_name} is in progress: v{t.get('candidate_version')}, run {other.info.run_id} "
+                f"({t.get('canary.phase')}, step {t.get('canary.step')}, controller {t.get('canary.controller')}); "
+                "wait for it to promote or abort, or stop it (Ctrl-C in its terminal)"
+            )
+        own = {"model": model_name, "candidate_version": version, "stable_version": stable, "by": by}
+        status.run_id = mlflow_client.create_run(
+            exp_id,
+            run_name=f"canary-{model_name}-v{version}",
+            tags={**own, "fallback_version": fallback, **status.tags()},
+        ).info.run_id
+    spec = Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, status.run_id)
+    with _recorded(spec, status, ends=False):  # Ctrl-C here: recorded as aborted, not left running without a phase
+        _describe_run(spec, log)
+    return spec, status
+
+
+def _describe_run(spec: Spec, log) -> None:
+    """The run's params (the policy, one per check), its first log lines and the latency forecast."""
+    client, run_id, policy = spec.client, spec.run_id, spec.policy
     for key, value in policy.model_dump(exclude={"checks"}).items():
-        mlflow_client.log_param(run_id, key, str(value))
+        client.log_param(run_id, key, str(value))
     for check in policy.checks:  # one param per check, e.g. check.error_rate = "max 0.01"
-        mlflow_client.log_param(run_id, f"check.{check.name}", f"{CHECK_KINDS[check.name][0]} {check.bound:g}")
-    status = Status(mlflow_client, run_id)
-    status.set(Phase.INITIALIZING)
-    log(f"canary: run {run_id}: v{version} against stable v{stable} (shadow: fallback v{fallback})")
+        client.log_param(run_id, f"check.{check.name}", f"{CHECK_KINDS[check.name][0]} {check.bound:g}")
+    log(f"canary: run {run_id}: v{spec.version} against stable v{spec.stable} (shadow: fallback v{spec.fallback})")
     log(f"canary: checks {', '.join(map(str, policy.checks))} at steps {', '.join(f'{p:g}%' for p in policy.steps)}")
     forecast = latency_forecast(
         policy,
-        (stable, mlflow_client.get_model_version(model_name, stable).tags),
-        (version, mlflow_client.get_model_version(model_name, version).tags),
+        (spec.stable, client.get_model_version(spec.model, spec.stable).tags),
+        (spec.version, client.get_model_version(spec.model, spec.version).tags),
     )
     for line in forecast:
         log(f"canary: forecast: {line}")
     if forecast:
-        mlflow_client.set_tag(run_id, "canary.forecast", " | ".join(forecast)[:5000])
-    return Spec(mlflow_client, model_name, version, stable, production, fallback, policy, by, run_id), status
+        client.set_tag(run_id, "canary.forecast", " | ".join(forecast)[:5000])
 
 
 def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: str | None) -> Outcome:
@@ -471,44 +486,56 @@ def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: st
 
 
 class _Ledger:
-    """How a canary run is ending, for _recorded: its outcome, MLflow status, and whether it set `candidate`."""
+    """How a canary run is ending, for _recorded: its outcome, and whether it set `candidate`."""
 
     outcome: Outcome | None = None
-    run_status: str = "FAILED"
     candidate_set: bool = False
 
 
 @contextlib.contextmanager
-def _recorded(spec: Spec, status: Status) -> Iterator[_Ledger]:
-    """Record the canary's end however it comes (`_finish`): an error or Ctrl-C is an abort at step 0, re-raised."""
+def _recorded(spec: Spec, status: Status, ends: bool = True) -> Iterator[_Ledger]:
+    """Record the canary's end (`_finish`): an error is an abort at the step it reached, re-raised; Ctrl-C is one
+    too, raised as Interrupted with the outcome; a normal exit ends the run only when `ends` (False while the
+    run is being opened)."""
     ledger = _Ledger()
     try:
         yield ledger
-        ledger.run_status = "FINISHED"
     except KeyboardInterrupt:
-        ledger.outcome = Outcome("aborted", 0, 0.0, "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
-        ledger.run_status = "KILLED"
+        outcome = Outcome("aborted", *_reached(status), "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
+        ledger.outcome = _finish(spec, status, outcome, "KILLED", ledger.candidate_set)
+        raise Interrupted(ledger.outcome) from None
+    except BaseException as exc:
+        outcome = (
+            Outcome("aborted", *_reached(status), str(exc), spec.run_id) if isinstance(exc, QuantgateError) else None
+        )
+        ledger.outcome = _finish(spec, status, outcome, "FAILED", ledger.candidate_set)
         raise
-    except QuantgateError as exc:
-        ledger.outcome = Outcome("aborted", 0, 0.0, str(exc), spec.run_id)
-        raise
-    finally:
-        ledger.outcome = _finish(spec, status, ledger.outcome, ledger.run_status, ledger.candidate_set)
+    if ends:
+        ledger.outcome = _finish(spec, status, ledger.outcome, "FINISHED", ledger.candidate_set)
+
+
+def _reached(status: Status) -> tuple[int, float]:
+    """(step, weight %) the canary had reached, from its status (0, 0 before traffic)."""
+    return int(status.fields.get("step", "0")), float(status.fields.get("weight", "0"))
 
 
 def _finish(spec: Spec, status: Status, outcome: Outcome | None, run_status: str, candidate_set: bool) -> Outcome:
-    """Clear `candidate` if this canary set it and did not promote; record the outcome, phase and end of the run."""
+    """Clear `candidate` if this canary set it and did not promote; record the outcome, phase and end of the run.
+    A `candidate` that cannot be cleared (the registry lock held elsewhere) is said in the outcome's reason,
+    and the run is still ended: once it stayed RUNNING and initializing, refusing the next canary."""
     client, run_id = spec.client, spec.run_id
     if candidate_set and not (outcome and outcome.decision == "promoted"):
-        cleared = aliases.clear_candidate(
-            client,
-            spec.model,
-            spec.by,
-            f"canary run {run_id} aborted: {outcome.reason if outcome else 'error'}",
-            canary_run_id=run_id,
-        )
+        why = f"canary run {run_id} aborted: {outcome.reason if outcome else 'error'}"
+        try:
+            cleared = tuple(map(str, aliases.clear_candidate(client, spec.model, spec.by, why, canary_run_id=run_id)))
+        except QuantgateError as exc:
+            cleared = ()
+            left = (
+                f"; `candidate` still points at v{spec.version}: clearing it failed ({exc}); the next canary moves it"
+            )
+            outcome = dataclasses.replace(outcome, reason=outcome.reason + left) if outcome else outcome
         if outcome is not None:
-            outcome = dataclasses.replace(outcome, changes=tuple(map(str, cleared)))
+            outcome = dataclasses.replace(outcome, changes=cleared)
     if outcome is not None:
         client.set_tag(run_id, "outcome", outcome.decision)
         client.set_tag(run_id, "outcome.reason", outcome.reason[:500])
@@ -544,6 +571,7 @@ def run_canary(
     reused = {versions.version_number(v): reused_backend(v, url) for v, url in local.reuse.items()}
     if not {builds[0], builds[2], version} <= set(reused):
         serving_versions(local.serve.python)  # a server will start: its env must work before the run is opened
+    reap_stale(mlflow_client, model_name, policy.stale_after_s, by, hooks.log)  # runs whose controller died
     spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, hooks.log)
     if steps is not None:
         hooks.log(plan_line(policy, hooks.traffic, steps))

@@ -57,6 +57,12 @@ class Status:
             "controller": f"{socket.gethostname()}:{os.getpid()}",
         }
 
+    def tags(self, fields: dict[str, str] | None = None) -> dict[str, str]:
+        """`fields` (default: the whole status) as run tags (canary.<field>) with a fresh heartbeat: what set() and
+        beat() write, and the first tags of a run created live (phase and heartbeat in its first write)."""
+        fields = self.fields if fields is None else fields
+        return {PREFIX + k: v[:500] for k, v in fields.items()} | {PREFIX + "heartbeat": f"{time.time():.1f}"}
+
     def set(self, phase: Phase | None = None, **fields) -> None:
         """Change the phase and/or fields (step, weight, failed_checks, resumed, ...) and write them."""
         if phase is not None:
@@ -70,9 +76,7 @@ class Status:
     def _write(self, fields: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        tags = [RunTag(PREFIX + k, v[:500]) for k, v in fields.items()]
-        tags.append(RunTag(PREFIX + "heartbeat", f"{time.time():.1f}"))
-        self.client.log_batch(self.run_id, tags=tags)
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self.tags(fields).items()])
 
 
 def _heartbeat(tags: dict) -> float:

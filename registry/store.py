@@ -132,14 +132,25 @@ def client(uri: str | None = None, existing: bool = False):
 
 
 def experiment_id(mlflow_client, name: str, uri: str | None = None) -> str:
-    """Id of experiment `name`, created if missing.
+    """Id of experiment `name`, created if missing (by another process meanwhile too: two canaries started at
+    once on a new registry both created it, and the slower one failed).
 
     With the embedded sqlite store its artifacts go to ./mlartifacts (absolute file URI),
     so runs are readable from any working directory; a server decides its own root.
     """
+    from mlflow.exceptions import MlflowException
+
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
     local = (uri or tracking_uri()).startswith(("sqlite:", "file:", "/"))
     location = DEFAULT_ARTIFACTS.resolve().as_uri() if local else None
-    return mlflow_client.create_experiment(name, artifact_location=location)
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=location)
+    except MlflowException as exc:
+        if (
+            getattr(exc, "error_code", "") != "RESOURCE_ALREADY_EXISTS"
+            or (exp := mlflow_client.get_experiment_by_name(name)) is None
+        ):
+            raise
+        return exp.experiment_id
