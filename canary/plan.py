@@ -102,6 +102,13 @@ def plan(policy: CanaryPolicy, traffic: Traffic) -> tuple[StepPlan, ...]:
     return tuple(out)
 
 
+def _fixes(limiting: str, traffic: Traffic) -> str:
+    """What to change for the `limiting` need: _FIXES, without "stream more requests" for --load-rps traffic,
+    whose streaming share is fixed."""
+    fixes = _FIXES[limiting]
+    return fixes.replace(" (or stream more requests)", "") if traffic.source == "--load-rps" else fixes
+
+
 def refusal(policy: CanaryPolicy, traffic: Traffic, steps: Sequence[StepPlan]) -> str | None:
     """One line saying why the plan cannot finish within max_step_s and what to change; None if it can."""
     for s in steps:
@@ -110,7 +117,8 @@ def refusal(policy: CanaryPolicy, traffic: Traffic, steps: Sequence[StepPlan]) -
             return (
                 f"canary plan cannot finish: at {traffic.rps:g} req/s ({traffic.source}) step {s.step} "
                 f"({s.percent:g}%) {need} for min_samples={policy.min_samples} of {s.limiting}, over "
-                f"max_step_s={policy.max_step_s:g} / {SLACK:g}; change {_FIXES[s.limiting]}, or send more traffic"
+                f"max_step_s={policy.max_step_s:g} / {SLACK:g}; change {_fixes(s.limiting, traffic)}, or send more "
+                "traffic"
             )
     return None
 
@@ -128,9 +136,10 @@ def plan_line(policy: CanaryPolicy, traffic: Traffic, steps: Sequence[StepPlan])
     """`canary: at 1 req/s (--load-rps) this plan needs about 12 min (step 1 (10%): 400 s, ...)`."""
     total = sum(s.seconds for s in steps)
     each = ", ".join(f"step {s.step} ({s.percent:g}%): {s.seconds:.0f} s" for s in steps)
+    length = f"{total / 60:.0f} min" if total >= 90 else f"{total:.0f} s"  # a short plan is not "0 min"
     return (
         f"canary: at {traffic.rps:.3g} req/s ({traffic.source}; {traffic.stream_share:.0%} streaming, "
-        f"{traffic.greedy_share:.0%} greedy) this plan needs about {total / 60:.0f} min ({each}); "
+        f"{traffic.greedy_share:.0%} greedy) this plan needs about {length} ({each}); "
         f"a check FAILs at p <= {fail_level(policy):.2g} (error_rate, shadow_agreement: any look) "
         f"or {latency_level(policy):.2g} (latency, per look)"
     )

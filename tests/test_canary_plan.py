@@ -117,6 +117,20 @@ def test_more_traffic_shortens_the_plan_and_min_step_s_is_the_floor():
     assert refusal(CanaryPolicy(), Traffic(0.6), plan(CanaryPolicy(), Traffic(0.6))) is not None  # 667 s x 1.5
 
 
+def test_a_short_plan_is_said_in_seconds_and_load_rps_is_not_told_to_stream_more():
+    """A 40 s plan read "about 0 min"; --load-rps fixes the streaming share, yet its refusal said to stream more."""
+    quick = CanaryPolicy(
+        steps=[50, 100], min_step_s=3, max_step_s=60, check_interval_s=1, stale_after_s=10, min_samples=5
+    )
+    steps = require_feasible(quick, Traffic(10.0, source="--load-rps"))
+    assert "this plan needs about 6 s (step 1 (50%): 3 s, step 2 (100%): 3 s)" in plan_line(quick, Traffic(10.0), steps)
+    slow = Traffic(0.01, source="--load-rps")
+    why = refusal(quick, slow, plan(quick, slow))
+    assert why is not None and "latency (candidate streams)" in why and "stream more" not in why, why
+    measured = Traffic(0.01, source="measured")
+    assert "(or stream more requests)" in refusal(quick, measured, plan(quick, measured))
+
+
 def test_the_e2e_fast_policy_is_feasible_at_its_load():
     fast = load_policy(REPO / "params.yaml").model_copy(update=FAST)  # tests/policies.py fast_policy()
     steps = require_feasible(fast, Traffic(1.5, shadow_fraction=FAST_ROUTER["shadow_fraction"]))
