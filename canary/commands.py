@@ -174,13 +174,15 @@ def sigterm_as_ctrl_c() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-def sigterm_stops(stop: threading.Event) -> None:
-    """SIGTERM for a canary: set `stop`, which the controller reads at every wait (the traffic
-    measurement, the gateway's warm-up, each look), so the canary aborts on its normal path between
-    registry writes: weight 0, `candidate` cleared, the abort recorded, servers stopped. Raising at
-    an arbitrary point instead can cut a registry write and leave a sqlite registry locked. Inside a
-    vLLM server's start (quantgate.serving.vllm_server on the stack, no registry write there) or on
-    a second SIGTERM it interrupts at once, as Ctrl-C does."""
+def operator_stops(stop: threading.Event) -> Callable[[], None]:
+    """Ctrl-C (SIGINT) and SIGTERM for a canary: set `stop`, which the controller reads at every wait (the
+    traffic measurement, the gateway's warm-up, each look), so the canary aborts on its normal path between
+    registry writes: weight 0, `candidate` cleared, the abort recorded, servers stopped. Raising at an
+    arbitrary point instead cut registry writes (a Ctrl-C during the promotion left a sqlite registry locked,
+    the lock held and the run `promoting`) and could be swallowed (raised inside a weakref callback, it was
+    ignored and the canary promoted). Inside a vLLM server's start (quantgate.serving.vllm_server on the
+    stack, no registry write there) or on a second signal it interrupts at once (KeyboardInterrupt).
+    Returns the function that puts the previous handlers back."""
     import signal
 
     from quantgate.serving import vllm_server
@@ -196,7 +198,13 @@ def sigterm_stops(stop: threading.Event) -> None:
         if forced:
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, terminate)
+    before = {sig: signal.signal(sig, terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    return restore
 
 
 @dataclass(frozen=True)
@@ -332,7 +340,7 @@ def run(
     from registry import store
 
     stop, stop_load = threading.Event(), threading.Event()
-    sigterm_stops(stop)
+    restore = operator_stops(stop)
     try:
         with command_errors():
             admin_url = None if gateway.admin_url is None else gateway_url(gateway.admin_url)
@@ -362,6 +370,7 @@ def run(
         ) from None
     finally:
         stop_load.set()
+        restore()
     click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")
     if outcome.decision != "promoted":
         sys.exit(3)
@@ -370,7 +379,7 @@ def run(
 def _hooks(
     load: CanaryLoad, prompts: list[str], shadowed: float, stop: threading.Event, stop_load: threading.Event
 ) -> Hooks:
-    """The controller's hooks for `canary run`: lines to stdout, `stop` set on SIGTERM, and the --load-rps
+    """The controller's hooks for `canary run`: lines to stdout, `stop` set on Ctrl-C or SIGTERM, and the --load-rps
     traffic (planned at its rate, `shadowed` the share of greedy candidate requests mirrored), stopped
     through `stop_load`."""
     from canary.controller import Hooks

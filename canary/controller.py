@@ -270,7 +270,7 @@ class _Look:
         self.t0, self.engine = time.time(), []
         while True:
             if self.hooks.stop.wait(policy.check_interval_s):
-                raise Aborted("stopped by the operator (SIGTERM)", i, percent)
+                raise Aborted("stopped by the operator (Ctrl-C or SIGTERM)", i, percent)
             try:
                 resumed = self.split.recover(percent)
             except QuantgateError as exc:
@@ -334,14 +334,14 @@ def _measure(split: Split, policy: CanaryPolicy, hooks: Hooks) -> Traffic:
     hooks.log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
     t0 = time.time()
     if hooks.stop.wait(policy.measure_s):
-        raise Aborted("stopped by the operator (SIGTERM)", 0, 0.0)
+        raise Aborted("stopped by the operator (Ctrl-C or SIGTERM)", 0, 0.0)
     return measured_traffic(split.samples_since(t0), time.time() - t0, split.shadow_fraction)
 
 
 @dataclass(frozen=True)
 class Hooks:
     """What a canary run's caller gives it besides the canary: `log` each line; `stop`, set (what `canary run`
-    does on SIGTERM), aborts at the next wait, recorded as "stopped by the operator (SIGTERM)";
+    does on Ctrl-C or SIGTERM), aborts at the next wait, recorded as "stopped by the operator (Ctrl-C or SIGTERM)";
     `on_router(url)` is called once traffic can flow (e.g. to start load) and may return a callable run
     before the end (e.g. to stop that load); `traffic` (e.g. the --load-rps rate) plans the steps before
     anything starts, None measures it over measure_s once the router runs."""
@@ -474,8 +474,10 @@ def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: st
     except Aborted as exc:
         reason, step, percent = exc.args
         return Outcome("aborted", step, percent, reason, run_id)
-    except aliases.AliasConflict as exc:
-        return Outcome("aborted", len(policy.steps), policy.steps[-1], str(exc), run_id)
+    except QuantgateError as exc:  # AliasConflict, or the registry lock held past its wait: the canary did not promote
+        return Outcome(
+            "aborted", len(policy.steps), policy.steps[-1], f"passed every step; promote failed: {exc}", run_id
+        )
     finally:
         try:
             split.drain()

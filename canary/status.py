@@ -13,7 +13,7 @@ Flagger's Canary .status, so another process can see, and clean up after, a cont
 
 `live_run`: the canary of a model whose controller is beating, if any (one canary per model
 at a time: a second `canary run` is refused while it lives).
-`reap_stale`: a run still initializing or progressing whose heartbeat is older than
+`reap_stale`: a run still initializing, progressing or promoting whose heartbeat is older than
 `stale_after_s` has lost its controller; it is recorded as aborted ("controller gone since
 ..."), and `candidate` is cleared when it still points at that run's version.
 """
@@ -42,6 +42,7 @@ class Phase(str, Enum):
 
 
 LIVE = (Phase.INITIALIZING.value, Phase.PROGRESSING.value)  # a controller should be beating
+REAPED = (*LIVE, Phase.PROMOTING.value)  # phases a dead controller leaves behind
 
 
 class Status:
@@ -56,6 +57,13 @@ class Status:
             "failed_checks": "",
             "controller": f"{socket.gethostname()}:{os.getpid()}",
         }
+
+    @classmethod
+    def of(cls, mlflow_client, run_id: str, tags: dict[str, str]) -> Status:
+        """The status a run's `tags` record (its phase, step, weight, failed checks and controller), to write on."""
+        status = cls(mlflow_client, run_id)
+        status.fields.update({k: tags[PREFIX + k] for k in status.fields if PREFIX + k in tags})
+        return status
 
     def tags(self, fields: dict[str, str] | None = None) -> dict[str, str]:
         """`fields` (default: the whole status) as run tags (canary.<field>) with a fresh heartbeat: what set() and
@@ -112,13 +120,13 @@ def reap_stale(
     log: Callable[[str], None] = print,
     set_weight: Callable[[float], None] | None = None,
 ) -> list[str]:
-    """Record as aborted every canary run of `model_name` still initializing or progressing with a
+    """Record as aborted every canary run of `model_name` still initializing, progressing or promoting with a
     heartbeat older than stale_after_s; clear `candidate` if it points at such a run's version
     (and set the weight 0 through `set_weight`, when given). Returns the run ids."""
     now, reaped = time.time(), []
     for run in _model_runs(mlflow_client, model_name):
         t = run.data.tags
-        if t.get(PREFIX + "phase") not in LIVE:
+        if t.get(PREFIX + "phase") not in REAPED:
             continue
         beat = _heartbeat(t)
         if now - beat < stale_after_s:
@@ -126,16 +134,20 @@ def reap_stale(
         run_id, version = run.info.run_id, t.get("candidate_version")
         since = datetime.fromtimestamp(beat, UTC).strftime("%Y-%m-%d %H:%M:%S UTC") if beat else "its start"
         reason = f"controller gone since {since} ({t.get(PREFIX + 'controller', 'unknown')})"
-        Status(mlflow_client, run_id).set(Phase.ABORTED, aborted=reason, weight=0.0)
+        if t.get(PREFIX + "phase") == Phase.PROMOTING.value:  # died mid-promotion: it may or may not have happened
+            reason += f"; it was promoting v{version}: check production with `quantgate status {model_name}`"
+        status = Status.of(mlflow_client, run_id, t)  # its step and controller kept: the reaper is not the controller
+        status.set(Phase.ABORTED, aborted=reason, weight=0.0)
         mlflow_client.set_tag(run_id, "outcome", "aborted")
         mlflow_client.set_tag(run_id, "outcome.reason", reason)
+        mlflow_client.log_metric(run_id, "stopped_at_step", int(status.fields.get("step", "0") or 0))
         mlflow_client.set_terminated(run_id, status="KILLED")
         cleared = ""
         if version and aliases.current(mlflow_client, model_name).get(aliases.CANDIDATE) == version:
             if set_weight is not None:
                 set_weight(0.0)
             aliases.clear_candidate(mlflow_client, model_name, by, f"canary run {run_id}: {reason}", run_id)
-            cleared = f", weight 0, candidate v{version} cleared"
+            cleared = (", weight 0" if set_weight is not None else "") + f", candidate v{version} cleared"
         log(f"canary: run {run_id} (v{version}) recorded as aborted: {reason}{cleared}")
         reaped.append(run_id)
     return reaped

@@ -247,7 +247,7 @@ class RemoteRouter:
                 raise GatewayUnreachable(f"v{version} not warm on the gateway after {timeout_s:g} s ({last})")
             beat()
             if stop is not None and stop.wait(1.0):
-                raise QuantgateError("stopped by the operator (SIGTERM)")
+                raise QuantgateError("stopped by the operator (Ctrl-C or SIGTERM)")
             if stop is None:
                 time.sleep(1.0)
 

@@ -387,19 +387,32 @@ def test_a_canary_whose_controller_died_is_recorded_as_aborted(project):  # noqa
     client = project
     exp = store.experiment_id(client, EXPERIMENT, client.tracking_uri)
     runs = {}
-    for name, beat_age in (("dead", 600), ("alive", 1)):
+    for name, beat_age, phase in (
+        ("dead", 600, Phase.PROGRESSING),
+        ("alive", 1, Phase.PROGRESSING),
+        ("promoting", 600, Phase.PROMOTING),
+    ):
         run_id = client.create_run(exp, tags={"model": MODEL, "candidate_version": "2"}).info.run_id
-        Status(client, run_id).set(Phase.PROGRESSING, step=1, weight=10.0)
+        Status(client, run_id).set(phase, step=1, weight=10.0)
         client.set_tag(run_id, "canary.heartbeat", f"{time.time() - beat_age:.1f}")
+        client.set_tag(run_id, "canary.controller", "deadhost:4242")
         runs[name] = run_id
     aliases.set_candidate(client, MODEL, "2", "tester", "a canary", canary_run_id=runs["dead"], verify=False)
     weights, lines = [], []
     reaped = reap_stale(client, MODEL, 120, "tester", lines.append, set_weight=weights.append)
-    assert reaped == [runs["dead"]] and weights == [0.0] and "candidate" not in aliases.current(client, MODEL)
+    assert sorted(reaped) == sorted([runs["dead"], runs["promoting"]]) and weights == [0.0]
+    assert "candidate" not in aliases.current(client, MODEL)
     tags = client.get_run(runs["dead"]).data.tags
     assert tags["canary.phase"] == "aborted" and tags["canary.aborted"].startswith("controller gone since ")
     assert tags["outcome"] == "aborted" and client.get_run(runs["dead"]).info.status == "KILLED"
-    assert len(lines) == 1 and "recorded as aborted: controller gone since" in lines[0] and "cleared" in lines[0]
+    # what the dead controller reached, and who it was, are kept (the reaper wrote step 0 and its own pid)
+    assert (tags["canary.step"], tags["canary.controller"]) == ("1", "deadhost:4242")
+    assert client.get_run(runs["dead"]).data.metrics["stopped_at_step"] == 1
+    # a controller that died mid-promotion left the run `promoting`, which nothing reaped
+    promoting = client.get_run(runs["promoting"]).data.tags["outcome.reason"]
+    assert promoting.endswith(f"it was promoting v2: check production with `quantgate status {MODEL}`"), promoting
+    assert len(lines) == 2 and all("recorded as aborted: controller gone since" in line for line in lines)
+    assert sum("weight 0, candidate v2 cleared" in line for line in lines) == 1
     assert client.get_run(runs["alive"]).data.tags["canary.phase"] == "progressing"
     assert reap_stale(client, MODEL, 120, "tester", lines.append) == []  # once only
     client.set_tag(runs["alive"], "canary.phase", canary_status.Phase.ABORTED.value)  # leave no live run behind
@@ -579,12 +592,12 @@ def test_sigterm_to_canary_run_records_the_abort_and_clears_candidate(project, f
     # stopped while waiting for the gateway's warm-up (an error before traffic, exit 1) or while
     # measuring traffic (an abort, exit 3): both one clean path, no registry write cut
     assert result.exit_code in (1, 3) and "Traceback" not in result.output and "ERROR" not in result.output
-    assert "stopped by the operator (SIGTERM)" in result.output
+    assert "stopped by the operator (Ctrl-C or SIGTERM)" in result.output
     assert "candidate" not in aliases.current(project, MODEL)
     experiment = project.get_experiment_by_name(EXPERIMENT).experiment_id
     [r] = project.search_runs([experiment], order_by=["attributes.start_time DESC"], max_results=1)
     assert r.data.tags["canary.phase"] == "aborted"
-    assert r.data.tags["outcome.reason"] == "stopped by the operator (SIGTERM)"
+    assert r.data.tags["outcome.reason"] == "stopped by the operator (Ctrl-C or SIGTERM)"
 
 
 @pytest.mark.parametrize(("version", "decision"), [("2", "promoted"), ("3", "aborted")])

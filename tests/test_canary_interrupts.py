@@ -137,3 +137,26 @@ def test_the_interrupt_message_says_the_run_the_step_and_the_aliases(project, mo
         f"Error: canary run abc123 of {MODEL} v2 interrupted at step 2 (25%): aborted (interrupted (Ctrl-C or "
         "SIGTERM)); aliases: candidate: v2 -> none"
     ], result.output
+
+
+def test_ctrl_c_asks_the_canary_to_stop_and_a_second_one_interrupts():
+    """A Ctrl-C raised anywhere once cut a registry write mid-promotion (sqlite locked, the lock held, the run left
+    `promoting`) and once was swallowed in a weakref callback while the canary went on to promote: the first Ctrl-C
+    now sets `stop`, which the controller reads at its next wait, as SIGTERM does."""
+    import os
+    import signal
+
+    from canary.commands import operator_stops
+
+    stop = threading.Event()
+    before = signal.getsignal(signal.SIGINT)
+    restore = operator_stops(stop)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.wait(5)  # asked, not raised
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            stop.wait(5)  # the handler runs here at the latest
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) is before
