@@ -359,6 +359,11 @@ def run(
                 outcome = run_canary(client, model, version, policy, by, local, hooks)
     except Interrupted as exc:  # the run was opened: it is recorded as aborted, with what changed on the way out
         o = exc.outcome
+        if o.decision == "promoted":
+            raise click.ClickException(
+                f"canary run {o.run_id} of {model} v{version} promoted at step {o.step} ({o.percent:g}%), then "
+                f"interrupted while it stopped: v{version} is production (`quantgate history {model}`)"
+            ) from None
         changed = f"aliases: {'; '.join(o.changes)}" if o.changes else "no alias changed"
         raise click.ClickException(
             f"canary run {o.run_id} of {model} v{version} interrupted at step {o.step} ({o.percent:g}%): aborted "

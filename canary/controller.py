@@ -72,6 +72,9 @@ class Outcome:
     changes: tuple[str, ...] = ()
 
 
+STOPPED = "stopped by the operator (Ctrl-C or SIGTERM)"  # Hooks.stop set: the abort's reason
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C (or a SIGTERM that interrupts) during a canary, raised once its run is recorded as aborted:
     `outcome` says at which step, and which aliases changed on the way out."""
@@ -270,7 +273,7 @@ class _Look:
         self.t0, self.engine = time.time(), []
         while True:
             if self.hooks.stop.wait(policy.check_interval_s):
-                raise Aborted("stopped by the operator (Ctrl-C or SIGTERM)", i, percent)
+                raise Aborted(STOPPED, i, percent)
             try:
                 resumed = self.split.recover(percent)
             except QuantgateError as exc:
@@ -334,7 +337,7 @@ def _measure(split: Split, policy: CanaryPolicy, hooks: Hooks) -> Traffic:
     hooks.log(f"canary: measuring traffic for {policy.measure_s:g} s (0% to the candidate)")
     t0 = time.time()
     if hooks.stop.wait(policy.measure_s):
-        raise Aborted("stopped by the operator (Ctrl-C or SIGTERM)", 0, 0.0)
+        raise Aborted(STOPPED, 0, 0.0)
     return measured_traffic(split.samples_since(t0), time.time() - t0, split.shadow_fraction)
 
 
@@ -460,6 +463,8 @@ def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: st
             steps = require_feasible(policy, traffic)
             log(plan_line(policy, traffic, steps))
         step = _run_steps(split, spec, steps, hooks, record, status)
+        if hooks.stop.is_set():  # asked during the last look: the operator's word comes before the promotion
+            raise Aborted(STOPPED, step, policy.steps[-1])
         status.set(Phase.PROMOTING)
         changes = aliases.promote(
             client,
@@ -470,6 +475,7 @@ def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: st
             f"canary run {run_id} passed {step} steps",
             canary_run_id=run_id,
         )
+        status.fields["phase"] = Phase.PROMOTED.value  # done: an interrupt from here on cannot make it an abort
         return Outcome("promoted", step, policy.steps[-1], "passed every step", run_id, tuple(map(str, changes)))
     except Aborted as exc:
         reason, step, percent = exc.args
@@ -503,8 +509,12 @@ def _recorded(spec: Spec, status: Status, ends: bool = True) -> Iterator[_Ledger
     try:
         yield ledger
     except KeyboardInterrupt:
-        outcome = Outcome("aborted", *_reached(status), "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
-        ledger.outcome = _finish(spec, status, outcome, "KILLED", ledger.candidate_set)
+        if status.fields.get("phase") == Phase.PROMOTED.value:  # interrupted after the promotion, while stopping
+            outcome = Outcome("promoted", *_reached(status), "passed every step, then interrupted", spec.run_id)
+            ledger.outcome = _finish(spec, status, outcome, "FINISHED", ledger.candidate_set)
+        else:
+            outcome = Outcome("aborted", *_reached(status), "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
+            ledger.outcome = _finish(spec, status, outcome, "KILLED", ledger.candidate_set)
         raise Interrupted(ledger.outcome) from None
     except BaseException as exc:
         outcome = (
@@ -603,7 +613,13 @@ def _candidate_steps(spec: Spec, split: GatewaySplit, run: _Ledger, steps, hooks
         spec.client, spec.model, version, spec.by, f"canary run {spec.run_id}", canary_run_id=spec.run_id
     )
     hooks.log(f"canary: waiting for the gateway {split.url} to warm v{version} ({policy.warm_timeout_s:g} s at most)")
-    state = split.wait_warm(version, policy.warm_timeout_s, hooks.stop, beat=status.beat)
+    try:
+        state = split.wait_warm(version, policy.warm_timeout_s, hooks.stop, beat=status.beat)
+    except QuantgateError:
+        if not hooks.stop.is_set():
+            raise
+        run.outcome = Outcome("aborted", 0, 0.0, STOPPED, spec.run_id)  # the normal abort path: exit 3, run id said
+        return
     split.attach(state)
     hooks.log(f"canary: v{version} is warm on the gateway {state.get('url')}/v1")
     run.outcome = _walk(spec, split, steps, hooks, status, state.get("url"))

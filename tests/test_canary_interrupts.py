@@ -160,3 +160,18 @@ def test_ctrl_c_asks_the_canary_to_stop_and_a_second_one_interrupts():
     finally:
         restore()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_an_interrupt_after_the_promotion_is_recorded_as_the_promotion(project):  # noqa: F811
+    """A second Ctrl-C while the canary stopped its load, after promote() returned, was recorded as "aborted, no
+    alias changed" with v2 in production."""
+    client = project
+    spec, status = opened(client)
+    with pytest.raises(Interrupted) as exc, _recorded(spec, status):
+        status.set(Phase.PROMOTING, step=2, weight=100.0)
+        status.fields["phase"] = Phase.PROMOTED.value  # as _walk marks it once aliases.promote returned
+        raise KeyboardInterrupt
+    assert (exc.value.outcome.decision, exc.value.outcome.step) == ("promoted", 2)
+    run = client.get_run(spec.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["canary.phase"] == "promoted"
+    assert run.data.tags["outcome"] == "promoted"
