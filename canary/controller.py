@@ -510,25 +510,20 @@ def _recorded(spec: Spec, status: Status, ends: bool = True) -> Iterator[_Ledger
         yield ledger
     except KeyboardInterrupt:
         if status.fields.get("phase") == Phase.PROMOTED.value:  # interrupted after the promotion, while stopping
-            outcome = Outcome("promoted", *_reached(status), "passed every step, then interrupted", spec.run_id)
+            outcome = Outcome("promoted", *status.reached(), "passed every step, then interrupted", spec.run_id)
             ledger.outcome = _finish(spec, status, outcome, "FINISHED", ledger.candidate_set)
         else:
-            outcome = Outcome("aborted", *_reached(status), "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
+            outcome = Outcome("aborted", *status.reached(), "interrupted (Ctrl-C or SIGTERM)", spec.run_id)
             ledger.outcome = _finish(spec, status, outcome, "KILLED", ledger.candidate_set)
         raise Interrupted(ledger.outcome) from None
     except BaseException as exc:
         outcome = (
-            Outcome("aborted", *_reached(status), str(exc), spec.run_id) if isinstance(exc, QuantgateError) else None
+            Outcome("aborted", *status.reached(), str(exc), spec.run_id) if isinstance(exc, QuantgateError) else None
         )
         ledger.outcome = _finish(spec, status, outcome, "FAILED", ledger.candidate_set)
         raise
     if ends:
         ledger.outcome = _finish(spec, status, ledger.outcome, "FINISHED", ledger.candidate_set)
-
-
-def _reached(status: Status) -> tuple[int, float]:
-    """(step, weight %) the canary had reached, from its status (0, 0 before traffic)."""
-    return int(status.fields.get("step", "0")), float(status.fields.get("weight", "0"))
 
 
 def _finish(spec: Spec, status: Status, outcome: Outcome | None, run_status: str, candidate_set: bool) -> Outcome:

@@ -65,6 +65,10 @@ class Status:
         status.fields.update({k: tags[PREFIX + k] for k in status.fields if PREFIX + k in tags})
         return status
 
+    def reached(self) -> tuple[int, float]:
+        """(step, weight %) the canary had reached (0, 0 before traffic)."""
+        return int(self.fields.get("step") or 0), float(self.fields.get("weight") or 0)
+
     def tags(self, fields: dict[str, str] | None = None) -> dict[str, str]:
         """`fields` (default: the whole status) as run tags (canary.<field>) with a fresh heartbeat: what set() and
         beat() write, and the first tags of a run created live (phase and heartbeat in its first write)."""
@@ -140,7 +144,7 @@ def reap_stale(
         status.set(Phase.ABORTED, aborted=reason, weight=0.0)
         mlflow_client.set_tag(run_id, "outcome", "aborted")
         mlflow_client.set_tag(run_id, "outcome.reason", reason)
-        mlflow_client.log_metric(run_id, "stopped_at_step", int(status.fields.get("step", "0") or 0))
+        mlflow_client.log_metric(run_id, "stopped_at_step", status.reached()[0])
         mlflow_client.set_terminated(run_id, status="KILLED")
         cleared = ""
         if version and aliases.current(mlflow_client, model_name).get(aliases.CANDIDATE) == version:
