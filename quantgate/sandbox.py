@@ -110,8 +110,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # Jinja's own signature
         _tick()
-        if isinstance(getattr(__obj, "__self__", None), str):  # str methods that size their result
-            _check_str_method(__obj.__name__, __obj.__self__, args)
+        # str methods that size their result; Jinja hands str.format over wrapped (wrap_str_format), not bound
+        method = getattr(__obj, "__wrapped__", __obj)
+        if isinstance(getattr(method, "__self__", None), str):
+            _check_str_method(method.__name__, method.__self__, args)
         return super().call(__context, __obj, *args, **kwargs)
 
 

@@ -178,6 +178,21 @@ def test_sizes_are_bounded(template):
         sandbox.render(template, {"x": "ab"})
 
 
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ '{:>500000000}'.format('') }}",
+        "{{ ('{0:999999}' * 100).format(1) }}",
+        "{{ '{a:>500000000}'.format_map(dict(a=1)) }}",
+    ],
+)
+def test_format_widths_are_refused_before_the_text_is_made(template):
+    # it was refused only after str.format had made 500 million characters (the rendered text's length check),
+    # and past the time limit on a busy machine
+    with pytest.raises(SecurityError, match="format widths"):
+        sandbox.render(template, {})
+
+
 def test_dict_is_a_constructor_only_so_documents_cannot_be_changed():
     doc = {"choices": {"text": ["a"]}}
     assert sandbox.render("{{ dict(a=1) }}", doc) == "{'a': 1}"
