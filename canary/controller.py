@@ -474,12 +474,15 @@ def _walk(spec: Spec, split: Split, steps, hooks: Hooks, status: Status, url: st
             spec.by,
             f"canary run {run_id} passed {step} steps",
             canary_run_id=run_id,
+            stop=hooks.stop,
         )
         status.fields["phase"] = Phase.PROMOTED.value  # done: an interrupt from here on cannot make it an abort
         return Outcome("promoted", step, policy.steps[-1], "passed every step", run_id, tuple(map(str, changes)))
     except Aborted as exc:
         reason, step, percent = exc.args
         return Outcome("aborted", step, percent, reason, run_id)
+    except lock.LockWaitStopped:  # Ctrl-C while the promotion verified the weights or waited for the lock
+        return Outcome("aborted", len(policy.steps), policy.steps[-1], STOPPED, run_id)
     except QuantgateError as exc:  # AliasConflict, or the registry lock held past its wait: the canary did not promote
         return Outcome(
             "aborted", len(policy.steps), policy.steps[-1], f"passed every step; promote failed: {exc}", run_id

@@ -230,6 +230,7 @@ def promote(
     reason: str,
     canary_run_id: str | None = None,
     verify: bool = True,
+    stop=None,
 ) -> list[Change]:
     """Make `version` production if production is still `expected_production` (a version or None).
 
@@ -237,6 +238,8 @@ def promote(
     `previous`; `candidate` is cleared if it was `version`.
     `version` must be approved and (verify=True) its artifacts must match its weight tags;
     `canary_run_id`, when given, must be a canary run of this version that passed every step.
+    `stop` (a threading.Event, e.g. the canary's Ctrl-C) set before the alias change or while it waits for the
+    registry lock ends it with registry.lock.LockWaitStopped, nothing changed.
     Raises AliasConflict when production is not `expected_production` (nothing changes),
     QuantgateError when `expected_production` does not exist, or `version` is missing, not approved or
     its weights do not verify.
@@ -249,7 +252,9 @@ def promote(
     _require_canary_run(mlflow_client, canary_run_id, model_name, version, PASSED)
     if verify:
         _verified(mlflow_client, model_name, version)  # slow (download): before taking the lock
-    with lock.held(mlflow_client, model_name, f"promote v{version} by {by}", by=by) as held:
+    if stop is not None and stop.is_set():
+        raise lock.LockWaitStopped(f"{model_name}: stopped before promoting v{version}; nothing was changed")
+    with lock.held(mlflow_client, model_name, f"promote v{version} by {by}", by=by, stop=stop) as held:
         now = current(mlflow_client, model_name)
         prod = now.get(PRODUCTION)
         if prod != expected and expected is not None and not _exists(mlflow_client, model_name, expected):

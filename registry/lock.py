@@ -40,6 +40,10 @@ class LockBusy(QuantgateError):
     """Another quantgate process holds the model's lock and did not release it in time."""
 
 
+class LockWaitStopped(LockBusy):
+    """The caller's stop was set (Ctrl-C, SIGTERM) while it waited for a held lock; nothing was changed."""
+
+
 def lock_name(model_name: str) -> str:
     return model_name + LOCK_SUFFIX
 
@@ -149,13 +153,16 @@ def acquire(
     stale_after_s: float = STALE_AFTER_S,
     by: str | None = None,
     token: str | None = None,
+    stop=None,
 ) -> Lock:
     """Take the lock on `model_name` for `holder` (a description, e.g. "promote v3 by alice"),
     waiting up to `wait_s` seconds; `by` (default `holder`) is who is recorded if a stale lock is broken;
     `token` (default: a new one) is what the lock carries, so a caller can release it even when an interrupt
-    lands between its creation and this function's return (held).
+    lands between its creation and this function's return (held); `stop` (a threading.Event, optional) set while
+    the lock is held by another ends the wait at once.
 
-    Raises LockBusy (a QuantgateError) naming the holder when it stays held.
+    Raises LockBusy (a QuantgateError) naming the holder when it stays held, LockWaitStopped (a LockBusy) when
+    `stop` was set while waiting.
     """
     from mlflow.exceptions import MlflowException
 
@@ -187,22 +194,34 @@ def acquire(
         if current["age_s"] > stale_after_s:
             _break_stale(mlflow_client, model_name, current, by or holder, stale_after_s)
             continue
+        if stop is not None and stop.is_set():
+            raise LockWaitStopped(
+                f"{model_name}: stopped while waiting for the registry lock held by {_describe(current)}; "
+                f"nothing was changed"
+            )
         if time.monotonic() > deadline:
             raise LockBusy(
                 f"{model_name}: another alias/approval change holds the registry lock: {_describe(current)}; "
                 f"retry later (a lock older than {stale_after_s:.0f} s is broken automatically, or delete "
                 f"registered model {lock_name(model_name)!r} once its holder is gone)"
             )
-        time.sleep(POLL_S * (0.5 + random.random()))
+        pause = POLL_S * (0.5 + random.random())
+        if stop is not None:
+            stop.wait(pause)
+        else:
+            time.sleep(pause)
 
 
 @contextmanager
-def held(mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S, by: str | None = None) -> Iterator[Lock]:
+def held(
+    mlflow_client, model_name: str, holder: str, wait_s: float = WAIT_S, by: str | None = None, stop=None
+) -> Iterator[Lock]:
     """`with held(client, model, what, by=who) as lock:` acquire, run, release (also on error). An interrupt
     (Ctrl-C) while the lock is being taken releases it too: its token is chosen here, before it exists, and
-    release() deletes only a lock carrying it (it once stayed held until broken as stale, blocking rollbacks)."""
+    release() deletes only a lock carrying it (it once stayed held until broken as stale, blocking rollbacks).
+    `stop`: see acquire."""
     token = uuid.uuid4().hex
     try:
-        yield acquire(mlflow_client, model_name, holder, wait_s, by=by, token=token)
+        yield acquire(mlflow_client, model_name, holder, wait_s, by=by, token=token, stop=stop)
     finally:
         Lock(mlflow_client, model_name, token).release()

@@ -2,6 +2,7 @@
 _open_run, _recorded, _finish), on the sqlite registry of tests/test_canary_render.py: no servers."""
 
 import threading
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -175,3 +176,45 @@ def test_an_interrupt_after_the_promotion_is_recorded_as_the_promotion(project):
     run = client.get_run(spec.run_id)
     assert run.info.status == "FINISHED" and run.data.tags["canary.phase"] == "promoted"
     assert run.data.tags["outcome"] == "promoted"
+
+
+def test_a_stop_while_the_promotion_waits_for_the_registry_lock_changes_nothing(project):  # noqa: F811
+    """A stop set while promote() waited for a lock held elsewhere was not heeded: it promoted once the lock freed."""
+    client = project
+    other = lock.acquire(client, MODEL, "rollback to v1 by bob")
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(lock.LockWaitStopped, match="stopped while waiting for the registry lock held by rollback"):
+            aliases.promote(client, MODEL, "2", None, "tester", "go", verify=False, stop=stop)
+    finally:
+        other.release()
+    assert time.monotonic() - started < lock.WAIT_S / 3  # not the whole wait
+    assert aliases.current(client, MODEL) == {"fallback": "1"} and lock.holder_of(client, MODEL) is None
+    with pytest.raises(lock.LockWaitStopped, match="stopped before promoting v2"):  # asked before the lock
+        aliases.promote(client, MODEL, "2", None, "tester", "go", verify=False, stop=stop)
+
+
+def test_the_canary_whose_promotion_is_stopped_aborts_as_stopped(project, monkeypatch):  # noqa: F811
+    """Every step passed, then Ctrl-C while promote() waited: the canary's outcome is the operator's abort."""
+    client = project
+    spec, status = opened(client)
+    hooks, drained = controller.Hooks(log=lambda line: None), []
+
+    class Split:
+        def drain(self):
+            drained.append(True)
+
+    real_promote = controller.aliases.promote
+
+    def stopped_inside(*args, **kwargs):  # the stop lands inside promote(), after _walk's own last check
+        kwargs["stop"].set()
+        return real_promote(*args, **{**kwargs, "verify": False})
+
+    monkeypatch.setattr(controller, "_run_steps", lambda split, spec, steps, *rest: len(steps))
+    monkeypatch.setattr(controller.aliases, "promote", stopped_inside)
+    outcome = controller._walk(spec, Split(), spec.policy.steps, hooks, status, None)
+    assert (outcome.decision, outcome.reason, outcome.step) == ("aborted", controller.STOPPED, len(spec.policy.steps))
+    assert drained == [True] and aliases.current(client, MODEL) == {"fallback": "1"}
+    ended(client, spec, status)
