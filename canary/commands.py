@@ -28,6 +28,7 @@ import click
 from canary.load import APIS, LoadOptions, prompts_from_evals, replay
 from quantgate.errors import QuantgateError, command_errors
 from registry.commands import by_arg, version_arg
+from registry.versions import version_number
 
 if TYPE_CHECKING:
     from canary.controller import Hooks
@@ -130,6 +131,10 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
         version, url = version.strip(), url.strip()
         if not sep or not version or not url.startswith("http"):
             raise click.BadParameter(f"{v!r}: give VERSION=URL, e.g. 1=http://127.0.0.1:8001/v1")
+        try:
+            version = version_number(version)  # v1 and 1 are one version
+        except QuantgateError as exc:
+            raise click.BadParameter(f"{v!r}: {exc}") from None
         if version in out:  # once, the last silently won
             raise click.BadParameter(
                 f"v{version} is given twice ({out[version]} and {url}); give one server per version"
@@ -329,7 +334,8 @@ def run(
     """Canary MODEL VERSION through the policy steps (params.yaml `canary`); promote or abort.
 
     Without --gateway it starts its own servers and router; with it, it drives the running gateway.
-    Exit 0 when promoted, 3 when aborted (aliases unchanged), 1 on an error before traffic.
+    Exit 0 when promoted; 3 when aborted (aliases unchanged), a first Ctrl-C or SIGTERM included; 1 on an error or
+    an interrupt (a second Ctrl-C, or one while a vLLM server starts), saying the step reached; 2 on bad arguments.
     """
     from canary.controller import Admin, Interrupted, Local, run_canary, run_canary_on_gateway
     from canary.policy import load_policy, load_topology
@@ -398,7 +404,7 @@ def _hooks(
 
 
 def _step(ctx, param, value: str | None) -> str | None:
-    if value is None or value == "rollback" or (value.isdigit() and int(value) >= 1):
+    if value is None or value == "rollback" or (value.isascii() and value.isdigit() and int(value) >= 1):
         return value
     raise click.BadParameter(f"{value!r}: give a step number (1, 2, ...) or rollback")
 

@@ -59,6 +59,14 @@ class ServerOverride(Frozen):
     _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
 
 
+def check_host(value: str) -> str:
+    """`value`, an address to listen on; raises ValueError when it is empty or blank (every interface, which is
+    0.0.0.0 written out, and a URL of http://:PORT)."""
+    if not value.strip():
+        raise ValueError("must not be empty or blank: give an address, e.g. 127.0.0.1, 0.0.0.0 or ::1")
+    return value
+
+
 def serve_params(base: ServeParams, override: ServerOverride) -> ServeParams:
     """`evaluate.serve` with a role's port, CPU cores and extra vLLM args (appended) applied."""
     data = base.model_dump()
@@ -82,6 +90,8 @@ class AdminAddress(Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8001, ge=0, le=65535)  # 0 = a free port
 
+    _host = field_validator("host")(classmethod(lambda cls, value: check_host(value)))
+
 
 class FleetParams(Frozen):
     """params.yaml block `fleet`: the gateway's address and what the standing fleet keeps warm."""
@@ -104,6 +114,8 @@ class FleetParams(Frozen):
     servers: FleetServers = FleetServers()
     admin: AdminAddress = AdminAddress()
     router: RouterParams = RouterParams()  # what the router does with each request: timeouts, shadowing
+
+    _host = field_validator("host")(classmethod(lambda cls, value: check_host(value)))
 
     @field_validator("cpu_core_sets")
     @classmethod

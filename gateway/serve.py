@@ -82,6 +82,9 @@ def check_bindable(host: str, port: int, what: str) -> None:
     (in use, or below 1024 without the right), whichever the failure is about, and where to change it (params.yaml,
     or the serve option that sets it: OPTIONS)."""
     host_option, port_option = OPTIONS.get(what, (None, None))
+    if not host.strip():  # bind(("", port)) listens on every interface, and the URL said http://:PORT
+        at = f"params.yaml {what}.host" + (f" or {host_option}" if host_option else "")
+        raise QuantgateError(f"{what}.host is empty; give an address, e.g. 127.0.0.1, 0.0.0.0 or ::1 ({at})")
     with socket.socket(family_of(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -207,6 +207,7 @@ def test_render_refusals_are_one_line(project, tmp_path):
     for args, message in [
         (("--format", "istio"), "Invalid value for '--format': 'istio' is not 'gateway-api'."),
         (("--format", "gateway-api", "--step", "0"), "Invalid value for '--step': '0': give a step number"),
+        (("--format", "gateway-api", "--step", "²"), "Invalid value for '--step': '²': give a step number"),
     ]:
         result = render("3", *args)
         assert result.exit_code == 2 and "Traceback" not in result.output

@@ -933,6 +933,8 @@ def test_load_and_reuse_urls_are_checked_before_anything_is_sent(tmp_path):
         (["1=http://127.0.0.1:9/v1", "1=http://127.0.0.1:10/v1"], "v1 is given twice"),
         (["1=http://:9/v1"], "'http://:9/v1': give a server's OpenAI http(s) URL with its host and port"),
         (["1= ftp://127.0.0.1:9/v1"], "'1= ftp://127.0.0.1:9/v1': give VERSION=URL"),
+        (["v1=http://127.0.0.1:9/v1", "1=http://127.0.0.1:10/v1"], "v1 is given twice"),  # one version, two names
+        (["banana=http://127.0.0.1:9/v1"], "'banana' is not a model version number"),
     ):
         result = CliRunner().invoke(cli, [*run, *(a for r in reuse for a in ("--reuse", r))])
         assert result.exit_code == 2 and "Invalid value for '--reuse'" in result.output, result.output

@@ -387,6 +387,14 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
         check_bindable("192.0.2.1", 0, "fleet.admin")  # TEST-NET-1: resolves, but no interface here has it
     with pytest.raises(QuantgateError, match=r"\(params.yaml fleet.admin.host\)$"):  # --host is the gateway's only
         check_bindable("256.1.1.1", 0, "fleet.admin")
+    # --host '' (params are not re-validated): it bound every interface and said http://:8000
+    with pytest.raises(
+        QuantgateError, match=r"^fleet.host is empty; give an address, .*\(params.yaml fleet.host or --host\)$"
+    ):
+        check_bindable("", 0, "fleet")
+    for bad_host in ({"host": " "}, {"admin": {"host": ""}}):
+        with pytest.raises(ValueError, match="must not be empty or blank: give an address"):
+            FleetParams.model_validate(bad_host)
     from gateway.limits import Limits
     from gateway.serve import Settings, run_gateway
     from quantgate.serving import ServeParams
