@@ -369,6 +369,7 @@ def check_data(
     where: Callable[..., str],
     render: bool = True,
     scored: int | None = None,
+    refused: bool = False,
 ) -> tuple[list[str], list[tuple[dict | None, dict | None]]]:
     """(problems, rendered) of the documents of one JSONL data file, checked on what lm-eval will see.
 
@@ -386,6 +387,10 @@ def check_data(
     check_templates refused a template: it is then not rendered at all. `scored`: how many of the first rows
     lm-eval scores (team.yaml `limit`; None: all, 0: a file of few-shot examples only); a repeat among them counts
     twice in the paired test and is refused, one elsewhere is never scored and is not.
+
+    One float in an integer column makes the loader read every value of it as a float: a line whose problems
+    come only from that is not reported when the line with the float is, or when `refused` (quantgate's own
+    line rules refused lines of the file, e.g. a NaN, which the loader reads as a float).
     """
     problems: list[str] = []
     try:
@@ -403,8 +408,12 @@ def check_data(
     seen: dict[str, int] = {}
     seen_rendered: dict[str, int] = {}
     rendered: list[tuple[dict | None, dict | None]] = []
+    flagged: set[int] = set()  # lines with a problem
+    widened: list[tuple[int, set[str], list[str]]] = []  # (place in problems, fields, problems held back)
     for n, written, doc in rows:
         main, shot = {}, {}
+        before, floated = len(problems), _floated(written, doc)
+        plain = {**doc, **{f: written[f] for f in floated}} if floated else None
         # a repeated document counts twice in the paired test, as if it were two pieces of evidence
         paired = scored is None or len(rendered) < scored  # this row is one of the scored documents
         if paired and (first := seen.setdefault(_key(doc), n)) != n:
@@ -414,18 +423,25 @@ def check_data(
         for f, key in missing:
             state = "null; give it a value" if f in written else "missing; add it"
             problems.append(f"{data_path}:{n}: field {f!r} used by {key} is {state} or fix the template")
+        held: list[str] = []
         if render and not missing:
-            problems += check_document(config, doc, features, f"{data_path}:{n}", where, skip, main)
+            found, held = _check_widened(config, doc, plain, features, f"{data_path}:{n}", where, skip, main)
+            problems += found
         if render and shots:
-            problems += check_document(
+            found, more = _check_widened(
                 {**config, **shots},
                 doc,
+                plain,
                 features,
                 f"{data_path}:{n} (as a few-shot example)",
                 lambda *at: where("fewshot_config", *at),
                 shot_skip,
                 shot,
             )
+            problems += found
+            held += more
+        if held:
+            widened.append((len(problems), floated, held))
         # ... and so does one that differs only in fields no template reads (an id): lm-eval scores what renders
         if paired and first == n and main and (same := seen_rendered.setdefault(_key(main), n)) != n:
             problems.append(
@@ -433,7 +449,46 @@ def check_data(
                 "fields no template reads), so lm-eval would score one document twice; remove the repeat"
             )
         rendered.append((main or None, {**main, **shot} if main and (shot or not shots) else None))
+        if len(problems) > before:
+            flagged.add(n)
+    fields = set().union(*(f for _, f, _ in widened))
+    causes = {n for n, written, _ in rows if any(isinstance(written.get(f), float) for f in fields)}
+    if widened and not refused and not causes & flagged:  # no line here says why: keep what lm-eval would hit
+        for place, _, held in reversed(widened):
+            problems[place:place] = held
     return problems, rendered
+
+
+def _floated(written: dict, doc: dict) -> set[str]:
+    """Fields a line gives as integers that the datasets loader read as floats: it reads a whole column as
+    floats when one line of the file (or of another split of the task) gives a float there."""
+    return {f for f, value in written.items() if type(value) is int and isinstance(doc.get(f), float)}
+
+
+def _check_widened(
+    config: dict,
+    doc: dict,
+    plain: dict | None,
+    features: set[str],
+    at: str,
+    where: Callable[..., str],
+    skip: set[str],
+    rendered: dict,
+) -> tuple[list[str], list[str]]:
+    """(problems, held back) of one document: check_document on `doc` as the loader reads it; when that fails
+    only because the loader read the line's integers as floats (`plain`: the document with them back, or
+    None), the problems are held back, not reported: the line that gives the float is, at its line, and one
+    float would otherwise put every line of the file in the report. `rendered` then holds `plain`'s values."""
+    kept = set(skip)
+    found = check_document(config, doc, features, at, where, skip, rendered)
+    if not found or plain is None or skip != kept:  # a refused or timed-out template is reported once: keep it
+        return found, []
+    again: dict = {}
+    if check_document(config, plain, features, at, where, set(skip), again):
+        return found, []
+    rendered.clear()
+    rendered.update(again)
+    return [], found
 
 
 def _key(value: dict) -> str:

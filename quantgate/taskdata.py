@@ -47,18 +47,23 @@ def data_files(path: Path, files: dict, where: Callable[..., str], problems: lis
     return resolved if len(resolved) == len(files) else None
 
 
-def read_rows(files: dict[str, Path], where: Callable[..., str], problems: list[str]) -> dict[str, list[Row]] | None:
+def read_rows(
+    files: dict[str, Path], where: Callable[..., str], problems: list[str], refused: set[str] | None = None
+) -> dict[str, list[Row]] | None:
     """{split: [(line, document as written, document as lm-eval's loader returns it)]} of a task's data files:
     quantgate's own line rules first (checks.read_docs), then the datasets loader lm-eval uses, with the same
     options (quantgate/loader.py). Lines quantgate's rules refuse are left out (and their problems appended),
     so the other lines are still checked when the loader reads the file; None (and the problems appended)
-    when a file has no document, or the loader refuses the files or reads them otherwise than line by line."""
+    when a file has no document, or the loader refuses the files or reads them otherwise than line by line.
+    `refused`, if given, receives the splits of which quantgate's rules refused lines (the loader read them)."""
     written, text, own = {}, {}, False
     for name, file in files.items():  # every file's own problems are listed, even after one with no document
         found, docs, lines = read_docs(file)
         if not docs and not found:
             found = [f"{file}: no documents; add one JSON object per line"]
         problems += capped(file, found)
+        if found and refused is not None:
+            refused.add(name)
         written[name], text[name], own = docs, lines, own or bool(found)
     if not all(written.values()):
         return None

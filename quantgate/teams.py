@@ -168,13 +168,16 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     resolved = data_files(path, files, where, problems)
     if resolved is None:
         return None
-    rows = read_rows(resolved, where, problems)
+    refused: set[str] = set()
+    rows = read_rows(resolved, where, problems, refused)
     if rows is None:
         return None
     rendered, clean = {}, True
     for name, file in resolved.items():
         scored = (policy.limit if policy is not None else None) if name == split else 0  # None: every row
-        found, rendered[name] = check_data(config, file, rows[name], where, render=not unsafe, scored=scored)
+        found, rendered[name] = check_data(
+            config, file, rows[name], where, render=not unsafe, scored=scored, refused=name in refused
+        )
         problems += capped(file, found)
         clean = clean and not found
     found, examples = check_examples(where, config, resolved, rows, rendered, compare=clean)

@@ -223,6 +223,12 @@ def _choice_problems(config: dict, choices, target, at: str) -> list[str]:
             f"{at}: {name} is the answer text {target!r}; "
             f"use its index {list(map(str, choices)).index(target)} into the choices"
         )
+    elif isinstance(target, float):
+        problems.append(
+            f"{at}: {name}={target!r} is a float where an integer index into {len(choices)} choices "
+            f"(0..{len(choices) - 1}) is expected; write the index without a decimal point (one float in a "
+            "column makes the datasets loader that lm-eval reads the file with read the whole column as floats)"
+        )
     elif not isinstance(target, int) or isinstance(target, bool) or not 0 <= target < len(choices):
         problems.append(f"{at}: {name}={target!r} is not an index into {len(choices)} choices (0..{len(choices) - 1})")
     return problems

@@ -97,15 +97,26 @@ def test_a_key_given_twice_is_refused_at_its_line_as_the_loader_refuses_the_file
     assert f"Column({column}) was specified twice" in lm_eval_refusal(example_evals / "search", monkeypatch)
 
 
-def test_integers_the_loader_reads_as_floats_are_refused_as_lm_eval_would_see_them(example_evals, monkeypatch):
+def test_one_float_among_integer_answers_is_refused_at_its_line_only(example_evals, monkeypatch):
     docs = search_docs(example_evals)
     docs[4]["answer"] = 2.0  # one float among integers: the loader makes the whole column float
     write_jsonl(example_evals / "search" / "data.jsonl", docs)
     msg = refusal(example_evals / "search")
     data = example_evals / "search" / "data.jsonl"
-    assert f"{data}:1: answer={float(docs[0]['answer'])!r} is not an index into 4 choices (0..3)" in msg
+    assert "1 problem(s)" in msg  # not one per line of the file: the others give integers
+    assert f"{data}:5: answer=2.0 is a float where an integer index into 4 choices (0..3) is expected" in msg
     loaded = lm_eval_docs(example_evals / "search", monkeypatch)["search_capitals"]
     assert loaded[0]["answer"] == docs[0]["answer"] and isinstance(loaded[0]["answer"], float)
+
+
+def test_a_nan_answer_is_refused_at_its_line_only(example_evals):
+    data = example_evals / "search" / "data.jsonl"
+    lines = data.read_text().splitlines()
+    doc = json.loads(lines[6])
+    lines[6] = json.dumps(doc).replace(f'"answer": {doc["answer"]}', '"answer": NaN')
+    data.write_text("\n".join(lines) + "\n")
+    msg = refusal(example_evals / "search")
+    assert "1 problem(s)" in msg and f"{data}:7: NaN is not JSON" in msg  # the loader reads the rest as floats
 
 
 def test_a_date_the_loader_turns_into_a_timestamp_is_rendered_as_lm_eval_renders_it(example_evals, monkeypatch):
