@@ -101,11 +101,10 @@ def evals() -> None:
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
     from quantgate.scaffold import new_team
-    from quantgate.teams import load_team
 
     with command_errors():
-        folder = new_team(root, team, owner, contact)
-        t = load_team(folder)
+        t = new_team(root, team, owner, contact)
+    folder = t.path
     click.echo(
         f"created {folder}: {', '.join(p.name for p in sorted(folder.iterdir()))} ({t.tasks[0].n_docs} example docs)"
     )

@@ -8,12 +8,15 @@ can run `dvc repro` at once and then replace the documents with its own.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
-from quantgate.teams import TEAM_NAME
+from quantgate.teams import TEAM_NAME, Team, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 
@@ -52,11 +55,14 @@ metadata:
 
 
 def example_docs(name: str, n: int) -> list[dict]:
-    """`n` two-way questions ("Which number is larger?"), deterministic per team name."""
+    """`n` distinct two-way questions ("Which number is larger?"), deterministic per team name."""
     rng = random.Random(name)
-    docs = []
+    docs, drawn = [], set()
     for i in range(n):
         a, b = rng.sample(range(1, 100), 2)
+        while (a, b) in drawn:  # a repeat is refused by validate (scored twice); names without one keep their docs
+            a, b = rng.sample(range(1, 100), 2)
+        drawn.add((a, b))
         choices = [str(a), str(b)]
         docs.append(
             {
@@ -69,10 +75,13 @@ def example_docs(name: str, n: int) -> list[dict]:
     return docs
 
 
-def new_team(root: Path, name: str, owner: str, contact: str) -> Path:
-    """Write evals/<name>/ (team.yaml, <name>.yaml, data.jsonl) and return its path.
+def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
+    """Write evals/<name>/ (team.yaml, <name>.yaml, data.jsonl), validate it beside the other teams under
+    `root`, and return it as loaded.
 
-    Raises QuantgateError if the name is not lower_snake_case (2-40 chars) or the folder exists.
+    Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists, it cannot be
+    written, or it does not validate; then nothing of it is left under `root` (the files are written in a hidden
+    folder beside it, renamed into place whole, and removed if they do not validate).
     """
     if not TEAM_NAME.match(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
@@ -84,7 +93,28 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Path:
     if folder.exists():
         raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
     n = min_docs_to_pass(DEFAULT_MARGIN, DEFAULT_CONFIDENCE) + 8
-    folder.mkdir(parents=True)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=root))  # hidden: never read as a team
+    except OSError as exc:
+        raise QuantgateError(f"cannot write in {root}: {exc.strerror or exc}; give a writable --root") from None
+    try:
+        _write(staging / name, name, owner, contact, n)
+        try:
+            os.rename(staging / name, folder)  # whole, or not at all; refused if a non-empty folder appeared
+        except OSError as exc:
+            raise QuantgateError(f"cannot create {folder}: {exc.strerror or exc}") from None
+        try:
+            return load_team(folder)  # with the teams beside it: its task name must be free among theirs
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write(folder: Path, name: str, owner: str, contact: str, n: int) -> None:
+    """The scaffold's three files in `folder` (created), with `n` example documents."""
+    folder.mkdir()
     (folder / "team.yaml").write_text(
         POLICY.format(
             name=name,
@@ -96,4 +126,3 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Path:
     )
     (folder / f"{name}.yaml").write_text(TASK.format(name=name))
     (folder / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in example_docs(name, n)))
-    return folder

@@ -110,6 +110,49 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
     assert bad.exit_code == 1 and "lower_snake_case" in bad.output
 
 
+def test_scaffold_example_documents_are_distinct_and_validate_for_many_names():
+    import yaml
+
+    from quantgate.scaffold import TASK, example_docs
+
+    n = checks.min_docs_to_pass(0.05, 0.95) + 8
+    config = yaml.safe_load(TASK.format(name="x"))
+    for i in range(300):  # 42 of t0..t199 drew a number pair twice: validate refused their scaffold
+        docs = example_docs(f"t{i}", n)
+        assert len({d["question"] for d in docs}) == n
+        found, _ = checks.check_data(config, Path("data.jsonl"), [(k, d, d) for k, d in enumerate(docs, 1)], str)
+        assert found == [], (f"t{i}", found)
+
+
+@pytest.mark.parametrize("name", ["t3", "billing"])
+def test_new_team_validates_for_names_whose_draw_repeated_a_pair(tmp_path, name):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    res = CliRunner().invoke(cli, ["evals", "new", name, "--owner", "O", "--contact", "c", "--root", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert f"created {tmp_path / name}: " in res.output and "(60 example docs)" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no staging folder left beside it
+
+
+def test_a_scaffold_that_does_not_validate_leaves_nothing_behind(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from quantgate import scaffold
+
+    real = scaffold.example_docs
+    monkeypatch.setattr(scaffold, "example_docs", lambda name, n: real(name, n - 1) + real(name, 1))
+    args = ["evals", "new", "ranking", "--owner", "O", "--contact", "c", "--root", str(tmp_path)]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 1 and "data.jsonl:60: repeats the document of line 1" in res.output
+    assert list(tmp_path.iterdir()) == []  # neither the team folder nor the hidden one it was written in
+    monkeypatch.setattr(scaffold, "example_docs", real)
+    again = CliRunner().invoke(cli, args)  # a rerun is not told the folder already exists
+    assert again.exit_code == 0, again.output
+
+
 def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
     (example_evals / "search" / "team.yaml").unlink()
     with pytest.raises(
