@@ -56,6 +56,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _read_text(path: Path) -> str:
+    if path.exists() and not path.is_file() and not path.is_dir():  # never opened: a FIFO would wait forever
+        raise QuantgateError(f"{path}: not a regular file (a device, FIFO or socket); give the YAML file")
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:

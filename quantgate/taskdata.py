@@ -8,6 +8,7 @@ loader returns for it.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,14 @@ from quantgate.loader import LoaderRefused, load_splits, refused_line
 def capped(file: Path, found: list[str], most: int = 20) -> list[str]:
     """The first `most` problems of one file, and a count of the rest."""
     return found[:most] + ([f"{file}: ... and {len(found) - most} more"] if len(found) > most else [])
+
+
+def special_kind(path: Path) -> str:
+    """What `path`, which exists and is neither a regular file nor a folder, is: a FIFO, socket or device."""
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
 def data_files(path: Path, files: dict, where: Callable[..., str], problems: list[str]) -> dict[str, Path] | None:
@@ -40,8 +49,13 @@ def data_files(path: Path, files: dict, where: Callable[..., str], problems: lis
             )
         elif given.is_dir():
             problems.append(f"{at}: {rel} is a folder; name the JSONL file (one document per line) in it")
-        elif not given.is_file():
+        elif not given.exists():
             problems.append(f"{at}: {rel} not found next to the task file")
+        elif not given.is_file():  # never opened: reading a FIFO with no writer waits forever
+            problems.append(
+                f"{at}: {rel} is {special_kind(given)}, not a regular file; a data file must be a JSONL file "
+                "in the team folder: write the documents to a file"
+            )
         else:
             resolved[name] = given.resolve()
     return resolved if len(resolved) == len(files) else None

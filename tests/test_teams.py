@@ -153,6 +153,25 @@ def test_a_scaffold_that_does_not_validate_leaves_nothing_behind(tmp_path, monke
     assert again.exit_code == 0, again.output
 
 
+def test_a_fifo_data_file_or_task_file_is_named_as_one_not_read(example_evals):
+    """A FIFO data.jsonl was reported 'not found next to the task file'; one opened would wait for a writer."""
+    import os
+
+    data = example_evals / "search" / "data.jsonl"
+    data.unlink()
+    os.mkfifo(data)
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "search")
+    assert "data.jsonl is a named pipe (FIFO), not a regular file" in str(err.value) and "not found" not in str(
+        err.value
+    )
+    task = next(p for p in (example_evals / "billing").glob("*.yaml") if p.name != "team.yaml")
+    task.unlink()
+    os.mkfifo(task)
+    with pytest.raises(QuantgateError, match=f"{task}: not a regular file \\(a device, FIFO or socket\\)"):
+        load_team(example_evals / "billing")
+
+
 def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
     (example_evals / "search" / "team.yaml").unlink()
     with pytest.raises(
