@@ -93,10 +93,50 @@ def evals() -> None:
     """Team eval sets."""
 
 
+_EXAMPLES = {"--owner": "--owner Ranking", "--contact": "--contact ranking-oncall@example.com"}
+
+
+class _Asked(click.Option):
+    """An option asked for when not given; when stdin has no more input to answer with (</dev/null, a CI job)
+    an error naming the options, not click's bare `Aborted!`."""
+
+    def prompt_for_value(self, ctx: click.Context):
+        try:
+            return super().prompt_for_value(ctx)
+        except click.Abort as exc:
+            if not isinstance(exc.__context__, EOFError):  # Ctrl-C: the user's own stop
+                raise
+            click.echo()  # end the prompt's line
+            flag = self.opts[0]
+            missing = [k for k in _EXAMPLES if k == flag or ctx.params.get(k[2:]) is None]  # --contact: not yet
+            raise click.ClickException(
+                f"{flag} was not given and stdin ended before it could be asked for; give {' and '.join(missing)} "
+                f"on the command line, e.g. {' '.join(_EXAMPLES[k] for k in missing)}"
+            ) from None
+
+
+def _one_line(ctx, param, value: str | None) -> str | None:
+    """--owner, --contact: written to team.yaml and printed by validate, so one line of printable characters
+    (a newline would print as two lines of the report). Raises click.ClickException naming the option."""
+    if value is not None and not value.isprintable():
+        flag = f"--{param.name}"
+        raise click.ClickException(
+            f"{flag}: must be one line of printable characters (it is written to team.yaml and printed by "
+            f"validate), e.g. {_EXAMPLES[flag]}"
+        )
+    return value
+
+
 @evals.command("new")
 @click.argument("team")
-@click.option("--owner", prompt=True, help="The team that owns the set.")
-@click.option("--contact", prompt=True, help="Who to tell when the gate fails (e-mail, channel).")
+@click.option("--owner", cls=_Asked, prompt=True, callback=_one_line, help="The team that owns the set.")
+@click.option(
+    "--contact",
+    cls=_Asked,
+    prompt=True,
+    callback=_one_line,
+    help="Who to tell when the gate fails (e-mail, channel).",
+)
 @click.option("--root", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""

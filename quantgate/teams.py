@@ -62,6 +62,8 @@ class TeamPolicy(Frozen):
     def _not_blank(cls, value: str) -> str:
         if not any(ch.isprintable() and not ch.isspace() for ch in value):  # notices would go to nobody
             raise ValueError("is blank; name who owns the set and who to tell when the gate fails")
+        if not value.isprintable():  # a newline would print as two lines of validate's report
+            raise ValueError("must be one line of printable characters (no newline or tab)")
         return value
 
 

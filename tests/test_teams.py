@@ -172,6 +172,62 @@ def test_a_fifo_data_file_or_task_file_is_named_as_one_not_read(example_evals):
         load_team(example_evals / "billing")
 
 
+@pytest.mark.parametrize("flag", ["--owner", "--contact"])
+@pytest.mark.parametrize("text", ["a\nb", "a\tb", "a\x1b[2Jb"])
+def test_new_team_refuses_an_owner_or_contact_of_more_than_one_line(tmp_path, flag, text):
+    """--owner $'a\\nb' was written to team.yaml, and validate printed the owner across two lines."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    values = {"--owner": "O", "--contact": "c", flag: text}
+    example = {"--owner": "--owner Ranking", "--contact": "--contact ranking-oncall@example.com"}[flag]
+    res = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", *[x for kv in values.items() for x in kv], "--root", str(tmp_path)]
+    )
+    assert res.exit_code == 1 and list(tmp_path.iterdir()) == []
+    assert res.output == (
+        f"Error: {flag}: must be one line of printable characters (it is written to team.yaml and printed by "
+        f"validate), e.g. {example}\n"
+    )
+
+
+def test_an_owner_of_two_lines_in_team_yaml_is_refused(example_evals):
+    policy = example_evals / "support" / "team.yaml"
+    lines = ['owner: "ML\\nsupport"' if ln.startswith("owner:") else ln for ln in policy.read_text().splitlines()]
+    policy.write_text("\n".join(lines) + "\n")
+    with pytest.raises(QuantgateError, match=r"team.yaml:\d+: owner: must be one line of printable characters"):
+        load_teams(example_evals)
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        (
+            [],
+            "--owner was not given and stdin ended before it could be asked for; give --owner and --contact on the "
+            "command line, e.g. --owner Ranking --contact ranking-oncall@example.com",
+        ),
+        (
+            ["--owner", "O"],
+            "--contact was not given and stdin ended before it could be asked for; give --contact on "
+            "the command line, e.g. --contact ranking-oncall@example.com",
+        ),
+    ],
+)
+def test_new_team_without_input_to_ask_on_says_which_options_to_give(tmp_path, given, said):
+    """`evals new TEAM </dev/null` printed `Owner: Aborted!`."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    res = CliRunner().invoke(cli, ["evals", "new", "ranking", *given, "--root", str(tmp_path)], input="")
+    assert res.exit_code == 1 and f"\nError: {said}\n" in res.output and "Aborted" not in res.output
+    assert list(tmp_path.iterdir()) == []
+    asked = CliRunner().invoke(cli, ["evals", "new", "ranking", "--root", str(tmp_path)], input="Ranking\nr@x\n")
+    assert asked.exit_code == 0 and load_team(tmp_path / "ranking").policy.contact == "r@x"  # a terminal still asks
+
+
 def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
     (example_evals / "search" / "team.yaml").unlink()
     with pytest.raises(
