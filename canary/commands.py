@@ -51,9 +51,26 @@ RATE = Positive(1000)  # requests/s: one load process on loopback offers far les
 SECONDS = Positive(7 * 24 * 3600)
 
 
+class NonEmptyPath(click.Path):
+    """A file or folder argument or option, as a Path; an empty one ('', e.g. an unset shell variable) is refused
+    naming it: Path("") is ".", so it would silently mean the working directory."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=Path)
+
+    def convert(self, value, param, ctx):
+        if value == "":
+            name = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+            raise click.ClickException(f"{name}: the path is empty; give a path ('.' for the current folder)")
+        return super().convert(value, param, ctx)
+
+
+PATH = NonEmptyPath()
+
+
 def path_option(flag: str, default: str, help_text: str):
     """An option naming a file or folder, with its default shown."""
-    return click.option(flag, type=click.Path(path_type=Path), default=Path(default), show_default=True, help=help_text)
+    return click.option(flag, type=PATH, default=Path(default), show_default=True, help=help_text)
 
 
 def _api_choice(*decls: str, default: str, help_text: str):
@@ -89,7 +106,7 @@ def grouped(name: str, cls: type, *options):
 @click.option(
     "--evals",
     "evals_dir",
-    type=click.Path(path_type=Path),
+    type=PATH,
     default=Path("evals"),
     show_default=True,
     help="Team eval sets whose documents become prompts.",
@@ -305,7 +322,7 @@ class GatewayTarget:
     click.option(
         "--evals",
         "evals_dir",
-        type=click.Path(path_type=Path),
+        type=PATH,
         default=None,
         help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
     ),
@@ -449,7 +466,7 @@ class RouteTarget:
     ),
 )
 @click.option("--step", callback=_step, metavar="N|rollback", help="Only this step's route (default: every route).")
-@click.option("--out", type=click.Path(path_type=Path), help="Write here (default: stdout).")
+@click.option("--out", type=PATH, help="Write here (default: stdout).")
 def render(model: str, version: str, fmt: str, target: RouteTarget, step: str | None, out: Path | None) -> None:
     """Write the canary of MODEL VERSION as multi-document YAML for a cluster's rollout engine.
 

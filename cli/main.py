@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from canary.commands import path_option
+from canary.commands import PATH, path_option
 from quantgate.errors import QuantgateError, command_errors
 from registry.commands import model_arg
 
@@ -33,7 +33,7 @@ GATE_JSON = Path("results/gate.json")  # what the gate stage of `dvc repro` writ
 
 
 @cli.command()
-@click.option("--gate-json", type=click.Path(path_type=Path), default=GATE_JSON, show_default=True)
+@click.option("--gate-json", type=PATH, default=GATE_JSON, show_default=True)
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
@@ -137,7 +137,7 @@ def _one_line(ctx, param, value: str | None) -> str | None:
     callback=_one_line,
     help="Who to tell when the gate fails (e-mail, channel).",
 )
-@click.option("--root", type=click.Path(path_type=Path), default=Path("evals"), show_default=True)
+@click.option("--root", type=PATH, default=Path("evals"), show_default=True)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
     from quantgate.scaffold import new_team
@@ -155,7 +155,7 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
 
 
 @evals.command()
-@click.argument("path", type=click.Path(path_type=Path), default=Path("evals"))
+@click.argument("path", type=PATH, default=Path("evals"))
 def validate(path: Path) -> None:
     """Check the team eval sets under PATH (or one team folder) without running a model.
 

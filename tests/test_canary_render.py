@@ -148,6 +148,15 @@ def one_line_error(result, message: str) -> None:
     assert result.output.strip().splitlines() == [f"Error: {message}"]
 
 
+def test_an_empty_out_is_refused_not_taken_as_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # refused while parsing: no registry, nothing written
+    one_line_error(
+        render("3", "--format", "gateway-api", "--out", ""),
+        "--out: the path is empty; give a path ('.' for the current folder)",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_render_against_fallback_when_there_is_no_production(project):
     result = render("2", "--format", "gateway-api", "--namespace", "llm")
     assert result.exit_code == 0, result.output
