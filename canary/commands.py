@@ -27,7 +27,7 @@ import click
 
 from canary.load import APIS, LoadOptions, prompts_from_evals, replay
 from quantgate.errors import QuantgateError, command_errors
-from registry.commands import by_arg, version_arg
+from registry.commands import by_arg, model_arg, version_arg
 from registry.versions import version_number
 
 if TYPE_CHECKING:
@@ -283,7 +283,7 @@ class GatewayTarget:
 
 
 @click.command("run")
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @click.option(
     "--by",
@@ -439,7 +439,7 @@ class RouteTarget:
 
 
 @click.command("render")
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @click.option(
     "--format",

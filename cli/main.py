@@ -191,7 +191,7 @@ def validate(path: Path) -> None:
 
 
 @cli.command("serve")
-@click.argument("model")
+@click.argument("model", callback=model_arg)
 @click.option("--host", default=None, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1).")
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."

@@ -74,9 +74,10 @@ def _acting(by: str, model: str | None, action: str) -> tuple[object, str]:
 
 def model_arg(ctx, param, value: str | None) -> str | None:
     """MODEL: a registered model's name (quantgate.register_params.model_name_problem: MLflow's rules, and for a
-    command that changes the model, short enough for the registry lock's suffix; `status` and `history` only
-    read) and not one of quantgate's registry locks. Raises click.BadParameter naming MODEL and the rule before
-    the registry is touched; None passes (no MODEL)."""
+    command that changes the model, short enough for the registry lock's suffix; `status`, `history` and `canary
+    render` only read) and not one of quantgate's registry locks. Raises click.BadParameter naming MODEL and the
+    rule before the registry is touched; None passes (no MODEL). Used by every command taking MODEL (here,
+    canary/commands.py, `quantgate serve`)."""
     from quantgate.register_params import model_name_problem
     from registry.lock import is_lock
 
@@ -89,7 +90,7 @@ def model_arg(ctx, param, value: str | None) -> str | None:
     return value
 
 
-READ_ONLY = ("status", "history")  # commands that take no registry lock
+READ_ONLY = ("status", "history", "render")  # commands that take no registry lock (render: `canary render`)
 
 
 def version_arg(ctx, param, value: str) -> str:

@@ -452,26 +452,37 @@ def test_recommend_is_refused_on_the_baseline_and_worded_truly_without_a_gate_re
             ("promote", "m" * 230, "1", "--expect-production", "none", "--reason", "r"),
             "230 characters; at most 222 for a model quantgate changes",
         ),
+        (("canary", "render", "", "3", "--format", "gateway-api"), "'': must not be empty or blank"),
+        (("canary", "run", "a:b", "2"), "'a:b': MLflow refuses a model name with '/' or ':'"),
+        (("canary", "run", "m" * 230, "2"), "230 characters; at most 222 for a model quantgate changes"),
+        (("serve", "a/b", "--port", "0"), "'a/b': MLflow refuses a model name with '/' or ':'"),
     ],
 )
 def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
     """`approve "" 1` gave MLflow's "Missing value for required parameter 'name'"; `approve smollm2/x 1` named the
-    internal lock `smollm2/x.quantgate-lock`."""
+    internal lock `smollm2/x.quantgate-lock`; `canary render`, `canary run` and `serve` did not check MODEL at all
+    (MLflow's traceback "Invalid model name 'a/b'")."""
     client, model, _ = reg({"int4": "PASS"})
-    result = _invoke(*args, "--by", "alice") if args[0] not in ("history", "status") else _invoke(*args)
+    acting = args[0] in ("approve", "revoke", "promote", "rollback") or args[:2] == ("canary", "run")
+    result = _invoke(*args, "--by", "alice") if acting else _invoke(*args)
+    assert result.exit_code == 2, result.output  # click's usage error, as for any bad argument
     _one_line_error(result, "Invalid value for '", "MODEL", said)
     assert "quantgate-lock'" not in result.output or "registry lock" in result.output
     assert "Missing value" not in result.output
 
 
 def test_a_long_model_name_mlflow_accepts_can_be_read(reg):
-    """`status` and `history` take no lock: a 230-character model MLflow registered was refused as one it refuses."""
+    """`status`, `history` and `canary render` take no lock: a 230-character model MLflow registered was refused as
+    one it refuses."""
     client, _, _ = reg({"int4": "PASS"})
     long = "m" * 230
     client.create_registered_model(long)
     for args in (("status", long), ("history", long)):
         result = _invoke(*args)
         assert result.exit_code == 0 and "Invalid value" not in result.output, result.output
+    Path("params.yaml").write_text("register: {}\ncanary:\n  steps: [5, 25, 50, 100]\n")
+    result = _invoke("canary", "render", long, "1", "--format", "gateway-api")  # read, then refused for having no v1
+    _one_line_error(result, f"{long} v1 does not exist")
 
 
 def test_revoking_a_version_never_approved_says_it_records_a_veto(reg):
