@@ -141,15 +141,7 @@ def _require_servable(mlflow_client, model_name: str, version: str) -> approval.
 
 def _exists(mlflow_client, model_name: str, version: str) -> bool:
     """Whether `model_name` has version `version` (in any status)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlflow_client.get_model_version(model_name, version)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        return False
-    return True
+    return versions.get_version(mlflow_client, model_name, version) is not None
 
 
 def _verified(mlflow_client, model_name: str, version: str) -> None:

@@ -30,23 +30,40 @@ def version_number(version) -> str:
     return str(int(text))
 
 
+# MLflow's SQL stores keep a version number in an Integer column, 32 bits in PostgreSQL and MySQL (sqlite: 64): no
+# version above this exists anywhere, and asking a store for one failed with its internal error (sqlite's "Python int
+# too large to convert to SQLite INTEGER") instead of saying the version does not exist
+MAX_VERSION = 2**31 - 1
+
+
+def get_version(mlflow_client, model_name: str, version):
+    """Version `version` of `model_name` (any status), or None when it does not exist: never registered, deleted,
+    or a number above MAX_VERSION (not asked: no store could hold it). Other registry errors propagate."""
+    from mlflow.exceptions import MlflowException
+
+    number = version_number(version)
+    if int(number) > MAX_VERSION:
+        return None
+    try:
+        return mlflow_client.get_model_version(model_name, number)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return None
+
+
 def require_version(mlflow_client, model_name: str, version):
     """The model version, which must exist and be READY.
 
     Raises QuantgateError when it was never registered, was deleted, or is not READY, so
     nothing (an alias, an approval) is ever made to point at it.
     """
-    from mlflow.exceptions import MlflowException
-
     number = version_number(version)
-    try:
-        mv = mlflow_client.get_model_version(model_name, number)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
-            raise
+    mv = get_version(mlflow_client, model_name, number)
+    if mv is None:
         raise QuantgateError(
             f"{model_name} v{number} does not exist (never registered, or deleted); see `quantgate status {model_name}`"
-        ) from None
+        )
     if mv.status != "READY":
         raise QuantgateError(f"{model_name} v{number} is {mv.status}, not READY; it cannot be approved or aliased")
     return mv

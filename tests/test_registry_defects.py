@@ -181,6 +181,37 @@ def test_unicode_digits_are_not_version_numbers(args, tmp_path, monkeypatch):
         versions.version_number("²")
 
 
+HUGE = "99999999999999999999999"  # past sqlite's 64-bit INTEGER (and every store's 32-bit version column)
+
+
+def test_a_version_number_no_store_can_hold_does_not_exist(reg):
+    """`canary render M 999...` and `canary run` gave sqlite's traceback "Python int too large to convert to SQLite
+    INTEGER"; approve, revoke and promote --expect-production printed that internal text with no advice."""
+    client, model, out = reg({"int4": "PASS"})
+    v = str(out["builds"]["int4"]["version"])
+    approval.approve(client, model, v, "rm", "gate PASS")
+    Path("params.yaml").write_text(
+        "register: {}\ncanary:\n  steps: [5, 25, 50, 100]\nfleet: {}\nevaluate:\n  serve: {}\ncanary_topology: {}\n"
+    )
+    n_events = len(audit.history(client, model))
+    gone = f"{model} v{HUGE} does not exist (never registered, or deleted); see `quantgate status {model}`"
+    for args in (
+        ("approve", model, HUGE, "--reason", "r", "--by", "rm"),
+        ("revoke", model, HUGE, "--reason", "r", "--by", "rm"),
+        ("canary", "render", model, HUGE, "--format", "gateway-api"),
+        ("canary", "run", model, HUGE, "--by", "rm"),
+    ):
+        result = _invoke(*args)
+        assert result.exit_code == 1, result.output
+        _one_line_error(result, gone)
+        assert "SQLite" not in result.output
+    result = _invoke("promote", model, v, "--expect-production", HUGE, "--reason", "r", "--by", "rm")
+    _one_line_error(result, f"{model} v{HUGE}, the production you expected, does not exist")
+    assert len(audit.history(client, model)) == n_events and "production" not in aliases.current(client, model)
+    assert versions.get_version(client, model, str(versions.MAX_VERSION)) is None  # asked: the store says so
+    assert str(versions.get_version(client, model, f"v{v}").version) == v
+
+
 def test_breaking_a_stale_lock_is_said_and_audited(reg, capsys):
     client, model, _ = reg({})
     first = lock.acquire(client, model, "promote v2 by alice", by="alice")
