@@ -312,6 +312,8 @@ def rollback(model: str, by: str, reason: str, to: str) -> None:
 
 
 def _when(ctx, param, value: str | None) -> datetime | None:
+    """--at: an ISO time (no zone = UTC) or `now`, as an aware UTC datetime. Raises click.BadParameter naming --at
+    for text that is no ISO time, or a time that lies outside years 1-9999 once in UTC."""
     if value is None:
         return None
     if value.strip().lower() == "now":
@@ -323,7 +325,14 @@ def _when(ctx, param, value: str | None) -> datetime | None:
         at = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         raise click.BadParameter(f"{value!r} is not an ISO time (e.g. 2025-06-01T12:00:00Z; no zone = UTC)") from None
-    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)  # as --help says: no zone = UTC
+    if at.tzinfo is None:  # as --help says: no zone = UTC
+        return at.replace(tzinfo=timezone.utc)
+    try:  # e.g. 0001-01-01T00:00:00+01:00 is in year 0 in UTC, which datetime cannot hold
+        return at.astimezone(timezone.utc)
+    except OverflowError:
+        raise click.BadParameter(
+            f"{value!r} is not a usable time: in UTC it falls outside the years 1-9999; give a time within them"
+        ) from None
 
 
 @click.command()

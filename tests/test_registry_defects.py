@@ -251,6 +251,23 @@ def test_a_deleted_production_version_is_reported(reg):
     assert f"production=v{v} (deleted since)" in result.output, result.output
 
 
+def test_history_at_a_time_outside_the_calendar_in_utc_is_refused_naming_at(reg):
+    """`history M --at 0001-01-01T00:00:00+01:00` (year 0 in UTC) and `9999-12-31T23:00:00-05:00` (year 10000) gave
+    the traceback `OverflowError: date value out of range`; the last and first UTC instants still work."""
+    client, model, out = reg({"int4": "PASS"})
+    fallback = aliases.current(client, model)["fallback"]
+    for at in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:00:00-05:00"):
+        result = _invoke("history", model, "--at", at)
+        assert result.exit_code == 2, result.output
+        _one_line_error(
+            result, f"Invalid value for '--at': '{at}' is not a usable time: in UTC it falls outside the years 1-9999"
+        )
+    result = _invoke("history", model, "--at", "9999-12-31T23:59:59+00:00")
+    assert result.exit_code == 0 and f"fallback=v{fallback}\n" in result.output, result.output
+    result = _invoke("history", model, "--at", "0001-01-01T00:00:00-01:00")  # 01:00 UTC on day one
+    assert result.exit_code == 0 and "fallback=none\n" in result.output, result.output
+
+
 def test_status_into_a_closed_pipe_exits_quietly(reg):
     client, model, _ = reg({"int4": "PASS"})
     p = subprocess.run(
