@@ -104,19 +104,111 @@ def object_store_reachable(endpoint: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores; scheme as SQLAlchemy spells it
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def check_settings(uri: str) -> None:
+    """Raise QuantgateError, one line naming the variable and the fix, when the tracking URI `uri` or
+    $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: a malformed http(s) URL, a database URL
+    SQLAlchemy cannot parse or whose driver is not installed, a sqlite path that is a folder or a file that is no
+    SQLite database. Checked before anything connects: MLflow, httpx and botocore failed on these with tracebacks
+    (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError, ValueError)."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+    if scheme in ("http", "https"):
+        if (why := _http_problem(uri)) is not None:
+            raise QuantgateError(
+                f"MLFLOW_TRACKING_URI {uri!r} is not a usable URL ({why}); give the MLflow server's "
+                "http(s)://HOST:PORT, e.g. http://127.0.0.1:5000"
+            )
+    elif scheme in DATABASES:
+        _check_database(uri)
+    endpoint = os.environ.get("MLFLOW_S3_ENDPOINT_URL")
+    if endpoint and (why := _http_problem(endpoint)) is not None:
+        raise QuantgateError(
+            f"MLFLOW_S3_ENDPOINT_URL {endpoint!r} is not a usable URL ({why}); give the S3-compatible object "
+            "store's http(s)://HOST:PORT, e.g. http://127.0.0.1:9000"
+        )
+
+
+def _http_problem(url: str) -> str | None:
+    """Why `url` is no http(s) URL with a host and a port in 1-65535 (when it names one), or None."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:  # e.g. "https://[::1": Invalid port: ':1'
+        return str(exc) or type(exc).__name__
+    if parsed.scheme not in ("http", "https"):
+        return "not http:// or https://"
+    if not parsed.host:
+        return "no host"
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        return f"port {parsed.port} is not in 1-65535"
+    return None
+
+
+def _check_database(uri: str) -> None:
+    """The database URL `uri` parses, its Python driver is installed, and a sqlite file is an SQLite database;
+    else QuantgateError naming MLFLOW_TRACKING_URI."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        url = make_url(uri)
+        dialect = url.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:  # e.g. "postgresql://[::1", "mysql+junk://"
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI is not a usable database URL ({' '.join(str(exc).split())}); give one such as "
+            "sqlite:////abs/path/mlflow.db or postgresql://USER@HOST:PORT/DB"
+        ) from None
+    try:
+        dialect.import_dbapi()  # the driver module: mysql:// needs MySQLdb, mssql:// pyodbc
+    except ImportError as exc:
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI {url.render_as_string(hide_password=True)}: its database driver "
+            f"{exc.name or exc} is not installed here; install it, or use a sqlite:///, postgresql:// or "
+            "http(s):// registry"
+        ) from None
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        _check_sqlite_file(Path(url.database))
+
+
+def _check_sqlite_file(path: Path) -> None:
+    """`path`, when there, is an SQLite database (an empty file is one too: sqlite starts it); else QuantgateError
+    saying what it is and which setting to fix."""
+    where = (
+        "MLFLOW_TRACKING_URI"
+        if os.environ.get("MLFLOW_TRACKING_URI")
+        else f"the default registry {DEFAULT_DB} (MLFLOW_TRACKING_URI is unset)"
+    )
+    fix = "point MLFLOW_TRACKING_URI at the registry's mlflow.db (sqlite:////abs/path/mlflow.db)"
+    if path.is_dir():
+        raise QuantgateError(f"{where}: {path} is a folder, not an SQLite database; {fix}")
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return  # MLflow creates it (or client(existing=True) refuses it)
+    except OSError as exc:
+        raise QuantgateError(f"{where}: cannot read {path} ({exc.strerror or exc}); {fix}") from None
+    if head and head != SQLITE_HEADER:
+        raise QuantgateError(f"{where}: {path} is not an SQLite database (no SQLite header); {fix}")
+
+
 def client(uri: str | None = None, existing: bool = False):
     """An MlflowClient for `uri` (default: `tracking_uri()`), used for tracking and registry.
 
-    An http(s) URI must answer first (`reachable`), a postgresql:// database too (`database_reachable`),
-    and the object store at $MLFLOW_S3_ENDPOINT_URL, with the credentials given (`object_store_reachable`).
-    existing=True (commands that act on a
-    registry `dvc repro` made): raises QuantgateError when the URI is a sqlite file that does
-    not exist, instead of MLflow creating an empty registry there (the usual cause: running
-    from another folder than the project).
+    The settings must be usable (`check_settings`); then an http(s) URI must answer (`reachable`), a postgresql://
+    database too (`database_reachable`), and the object store at $MLFLOW_S3_ENDPOINT_URL, with the credentials
+    given (`object_store_reachable`). existing=True (commands that act on a registry `dvc repro` made): raises
+    QuantgateError when the URI is a sqlite file that does not exist, instead of MLflow creating an empty
+    registry there (the usual cause: running from another folder than the project).
     """
     from mlflow import MlflowClient
 
     uri = uri or tracking_uri()
+    check_settings(uri)
     if uri.startswith(("http://", "https://")):
         reachable(uri)
     if uri.startswith("postgresql"):

@@ -165,6 +165,63 @@ def test_a_server_answering_503_is_reported_quickly_with_its_error(unavailable_u
 
 
 @pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        (
+            {"MLFLOW_TRACKING_URI": "sqlite:///{tmp}/notdb"},
+            "MLFLOW_TRACKING_URI: {tmp}/notdb is not an SQLite database (no SQLite header); point MLFLOW_TRACKING_URI "
+            "at the registry's mlflow.db",
+        ),
+        (
+            {"MLFLOW_TRACKING_URI": "sqlite:///{tmp}"},
+            "MLFLOW_TRACKING_URI: {tmp} is a folder, not an SQLite database; point MLFLOW_TRACKING_URI",
+        ),
+        (
+            {"MLFLOW_TRACKING_URI": "mysql://x:secret@127.0.0.1:9/db"},
+            "MLFLOW_TRACKING_URI mysql://x:***@127.0.0.1:9/db: its database driver MySQLdb is not installed here; "
+            "install it, or use a sqlite:///, postgresql:// or http(s):// registry",
+        ),
+        (
+            {"MLFLOW_TRACKING_URI": "https://[::1"},
+            "MLFLOW_TRACKING_URI 'https://[::1' is not a usable URL (Invalid port: ':1'); give the MLflow server's "
+            "http(s)://HOST:PORT",
+        ),
+        ({"MLFLOW_TRACKING_URI": "http://"}, "MLFLOW_TRACKING_URI 'http://' is not a usable URL (no host)"),
+        ({"MLFLOW_S3_ENDPOINT_URL": "junk"}, "MLFLOW_S3_ENDPOINT_URL 'junk' is not a usable URL (not http:// or"),
+        (
+            {"MLFLOW_S3_ENDPOINT_URL": "https://[::1"},
+            "MLFLOW_S3_ENDPOINT_URL 'https://[::1' is not a usable URL (Invalid port: ':1'); give the S3-compatible "
+            "object store's http(s)://HOST:PORT",
+        ),
+        (
+            {"MLFLOW_TRACKING_URI": None, "_default_db": "junk"},
+            "the default registry mlflow.db (MLFLOW_TRACKING_URI is unset): {tmp}/mlflow.db is not an SQLite database",
+        ),
+    ],
+)
+def test_unusable_registry_settings_are_one_line_naming_the_variable(env, said, reg, tmp_path, monkeypatch):
+    """A sqlite file that is no database gave sqlalchemy's DatabaseError traceback (status: with its [SQL: ...] and
+    "Background on this error" lines); mysql:// without its driver ModuleNotFoundError; "https://[::1"
+    httpx.InvalidURL; MLFLOW_S3_ENDPOINT_URL=junk botocore's ValueError; "http://" was called not reachable."""
+    client, model, _ = reg({})  # a working registry first: the setting alone is what fails
+    (tmp_path / "notdb").write_text("not a database\n")
+    if "_default_db" in env:
+        (tmp_path / "mlflow.db").write_text(env["_default_db"])
+    for name, value in env.items():
+        if name == "_default_db":
+            continue
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value.format(tmp=tmp_path))
+    for args in (("history", model), ("status", model), ("approve", model, "1", "--reason", "r", "--by", "rm")):
+        result = _invoke(*args)
+        assert result.exit_code == 1, result.output
+        _one_line_error(result, "Error: " + said.format(tmp=tmp_path))
+        assert len(result.output.strip().splitlines()) == 1 and "[SQL:" not in result.output, result.output
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ("approve", "m", "²", "--reason", "r", "--by", "a"),
