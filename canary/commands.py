@@ -276,7 +276,7 @@ class CanaryLoad:
 @dataclass(frozen=True)
 class GatewayTarget:
     """`canary run --gateway`: a running `quantgate serve`'s admin endpoint (`admin_url`; None: the canary
-    runs its own servers and router) and the file of its token (used when $QUANTGATE_ADMIN_TOKEN is unset)."""
+    runs its own servers and router) and the file of its token (used when $QUANTGATE_ADMIN_TOKEN is unset or blank)."""
 
     admin_url: str | None
     token_file: Path
@@ -342,7 +342,7 @@ class GatewayTarget:
     path_option(
         "--token-file",
         ".quantgate/serve/admin.token",
-        "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset).",
+        "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset or blank).",
     ),
 )
 def run(

@@ -45,15 +45,32 @@ TOKEN_FILE = "admin.token"  # in the gateway's work dir
 MIN_TOKEN = 16  # characters of $QUANTGATE_ADMIN_TOKEN: 16 random url-safe ones are 96 bits
 
 
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot travel in an `Authorization: Bearer` header, or None: a non-ASCII character (an HTTP
+    header carries ASCII only: httpx refused it with a UnicodeEncodeError) or a control character (a newline
+    would end the header)."""
+    for c in token:
+        if not c.isascii():
+            return f"has a non-ASCII character ({c!r}), which an HTTP header cannot carry"
+        if not c.isprintable():
+            return f"has a control character ({c!r})"
+    return None
+
+
 def admin_token(work_dir: Path, log: Callable[[str], None] = print) -> str:
     """$QUANTGATE_ADMIN_TOKEN, else a new random token written to WORK_DIR/admin.token (0600).
     Raises QuantgateError for a set but blank or short (< MIN_TOKEN characters) $QUANTGATE_ADMIN_TOKEN:
-    the token is all that guards the split when the endpoint is reachable from elsewhere."""
+    the token is all that guards the split when the endpoint is reachable from elsewhere; and for one no
+    client could send (`token_problem`)."""
     if (given := os.environ.get(TOKEN_ENV)) is not None:
-        if len(token := given.strip()) < MIN_TOKEN:
+        example = "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`, or unset it for a generated one"
+        token = given.strip()
+        if token and (problem := token_problem(token)) is not None:
+            raise QuantgateError(f"${TOKEN_ENV} {problem}; give printable ASCII, {example}")
+        if len(token) < MIN_TOKEN:
             raise QuantgateError(
                 f"${TOKEN_ENV} is {'blank' if not token else f'{len(token)} characters'}; give at least {MIN_TOKEN}, "
-                "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`, or unset it for a generated one"
+                + example
             )
         log(f"serve: admin token from ${TOKEN_ENV}")
         return token
@@ -69,16 +86,31 @@ def admin_token(work_dir: Path, log: Callable[[str], None] = print) -> str:
 
 
 def read_token(token_file: Path) -> str:
-    """$QUANTGATE_ADMIN_TOKEN, else the token in `token_file`; QuantgateError if neither."""
-    if token := os.environ.get(TOKEN_ENV, "").strip():
+    """$QUANTGATE_ADMIN_TOKEN, else (unset or blank) the token in `token_file`. Raises QuantgateError naming where
+    the token came from when neither gives one, or when it cannot be sent (`token_problem`)."""
+    given = os.environ.get(TOKEN_ENV)
+    if given is not None and (token := given.strip()):
+        if (problem := token_problem(token)) is not None:
+            raise QuantgateError(
+                f"${TOKEN_ENV} {problem}; set it to the gateway's admin token, or unset it to read --token-file"
+            )
         return token
     try:
-        return Path(token_file).read_text().strip()
+        token = Path(token_file).read_text().strip()
     except OSError as exc:
         raise QuantgateError(
-            f"no admin token: ${TOKEN_ENV} is unset and {token_file} cannot be read ({exc.strerror}); "
-            f"give --token-file (the gateway writes WORK_DIR/{TOKEN_FILE})"
+            f"no admin token: ${TOKEN_ENV} is {'unset' if given is None else 'blank'} and {token_file} cannot be "
+            f"read ({exc.strerror}); give --token-file (the gateway writes WORK_DIR/{TOKEN_FILE})"
         ) from None
+    except UnicodeDecodeError:  # no gateway wrote it
+        raise QuantgateError(
+            f"--token-file {token_file} is not UTF-8 text; give the file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
+        ) from None
+    if (problem := token_problem(token)) is not None:
+        raise QuantgateError(
+            f"--token-file {token_file}: the token {problem}; give the file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
+        )
+    return token
 
 
 def samples_doc(samples: list[Sample], shadows: list[ShadowSample]) -> dict:

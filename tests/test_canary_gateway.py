@@ -149,6 +149,35 @@ def test_token_from_env_or_a_0600_file(tmp_path, monkeypatch):
         read_token(tmp_path / "none")
 
 
+def test_a_token_no_header_can_carry_is_refused_naming_where_it_came_from(tmp_path, monkeypatch):
+    """$QUANTGATE_ADMIN_TOKEN='ü' reached httpx, which failed with a UnicodeEncodeError traceback; a blank one was
+    said to be unset."""
+    for bad, said in (("ü", "a non-ASCII character ('ü')"), ("ab\x01cd", "a control character ('\\x01')")):
+        monkeypatch.setenv("QUANTGATE_ADMIN_TOKEN", bad)
+        with pytest.raises(QuantgateError) as exc:
+            read_token(tmp_path / "none")
+        assert str(exc.value).startswith(f"$QUANTGATE_ADMIN_TOKEN has {said}"), exc.value
+        assert "set it to the gateway's admin token, or unset it to read --token-file" in str(exc.value)
+        with pytest.raises(QuantgateError, match=r"^\$QUANTGATE_ADMIN_TOKEN has a .*; give printable ASCII, e\.g\."):
+            admin_token(tmp_path, log=lambda line: None)  # the gateway would start with a token no client can send
+    monkeypatch.setenv("QUANTGATE_ADMIN_TOKEN", "  ")
+    with pytest.raises(QuantgateError, match=r"^no admin token: \$QUANTGATE_ADMIN_TOKEN is blank and "):
+        read_token(tmp_path / "none")
+    (tmp_path / "ok.token").write_text("from-file-0123456789\n")
+    assert read_token(tmp_path / "ok.token") == "from-file-0123456789"  # blank: the file, as when unset
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN")
+    (tmp_path / "bad.token").write_text("tök\n")
+    with pytest.raises(QuantgateError) as exc:
+        read_token(tmp_path / "bad.token")
+    assert str(exc.value) == (
+        f"--token-file {tmp_path / 'bad.token'}: the token has a non-ASCII character ('ö'), which an HTTP header "
+        "cannot carry; give the file the gateway wrote (WORK_DIR/admin.token)"
+    )
+    (tmp_path / "binary.token").write_bytes(b"\xff\xfe\n")
+    with pytest.raises(QuantgateError, match="is not UTF-8 text; give the file the gateway wrote"):
+        read_token(tmp_path / "binary.token")
+
+
 def test_a_restarted_gateway_is_waited_for_and_the_weight_set_again(gateway):
     split = GatewaySplit(gateway.url, TOKEN, "2", lost_s=10)
     try:
@@ -431,6 +460,11 @@ def test_canary_run_gateway_refusals_are_one_line(project, tmp_path, monkeypatch
     ):
         result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, *args])
         assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output, result.output
+    result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw], env={"QUANTGATE_ADMIN_TOKEN": "ü"})
+    assert result.exit_code == 1 and result.output.splitlines() == [
+        "Error: $QUANTGATE_ADMIN_TOKEN has a non-ASCII character ('ü'), which an HTTP header cannot carry; set it to "
+        "the gateway's admin token, or unset it to read --token-file"
+    ], result.output
     (tmp_path / "token").write_text("t\n")
     result = CliRunner().invoke(run, [MODEL, "2", "--by", "tester", *gw, "--token-file", str(tmp_path / "token")])
     assert result.exit_code == 1 and "did not answer" in result.output, result.output
