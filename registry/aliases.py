@@ -332,15 +332,28 @@ def rollback(
 
 
 def _other_target(mlflow_client, model_name: str, now: dict[str, str], to: str) -> tuple[str, str] | None:
-    """(alias, what it is) of the other rollback target when a rollback to it would work (set, not production,
-    not revoked), else None: what a refused rollback to `to` may suggest."""
+    """(alias, what it is) of the other rollback target when a rollback to it would work (`_would_work`), else
+    None: what a refused rollback to `to` may suggest."""
     other = FALLBACK if to == PREVIOUS else PREVIOUS
-    v = now.get(other)
+    if not _would_work(mlflow_client, model_name, now, other):
+        return None
+    return other, ("the 16-bit build" if other == FALLBACK else f"v{now[other]}")
+
+
+def _would_work(mlflow_client, model_name: str, now: dict[str, str], alias: str) -> bool:
+    """Whether `rollback --to alias` would be taken with the aliases `now`: the alias is set, is not production
+    and its version is not revoked (rollback's own checks, bar the weights it verifies)."""
+    v = now.get(alias)
     if v is None or v == now.get(PRODUCTION):
-        return None
-    if approval.approval_of(mlflow_client, model_name, v).state == approval.REVOKED:
-        return None
-    return other, ("the 16-bit build" if other == FALLBACK else f"v{v}")
+        return False
+    return approval.approval_of(mlflow_client, model_name, v).state != approval.REVOKED
+
+
+def rollback_targets(mlflow_client, model_name: str) -> list[str]:
+    """The aliases a `rollback` would go to now, `previous` (its default) first, then `fallback`; empty when
+    neither would work (unset, production itself, or revoked): then only a promote moves production."""
+    now = current(mlflow_client, model_name)
+    return [alias for alias in (PREVIOUS, FALLBACK) if _would_work(mlflow_client, model_name, now, alias)]
 
 
 def _no_target(model_name: str) -> str:

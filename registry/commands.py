@@ -234,8 +234,7 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
     """Revoke the approval of MODEL VERSION (it can no longer be promoted); on a version never approved, a veto."""
     from registry import aliases, approval, versions
 
-    advice = {  # what each alias still does with a revoked version
-        aliases.PRODUCTION: f"run `quantgate rollback {model} --reason ...`",
+    advice = {  # what each alias still does with a revoked version (production's: _production_advice)
         aliases.CANDIDATE: "the canary must drop it",
         aliases.FALLBACK: "failed requests are still retried on it (the gateway's 16-bit baseline), but no "
         f"rollback goes to it now (`rollback --to fallback` is refused until `quantgate approve {model} "
@@ -247,8 +246,10 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
         serving = sorted(
             al
             for al, v in aliases.current(client, model).items()
-            if v == versions.version_number(version) and al in advice
+            if v == versions.version_number(version) and (al in advice or al == aliases.PRODUCTION)
         )
+        if aliases.PRODUCTION in serving:
+            advice[aliases.PRODUCTION] = _production_advice(client, model, version)
     if a.was == "none":  # nothing to take back: say what was recorded
         click.echo(
             f"{model} v{version}: was never approved (no `approval` tag); recorded a veto: {a.why} "
@@ -258,6 +259,22 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
         click.echo(f"{model} v{version}: " + ("was already revoked; again: " if a.was == "revoked" else "") + a.why)
     for al in serving:
         click.echo(f"warning: v{version} is still {al!r}; {advice[al]}")
+
+
+def _production_advice(client, model: str, version: str) -> str:
+    """What to do about production still on the revoked `version`: the rollback that would be taken, else a
+    promote (a rollback to a target that is unset, production itself or revoked is refused)."""
+    from registry import aliases
+
+    targets = aliases.rollback_targets(client, model)
+    if aliases.PREVIOUS in targets:
+        return f"run `quantgate rollback {model} --reason ...` (to previous)"
+    if aliases.FALLBACK in targets:
+        return f"run `quantgate rollback {model} --to fallback --reason ...` (the 16-bit build)"
+    return (
+        "no rollback would take it anywhere (previous and fallback are unset, this version, or revoked); promote "
+        f"an approved version: `quantgate promote {model} VERSION --expect-production {version} --reason ...`"
+    )
 
 
 def _version_or_none(ctx, param, value: str) -> str | None:

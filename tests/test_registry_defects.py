@@ -523,6 +523,44 @@ def test_a_refused_rollback_suggests_only_a_target_that_would_work(reg):
     _one_line_error(result, f"which already is production; `--to previous` goes to v{v}")
 
 
+def _production_warning(result, version: str) -> str:
+    lines = [x for x in result.output.splitlines() if x.startswith(f"warning: v{version} is still 'production'")]
+    assert result.exit_code == 0 and len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_revoking_production_advises_only_what_would_move_it(reg):
+    """Revoking a version that was production and fallback advised `quantgate rollback`, which then failed with "no
+    other rollback target"; the advice is the rollback that works, else a promote."""
+    client, model, out = reg({"int4": "PASS", "fp8": "PASS"})
+    v4, v8 = (str(out["builds"][b]["version"]) for b in ("int4", "fp8"))
+    base = aliases.current(client, model)["fallback"]
+    for v in (base, v4, v8):
+        approval.approve(client, model, v, "rm", "gate PASS")
+    aliases.promote(client, model, base, None, "rm", "16-bit first", verify=False)  # production = fallback, no previous
+    warning = _production_warning(_invoke("revoke", model, base, "--by", "rm", "--reason", "r"), base)
+    assert warning == (
+        f"warning: v{base} is still 'production'; no rollback would take it anywhere (previous and fallback are unset, "
+        f"this version, or revoked); promote an approved version: `quantgate promote {model} VERSION "
+        f"--expect-production {base} --reason ...`"
+    )
+    _one_line_error(_invoke("rollback", model, "--by", "rm", "--reason", "r"), "nothing to roll back to")
+    result = _invoke("promote", model, v4, "--expect-production", base, "--by", "rm", "--reason", "r")
+    assert result.exit_code == 0, result.output  # what it advised works
+    aliases.promote(client, model, v8, v4, "rm", "go", verify=False)  # previous = v4
+    warning = _production_warning(_invoke("revoke", model, v8, "--by", "rm", "--reason", "r"), v8)
+    assert warning == f"warning: v{v8} is still 'production'; run `quantgate rollback {model} --reason ...` " + (
+        "(to previous)"
+    )
+    approval.revoke(client, model, v4, "rm", "bad too")  # previous revoked; the fallback v1 stays revoked too
+    assert aliases.rollback_targets(client, model) == []
+    approval.approve(client, model, base, "rm", "the 16-bit build is fine")
+    warning = _production_warning(_invoke("revoke", model, v8, "--by", "rm", "--reason", "again"), v8)
+    assert warning.endswith(f"run `quantgate rollback {model} --to fallback --reason ...` (the 16-bit build)")
+    result = _invoke("rollback", model, "--to", "fallback", "--by", "rm", "--reason", "r")
+    assert result.exit_code == 0 and aliases.current(client, model)["production"] == base, result.output
+
+
 def test_recommend_is_refused_on_the_baseline_and_worded_truly_without_a_gate_recommendation(reg):
     """--recommend on the 16-bit build wrote "recommended by alice's override: why (the gate said -: )" and status
     showed reco=override on the baseline; on a version with no recommendation it said "the gate said -: "."""
