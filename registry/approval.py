@@ -149,10 +149,9 @@ def check_length(**values: str | None) -> None:
     for name, value in values.items():
         limit = MAX_NAME if name == "by" else audit.MAX_TEXT
         if value is not None and len(value) > limit:
-            raise QuantgateError(
-                f"--{name} is {len(value)} characters; the registry keeps at most {limit}: shorten it "
-                f"(link to a longer document instead)"
-            )
+            # a name is shortened; free text can point to where the whole of it lives
+            fix = "give a shorter name, e.g. --by alice" if name == "by" else "shorten it (link to a longer document)"
+            raise QuantgateError(f"--{name} is {len(value)} characters; the registry keeps at most {limit}: {fix}")
 
 
 def require_text(**values: str | None) -> None:

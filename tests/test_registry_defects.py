@@ -76,9 +76,11 @@ def test_overlong_reason_is_refused_before_anything_is_written(reg):
     before = client.get_model_version(model, v).tags
     n_events = len(audit.history(client, model))
     result = _invoke("approve", model, v, "--reason", "x" * 102_400, "--by", "zoë")
-    _one_line_error(result, "--reason is 102400 characters", "at most 5000")
+    _one_line_error(result, "--reason is 102400 characters", "at most 5000: shorten it (link to a longer document)")
     result = _invoke("approve", model, v, "--reason", "fine", "--by", "z" * 6000)
-    _one_line_error(result, "--by is 6000 characters", "at most 250")
+    # a name is not linked to a document: advice that fits the field
+    _one_line_error(result, "--by is 6000 characters; the registry keeps at most 250: give a shorter name, e.g. --by")
+    assert "document" not in result.output
     assert client.get_model_version(model, v).tags == before  # still alice's approval, whole
     assert approval.approval_of(client, model, v).by == "alice"
     exp = client.get_experiment_by_name(audit.AUDIT_EXPERIMENT)
