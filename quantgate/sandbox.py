@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import signal
+import string
 import subprocess
 import sys
 import threading
@@ -93,7 +94,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         ):  # big-number arithmetic cannot be interrupted by the time limit
             raise SecurityError(f"a power of over {MAX_BITS} bits, over the sandbox's limit")
         if operator == "%" and isinstance(left, str):
-            _check_str_method("format", left, ())
+            _check_str_method("%", left, (right,))
         if operator == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_SIZE:
@@ -113,16 +114,24 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         # str methods that size their result; Jinja hands str.format over wrapped (wrap_str_format), not bound
         method = getattr(__obj, "__wrapped__", __obj)
         if isinstance(getattr(method, "__self__", None), str):
-            _check_str_method(method.__name__, method.__self__, args)
+            _check_str_method(method.__name__, method.__self__, args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
 
-def _check_str_method(name: str, text: str, args: tuple) -> None:
-    """Refuse a str.format/replace/join/center/... call (or `%` formatting) whose result would be
-    over MAX_SIZE (memory is taken before the result could be measured). Format widths are summed
-    over the whole format string, so '{0:999999}' * 100 counts as 99,999,900 characters."""
-    if name in ("format", "format_map") and sum(int(d) for d in re.findall(r"\d+", text)) > MAX_SIZE:
-        raise SecurityError(f"the format widths in {text[:40]!r} add up to over the sandbox's {MAX_SIZE}")
+def _check_str_method(name: str, text: str, args: tuple, kwargs: dict | None = None) -> None:
+    """Refuse a str.format/format_map/replace/join/center/... call, or `%` formatting (name "%", args
+    (its right operand,)), whose result would be over MAX_SIZE (memory is taken before the result could be
+    measured). Field widths and precisions are summed over the whole format string, nested ones ('{0:{1}}',
+    '%*s') read from the arguments, so '{0:999999}' * 100 counts as 99,999,900 characters; digits in the
+    literal text do not count."""
+    if name in ("format", "format_map", "%"):
+        if name == "%":
+            size = _percent_size(text, args[0] if args else ())
+        else:
+            mapping = args[0] if name == "format_map" and args else (kwargs or {})
+            size = _format_size(text, () if name == "format_map" else args, mapping)
+        if size > MAX_SIZE:
+            raise SecurityError(f"the format widths in {text[:40]!r} add up to over the sandbox's {MAX_SIZE}")
     if name == "join" and args and hasattr(args[0], "__len__") and len(args[0]) * len(text) > MAX_SIZE:
         raise SecurityError(f"join would make more characters than the sandbox's {MAX_SIZE}")
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
@@ -131,6 +140,71 @@ def _check_str_method(name: str, text: str, args: tuple) -> None:
             raise SecurityError(f"replace would make more characters than the sandbox's {MAX_SIZE}")
     if any(isinstance(a, int) and not isinstance(a, bool) and a > MAX_SIZE for a in args):
         raise SecurityError(f"str.{name} with a size over the sandbox's {MAX_SIZE}")
+
+
+_FORMATTER = string.Formatter()
+# a str.format spec's width and precision (https://docs.python.org/3/library/string.html#format-specification-mini-language)
+_SPEC = re.compile(r"(?:.?[<>=^])?[-+ ]?z?#?0?(?P<width>\d*)[,_]?(?:\.(?P<precision>\d+))?")
+# a printf-style conversion (https://docs.python.org/3/library/stdtypes.html#printf-style-string-formatting)
+_PERCENT = re.compile(
+    r"%(?:\((?P<key>[^)]*)\))?[#0\- +]*(?P<width>\*|\d+)?(?:\.(?P<precision>\*|\d+))?[hlL]?(?P<type>[^hlL])"
+)
+
+
+def _number(digits: str) -> int:
+    """The int of a run of digits, any run longer than MAX_SIZE's counted as over it (int() of 4300+ digits raises)."""
+    return int(digits) if len(digits) <= len(str(MAX_SIZE)) else MAX_SIZE + 1
+
+
+def _format_size(text: str, args: tuple, kwargs) -> int:
+    """Characters str.format's field widths and precisions in `text` ask for, nested fields resolved from
+    `args`/`kwargs` (auto-numbered ones in str.format's order); 0 for a malformed string (str.format raises)."""
+    try:
+        fields = list(_FORMATTER.parse(text))
+    except ValueError:
+        return 0
+    auto, total = 0, 0
+    for _literal, name, spec, _conversion in fields:
+        if name is None:
+            continue
+        if name == "":
+            auto += 1
+        if "{" in (spec or ""):
+            resolved = []
+            for literal, inner, _s, _c in _FORMATTER.parse(spec):
+                resolved.append(literal)
+                if inner is None:
+                    continue
+                if inner == "":
+                    inner, auto = str(auto), auto + 1
+                if not inner.isidentifier() and not (inner.isascii() and inner.isdigit()):
+                    raise SecurityError(f"a nested format field {{{inner}}}: give a plain index or name")
+                value = args[int(inner)] if inner.isdigit() and int(inner) < len(args) else None
+                if not inner.isdigit():
+                    value = kwargs.get(inner) if hasattr(kwargs, "get") else None
+                resolved.append(str(value))
+            spec = "".join(resolved)
+        if m := _SPEC.match(spec or ""):
+            total += sum(_number(m[part]) for part in ("width", "precision") if m[part])
+    return total
+
+
+def _percent_size(text: str, values) -> int:
+    """Characters `text % values`'s widths and precisions ask for ('*' read from `values`)."""
+    positional = values if isinstance(values, tuple) else (values,)
+    used, total = 0, 0
+    for m in _PERCENT.finditer(text):
+        if m["type"] == "%":
+            continue
+        for part in ("width", "precision"):
+            if m[part] == "*":
+                n = positional[used] if used < len(positional) else 0
+                used += 1
+                total += abs(n) if isinstance(n, int) and not isinstance(n, bool) else 0
+            elif m[part]:
+                total += _number(m[part])
+        used += m["key"] is None
+    return total
 
 
 def _sized(name: str, flt):
@@ -145,7 +219,10 @@ def _sized(name: str, flt):
         text = next((a for a in args if isinstance(a, str)), None)  # the value (context filters get it 2nd)
         if text is not None and name in ("format", "replace"):
             rest = list(args[args.index(text) + 1 :])
-            _check_str_method(name, text, tuple(rest) if name == "replace" else ())
+            if name == "format":  # Jinja's format filter is printf-style: value % (kwargs or args)
+                _check_str_method("%", text, (kwargs or tuple(rest),))
+            else:
+                _check_str_method(name, text, tuple(rest))
         seqs = [a for a in args if isinstance(a, (str, list, tuple))]
         if name == "join" and len(seqs) >= 2 and isinstance(seqs[1], str):  # value|join(separator)
             _check_str_method("join", seqs[1], (seqs[0],))

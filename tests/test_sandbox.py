@@ -184,13 +184,37 @@ def test_sizes_are_bounded(template):
         "{{ '{:>500000000}'.format('') }}",
         "{{ ('{0:999999}' * 100).format(1) }}",
         "{{ '{a:>500000000}'.format_map(dict(a=1)) }}",
+        # nested widths read from the arguments (a fresh-user check made 1 GB with the first)
+        "{{ '{0:{1}{2}}'.format(x, 1000, 100000) }}",
+        "{{ '{0:{w}}'.format(x, w=100000000) }}",
+        "{{ '{0:{1}}'.format(x, '100000000') }}",
+        "{{ '{:{}}'.format(x, 100000000) }}",
+        "{{ '{a:{w}}'.format_map(dict(a=1, w=100000000)) }}",
+        "{{ '%*s' % (100000000, x) }}",
+        "{{ '%.*f' % (100000000, 1.5) }}",
+        "{{ '{0:" + "9" * 5000 + "}'.format(x) }}",  # int() of 4300+ digits raises: not a traceback here
     ],
 )
 def test_format_widths_are_refused_before_the_text_is_made(template):
     # it was refused only after str.format had made 500 million characters (the rendered text's length check),
     # and past the time limit on a busy machine
     with pytest.raises(SecurityError, match="format widths"):
-        sandbox.render(template, {})
+        sandbox.render(template, {"x": "ab"})
+
+
+@pytest.mark.parametrize(
+    "template, text",
+    [
+        # digits in the literal text are no widths (the first check summed every digit: this was refused)
+        ("{{ 'Exam 2024, form 20250101: {0}'.format(x) }}", "Exam 2024, form 20250101: ab"),
+        ("{{ 'Total %d of 20250101' % 3 }}", "Total 3 of 20250101"),
+        ("{{ '{0:>5}|{1:.2f}'.format(x, 2.5) }}", "   ab|2.50"),
+        ("{{ '{:{}}|'.format(x, 4) }}", "ab  |"),
+        ("{{ '%-4s|%5.1f'|format(x, 2.25) }}", "ab  |  2.2"),
+    ],
+)
+def test_format_fields_within_the_limits_render(template, text):
+    assert sandbox.render(template, {"x": "ab"}) == text
 
 
 def test_dict_is_a_constructor_only_so_documents_cannot_be_changed():
