@@ -421,7 +421,8 @@ def _hooks(
 
 
 def _step(ctx, param, value: str | None) -> str | None:
-    if value is None or value == "rollback" or (value.isascii() and value.isdigit() and int(value) >= 1):
+    number = value is not None and value.isascii() and value.isdigit() and len(value) < 5  # int() of 4300+ raises
+    if value is None or value == "rollback" or (number and int(value) >= 1):
         return value
     raise click.BadParameter(f"{value!r}: give a step number (1, 2, ...) or rollback")
 

@@ -83,7 +83,7 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     written, or it does not validate; then nothing of it is left under `root` (the files are written in a hidden
     folder beside it, renamed into place whole, and removed if they do not validate).
     """
-    if not TEAM_NAME.match(name):
+    if not TEAM_NAME.fullmatch(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
     if not owner.strip() or not contact.strip():
         raise QuantgateError("--owner and --contact must not be empty: they say whom the gate reports to")

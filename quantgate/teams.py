@@ -206,7 +206,8 @@ def min_docs(policy: TeamPolicy) -> int | None:
     return min_docs_to_pass(policy.margin.points(1.0), policy.confidence)
 
 
-TEAM_NAME = re.compile(r"^[a-z][a-z0-9_]{1,39}$")  # also an MLflow tag key part (gate.<team>.verdict)
+# also an MLflow tag key part (gate.<team>.verdict); use fullmatch: `$` also matched before a trailing newline
+TEAM_NAME = re.compile(r"[a-z][a-z0-9_]{1,39}")
 
 
 def inspect_team(
@@ -221,7 +222,7 @@ def inspect_team(
     """
     policy_path = path / POLICY_FILE
     problems: list[str] = []
-    if not TEAM_NAME.match(path.name):
+    if not TEAM_NAME.fullmatch(path.name):
         problems.append(
             f"{path}: team folder name {path.name!r}: use lower_snake_case, 2-40 characters, "
             "starting with a letter (it names the team in tags and reports)"

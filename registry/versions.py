@@ -27,7 +27,7 @@ def version_number(version) -> str:
     text = str(version).strip().lower().removeprefix("v")
     if not (text.isascii() and text.isdigit()):  # str.isdigit() also accepts "²" and "١"
         raise QuantgateError(f"{version!r} is not a model version number (e.g. 3 or v3)")
-    return str(int(text))
+    return text.lstrip("0") or "0"  # not int(): it raises on 4300+ digits
 
 
 # MLflow's SQL stores keep a version number in an Integer column, 32 bits in PostgreSQL and MySQL (sqlite: 64): no
@@ -42,7 +42,7 @@ def get_version(mlflow_client, model_name: str, version):
     from mlflow.exceptions import MlflowException
 
     number = version_number(version)
-    if int(number) > MAX_VERSION:
+    if len(number) > len(str(MAX_VERSION)) or int(number) > MAX_VERSION:
         return None
     try:
         return mlflow_client.get_model_version(model_name, number)

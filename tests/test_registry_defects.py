@@ -253,17 +253,20 @@ def test_a_version_number_no_store_can_hold_does_not_exist(reg):
         "register: {}\ncanary:\n  steps: [5, 25, 50, 100]\nfleet: {}\nevaluate:\n  serve: {}\ncanary_topology: {}\n"
     )
     n_events = len(audit.history(client, model))
-    gone = f"{model} v{HUGE} does not exist (never registered, or deleted); see `quantgate status {model}`"
-    for args in (
-        ("approve", model, HUGE, "--reason", "r", "--by", "rm"),
-        ("revoke", model, HUGE, "--reason", "r", "--by", "rm"),
-        ("canary", "render", model, HUGE, "--format", "gateway-api"),
-        ("canary", "run", model, HUGE, "--by", "rm"),
-    ):
-        result = _invoke(*args)
-        assert result.exit_code == 1, result.output
-        _one_line_error(result, gone)
-        assert "SQLite" not in result.output
+    for huge in (HUGE, "9" * 5000):  # 4300+ digits: int() itself raised ValueError
+        gone = f"{model} v{huge} does not exist (never registered, or deleted); see `quantgate status {model}`"
+        for args in (
+            ("approve", model, huge, "--reason", "r", "--by", "rm"),
+            ("revoke", model, huge, "--reason", "r", "--by", "rm"),
+            ("canary", "render", model, huge, "--format", "gateway-api"),
+            ("canary", "run", model, huge, "--by", "rm"),
+        ):
+            result = _invoke(*args)
+            assert result.exit_code == 1, result.output
+            _one_line_error(result, gone)
+            assert "SQLite" not in result.output
+    result = _invoke("canary", "render", model, v, "--format", "gateway-api", "--step", "9" * 5000)
+    assert result.exit_code == 2 and "Invalid value for '--step'" in result.output, result.output
     result = _invoke("promote", model, v, "--expect-production", HUGE, "--reason", "r", "--by", "rm")
     _one_line_error(result, f"{model} v{HUGE}, the production you expected, does not exist")
     assert len(audit.history(client, model)) == n_events and "production" not in aliases.current(client, model)

@@ -348,3 +348,17 @@ def test_a_contact_of_invisible_characters_is_blank(example_evals):
     policy.write_text("\n".join(lines) + "\n")
     with pytest.raises(QuantgateError, match=r"team.yaml:\d+: contact: is blank; name who owns the set"):
         load_teams(example_evals)
+
+
+def test_a_team_name_ending_in_a_newline_is_refused(tmp_path):
+    """`$` matches before a trailing newline: `evals new $'nl\\n'` wrote files it then called invalid YAML, and a
+    folder 'ranking\\n' passed validate."""
+    from quantgate.scaffold import new_team
+    from quantgate.teams import inspect_team
+
+    with pytest.raises(QuantgateError, match=r"team name 'nl\\n': use lower_snake_case"):
+        new_team(tmp_path, "nl\n", "o", "c@example.com")
+    assert list(tmp_path.iterdir()) == []
+    shutil.copytree(REPO / "evals" / "search", tmp_path / "search\n")
+    team, problems = inspect_team(tmp_path / "search\n")
+    assert any("team folder name 'search\\n': use lower_snake_case" in p for p in problems), problems
