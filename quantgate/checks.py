@@ -451,12 +451,34 @@ def check_data(
         rendered.append((main or None, {**main, **shot} if main and (shot or not shots) else None))
         if len(problems) > before:
             flagged.add(n)
+    if not refused:  # a float among integers changes every line's rendering ("12" becomes "12.0"): name it
+        for n, written, column in _widening(rows):
+            if n not in flagged:
+                problems.append(_widening_problem(data_path, n, column, written[column]))
+                flagged.add(n)
     fields = set().union(*(f for _, f, _ in widened))
     causes = {n for n, written, _ in rows if any(isinstance(written.get(f), float) for f in fields)}
     if widened and not refused and not causes & flagged:  # no line here says why: keep what lm-eval would hit
         for place, _, held in reversed(widened):
             problems[place:place] = held
     return problems, rendered
+
+
+def _widening(rows) -> list[tuple[int, dict, str]]:
+    """(line, written, field) of each line that gives a float in a field other lines give as integers, which the
+    loader then read as floats everywhere: lm-eval renders and compares 12 as "12.0" (a generate_until target
+    then never matches the model's "12", and both builds score 0: a gate that measures nothing)."""
+    columns = set().union(*(_floated(written, doc) for _, written, doc in rows))
+    return [(n, written, f) for n, written, _ in rows for f in sorted(columns) if type(written.get(f)) is float]
+
+
+def _widening_problem(data_path, n: int, field: str, value: float) -> str:
+    """The line's problem: what its float does to the other lines, and what to write instead."""
+    fix = f"write {int(value)}" if value.is_integer() else "give every line the same kind of number (or text)"
+    return (
+        f"{data_path}:{n}: {field}={value!r} is a float where the other lines give integers: the loader then reads "
+        f"every line's {field!r} as a float, and lm-eval renders and compares 12 as '12.0'; {fix}"
+    )
 
 
 def _floated(written: dict, doc: dict) -> set[str]:

@@ -109,6 +109,28 @@ def test_one_float_among_integer_answers_is_refused_at_its_line_only(example_eva
     assert loaded[0]["answer"] == docs[0]["answer"] and isinstance(loaded[0]["answer"], float)
 
 
+def test_one_float_among_integer_targets_of_a_generated_answer_is_refused(example_evals, monkeypatch):
+    """A generate_until set with integer answers and one 28.0 validated: the loader read every answer as a float,
+    lm-eval compared the model's "12" with "12.0", and both builds scored 0 (a gate that measured nothing)."""
+    data = example_evals / "billing" / "data.jsonl"
+    docs = [json.loads(line) for line in data.read_text().splitlines()]
+    for doc in docs:
+        doc["answer"] = int(doc["answer"])
+    load_team(example_evals / "billing")  # integers alone are fine: rendered as "12"
+    write_jsonl(data, docs)
+    load_team(example_evals / "billing")
+    docs[2]["answer"] = float(docs[2]["answer"])
+    write_jsonl(data, docs)
+    msg = refusal(example_evals / "billing")
+    assert "1 problem(s)" in msg, msg
+    assert (
+        f"{data}:3: answer=28.0 is a float where the other lines give integers: the loader then reads every line's "
+        "'answer' as a float, and lm-eval renders and compares 12 as '12.0'; write 28"
+    ) in msg
+    loaded = lm_eval_docs(example_evals / "billing", monkeypatch)
+    assert next(iter(loaded.values()))[0]["answer"] == 12.0  # what lm-eval would have compared
+
+
 def test_a_nan_answer_is_refused_at_its_line_only(example_evals):
     data = example_evals / "search" / "data.jsonl"
     lines = data.read_text().splitlines()
