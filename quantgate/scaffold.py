@@ -118,11 +118,14 @@ def _write(folder: Path, name: str, owner: str, contact: str, n: int) -> None:
     (folder / "team.yaml").write_text(
         POLICY.format(
             name=name,
-            owner=json.dumps(owner),
-            contact=json.dumps(contact),
+            # a JSON string is a YAML double-quoted one; not ASCII-escaped: YAML reads JSON's surrogate pair for
+            # an emoji ("\ud83d\ude80") as two lone surrogates, which team.yaml's check then refused
+            owner=json.dumps(owner, ensure_ascii=False),
+            contact=json.dumps(contact, ensure_ascii=False),
             margin=DEFAULT_MARGIN,
             confidence=DEFAULT_CONFIDENCE,
-        )
+        ),
+        encoding="utf-8",
     )
     (folder / f"{name}.yaml").write_text(TASK.format(name=name))
     (folder / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in example_docs(name, n)))

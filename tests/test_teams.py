@@ -362,3 +362,15 @@ def test_a_team_name_ending_in_a_newline_is_refused(tmp_path):
     shutil.copytree(REPO / "evals" / "search", tmp_path / "search\n")
     team, problems = inspect_team(tmp_path / "search\n")
     assert any("team folder name 'search\\n': use lower_snake_case" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("owner", ["x🚀", "排名", 'Zoë O\'Brien "ZO"'])
+def test_an_owner_beyond_ascii_is_written_as_given(tmp_path, owner):
+    """An emoji owner failed `evals new` ("unable to parse raw data as a unicode string"): JSON's surrogate pair
+    was read by YAML as two lone surrogates; others were written as escapes ("\\u6392\\u540d")."""
+    from quantgate.scaffold import new_team
+
+    team = new_team(tmp_path, "unicode_team", owner, "c@example.com")
+    text = (tmp_path / "unicode_team" / "team.yaml").read_text(encoding="utf-8")
+    assert f"owner: {json.dumps(owner, ensure_ascii=False)}" in text and "\\u" not in text
+    assert team.policy.owner == owner
