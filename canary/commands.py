@@ -59,9 +59,8 @@ class NonEmptyPath(click.Path):
         super().__init__(path_type=Path)
 
     def convert(self, value, param, ctx):
-        if value == "":
-            name = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
-            raise click.ClickException(f"{name}: the path is empty; give a path ('.' for the current folder)")
+        if value == "":  # a usage error (exit 2, naming the option or argument), as every bad argument is
+            self.fail("the path is empty; give a file or folder", param, ctx)
         return super().convert(value, param, ctx)
 
 

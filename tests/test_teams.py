@@ -230,7 +230,7 @@ def test_new_team_without_input_to_ask_on_says_which_options_to_give(tmp_path, g
 
 @pytest.mark.parametrize(
     "args, name",
-    [(["new", "ranking", "--owner", "O", "--contact", "c", "--root", ""], "--root"), (["validate", ""], "PATH")],
+    [(["new", "ranking", "--owner", "O", "--contact", "c", "--root", ""], "--root"), (["validate", ""], "[PATH]")],
 )
 def test_an_empty_path_is_refused_naming_it_not_taken_as_the_current_folder(tmp_path, monkeypatch, args, name):
     """`--root ''` wrote the team folder into the working directory; `evals validate ''` validated it."""
@@ -240,8 +240,8 @@ def test_an_empty_path_is_refused_naming_it_not_taken_as_the_current_folder(tmp_
 
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(cli, ["evals", *args])
-    assert res.exit_code == 1 and list(tmp_path.iterdir()) == []
-    assert res.output == f"Error: {name}: the path is empty; give a path ('.' for the current folder)\n"
+    assert res.exit_code == 2 and list(tmp_path.iterdir()) == []
+    assert res.output.splitlines()[-1] == f"Error: Invalid value for '{name}': the path is empty; give a file or folder"
 
 
 def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example_evals):
