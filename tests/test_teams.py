@@ -192,10 +192,14 @@ def test_new_team_refuses_an_owner_or_contact_of_more_than_one_line(tmp_path, fl
     )
 
 
-def test_an_owner_of_two_lines_in_team_yaml_is_refused(example_evals):
-    policy = example_evals / "support" / "team.yaml"
-    lines = ['owner: "ML\\nsupport"' if ln.startswith("owner:") else ln for ln in policy.read_text().splitlines()]
+def set_policy_field(policy: Path, key: str, yaml_value: str) -> None:
+    """Rewrite the `key:` line of a team.yaml to `key: yaml_value` (written as given: YAML escapes stay)."""
+    lines = [f"{key}: {yaml_value}" if ln.startswith(f"{key}:") else ln for ln in policy.read_text().splitlines()]
     policy.write_text("\n".join(lines) + "\n")
+
+
+def test_an_owner_of_two_lines_in_team_yaml_is_refused(example_evals):
+    set_policy_field(example_evals / "support" / "team.yaml", "owner", '"ML\\nsupport"')
     with pytest.raises(QuantgateError, match=r"team.yaml:\d+: owner: must be one line of printable characters"):
         load_teams(example_evals)
 
@@ -343,9 +347,7 @@ def test_repeats_lm_eval_never_scores_are_accepted(example_evals):
 
 
 def test_a_contact_of_invisible_characters_is_blank(example_evals):
-    policy = example_evals / "support" / "team.yaml"
-    lines = ['contact: "\\u00a0\\u200b"' if ln.startswith("contact:") else ln for ln in policy.read_text().splitlines()]
-    policy.write_text("\n".join(lines) + "\n")
+    set_policy_field(example_evals / "support" / "team.yaml", "contact", '"\\u00a0\\u200b"')
     with pytest.raises(QuantgateError, match=r"team.yaml:\d+: contact: is blank; name who owns the set"):
         load_teams(example_evals)
 
