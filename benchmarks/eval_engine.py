@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from pipeline.evaluate import EvaluateParams, make_lm
+from pipeline.evaluate import EvaluateParams
+from pipeline.team_scores import make_lm
 from quantgate.errors import QuantgateError, run_main
 from quantgate.params import load_block
 from quantgate.scoring import run_team, selected_filter

@@ -43,10 +43,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO, hf_lm, report, rounded
-from pipeline.evaluate import EvaluateParams, make_lm, write_team
+from pipeline.evaluate import EvaluateParams
 from pipeline.gate import load_params
 from pipeline.plot import recovery_interval
 from pipeline.quantize import QuantizeParams, quantize, recipe_record, same_recipe
+from pipeline.team_scores import make_lm, write_team
 from quantgate.errors import QuantgateError, run_main
 from quantgate.judging import judge
 from quantgate.manifest import read_manifest

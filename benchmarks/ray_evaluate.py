@@ -31,8 +31,8 @@ def run_once(project: Path, build: str, replicas: int, ray, work: Path) -> dict:
     """One evaluate of `build` on the cluster with `replicas` servers; its wall time and the stage's timing."""
     import os
 
-    import pipeline.evaluate as stage
     import pipeline.on_ray as on_ray
+    import pipeline.team_scores as stage
     from pipeline.evaluate import EvaluateParams, evaluate
     from quantgate.executor import ExecutorParams
     from quantgate.params import load_block

@@ -27,10 +27,9 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.evaluate import (
+from pipeline.team_scores import (
     CACHE_DIR,
     TIMING,
-    EvaluateParams,
     from_cache,
     local_placement,
     make_lm,
@@ -40,6 +39,7 @@ from pipeline.evaluate import (
     write_team,
 )
 from quantgate.errors import QuantgateError
+from quantgate.evaluate_params import EvaluateParams
 from quantgate.executor import ExecutorParams, connect
 from quantgate.manifest import config_digest, verify_weights
 from quantgate.precision import RECORD as PRECISION

@@ -1,6 +1,6 @@
 """Stage `profile@<build>`: what one build costs to hold and how fast it serves, on the serving engine.
 
-Run by DVC: `python -m pipeline.profile BUILD MODEL_DIR OUT_JSON` (params blocks `profile`, `evaluate.serve`).
+Run by DVC: `python -m pipeline.profile BUILD MODEL_DIR EVALS_DIR OUT_JSON` (params blocks `profile`, `evaluate`).
 
 The build is started in a vLLM OpenAI server exactly as the evaluate stage serves it (quantgate/serving.py:
 same serving env, precision, max_model_len, KV-cache size and the build's own kv_cache_dtype). From vLLM's
@@ -23,6 +23,12 @@ config, serving settings as resolved, serving env and machine, load; not the bui
 with the weights of one measured before is not served again: its record says which build it was measured
 as (`measured_as`). Delete the folder to measure anew.
 
+One server per build (pipeline/measuring.py, pipeline/team_scores.py): a local server started here, once the
+build is measured, scores the teams of EVALS_DIR that evaluate@<build> finds not in its cache, and keeps them
+there; a server evaluate@<build> starts first measures the build for this stage (`measured_on` names it), before
+any team is scored on it. Whichever of the two stages DVC runs first starts the build's one server; the other
+reads the cache. A failure on the shared server is left to the other stage, which then starts its own.
+
 With `executor.kind: ray` (quantgate/executor.py) the server and the benchmark run as one Ray task on a node
 with the executor's resources, the hardware that will serve (profile_on_ray); the record is written here
 and names the node (`placement`).
@@ -30,170 +36,72 @@ and names the node (`placement`).
 
 from __future__ import annotations
 
-import json
-import subprocess
+import logging
+import os
 import sys
-import tempfile
-from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 
+from pipeline.measuring import (
+    MEASURE_ERRORS,
+    add_served,
+    cache_key,
+    cached,
+    first_record,
+    keep,
+    measure,
+    profile_serve,
+    unprofiled_reason,
+)
+from pipeline.team_scores import score_for_evaluate
 from quantgate.console import per_build
-from quantgate.cost import KVShape, kv_bytes_per_token, kv_capacity_tokens, kv_dtype_bytes
-from quantgate.errors import QuantgateError, project_relative, run_main
+from quantgate.credentials import drop_credentials
+from quantgate.errors import QuantgateError, run_main
+from quantgate.evaluate_params import EvaluateParams
 from quantgate.executor import ExecutorParams, connect
-from quantgate.hashing import digest_json
-from quantgate.loadgen import Load, bench, disk_mib, startup_report, tree_rss_gib
-from quantgate.manifest import config_digest, read_manifest
 from quantgate.params import load_block
-from quantgate.precision import probe, probe_key
 from quantgate.profile_params import ProfileParams
 from quantgate.remote import node_python, on_node, published, settle, submit
-from quantgate.results import BuildProfile, LoadPoint, Placement, read_profile, write_profile
-from quantgate.serving import BEFORE_SERVER, ServeParams, kv_cache_dtype, refusal_head, resolved, vllm_server
+from quantgate.results import BuildProfile, Placement, write_profile
+from quantgate.serving import BEFORE_SERVER, ServeParams, Server, refusal_head, vllm_server
 
 LOGS = Path("results/logs")
-CACHE_DIR = Path(".quantgate/cache/profile")
-# bump when what a profile measures or records changes (this module, quantgate/loadgen.py): older entries then miss
-CODE_VERSION = 1
 
 
-def arithmetic_kv(model_dir: Path, serve: ServeParams, kv_dtype: str, on_cpu: bool) -> dict:
-    """{kv_shape, kv_bytes_per_token, kv_tokens_arithmetic} for the build's config.json at the served
-    precision (quantgate/cost.py); kv_tokens_arithmetic = tokens that fit in evaluate.serve.kv_cache_gib
-    GiB, None off a CPU (a GPU's KV space is what its memory leaves). Raises QuantgateError naming the
-    config field that is missing, or kv_cache_dtype when it cannot be sized."""
-    shape = KVShape.from_config(json.loads((model_dir / "config.json").read_text()), f"{model_dir}/config.json")
-    per_token = kv_bytes_per_token(shape, kv_dtype_bytes(kv_dtype, serve.dtype))
-    return {
-        "kv_shape": asdict(shape),
-        "kv_bytes_per_token": per_token,
-        "kv_tokens_arithmetic": kv_capacity_tokens(serve.kv_cache_gib * 2**30, per_token) if on_cpu else None,
-    }
-
-
-def load_point(c: int, n: int, r: dict) -> LoadPoint:
-    """One benchmark result (vLLM's result JSON, quantgate.loadgen.bench) as a LoadPoint, rounded for reading."""
-    return LoadPoint(
-        concurrency=c,
-        prompts=n,
-        output_tokens_per_s=round(r["output_throughput"], 3),
-        requests_per_s=round(r["request_throughput"], 4),
-        ttft_ms_p50=round(r["p50_ttft_ms"], 1),
-        ttft_ms_p99=round(r["p99_ttft_ms"], 1),
-        tpot_ms_p50=round(r["p50_tpot_ms"], 1),
-        tpot_ms_p99=round(r["p99_tpot_ms"], 1),
-    )
-
-
-def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams) -> BuildProfile:
-    """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile.
+def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None) -> BuildProfile:
+    """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile. `alongside`
+    (a callable taking the quantgate.serving.Server) then runs on the same server, after the measurement:
+    main scores the teams there for evaluate@<build> (pipeline/team_scores.py: one server per build).
 
     Never raises for a build that cannot be served or measured: that is an "unprofiled" record with the
     reason (paths relative to the project). Raises QuantgateError only for a missing build directory.
     """
     if not (model_dir / "config.json").is_file():
         raise QuantgateError(f"{model_dir}/config.json not found: run `dvc repro` (prepare / quantize make the build)")
-    if params.cpu_cores:
-        serve = serve.model_copy(update={"cpu_cores": params.cpu_cores})
-    record = {
-        "build": build,
-        "input_len": params.input_len,
-        "output_len": params.output_len,
-        "seed": params.seed,
-        "weights_mib": disk_mib(model_dir),
-    }
-    load = Load(params.input_len, params.output_len, params.seed, params.timeout_s)
+    serve = profile_serve(serve, params)
+    record = first_record(build, model_dir, params)
     try:
-        kv_dtype = record["kv_cache_dtype"] = kv_cache_dtype(model_dir)
-        serve = resolved(serve, model_dir)  # dtype, eager mode and the KV space as the server gets them
-        record["dtype"] = serve.dtype
-        record |= arithmetic_kv(model_dir, serve, kv_dtype, probe(serve.python).is_cpu)
+        serve = add_served(record, model_dir, serve)
         LOGS.mkdir(parents=True, exist_ok=True)
-        with (
-            tempfile.TemporaryDirectory(prefix="profile-") as tmp,
-            vllm_server(serve, model_dir.resolve(), build, LOGS / f"profile@{build}.server.log") as server,
-            server.deaths(),  # a server that dies under the benchmark: its death is the reason
-        ):
-            facts = startup_report(server.log_path.read_text(errors="replace"))
-            record |= {
-                "kv_tokens": facts.kv_tokens,
-                "max_concurrency": facts.max_concurrency,
-                "max_concurrency_at": facts.max_concurrency_at,
-                "weights_gib": facts.weights_gib,
-                "weights_source": facts.weights_source,
-                "server_rss_gib": tree_rss_gib(server.pid),
-            }
-            arithmetic = record["kv_tokens_arithmetic"]
-            print(f"profile[{build}]: vLLM reports {facts.kv_tokens} KV tokens (arithmetic: {arithmetic})", flush=True)
-            loads = {}
-            for c in params.concurrency:
-                n = max(params.prompts_per_concurrency, c)
-                r = bench(serve.python, server.base_url, build, model_dir.resolve(), c, n, load, Path(tmp))
-                loads[f"c{c}"] = p = load_point(c, n, r)
-                print(
-                    f"profile[{build}]: C={c}: {p.output_tokens_per_s:.1f} tok/s, TTFT p50 {p.ttft_ms_p50:.0f} ms, "
-                    f"TPOT p50 {p.tpot_ms_p50:.0f} ms",
-                    flush=True,
-                )
-        return BuildProfile(status="profiled", loads=loads, **record)
-    except (QuantgateError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
-        reason = project_relative((str(exc).strip() or type(exc).__name__).split(" (log: ")[0].splitlines()[0])
-        if isinstance(exc, subprocess.TimeoutExpired):
-            reason = f"vllm bench serve took longer than profile.timeout_s ({params.timeout_s} s)"
-        return BuildProfile(status="unprofiled", reason=reason, **record)
+        with vllm_server(serve, model_dir.resolve(), build, LOGS / f"profile@{build}.server.log") as server:
+            result = measure(server, model_dir, serve, params, record)
+            if alongside is not None:
+                alongside(server)
+        return result
+    except MEASURE_ERRORS as exc:
+        return BuildProfile(status="unprofiled", reason=unprofiled_reason(exc, params), **record)
 
 
-def cache_key(model_dir: Path, serve: ServeParams, params: ProfileParams) -> str | None:
-    """Content key of one build's profile (sha256 hex), or None where it cannot be formed (no build.json,
-    a serving env that cannot be probed): then the build is measured. In it is everything that changes the
-    figures: the weights and config/tokenizer files with the build's own serving settings (KV cache dtype, W4A8:
-    quantgate.manifest.config_digest), the serving settings as resolved here (precision, eager mode, KV space,
-    cores, extra flags), the serving env and the machine (quantgate.precision.probe_key: its packages, the CPU
-    flags, the GPUs) and the load. Not the
-    build's name: two builds with the same weights (int4-mixed when its search keeps no layer 16-bit) are
-    one measurement, as evaluate's cache makes them one scoring."""
-    try:
-        weights = read_manifest(model_dir)["weights_digest"]
-        served = {k: v for k, v in dict(resolved(serve, model_dir)).items() if k not in ("python", "host", "port")}
-        return digest_json(
-            {
-                "weights": weights,
-                "model_files": config_digest(model_dir),
-                "kv_cache_dtype": kv_cache_dtype(model_dir),
-                "serve": served,
-                "platform": probe_key(serve.python),
-                "load": params.model_dump(mode="json", exclude={"timeout_s"}),
-                "code": CODE_VERSION,
-            }
-        )
-    except (QuantgateError, KeyError, OSError):
-        return None
-
-
-def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams) -> BuildProfile:
-    """profile(), through the content cache CACHE_DIR/<cache_key>.json: a build whose figures were measured
-    before (under another name, or an earlier run) gets them again, marked `measured_as`; a new "profiled"
-    record is kept there. Unprofiled records are not kept (a server that did not start may start next time).
-    Raises QuantgateError as profile()."""
-    key = cache_key(model_dir, serve, params)
-    cached = CACHE_DIR / f"{key}.json" if key else None
-    if cached is not None and cached.exists():
-        try:
-            hit = read_profile(cached)
-            if hit.status != "profiled":
-                raise QuantgateError("not a measurement")
-            print(f"profile[{build}]: from cache {key[:12]} (measured as {hit.measured_as or hit.build})", flush=True)
-            return hit.model_copy(update={"build": build, "measured_as": hit.measured_as or hit.build})
-        except (QuantgateError, OSError):  # unreadable, or not a measurement: measure again, replace it below
-            print(f"profile[{build}]: cache entry {cached} unusable; measuring again", flush=True)
-    result = profile(build, model_dir, serve, params)
-    if cached is not None and result.status == "profiled":
-        try:
-            write_profile(cached, result)  # it makes the folder
-        except OSError as exc:  # the measurement stands; only its reuse is lost
-            print(f"profile[{build}]: not kept in the cache ({cached}: {exc.strerror or exc})", flush=True)
-        except QuantgateError as exc:  # write_profile's own one line (a folder in its place, a read-only folder)
-            print(f"profile[{build}]: not kept in the cache ({exc})", flush=True)
+def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None) -> BuildProfile:
+    """profile(), through the content cache (pipeline/measuring.py CACHE_DIR/<cache_key>.json): a build whose
+    figures were measured before (under another name, in an earlier run, or on evaluate@<build>'s server) gets
+    them again, marked `measured_as`, and no server is started (nor `alongside` run); a new "profiled" record
+    is kept there. Raises QuantgateError as profile()."""
+    key = cache_key(model_dir, profile_serve(serve, params), params)
+    if (hit := cached(build, key)) is not None:
+        return hit
+    result = profile(build, model_dir, serve, params, alongside)
+    keep(key, result)
     return result
 
 
@@ -238,17 +146,32 @@ def profile_on_ray(
     return BuildProfile.model_validate(reply["profile"]).model_copy(update={"placement": where})
 
 
+def teams_alongside(build: str, model_dir: Path, evals_dir: Path) -> Callable[[Server], None] | None:
+    """What runs on the profiled server after the measurement, for a local run: scoring the teams for
+    evaluate@<build> (pipeline/team_scores.py score_for_evaluate), with the evaluate stage's environment (no
+    registry or cloud credentials where team templates are rendered; Hugging Face offline). None for a build
+    that evaluate scores on an endpoint (evaluate.endpoints). Raises QuantgateError for a bad `evaluate` block."""
+    params = load_block("evaluate", EvaluateParams)
+    if build in params.endpoints:
+        return None
+    if gone := drop_credentials(os.environ):  # as evaluate's main: the server and lm-eval run without them
+        logging.getLogger(__name__).info("running without %s", ", ".join(gone))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    return lambda server: score_for_evaluate(server, build, model_dir, evals_dir, params)
+
+
 def main() -> None:
-    if len(sys.argv) != 4:
-        raise QuantgateError("usage: python -m pipeline.profile BUILD MODEL_DIR OUT_JSON")
-    build, model_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    if len(sys.argv) != 5:
+        raise QuantgateError("usage: python -m pipeline.profile BUILD MODEL_DIR EVALS_DIR OUT_JSON")
+    build, model_dir, evals_dir, out = sys.argv[1], *map(Path, sys.argv[2:])
     params = load_block("profile", ProfileParams)
     serve = load_block("evaluate.serve", ServeParams)
     executor = load_block("executor", ExecutorParams)
     if executor.kind == "ray":
         result = profile_on_ray(build, model_dir, serve, params, executor)
     else:
-        result = measured(build, model_dir, serve, params)
+        result = measured(build, model_dir, serve, params, teams_alongside(build, model_dir, evals_dir))
     write_profile(out, result)
     why = f": {result.reason}" if result.reason else ""  # the reason once (main prints it for every executor)
     wrote = f"wrote {out}"

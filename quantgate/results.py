@@ -339,7 +339,9 @@ class BuildProfile(Document):
     loads: dict[str, LoadPoint] = {}  # "c<concurrency>" -> its figures (named keys: `dvc metrics show` reads them)
     placement: Placement | None = None  # where it was measured (executor, node); None in records before issue 31
     measured_as: str | None = None  # the build these figures were measured on, when they came from the content
-    # cache (the same weights, config, serving settings and machine; pipeline/profile.py cache_key)
+    # cache (the same weights, config, serving settings and machine; pipeline/measuring.py cache_key)
+    measured_on: str | None = None  # "evaluate@<build>": measured on the server that stage started, before it
+    # scored there (pipeline/measuring.py profile_on_evaluate_server); None: on profile@<build>'s own
 
     def top_load(self) -> LoadPoint | None:
         """The load at the largest profiled concurrency (the one closest to a full batch, which the cost model

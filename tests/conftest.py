@@ -228,10 +228,12 @@ def project(tmp_path_factory):
 
 
 LOCAL = {"models", ".dvc", ".quantgate", "mlflow.db", "mlartifacts"}  # not copied by light_copy
+PROFILE_CACHE = ".quantgate/cache/profile"  # but for this one
 
 
 def light_copy(project: Path, dst: Path, drop_eval: str | None = None, link_each_model: bool = False) -> Path:
-    """`project` (an e2e project) at `dst` without its DVC cache, eval cache and registry, its models linked:
+    """`project` (an e2e project) at `dst` without its DVC cache, eval cache and registry (its profile cache
+    copied), its models linked:
     models/ itself, or with `link_each_model` a folder of links, one per build (a stage may then write a new
     build there, not in the shared project); results/eval/<drop_eval> removed when given."""
     dst.mkdir()
@@ -250,6 +252,8 @@ def light_copy(project: Path, dst: Path, drop_eval: str | None = None, link_each
             shutil.copytree(item, dst / item.name, symlinks=True)
         else:
             shutil.copy2(item, dst / item.name)
+    if (profiles := project / PROFILE_CACHE).is_dir():  # measurements by content: a stage's server measures no
+        shutil.copytree(profiles, dst / PROFILE_CACHE)  # build the project measured (pipeline/measuring.py)
     if drop_eval:
         shutil.rmtree(dst / "results/eval" / drop_eval)
     return dst

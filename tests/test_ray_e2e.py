@@ -62,7 +62,7 @@ def stage(project, tmp_path, monkeypatch):
     """The e2e project's evaluate block, run in the project with an empty evaluation cache (nothing comes
     from the local executor's cached scores)."""
     monkeypatch.chdir(project)
-    monkeypatch.setattr("pipeline.evaluate.CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr("pipeline.team_scores.CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr("pipeline.on_ray.CACHE_DIR", tmp_path / "cache")
     return load_block("evaluate", EvaluateParams, project / "params.yaml")
 

@@ -24,6 +24,7 @@ import pytest
 import requests
 
 import pipeline.evaluate as evaluate_stage
+import pipeline.team_scores as team_scores
 from pipeline.evaluate import EvaluateParams, evaluate
 from quantgate import serving
 from quantgate.results import ServingRecord, TeamScores
@@ -241,11 +242,12 @@ def test_vllms_own_death_lines_are_read_for_their_root_cause(tmp_path, logged, r
 def scored_project(tmp_path, example_evals, monkeypatch):
     """An fp8 build (tiny safetensors), the example teams, fp16's scores for the gate, and the evaluate stage
     with its cache in tmp_path, its serving record fixed (no serving env) and lm-eval's client a stand-in."""
-    monkeypatch.setattr(evaluate_stage, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(team_scores, "CACHE_DIR", tmp_path / "cache")
     precision = {"dtype": "float32", "requested": "auto", "why": "auto: test"}
     record = ServingRecord(versions={"vllm": "test"}, dtype="float32", max_model_len=2048, extra_args=[])
-    monkeypatch.setattr(evaluate_stage, "serving_config", lambda *a: (precision, record, None))
-    monkeypatch.setattr(evaluate_stage, "make_lm", lambda server, *a: server)
+    for stage in (evaluate_stage, team_scores):  # evaluate asks it; so would the profile stage's scoring
+        monkeypatch.setattr(stage, "serving_config", lambda *a: (precision, record, None))
+    monkeypatch.setattr(team_scores, "make_lm", lambda server, *a: server)
     model = safetensors_build(tmp_path / "models" / "fp8", "fp8", seed=1, shards=1)
     for team in ("billing", "search", "support"):
         write_scores(tmp_path / "eval", "fp16", team, [1.0, 0.0, 1.0])
@@ -267,7 +269,7 @@ def test_evaluate_scores_no_team_on_a_dead_server_and_the_gate_fails_the_build_w
         os.killpg(server.pid, signal.SIGKILL)
         raise requests.ConnectionError("HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded")
 
-    monkeypatch.setattr(evaluate_stage, "run_team", run_team)
+    monkeypatch.setattr(team_scores, "run_team", run_team)
     monkeypatch.setattr(
         evaluate_stage, "vllm_server", lambda params, model_dir, name, log: fake_vllm("hang", name, log)
     )
@@ -315,6 +317,7 @@ def dies_when_its_engine_fails(fake_vllm, name: str, log: Path):
 
 
 def test_profile_records_the_death_as_the_unprofiled_reason(fake_vllm, tmp_path, monkeypatch):
+    import pipeline.measuring as measuring
     import pipeline.profile as stage
     from pipeline.profile import ProfileParams, profile
 
@@ -327,12 +330,12 @@ def test_profile_records_the_death_as_the_unprofiled_reason(fake_vllm, tmp_path,
     monkeypatch.chdir(tmp_path)
     served = lambda params, model_dir, name, log: dies_when_its_engine_fails(fake_vllm, name, log)  # noqa: E731
     monkeypatch.setattr(stage, "vllm_server", served)
-    monkeypatch.setattr(stage, "bench", bench)
+    monkeypatch.setattr(measuring, "bench", bench)
     monkeypatch.setattr(
-        stage, "resolved", lambda p, model_dir=None: p.model_construct(**{**dict(p), "dtype": "float32"})
+        measuring, "resolved", lambda p, model_dir=None: p.model_construct(**{**dict(p), "dtype": "float32"})
     )
-    monkeypatch.setattr(stage, "arithmetic_kv", lambda *a: {"kv_tokens_arithmetic": None})
-    monkeypatch.setattr(stage, "probe", lambda python: SimpleNamespace(is_cpu=True))
+    monkeypatch.setattr(measuring, "arithmetic_kv", lambda *a: {"kv_tokens_arithmetic": None})
+    monkeypatch.setattr(measuring, "probe", lambda python: SimpleNamespace(is_cpu=True))
     rec = profile("int8", Path("models/int8"), ServeParams(), ProfileParams())
     assert rec.status == "unprofiled"
     # as for a start failure, the profile document leaves the log path (results/logs/profile@<build>.server.log) out

@@ -51,7 +51,8 @@ def test_int4s_weights_served_as_w4a8_are_a_build_of_their_own_gated_as_served(p
     said = stage([sys.executable, "-m", "pipeline.evaluate", BUILD, f"models/{BUILD}", "evals", out], work)
     docs = {t: json.loads((work / out / t / "scores.json").read_text()) for t in ("billing", "search", "support")}
     said += stage(
-        [sys.executable, "-m", "pipeline.profile", BUILD, f"models/{BUILD}", f"results/profile/{BUILD}.json"], work
+        [sys.executable, "-m", "pipeline.profile", BUILD, f"models/{BUILD}", "evals", f"results/profile/{BUILD}.json"],
+        work,
     )
     profile = json.loads((work / f"results/profile/{BUILD}.json").read_text())
     run(yaml.safe_load((work / "dvc.yaml").read_text())["stages"]["gate"]["cmd"], work)
@@ -68,6 +69,8 @@ def test_int4s_weights_served_as_w4a8_are_a_build_of_their_own_gated_as_served(p
         print(f"\ne2e: {BUILD} served here ({platform.kind}); gate {gate['verdict']}")
         assert all(d["status"] == "ok" for d in docs.values()), [d.get("reason") for d in docs.values()]
         assert profile["status"] == "profiled"
+        # one server: evaluate's measured the build before scoring it, and the profile stage started none
+        assert profile["measured_on"] == f"evaluate@{BUILD}" and f"profile[{BUILD}]: from cache" in said
     assert (gate.get("same_weights_as"), gate.get("served_with")) == ("int4", {"w4a8": "true"})
 
     # register, in a registry of the copy's own: the run says how the build is served
