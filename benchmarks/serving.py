@@ -40,7 +40,7 @@ from pathlib import Path
 from benchmarks.common import REPO, report
 from pipeline.evaluate import EvaluateParams
 from quantgate.errors import QuantgateError, run_main
-from quantgate.loadgen import Load, bench, disk_mib, pcts, startup_report, tree_rss_gib
+from quantgate.loadgen import Load, bench_loads, disk_mib, pcts, startup_report, tree_rss_gib
 from quantgate.params import load_block
 from quantgate.serving import ServeParams, resolved, vllm_server
 
@@ -154,10 +154,11 @@ def main() -> None:
             try:
                 with vllm_server(serve, model_dir, build, Path(tmp) / f"{build}.server.log") as server:
                     mem, kv = server_facts(server.log_path, server.pid)
-                    for c in args.concurrency:
-                        n = max(args.prompts_per_concurrency, c)
-                        print(f"[serving] {build}: C={c}, {n} prompts", flush=True)
-                        r = bench(serve.python, server.base_url, build, model_dir, c, n, load, Path(tmp) / build)
+                    points = [(c, max(args.prompts_per_concurrency, c)) for c in args.concurrency]
+                    print(f"[serving] {build}: (C, prompts) {points}, in one benchmark process", flush=True)
+                    out = Path(tmp) / build
+                    found = bench_loads(serve.python, server.base_url, build, model_dir, points, load, out)
+                    for (c, n), r in zip(points, found, strict=True):
                         if build == "fp16":
                             base[c] = (r["output_throughput"], r["p50_tpot_ms"])
                         rows.append(row(build, size, c, n, mem, kv, r))

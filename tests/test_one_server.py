@@ -54,18 +54,21 @@ def one_build(tmp_path, example_evals, monkeypatch):
     monkeypatch.setattr(measuring, "arithmetic_kv", lambda *a: {"kv_tokens_arithmetic": 23_301})
     monkeypatch.setattr(measuring, "tree_rss_gib", lambda pid: 1.25)
 
-    def bench(python, base_url, name, tokenizer, c, n, load, out_dir):
-        events.append(("bench", c))
-        return {
-            "output_throughput": 10.0 * c,
-            "request_throughput": 0.5 * c,
-            "p50_ttft_ms": 100.0,
-            "p99_ttft_ms": 150.0,
-            "p50_tpot_ms": 70.0,
-            "p99_tpot_ms": 90.0,
-        }
+    def bench_loads(python, base_url, name, tokenizer, points, load, out_dir):
+        events.extend(("bench", c) for c, _ in points)
+        return [
+            {
+                "output_throughput": 10.0 * c,
+                "request_throughput": 0.5 * c,
+                "p50_ttft_ms": 100.0,
+                "p99_ttft_ms": 150.0,
+                "p50_tpot_ms": 70.0,
+                "p99_tpot_ms": 90.0,
+            }
+            for c, _ in points
+        ]
 
-    monkeypatch.setattr(measuring, "bench", bench)
+    monkeypatch.setattr(measuring, "bench_loads", bench_loads)
 
     def server_for(stage: str):
         @contextmanager
@@ -141,7 +144,9 @@ def test_a_benchmark_that_fails_on_evaluates_server_costs_no_team_and_leaves_the
     one_build, monkeypatch, capsys
 ):
     model, evals, events, _ = one_build
-    monkeypatch.setattr(measuring, "bench", lambda *a: (_ for _ in ()).throw(measuring.QuantgateError("bench broke")))
+    monkeypatch.setattr(
+        measuring, "bench_loads", lambda *a: (_ for _ in ()).throw(measuring.QuantgateError("bench broke"))
+    )
     docs = evaluate("int8", model, evals, Path("results/eval/int8"), EvaluateParams(), profiling=PROFILE)
     assert {t: d.status for t, d in docs.items()} == dict.fromkeys(TEAMS, "ok")
     assert "profile[int8]: not measured on evaluate's server (bench broke); profile@int8 will measure it" in (

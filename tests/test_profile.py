@@ -3,6 +3,7 @@ a served build's figures (the server and the benchmark are stand-ins), the build
 server's command line and its fail-closed check. The real thing runs in tests/test_e2e.py."""
 
 import json
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -98,21 +99,26 @@ def test_a_served_build_records_vllms_report_the_arithmetic_and_each_load(build_
 
     sent = []
 
-    def fake_bench(python, base_url, name, tokenizer, c, n, load, out_dir):
-        sent.append((c, n, load.seed, load.output_len))
-        return {
-            "output_throughput": 10.0 * c,
-            "request_throughput": 0.5 * c,
-            "p50_ttft_ms": 100.0 * c,
-            "p99_ttft_ms": 150.0 * c,
-            "p50_tpot_ms": 70.0,
-            "p99_tpot_ms": 90.04,
-        }
+    def fake_bench(python, base_url, name, tokenizer, points, load, out_dir):
+        sent.append(points)
+        sent.extend((c, n, load.seed, load.output_len) for c, n in points)
+        return [
+            {
+                "output_throughput": 10.0 * c,
+                "request_throughput": 0.5 * c,
+                "p50_ttft_ms": 100.0 * c,
+                "p99_ttft_ms": 150.0 * c,
+                "p50_tpot_ms": 70.0,
+                "p99_tpot_ms": 90.04,
+            }
+            for c, _ in points
+        ]
 
     monkeypatch.setattr(stage, "vllm_server", fake_server)
-    monkeypatch.setattr(measuring, "bench", fake_bench)
+    monkeypatch.setattr(measuring, "bench_loads", fake_bench)
     rec = profile("fp16", Path("models/fp16"), ServeParams(kv_cache_gib=2), ProfileParams(concurrency=[1, 8]))
-    assert sent == [(1, 2, 1234, 16), (8, 8, 1234, 16)]  # max(N=2, C) prompts, the same seed for every load
+    # one benchmark process for both loads; max(N=2, C) prompts, the same seed for every load
+    assert sent == [[(1, 2), (8, 8)], (1, 2, 1234, 16), (8, 8, 1234, 16)]
     assert rec.status == "profiled" and rec.dtype == "float32" and rec.kv_cache_dtype == "auto"
     # 2 GiB / (2 x 30 layers x 3 KV heads x 64 x 4 bytes) = 46,603; vLLM keeps whole blocks of 16: 46,592
     assert (rec.kv_tokens, rec.kv_tokens_arithmetic, rec.kv_bytes_per_token) == (46_592, 46_603, 46_080)
@@ -261,3 +267,83 @@ def test_a_refusal_before_any_server_is_said_in_full_once_evaluate_said_it_profi
     monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason="boom"))
     stage.main()
     assert capsys.readouterr().err == "profile[fp8]: unprofiled: boom; wrote results/profile/fp8.json\n"
+
+
+STUB_SERVE = """
+import json, os, pathlib, time
+
+
+def add_cli_args(p):
+    for flag in ("--max-concurrency", "--num-prompts", "--result-dir", "--result-filename"):
+        p.add_argument(flag)
+
+
+def main(args):
+    mode, c = os.environ["STUB_MODE"], int(args.max_concurrency)
+    with open(os.environ["STUB_LOG"], "a") as log:
+        log.write(f"{os.getpid()} c{c}\\n")
+    if mode == "slow" and c == 8:
+        time.sleep(30)
+    if mode == "crash" and c == 8:
+        raise RuntimeError("the server went away")
+    failed = 1 if mode == "failed" else 0
+    result = {"output_throughput": 10.0 * c, "failed": failed, "errors": ["HTTP 500: boom"] * failed}
+    (pathlib.Path(args.result_dir) / args.result_filename).write_text(json.dumps(result))
+"""
+
+
+@pytest.fixture
+def stub_vllm_bench(tmp_path, monkeypatch):
+    """A stand-in `vllm.benchmarks.serve` on PYTHONPATH for the real bench_loads process (sys.executable as the
+    serving env): it logs each run's pid and concurrency and writes a result, or (STUB_MODE) sleeps, raises or
+    reports a failed request at concurrency 8."""
+    from quantgate.loadgen import Load
+
+    root = tmp_path / "stub"
+    (root / "vllm/benchmarks").mkdir(parents=True)
+    (root / "vllm/utils").mkdir()
+    for init in ("vllm", "vllm/benchmarks", "vllm/utils"):
+        (root / init / "__init__.py").write_text("")
+    (root / "vllm/benchmarks/serve.py").write_text(STUB_SERVE)
+    (root / "vllm/utils/argparse_utils.py").write_text(
+        "import argparse\n\nclass FlexibleArgumentParser(argparse.ArgumentParser):\n"
+        "    def parse_args(self, argv):\n        return self.parse_known_args(argv)[0]\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.setenv("STUB_LOG", str(tmp_path / "runs.log"))
+    (tmp_path / "out").mkdir()
+
+    def run(mode: str, timeout_s: int = 60):
+        import sys
+
+        from quantgate.loadgen import bench_loads
+
+        monkeypatch.setenv("STUB_MODE", mode)
+        load = Load(input_len=32, output_len=16, seed=1234, timeout_s=timeout_s)
+        return bench_loads(
+            sys.executable, "http://127.0.0.1:1/v1", "fp16", tmp_path, [(1, 2), (8, 8)], load, tmp_path / "out"
+        )
+
+    return run, tmp_path / "runs.log"
+
+
+def test_every_load_runs_in_one_benchmark_process_in_turn(stub_vllm_bench):
+    run, log = stub_vllm_bench
+    results = run("ok")
+    assert [r["output_throughput"] for r in results] == [10.0, 80.0]
+    pids, runs = zip(*(line.split() for line in log.read_text().splitlines()), strict=True)
+    assert runs == ("c1", "c8") and len(set(pids)) == 1  # one import of vLLM for both loads
+
+
+def test_a_load_past_its_limit_is_a_timeout_and_a_failed_run_is_named(stub_vllm_bench):
+    import subprocess
+
+    run, _ = stub_vllm_bench
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run("slow", timeout_s=2)  # the run at 8 sleeps 30 s: ended by its own alarm, not after 30 s
+    assert time.monotonic() - started < 20
+    with pytest.raises(QuantgateError, match=r"failed at concurrency 8 \(exit 1\): RuntimeError: the server went away"):
+        run("crash")
+    with pytest.raises(QuantgateError, match="1 of 2 requests failed: HTTP 500: boom"):
+        run("failed")

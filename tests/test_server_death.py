@@ -330,7 +330,7 @@ def test_profile_records_the_death_as_the_unprofiled_reason(fake_vllm, tmp_path,
     monkeypatch.chdir(tmp_path)
     served = lambda params, model_dir, name, log: dies_when_its_engine_fails(fake_vllm, name, log)  # noqa: E731
     monkeypatch.setattr(stage, "vllm_server", served)
-    monkeypatch.setattr(measuring, "bench", bench)
+    monkeypatch.setattr(measuring, "bench_loads", bench)
     monkeypatch.setattr(
         measuring, "resolved", lambda p, model_dir=None: p.model_construct(**{**dict(p), "dtype": "float32"})
     )
