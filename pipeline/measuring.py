@@ -206,10 +206,10 @@ def profile_on_evaluate_server(build: str, model_dir: Path, server: Server, serv
     record = first_record(build, model_dir, params) | {"measured_on": f"evaluate@{build}"}
     try:
         result = measure(server, model_dir, add_served(record, model_dir, ours), params, record)
-    except MEASURE_ERRORS as exc:
+    except Exception as exc:  # a failure of the profile's, whatever it is, must not fail evaluate@<build>
+        why = unprofiled_reason(exc, params) if isinstance(exc, MEASURE_ERRORS) else f"{type(exc).__name__}: {exc}"
         print(
-            f"profile[{build}]: not measured on evaluate's server ({unprofiled_reason(exc, params)}); "
-            f"profile@{build} will measure it on its own",
+            f"profile[{build}]: not measured on evaluate's server ({why}); profile@{build} will measure it on its own",
             flush=True,
         )
         return

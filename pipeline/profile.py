@@ -71,13 +71,17 @@ LOGS = Path("results/logs")
 def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None) -> BuildProfile:
     """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile. `alongside`
     (a callable taking the quantgate.serving.Server) then runs on the same server, after the measurement:
-    main scores the teams there for evaluate@<build> (pipeline/team_scores.py: one server per build).
+    main scores the teams there for evaluate@<build> (pipeline/team_scores.py: one server per build); not where
+    `profile.cpu_cores` makes this server another than evaluate's (`serve`, evaluate.serve).
 
     Never raises for a build that cannot be served or measured: that is an "unprofiled" record with the
     reason (paths relative to the project). Raises QuantgateError only for a missing build directory.
     """
     if not (model_dir / "config.json").is_file():
         raise QuantgateError(f"{model_dir}/config.json not found: run `dvc repro` (prepare / quantize make the build)")
+    if alongside is not None and profile_serve(serve, params) != serve:  # other cores: not evaluate's server
+        print(f"profile[{build}]: profile.cpu_cores is not evaluate.serve's: no team scored here", flush=True)
+        alongside = None
     serve = profile_serve(serve, params)
     record = first_record(build, model_dir, params)
     try:
@@ -94,9 +98,9 @@ def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfilePara
 
 def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None) -> BuildProfile:
     """profile(), through the content cache (pipeline/measuring.py CACHE_DIR/<cache_key>.json): a build whose
-    figures were measured before (under another name, in an earlier run, or on evaluate@<build>'s server) gets
-    them again, marked `measured_as`, and no server is started (nor `alongside` run); a new "profiled" record
-    is kept there. Raises QuantgateError as profile()."""
+    figures were measured before (in an earlier run, on evaluate@<build>'s server: `measured_on`, or under another
+    build's name: marked `measured_as` that build) gets them again, and no server is started (nor `alongside`
+    run); a new "profiled" record is kept there. Raises QuantgateError as profile()."""
     key = cache_key(model_dir, profile_serve(serve, params), params)
     if (hit := cached(build, key)) is not None:
         return hit

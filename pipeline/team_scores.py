@@ -5,7 +5,7 @@ profile@<build> (pipeline/profile.py). The profile stage, once it has measured a
 scores there every team evaluate@<build> would score and finds not in the cache (`score_for_evaluate`), so that
 stage starts no server of its own: one server per build instead of two, each start being three Python processes
 importing vLLM in turn (benchmarks/README.md: 33-47 s on 2 cores). The scores are the same as evaluate's own:
-the same build, serving settings (evaluate.serve; `profile.cpu_cores` only moves the worker's threads), harness
+the same build, serving settings (evaluate.serve: not where `profile.cpu_cores` differs from it), harness
 and cache key, with the placement recorded. Only "ok" teams are kept: a failure on that server is left to
 evaluate@<build>, which scores the team again on its own server and records its error there.
 

@@ -338,8 +338,9 @@ class BuildProfile(Document):
     server_rss_gib: float | None = None
     loads: dict[str, LoadPoint] = {}  # "c<concurrency>" -> its figures (named keys: `dvc metrics show` reads them)
     placement: Placement | None = None  # where it was measured (executor, node); None in records before issue 31
-    measured_as: str | None = None  # the build these figures were measured on, when they came from the content
-    # cache (the same weights, config, serving settings and machine; pipeline/measuring.py cache_key)
+    measured_as: str | None = None  # the other build these figures were measured as, when they came from the
+    # content cache under its name (the same weights, config, serving settings and machine; pipeline/measuring.py
+    # cache_key); None when measured as this build (a cache hit of its own figures included)
     measured_on: str | None = None  # "evaluate@<build>": measured on the server that stage started, before it
     # scored there (pipeline/measuring.py profile_on_evaluate_server); None: on profile@<build>'s own
 

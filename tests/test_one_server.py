@@ -183,3 +183,33 @@ def test_the_profile_stage_scores_for_evaluate_without_registry_and_cloud_creden
     )
     profile_stage.main()
     assert seen["alongside"] is None
+
+
+def test_a_profile_on_other_cores_scores_no_team_for_evaluate(one_build, capsys):
+    model, evals, events, _ = one_build
+    other = PROFILE.model_copy(update={"cpu_cores": "1"})
+    profile_stage.measured("int8", model, ServeParams(), other, scores_alongside(model, evals))
+    assert events == [("start", "profile"), ("bench", 1), ("bench", 8)]  # not evaluate's server: no team on it
+    assert "profile.cpu_cores is not evaluate.serve's: no team scored here" in capsys.readouterr().out
+    assert not team_scores.CACHE_DIR.exists()
+
+
+def test_a_measurement_that_breaks_unexpectedly_on_evaluates_server_costs_no_team(one_build, monkeypatch, capsys):
+    model, evals, events, _ = one_build
+    monkeypatch.setattr(measuring, "bench_loads", lambda *a: [{"output_throughput": 1.0}] * 2)  # keys missing
+    docs = evaluate("int8", model, evals, Path("results/eval/int8"), EvaluateParams(), profiling=PROFILE)
+    assert {t: d.status for t, d in docs.items()} == dict.fromkeys(TEAMS, "ok")
+    assert "not measured on evaluate's server (KeyError: 'request_throughput')" in capsys.readouterr().out
+    assert not measuring.CACHE_DIR.exists()
+
+
+def test_a_builds_own_cached_profile_is_written_byte_for_byte_as_measured(one_build, tmp_path):
+    from quantgate.results import write_profile
+
+    model, evals, events, _ = one_build
+    first = profile_stage.measured("int8", model, ServeParams(), PROFILE, scores_alongside(model, evals))
+    again = profile_stage.measured("int8", model, ServeParams(), PROFILE, scores_alongside(model, evals))
+    write_profile(tmp_path / "first.json", first)
+    write_profile(tmp_path / "again.json", again)
+    assert (tmp_path / "first.json").read_bytes() == (tmp_path / "again.json").read_bytes()
+    assert again.measured_as is None
