@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -213,20 +214,31 @@ def report(name: str, title: str, rows: list[dict], *, meta: dict | None = None,
 
 
 def stages(root: Path) -> list[str]:
-    """The DVC stage names of dvc.yaml in file order, `foreach` expanded (`evaluate@fp8`); a `foreach`
-    of `${key}` reads params.yaml (a list: its items; a mapping: its keys), as DVC does."""
-    doc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    params = yaml.safe_load((root / "params.yaml").read_text())
-    names = []
-    for name, stage in doc.items():
-        items = stage.get("foreach")
-        if isinstance(items, str) and items.startswith("${") and items.endswith("}"):
-            value = params
-            for part in items[2:-1].split("."):
-                value = value[part]
-            items = list(value)
-        names.extend([f"{name}@{item}" for item in items] if items else [name])
+    """The DVC stage names of the project at `root` in the order `dvc repro` runs them, `foreach` expanded
+    (`evaluate@fp8`): what `dvc repro --dry --force` plans (no command runs). Not dvc.yaml's file order: the
+    search needs profile@fp16 and profile@int4 first, and `--single-item` runs no stage before its own.
+    Raises QuantgateError with DVC's last line if it cannot plan."""
+    proc = subprocess.run(
+        ["dvc", "repro", "--dry", "--force"], cwd=root, env=project_env(), capture_output=True, text=True
+    )
+    names = re.findall(r"Running stage '([^']+)'", proc.stdout)
+    if proc.returncode != 0 or not names:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise QuantgateError(f"dvc repro --dry in {root} planned no stage: {tail[-1] if tail else 'no output'}")
     return names
+
+
+def stage_timing(project: Path, stage: str) -> dict | None:
+    """The timing a server stage wrote (server_start_s, profile_s, scoring_s per team): evaluate@<build>'s
+    results/eval/<build>/timing.json, profile@<build>'s results/logs/profile@<build>.timing.json (it scores the
+    teams for evaluate@<build> on its server when it starts first: one server per build, pipeline/README.md);
+    None for another stage, or a profile on Ray (no timing written)."""
+    kind, _, build = stage.partition("@")
+    path = {
+        "evaluate": project / "results" / "eval" / build / "timing.json",
+        "profile": project / "results" / "logs" / f"profile@{build}.timing.json",
+    }.get(kind)
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def hf_lm(model_dir: Path, params, batch_size: int | None = None):

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.pipeline_cost [--limit 12] [--work DIR]
 
 Runs the pipeline of this working tree in a scratch copy (benchmarks.common.scratch_project),
-stage by stage (`dvc repro --single-item STAGE`, in dvc.yaml order), twice:
+stage by stage (`dvc repro --single-item STAGE`, in the order `dvc repro` runs them), twice:
 - cold: a fresh project, empty DVC cache and empty evaluation cache;
 - warm: the same project with every output deleted (models/, results/), as a new clone
   that shares the DVC cache and the evaluation cache sees it: prepare and quantize are
@@ -13,21 +13,20 @@ Same script on a GPU machine (set-up picks the CUDA vLLM; set evaluate.serve.dty
 
 Columns: wall s (the stage's `dvc repro` command, DVC's own start-up of ~1-2 s included),
 peak RSS GiB (sum over the stage's process tree, vLLM server included, sampled every 0.2 s),
-and for evaluate stages the seconds starting the vLLM server vs scoring teams, read from
-results/eval/<build>/timing.json. `--limit` caps docs per task (params evaluate.harness.limit,
-0 = every doc);
-the share of evaluate time spent starting servers grows as it shrinks.
+and for evaluate and profile stages the seconds starting the vLLM server, measuring the build and scoring teams,
+read from results/eval/<build>/timing.json and results/logs/profile@<build>.timing.json (the two stages share one
+server per build: whichever runs first starts it, measures and scores). `--limit` caps docs per task
+(params evaluate.harness.limit, 0 = every doc); the share of server time spent starting grows as it shrinks.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import measure, report, scratch_project, stages
+from benchmarks.common import measure, report, scratch_project, stage_timing, stages
 from quantgate.errors import QuantgateError, run_main
 
 
@@ -41,9 +40,9 @@ def run_stage(project: Path, stage: str) -> dict:
         tail = "\n".join(m.output.strip().splitlines()[-15:])
         raise QuantgateError(f"stage {stage} failed ({m.rc}) in {project}:\n{tail}")
     row = {"wall_s": m.wall_s, "peak_rss_gib": m.peak_rss_gib, "server_start_s": None, "scoring_s": None}
-    if stage.startswith("evaluate@"):
-        timing = json.loads((project / "results" / "eval" / stage.split("@")[1] / "timing.json").read_text())
+    if timing := stage_timing(project, stage):
         row["server_start_s"] = timing["server_start_s"]
+        row["profile_s"] = timing.get("profile_s")
         row["scoring_s"] = round(sum(timing["scoring_s"].values()), 1)
     return row
 
@@ -75,6 +74,7 @@ def main() -> None:
                 "cold s": c["wall_s"],
                 "cold GiB": c["peak_rss_gib"],
                 "cold server start s": c["server_start_s"],
+                "cold profile s": c.get("profile_s"),
                 "cold scoring s": c["scoring_s"],
                 "warm s": w["wall_s"],
                 "warm GiB": w["peak_rss_gib"],
@@ -87,19 +87,22 @@ def main() -> None:
             "cold s": total["cold"],
             "cold GiB": max(r["cold GiB"] for r in rows),
             "cold server start s": None,
+            "cold profile s": None,
             "cold scoring s": None,
             "warm s": total["warm"],
             "warm GiB": max(r["warm GiB"] for r in rows),
         }
     )
     start = sum(runs["cold", s]["server_start_s"] or 0 for s in names)
+    measuring = sum(runs["cold", s].get("profile_s") or 0 for s in names)
     scoring = sum(runs["cold", s]["scoring_s"] or 0 for s in names)
-    evaluate = start + scoring
+    served = start + measuring + scoring
+    starts = sum(1 for s in names if runs["cold", s]["server_start_s"])
     notes = [
-        f"cold evaluate: {start:.0f} s starting servers, {scoring:.0f} s scoring "
-        f"({100 * start / evaluate:.0f} % of evaluate time is server start)"
-        if evaluate
-        else "no evaluate stage started a server",
+        f"cold evaluate and profile: {starts} vLLM servers, {start:.0f} s starting them, {measuring:.0f} s "
+        f"measuring, {scoring:.0f} s scoring ({100 * start / served:.0f} % of their server time is start-up)"
+        if served
+        else "no evaluate or profile stage started a server",
         "warm: outputs deleted; prepare/quantize restored from the DVC run-cache, evaluate from the "
         "evaluation cache (no server started)",
         f"limit = {args.limit or 'all'} docs per task; project in {project}",

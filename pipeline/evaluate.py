@@ -122,9 +122,12 @@ def evaluate(
             with scoring_server(build, model_dir, out_dir, params.serve, remote) as server:
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
-                if profiling is not None and not remote:
-                    measuring = time.monotonic()
-                    profile_on_evaluate_server(build, model_dir, server, params.serve, profiling)
+                measuring = time.monotonic()
+                if (
+                    profiling
+                    and not remote
+                    and profile_on_evaluate_server(build, model_dir, server, params.serve, profiling)
+                ):
                     timing["profile_s"] = round(time.monotonic() - measuring, 1)
                 scoring = Scoring(build, model_dir, manifest, model_files, precision, serving, params.harness)
                 told = False  # the server's death, printed once

@@ -32,7 +32,7 @@ from quantgate.serving import ServeParams, Server, kv_cache_dtype, resolved
 
 CACHE_DIR = Path(".quantgate/cache/profile")
 # bump when what a profile measures or records changes (this module, quantgate/loadgen.py): older entries then miss
-CODE_VERSION = 1
+CODE_VERSION = 2  # 2: records name the server they were measured on (measured_on)
 MEASURE_ERRORS = (QuantgateError, subprocess.TimeoutExpired, OSError, ValueError)  # what unprofiles a build
 
 
@@ -194,15 +194,18 @@ def keep(key: str | None, result: BuildProfile) -> None:
         print(f"profile[{result.build}]: not kept in the cache ({exc})", flush=True)
 
 
-def profile_on_evaluate_server(build: str, model_dir: Path, server: Server, serve: ServeParams, params: ProfileParams):
+def profile_on_evaluate_server(
+    build: str, model_dir: Path, server: Server, serve: ServeParams, params: ProfileParams
+) -> bool:
     """Measure `build` on `server`, which evaluate@<build> started with `serve` (evaluate.serve) and has not
     scored on yet, and keep the figures in CACHE_DIR for profile@<build>, which then starts no server of its
     own. Only where that stage would start the same server (`profile.cpu_cores` unset or equal) and finds no
-    figures in the cache. Never raises: a failure is printed, and profile@<build> measures on its own server."""
+    figures in the cache. Returns True when it measured. Never raises: a failure is printed, and profile@<build>
+    measures on its own server."""
     ours = profile_serve(serve, params)
     key = cache_key(model_dir, ours, params)
     if ours != serve or key is None or (CACHE_DIR / f"{key}.json").exists():
-        return
+        return False
     record = first_record(build, model_dir, params) | {"measured_on": f"evaluate@{build}"}
     try:
         result = measure(server, model_dir, add_served(record, model_dir, ours), params, record)
@@ -212,5 +215,6 @@ def profile_on_evaluate_server(build: str, model_dir: Path, server: Server, serv
             f"profile[{build}]: not measured on evaluate's server ({why}); profile@{build} will measure it on its own",
             flush=True,
         )
-        return
+        return False
     keep(key, result)
+    return True

@@ -36,9 +36,11 @@ and names the node (`placement`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,44 +70,64 @@ from quantgate.serving import BEFORE_SERVER, ServeParams, Server, refusal_head, 
 LOGS = Path("results/logs")
 
 
-def profile(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None) -> BuildProfile:
-    """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile. `alongside`
-    (a callable taking the quantgate.serving.Server) then runs on the same server, after the measurement:
-    main scores the teams there for evaluate@<build> (pipeline/team_scores.py: one server per build); not where
-    `profile.cpu_cores` makes this server another than evaluate's (`serve`, evaluate.serve).
+def profile(
+    build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, after=None, timing: dict | None = None
+) -> BuildProfile:
+    """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile. `after(server,
+    result)` then runs on the same server, once the build is measured (measured(): the figures kept, then the teams
+    scored there for evaluate@<build>). `timing`, where given, gets the seconds the server took to be ready
+    (`server_start_s`) and the measurement took (`profile_s`).
 
     Never raises for a build that cannot be served or measured: that is an "unprofiled" record with the
     reason (paths relative to the project). Raises QuantgateError only for a missing build directory.
     """
     if not (model_dir / "config.json").is_file():
         raise QuantgateError(f"{model_dir}/config.json not found: run `dvc repro` (prepare / quantize make the build)")
-    if alongside is not None and profile_serve(serve, params) != serve:  # other cores: not evaluate's server
-        print(f"profile[{build}]: profile.cpu_cores is not evaluate.serve's: no team scored here", flush=True)
-        alongside = None
     serve = profile_serve(serve, params)
     record = first_record(build, model_dir, params)
     try:
         serve = add_served(record, model_dir, serve)
         LOGS.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
         with vllm_server(serve, model_dir.resolve(), build, LOGS / f"profile@{build}.server.log") as server:
+            ready = time.monotonic()
             result = measure(server, model_dir, serve, params, record)
-            if alongside is not None:
-                alongside(server)
+            if timing is not None:
+                timing |= {"server_start_s": round(ready - started, 1), "profile_s": round(time.monotonic() - ready, 1)}
+            if after is not None:
+                after(server, result)
         return result
     except MEASURE_ERRORS as exc:
         return BuildProfile(status="unprofiled", reason=unprofiled_reason(exc, params), **record)
 
 
-def measured(build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None) -> BuildProfile:
+def measured(
+    build: str, model_dir: Path, serve: ServeParams, params: ProfileParams, alongside=None, timing: dict | None = None
+) -> BuildProfile:
     """profile(), through the content cache (pipeline/measuring.py CACHE_DIR/<cache_key>.json): a build whose
     figures were measured before (in an earlier run, on evaluate@<build>'s server: `measured_on`, or under another
     build's name: marked `measured_as` that build) gets them again, and no server is started (nor `alongside`
-    run); a new "profiled" record is kept there. Raises QuantgateError as profile()."""
+    run); a new "profiled" record is kept there as soon as it is measured, before `alongside(server)` scores the
+    teams for evaluate@<build> on the same server (a stop while they are scored costs only their scores). Not
+    where `profile.cpu_cores` makes this server another than evaluate's (`serve`, evaluate.serve). `timing`: as
+    profile(). Raises QuantgateError as profile()."""
     key = cache_key(model_dir, profile_serve(serve, params), params)
     if (hit := cached(build, key)) is not None:
         return hit
-    result = profile(build, model_dir, serve, params, alongside)
-    keep(key, result)
+    if alongside is not None and profile_serve(serve, params) != serve:  # other cores: not evaluate's server
+        print(f"profile[{build}]: profile.cpu_cores is not evaluate.serve's: no team scored here", flush=True)
+        alongside = None
+    kept = []
+
+    def after(server: Server, result: BuildProfile) -> None:
+        keep(key, result)
+        kept.append(result)
+        if alongside is not None:
+            alongside(server)
+
+    result = profile(build, model_dir, serve, params, after, timing)
+    if not kept:
+        keep(key, result)
     return result
 
 
@@ -150,19 +172,22 @@ def profile_on_ray(
     return BuildProfile.model_validate(reply["profile"]).model_copy(update={"placement": where})
 
 
-def teams_alongside(build: str, model_dir: Path, evals_dir: Path) -> Callable[[Server], None] | None:
+def teams_alongside(build: str, model_dir: Path, evals_dir: Path, timing: dict) -> Callable[[Server], None] | None:
     """What runs on the profiled server after the measurement, for a local run: scoring the teams for
-    evaluate@<build> (pipeline/team_scores.py score_for_evaluate), with the evaluate stage's environment (no
-    registry or cloud credentials where team templates are rendered; Hugging Face offline). None for a build
-    that evaluate scores on an endpoint (evaluate.endpoints). Raises QuantgateError for a bad `evaluate` block."""
+    evaluate@<build> (pipeline/team_scores.py score_for_evaluate; each team's seconds in `timing["scoring_s"]`),
+    with the evaluate stage's environment (no registry or cloud credentials where team templates are rendered;
+    Hugging Face offline). None for a build that evaluate scores on an endpoint (evaluate.endpoints). Raises
+    QuantgateError for a bad `evaluate` block or an EVALS_DIR that is not a folder, before any server starts."""
     params = load_block("evaluate", EvaluateParams)
     if build in params.endpoints:
         return None
+    if not evals_dir.is_dir():
+        raise QuantgateError(f"{evals_dir}: not a folder of team eval sets; give the evals folder (dvc.yaml: evals)")
     if gone := drop_credentials(os.environ):  # as evaluate's main: the server and lm-eval run without them
         logging.getLogger(__name__).info("running without %s", ", ".join(gone))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    return lambda server: score_for_evaluate(server, build, model_dir, evals_dir, params)
+    return lambda server: score_for_evaluate(server, build, model_dir, evals_dir, params, timing)
 
 
 def main() -> None:
@@ -175,7 +200,11 @@ def main() -> None:
     if executor.kind == "ray":
         result = profile_on_ray(build, model_dir, serve, params, executor)
     else:
-        result = measured(build, model_dir, serve, params, teams_alongside(build, model_dir, evals_dir))
+        timing = {"build": build, "server_start_s": 0.0, "profile_s": None, "scoring_s": {}}
+        alongside = teams_alongside(build, model_dir, evals_dir, timing)
+        result = measured(build, model_dir, serve, params, alongside, timing)
+        LOGS.mkdir(parents=True, exist_ok=True)  # beside the stage's logs: no DVC output (benchmarks read it)
+        (LOGS / f"profile@{build}.timing.json").write_text(json.dumps(timing, indent=1) + "\n")
     write_profile(out, result)
     why = f": {result.reason}" if result.reason else ""  # the reason once (main prints it for every executor)
     wrote = f"wrote {out}"

@@ -309,10 +309,13 @@ def local_scoring(build: str, model_dir: Path, params: EvaluateParams) -> Scorin
     return Scoring(build, model_dir, manifest, config_digest(model_dir), precision, serving, params.harness)
 
 
-def score_for_evaluate(server: Server, build: str, model_dir: Path, evals_dir: Path, params: EvaluateParams) -> None:
+def score_for_evaluate(
+    server: Server, build: str, model_dir: Path, evals_dir: Path, params: EvaluateParams, timing: dict | None = None
+) -> None:
     """On `server`, which profile@<build> started with evaluate.serve and has measured, score every team of
     `evals_dir` that evaluate@<build> would score and finds not in CACHE_DIR, keeping the "ok" ones there
-    (module docstring). Not for a build with an endpoint (evaluate.endpoints: scored there). Never raises
+    (module docstring); each team's scoring seconds go in `timing["scoring_s"]` where given. Not for a build with
+    an endpoint (evaluate.endpoints: scored there). Never raises
     (but KeyboardInterrupt): what is not scored here is printed, and evaluate@<build> scores it on its own."""
     who = f"profile[{build}]"
     try:
@@ -322,7 +325,9 @@ def score_for_evaluate(server: Server, build: str, model_dir: Path, evals_dir: P
             return
         print(f"{who}: scoring {len(pending)} team(s) for evaluate@{build} on this server", flush=True)
         with tempfile.TemporaryDirectory(prefix="quantgate-scores-") as tmp:
-            for team, scores in score_on(server, scoring, pending, Path(tmp), {"scoring_s": {}}, who):
+            timing = timing if timing is not None else {}
+            timing.setdefault("scoring_s", {})
+            for team, scores in score_on(server, scoring, pending, Path(tmp), timing, who):
                 if scores.status == "ok":
                     print(f"{who}: {team.name}: kept for evaluate@{build} ({scores.cache_key[:12]})", flush=True)
                 else:

@@ -1,7 +1,7 @@
 """Load a running vLLM server with vLLM's own serving benchmark, and read what the server reported at start-up.
 
-Shared by the `profile@<build>` stage (pipeline/profile.py) and benchmarks/serving.py, so the
-release record and the benchmark measure a build the same way.
+Shared by the profile measurement (pipeline/measuring.py, which the profile and evaluate stages run on the build's
+one server) and benchmarks/serving.py, so the release record and the benchmark measure a build the same way.
 
 - `bench_loads(...)` runs vLLM's serving benchmark (vllm.benchmarks.serve, i.e.
   `vllm bench serve`) in the serving env against a server started by quantgate.serving, every load in one
@@ -188,7 +188,8 @@ def bench_loads(
         result = json.loads(out.read_text())
         if result.get("failed"):
             errors = [e for e in result.get("errors", []) if e]
-            raise QuantgateError(f"{result['failed']} of {n} requests failed: {errors[0][:200] if errors else '?'}")
+            first = errors[0][:200] if errors else "?"
+            raise QuantgateError(f"{result['failed']} of {n} requests failed at concurrency {c}: {first}")
         results.append(result)
     return results
 

@@ -12,8 +12,8 @@ from quantgate.serving import check_cpu_cores
 
 
 class ProfileParams(Frozen):
-    """params.yaml block `profile`: the load each build is measured under (defaults: ~1-2 min per build
-    on 2 CPU cores, server start included)."""
+    """params.yaml block `profile`: the load each build is measured under (defaults: 15-40 s of benchmark per
+    build on 2 CPU cores, on the server the build's evaluate shares: pipeline/README.md)."""
 
     # requests in flight, one benchmark each (vLLM bench's semaphore: 0 would mean unbounded)
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 8], min_length=1)

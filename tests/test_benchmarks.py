@@ -27,9 +27,9 @@ def test_measure_reports_the_exit_code(tmp_path):
     assert measure([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path).rc == 3
 
 
-def test_stages_expand_foreach_in_file_order():
+def test_stages_are_dvcs_own_order_with_foreach_expanded():
     names = stages(REPO)
-    assert names[0] == "validate" and names[-1] == "register"
+    assert names[0] == "validate" and names[-1] == "register" and len(names) == len(set(names)) == 20
     assert [n for n in names if n.startswith("evaluate@")] == [
         "evaluate@fp16",
         "evaluate@fp8",
@@ -37,7 +37,9 @@ def test_stages_expand_foreach_in_file_order():
         "evaluate@int4",
         "evaluate@int4-mixed",
     ]
-    assert names.index("calibrate") < names.index("search") < names.index("quantize@fp8")
+    # the search reads fp16's and int4's profiles, so those run before it (dvc.yaml lists them after)
+    assert names.index("profile@fp16") < names.index("search") and names.index("quantize@int4") < names.index("search")
+    assert names.index("profile@int4") < names.index("search") < names.index("quantize@int4-mixed")
     assert names.index("quantize@int4") < names.index("evaluate@fp16") < names.index("gate")
 
 
@@ -187,3 +189,17 @@ def test_incremental_refuses_unknown_scenarios(monkeypatch):
         monkeypatch.setattr("sys.argv", ["incremental", "--scenarios", bad])
         with pytest.raises(QuantgateError, match=rf"--scenarios '{bad}': give letters from abcde"):
             incremental.main()
+
+
+def test_stage_timing_reads_the_stage_that_started_the_builds_server(tmp_path):
+    from benchmarks.common import stage_timing
+
+    (tmp_path / "results/eval/int8").mkdir(parents=True)
+    (tmp_path / "results/logs").mkdir()
+    evaluate = {"build": "int8", "server_start_s": 31.0, "profile_s": 12.5, "scoring_s": {"billing": 20.0}}
+    profile = {"build": "fp16", "server_start_s": 29.5, "profile_s": 11.0, "scoring_s": {"billing": 19.0}}
+    (tmp_path / "results/eval/int8/timing.json").write_text(json.dumps(evaluate))
+    (tmp_path / "results/logs/profile@fp16.timing.json").write_text(json.dumps(profile))
+    assert stage_timing(tmp_path, "evaluate@int8") == evaluate
+    assert stage_timing(tmp_path, "profile@fp16") == profile
+    assert stage_timing(tmp_path, "profile@int8") is None and stage_timing(tmp_path, "gate") is None

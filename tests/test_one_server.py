@@ -15,6 +15,7 @@ import pipeline.profile as profile_stage
 import pipeline.team_scores as team_scores
 from pipeline.evaluate import EvaluateParams, evaluate
 from pipeline.team_scores import score_for_evaluate
+from quantgate.errors import QuantgateError
 from quantgate.precision import Platform
 from quantgate.profile_params import ProfileParams
 from quantgate.results import ServingRecord, TeamScores
@@ -39,9 +40,11 @@ def one_build(tmp_path, example_evals, monkeypatch):
         monkeypatch.setattr(stage, "serving_config", lambda *a: (precision, record, None))
     monkeypatch.setattr(team_scores, "make_lm", lambda server, *a: server)
     failing = set()
+    profiles = []  # profiles in the cache when each team was scored
 
     def run_team(lm, team, harness):
         events.append(("score", team.name))
+        profiles.append(len(list(measuring.CACHE_DIR.glob("*.json"))) if measuring.CACHE_DIR.exists() else 0)
         if team.name in failing:
             raise RuntimeError(f"{team.name} broke")
         return TeamScores(status="ok"), [{"doc_id": 0}]
@@ -82,7 +85,7 @@ def one_build(tmp_path, example_evals, monkeypatch):
 
     monkeypatch.setattr(evaluate_stage, "vllm_server", server_for("evaluate"))
     monkeypatch.setattr(profile_stage, "vllm_server", server_for("profile"))
-    return model, example_evals, events, failing
+    return model, example_evals, events, failing, profiles
 
 
 def scores_alongside(model, evals):
@@ -90,13 +93,14 @@ def scores_alongside(model, evals):
 
 
 def test_evaluate_first_measures_the_build_before_scoring_and_profile_then_starts_no_server(one_build, capsys):
-    model, evals, events, _ = one_build
+    model, evals, events, _, profiles = one_build
     docs = evaluate("int8", model, evals, Path("results/eval/int8"), EvaluateParams(), profiling=PROFILE)
     assert {t: d.status for t, d in docs.items()} == dict.fromkeys(TEAMS, "ok")
     # the benchmark ran on a server that had answered no team yet
     assert events == [("start", "evaluate"), ("bench", 1), ("bench", 8), *(("score", t) for t in TEAMS)]
     timing = json.loads(Path("results/eval/int8/timing.json").read_text())
     assert timing["profile_s"] >= 0 and set(timing["scoring_s"]) == set(TEAMS)
+    assert profiles == [1, 1, 1]
     events.clear()
     rec = profile_stage.measured("int8", model, ServeParams(), PROFILE, scores_alongside(model, evals))
     assert events == []  # no server, no benchmark, no scoring
@@ -109,7 +113,7 @@ def test_evaluate_first_measures_the_build_before_scoring_and_profile_then_start
 
 
 def test_profile_first_scores_the_teams_for_evaluate_which_then_scores_only_what_failed_there(one_build, capsys):
-    model, evals, events, failing = one_build
+    model, evals, events, failing, profiles = one_build
     failing.add("search")
     rec = profile_stage.measured("int8", model, ServeParams(), PROFILE, scores_alongside(model, evals))
     assert rec.status == "profiled" and rec.measured_on is None
@@ -118,6 +122,7 @@ def test_profile_first_scores_the_teams_for_evaluate_which_then_scores_only_what
     assert "profile[int8]: search: not scored here (RuntimeError: search broke); left to evaluate@int8" in said
     assert "profile[int8]: billing: kept for evaluate@int8" in said
     assert len(list(team_scores.CACHE_DIR.iterdir())) == 2  # an error is never cached
+    assert profiles == [1, 1, 1]  # the figures were kept before any team was scored: a stop then loses only scores
     assert not Path("results/eval").exists()  # the profile stage writes only its own out (and the caches)
     events.clear()
     failing.clear()
@@ -131,10 +136,11 @@ def test_profile_first_scores_the_teams_for_evaluate_which_then_scores_only_what
 
 
 def test_a_profile_on_other_cores_is_not_evaluates_server_and_is_measured_on_its_own(one_build):
-    model, evals, events, _ = one_build
+    model, evals, events, *_ = one_build
     other = PROFILE.model_copy(update={"cpu_cores": "1"})
     evaluate("int8", model, evals, Path("results/eval/int8"), EvaluateParams(), profiling=other)
     assert ("bench", 1) not in events and not measuring.CACHE_DIR.exists()
+    assert "profile_s" not in json.loads(Path("results/eval/int8/timing.json").read_text())  # nothing measured
     events.clear()
     assert profile_stage.measured("int8", model, ServeParams(), other).measured_on is None
     assert events == [("start", "profile"), ("bench", 1), ("bench", 8)]
@@ -143,7 +149,7 @@ def test_a_profile_on_other_cores_is_not_evaluates_server_and_is_measured_on_its
 def test_a_benchmark_that_fails_on_evaluates_server_costs_no_team_and_leaves_the_profile_to_its_stage(
     one_build, monkeypatch, capsys
 ):
-    model, evals, events, _ = one_build
+    model, evals, events, *_ = one_build
     monkeypatch.setattr(
         measuring, "bench_loads", lambda *a: (_ for _ in ()).throw(measuring.QuantgateError("bench broke"))
     )
@@ -161,12 +167,13 @@ def test_the_profile_stage_scores_for_evaluate_without_registry_and_cloud_creden
     from quantgate.results import BuildProfile
 
     monkeypatch.chdir(tmp_path)
+    Path("evals").mkdir()
     Path("params.yaml").write_text("profile: {}\nevaluate: {serve: {}}\nexecutor: {}\n")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "p")
     seen = {}
 
-    def measured(build, model_dir, serve, params, alongside):
+    def measured(build, model_dir, serve, params, alongside, timing):
         seen.update(env=dict(os.environ), alongside=alongside)
         return BuildProfile(build=build, status="unprofiled", reason="stand-in", input_len=32, output_len=16, seed=1)
 
@@ -183,10 +190,18 @@ def test_the_profile_stage_scores_for_evaluate_without_registry_and_cloud_creden
     )
     profile_stage.main()
     assert seen["alongside"] is None
+    # the stage's own timing, beside its logs (benchmarks read it): nothing started by the stand-in
+    timing = json.loads(Path("results/logs/profile@int8.timing.json").read_text())
+    assert timing == {"build": "int8", "server_start_s": 0.0, "profile_s": None, "scoring_s": {}}
+    # an evals folder that is not there is refused before any server starts
+    Path("params.yaml").write_text("profile: {}\nevaluate: {serve: {}}\nexecutor: {}\n")
+    monkeypatch.setattr("sys.argv", ["profile", "int8", "models/int8", "no-evals", "results/profile/int8.json"])
+    with pytest.raises(QuantgateError, match=r"^no-evals: not a folder of team eval sets; give the evals folder"):
+        profile_stage.main()
 
 
 def test_a_profile_on_other_cores_scores_no_team_for_evaluate(one_build, capsys):
-    model, evals, events, _ = one_build
+    model, evals, events, *_ = one_build
     other = PROFILE.model_copy(update={"cpu_cores": "1"})
     profile_stage.measured("int8", model, ServeParams(), other, scores_alongside(model, evals))
     assert events == [("start", "profile"), ("bench", 1), ("bench", 8)]  # not evaluate's server: no team on it
@@ -195,7 +210,7 @@ def test_a_profile_on_other_cores_scores_no_team_for_evaluate(one_build, capsys)
 
 
 def test_a_measurement_that_breaks_unexpectedly_on_evaluates_server_costs_no_team(one_build, monkeypatch, capsys):
-    model, evals, events, _ = one_build
+    model, evals, events, *_ = one_build
     monkeypatch.setattr(measuring, "bench_loads", lambda *a: [{"output_throughput": 1.0}] * 2)  # keys missing
     docs = evaluate("int8", model, evals, Path("results/eval/int8"), EvaluateParams(), profiling=PROFILE)
     assert {t: d.status for t, d in docs.items()} == dict.fromkeys(TEAMS, "ok")
@@ -206,7 +221,7 @@ def test_a_measurement_that_breaks_unexpectedly_on_evaluates_server_costs_no_tea
 def test_a_builds_own_cached_profile_is_written_byte_for_byte_as_measured(one_build, tmp_path):
     from quantgate.results import write_profile
 
-    model, evals, events, _ = one_build
+    model, evals, events, *_ = one_build
     first = profile_stage.measured("int8", model, ServeParams(), PROFILE, scores_alongside(model, evals))
     again = profile_stage.measured("int8", model, ServeParams(), PROFILE, scores_alongside(model, evals))
     write_profile(tmp_path / "first.json", first)

@@ -167,7 +167,7 @@ def test_a_build_with_the_weights_of_one_measured_before_gets_its_figures_and_sa
         write_manifest(d, build=d.name, scheme="W4A16", dtype="bfloat16", base_model={}, recipe={})
     runs = []
 
-    def fake_profile(build, model_dir, serve, params, alongside=None):
+    def fake_profile(build, model_dir, serve, params, after=None, timing=None):
         runs.append(build)
         loads = {"c1": LOAD} if build != "broken" else {}
         status = "profiled" if build != "broken" else "unprofiled"
@@ -213,7 +213,7 @@ def test_an_unusable_cache_entry_is_measured_again_and_a_cache_that_cannot_be_wr
     write_manifest(build_dir, build="fp16", scheme="BF16", dtype="bfloat16", base_model={}, recipe={})
     runs = []
 
-    def fake_profile(build, model_dir, serve, params, alongside=None):
+    def fake_profile(build, model_dir, serve, params, after=None, timing=None):
         runs.append(build)
         return BuildProfile(build=build, status="profiled", input_len=32, output_len=16, seed=1234, loads={"c1": LOAD})
 
@@ -248,6 +248,7 @@ def test_a_refusal_before_any_server_is_said_in_full_once_evaluate_said_it_profi
         f"bfloat16 (no FP8 GEMM without AMX-FP8); its forward ran slower ... {serving.BEFORE_SERVER}"
     )
     (build_dir.parent.parent / "params.yaml").write_text("profile: {}\nevaluate: {serve: {}}\nexecutor: {}\n")
+    (build_dir.parent.parent / "evals").mkdir()
     monkeypatch.setattr(stage, "measured", lambda *a: BuildProfile(**UNPROFILED, reason=slow))
     monkeypatch.setattr("sys.argv", ["profile", "fp8", "models/fp8", "evals", "results/profile/fp8.json"])
     stage.main()
@@ -345,5 +346,5 @@ def test_a_load_past_its_limit_is_a_timeout_and_a_failed_run_is_named(stub_vllm_
     assert time.monotonic() - started < 20
     with pytest.raises(QuantgateError, match=r"failed at concurrency 8 \(exit 1\): RuntimeError: the server went away"):
         run("crash")
-    with pytest.raises(QuantgateError, match="1 of 2 requests failed: HTTP 500: boom"):
+    with pytest.raises(QuantgateError, match="1 of 2 requests failed at concurrency 1: HTTP 500: boom"):
         run("failed")
