@@ -347,10 +347,15 @@ def load_block(key: str, model: type[T], path: Path = PARAMS_FILE) -> T:
         raise QuantgateError(
             f"{path}: must be a mapping of blocks (prepare, quantize, evaluate, ...); got {_got(data)}"
         )
-    for part in key.split("."):
-        if not isinstance(data, dict) or part not in data:
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if i and not isinstance(data, dict):  # e.g. `evaluate: 3` read as evaluate.serve: say what is wrong with it
+            parent = ".".join(parts[:i])
+            got = _got(data)
+            raise QuantgateError(f"{where(path, parent)}: {parent} must be a mapping (of {part}, ...); got {got}")
+        if part not in data:
             raise QuantgateError(
                 f"{path}: no block '{key}' (missing '{part}'); the comments in params.yaml describe every block"
             )
         data = data[part]
-    return parse(model, data, str(path), path, tuple(key.split(".")))
+    return parse(model, data, str(path), path, tuple(parts))

@@ -228,3 +228,16 @@ def test_a_builds_own_cached_profile_is_written_byte_for_byte_as_measured(one_bu
     write_profile(tmp_path / "again.json", again)
     assert (tmp_path / "first.json").read_bytes() == (tmp_path / "again.json").read_bytes()
     assert again.measured_as is None
+
+
+def test_a_scalar_evaluate_block_is_named_as_such_where_the_profile_stage_reads_its_serve_block(tmp_path):
+    from quantgate.params import load_block
+    from quantgate.serving import ServeParams
+
+    (tmp_path / "params.yaml").write_text("profile: {}\nevaluate: 3\n")
+    with pytest.raises(QuantgateError) as err:
+        load_block("evaluate.serve", ServeParams, tmp_path / "params.yaml")
+    assert str(err.value) == f"{tmp_path}/params.yaml:2: evaluate must be a mapping (of serve, ...); got int 3"
+    (tmp_path / "params.yaml").write_text("profile: {}\nevaluate: {harness: {}}\n")  # a block that is not there
+    with pytest.raises(QuantgateError, match=r"no block 'evaluate.serve' \(missing 'serve'\)"):
+        load_block("evaluate.serve", ServeParams, tmp_path / "params.yaml")
