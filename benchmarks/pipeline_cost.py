@@ -31,7 +31,8 @@ from quantgate.errors import QuantgateError, run_main
 
 
 def run_stage(project: Path, stage: str) -> dict:
-    """Run one stage in `project`; return {wall_s, peak_rss_gib, server_start_s, scoring_s}.
+    """Run one stage in `project`; return {wall_s, peak_rss_gib, server_start_s, scoring_s} and, for a server
+    stage (benchmarks.common.stage_timing), profile_s.
 
     Raises QuantgateError naming the stage and the log's last lines if it fails.
     """

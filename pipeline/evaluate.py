@@ -10,7 +10,7 @@ token ids (`tokenized_requests=True`) so the chat template, tokenizer and BOS ha
 the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per-sample
 scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
 OUT_DIR/timing.json: seconds spent starting the server, measuring the build for profile@<build> on it
-(`profile_s`: one server per build, pipeline/measuring.py) and scoring each team; and
+(`profile_s`, only when it measured: one server per build, pipeline/measuring.py) and scoring each team; and
 OUT_DIR/precision.json: the activation dtype the build was served at and why
 (`evaluate.serve.dtype: auto` is resolved by one rule, quantgate/precision.py, so every build of
 a run gets the same precision and the gate compares builds, not dtypes).

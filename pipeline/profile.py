@@ -16,7 +16,8 @@ that does not start or dies (quantgate.serving.Server.death: how long after it w
 signal, the log's last error line), a benchmark that fails) gets a record with status "unprofiled" and
 the one-line reason; the stage still succeeds, so the rest of `dvc repro` runs. The gate then does not recommend that
 build; its quality verdict is the evaluate stage's business. The server's log is
-results/logs/profile@<build>.server.log (no DVC output).
+results/logs/profile@<build>.server.log, and a local run's seconds (server start, measurement, each team scored
+for evaluate@<build>) results/logs/profile@<build>.timing.json (no DVC outputs).
 
 A build's figures are kept by content in `.quantgate/cache/profile/<key>.json` (cache_key: weights,
 config, serving settings as resolved, serving env and machine, load; not the build's name), so a build
@@ -76,7 +77,7 @@ def profile(
     """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile. `after(server,
     result)` then runs on the same server, once the build is measured (measured(): the figures kept, then the teams
     scored there for evaluate@<build>). `timing`, where given, gets the seconds the server took to be ready
-    (`server_start_s`) and the measurement took (`profile_s`).
+    (`server_start_s`, once it is) and the measurement took (`profile_s`, once it succeeded).
 
     Never raises for a build that cannot be served or measured: that is an "unprofiled" record with the
     reason (paths relative to the project). Raises QuantgateError only for a missing build directory.
@@ -91,9 +92,11 @@ def profile(
         started = time.monotonic()
         with vllm_server(serve, model_dir.resolve(), build, LOGS / f"profile@{build}.server.log") as server:
             ready = time.monotonic()
+            if timing is not None:  # a server that started and then fails the measurement still cost its start
+                timing["server_start_s"] = round(ready - started, 1)
             result = measure(server, model_dir, serve, params, record)
             if timing is not None:
-                timing |= {"server_start_s": round(ready - started, 1), "profile_s": round(time.monotonic() - ready, 1)}
+                timing["profile_s"] = round(time.monotonic() - ready, 1)
             if after is not None:
                 after(server, result)
         return result
@@ -197,7 +200,8 @@ def main() -> None:
     params = load_block("profile", ProfileParams)
     serve = load_block("evaluate.serve", ServeParams)
     executor = load_block("executor", ExecutorParams)
-    if executor.kind == "ray":
+    if executor.kind == "ray":  # no timing on Ray: none either from an earlier local run (benchmarks read it)
+        (LOGS / f"profile@{build}.timing.json").unlink(missing_ok=True)
         result = profile_on_ray(build, model_dir, serve, params, executor)
     else:
         timing = {"build": build, "server_start_s": 0.0, "profile_s": None, "scoring_s": {}}

@@ -241,3 +241,34 @@ def test_a_scalar_evaluate_block_is_named_as_such_where_the_profile_stage_reads_
     (tmp_path / "params.yaml").write_text("profile: {}\nevaluate: {harness: {}}\n")  # a block that is not there
     with pytest.raises(QuantgateError, match=r"no block 'evaluate.serve' \(missing 'serve'\)"):
         load_block("evaluate.serve", ServeParams, tmp_path / "params.yaml")
+
+
+def test_the_profile_stage_times_its_server_its_measurement_and_the_teams_it_scores(one_build, monkeypatch):
+    import itertools
+    import shutil
+    from types import SimpleNamespace
+
+    model, evals, events, *_ = one_build
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # the stage sets them: undone after the test
+        monkeypatch.setenv(var, "1")
+    Path("params.yaml").write_text("profile: {concurrency: [1, 8]}\nevaluate: {serve: {}}\nexecutor: {}\n")
+    monkeypatch.setattr("sys.argv", ["profile", "int8", str(model), str(evals), "results/profile/int8.json"])
+    logged = Path("results/logs/profile@int8.timing.json")
+
+    def run():  # a clock that moves 10 s per reading: started, ready, measured
+        monkeypatch.setattr(profile_stage, "time", SimpleNamespace(monotonic=itertools.count(0.0, 10.0).__next__))
+        profile_stage.main()
+        return json.loads(logged.read_text())
+
+    timing = run()
+    assert events == [("start", "profile"), ("bench", 1), ("bench", 8), *(("score", t) for t in TEAMS)]
+    assert timing["server_start_s"] == 10.0 and timing["profile_s"] == 10.0 and set(timing["scoring_s"]) == set(TEAMS)
+    # a server that starts and then fails the measurement still cost its start; nothing was measured
+    shutil.rmtree(measuring.CACHE_DIR)
+    monkeypatch.setattr(measuring, "bench_loads", lambda *a: (_ for _ in ()).throw(QuantgateError("bench broke")))
+    assert run() == {"build": "int8", "server_start_s": 10.0, "profile_s": None, "scoring_s": {}}
+    # on Ray the stage writes no timing, and leaves none from a local run for the benchmarks to read
+    monkeypatch.setattr(profile_stage, "profile_on_ray", lambda build, *a: profile_stage.measured(build, *a[:3]))
+    Path("params.yaml").write_text("profile: {concurrency: [1, 8]}\nevaluate: {serve: {}}\nexecutor: {kind: ray}\n")
+    profile_stage.main()
+    assert not logged.exists()
