@@ -217,6 +217,7 @@ def stages(root: Path) -> list[str]:
     """The DVC stage names of the project at `root` in the order `dvc repro` runs them, `foreach` expanded
     (`evaluate@fp8`): what `dvc repro --dry --force` plans (no command runs). Not dvc.yaml's file order: the
     search needs profile@fp16 and profile@int4 first, and `--single-item` runs no stage before its own.
+    Like any DVC command it takes the project's lock (.dvc/tmp/lock): not while a `dvc repro` runs there.
     Raises QuantgateError with DVC's last line if it cannot plan."""
     proc = subprocess.run(
         ["dvc", "repro", "--dry", "--force"], cwd=root, env=project_env(), capture_output=True, text=True

@@ -11,8 +11,9 @@ In a scratch copy of this working tree (benchmarks.common.scratch_project) it ru
   (d) one quantization parameter changed (quantize.int4.calibration.samples, to a value new here),
   (d') and changed back: DVC restores the earlier outputs from its run-cache;
   (e) one team's margin changed (search, margin.absolute to a value new here): the evaluate
-      stages re-run (evals/ is their dep) but find every team in the evaluation cache, so no
-      vLLM server starts ("teams scored" is "-") and only gate and register do real work.
+      and profile stages re-run (evals/ is their dep) but find every team and profile in the
+      content caches, so no vLLM server starts ("teams scored" is "-") and only gate and
+      register do real work.
 The extra teams for 12 are synthetic copies of the search team (own task name, its
 documents rotated so each team scores different ones), committed like a real submission.
 

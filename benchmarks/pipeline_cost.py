@@ -8,7 +8,8 @@ stage by stage (`dvc repro --single-item STAGE`, in the order `dvc repro` runs t
 - warm: the same project with every output deleted (models/, results/), as a new clone
   that shares the DVC cache and the evaluation cache sees it: prepare and quantize are
   restored from DVC's run-cache, evaluate scores nothing (every (build, team) result is in
-  .quantgate/cache/eval, so no server starts), validate, gate and register re-run.
+  .quantgate/cache/eval) and profile measures nothing (.quantgate/cache/profile), so no server
+  starts; validate, gate and register re-run.
 Same script on a GPU machine (set-up picks the CUDA vLLM; set evaluate.serve.dtype).
 
 Columns: wall s (the stage's `dvc repro` command, DVC's own start-up of ~1-2 s included),
@@ -104,8 +105,8 @@ def main() -> None:
         f"measuring, {scoring:.0f} s scoring ({100 * start / served:.0f} % of their server time is start-up)"
         if served
         else "no evaluate or profile stage started a server",
-        "warm: outputs deleted; prepare/quantize restored from the DVC run-cache, evaluate from the "
-        "evaluation cache (no server started)",
+        "warm: outputs deleted; prepare/quantize restored from the DVC run-cache, evaluate and profile from "
+        "their content caches (no server started)",
         f"limit = {args.limit or 'all'} docs per task; project in {project}",
     ]
     report(

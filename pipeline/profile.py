@@ -86,6 +86,7 @@ def profile(
         raise QuantgateError(f"{model_dir}/config.json not found: run `dvc repro` (prepare / quantize make the build)")
     serve = profile_serve(serve, params)
     record = first_record(build, model_dir, params)
+    result = None
     try:
         serve = add_served(record, model_dir, serve)
         LOGS.mkdir(parents=True, exist_ok=True)
@@ -101,6 +102,9 @@ def profile(
                 after(server, result)
         return result
     except MEASURE_ERRORS as exc:
+        if result is not None:  # measured (and kept by measured()): what failed after it is not the figures'
+            print(f"profile[{build}]: after the measurement: {unprofiled_reason(exc, params)}", flush=True)
+            return result
         return BuildProfile(status="unprofiled", reason=unprofiled_reason(exc, params), **record)
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.common import measure, stages
 from benchmarks.incremental import add_team, reword, set_margin, set_param
@@ -27,9 +28,16 @@ def test_measure_reports_the_exit_code(tmp_path):
     assert measure([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path).rc == 3
 
 
-def test_stages_are_dvcs_own_order_with_foreach_expanded():
-    names = stages(REPO)
-    assert names[0] == "validate" and names[-1] == "register" and len(names) == len(set(names)) == 20
+def test_stages_are_dvcs_own_order_with_foreach_expanded(tmp_path):
+    # the repo's dvc.yaml and params.yaml in a project of their own: DVC takes a project's lock to plan
+    for name in ("dvc.yaml", "params.yaml", ".dvc/config"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        shutil.copy(REPO / name, tmp_path / name)
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    names = stages(tmp_path)
+    builds = yaml.safe_load((REPO / "params.yaml").read_text())["builds"]
+    assert names[0] == "validate" and names[-1] == "register" and len(names) == len(set(names))
+    assert sorted(n for n in names if n.startswith("profile@")) == sorted(f"profile@{b}" for b in builds)
     assert [n for n in names if n.startswith("evaluate@")] == [
         "evaluate@fp16",
         "evaluate@fp8",

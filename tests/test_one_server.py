@@ -196,8 +196,10 @@ def test_the_profile_stage_scores_for_evaluate_without_registry_and_cloud_creden
     # an evals folder that is not there is refused before any server starts
     Path("params.yaml").write_text("profile: {}\nevaluate: {serve: {}}\nexecutor: {}\n")
     monkeypatch.setattr("sys.argv", ["profile", "int8", "models/int8", "no-evals", "results/profile/int8.json"])
+    seen.clear()
     with pytest.raises(QuantgateError, match=r"^no-evals: not a folder of team eval sets; give the evals folder"):
         profile_stage.main()
+    assert seen == {}  # refused before the measurement (and its server) was asked for
 
 
 def test_a_profile_on_other_cores_scores_no_team_for_evaluate(one_build, capsys):
@@ -272,3 +274,16 @@ def test_the_profile_stage_times_its_server_its_measurement_and_the_teams_it_sco
     Path("params.yaml").write_text("profile: {concurrency: [1, 8]}\nevaluate: {serve: {}}\nexecutor: {kind: ray}\n")
     profile_stage.main()
     assert not logged.exists()
+
+
+def test_what_fails_on_the_server_after_the_measurement_leaves_the_figures_kept(one_build, capsys):
+    model, evals, events, *_ = one_build
+
+    def alongside(server):
+        events.append(("alongside", server.name))
+        raise QuantgateError("scoring broke")
+
+    rec = profile_stage.measured("int8", model, ServeParams(), PROFILE, alongside)
+    assert rec.status == "profiled" and events[-1] == ("alongside", "int8")
+    assert "profile[int8]: after the measurement: scoring broke" in capsys.readouterr().out
+    assert len(list(measuring.CACHE_DIR.glob("*.json"))) == 1  # kept before the scoring failed
