@@ -118,10 +118,11 @@ def measured(
     teams for evaluate@<build> on the same server (a stop while they are scored costs only their scores). Not
     where `profile.cpu_cores` makes this server another than evaluate's (`serve`, evaluate.serve). `timing`: as
     profile(). Raises QuantgateError as profile()."""
-    key = cache_key(model_dir, profile_serve(serve, params), params)
+    ours = profile_serve(serve, params)
+    key = cache_key(model_dir, ours, params)
     if (hit := cached(build, key)) is not None:
         return hit
-    if alongside is not None and profile_serve(serve, params) != serve:  # other cores: not evaluate's server
+    if alongside is not None and ours != serve:  # other cores: not evaluate's server
         print(f"profile[{build}]: profile.cpu_cores is not evaluate.serve's: no team scored here", flush=True)
         alongside = None
     kept = []
