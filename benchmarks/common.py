@@ -230,9 +230,10 @@ def stages(root: Path) -> list[str]:
 
 
 def stage_timing(project: Path, stage: str) -> dict | None:
-    """The timing a server stage wrote (server_start_s, profile_s, scoring_s per team): evaluate@<build>'s
-    results/eval/<build>/timing.json, profile@<build>'s results/logs/profile@<build>.timing.json (it scores the
-    teams for evaluate@<build> on its server when it starts first: one server per build, pipeline/README.md);
+    """The timing a server stage wrote (server_start_s, profile_s or profile_failed_s, scoring_s per team):
+    evaluate@<build>'s results/eval/<build>/timing.json, profile@<build>'s results/logs/profile@<build>.timing.json
+    (it scores the teams for evaluate@<build> on its server when it starts first: one server per build,
+    pipeline/README.md);
     None for another stage, or a profile on Ray (no timing written)."""
     kind, _, build = stage.partition("@")
     path = {

@@ -10,7 +10,8 @@ token ids (`tokenized_requests=True`) so the chat template, tokenizer and BOS ha
 the build's own and explicit. Per team it writes OUT_DIR/<team>/scores.json (per-sample
 scores the gate pairs by document) and samples.jsonl (lm-eval's per-sample log);
 OUT_DIR/timing.json: seconds spent starting the server, measuring the build for profile@<build> on it
-(`profile_s`, only when it measured: one server per build, pipeline/measuring.py) and scoring each team; and
+(`profile_s` when it measured, `profile_failed_s` when that failed: one server per build, pipeline/measuring.py)
+and scoring each team; and
 OUT_DIR/precision.json: the activation dtype the build was served at and why
 (`evaluate.serve.dtype: auto` is resolved by one rule, quantgate/precision.py, so every build of
 a run gets the same precision and the gate compares builds, not dtypes).
@@ -47,10 +48,9 @@ from pathlib import Path
 from pipeline.measuring import profile_on_evaluate_server
 from pipeline.team_scores import (
     TIMING,
-    Scoring,
     from_cache,
     score_on,
-    serving_config,
+    scoring_of,
     write_team,
 )
 from quantgate.console import per_build
@@ -58,7 +58,6 @@ from quantgate.credentials import drop_credentials
 from quantgate.errors import QuantgateError, run_main
 from quantgate.evaluate_params import EvaluateParams, check_endpoint_builds
 from quantgate.executor import ExecutorParams
-from quantgate.manifest import config_digest, verify_weights
 from quantgate.params import load_block, load_builds
 from quantgate.precision import RECORD as PRECISION
 from quantgate.profile_params import ProfileParams
@@ -106,16 +105,14 @@ def evaluate(
         from pipeline.on_ray import evaluate_on_ray
 
         return evaluate_on_ray(build, model_dir, evals_dir, out_dir, params, executor)
-    manifest = verify_weights(model_dir)
-    model_files = config_digest(model_dir)
     teams = load_teams(evals_dir)
-    precision, serving, remote = serving_config(build, model_dir, manifest["weights_digest"], params)
+    scoring, remote = scoring_of(build, model_dir, params)
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     if remote:
         (out_dir / ENDPOINT).write_text(json.dumps(remote, indent=1) + "\n")
     timing = {"build": build, "server_start_s": 0.0, "scoring_s": {}, "cached": []}
-    docs, pending = from_cache(build, teams, manifest, model_files, serving, params.harness, out_dir, timing)
+    docs, pending = from_cache(scoring, teams, out_dir, timing)
     if pending:
         started = time.monotonic()
         try:
@@ -123,13 +120,10 @@ def evaluate(
                 timing["server_start_s"] = round(time.monotonic() - started, 1)
                 print(f"evaluate[{build}]: vLLM server ready at {server.base_url}", flush=True)
                 measuring = time.monotonic()
-                if (
-                    profiling
-                    and not remote
-                    and profile_on_evaluate_server(build, model_dir, server, params.serve, profiling)
-                ):
-                    timing["profile_s"] = round(time.monotonic() - measuring, 1)
-                scoring = Scoring(build, model_dir, manifest, model_files, precision, serving, params.harness)
+                if profiling and not remote:
+                    measured = profile_on_evaluate_server(build, model_dir, server, params.serve, profiling)
+                    if measured is not None:  # a failed measurement's seconds are spent too
+                        timing["profile_s" if measured else "profile_failed_s"] = round(time.monotonic() - measuring, 1)
                 told = False  # the server's death, printed once
                 for team, scores in score_on(server, scoring, pending, out_dir, timing, f"evaluate[{build}]"):
                     docs[team.name] = scores
@@ -150,7 +144,7 @@ def evaluate(
             timing["server_start_s"] = round(time.monotonic() - started, 1)
             print(f"evaluate[{build}]: not served: {exc}", file=sys.stderr, flush=True)
     (out_dir / TIMING).write_text(json.dumps(timing, indent=1) + "\n")
-    (out_dir / PRECISION).write_text(json.dumps(precision, indent=1) + "\n")
+    (out_dir / PRECISION).write_text(json.dumps(scoring.precision, indent=1) + "\n")
     return docs
 
 

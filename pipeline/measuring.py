@@ -196,16 +196,16 @@ def keep(key: str | None, result: BuildProfile) -> None:
 
 def profile_on_evaluate_server(
     build: str, model_dir: Path, server: Server, serve: ServeParams, params: ProfileParams
-) -> bool:
+) -> bool | None:
     """Measure `build` on `server`, which evaluate@<build> started with `serve` (evaluate.serve) and has not
     scored on yet, and keep the figures in CACHE_DIR for profile@<build>, which then starts no server of its
     own. Only where that stage would start the same server (`profile.cpu_cores` unset or equal) and finds no
-    figures in the cache. Returns True when it measured. Never raises: a failure is printed, and profile@<build>
-    measures on its own server."""
+    figures in the cache. Returns True when it measured, False when the measurement failed, None when it asked
+    nothing of the server. Never raises: a failure is printed, and profile@<build> measures on its own server."""
     ours = profile_serve(serve, params)
     key = cache_key(model_dir, ours, params)
     if ours != serve or key is None or (CACHE_DIR / f"{key}.json").exists():
-        return False
+        return None
     record = first_record(build, model_dir, params) | {"measured_on": f"evaluate@{build}"}
     try:
         result = measure(server, model_dir, add_served(record, model_dir, ours), params, record)

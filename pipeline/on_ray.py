@@ -30,6 +30,7 @@ from pathlib import Path
 from pipeline.team_scores import (
     CACHE_DIR,
     TIMING,
+    Scoring,
     from_cache,
     local_placement,
     make_lm,
@@ -120,8 +121,8 @@ def evaluate_on_ray(
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     timing = {"build": build, "executor": "ray", "server_start_s": 0.0, "replicas": [], "scoring_s": {}, "cached": []}
-    model_files = config_digest(model_dir)
-    docs, pending = from_cache(build, teams, manifest, model_files, serving, params.harness, out_dir, timing)
+    scoring = Scoring(build, model_dir, manifest, config_digest(model_dir), precision, serving, params.harness)
+    docs, pending = from_cache(scoring, teams, out_dir, timing)
     by_name = {team.name: (team, key) for team, key in pending}
     shares = [s for s in plan([t for t, _ in pending], executor.replicas, params.harness.limit) if s]
     refs = []

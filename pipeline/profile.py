@@ -77,7 +77,8 @@ def profile(
     """Serve `build` from `model_dir` and measure it (module docstring); return its BuildProfile. `after(server,
     result)` then runs on the same server, once the build is measured (measured(): the figures kept, then the teams
     scored there for evaluate@<build>). `timing`, where given, gets the seconds the server took to be ready
-    (`server_start_s`, once it is) and the measurement took (`profile_s`, once it succeeded).
+    (`server_start_s`; for a server that did not start, the seconds until it failed) and the measurement took
+    (`profile_s` when it succeeded, `profile_failed_s` when it failed).
 
     Never raises for a build that cannot be served or measured: that is an "unprofiled" record with the
     reason (paths relative to the project). Raises QuantgateError only for a missing build directory.
@@ -86,7 +87,7 @@ def profile(
         raise QuantgateError(f"{model_dir}/config.json not found: run `dvc repro` (prepare / quantize make the build)")
     serve = profile_serve(serve, params)
     record = first_record(build, model_dir, params)
-    result = None
+    result = started = ready = None
     try:
         serve = add_served(record, model_dir, serve)
         LOGS.mkdir(parents=True, exist_ok=True)
@@ -95,13 +96,18 @@ def profile(
             ready = time.monotonic()
             if timing is not None:  # a server that started and then fails the measurement still cost its start
                 timing["server_start_s"] = round(ready - started, 1)
-            result = measure(server, model_dir, serve, params, record)
-            if timing is not None:
-                timing["profile_s"] = round(time.monotonic() - ready, 1)
+            try:
+                result = measure(server, model_dir, serve, params, record)
+            finally:  # a failed measurement (up to profile.timeout_s) is time spent too
+                if timing is not None:
+                    spent = round(time.monotonic() - ready, 1)
+                    timing["profile_s" if result is not None else "profile_failed_s"] = spent
             if after is not None:
                 after(server, result)
         return result
     except MEASURE_ERRORS as exc:
+        if timing is not None and started is not None and ready is None:  # as evaluate records a failed start
+            timing["server_start_s"] = round(time.monotonic() - started, 1)
         if result is not None:  # measured (and kept by measured()): what failed after it is not the figures'
             print(f"profile[{build}]: after the measurement: {unprofiled_reason(exc, params)}", flush=True)
             return result

@@ -225,41 +225,11 @@ def local_placement(
     )
 
 
-def from_cache(
-    build: str,
-    teams: list[Team],
-    manifest: dict,
-    model_files: str,
-    serving: ServingRecord,
-    harness: HarnessParams,
-    out_dir: Path,
-    timing: dict,
-) -> tuple[dict[str, TeamScores], list[tuple[Team, str]]]:
-    """Copy every team already scored for this build and serving record from CACHE_DIR into OUT_DIR/<team>/.
-
-    Returns ({team: its cached scores}, [(team, cache key) still to score]); appends the cached teams'
-    names to `timing["cached"]`. The key (cache_key) includes the build's serving settings (its KV cache
-    dtype, W4A8) through `model_files` (quantgate.manifest.config_digest): they change what the build computes.
-    """
-    serve_config = serving.dump()
-    docs, pending = {}, []
-    for team in teams:
-        key = cache_key(manifest["weights_digest"], team, harness, serve_config, model_files)
-        cached = CACHE_DIR / key
-        if (cached / SCORES).is_file():
-            shutil.copytree(cached, out_dir / team.name)
-            docs[team.name] = read_scores(cached / SCORES)
-            timing["cached"].append(team.name)
-            print(f"evaluate[{build}]: {team.name}: from cache {key[:12]}", flush=True)
-        else:
-            pending.append((team, key))
-    return docs, pending
-
-
 @dataclass(frozen=True)
 class Scoring:
-    """One build's scoring on a local server (serving_config without an endpoint): the build's name and folder,
-    its manifest (verified), the digest of its other files, the precision and serving records, the harness."""
+    """One build's scoring (serving_config): the build's name and folder, its manifest (verified), the digest of
+    its other files (config_digest), the precision and serving records (a remote endpoint's, or a Ray node's,
+    where it is scored there), the harness."""
 
     build: str
     model_dir: Path
@@ -276,6 +246,30 @@ class Scoring:
     def uncached(self, teams: list[Team]) -> list[tuple[Team, str]]:
         """[(team, its cache key)] of `teams` whose scores are not in CACHE_DIR."""
         return [(team, key) for team in teams if not (CACHE_DIR / (key := self.key(team)) / SCORES).is_file()]
+
+
+def from_cache(
+    scoring: Scoring, teams: list[Team], out_dir: Path, timing: dict
+) -> tuple[dict[str, TeamScores], list[tuple[Team, str]]]:
+    """Copy every team already scored for `scoring` (its build and serving record) from CACHE_DIR into
+    OUT_DIR/<team>/.
+
+    Returns ({team: its cached scores}, [(team, cache key) still to score]); appends the cached teams'
+    names to `timing["cached"]`. The key (Scoring.key, cache_key) includes the build's serving settings (its KV
+    cache dtype, W4A8) through `model_files` (quantgate.manifest.config_digest): they change what the build computes.
+    """
+    docs, pending = {}, []
+    for team in teams:
+        key = scoring.key(team)
+        cached = CACHE_DIR / key
+        if (cached / SCORES).is_file():
+            shutil.copytree(cached, out_dir / team.name)
+            docs[team.name] = read_scores(cached / SCORES)
+            timing["cached"].append(team.name)
+            print(f"evaluate[{scoring.build}]: {team.name}: from cache {key[:12]}", flush=True)
+        else:
+            pending.append((team, key))
+    return docs, pending
 
 
 def score_on(
@@ -301,12 +295,12 @@ def score_on(
         yield team, scores
 
 
-def local_scoring(build: str, model_dir: Path, params: EvaluateParams) -> Scoring:
-    """The Scoring of `build` on a server started here; raises QuantgateError as verify_weights and
-    serving_config do. For `score_for_evaluate`, which reads the teams itself."""
+def scoring_of(build: str, model_dir: Path, params: EvaluateParams) -> tuple[Scoring, dict | None]:
+    """(the Scoring of `build` as `params` serve it, the remote endpoint's evidence or None: serving_config).
+    Raises QuantgateError as verify_weights and serving_config do."""
     manifest = verify_weights(model_dir)
-    precision, serving, _ = serving_config(build, model_dir, manifest["weights_digest"], params)
-    return Scoring(build, model_dir, manifest, config_digest(model_dir), precision, serving, params.harness)
+    precision, serving, remote = serving_config(build, model_dir, manifest["weights_digest"], params)
+    return Scoring(build, model_dir, manifest, config_digest(model_dir), precision, serving, params.harness), remote
 
 
 def score_for_evaluate(
@@ -319,7 +313,7 @@ def score_for_evaluate(
     (but KeyboardInterrupt): what is not scored here is printed, and evaluate@<build> scores it on its own."""
     who = f"profile[{build}]"
     try:
-        scoring = local_scoring(build, model_dir, params)
+        scoring, _ = scoring_of(build, model_dir, params)
         pending = scoring.uncached(load_teams(evals_dir))
         if not pending:
             return

@@ -19,7 +19,7 @@ from quantgate.errors import QuantgateError
 from quantgate.precision import Platform
 from quantgate.profile_params import ProfileParams
 from quantgate.results import ServingRecord, TeamScores
-from quantgate.serving import ServeParams, Server
+from quantgate.serving import ServeParams, Server, ServerStartError
 from tests.conftest import safetensors_build
 
 TEAMS = ["billing", "search", "support"]
@@ -36,8 +36,7 @@ def one_build(tmp_path, example_evals, monkeypatch):
     events = []
     precision = {"dtype": "bfloat16", "requested": "auto", "why": "auto: test"}
     record = ServingRecord(versions={"vllm": "test"}, dtype="bfloat16", max_model_len=2048, extra_args=[])
-    for stage in (evaluate_stage, team_scores):
-        monkeypatch.setattr(stage, "serving_config", lambda *a: (precision, record, None))
+    monkeypatch.setattr(team_scores, "serving_config", lambda *a: (precision, record, None))  # both stages ask it
     monkeypatch.setattr(team_scores, "make_lm", lambda server, *a: server)
     failing = set()
     profiles = []  # profiles in the cache when each team was scored
@@ -159,6 +158,8 @@ def test_a_benchmark_that_fails_on_evaluates_server_costs_no_team_and_leaves_the
         capsys.readouterr().out
     )
     assert not measuring.CACHE_DIR.exists()
+    timing = json.loads(Path("results/eval/int8/timing.json").read_text())
+    assert "profile_s" not in timing and timing["profile_failed_s"] >= 0  # what the failure cost, named as such
 
 
 def test_the_profile_stage_scores_for_evaluate_without_registry_and_cloud_credentials(monkeypatch, tmp_path):
@@ -268,6 +269,10 @@ def test_the_profile_stage_times_its_server_its_measurement_and_the_teams_it_sco
     # a server that starts and then fails the measurement still cost its start; nothing was measured
     shutil.rmtree(measuring.CACHE_DIR)
     monkeypatch.setattr(measuring, "bench_loads", lambda *a: (_ for _ in ()).throw(QuantgateError("bench broke")))
+    failed = {"build": "int8", "server_start_s": 10.0, "profile_s": None, "profile_failed_s": 10.0, "scoring_s": {}}
+    assert run() == failed
+    # a server that does not start costs the seconds until it failed, as evaluate records them
+    monkeypatch.setattr(profile_stage, "vllm_server", lambda *a: (_ for _ in ()).throw(ServerStartError("no start")))
     assert run() == {"build": "int8", "server_start_s": 10.0, "profile_s": None, "scoring_s": {}}
     # on Ray the stage writes no timing, and leaves none from a local run for the benchmarks to read
     monkeypatch.setattr(profile_stage, "profile_on_ray", lambda build, *a: profile_stage.measured(build, *a[:3]))

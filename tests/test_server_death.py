@@ -245,8 +245,8 @@ def scored_project(tmp_path, example_evals, monkeypatch):
     monkeypatch.setattr(team_scores, "CACHE_DIR", tmp_path / "cache")
     precision = {"dtype": "float32", "requested": "auto", "why": "auto: test"}
     record = ServingRecord(versions={"vllm": "test"}, dtype="float32", max_model_len=2048, extra_args=[])
-    for stage in (evaluate_stage, team_scores):  # evaluate asks it; so would the profile stage's scoring
-        monkeypatch.setattr(stage, "serving_config", lambda *a: (precision, record, None))
+    # evaluate asks it (team_scores.scoring_of); so would the profile stage's scoring
+    monkeypatch.setattr(team_scores, "serving_config", lambda *a: (precision, record, None))
     monkeypatch.setattr(team_scores, "make_lm", lambda server, *a: server)
     model = safetensors_build(tmp_path / "models" / "fp8", "fp8", seed=1, shards=1)
     for team in ("billing", "search", "support"):
