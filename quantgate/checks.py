@@ -500,14 +500,16 @@ def _check_widened(
     """(problems, held back) of one document: check_document on `doc` as the loader reads it; when that fails
     only because the loader read the line's integers as floats (`plain`: the document with them back, or
     None), the problems are held back, not reported: the line that gives the float is, at its line, and one
-    float would otherwise put every line of the file in the report. `rendered` then holds `plain`'s values."""
+    float would otherwise put every line of the file in the report. `rendered` then holds `plain`'s values.
+    When `plain` fails too, its problems are reported: they name the line's values as written (`answer=7 is not
+    an index`, not the loader's `answer=7.0 is a float`)."""
     kept = set(skip)
     found = check_document(config, doc, features, at, where, skip, rendered)
     if not found or plain is None or skip != kept:  # a refused or timed-out template is reported once: keep it
         return found, []
     again: dict = {}
-    if check_document(config, plain, features, at, where, set(skip), again):
-        return found, []
+    if own := check_document(config, plain, features, at, where, set(skip), again):
+        return own, []
     rendered.clear()
     rendered.update(again)
     return [], found

@@ -109,6 +109,20 @@ def test_one_float_among_integer_answers_is_refused_at_its_line_only(example_eva
     assert loaded[0]["answer"] == docs[0]["answer"] and isinstance(loaded[0]["answer"], float)
 
 
+def test_a_line_beside_a_float_is_refused_for_its_own_value_as_written(example_evals):
+    """An answer of 1.5 on one line and 7 (out of range) on another: the loader reads 7 as 7.0, but the line says
+    7, so its problem is the index, not a float it does not have."""
+    docs = search_docs(example_evals)
+    docs[0]["answer"], docs[6]["answer"] = 1.5, 7
+    write_jsonl(example_evals / "search" / "data.jsonl", docs)
+    msg = refusal(example_evals / "search")
+    data = example_evals / "search" / "data.jsonl"
+    assert "2 problem(s)" in msg, msg
+    assert f"{data}:1: answer=1.5 is a float where an integer index into 4 choices (0..3) is expected" in msg
+    assert f"{data}:7: answer=7 is not an index into 4 choices (0..3)" in msg
+    assert "answer=7.0" not in msg
+
+
 def test_one_float_among_integer_targets_of_a_generated_answer_is_refused(example_evals, monkeypatch):
     """A generate_until set with integer answers and one 28.0 validated: the loader read every answer as a float,
     lm-eval compared the model's "12" with "12.0", and both builds scored 0 (a gate that measured nothing)."""
