@@ -79,9 +79,9 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     """Write evals/<name>/ (team.yaml, <name>.yaml, data.jsonl), validate it beside the other teams under
     `root`, and return it as loaded.
 
-    Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists, it cannot be
-    written, or it does not validate; then nothing of it is left under `root` (the files are written in a hidden
-    folder beside it, renamed into place whole, and removed if they do not validate).
+    Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists (or is a broken
+    symlink), it cannot be written, or it does not validate; then nothing of it is left under `root` (the files
+    are written in a hidden folder beside it, renamed into place whole, and removed if they do not validate).
     """
     if not TEAM_NAME.fullmatch(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
@@ -92,6 +92,11 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     folder = root / name
     if folder.exists():
         raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
+    if folder.is_symlink():  # to nothing: the rename into place would fail "Not a directory"
+        raise QuantgateError(
+            f"{folder} is a broken symlink: its target {folder.readlink()} does not exist; remove the link "
+            "(a team folder is written in place, never through a symlink) or pick another name"
+        )
     n = min_docs_to_pass(DEFAULT_MARGIN, DEFAULT_CONFIDENCE) + 8
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=root))  # hidden: never read as a team

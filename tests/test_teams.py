@@ -376,3 +376,21 @@ def test_an_owner_beyond_ascii_is_written_as_given(tmp_path, owner):
     text = (tmp_path / "unicode_team" / "team.yaml").read_text(encoding="utf-8")
     assert f"owner: {json.dumps(owner, ensure_ascii=False)}" in text and "\\u" not in text
     assert team.policy.owner == owner
+
+
+def test_new_team_over_a_broken_symlink_names_the_link_and_its_target(tmp_path):
+    """`evals new ranking` where evals/ranking is a link to nothing said only "cannot create ...: Not a directory"."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    (tmp_path / "ranking").symlink_to(tmp_path / "gone")
+    res = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", "--owner", "O", "--contact", "c", "--root", str(tmp_path)]
+    )
+    assert res.exit_code == 1 and "Not a directory" not in res.output
+    assert res.output == (
+        f"Error: {tmp_path / 'ranking'} is a broken symlink: its target {tmp_path / 'gone'} does not exist; remove "
+        "the link (a team folder is written in place, never through a symlink) or pick another name\n"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["ranking"] and (tmp_path / "ranking").is_symlink()
