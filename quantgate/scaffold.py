@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
-from quantgate.teams import TEAM_NAME, Team, load_team
+from quantgate.teams import POLICY_FILE, TEAM_NAME, Team, declared_tasks, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 
@@ -80,8 +80,9 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     `root`, and return it as loaded.
 
     Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists (or is a broken
-    symlink), it cannot be written, or it does not validate; then nothing of it is left under `root` (the files
-    are written in a hidden folder beside it, renamed into place whole, and removed if they do not validate).
+    symlink), another team's folder declares its task `<name>_example`, it cannot be written, or it does not
+    validate; then nothing of it is left under `root` (the files are written in a hidden folder beside it, renamed
+    into place whole, and removed if they do not validate).
     """
     if not TEAM_NAME.fullmatch(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
@@ -97,6 +98,8 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
             f"{folder} is a broken symlink: its target {folder.readlink()} does not exist; remove the link "
             "(a team folder is written in place, never through a symlink) or pick another name"
         )
+    if clash := _task_taken(root, name):
+        raise QuantgateError(clash)
     n = min_docs_to_pass(DEFAULT_MARGIN, DEFAULT_CONFIDENCE) + 8
     try:
         staging = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=root))  # hidden: never read as a team
@@ -115,6 +118,21 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _task_taken(root: Path, name: str) -> str | None:
+    """Why the task the scaffold names (`<name>_example`, TASK) cannot be written under `root`: a team folder
+    there already declares it (validate would refuse the scaffold, and the scaffold is then removed), or None."""
+    task = f"{name}_example"
+    for other in sorted(root.iterdir()):
+        if (other / POLICY_FILE).is_file():
+            for declared, file in declared_tasks(other):
+                if declared == task:
+                    return (
+                        f"task name {task!r}, the one `evals new {name}` writes, is already used by {file}; pick "
+                        "another team name (nothing was written)"
+                    )
+    return None
 
 
 def _write(folder: Path, name: str, owner: str, contact: str, n: int) -> None:

@@ -394,3 +394,21 @@ def test_new_team_over_a_broken_symlink_names_the_link_and_its_target(tmp_path):
         "the link (a team folder is written in place, never through a symlink) or pick another name\n"
     )
     assert [p.name for p in tmp_path.iterdir()] == ["ranking"] and (tmp_path / "ranking").is_symlink()
+
+
+def test_new_team_whose_task_name_is_taken_says_so_before_writing(example_evals):
+    """The clash was found after the scaffold was written and removed, and its advice ("rename one") named the
+    removed ranking.yaml."""
+    from quantgate.scaffold import new_team
+
+    capitals = example_evals / "search" / "capitals.yaml"
+    capitals.write_text(capitals.read_text().replace("task: search_capitals", "task: ranking_example"))
+    before = sorted(p.name for p in example_evals.iterdir())
+    with pytest.raises(QuantgateError) as err:
+        new_team(example_evals, "ranking", "O", "c@example.com")
+    assert str(err.value) == (
+        f"task name 'ranking_example', the one `evals new ranking` writes, is already used by {capitals}; pick "
+        "another team name (nothing was written)"
+    )
+    assert sorted(p.name for p in example_evals.iterdir()) == before
+    assert new_team(example_evals, "ranked", "O", "c@example.com").tasks[0].name == "ranked_example"
