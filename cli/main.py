@@ -117,7 +117,11 @@ class _Asked(click.Option):
 
 def _one_line(ctx, param, value: str | None) -> str | None:
     """--owner, --contact: written to team.yaml and printed by validate, so one line of printable characters
-    (a newline would print as two lines of the report). Raises click.ClickException naming the option."""
+    (a newline would print as two lines of the report); a no-break or other Unicode space is written as a plain
+    one (teams.plain_spaces). Raises click.ClickException naming the option."""
+    from quantgate.teams import plain_spaces
+
+    value = None if value is None else plain_spaces(value)
     if value is not None and not value.isprintable():
         flag = f"--{param.name}"
         raise click.ClickException(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,11 +61,18 @@ class TeamPolicy(Frozen):
     @field_validator("owner", "contact")
     @classmethod
     def _not_blank(cls, value: str) -> str:
+        value = plain_spaces(value)
         if not any(ch.isprintable() and not ch.isspace() for ch in value):  # notices would go to nobody
             raise ValueError("is blank; name who owns the set and who to tell when the gate fails")
         if not value.isprintable():  # a newline would print as two lines of validate's report
             raise ValueError("must be one line of printable characters (no newline or tab)")
         return value
+
+
+def plain_spaces(value: str) -> str:
+    """`value` with each Unicode space (a no-break space U+00A0, a thin space, ...) made a plain space: an owner or
+    contact is display text (validate's report, results/teams.json), which str.isprintable() would refuse for one."""
+    return "".join(" " if unicodedata.category(ch) == "Zs" else ch for ch in value)
 
 
 @dataclass(frozen=True)

@@ -412,3 +412,23 @@ def test_new_team_whose_task_name_is_taken_says_so_before_writing(example_evals)
     )
     assert sorted(p.name for p in example_evals.iterdir()) == before
     assert new_team(example_evals, "ranked", "O", "c@example.com").tasks[0].name == "ranked_example"
+
+
+def test_an_owner_with_a_no_break_space_is_read_with_a_plain_space(example_evals, tmp_path):
+    """`owner: "Search\\u00a0Relevance"` was refused as "must be one line of printable characters"; an owner is
+    display text (validate's report, results/teams.json), so the space is made a plain one, as `evals new` writes."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    set_policy_field(example_evals / "search" / "team.yaml", "owner", '"Search\\u00a0Relevance\\u202f(EU)"')
+    assert load_team(example_evals / "search").policy.owner == "Search Relevance (EU)"
+    res = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", "--owner", "Rank\u00a0ing", "--contact", "c", "--root", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    assert 'owner: "Rank ing"\n' in (tmp_path / "ranking" / "team.yaml").read_text(encoding="utf-8")
+    assert load_team(tmp_path / "ranking").policy.owner == "Rank ing"
+    set_policy_field(example_evals / "search" / "team.yaml", "owner", '"Search\\u2028Relevance"')  # a line break
+    with pytest.raises(QuantgateError, match=r"team.yaml:\d+: owner: must be one line of printable characters"):
+        load_team(example_evals / "search")
