@@ -158,7 +158,8 @@ def _number(digits: str) -> int:
 
 def _format_size(text: str, args: tuple, kwargs) -> int:
     """Characters str.format's field widths and precisions in `text` ask for, nested fields resolved from
-    `args`/`kwargs` (auto-numbered ones in str.format's order); 0 for a malformed string (str.format raises)."""
+    `args`/`kwargs` (auto-numbered ones in str.format's order); 0 for a malformed string (str.format raises).
+    Raises SecurityError for a nested field that is not a plain index or name, or an index of over 7 digits."""
     try:
         fields = list(_FORMATTER.parse(text))
     except ValueError:
@@ -179,6 +180,11 @@ def _format_size(text: str, args: tuple, kwargs) -> int:
                     inner, auto = str(auto), auto + 1
                 if not inner.isidentifier() and not (inner.isascii() and inner.isdigit()):
                     raise SecurityError(f"a nested format field {{{inner}}}: give a plain index or name")
+                if inner.isdigit() and len(inner) > len(str(MAX_SIZE)):  # int() of 4300+ digits raises
+                    raise SecurityError(
+                        f"a nested format field index of {len(inner)} digits ({{{inner[:12]}...}}): give the index "
+                        "of one of the format's arguments"
+                    )
                 value = args[int(inner)] if inner.isdigit() and int(inner) < len(args) else None
                 if not inner.isdigit():
                     value = kwargs.get(inner) if hasattr(kwargs, "get") else None

@@ -13,8 +13,9 @@ from jinja2.sandbox import SecurityError
 from lm_eval.api.model import LM
 
 from quantgate import sandbox
+from quantgate.errors import QuantgateError
 from quantgate.scoring import HarnessParams, run_team
-from quantgate.teams import load_teams
+from quantgate.teams import load_team, load_teams
 from quantgate.templates import lm_eval_value
 
 # Known ways out of a plain Jinja environment: each runs `touch MARKER` there (the first is the
@@ -200,6 +201,25 @@ def test_format_widths_are_refused_before_the_text_is_made(template):
     # and past the time limit on a busy machine
     with pytest.raises(SecurityError, match="format widths"):
         sandbox.render(template, {"x": "ab"})
+
+
+def test_a_nested_format_index_of_thousands_of_digits_is_refused_naming_it(example_evals):
+    """'{0:{999...9}}' with 5000 digits: int() raised "Exceeds the limit (4300 digits) ... use
+    sys.set_int_max_str_digits()", reported for every document of the set."""
+    template = "{{ '{0:{" + "9" * 5000 + "}}'.format(x) }}"
+    with pytest.raises(SecurityError) as err:
+        sandbox.render(template, {"x": "ab"})
+    assert str(err.value) == (
+        "a nested format field index of 5000 digits ({999999999999...}): give the index of one of the format's "
+        "arguments"
+    )
+    task = example_evals / "search" / "capitals.yaml"
+    task.write_text(task.read_text().replace("{{question}}", template.replace("(x)", "(question)")))
+    with pytest.raises(QuantgateError) as err:
+        load_team(example_evals / "search")
+    assert "team search: 1 problem(s):" in str(err.value)
+    assert "(a nested format field index of 5000 digits ({999999999999...}): give the index" in str(err.value)
+    assert "set_int_max_str_digits" not in str(err.value)
 
 
 @pytest.mark.parametrize(
