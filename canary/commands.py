@@ -27,6 +27,7 @@ import click
 
 from canary.load import APIS, LoadOptions, prompts_from_evals, replay
 from quantgate.errors import QuantgateError, command_errors
+from quantgate.files import special_kind
 from registry.commands import by_arg, model_arg, version_arg
 from registry.versions import version_number
 
@@ -53,23 +54,31 @@ SECONDS = Positive(7 * 24 * 3600)
 
 class NonEmptyPath(click.Path):
     """A file or folder argument or option, as a Path; an empty one ('', e.g. an unset shell variable) is refused
-    naming it: Path("") is ".", so it would silently mean the working directory."""
+    naming it: Path("") is ".", so it would silently mean the working directory. With `read` (a file the command
+    reads), one that exists and is neither a regular file nor a folder (a FIFO, socket or device) is refused
+    too, never opened: reading a FIFO nobody writes waits forever. A folder or a missing file is left to the
+    command, which names what it wanted."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: bool = False) -> None:
         super().__init__(path_type=Path)
+        self.read = read
 
     def convert(self, value, param, ctx):
         if value == "":  # a usage error (exit 2, naming the option or argument), as every bad argument is
             self.fail("the path is empty; give a file or folder", param, ctx)
-        return super().convert(value, param, ctx)
+        path = super().convert(value, param, ctx)
+        if self.read and path.exists() and not path.is_file() and not path.is_dir():
+            self.fail(f"{path} is {special_kind(path)}, not a regular file; give the file itself", param, ctx)
+        return path
 
 
 PATH = NonEmptyPath()
+IN_FILE = NonEmptyPath(read=True)  # a file the command reads (--gate-json, --token-file)
 
 
-def path_option(flag: str, default: str, help_text: str):
-    """An option naming a file or folder, with its default shown."""
-    return click.option(flag, type=PATH, default=Path(default), show_default=True, help=help_text)
+def path_option(flag: str, default: str, help_text: str, read: bool = False):
+    """An option naming a file or folder, with its default shown; `read`: a file the command reads (IN_FILE)."""
+    return click.option(flag, type=IN_FILE if read else PATH, default=Path(default), show_default=True, help=help_text)
 
 
 def _api_choice(*decls: str, default: str, help_text: str):
@@ -342,6 +351,7 @@ class GatewayTarget:
         "--token-file",
         ".quantgate/serve/admin.token",
         "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset or blank).",
+        read=True,
     ),
 )
 def run(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from canary.commands import PATH, path_option
+from canary.commands import IN_FILE, PATH, path_option
 from quantgate.errors import QuantgateError, command_errors
 from registry.commands import model_arg
 
@@ -33,7 +33,7 @@ GATE_JSON = Path("results/gate.json")  # what the gate stage of `dvc repro` writ
 
 
 @cli.command()
-@click.option("--gate-json", type=PATH, default=GATE_JSON, show_default=True)
+@click.option("--gate-json", type=IN_FILE, default=GATE_JSON, show_default=True)
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table

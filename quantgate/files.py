@@ -1,13 +1,23 @@
-"""Files written whole: a reader sees the old file or the new one, never half of one."""
+"""Files written whole: a reader sees the old file or the new one, never half of one; what a path that is
+neither a file nor a folder is."""
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 from quantgate.errors import QuantgateError
+
+
+def special_kind(path: Path) -> str:
+    """What `path`, which exists and is neither a regular file nor a folder, is: a FIFO, socket or device."""
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
 def _umask() -> int:

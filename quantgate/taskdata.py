@@ -8,25 +8,17 @@ loader returns for it.
 
 from __future__ import annotations
 
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
 from quantgate.checks import Row, read_docs
+from quantgate.files import special_kind
 from quantgate.loader import LoaderRefused, load_splits, refused_line
 
 
 def capped(file: Path, found: list[str], most: int = 20) -> list[str]:
     """The first `most` problems of one file, and a count of the rest."""
     return found[:most] + ([f"{file}: ... and {len(found) - most} more"] if len(found) > most else [])
-
-
-def special_kind(path: Path) -> str:
-    """What `path`, which exists and is neither a regular file nor a folder, is: a FIFO, socket or device."""
-    mode = path.stat().st_mode
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
 def data_files(path: Path, files: dict, where: Callable[..., str], problems: list[str]) -> dict[str, Path] | None:

@@ -1,6 +1,7 @@
 """Loading team eval sets: the shipped examples, and clear errors on bad input."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -322,6 +323,29 @@ def test_report_of_a_folder_says_it_is_a_folder(tmp_path):
     assert res.exit_code == 1 and f"{tmp_path} is a folder; give the gate's JSON file" in res.output, res.output
     res = CliRunner().invoke(cli, ["report", "--gate-json", str(tmp_path / "gate.json")])
     assert res.exit_code == 1 and "gate.json not found: run `dvc repro` first" in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["report", "--gate-json"], "--gate-json"),
+        (["canary", "run", "m", "1", "--gateway", "http://127.0.0.1:9", "--token-file"], "--token-file"),
+    ],
+)
+def test_an_input_file_that_is_a_fifo_is_named_not_read_or_called_missing(tmp_path, monkeypatch, args, flag):
+    """`report --gate-json FIFO` said "not found"; `canary run --token-file FIFO` waited forever reading it."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    res = CliRunner().invoke(cli, [*args, str(fifo)])
+    assert res.exit_code == 2, res.output
+    assert res.output.splitlines()[-1] == (
+        f"Error: Invalid value for '{flag}': {fifo} is a named pipe (FIFO), not a regular file; give the file itself"
+    )
 
 
 def test_hidden_yaml_files_are_not_tasks(example_evals):
