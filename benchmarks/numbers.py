@@ -157,12 +157,23 @@ def replace_section(readme: Path, text: str) -> str:
     return content[: a + len(START)] + "\n" + text + "\n" + content[b:]
 
 
+def file_args(args: argparse.Namespace) -> None:
+    """--out and --readme as Paths (None when not given). Raises QuantgateError naming the option when one is
+    empty ('', e.g. an unset shell variable): Path("") is ".", the working directory, read or written as a file."""
+    for flag, example in (("out", "benchmarks/results/numbers.md"), ("readme", "README.md")):
+        given = getattr(args, flag)
+        if given == "":
+            raise QuantgateError(f"--{flag} is empty; give a file, e.g. --{flag} {example}, or drop --{flag}")
+        setattr(args, flag, None if given is None else Path(given))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.numbers", description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(ORDER)} (default: all)")
-    ap.add_argument("--out", type=Path, default=None, help="write the Markdown to this file instead of stdout")
-    ap.add_argument("--readme", type=Path, default=None, help="replace the Numbers section of this README")
+    ap.add_argument("--out", default=None, help="write the Markdown to this file instead of stdout")
+    ap.add_argument("--readme", default=None, help="replace the Numbers section of this README")
     args = ap.parse_args()
+    file_args(args)
     unknown = [n for n in args.names if n not in ORDER]
     if unknown:
         raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(ORDER)}")

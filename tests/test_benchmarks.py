@@ -146,6 +146,20 @@ def test_numbers_names_a_malformed_result_in_one_line(tmp_path, monkeypatch):
         numbers.render(["quality"])
 
 
+@pytest.mark.parametrize("flag, example", [("--out", "benchmarks/results/numbers.md"), ("--readme", "README.md")])
+def test_numbers_refuses_an_empty_file_option_naming_it(tmp_path, monkeypatch, flag, example):
+    """`--out ''` said ".: is a folder" (Path("") is the working directory); `--readme ''` "cannot read"."""
+    import benchmarks.numbers as numbers
+    from quantgate.errors import QuantgateError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["benchmarks.numbers", flag, ""])
+    with pytest.raises(QuantgateError) as err:
+        numbers.main()
+    assert str(err.value) == f"{flag} is empty; give a file, e.g. {flag} {example}, or drop {flag}"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_reword_changes_the_data_every_time(tmp_path):
     from benchmarks.common import commit
 
