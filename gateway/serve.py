@@ -43,7 +43,7 @@ from gateway.admin import admin_app, admin_token
 from gateway.fleet import Fleet, FleetParams, process_alive
 from gateway.limits import Limiter, Limits, tokenizer_counter
 from gateway.router import Router
-from gateway.server import AppServer, RouterServer, family_of, url_host
+from gateway.server import AppServer, RouterServer, bind_address, url_host
 from gateway.webhook import PATH as WEBHOOK_PATH
 from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
@@ -85,22 +85,22 @@ def check_bindable(host: str, port: int, what: str) -> None:
     if not host.strip():  # bind(("", port)) listens on every interface, and the URL said http://:PORT
         at = f"params.yaml {what}.host" + (f" or {host_option}" if host_option else "")
         raise QuantgateError(f"{what}.host is empty; give an address, e.g. 127.0.0.1, 0.0.0.0 or ::1 ({at})")
-    with socket.socket(family_of(host)) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:  # socket.gaierror (a name that does not resolve) too
-            if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
-                at = f"params.yaml {what}.host" + (f" or {host_option}" if host_option else "")
-                raise QuantgateError(
-                    f"{what}.host: {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1, "
-                    f"0.0.0.0 or ::1 ({at})"
-                ) from None
-            at = f"params.yaml {what}.port or {port_option}" if port_option else f"params.yaml {what}.port"
+    try:
+        family, address = bind_address(host, port)
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as exc:  # socket.gaierror (a name that does not resolve) too
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            at = f"params.yaml {what}.host" + (f" or {host_option}" if host_option else "")
             raise QuantgateError(
-                f"{what}.port: cannot listen on {url_host(host)}:{port} ({exc.strerror}); free it or pick another "
-                f"({at})"
+                f"{what}.host: {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1, "
+                f"0.0.0.0 or ::1 ({at})"
             ) from None
+        at = f"params.yaml {what}.port or {port_option}" if port_option else f"params.yaml {what}.port"
+        raise QuantgateError(
+            f"{what}.port: cannot listen on {url_host(host)}:{port} ({exc.strerror}); free it or pick another ({at})"
+        ) from None
 
 
 def warm_first(fleet: Fleet, params: FleetParams, stop: threading.Event) -> bool:

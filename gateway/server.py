@@ -19,10 +19,14 @@ import uvicorn
 from quantgate.errors import QuantgateError
 
 
-def family_of(host: str) -> socket.AddressFamily:
-    """The socket family to bind `host` with: IPv6 for an IPv6 address (it has a ':', e.g. ::1 or ::), IPv4
-    for anything else (an IPv4 address, or a name, resolved to IPv4)."""
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
+def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The socket family and address to bind `host`:`port` with. An address is taken as written (IPv6 when it
+    has a ':', e.g. ::1 or ::); a name is resolved (getaddrinfo) to its first IPv4 address, else, for a name
+    only IPv6 knows (e.g. ip6-localhost), its first IPv6 address. Raises socket.gaierror for a name that does
+    not resolve or an address that is none (999.1.1.1)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
+    return family, address
 
 
 def url_host(host: str) -> str:
@@ -42,17 +46,22 @@ class AppServer:
         return f"http://{url_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> AppServer:
-        """Bind (IPv4, or IPv6 for an IPv6 host: family_of), start serving and return once the app's startup has
-        finished.
+        """Bind (IPv4, or IPv6 for an IPv6 address or a name only IPv6 knows: bind_address), start serving and
+        return once the app's startup has finished.
 
-        Raises QuantgateError if the port cannot be bound or the app fails to start in time.
+        Raises QuantgateError if the host does not resolve, the port cannot be bound or the app fails to start in
+        time.
         """
+        try:
+            family, address = bind_address(self.host, self.port)
+        except OSError as exc:  # socket.gaierror
+            raise QuantgateError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
         # proto IPPROTO_TCP (not 0) so asyncio sets TCP_NODELAY on accepted connections;
         # without it Nagle + delayed ACK add ~40 ms to every response
-        sock = socket.socket(family_of(self.host), socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.host, self.port))
+            sock.bind(address)
         except OSError as exc:
             sock.close()
             raise QuantgateError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None

@@ -443,6 +443,37 @@ def test_an_ipv6_host_is_served_on_ipv6():
         server.stop()
 
 
+def test_a_host_name_only_ipv6_knows_is_bound_on_ipv6_and_a_dual_name_stays_ipv4(monkeypatch):
+    """fleet.host naming a host with only an IPv6 address (ip6-localhost) was "no address of this machine": names
+    were resolved for IPv4 only. A name with both (localhost) keeps its IPv4 address, as before."""
+    import socket
+
+    from gateway.serve import check_bindable
+    from gateway.server import AppServer, bind_address
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))
+    v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))
+    real = socket.getaddrinfo
+    names = {"v6only.test": [v6], "dual.test": [v6, v4]}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: names.get(host) or real(host, *a, **k))
+    assert bind_address("v6only.test", 0) == (socket.AF_INET6, ("::1", 0, 0, 0))
+    assert bind_address("dual.test", 0) == (socket.AF_INET, ("127.0.0.1", 0))
+    check_bindable("v6only.test", 0, "fleet")  # raised: 'v6only.test' is no address of this machine
+
+    async def app(scope, receive, send):  # lifespan only: the test connects, it sends no request
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+    with AppServer(app, host="v6only.test") as server:  # raised: cannot listen on v6only.test:0
+        socket.create_connection(("::1", server.port), timeout=5).close()  # it listens on ::1
+
+
 def test_serve_outside_the_project_says_where_it_looked(tmp_path, monkeypatch):
     from pathlib import Path
 
