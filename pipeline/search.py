@@ -72,7 +72,7 @@ from quantgate.errors import QuantgateError, run_main
 from quantgate.executor import ExecutorParams, connect
 from quantgate.jsonl import read_jsonl
 from quantgate.judging import GateBlock, judge
-from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds, read_yaml
+from quantgate.params import BASELINE_BUILD, PARAMS_FILE, Frozen, load_block, load_builds, read_yaml, where
 from quantgate.precision import model_context, native_16bit, probe, resolve_dtype, w4a16_problem
 from quantgate.recipes import bits_per_weight, check_group_size, load_recipe, weight_schemes
 from quantgate.remote import folder_files, node_python, on_node, published, settle, submit
@@ -451,6 +451,28 @@ def top_units(bits: list[float], max_bits: float | None) -> int | None:
     return max(k for k, b in enumerate(bits) if b <= max_bits)
 
 
+def check_bound(layers: dict[str, tuple[int, int]], args, p: SearchParams) -> None:
+    """Raises QuantgateError, before the ranking, when search.max_bits_per_weight leaves the search nothing to
+    find: below the base recipe's own bits per weight (top_units), or below the bits with even the smallest
+    unit (p.fused) of `layers` kept 16-bit, so every candidate but the base recipe is over it. The message names
+    params.yaml's line, the smallest bound that keeps one unit (bits with the fewest weights kept, rounded up
+    to 0.01) and what to do. Which unit the ranking puts first is not known yet: a bound above this floor
+    may still keep none (search() says so where that matters)."""
+    bits = effective_bits(layers, set(), args)
+    top_units([bits], p.max_bits_per_weight)
+    if p.max_bits_per_weight is None:
+        return
+    one = min(effective_bits(layers, set(u), args) for u in units(dict.fromkeys(layers, 0.0), p.fused))
+    if one > p.max_bits_per_weight:
+        raise QuantgateError(
+            f"{where(PARAMS_FILE, 'search.max_bits_per_weight')}: search.max_bits_per_weight "
+            f"{p.max_bits_per_weight:g} allows no layer kept 16-bit (the base recipe is {bits:.2f} bits per weight, "
+            f"the smallest unit kept makes {one:.2f}), so {p.build} could only be {p.base}'s recipe again; raise "
+            f"it to at least {math.ceil(round(one * 100, 6)) / 100:.2f}, set it to null, or drop {p.build} from "
+            "builds"
+        )
+
+
 def choose(screens: list[Screen]) -> tuple[Screen | None, bool]:
     """(chosen screen, whether it passed): the cheapest passing one (estimated cost per output token where
     the search priced it, else the fewest kept layers), else None: no layer kept, the base recipe (a candidate
@@ -558,7 +580,7 @@ def search(
     layers = {name: (m.weight.numel(), m.in_features) for name, m in linears.items()}
     if args.strategy == "group":  # before minutes of ranking, as quantize checks it
         check_group_size(model, args.group_size, ignore, f"{base_path} (search.recipe)", scheme.targets)
-    top_units([effective_bits(layers, set(), args)], p.max_bits_per_weight)  # a bound below the base: before ranking
+    check_bound(layers, args, p)  # a bound at or below the base: before ranking
     batches = calibration_ids(tokenizer, CALIBRATION_FILE, p.kl_samples, p.kl_seq_len)
 
     started = time.monotonic()

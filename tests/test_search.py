@@ -503,18 +503,30 @@ def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_r
     assert "Kept: none" in (out / "trace.md").read_text()
 
 
-def test_a_bits_bound_that_allows_no_kept_layer_where_kept_layers_are_cheaper_says_so(
-    tmp_path, monkeypatch, example_evals
+@pytest.mark.parametrize("cheaper", [False, True])
+def test_a_bits_bound_that_allows_no_kept_unit_is_refused_before_the_ranking(
+    tmp_path, monkeypatch, example_evals, cheaper
 ):
+    """A bound between the base recipe's bits and the bits with the smallest unit kept: the search ranked every
+    layer and screened the base recipe alone (or, kept layers being cheaper, said so after the ranking)."""
+    import pipeline.search as search_stage
+
     price = Pricing(baseline_s=1 / 125, quantized_s=1 / 80, concurrency=8, source="fp16.json and int4.json")
+    monkeypatch.setattr(search_stage, "sensitivity", lambda *a: pytest.fail("ranked before refusing"))
     with pytest.raises(QuantgateError) as err:  # not the document budget's message: nothing was screened
-        fake_screened_search(tmp_path, monkeypatch, example_evals, Outcome.PASS, price, max_bits_per_weight=4.26)
-    assert re.fullmatch(
-        r"search.max_bits_per_weight 4.26 allows no layer kept 16-bit \(the base recipe is 4.25 bits per weight, one "
-        r"unit kept makes \d+\.\d\d\), so int4-mixed could only be int4's recipe again; raise the bound, set it to "
-        r"null, or drop int4-mixed from builds",
+        fake_screened_search(
+            tmp_path, monkeypatch, example_evals, Outcome.PASS, price if cheaper else None, max_bits_per_weight=4.26
+        )
+    line = next(i for i, t in enumerate((tmp_path / "params.yaml").read_text().splitlines(), 1) if "max_bits" in t)
+    found = re.fullmatch(
+        rf"params.yaml:{line}: search.max_bits_per_weight 4.26 allows no layer kept 16-bit \(the base recipe is 4.25 "
+        r"bits per weight, the smallest unit kept makes (\d+\.\d\d)\), so int4-mixed could only be int4's recipe "
+        r"again; raise it to at least (\d+\.\d\d), set it to null, or drop int4-mixed from builds",
         str(err.value),
-    ), err.value
+    )
+    assert found, err.value
+    one, least = map(float, found.groups())
+    assert 4.26 < one <= least < one + 0.011  # rounded up: a bound of `least` keeps the smallest unit
 
 
 @pytest.mark.parametrize("outcome", [Outcome.PASS, Outcome.FAIL])
