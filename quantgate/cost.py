@@ -26,6 +26,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from quantgate.errors import QuantgateError
 from quantgate.params import Frozen
+from quantgate.precision import attention_heads
 
 GB = 1e9
 # bytes per KV element: vLLM's --kv-cache-dtype values ("auto" = the serving dtype's own)
@@ -74,13 +75,12 @@ class KVShape:
         for key in ("num_hidden_layers", "num_attention_heads"):
             if not isinstance(config.get(key), int):
                 raise QuantgateError(f"{where}: {key} missing or not an integer; cannot size the KV cache")
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
+        heads, kv_heads, head_dim = attention_heads({"hidden_size": 0} | config)  # no hidden_size: head dim 0
         if not head_dim:
             raise QuantgateError(f"{where}: neither head_dim nor hidden_size; cannot size the KV cache")
         return cls(
             layers=config["num_hidden_layers"],
-            kv_heads=config.get("num_key_value_heads") or heads,
+            kv_heads=kv_heads,
             head_dim=head_dim,
             query_heads=heads,
             max_context=config.get("max_position_embeddings"),

@@ -341,17 +341,26 @@ def is_int8_w8a8(model_dir: Path) -> bool:
     )
 
 
+def attention_heads(config: dict) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a Hugging Face config.json, as transformers reads them:
+    num_attention_heads; num_key_value_heads, or the query heads where it is missing or null (no GQA); head_dim,
+    or hidden_size // heads where it is missing or null. The one reader of these fields (linear_shapes,
+    kv_bytes_per_token, quantgate.cost.KVShape, which check the values' types themselves); here, not in
+    quantgate.cost: importing the cost model here would re-run every stage that asks the probe when it changes.
+    Raises KeyError naming the missing field: num_attention_heads, or hidden_size when head_dim is not given."""
+    heads = config["num_attention_heads"]
+    return heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads
+
+
 def linear_shapes(config: dict) -> list[tuple[int, int]] | None:
     """(N, K) of a decoder layer's linears as vLLM builds them for a Llama-style config.json: the fused qkv_proj
     (N = (heads + 2 x kv heads) x head_dim, K = hidden), o_proj, the fused gate_up_proj (N = 2 x intermediate) and
-    down_proj; None where a field is missing or not an integer. (quantgate.cost.KVShape reads the heads the same
-    way; it is not imported here: every stage that asks the probe would then re-run when the cost model changes.)"""
+    down_proj; None where a field is missing or not an integer (heads: attention_heads)."""
     hidden, inner, heads = config.get("hidden_size"), config.get("intermediate_size"), config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads", heads)
-    if not all(isinstance(v, int) and v > 0 for v in (hidden, inner, heads, kv_heads)):
+    if not all(isinstance(v, int) and v > 0 for v in (hidden, inner, heads)):
         return None
-    head_dim = config.get("head_dim") or hidden // heads
-    if not isinstance(head_dim, int):
+    heads, kv_heads, head_dim = attention_heads(config)
+    if not (isinstance(kv_heads, int) and kv_heads > 0 and isinstance(head_dim, int)):
         return None
     return [
         ((heads + 2 * kv_heads) * head_dim, hidden),
@@ -720,9 +729,7 @@ def kv_bytes_per_token(config: dict, dtype: str, where: str = "config.json") -> 
     `head_dim` to hidden_size / heads). SmolLM2-135M at float32: 30 x 3 x 64 x 2 x 4 = 46,080.
     Raises QuantgateError naming the missing config field."""
     try:
-        heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        _, kv_heads, head_dim = attention_heads(config)
         return config["num_hidden_layers"] * kv_heads * head_dim * 2 * DTYPE_BYTES[dtype]
     except KeyError as exc:
         raise QuantgateError(

@@ -11,7 +11,7 @@ import pytest
 
 from quantgate import devices, serving
 from quantgate.errors import QuantgateError
-from quantgate.precision import kv_bytes_per_token, resolve_eager, resolve_kv_cache_gib
+from quantgate.precision import attention_heads, kv_bytes_per_token, linear_shapes, resolve_eager, resolve_kv_cache_gib
 from quantgate.serving import ServeParams, ServerStartError, command, resolved, runtime_record, vllm_server
 from tests.test_serving import AVX2, AVX512_BF16, GPU, SMOLLM2
 
@@ -35,6 +35,25 @@ def test_kv_bytes_per_token_known_answers():
     assert kv_bytes_per_token(LLAMA_8B, "bfloat16") == 131_072  # 2*32*8*128*2: 0.54 GB per 4,096 tokens
     with pytest.raises(QuantgateError, match="c.json has no num_hidden_layers: cannot size the KV cache; set evaluate"):
         kv_bytes_per_token({"num_attention_heads": 9, "hidden_size": 576}, "float32", "c.json")
+
+
+def test_attention_heads_are_read_once_for_the_kv_cache_the_cost_model_and_the_linears():
+    """num_key_value_heads and head_dim were read from config.json in three places (precision's KV size and
+    linear shapes, cost's KVShape); one function reads them for all three."""
+    from quantgate.cost import KVShape
+
+    assert attention_heads(SMOLLM2) == (9, 3, 64)  # GQA; head dim 576 / 9
+    assert attention_heads(LLAMA_8B) == (32, 8, 128)
+    assert attention_heads({"num_attention_heads": 8, "num_key_value_heads": None, "head_dim": 256}) == (8, 8, 256)
+    with pytest.raises(KeyError, match="hidden_size"):
+        attention_heads({"num_attention_heads": 8})
+    shape = KVShape.from_config(LLAMA_8B)
+    assert (shape.query_heads, shape.kv_heads, shape.head_dim) == (32, 8, 128)
+    llama = LLAMA_8B | {"intermediate_size": 14336}
+    assert linear_shapes(llama)[:2] == [((32 + 2 * 8) * 128, 4096), (4096, 32 * 128)]
+    assert linear_shapes(llama | {"head_dim": 64})[1] == (4096, 32 * 64)  # a given head_dim wins over hidden / heads
+    with pytest.raises(QuantgateError, match="c.json: neither head_dim nor hidden_size; cannot size the KV cache"):
+        KVShape.from_config({"num_hidden_layers": 2, "num_attention_heads": 8}, "c.json")
 
 
 @pytest.mark.parametrize(
