@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from canary.load import APIS, LoadOptions, prompts_from_evals, replay
+from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.files import special_kind
 from registry.commands import by_arg, model_arg, version_arg
@@ -86,6 +86,41 @@ def _api_choice(*decls: str, default: str, help_text: str):
     return click.option(*decls, type=click.Choice(list(APIS)), default=default, show_default=True, help=help_text)
 
 
+def _team_keys(ctx, param, value: Path | None) -> dict[str, str] | None:
+    """--team-keys: the file read (canary.load.read_team_keys) while the arguments are parsed, so a bad file is a
+    usage error naming the option (exit 2) before any request or alias change."""
+    if value is None:
+        return None
+    try:
+        return read_team_keys(value)
+    except QuantgateError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _header(ctx, param, value: str) -> str:
+    """--team-header: an HTTP header name (gateway.limits.header_name_problem), lower case as the gateway reads it."""
+    from gateway.limits import header_name_problem
+
+    if why := header_name_problem(value):
+        raise click.BadParameter(why)
+    return value.lower()
+
+
+def _team_keys_option():
+    """--team-keys FILE: each team's prompts carry `Authorization: Bearer <its key>` (canary.load.read_team_keys),
+    for a gateway that tells teams by API key (limits.team_keys_file)."""
+    return click.option(
+        "--team-keys",
+        "team_keys",
+        type=IN_FILE,
+        default=None,
+        callback=_team_keys,
+        metavar="FILE",
+        help="YAML {team: API key}: send each team's prompts with its key, for a gateway whose limits.team_keys_file "
+        "tells teams by key (it ignores the team header then).",
+    )
+
+
 def grouped(name: str, cls: type, *options):
     """Declare `options` (click.option decorators, in --help order) on a command and hand the command their
     values as one `cls` (a dataclass), its parameter `name`: related options travel as one typed object and a
@@ -135,6 +170,14 @@ def grouped(name: str, cls: type, *options):
     ),
     click.option("--seed", type=int, default=0, show_default=True),
     _api_choice("--api", default="both", help_text="Endpoints: /v1/chat/completions, /v1/completions or both in turn."),
+    click.option(
+        "--team-header",
+        default="x-team",
+        show_default=True,
+        callback=_header,
+        help="The header naming each prompt's team: the gateway's limits.team_header.",
+    ),
+    _team_keys_option(),
 )
 def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | None, options: LoadOptions) -> None:
     """Open-loop load (greedy completions and chat, streaming and not) through the router; prints
@@ -142,11 +185,21 @@ def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | No
     with command_errors():
         url = http_url(url, "--url", "the router's (or an OpenAI server's)", "http://127.0.0.1:8080")
         prompts = prompts_from_evals(evals_dir, limit)
+        _say_unkeyed(prompts, options.team_keys)
         report = replay(url, prompts, rps, duration, **vars(options))
     for line in report.lines():
         click.echo(line)
     if report.ok < len(report.results):
         sys.exit(1)
+
+
+def _say_unkeyed(prompts: list[str], team_keys: dict[str, str] | None) -> None:
+    """One line naming the teams whose prompts go without a key although --team-keys was given."""
+    if missing := unkeyed(prompts, team_keys):
+        click.echo(
+            f"load: --team-keys has no key for {', '.join(missing)}: those prompts go without one (a gateway that "
+            "tells teams by key counts them as anonymous)"
+        )
 
 
 def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
@@ -247,17 +300,30 @@ class CanaryLoad:
     max_tokens: int
     api: str
     evals_dir: Path | None
+    team_keys: dict[str, str] | None = None  # --team-keys: each team's API key (canary.load.read_team_keys)
+    team_header: str = "x-team"  # the running gateway's limits.team_header (run() reads params.yaml)
 
     def prompts(self) -> list[str]:
         """The prompts to replay (none without --load-rps). Raises QuantgateError naming --evals."""
-        if self.evals_dir is not None and not self.rps:
-            raise QuantgateError("--evals names the prompts of --load-rps; give --load-rps too, or leave --evals out")
+        for flag, given in (("--evals", self.evals_dir is not None), ("--team-keys", self.team_keys is not None)):
+            if given and not self.rps:
+                raise QuantgateError(f"{flag} is for the --load-rps prompts; give --load-rps too, or leave {flag} out")
         if not self.rps:
             return []
         try:
             return prompts_from_evals(self.evals_dir or Path("evals"))
         except QuantgateError as exc:
             raise QuantgateError(f"--evals: {exc}") from None
+
+    def on_gateway(self) -> CanaryLoad:
+        """This load as sent to a running `quantgate serve`: the team header its params.yaml `limits` name.
+        Raises QuantgateError naming params.yaml's line for a bad limits block."""
+        if not self.rps:
+            return self
+        from gateway.limits import Limits
+        from quantgate.params import load_block
+
+        return dataclasses.replace(self, team_header=load_block("limits", Limits).team_header)
 
     def starter(self, prompts: list[str], stop: threading.Event) -> Callable[[str], Callable[[], None]]:
         """Hooks.on_router: replay `prompts` through the router at the URL it is given, in a daemon thread,
@@ -267,7 +333,13 @@ class CanaryLoad:
             t = threading.Thread(
                 target=replay,
                 args=(url, prompts, self.rps, 24 * 3600.0),
-                kwargs={"stop": stop, "max_tokens": self.max_tokens, "api": self.api},
+                kwargs={
+                    "stop": stop,
+                    "max_tokens": self.max_tokens,
+                    "api": self.api,
+                    "team_header": self.team_header,
+                    "team_keys": self.team_keys,
+                },
                 daemon=True,
             )
             t.start()
@@ -334,6 +406,7 @@ class GatewayTarget:
         default=None,
         help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
     ),
+    _team_keys_option(),
 )
 @path_option("--work-dir", ".quantgate/canary", "Verified artifacts and server logs, one folder per canary run.")
 @grouped(
@@ -379,6 +452,7 @@ def run(
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
             prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
+            load = load.on_gateway() if admin_url else load
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
             router = None if admin_url else load_fleet_params().router
             hooks = _hooks(load, prompts, router.shadow_fraction if router else 0.5, stop, stop_load)
@@ -424,6 +498,7 @@ def _hooks(
 
     if not load.rps:
         return Hooks(click.echo, stop, None, None)
+    _say_unkeyed(prompts, load.team_keys)
     # every --load-api alternates streaming and not; all of it is greedy
     traffic = Traffic(load.rps, 0.5, 1.0, "--load-rps", shadowed)
     return Hooks(click.echo, stop, load.starter(prompts, stop_load), traffic)

@@ -7,7 +7,9 @@ through completions / completions streaming / chat / chat streaming, all greedy
 (temperature 0) with short max_tokens, so the router's shadow comparison applies to them.
 Each request names the team whose eval set its prompt comes from in the `team_header` (params.yaml
 limits.team_header, x-team by default), so a gateway whose limits list that team judges its shadow
-agreement per team (canary/analysis.py shadow_check).
+agreement per team (canary/analysis.py shadow_check). A gateway that tells teams by API key
+(limits.team_keys_file) ignores that header: `team_keys` (read_team_keys: a YAML file {team: key}, the keys
+whose SHA-256 digests that file holds) sends each team's prompts with `Authorization: Bearer <its key>`.
 End-to-end latency = request sent to last byte; TTFT (streaming only) = to the first SSE event.
 """
 
@@ -18,7 +20,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +29,10 @@ import jinja2
 import numpy as np
 from httpx_sse import aconnect_sse
 
+from gateway.admin import token_problem
 from quantgate.errors import QuantgateError
 from quantgate.jsonl import read_jsonl
+from quantgate.params import key_lines, read_yaml
 from quantgate.teams import load_teams
 
 KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
@@ -181,7 +185,8 @@ async def _one(
 class LoadOptions:
     """How `replay` sends: max_tokens per request, timeout_s per request (and for the last answers),
     arrivals "poisson" or "fixed", the seed of the arrivals and prompts, `stop` (set: stop sending),
-    `api` (APIS: which endpoints), `team_header` (the header that names a Prompt's team; None: none)."""
+    `api` (APIS: which endpoints), `team_header` (the header that names a Prompt's team; None: none),
+    `team_keys` ({team: API key}, read_team_keys: a team's prompts also carry `Authorization: Bearer <key>`)."""
 
     max_tokens: int = 16
     timeout_s: float = 60.0
@@ -190,6 +195,49 @@ class LoadOptions:
     stop: threading.Event | None = None
     api: str = "both"
     team_header: str | None = "x-team"  # params.yaml limits.team_header's default
+    team_keys: Mapping[str, str] | None = None
+
+    def headers(self, team: str | None) -> dict[str, str]:
+        """The headers that name `team` to the gateway: its team header and, where `team_keys` has its key,
+        the bearer key (a gateway with limits.team_keys_file reads only that); none for a prompt of no team."""
+        if not team:
+            return {}
+        out = {self.team_header: team} if self.team_header else {}
+        if self.team_keys and team in self.team_keys:
+            out["authorization"] = f"Bearer {self.team_keys[team]}"
+        return out
+
+
+def unkeyed(prompts: Sequence[str], team_keys: Mapping[str, str] | None) -> list[str]:
+    """The teams of `prompts` (Prompt.team) without a key in `team_keys`, sorted; none without `team_keys`. A gateway
+    that tells teams by key counts their requests as anonymous."""
+    if team_keys is None:
+        return []
+    return sorted({t for p in prompts if (t := getattr(p, "team", None)) and t not in team_keys})
+
+
+def read_team_keys(path: Path) -> dict[str, str]:
+    """{team: API key} from a YAML file of plain keys, {billing: sk-..., search: sk-...}: the secrets whose SHA-256
+    digests the gateway's limits.team_keys_file holds (keep the file private). Raises QuantgateError naming the
+    file and line: not a file, invalid YAML, not a mapping of team names to one non-empty key each, or a key that
+    an HTTP header cannot carry (gateway.admin.token_problem)."""
+    if not path.is_file():
+        raise QuantgateError(f"{path}: not a file; give a YAML file {{team: API key}} for --team-keys")
+    data = read_yaml(path)
+    if not isinstance(data, dict) or not data:
+        raise QuantgateError(f"{path}: must be a mapping {{team: API key}}, e.g. `billing: sk-...`")
+    lines, teams_of = key_lines(path), {}
+    for team, key in data.items():
+        at = f"{path}:{lines[(team,)]}" if (team,) in lines else str(path)
+        if not isinstance(team, str) or not team.strip():
+            raise QuantgateError(f"{at}: {team!r} is not a team name; write `<team>: <its API key>`")
+        if not isinstance(key, str) or not key.strip():
+            raise QuantgateError(f"{at}: {team}: give its API key as one string (not a list or a digest list)")
+        if why := token_problem(key):
+            raise QuantgateError(f"{at}: {team}'s key {why}; give the key as issued")
+        if (other := teams_of.setdefault(key.strip(), team)) != team:  # the gateway would read one team
+            raise QuantgateError(f"{at}: {team} has the same key as {other}; give each team its own key")
+    return {team: key.strip() for team, key in data.items()}
 
 
 async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, **options) -> LoadReport:
@@ -230,8 +278,7 @@ async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             kind, stream = kinds[i % len(kinds)]
             prompt = rng.choice(prompts)
-            team = getattr(prompt, "team", None)
-            headers = {o.team_header: team} if team and o.team_header else {}
+            headers = o.headers(getattr(prompt, "team", None))
             body = request_body(kind, stream, prompt, model, max_tokens)
             tasks.append(asyncio.create_task(_one(client, url, kind, stream, body, timeout_s, headers)))
             at += rng.expovariate(rps) if arrivals == "poisson" else 1.0 / rps

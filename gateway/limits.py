@@ -84,10 +84,8 @@ class Limits(Frozen):
     @field_validator("team_header")
     @classmethod
     def _header_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", v):  # an RFC 9110 token
-            raise ValueError(
-                f"{v!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~; no spaces or colons)"
-            )
+        if why := header_name_problem(v):
+            raise ValueError(why)
         return v.lower()
 
     def rate(self, team: str) -> tuple[Rate, str]:
@@ -106,6 +104,13 @@ class Limits(Frozen):
             if self.max_context_tokens is not None:
                 rows += [(team, "max_context_tokens", self.max_context_tokens)]
         return rows
+
+
+def header_name_problem(name: str) -> str | None:
+    """Why `name` is not an HTTP header name (an RFC 9110 token), or None."""
+    if re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", name):
+        return None
+    return f"{name!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~; no spaces or colons)"
 
 
 def load_limits(path: Path = PARAMS_FILE) -> Limits:

@@ -484,11 +484,46 @@ def test_gateway_must_be_an_http_url(url):
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
-def test_evals_without_load_is_refused_in_one_line():
-    r = CliRunner().invoke(cli, ["canary", "run", "m", "2", "--by", "t", "--evals", "/nonexistent"])
+@pytest.mark.parametrize("flag", ["--evals", "--team-keys"])
+def test_a_load_option_without_load_is_refused_in_one_line(flag, tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("billing: sk-1\n")
+    r = CliRunner().invoke(
+        cli, ["canary", "run", "m", "2", "--by", "t", flag, str(keys if flag == "--team-keys" else tmp_path)]
+    )
     assert r.exit_code == 1 and r.output.splitlines() == [
-        "Error: --evals names the prompts of --load-rps; give --load-rps too, or leave --evals out"
+        f"Error: {flag} is for the --load-rps prompts; give --load-rps too, or leave {flag} out"
     ]
+
+
+def test_load_on_a_running_gateway_names_teams_by_its_team_header_and_the_team_keys(
+    tmp_path, monkeypatch, example_evals
+):
+    """canary run --load-rps sent `x-team` whatever the gateway's limits.team_header, and no API key."""
+    import canary.commands as commands
+    import canary.controller as controller
+
+    monkeypatch.chdir(tmp_path)
+    Path("params.yaml").write_text("canary: {}\nlimits: {team_header: X-Tenant}\n")
+    Path("keys.yaml").write_text("billing: sk-billing-1\n")
+    Path("token").write_text("t" * 32 + "\n")
+    sent = []
+
+    def replay(url, prompts, rps, duration_s, **options):
+        sent.append((url, {t.team for t in prompts}, options["team_header"], options["team_keys"]))
+
+    def on_gateway(client, model, version, policy, by, admin, hooks):
+        hooks.on_router("http://127.0.0.1:9")()  # start the load, then stop it
+        return controller.Outcome("promoted", 1, 100.0, "test", "run1", ())
+
+    monkeypatch.setattr(commands, "replay", replay)
+    monkeypatch.setattr(controller, "run_canary_on_gateway", on_gateway)
+    monkeypatch.setattr("registry.store.client", lambda existing=False: None)
+    args = ["canary", "run", "m", "2", "--by", "t", "--gateway", "http://127.0.0.1:9", "--token-file", "token"]
+    r = CliRunner().invoke(cli, [*args, "--load-rps", "1", "--evals", str(example_evals), "--team-keys", "keys.yaml"])
+    assert r.exit_code == 0, r.output
+    assert sent == [("http://127.0.0.1:9", {"billing", "search", "support"}, "x-tenant", {"billing": "sk-billing-1"})]
+    assert "--team-keys has no key for search, support" in r.output
 
 
 def test_a_gateway_url_with_spaces_is_used_stripped():

@@ -842,6 +842,73 @@ def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(
     assert {b["prompt"] for b in fakes["candidate"].seen} == {"2+2?", "Great product."}  # the text, as sent
 
 
+def test_a_gateway_that_tells_teams_by_key_shadows_replayed_prompts_per_team_with_team_keys(fakes, tmp_path):
+    """A keyed gateway ignores the team header: without --team-keys every replayed prompt was anonymous there, so
+    the canary's per-team shadow check judged the whole sample only."""
+    import hashlib
+
+    import yaml
+
+    from gateway.limits import Limiter, Limits
+
+    digests = tmp_path / "digests.yaml"
+    digests.write_text(yaml.safe_dump({"billing": [hashlib.sha256(b"sk-billing-1").hexdigest()]}))
+    teams = {t: {"rps": 100, "burst": 100} for t in ("billing", "support")}
+    limiter = Limiter(Limits(team_keys_file=str(digests), rate_limits={"teams": teams}))
+    prompts = [Prompt("2+2?", "billing"), Prompt("Great product.", "support")]
+    got = {}
+    for keys in (None, {"billing": "sk-billing-1"}):
+        with running(fleet(fakes, shadow="shadow"), weight=100, limits=limiter, shadow_fraction=1.0) as (router, c):
+            replay(
+                str(c.base_url), prompts, rps=40, duration_s=0.5, arrivals="fixed", api="completions", team_keys=keys
+            )
+            got[keys is None] = {s.team for s in wait_for(lambda r=router: r.shadows_since(0), 20)}
+    assert got == {True: {"anonymous"}, False: {"billing", "anonymous"}}  # support has no key: anonymous
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("billing: [abc]\n", "team-keys.yaml:1: billing: give its API key as one string"),
+        ("- sk-1\n", "team-keys.yaml: must be a mapping {team: API key}"),
+        ("billing: sk-1\nsearch: sk-1\n", "team-keys.yaml:2: search has the same key as billing"),
+        ("billing: sk-\u00e9\n", "team-keys.yaml:1: billing's key has a non-ASCII character ('\u00e9')"),
+        ("billing: [sk-1\n", "team-keys.yaml:2: invalid YAML"),
+    ],
+)
+def test_a_bad_team_keys_file_is_named_at_its_line_before_any_request(tmp_path, example_evals, text, problem):
+    from canary.load import read_team_keys
+
+    path = tmp_path / "team-keys.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(QuantgateError) as exc:
+        read_team_keys(path)
+    assert problem in str(exc.value)
+    url = f"http://127.0.0.1:{free_port()}"  # no server: a request would say it did not answer
+    args = ["--url", url, "--rps", "1", "--duration", "1", "--evals", str(example_evals), "--team-keys", str(path)]
+    result = CliRunner().invoke(load, args)
+    assert result.exit_code == 2 and "Invalid value for '--team-keys'" in result.output and problem in result.output
+    assert "did not answer" not in result.output and "Traceback" not in result.output
+
+
+def test_team_keys_are_read_and_teams_without_one_are_named(tmp_path, example_evals, fakes):
+    from canary.load import read_team_keys
+
+    path = tmp_path / "team-keys.yaml"
+    path.write_text("billing: ' sk-billing-1 '\n")
+    assert read_team_keys(path) == {"billing": "sk-billing-1"}
+    with running(fleet(fakes), weight=0) as (router, client):
+        args = ["--url", str(client.base_url), "--rps", "20", "--duration", "0.2", "--arrivals", "fixed"]
+        result = CliRunner().invoke(load, [*args, "--evals", str(example_evals), "--team-keys", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == (
+        "load: --team-keys has no key for search, support: those prompts go without one (a gateway that tells teams "
+        "by key counts them as anonymous)"
+    )
+    bad = CliRunner().invoke(load, [*args, "--team-header", "x team"])
+    assert bad.exit_code == 2 and "'x team' is not an HTTP header name" in bad.output
+
+
 def test_prompts_from_evals_render_doc_to_text(example_evals):
     prompts = prompts_from_evals(example_evals, limit=1)
     n_tasks = sum(len(t.tasks) for t in load_teams(example_evals))
