@@ -17,6 +17,7 @@ import time
 import uvicorn
 
 from quantgate.errors import QuantgateError
+from quantgate.serving import url_host
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
@@ -27,11 +28,6 @@ def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, _, _, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
     return family, address
-
-
-def url_host(host: str) -> str:
-    """`host` as a URL writes it: an IPv6 address in brackets (RFC 3986 3.2.2)."""
-    return f"[{host}]" if ":" in host else host
 
 
 class AppServer:

@@ -269,9 +269,14 @@ class ServerStartError(QuantgateError):
     """The server exited or did not become healthy in time; the message says why in one line."""
 
 
+def url_host(host: str) -> str:
+    """`host` as a URL writes it: an IPv6 address in brackets (RFC 3986 3.2.2)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket() as s:
+    """A TCP port that is free on `host` (an IPv4 or IPv6 address, or a name) right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -570,7 +575,7 @@ def vllm_server(params: ServeParams, model_dir: Path, name: str, log_path: Path)
     waiting = progress(desc=f"{name}: vLLM server starting", bar_format="{desc} {elapsed}")
     watch = None
     try:
-        base = f"http://{params.host}:{port}"
+        base = f"http://{url_host(params.host)}:{port}"
         deadline = time.monotonic() + params.startup_timeout_s
         while True:
             waiting.update()

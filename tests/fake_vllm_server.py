@@ -1,5 +1,6 @@
 """A stand-in for vLLM's OpenAI API server, for tests of what quantgate does when a server dies:
-`python tests/fake_vllm_server.py PORT MODE`. It answers GET /health and the first POST
+`python tests/fake_vllm_server.py PORT MODE [HOST]` (HOST 127.0.0.1 by default; an IPv6 address binds
+IPv6). It answers GET /health and the first POST
 /v1/completions (quantgate's smoke request) as vLLM does. Every later request logs, as vLLM's
 engine does when one step outlasts its RPC timeout, the error line ENGINE_ERROR; then, with MODE
 "hang", leaves the request unanswered until the test kills the process, and with MODE "exit" the
@@ -54,4 +55,6 @@ if __name__ == "__main__":
         ipc.bind(os.path.join(base, f"fake-{os.getpid()}"))
     # an error line from before it was ready, as vLLM CPU logs one at each start: never a death's reason
     print("WARNING 12-04 09:59:00 [importing.py:44] ModuleNotFoundError: No module named 'triton'", flush=True)
-    HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+    host = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
+    server = type("Server", (HTTPServer,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    server((host, int(sys.argv[1])), Handler).serve_forever()

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import pipeline.team_scores as team_scores
 from pipeline.evaluate import EvaluateParams, evaluate
 from quantgate import serving
 from quantgate.results import ServingRecord, TeamScores
-from quantgate.serving import ServeParams, Server, ServerDied, exit_words, log_reason, vllm_server
+from quantgate.serving import ServeParams, Server, ServerDied, exit_words, free_port, log_reason, vllm_server
 from tests.conftest import safetensors_build, write_scores
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,12 +49,12 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(
         serving,
         "command",
-        lambda params, model_dir, name, port, gpu=False: [sys.executable, str(FAKE), str(port), mode["m"]],
+        lambda params, model_dir, name, port, gpu=False: [sys.executable, str(FAKE), str(port), mode["m"], params.host],
     )
 
-    def start(m: str, name: str, log_path: Path):
+    def start(m: str, name: str, log_path: Path, host: str = "127.0.0.1"):
         mode["m"] = m
-        return vllm_server(ServeParams(python=sys.executable), log_path.parent, name, log_path)
+        return vllm_server(ServeParams(python=sys.executable, host=host), log_path.parent, name, log_path)
 
     return start
 
@@ -103,6 +104,19 @@ def test_a_death_without_an_error_line_since_ready_says_so(fake_vllm, tmp_path):
         assert server.death(wait_s=5).endswith(
             f"died with SIGKILL, 0 s after it was ready: no error line in its log (log: {server.log_path})"
         )
+
+
+def test_a_server_on_an_ipv6_host_gets_a_port_there_and_a_bracketed_url(fake_vllm, tmp_path):
+    """evaluate.serve.host ::1 found its free port on IPv4 and wrote http://::1:PORT/v1, which no client reads."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    assert free_port("::1") > 0
+    with fake_vllm("hang", "fp16", tmp_path / "fp16" / "server.log", host="::1") as server:
+        assert server.base_url.startswith("http://[::1]:") and server.base_url.endswith("/v1")
+        assert httpx.get(server.base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
 
 
 def test_a_server_quantgate_stops_is_no_death(fake_vllm, tmp_path):
