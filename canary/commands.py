@@ -13,8 +13,6 @@ exit 1), never a traceback. `canary load` exits 1 when any request failed; `cana
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import os
 import sys
 import threading
@@ -27,58 +25,12 @@ import click
 
 from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
 from quantgate.errors import QuantgateError, command_errors
-from quantgate.files import special_kind
+from quantgate.options import IN_FILE, PATH, RATE, SECONDS, grouped, path_option
 from registry.commands import by_arg, model_arg, version_arg
 from registry.versions import version_number
 
 if TYPE_CHECKING:
     from canary.controller import Hooks
-
-
-class Positive(click.FloatRange):
-    """A finite number above 0, at most `max` (click's FloatRange lets nan and inf through)."""
-
-    def __init__(self, max: float):
-        super().__init__(min=0, min_open=True, max=max)
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
-
-
-RATE = Positive(1000)  # requests/s: one load process on loopback offers far less than this
-SECONDS = Positive(7 * 24 * 3600)
-
-
-class NonEmptyPath(click.Path):
-    """A file or folder argument or option, as a Path; an empty one ('', e.g. an unset shell variable) is refused
-    naming it: Path("") is ".", so it would silently mean the working directory. With `read` (a file the command
-    reads), one that exists and is neither a regular file nor a folder (a FIFO, socket or device) is refused
-    too, never opened: reading a FIFO nobody writes waits forever. A folder or a missing file is left to the
-    command, which names what it wanted."""
-
-    def __init__(self, read: bool = False) -> None:
-        super().__init__(path_type=Path)
-        self.read = read
-
-    def convert(self, value, param, ctx):
-        if value == "":  # a usage error (exit 2, naming the option or argument), as every bad argument is
-            self.fail("the path is empty; give a file or folder", param, ctx)
-        path = super().convert(value, param, ctx)
-        if self.read and path.exists() and not path.is_file() and not path.is_dir():
-            self.fail(f"{path} is {special_kind(path)}, not a regular file; give the file itself", param, ctx)
-        return path
-
-
-PATH = NonEmptyPath()
-IN_FILE = NonEmptyPath(read=True)  # a file the command reads (--gate-json, --token-file)
-
-
-def path_option(flag: str, default: str, help_text: str, read: bool = False):
-    """An option naming a file or folder, with its default shown; `read`: a file the command reads (IN_FILE)."""
-    return click.option(flag, type=IN_FILE if read else PATH, default=Path(default), show_default=True, help=help_text)
 
 
 def _api_choice(*decls: str, default: str, help_text: str):
@@ -119,27 +71,6 @@ def _team_keys_option():
         help="YAML {team: API key}: send each team's prompts with its key, for a gateway whose limits.team_keys_file "
         "tells teams by key (it ignores the team header then).",
     )
-
-
-def grouped(name: str, cls: type, *options):
-    """Declare `options` (click.option decorators, in --help order) on a command and hand the command their
-    values as one `cls` (a dataclass), its parameter `name`: related options travel as one typed object and a
-    command keeps few parameters. Each option's parameter name is a field of `cls`; a field without an option
-    keeps its default."""
-
-    def decorate(command):
-        fields = {f.name for f in dataclasses.fields(cls)}
-
-        @functools.wraps(command)
-        def with_group(*args, **values):
-            group = cls(**{field: values.pop(field) for field in fields & values.keys()})
-            return command(*args, **values, **{name: group})
-
-        for option in reversed(options):  # decorators apply bottom-up: the last option first
-            with_group = option(with_group)
-        return with_group
-
-    return decorate
 
 
 @click.command("load")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import click
 
-from canary.commands import IN_FILE, PATH, path_option
 from quantgate.errors import QuantgateError, command_errors
+from quantgate.options import IN_FILE, PATH, path_option
 from registry.commands import model_arg
 
 
