@@ -233,6 +233,7 @@ class CanaryLoad:
     evals_dir: Path | None
     team_keys: dict[str, str] | None = None  # --team-keys: each team's API key (canary.load.read_team_keys)
     team_header: str = "x-team"  # the running gateway's limits.team_header (run() reads params.yaml)
+    notes: tuple[str, ...] = ()  # what on_gateway found amiss in the keys for the gateway's limits (printed once)
 
     def prompts(self) -> list[str]:
         """The prompts to replay (none without --load-rps). Raises QuantgateError naming --evals."""
@@ -247,14 +248,27 @@ class CanaryLoad:
             raise QuantgateError(f"--evals: {exc}") from None
 
     def on_gateway(self) -> CanaryLoad:
-        """This load as sent to a running `quantgate serve`: the team header its params.yaml `limits` name.
-        Raises QuantgateError naming params.yaml's line for a bad limits block."""
+        """This load as sent to a running `quantgate serve`: the team header its params.yaml `limits` name, and
+        `notes` where those limits tell teams by key (team_keys_file) and --team-keys is missing or holds a key
+        whose digest that file does not list for its team (those prompts would count as anonymous). Raises
+        QuantgateError naming params.yaml's line for a bad limits block."""
         if not self.rps:
             return self
         from gateway.limits import Limits
         from quantgate.params import load_block
 
-        return dataclasses.replace(self, team_header=load_block("limits", Limits).team_header)
+        limits = load_block("limits", Limits)
+        return dataclasses.replace(self, team_header=limits.team_header, notes=_key_notes(limits, self.team_keys))
+
+    def on_own_router(self) -> CanaryLoad:
+        """This load as sent to the canary's own router, which tells no teams (it has no limits: every shadow
+        sample is anonymous). Raises QuantgateError for --team-keys, which it would ignore."""
+        if self.team_keys is not None:
+            raise QuantgateError(
+                "--team-keys is for a running gateway that tells teams by key (--gateway): the canary's own router "
+                "counts every prompt as anonymous; give --gateway, or leave --team-keys out"
+            )
+        return self
 
     def starter(self, prompts: list[str], stop: threading.Event) -> Callable[[str], Callable[[], None]]:
         """Hooks.on_router: replay `prompts` through the router at the URL it is given, in a daemon thread,
@@ -282,6 +296,33 @@ class CanaryLoad:
             return stop_load
 
         return start_load
+
+
+def _key_notes(limits, team_keys: dict[str, str] | None) -> tuple[str, ...]:
+    """Where `limits` (gateway.limits.Limits) tell teams by key: a line when `team_keys` is None (every replayed
+    prompt counts as anonymous), and one per team whose key's digest limits.team_keys_file does not list for it
+    (a typo, or another team's key). Nothing when that file cannot be read here: the gateway read its own."""
+    import hashlib
+
+    from gateway.limits import read_team_keys as read_digests
+
+    if not limits.team_keys_file:
+        return ()
+    if team_keys is None:
+        return (
+            f"params.yaml limits.team_keys_file ({limits.team_keys_file}) tells teams by API key, and the team header "
+            "is ignored there: without --team-keys every prompt counts as anonymous",
+        )
+    try:
+        team_of = read_digests(Path(limits.team_keys_file), limits.rate_limits.teams)
+    except QuantgateError:
+        return ()
+    return tuple(
+        f"--team-keys: {team}'s key is not one limits.team_keys_file ({limits.team_keys_file}) lists for {team}: "
+        "its prompts count as anonymous (or as another team) there"
+        for team, key in team_keys.items()
+        if team_of.get(hashlib.sha256(key.encode()).hexdigest()) != team
+    )
 
 
 @dataclass(frozen=True)
@@ -383,7 +424,7 @@ def run(
             if admin_url and reuse:
                 raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
             prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
-            load = load.on_gateway() if admin_url else load
+            load = load.on_gateway() if admin_url else load.on_own_router()
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
             router = None if admin_url else load_fleet_params().router
             hooks = _hooks(load, prompts, router.shadow_fraction if router else 0.5, stop, stop_load)
@@ -430,6 +471,8 @@ def _hooks(
     if not load.rps:
         return Hooks(click.echo, stop, None, None)
     _say_unkeyed(prompts, load.team_keys)
+    for note in load.notes:
+        click.echo(f"load: {note}")
     # every --load-api alternates streaming and not; all of it is greedy
     traffic = Traffic(load.rps, 0.5, 1.0, "--load-rps", shadowed)
     return Hooks(click.echo, stop, load.starter(prompts, stop_load), traffic)

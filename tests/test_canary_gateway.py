@@ -526,6 +526,73 @@ def test_load_on_a_running_gateway_names_teams_by_its_team_header_and_the_team_k
     assert "--team-keys has no key for search, support" in r.output
 
 
+def _gateway_load(tmp_path, monkeypatch, example_evals, params: str, keys: str | None, gateway: bool = True):
+    """`canary run --load-rps` (on a gateway, or on the canary's own servers) with replay and the controller
+    stubbed: (the CliRunner result, what replay was given)."""
+    import canary.commands as commands
+    import canary.controller as controller
+
+    monkeypatch.chdir(tmp_path)
+    Path("params.yaml").write_text(params)
+    Path("token").write_text("t" * 32 + "\n")
+    sent = []
+
+    def replay(url, prompts, rps, duration_s, **options):
+        sent.append((options["team_header"], options["team_keys"]))
+
+    def on_gateway(client, model, version, policy, by, admin, hooks):
+        hooks.on_router("http://127.0.0.1:9")()
+        return controller.Outcome("promoted", 1, 100.0, "test", "run1", ())
+
+    monkeypatch.setattr(commands, "replay", replay)
+    monkeypatch.setattr(controller, "run_canary_on_gateway", on_gateway)
+    monkeypatch.setattr(controller, "run_canary", lambda *a: pytest.fail("the canary's own servers were started"))
+    monkeypatch.setattr("registry.store.client", lambda existing=False: None)
+    args = ["canary", "run", "m", "2", "--by", "t", "--load-rps", "1", "--evals", str(example_evals)]
+    if gateway:
+        args += ["--gateway", "http://127.0.0.1:9", "--token-file", "token"]
+    if keys is not None:
+        Path("keys.yaml").write_text(keys)
+        args += ["--team-keys", "keys.yaml"]
+    return CliRunner().invoke(cli, args), sent
+
+
+def test_team_keys_for_the_canarys_own_router_are_refused(tmp_path, monkeypatch, example_evals):
+    """The canary's own router has no limits (every shadow sample anonymous): --team-keys there did nothing, and
+    the run still said which teams had no key."""
+    r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, "canary: {}\n", "billing: sk-1\n", gateway=False)
+    assert r.exit_code == 1 and sent == []
+    assert r.output.splitlines() == [
+        "Error: --team-keys is for a running gateway that tells teams by key (--gateway): the canary's own router "
+        "counts every prompt as anonymous; give --gateway, or leave --team-keys out"
+    ]
+
+
+def test_a_keyed_gateway_without_team_keys_or_with_a_wrong_key_is_named(tmp_path, monkeypatch, example_evals):
+    """A gateway whose limits.team_keys_file tells teams by key ignores x-team: without --team-keys, or with a key
+    whose digest that file does not list for its team, the load's prompts were anonymous there, silently."""
+    import hashlib
+
+    digest = hashlib.sha256(b"sk-billing-1").hexdigest()
+    (tmp_path / "digests.yaml").write_text(f"billing: [{digest}]\n")
+    params = "canary: {}\nlimits: {team_keys_file: digests.yaml, rate_limits: {teams: {billing: {rps: 1, burst: 1}}}}\n"
+    r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, params, None)
+    assert r.exit_code == 0, r.output
+    assert sent == [("x-team", None)]
+    assert (
+        "load: params.yaml limits.team_keys_file (digests.yaml) tells teams by API key, and the team header is "
+        "ignored there: without --team-keys every prompt counts as anonymous"
+    ) in r.output.splitlines()
+    r, _ = _gateway_load(tmp_path, monkeypatch, example_evals, params, "billing: sk-billing-2\n")
+    assert r.exit_code == 0, r.output
+    assert (
+        "load: --team-keys: billing's key is not one limits.team_keys_file (digests.yaml) lists for billing: its "
+        "prompts count as anonymous (or as another team) there"
+    ) in r.output.splitlines()
+    r, _ = _gateway_load(tmp_path, monkeypatch, example_evals, params, "billing: sk-billing-1\n")
+    assert r.exit_code == 0 and "team_keys_file" not in r.output, r.output
+
+
 def test_a_gateway_url_with_spaces_is_used_stripped():
     from canary.commands import gateway_url
 
