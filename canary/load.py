@@ -27,13 +27,14 @@ from pathlib import Path
 import httpx
 import jinja2
 import numpy as np
+import yaml
 from httpx_sse import aconnect_sse
 
 from gateway.admin import token_problem
 from quantgate.errors import QuantgateError
 from quantgate.jsonl import read_jsonl
 from quantgate.params import key_lines, read_yaml
-from quantgate.teams import load_teams
+from quantgate.teams import TEAM_NAME, load_teams
 
 KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat", True))
 # --api choices. Raw completions of an instruct model vary more under quantization than chat
@@ -219,8 +220,9 @@ def unkeyed(prompts: Sequence[str], team_keys: Mapping[str, str] | None) -> list
 def read_team_keys(path: Path) -> dict[str, str]:
     """{team: API key} from a YAML file of plain keys, {billing: sk-..., search: sk-...}: the secrets whose SHA-256
     digests the gateway's limits.team_keys_file holds (keep the file private). Raises QuantgateError naming the
-    file and line: not a file, invalid YAML, not a mapping of team names to one non-empty key each, or a key that
-    an HTTP header cannot carry (gateway.admin.token_problem)."""
+    file and line: not a file, invalid YAML, not a mapping of team names (an eval set's folder name: TEAM_NAME, so
+    not 1, true or `Billing`) to one non-empty key each, or a key that an HTTP header cannot carry
+    (gateway.admin.token_problem)."""
     if not path.is_file():
         raise QuantgateError(f"{path}: not a file; give a YAML file {{team: API key}} for --team-keys")
     data = read_yaml(path)
@@ -228,9 +230,12 @@ def read_team_keys(path: Path) -> dict[str, str]:
         raise QuantgateError(f"{path}: must be a mapping {{team: API key}}, e.g. `billing: sk-...`")
     lines, teams_of = key_lines(path), {}
     for team, key in data.items():
-        at = f"{path}:{lines[(team,)]}" if (team,) in lines else str(path)
-        if not isinstance(team, str) or not team.strip():
-            raise QuantgateError(f"{at}: {team!r} is not a team name; write `<team>: <its API key>`")
+        at = f"{path}:{line}" if (line := _key_line(lines, team)) else str(path)
+        if not isinstance(team, str) or not TEAM_NAME.fullmatch(team):
+            raise QuantgateError(
+                f"{at}: {team!r} is not a team name (a team folder's under evals/, lower_snake_case); write "
+                "`<team>: <its API key>`"
+            )
         if not isinstance(key, str) or not key.strip():
             raise QuantgateError(f"{at}: {team}: give its API key as one string (not a list or a digest list)")
         if why := token_problem(key):
@@ -238,6 +243,21 @@ def read_team_keys(path: Path) -> dict[str, str]:
         if (other := teams_of.setdefault(key.strip(), team)) != team:  # the gateway would read one team
             raise QuantgateError(f"{at}: {team} has the same key as {other}; give each team its own key")
     return {team: key.strip() for team, key in data.items()}
+
+
+def _key_line(lines: dict[tuple, int], key: object) -> int | None:
+    """The line of top-level `key` as read: key_lines has keys as written (`1`, `true`, `null`), read back here."""
+    if isinstance(key, str):
+        return lines.get((key,))
+    for (written, *below), line in lines.items():
+        if not below and isinstance(written, str):
+            try:
+                read = yaml.safe_load(written)
+            except yaml.YAMLError:
+                continue
+            if type(read) is type(key) and read == key:
+                return line
+    return None
 
 
 async def replay_async(url: str, prompts: Sequence[str], rps: float, duration_s: float, **options) -> LoadReport:

@@ -106,11 +106,21 @@ class Limits(Frozen):
         return rows
 
 
+# headers HTTP or the gateway give a meaning of their own: a team name there breaks every request (content-length,
+# content-type, host, ...) or is read as something else (authorization: the API key, limits.team_keys_file)
+RESERVED_HEADERS = frozenset(
+    ("authorization", "connection", "content-length", "content-type", "host", "te", "trailer", "transfer-encoding")
+)
+
+
 def header_name_problem(name: str) -> str | None:
-    """Why `name` is not an HTTP header name (an RFC 9110 token), or None."""
-    if re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", name):
-        return None
-    return f"{name!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~; no spaces or colons)"
+    """Why `name` cannot name a request's team: not an HTTP header name (an RFC 9110 token), or one HTTP itself
+    uses (RESERVED_HEADERS); or None."""
+    if not re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", name):
+        return f"{name!r} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~; no spaces or colons)"
+    if name.lower() in RESERVED_HEADERS:
+        return f"{name!r} is a header HTTP itself uses; name the team in a header of its own, e.g. x-team"
+    return None
 
 
 def load_limits(path: Path = PARAMS_FILE) -> Limits:

@@ -338,6 +338,12 @@ def test_bad_limits_name_the_params_line_and_field(tmp_path, changes, field):
             "limits.team_header: 'x team:' is not an HTTP header name (letters, digits and "
             "!#$%&'*+-.^_`|~; no spaces or colons)",
         ),
+        (
+            2048,
+            {"team_header": "Content-Length"},
+            "limits.team_header: 'Content-Length' is a header HTTP itself uses; name the team in a header of its "
+            "own, e.g. x-team",
+        ),
     ],
 )
 def test_the_ceiling_is_checked_against_the_served_length_and_errors_name_the_right_field(

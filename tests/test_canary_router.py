@@ -874,6 +874,9 @@ def test_a_gateway_that_tells_teams_by_key_shadows_replayed_prompts_per_team_wit
         ("billing: sk-1\nsearch: sk-1\n", "team-keys.yaml:2: search has the same key as billing"),
         ("billing: sk-\u00e9\n", "team-keys.yaml:1: billing's key has a non-ASCII character ('\u00e9')"),
         ("billing: [sk-1\n", "team-keys.yaml:2: invalid YAML"),
+        ("billing: sk-1\n1: sk-2\n", "team-keys.yaml:2: 1 is not a team name"),  # no line: it was `1` read as 1
+        ("billing: sk-1\ntrue: sk-2\n", "team-keys.yaml:2: True is not a team name"),
+        ("Billing: sk-1\n", "team-keys.yaml:1: 'Billing' is not a team name (a team folder's under evals/"),
     ],
 )
 def test_a_bad_team_keys_file_is_named_at_its_line_before_any_request(tmp_path, example_evals, text, problem):
@@ -907,6 +910,8 @@ def test_team_keys_are_read_and_teams_without_one_are_named(tmp_path, example_ev
     )
     bad = CliRunner().invoke(load, [*args, "--team-header", "x team"])
     assert bad.exit_code == 2 and "'x team' is not an HTTP header name" in bad.output
+    bad = CliRunner().invoke(load, [*args, "--team-header", "Host"])  # every request went to host "billing"
+    assert bad.exit_code == 2 and "'Host' is a header HTTP itself uses" in bad.output
 
 
 def test_prompts_from_evals_render_doc_to_text(example_evals):
