@@ -80,9 +80,9 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     `root`, and return it as loaded.
 
     Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists (or is a broken
-    symlink), another team's folder declares its task `<name>_example`, it cannot be written, or it does not
-    validate; then nothing of it is left under `root` (the files are written in a hidden folder beside it, renamed
-    into place whole, and removed if they do not validate).
+    symlink or a symlink loop), another team's folder declares its task `<name>_example`, it cannot be written,
+    or it does not validate; then nothing of it is left under `root` (the files are written in a hidden folder
+    beside it, renamed into place whole, and removed if they do not validate).
     """
     if not TEAM_NAME.fullmatch(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
@@ -95,8 +95,8 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
         raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
     if folder.is_symlink():  # to nothing: the rename into place would fail "Not a directory"
         raise QuantgateError(
-            f"{folder} is a broken symlink: its target {folder.readlink()} does not exist; remove the link "
-            "(a team folder is written in place, never through a symlink) or pick another name"
+            f"{folder} is {_dangling(folder)}; remove the link (a team folder is written in place, never through a "
+            "symlink) or pick another name"
         )
     if clash := _task_taken(root, name):
         raise QuantgateError(clash)
@@ -118,6 +118,17 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _dangling(link: Path) -> str:
+    """What the symlink `link`, which leads to nothing, is: broken (its target does not exist) or a loop."""
+    try:
+        link.resolve(strict=True)
+    except FileNotFoundError:
+        return f"a broken symlink: its target {link.readlink()} does not exist"
+    except (OSError, RuntimeError):  # ELOOP; Python before 3.13 raises RuntimeError("Symlink loop ...")
+        pass
+    return f"a symlink loop: its target {link.readlink()} leads back to it"
 
 
 def _task_taken(root: Path, name: str) -> str | None:

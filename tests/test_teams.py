@@ -420,6 +420,22 @@ def test_new_team_over_a_broken_symlink_names_the_link_and_its_target(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ranking"] and (tmp_path / "ranking").is_symlink()
 
 
+def test_new_team_over_a_symlink_loop_says_it_is_a_loop(tmp_path):
+    """A link to itself was "a broken symlink: its target ranking does not exist", which it does: it is the link."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    (tmp_path / "ranking").symlink_to("ranking")
+    res = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", "--owner", "O", "--contact", "c", "--root", str(tmp_path)]
+    )
+    assert res.exit_code == 1 and res.output == (
+        f"Error: {tmp_path / 'ranking'} is a symlink loop: its target ranking leads back to it; remove the link (a "
+        "team folder is written in place, never through a symlink) or pick another name\n"
+    )
+
+
 def test_new_team_whose_task_name_is_taken_says_so_before_writing(example_evals):
     """The clash was found after the scaffold was written and removed, and its advice ("rename one") named the
     removed ranking.yaml."""
