@@ -459,9 +459,12 @@ def check_bound(layers: dict[str, tuple[int, int]], args, p: SearchParams) -> No
     to 0.01) and what to do. Which unit the ranking puts first is not known yet: a bound above this floor
     may still keep none (search() says so where that matters)."""
     bits = effective_bits(layers, set(), args)
-    top_units([bits], p.max_bits_per_weight)
     if p.max_bits_per_weight is None:
         return
+    try:
+        top_units([bits], p.max_bits_per_weight)
+    except QuantgateError as exc:  # its message names no file: the bound's line, as below
+        raise QuantgateError(f"{where(PARAMS_FILE, 'search.max_bits_per_weight')}: {exc}") from None
     one = min(effective_bits(layers, set(u), args) for u in units(dict.fromkeys(layers, 0.0), p.fused))
     if one > p.max_bits_per_weight:
         raise QuantgateError(

@@ -485,8 +485,12 @@ def test_a_search_where_nothing_within_the_bits_bound_passes_screens_twice_and_k
 
 
 def test_a_bits_bound_below_the_base_recipe_is_refused_before_the_ranking(tmp_path, monkeypatch, example_evals):
-    with pytest.raises(QuantgateError, match=r"search.max_bits_per_weight 4 is below the base recipe's own 4.25"):
+    with pytest.raises(
+        QuantgateError, match=r"search.max_bits_per_weight 4 is below the base recipe's own 4.25"
+    ) as err:
         fake_screened_search(tmp_path, monkeypatch, example_evals, Outcome.FAIL, max_bits_per_weight=4.0)
+    line = next(i for i, t in enumerate((tmp_path / "params.yaml").read_text().splitlines(), 1) if "max_bits" in t)
+    assert str(err.value).startswith(f"params.yaml:{line}: search.max_bits_per_weight 4 is below")  # as check_bound's
 
 
 def test_a_search_whose_first_screen_passes_keeps_no_layer_and_writes_the_base_recipe(kept_none):
