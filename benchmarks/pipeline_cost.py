@@ -44,7 +44,8 @@ def run_stage(project: Path, stage: str) -> dict:
     row = {"wall_s": m.wall_s, "peak_rss_gib": m.peak_rss_gib, "server_start_s": None, "scoring_s": None}
     if timing := stage_timing(project, stage):
         row["server_start_s"] = timing["server_start_s"]
-        row["profile_s"] = timing.get("profile_s") or timing.get("profile_failed_s")  # a failed one cost time too
+        measured = timing.get("profile_s")  # a failed measurement (profile_failed_s) cost its time too
+        row["profile_s"] = measured if measured is not None else timing.get("profile_failed_s")
         row["scoring_s"] = round(sum(timing["scoring_s"].values()), 1)
     return row
 

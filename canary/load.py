@@ -41,6 +41,8 @@ KINDS = (("completions", False), ("completions", True), ("chat", False), ("chat"
 # answers (fp8 shadow agreement 0.25 vs 0.86 measured), so canary demo traffic is chat.
 APIS = {"both": KINDS, "chat": KINDS[2:], "completions": KINDS[:2]}
 PERCENTILES = (50, 95, 99)
+MAX_KEYS_FILE = 1 << 20  # bytes of a --team-keys file: a key per team is a few KB
+MAX_KEY = 4096  # characters of an API key: servers refuse headers much past 8-16 KB (h11: 16 KB in all)
 
 
 class Prompt(str):
@@ -225,6 +227,8 @@ def read_team_keys(path: Path) -> dict[str, str]:
     (gateway.admin.token_problem)."""
     if not path.is_file():
         raise QuantgateError(f"{path}: not a file; give a YAML file {{team: API key}} for --team-keys")
+    if (size := path.stat().st_size) > MAX_KEYS_FILE:
+        raise QuantgateError(f"{path}: {size:,} bytes; a file of one API key per team is far smaller: give that file")
     data = read_yaml(path)
     if not isinstance(data, dict) or not data:
         raise QuantgateError(f"{path}: must be a mapping {{team: API key}}, e.g. `billing: sk-...`")
@@ -238,6 +242,8 @@ def read_team_keys(path: Path) -> dict[str, str]:
             )
         if not isinstance(key, str) or not key.strip():
             raise QuantgateError(f"{at}: {team}: give its API key as one string (not a list or a digest list)")
+        if len(key) > MAX_KEY:
+            raise QuantgateError(f"{at}: {team}'s key has {len(key):,} characters; a header takes a few KB at most")
         if why := token_problem(key):
             raise QuantgateError(f"{at}: {team}'s key {why}; give the key as issued")
         if (other := teams_of.setdefault(key.strip(), team)) != team:  # the gateway would read one team

@@ -43,11 +43,11 @@ from gateway.admin import admin_app, admin_token
 from gateway.fleet import Fleet, FleetParams, process_alive
 from gateway.limits import Limiter, Limits, tokenizer_counter
 from gateway.router import Router
-from gateway.server import AppServer, RouterServer, bind_address, url_host
+from gateway.server import AppServer, RouterServer
 from gateway.webhook import PATH as WEBHOOK_PATH
 from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams
+from quantgate.serving import ServeParams, bind_address, url_host
 from registry import aliases
 
 PIDS = "server.pid"  # per version folder: the vLLM API server's pid (= its process group id)

@@ -81,11 +81,8 @@ def read_yaml(path: Path) -> object:
         raise QuantgateError(f"{path}: invalid YAML: nested too deeply; flatten it") from None
     except yaml.constructor.ConstructorError as exc:
         mark = exc.problem_mark
-        tail = (
-            ""
-            if exc.problem.startswith("duplicate key")
-            else "; custom tags (like !function) are not allowed: write plain YAML"
-        )
+        tagged = "tag" in (exc.problem or "")  # not for "found unhashable key", which has no tag
+        tail = "; custom tags (like !function) are not allowed: write plain YAML" if tagged else ""
         raise QuantgateError(f"{path}:{mark.line + 1}: invalid YAML: {exc.problem}{tail}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

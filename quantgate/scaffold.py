@@ -16,6 +16,7 @@ from pathlib import Path
 
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
+from quantgate.files import special_kind
 from quantgate.teams import POLICY_FILE, TEAM_NAME, Team, declared_tasks, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
@@ -92,7 +93,10 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
         raise QuantgateError(f"{root}: not a folder; --root is the folder that holds the team folders (evals/)")
     folder = root / name
     if folder.exists():
-        raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
+        if folder.is_dir():
+            raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
+        kind = "a file" if folder.is_file() else special_kind(folder)
+        raise QuantgateError(f"{folder} already exists and is {kind}, not a team folder; pick another name or move it")
     if folder.is_symlink():  # to nothing: the rename into place would fail "Not a directory"
         raise QuantgateError(
             f"{folder} is {_dangling(folder)}; remove the link (a team folder is written in place, never through a "

@@ -274,11 +274,29 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The socket family and address to bind `host`:`port` with. An address is taken as written (IPv6 when it
+    has a ':', e.g. ::1 or ::); a name is resolved (getaddrinfo) to its first IPv4 address, else, for a name
+    only IPv6 knows (e.g. ip6-localhost), its first IPv6 address. Raises socket.gaierror for a name that does
+    not resolve or an address that is none (999.1.1.1)."""
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
+    return family, address
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` (an IPv4 or IPv6 address, or a name) right now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that is free on `host` (an IPv4 or IPv6 address, or a name: bind_address) right now.
+    Raises QuantgateError for a host that does not resolve or is no address of this machine."""
+    try:
+        family, address = bind_address(host, 0)
+        with socket.socket(family) as s:
+            s.bind(address)
+            return s.getsockname()[1]
+    except OSError as exc:  # socket.gaierror too: a traceback from vllm_server before
+        raise QuantgateError(
+            f"host {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1 or ::1 "
+            "(evaluate.serve.host, or the fleet's topology)"
+        ) from None
 
 
 def serving_versions(python: str) -> dict[str, str | None]:

@@ -110,11 +110,19 @@ SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite dat
 
 def check_settings(uri: str) -> None:
     """Raise QuantgateError, one line naming the variable and the fix, when the tracking URI `uri` or
-    $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: a malformed http(s) URL, a database URL
+    $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: MLflow's file store (a path or file:// URI), a
+    malformed http(s) URL, a database URL
     SQLAlchemy cannot parse or whose driver is not installed, a sqlite path that is a folder or a file that is no
     SQLite database. Checked before anything connects: MLflow, httpx and botocore failed on these with tracebacks
     (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError, ValueError)."""
     scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+    if scheme == "file" or (not scheme and not uri.startswith("databricks")):  # a path: MLflow's file store, whose
+        # client raised MlflowException("... in maintenance mode") as a traceback
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI {uri!r} is MLflow's file store, which its client refuses (in maintenance mode) "
+            "and quantgate's registry does not use; give sqlite:///<path>/mlflow.db, postgresql://... or the MLflow "
+            "server's http(s)://HOST:PORT (`mlflow migrate-filestore` moves what the folder holds)"
+        )
     if scheme in ("http", "https"):
         if (why := _http_problem(uri)) is not None:
             raise QuantgateError(

@@ -449,7 +449,8 @@ def test_a_host_name_only_ipv6_knows_is_bound_on_ipv6_and_a_dual_name_stays_ipv4
     import socket
 
     from gateway.serve import check_bindable
-    from gateway.server import AppServer, bind_address
+    from gateway.server import AppServer
+    from quantgate.serving import bind_address
 
     try:
         with socket.socket(socket.AF_INET6) as s:

@@ -189,6 +189,12 @@ def test_a_server_answering_503_is_reported_quickly_with_its_error(unavailable_u
             "http(s)://HOST:PORT",
         ),
         ({"MLFLOW_TRACKING_URI": "http://"}, "MLFLOW_TRACKING_URI 'http://' is not a usable URL (no host)"),
+        (
+            {"MLFLOW_TRACKING_URI": "file://{tmp}/mlruns"},
+            "MLFLOW_TRACKING_URI 'file://{tmp}/mlruns' is MLflow's file store, which its client refuses (in "
+            "maintenance mode) and quantgate's registry does not use; give sqlite:///<path>/mlflow.db",
+        ),
+        ({"MLFLOW_TRACKING_URI": "{tmp}/mlruns"}, "MLFLOW_TRACKING_URI '{tmp}/mlruns' is MLflow's file store"),
         ({"MLFLOW_S3_ENDPOINT_URL": "junk"}, "MLFLOW_S3_ENDPOINT_URL 'junk' is not a usable URL (not http:// or"),
         (
             {"MLFLOW_S3_ENDPOINT_URL": "https://[::1"},

@@ -28,6 +28,7 @@ import pipeline.evaluate as evaluate_stage
 import pipeline.team_scores as team_scores
 from pipeline.evaluate import EvaluateParams, evaluate
 from quantgate import serving
+from quantgate.errors import QuantgateError
 from quantgate.results import ServingRecord, TeamScores
 from quantgate.serving import ServeParams, Server, ServerDied, exit_words, free_port, log_reason, vllm_server
 from tests.conftest import safetensors_build, write_scores
@@ -117,6 +118,19 @@ def test_a_server_on_an_ipv6_host_gets_a_port_there_and_a_bracketed_url(fake_vll
     with fake_vllm("hang", "fp16", tmp_path / "fp16" / "server.log", host="::1") as server:
         assert server.base_url.startswith("http://[::1]:") and server.base_url.endswith("/v1")
         assert httpx.get(server.base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+
+
+def test_a_serving_host_that_does_not_resolve_is_one_line_not_a_traceback(monkeypatch):
+    def no_name(*a, **k):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_name)
+    with pytest.raises(QuantgateError) as exc:
+        free_port("gpu-box.invalid")
+    assert str(exc.value) == (
+        "host 'gpu-box.invalid' is no address of this machine (Name or service not known); give one, e.g. 127.0.0.1 "
+        "or ::1 (evaluate.serve.host, or the fleet's topology)"
+    )
 
 
 def test_a_server_quantgate_stops_is_no_death(fake_vllm, tmp_path):

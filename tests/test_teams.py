@@ -346,6 +346,29 @@ def test_an_input_file_that_is_a_fifo_is_named_not_read_or_called_missing(tmp_pa
     assert res.output.splitlines()[-1] == (
         f"Error: Invalid value for '{flag}': {fifo} is a named pipe (FIFO), not a regular file; give the file itself"
     )
+    (tmp_path / "link").symlink_to(tmp_path / "gone.json")  # DVC's outs may be links into its cache
+    res = CliRunner().invoke(cli, [*args, str(tmp_path / "link")])
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == (
+        f"Error: Invalid value for '{flag}': {tmp_path}/link is a broken symlink (to {tmp_path}/gone.json); restore "
+        "its target or give the file"
+    )
+    res = CliRunner().invoke(cli, [*args, ""])
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == (
+        f"Error: Invalid value for '{flag}': the path is empty; give a file"
+    )
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_new_team_over_a_file_says_what_is_there(tmp_path, kind):
+    """`evals new afile` said "already exists; pick another name or edit that folder": there was no folder."""
+    from quantgate.scaffold import new_team
+
+    where = tmp_path / "ranking"
+    where.write_text("x") if kind == "file" else os.mkfifo(where)
+    what = "a file" if kind == "file" else "a named pipe (FIFO)"
+    with pytest.raises(QuantgateError) as err:
+        new_team(tmp_path, "ranking", "Owner", "c@example.com")
+    assert str(err.value) == (f"{where} already exists and is {what}, not a team folder; pick another name or move it")
 
 
 def test_hidden_yaml_files_are_not_tasks(example_evals):

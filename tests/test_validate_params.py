@@ -848,3 +848,23 @@ def test_a_calibrate_prompts_file_that_is_no_prompt_set_names_the_key_and_the_fi
     one_line_error(
         lambda: check_calibrate(path), rf"^{re.escape(str(path))}:\d+: calibrate.prompts notes.yaml: notes.yaml"
     )
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (
+            "a: !function foo\n",
+            "x.yaml:1: invalid YAML: could not determine a constructor for the tag '!function'; "
+            "custom tags (like !function) are not allowed: write plain YAML",
+        ),
+        ("? [a, b]\n: sk\n", "x.yaml:1: invalid YAML: found unhashable key"),  # no word of tags: there is none
+        ("a: 1\na: 2\n", "x.yaml:2: invalid YAML: duplicate key 'a' (first on line 1); keep one"),
+    ],
+)
+def test_a_yaml_constructor_error_says_what_it_is_and_only_a_tag_gets_the_tag_advice(tmp_path, text, said):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(QuantgateError) as err:
+        read_yaml(path)
+    assert str(err.value).removeprefix(f"{tmp_path}/") == said
