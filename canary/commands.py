@@ -13,7 +13,6 @@ exit 1), never a traceback. `canary load` exits 1 when any request failed; `cana
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -26,7 +25,7 @@ import click
 from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.options import IN_FILE, PATH, RATE, SECONDS, grouped, path_option
-from registry.commands import by_arg, model_arg, version_arg
+from registry.commands import by_option, model_arg, version_arg
 from registry.versions import version_number
 
 if TYPE_CHECKING:
@@ -337,14 +336,7 @@ class GatewayTarget:
 @click.command("run")
 @click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
-@click.option(
-    "--by",
-    default=lambda: os.environ.get("USER"),
-    required=True,
-    callback=by_arg,
-    show_default="$USER, else $MLFLOW_TRACKING_USERNAME",
-    help="Who runs the canary (recorded in the audit).",
-)
+@by_option("Who runs the canary (recorded in the audit).")
 @click.option(
     "--reuse",
     multiple=True,

@@ -122,14 +122,19 @@ def by_arg(ctx, param, value: str | None) -> str:
     return value.strip()
 
 
-_by = click.option(
-    "--by",
-    default=lambda: os.environ.get("USER"),
-    required=True,
-    callback=by_arg,
-    show_default="$USER, else $MLFLOW_TRACKING_USERNAME",
-    help="Who is acting (recorded).",
-)
+def by_option(help_text: str = "Who is acting (recorded)."):
+    """--by: who acts (by_arg), default $USER, else $MLFLOW_TRACKING_USERNAME; for every command that records one."""
+    return click.option(
+        "--by",
+        default=lambda: os.environ.get("USER"),
+        required=True,
+        callback=by_arg,
+        show_default="$USER, else $MLFLOW_TRACKING_USERNAME",
+        help=help_text,
+    )
+
+
+_by = by_option()
 
 
 def text_arg(ctx, param, value: str | None) -> str | None:
