@@ -17,7 +17,7 @@ from pathlib import Path
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
 from quantgate.files import special_kind
-from quantgate.teams import POLICY_FILE, TEAM_NAME, Team, declared_tasks, load_team
+from quantgate.teams import TEAM_NAME, Team, declared_under, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 
@@ -139,14 +139,13 @@ def _task_taken(root: Path, name: str) -> str | None:
     """Why the task the scaffold names (`<name>_example`, TASK) cannot be written under `root`: a team folder
     there already declares it (validate would refuse the scaffold, and the scaffold is then removed), or None."""
     task = f"{name}_example"
-    for other in sorted(root.iterdir()):
-        if (other / POLICY_FILE).is_file():
-            for declared, file in declared_tasks(other):
-                if declared == task:
-                    return (
-                        f"task name {task!r}, the one `evals new {name}` writes, is already used by {file}; pick "
-                        "another team name (nothing was written)"
-                    )
+    for found in declared_under(root).values():
+        for declared, file in found:
+            if declared == task:
+                return (
+                    f"task name {task!r}, the one `evals new {name}` writes, is already used by {file}; pick "
+                    "another team name (nothing was written)"
+                )
     return None
 
 

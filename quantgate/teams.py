@@ -328,6 +328,12 @@ def declared_tasks(path: Path) -> list[tuple[str, Path]]:
     return out
 
 
+def declared_under(root: Path) -> dict[Path, list[tuple[str, Path]]]:
+    """{team folder: its declared_tasks} of every folder under `root` that holds a team.yaml (POLICY_FILE), in
+    name order: the task names a team's own must not repeat (load_teams; quantgate.scaffold before it writes)."""
+    return {folder: declared_tasks(folder) for folder in sorted(root.iterdir()) if (folder / POLICY_FILE).is_file()}
+
+
 def _name_clashes(tasks: list[Task], taken: dict[str, Path]) -> list[str]:
     """A task name given twice in one team, or one that another team's folder gives (`taken`): lm-eval would
     keep one of the two tasks and score it for both."""
@@ -451,7 +457,7 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
             or f"{root}: no team folders (a folder with {POLICY_FILE}); see evals/README.md"
         )
     teams, errors = [], unread
-    declared = {folder: declared_tasks(folder) for folder in folders}
+    declared = declared_under(root)
     for folder in folders if only is None else [root / only]:
         taken = {name: file for other, found in declared.items() if other != folder for name, file in found}
         team, problems = inspect_team(folder, taken, budgets)
