@@ -108,19 +108,39 @@ DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQL stores; s
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 
 
+def uri_scheme(uri: str) -> str:
+    """The scheme of tracking URI `uri` as MLflow picks its store (mlflow.tracking.registry): "databricks",
+    "databricks-uc" and "uc" whole; else urllib's scheme, lower case, with SQLAlchemy's "+driver" cut off
+    (postgresql+psycopg); "" for a path, a Windows drive letter's (C:/x) too: MLflow's file store."""
+    from urllib.parse import urlparse
+
+    if uri in ("databricks", "databricks-uc", "uc"):
+        return uri
+    try:
+        scheme = urlparse(uri).scheme.split("+", 1)[0].lower()
+    except ValueError:  # e.g. "http://[::1": the URL checks below name it
+        scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
+    return "" if len(scheme) == 1 else scheme
+
+
 def check_settings(uri: str) -> None:
     """Raise QuantgateError, one line naming the variable and the fix, when the tracking URI `uri` or
-    $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: MLflow's file store (a path or file:// URI), a
-    malformed http(s) URL, a database URL
-    SQLAlchemy cannot parse or whose driver is not installed, a sqlite path that is a folder or a file that is no
-    SQLite database. Checked before anything connects: MLflow, httpx and botocore failed on these with tracebacks
-    (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError, ValueError)."""
-    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else ""
-    if scheme == "file" or (not scheme and not uri.startswith("databricks")):  # a path: MLflow's file store, whose
-        # client raised MlflowException("... in maintenance mode") as a traceback
+    $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: a blank URI, MLflow's file store (a path or
+    file:// URI) unless $MLFLOW_ALLOW_FILE_STORE opts in as MLflow itself asks, a malformed http(s) URL, a
+    database URL SQLAlchemy cannot parse or whose driver is not installed, a sqlite path that is a folder or a
+    file that is no SQLite database. Checked before anything connects: MLflow, httpx and botocore failed on these
+    with tracebacks (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError, ValueError)."""
+    if not uri.strip():  # "" is unset (tracking_uri); "  " was called MLflow's file store
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI {uri!r} is blank; unset it for the default registry ./mlflow.db, or give "
+            "sqlite:///<path>/mlflow.db, postgresql://... or the MLflow server's http(s)://HOST:PORT"
+        )
+    scheme = uri_scheme(uri)
+    if scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in ("true", "1"):
+        # MLflow's FileStore raised MlflowException("... in maintenance mode") as a traceback
         raise QuantgateError(
             f"MLFLOW_TRACKING_URI {uri!r} is MLflow's file store, which its client refuses (in maintenance mode) "
-            "and quantgate's registry does not use; give sqlite:///<path>/mlflow.db, postgresql://... or the MLflow "
+            "unless MLFLOW_ALLOW_FILE_STORE=true; give sqlite:///<path>/mlflow.db, postgresql://... or the MLflow "
             "server's http(s)://HOST:PORT (`mlflow migrate-filestore` moves what the folder holds)"
         )
     if scheme in ("http", "https"):
@@ -217,9 +237,10 @@ def client(uri: str | None = None, existing: bool = False):
 
     uri = uri or tracking_uri()
     check_settings(uri)
-    if uri.startswith(("http://", "https://")):
+    scheme = uri_scheme(uri)  # HTTP://host went to MLflow unchecked, which retried for minutes
+    if scheme in ("http", "https"):
         reachable(uri)
-    if uri.startswith("postgresql"):
+    if scheme == "postgresql":
         database_reachable(uri)
     if os.environ.get("MLFLOW_S3_ENDPOINT_URL"):  # artifacts in an S3-compatible store: check it answers
         object_store_reachable(os.environ["MLFLOW_S3_ENDPOINT_URL"])

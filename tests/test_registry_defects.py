@@ -4,6 +4,7 @@ real embedded sqlite registry (the 503 test: a real HTTP server on loopback that
 import http.server
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -192,9 +193,12 @@ def test_a_server_answering_503_is_reported_quickly_with_its_error(unavailable_u
         (
             {"MLFLOW_TRACKING_URI": "file://{tmp}/mlruns"},
             "MLFLOW_TRACKING_URI 'file://{tmp}/mlruns' is MLflow's file store, which its client refuses (in "
-            "maintenance mode) and quantgate's registry does not use; give sqlite:///<path>/mlflow.db",
+            "maintenance mode) unless MLFLOW_ALLOW_FILE_STORE=true; give sqlite:///<path>/mlflow.db",
         ),
         ({"MLFLOW_TRACKING_URI": "{tmp}/mlruns"}, "MLFLOW_TRACKING_URI '{tmp}/mlruns' is MLflow's file store"),
+        ({"MLFLOW_TRACKING_URI": "{tmp}/ml:runs"}, "MLFLOW_TRACKING_URI '{tmp}/ml:runs' is MLflow's file store"),
+        ({"MLFLOW_TRACKING_URI": "databricks_runs"}, "MLFLOW_TRACKING_URI 'databricks_runs' is MLflow's file store"),
+        ({"MLFLOW_TRACKING_URI": "  "}, "MLFLOW_TRACKING_URI '  ' is blank; unset it for the default registry"),
         ({"MLFLOW_S3_ENDPOINT_URL": "junk"}, "MLFLOW_S3_ENDPOINT_URL 'junk' is not a usable URL (not http:// or"),
         (
             {"MLFLOW_S3_ENDPOINT_URL": "https://[::1"},
@@ -227,6 +231,26 @@ def test_unusable_registry_settings_are_one_line_naming_the_variable(env, said, 
         assert result.exit_code == 1, result.output
         _one_line_error(result, "Error: " + said.format(tmp=tmp_path))
         assert len(result.output.strip().splitlines()) == 1 and "[SQL:" not in result.output, result.output
+
+
+def test_a_file_store_mlflow_is_told_to_allow_is_used_and_an_upper_case_http_uri_is_checked(tmp_path, monkeypatch):
+    """MLFLOW_ALLOW_FILE_STORE=true is MLflow's own opt-in to its file store: status worked there, then was refused as
+    "refused by its client". HTTP://HOST:PORT (MLflow reads schemes in any case) skipped the reachability check, and
+    MLflow's client retried for minutes."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "True")
+    _one_line_error(_invoke("status", "m"), f"model 'm' is not registered at {tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "yes")  # MLflow refuses it (ValueError): so does check_settings
+    _one_line_error(_invoke("status", "m"), "is MLflow's file store, which its client refuses")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed below: nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"HTTP://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    result = _invoke("status", "m")
+    assert time.monotonic() - t0 < 10
+    _one_line_error(result, f"MLflow server at HTTP://127.0.0.1:{port} is not reachable (ConnectError)")
 
 
 @pytest.mark.parametrize(
