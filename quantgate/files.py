@@ -20,6 +20,22 @@ def special_kind(path: Path) -> str:
     return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
+def dangling(link: Path) -> str:
+    """What the symlink `link`, which leads to nothing, is: broken (its target, or a folder on the way to it, does
+    not exist or is a file), a loop (ELOOP), or one whose target cannot be reached (e.g. a folder without search
+    permission)."""
+    try:
+        link.resolve(strict=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return f"a broken symlink: its target {link.readlink()} does not exist"
+    except RuntimeError:  # Python before 3.13 raises RuntimeError("Symlink loop ...")
+        pass
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            return f"a symlink whose target {link.readlink()} cannot be reached ({exc.strerror or exc})"
+    return f"a symlink loop: its target {link.readlink()} leads back to it"
+
+
 def _umask() -> int:
     """This process's umask, read from /proc/self/status (Linux 4.7+): os.umask can only read it by setting it,
     which would change it for the threads beside this one for a moment. 0o022 where it cannot be read."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from quantgate.files import special_kind
+from quantgate.files import dangling, special_kind
 
 
 class Positive(click.FloatRange):
@@ -36,8 +36,8 @@ class NonEmptyPath(click.Path):
     """A file or folder argument or option, as a Path; an empty one ('', e.g. an unset shell variable) is refused
     naming it: Path("") is ".", so it would silently mean the working directory. With `read` (a file the command
     reads), one that exists and is neither a regular file nor a folder (a FIFO, socket or device) is refused
-    too, never opened: reading a FIFO nobody writes waits forever; so is a broken symlink, named as one. A folder
-    or a missing file is left to the command, which names what it wanted."""
+    too, never opened: reading a FIFO nobody writes waits forever; so is a symlink to nothing, named as broken or a
+    loop (quantgate.files.dangling). A folder or a missing file is left to the command, which names what it wanted."""
 
     def __init__(self, read: bool = False) -> None:
         super().__init__(path_type=Path)
@@ -48,9 +48,7 @@ class NonEmptyPath(click.Path):
             self.fail(f"the path is empty; give a {'file' if self.read else 'file or folder'}", param, ctx)
         path = super().convert(value, param, ctx)
         if self.read and path.is_symlink() and not path.exists():  # DVC's outs may be links into its cache
-            self.fail(
-                f"{path} is a broken symlink (to {path.readlink()}); restore its target or give the file", param, ctx
-            )
+            self.fail(f"{path} is {dangling(path)}; fix the link or give the file itself", param, ctx)
         if self.read and path.exists() and not path.is_file() and not path.is_dir():
             self.fail(f"{path} is {special_kind(path)}, not a regular file; give the file itself", param, ctx)
         return path

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
-from quantgate.files import special_kind
+from quantgate.files import dangling, special_kind
 from quantgate.teams import TEAM_NAME, Team, declared_under, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
@@ -99,7 +99,7 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
         raise QuantgateError(f"{folder} already exists and is {kind}, not a team folder; pick another name or move it")
     if folder.is_symlink():  # to nothing: the rename into place would fail "Not a directory"
         raise QuantgateError(
-            f"{folder} is {_dangling(folder)}; remove the link (a team folder is written in place, never through a "
+            f"{folder} is {dangling(folder)}; remove the link (a team folder is written in place, never through a "
             "symlink) or pick another name"
         )
     if clash := _task_taken(root, name):
@@ -122,17 +122,6 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _dangling(link: Path) -> str:
-    """What the symlink `link`, which leads to nothing, is: broken (its target does not exist) or a loop."""
-    try:
-        link.resolve(strict=True)
-    except FileNotFoundError:
-        return f"a broken symlink: its target {link.readlink()} does not exist"
-    except (OSError, RuntimeError):  # ELOOP; Python before 3.13 raises RuntimeError("Symlink loop ...")
-        pass
-    return f"a symlink loop: its target {link.readlink()} leads back to it"
 
 
 def _task_taken(root: Path, name: str) -> str | None:

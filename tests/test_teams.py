@@ -347,11 +347,18 @@ def test_an_input_file_that_is_a_fifo_is_named_not_read_or_called_missing(tmp_pa
         f"Error: Invalid value for '{flag}': {fifo} is a named pipe (FIFO), not a regular file; give the file itself"
     )
     (tmp_path / "link").symlink_to(tmp_path / "gone.json")  # DVC's outs may be links into its cache
-    res = CliRunner().invoke(cli, [*args, str(tmp_path / "link")])
-    assert res.exit_code == 2 and res.output.splitlines()[-1] == (
-        f"Error: Invalid value for '{flag}': {tmp_path}/link is a broken symlink (to {tmp_path}/gone.json); restore "
-        "its target or give the file"
-    )
+    (tmp_path / "loop").symlink_to("loop")  # was "a broken symlink (to loop); restore its target"
+    (tmp_path / "file").write_text("{}")
+    (tmp_path / "through").symlink_to("file/x")  # ENOTDIR: was called a loop by evals new
+    for name, what in [
+        ("link", f"a broken symlink: its target {tmp_path}/gone.json does not exist"),
+        ("loop", "a symlink loop: its target loop leads back to it"),
+        ("through", "a broken symlink: its target file/x does not exist"),
+    ]:
+        res = CliRunner().invoke(cli, [*args, str(tmp_path / name)])
+        assert res.exit_code == 2 and res.output.splitlines()[-1] == (
+            f"Error: Invalid value for '{flag}': {tmp_path}/{name} is {what}; fix the link or give the file itself"
+        ), res.output
     res = CliRunner().invoke(cli, [*args, ""])
     assert res.exit_code == 2 and res.output.splitlines()[-1] == (
         f"Error: Invalid value for '{flag}': the path is empty; give a file"
@@ -443,19 +450,28 @@ def test_new_team_over_a_broken_symlink_names_the_link_and_its_target(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ranking"] and (tmp_path / "ranking").is_symlink()
 
 
-def test_new_team_over_a_symlink_loop_says_it_is_a_loop(tmp_path):
+@pytest.mark.parametrize(
+    "target, what",
+    [
+        ("ranking", "a symlink loop: its target ranking leads back to it"),
+        # a folder on the way that is a file (ENOTDIR) was "a symlink loop: its target notes.txt/x leads back to it"
+        ("notes.txt/x", "a broken symlink: its target notes.txt/x does not exist"),
+    ],
+)
+def test_new_team_over_a_symlink_loop_says_it_is_a_loop(tmp_path, target, what):
     """A link to itself was "a broken symlink: its target ranking does not exist", which it does: it is the link."""
     from click.testing import CliRunner
 
     from cli.main import cli
 
-    (tmp_path / "ranking").symlink_to("ranking")
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "ranking").symlink_to(target)
     res = CliRunner().invoke(
         cli, ["evals", "new", "ranking", "--owner", "O", "--contact", "c", "--root", str(tmp_path)]
     )
     assert res.exit_code == 1 and res.output == (
-        f"Error: {tmp_path / 'ranking'} is a symlink loop: its target ranking leads back to it; remove the link (a "
-        "team folder is written in place, never through a symlink) or pick another name\n"
+        f"Error: {tmp_path / 'ranking'} is {what}; remove the link (a team folder is written in place, never through "
+        "a symlink) or pick another name\n"
     )
 
 
