@@ -47,7 +47,7 @@ from gateway.server import AppServer, RouterServer
 from gateway.webhook import PATH as WEBHOOK_PATH
 from gateway.webhook import Receiver, Registration, register, registry_server
 from quantgate.errors import QuantgateError
-from quantgate.serving import ServeParams, bind_address, url_host
+from quantgate.serving import ServeParams, bind_address, host_problem, url_host
 from registry import aliases
 
 PIDS = "server.pid"  # per version folder: the vLLM API server's pid (= its process group id)
@@ -94,8 +94,7 @@ def check_bindable(host: str, port: int, what: str) -> None:
         if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
             at = f"params.yaml {what}.host" + (f" or {host_option}" if host_option else "")
             raise QuantgateError(
-                f"{what}.host: {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1, "
-                f"0.0.0.0 or ::1 ({at})"
+                f"{what}.host: {host_problem(host, exc)}; give one, e.g. 127.0.0.1, 0.0.0.0 or ::1 ({at})"
             ) from None
         at = f"params.yaml {what}.port or {port_option}" if port_option else f"params.yaml {what}.port"
         raise QuantgateError(

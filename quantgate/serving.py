@@ -284,9 +284,24 @@ def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
     return family, address
 
 
+def host_problem(host: str, exc: OSError) -> str:
+    """Why `host` cannot be bound, from the OSError that resolving (bind_address) or binding it raised: a name or
+    address that does not resolve (socket.gaierror: no such name, 999.1.1.1, a URL's [::1], spaces around it), or
+    an address of no interface here (EADDRNOTAVAIL)."""
+    if not isinstance(exc, socket.gaierror):
+        return f"{host!r} is no address of this machine ({exc.strerror})"
+    if host.startswith("[") and host.endswith("]"):
+        hint = f"; write it without the brackets a URL puts around it: {host[1:-1]}"
+    elif host != host.strip():
+        hint = "; write it without the spaces around it"
+    else:
+        hint = ""
+    return f"{host!r} does not resolve to an address ({exc.strerror}){hint}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on `host` (an IPv4 or IPv6 address, or a name: bind_address) right now.
-    Raises QuantgateError for a host that does not resolve or is no address of this machine."""
+    Raises QuantgateError for a host that does not resolve or is no address of this machine (host_problem)."""
     try:
         family, address = bind_address(host, 0)
         with socket.socket(family) as s:
@@ -294,8 +309,8 @@ def free_port(host: str = "127.0.0.1") -> int:
             return s.getsockname()[1]
     except OSError as exc:  # socket.gaierror too: a traceback from vllm_server before
         raise QuantgateError(
-            f"host {host!r} is no address of this machine ({exc.strerror}); give one, e.g. 127.0.0.1 or ::1 "
-            "(evaluate.serve.host, or the fleet's topology)"
+            f"host {host_problem(host, exc)}; give one, e.g. 127.0.0.1 or ::1 (evaluate.serve.host, or the fleet's "
+            "topology)"
         ) from None
 
 

@@ -381,7 +381,7 @@ def test_ports_are_checked_before_any_server_starts(tmp_path):
         with pytest.raises(QuantgateError, match=rf"^fleet.port: cannot listen on 127.0.0.1:{port} \(.*\); free it"):
             check_bindable("127.0.0.1", port, "fleet")
     # a bad host is the host's fault, not the port's (once "fleet.port: ... free it or pick another")
-    with pytest.raises(QuantgateError, match=r"^fleet.host: '999.1.1.1' is no address of this machine \(.*\); give"):
+    with pytest.raises(QuantgateError, match=r"^fleet.host: '999.1.1.1' does not resolve to an address \(.*\); give"):
         check_bindable("999.1.1.1", 0, "fleet")  # port 0: the host is checked
     with pytest.raises(QuantgateError, match=r"^fleet.admin.host: '192.0.2.1' is no address of this machine .*"):
         check_bindable("192.0.2.1", 0, "fleet.admin")  # TEST-NET-1: resolves, but no interface here has it

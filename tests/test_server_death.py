@@ -128,9 +128,20 @@ def test_a_serving_host_that_does_not_resolve_is_one_line_not_a_traceback(monkey
     with pytest.raises(QuantgateError) as exc:
         free_port("gpu-box.invalid")
     assert str(exc.value) == (
-        "host 'gpu-box.invalid' is no address of this machine (Name or service not known); give one, e.g. 127.0.0.1 "
+        "host 'gpu-box.invalid' does not resolve to an address (Name or service not known); give one, e.g. 127.0.0.1 "
         "or ::1 (evaluate.serve.host, or the fleet's topology)"
-    )
+    )  # it said "is no address of this machine": it is no address at all
+    for host, hint in (("[::1]", "without the brackets a URL puts around it: ::1"), (" ::1 ", "without the spaces")):
+        with pytest.raises(QuantgateError) as exc:
+            free_port(host)
+        assert str(exc.value).startswith(f"host {host!r} does not resolve to an address (Name or service not known); ")
+        assert f"; write it {hint}" in str(exc.value)
+
+
+def test_a_serving_host_of_no_interface_here_is_named_so(monkeypatch):
+    with pytest.raises(QuantgateError) as exc:
+        free_port("192.0.2.1")  # TEST-NET-1: no interface has it
+    assert str(exc.value).startswith("host '192.0.2.1' is no address of this machine (Cannot assign requested address)")
 
 
 def test_a_server_quantgate_stops_is_no_death(fake_vllm, tmp_path):
