@@ -240,6 +240,9 @@ def read_team_keys(path: Path) -> dict[str, str]:
                 f"{at}: {team!r} is not a team name (a team folder's under evals/, lower_snake_case); write "
                 "`<team>: <its API key>`"
             )
+        if isinstance(key, bool | int | float):  # `billing: 0123` is 83 to YAML: the key as written is lost
+            what = "a boolean" if isinstance(key, bool) else "a number"
+            raise QuantgateError(f"{at}: {team}'s key was read as {what} ({key!r}); quote it: {team}: '<its key>'")
         if not isinstance(key, str) or not key.strip():
             raise QuantgateError(f"{at}: {team}: give its API key as one string (not a list or a digest list)")
         if len(key) > MAX_KEY:

@@ -876,6 +876,8 @@ def test_a_gateway_that_tells_teams_by_key_shadows_replayed_prompts_per_team_wit
         ("billing: [sk-1\n", "team-keys.yaml:2: invalid YAML"),
         ("billing: " + "k" * 5000 + "\n", "team-keys.yaml:1: billing's key has 5,000 characters; a header takes"),
         ("# " + "x" * (1 << 20) + "\n", "team-keys.yaml: 1,048,579 bytes; a file of one API key per team is far"),
+        ("billing: 0123\n", "team-keys.yaml:1: billing's key was read as a number (83); quote it: billing: '<its"),
+        ("billing: yes\n", "team-keys.yaml:1: billing's key was read as a boolean (True); quote it"),  # was: not a list
         ("billing: sk-1\n1: sk-2\n", "team-keys.yaml:2: 1 is not a team name"),  # no line: it was `1` read as 1
         ("billing: sk-1\ntrue: sk-2\n", "team-keys.yaml:2: True is not a team name"),
         ("Billing: sk-1\n", "team-keys.yaml:1: 'Billing' is not a team name (a team folder's under evals/"),
