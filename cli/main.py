@@ -21,7 +21,7 @@ import click
 
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.options import IN_FILE, PATH, path_option
-from registry.commands import model_arg
+from registry.commands import model_arg, one_line
 
 
 @click.group()
@@ -71,7 +71,7 @@ def status(model: str | None) -> None:
 
     with command_errors(
         also=(Exception,),  # MlflowException and friends: a bad URI or an unreachable server
-        describe=lambda exc: f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {exc}",
+        describe=lambda exc: f"MLflow at {store.tracking_uri()}: {type(exc).__name__}: {one_line(str(exc))}",
     ):
         if model is None:
             from quantgate.params import PARAMS_FILE, load_block

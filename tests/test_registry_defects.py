@@ -253,6 +253,22 @@ def test_a_file_store_mlflow_is_told_to_allow_is_used_and_an_upper_case_http_uri
     _one_line_error(result, f"MLflow server at HTTP://127.0.0.1:{port} is not reachable (ConnectError)")
 
 
+def test_an_mlflow_error_of_several_lines_is_one_line_in_status_as_in_history(monkeypatch):
+    """MLFLOW_TRACKING_URI=databricks without credentials: MLflow's message has a newline, and status printed it in
+    two lines (history cut it to one)."""
+    from mlflow.exceptions import MlflowException
+
+    def refuse(existing=False):
+        raise MlflowException("Reading Databricks credential configuration failed.\nFor details, see the docs.")
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "databricks")
+    monkeypatch.setattr(store, "client", refuse)
+    for args in (("status", "m"), ("history", "m")):
+        result = _invoke(*args)
+        assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+        _one_line_error(result, "MLflow at databricks: ", "configuration failed. For details, see the docs.")
+
+
 @pytest.mark.parametrize(
     "args",
     [
