@@ -300,13 +300,19 @@ class CanaryLoad:
 def _key_notes(limits, team_keys: dict[str, str] | None) -> tuple[str, ...]:
     """Where `limits` (gateway.limits.Limits) tell teams by key: a line when `team_keys` is None (every replayed
     prompt counts as anonymous), and one per team whose key's digest limits.team_keys_file does not list for it
-    (a typo, or another team's key). Nothing when that file cannot be read here: the gateway read its own."""
+    (a typo, or another team's key); nothing when that file cannot be read here (the gateway read its own).
+    Where they do not: a line when `team_keys` is given (the gateway reads only the team header)."""
     import hashlib
 
     from gateway.limits import read_team_keys as read_digests
 
     if not limits.team_keys_file:
-        return ()
+        if team_keys is None:
+            return ()
+        return (
+            f"params.yaml limits.team_keys_file is null: the gateway names teams by the {limits.team_header} header "
+            "alone, so --team-keys changes nothing there",
+        )
     if team_keys is None:
         return (
             f"params.yaml limits.team_keys_file ({limits.team_keys_file}) tells teams by API key, and the team header "

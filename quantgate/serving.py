@@ -275,10 +275,10 @@ def url_host(host: str) -> str:
 
 
 def bind_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
-    """The socket family and address to bind `host`:`port` with. An address is taken as written (IPv6 when it
-    has a ':', e.g. ::1 or ::); a name is resolved (getaddrinfo) to its first IPv4 address, else, for a name
-    only IPv6 knows (e.g. ip6-localhost), its first IPv6 address. Raises socket.gaierror for a name that does
-    not resolve or an address that is none (999.1.1.1)."""
+    """The socket family and address to bind `host`:`port` with, from getaddrinfo: an address comes back as
+    itself (IPv6 for ::1 or ::); a name gives its first IPv4 address, else, for a name only IPv6 knows (e.g.
+    ip6-localhost), its first IPv6 address. Raises socket.gaierror for a name that does not resolve or an
+    address that is none (999.1.1.1)."""
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     family, _, _, _, address = next((a for a in found if a[0] == socket.AF_INET), found[0])
     return family, address

@@ -524,6 +524,10 @@ def test_load_on_a_running_gateway_names_teams_by_its_team_header_and_the_team_k
     assert r.exit_code == 0, r.output
     assert sent == [("http://127.0.0.1:9", {"billing", "search", "support"}, "x-tenant", {"billing": "sk-billing-1"})]
     assert "--team-keys has no key for search, support" in r.output
+    assert (  # this gateway has no limits.team_keys_file: it reads X-Tenant alone
+        "load: params.yaml limits.team_keys_file is null: the gateway names teams by the x-tenant header alone, so "
+        "--team-keys changes nothing there"
+    ) in r.output.splitlines()
 
 
 def _gateway_load(tmp_path, monkeypatch, example_evals, params: str, keys: str | None, gateway: bool = True):
@@ -590,6 +594,9 @@ def test_a_keyed_gateway_without_team_keys_or_with_a_wrong_key_is_named(tmp_path
         "prompts count as anonymous (or as another team) there"
     ) in r.output.splitlines()
     r, _ = _gateway_load(tmp_path, monkeypatch, example_evals, params, "billing: sk-billing-1\n")
+    assert r.exit_code == 0 and "team_keys_file" not in r.output, r.output
+    # a digest file this machine cannot read is the gateway's to read: no note either way
+    r, _ = _gateway_load(tmp_path, monkeypatch, example_evals, params.replace("digests", "elsewhere"), "billing: x\n")
     assert r.exit_code == 0 and "team_keys_file" not in r.output, r.output
 
 
