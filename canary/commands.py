@@ -248,8 +248,9 @@ class CanaryLoad:
 
     def on_gateway(self) -> CanaryLoad:
         """This load as sent to a running `quantgate serve`: the team header its params.yaml `limits` name, and
-        `notes` where those limits tell teams by key (team_keys_file) and --team-keys is missing or holds a key
-        whose digest that file does not list for its team (those prompts would count as anonymous). Raises
+        `notes` (_key_notes) where those limits tell teams by key (team_keys_file) and --team-keys is missing or
+        holds a key whose digest that file does not list for its team (those prompts would count as anonymous),
+        or where they do not and --team-keys is given (the keys change nothing there). Raises
         QuantgateError naming params.yaml's line for a bad limits block."""
         if not self.rps:
             return self
