@@ -31,6 +31,17 @@ def example_evals(tmp_path) -> Path:
     return dst
 
 
+def checkout_view(dst: Path) -> Path:
+    """A folder at `dst` whose entries link to this checkout's, but for what stages write (results/, models/,
+    .quantgate/, .dvc/, mlflow.db): a stage run there (`python -m pipeline.validate`, cwd=dst) reads the project's
+    params.yaml, recipes and eval sets and writes its log under dst/results/logs, not into the checkout."""
+    dst.mkdir()
+    for item in REPO.iterdir():
+        if item.name not in {"results", "models", ".quantgate", ".dvc", "mlflow.db", ".git"}:
+            (dst / item.name).symlink_to(item)
+    return dst
+
+
 def write_scores(
     root: Path, build: str, team: str, scores: list[float], *, status="ok", task="t", hashes=None, **extra
 ):

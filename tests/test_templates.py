@@ -12,7 +12,7 @@ import pytest
 from quantgate import sandbox
 from quantgate.errors import QuantgateError
 from quantgate.teams import load_team, load_teams
-from tests.conftest import REPO
+from tests.conftest import REPO, checkout_view
 from tests.test_sandbox import ESCAPES
 
 # The escapes of tests/test_sandbox.py, and forms that only read (Jinja's and Flask's objects).
@@ -85,7 +85,7 @@ def test_validate_command_and_dvc_stage_refuse_the_issue_template_and_run_nothin
     assert res.exit_code == 1 and where in res.output, res.output
     stage = subprocess.run(  # dvc.yaml's validate stage
         [sys.executable, "-m", "pipeline.validate", str(example_evals), str(tmp_path / "teams.json")],
-        cwd=REPO,
+        cwd=checkout_view(tmp_path / "view"),  # its log goes there, not into the checkout
         capture_output=True,
         text=True,
         timeout=300,

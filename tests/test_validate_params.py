@@ -26,6 +26,7 @@ from pipeline.validate import (
 from quantgate.errors import QuantgateError
 from quantgate.params import load_builds, read_yaml
 from quantgate.teams import load_teams
+from tests.conftest import checkout_view
 
 REPO = Path(__file__).resolve().parents[1]
 BUILDS = ["fp16", "fp8", "int8", "int4", "int4-mixed"]
@@ -549,7 +550,7 @@ def test_an_out_file_validate_cannot_write_is_one_line_and_exit_2(tmp_path):
     out = tmp_path / "afile" / "teams.json"
     r = subprocess.run(
         [sys.executable, "-m", "pipeline.validate", "evals", str(out)],
-        cwd=REPO,
+        cwd=checkout_view(tmp_path / "view"),  # its log goes there, not into the checkout
         capture_output=True,
         text=True,
         timeout=300,
