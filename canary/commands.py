@@ -72,8 +72,54 @@ def _team_keys_option():
     )
 
 
+def http_url(value: str, option: str, what: str, example: str) -> str:
+    """`value` stripped, when it is an http(s) URL with a host and a port in 1-65535 (or none). Raises
+    QuantgateError naming `option` and saying to give `what` URL, e.g. `example`, otherwise."""
+    import httpx
+
+    url = value.strip()
+    try:
+        parsed = httpx.URL(url)
+        port_ok = parsed.port is None or 1 <= parsed.port <= 65535
+    except (httpx.InvalidURL, ValueError, TypeError):
+        parsed, port_ok = None, False
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
+        raise QuantgateError(f"{option} {value!r}: give {what} http(s) URL with its host and port, e.g. {example}")
+    return url
+
+
+def gateway_url(value: str) -> str:
+    """--gateway: http_url of the gateway's admin endpoint. Raises QuantgateError naming --gateway otherwise."""
+    return http_url(value, "--gateway", "the admin endpoint's", "http://127.0.0.1:8001 (`quantgate serve` prints it)")
+
+
+def _url_arg(check: Callable[[str], str]):
+    """A click callback: the option's value through `check` (an http_url), a bad URL a usage error (exit 2) naming
+    the option, as every other bad value is, before anything is read or sent."""
+
+    def callback(ctx, param, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return check(value)
+        except QuantgateError as exc:
+            raise click.BadParameter(str(exc).removeprefix(f"{param.opts[0]} ")) from None
+
+    return callback
+
+
+def _router_url(value: str) -> str:
+    """`canary load --url`: http_url of the router (or any OpenAI server)."""
+    return http_url(value, "--url", "the router's (or an OpenAI server's)", "http://127.0.0.1:8080")
+
+
 @click.command("load")
-@click.option("--url", required=True, help="Router (or any OpenAI server) base URL, e.g. http://127.0.0.1:8080")
+@click.option(
+    "--url",
+    required=True,
+    callback=_url_arg(_router_url),
+    help="Router (or any OpenAI server) base URL, e.g. http://127.0.0.1:8080",
+)
 @click.option("--rps", type=RATE, required=True, help="Requests per second offered.")
 @click.option("--duration", type=SECONDS, required=True, help="Seconds of sending.")
 @click.option(
@@ -113,7 +159,6 @@ def load(url: str, rps: float, duration: float, evals_dir: Path, limit: int | No
     """Open-loop load (greedy completions and chat, streaming and not) through the router; prints
     success rate, outcomes and latency percentiles. Exits 1 if any request failed."""
     with command_errors():
-        url = http_url(url, "--url", "the router's (or an OpenAI server's)", "http://127.0.0.1:8080")
         prompts = prompts_from_evals(evals_dir, limit)
         _say_unkeyed(prompts, options.team_keys)
         report = replay(url, prompts, rps, duration, **vars(options))
@@ -152,27 +197,6 @@ def _reuse(ctx, param, values: tuple[str, ...]) -> dict[str, str]:
         except QuantgateError as exc:
             raise click.BadParameter(str(exc).removeprefix("--reuse ")) from None
     return out
-
-
-def http_url(value: str, option: str, what: str, example: str) -> str:
-    """`value` stripped, when it is an http(s) URL with a host and a port in 1-65535 (or none). Raises
-    QuantgateError naming `option` and saying to give `what` URL, e.g. `example`, otherwise."""
-    import httpx
-
-    url = value.strip()
-    try:
-        parsed = httpx.URL(url)
-        port_ok = parsed.port is None or 1 <= parsed.port <= 65535
-    except (httpx.InvalidURL, ValueError, TypeError):
-        parsed, port_ok = None, False
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host or not port_ok:
-        raise QuantgateError(f"{option} {value!r}: give {what} http(s) URL with its host and port, e.g. {example}")
-    return url
-
-
-def gateway_url(value: str) -> str:
-    """--gateway: http_url of the gateway's admin endpoint. Raises QuantgateError naming --gateway otherwise."""
-    return http_url(value, "--gateway", "the admin endpoint's", "http://127.0.0.1:8001 (`quantgate serve` prints it)")
 
 
 def sigterm_as_ctrl_c() -> None:
@@ -234,11 +258,21 @@ class CanaryLoad:
     team_header: str = "x-team"  # the running gateway's limits.team_header (run() reads params.yaml)
     notes: tuple[str, ...] = ()  # what on_gateway found amiss in the keys for the gateway's limits (printed once)
 
-    def prompts(self) -> list[str]:
-        """The prompts to replay (none without --load-rps). Raises QuantgateError naming --evals."""
+    def usage_problem(self, on_gateway: bool) -> str | None:
+        """What is wrong with these options together, for a canary on a running gateway or (`on_gateway` False) on
+        its own router, whose router tells no teams (every shadow sample is anonymous); None when nothing is."""
         for flag, given in (("--evals", self.evals_dir is not None), ("--team-keys", self.team_keys is not None)):
             if given and not self.rps:
-                raise QuantgateError(f"{flag} is for the --load-rps prompts; give --load-rps too, or leave {flag} out")
+                return f"{flag} is for the --load-rps prompts; give --load-rps too, or leave {flag} out"
+        if self.team_keys is not None and not on_gateway:
+            return (
+                "--team-keys is for a running gateway that tells teams by key (--gateway): the canary's own router "
+                "counts every prompt as anonymous; give --gateway, or leave --team-keys out"
+            )
+        return None
+
+    def prompts(self) -> list[str]:
+        """The prompts to replay (none without --load-rps). Raises QuantgateError naming --evals."""
         if not self.rps:
             return []
         try:
@@ -259,16 +293,6 @@ class CanaryLoad:
 
         limits = load_block("limits", Limits)
         return dataclasses.replace(self, team_header=limits.team_header, notes=_key_notes(limits, self.team_keys))
-
-    def on_own_router(self) -> CanaryLoad:
-        """This load as sent to the canary's own router, which tells no teams (it has no limits: every shadow
-        sample is anonymous). Raises QuantgateError for --team-keys, which it would ignore."""
-        if self.team_keys is not None:
-            raise QuantgateError(
-                "--team-keys is for a running gateway that tells teams by key (--gateway): the canary's own router "
-                "counts every prompt as anonymous; give --gateway, or leave --team-keys out"
-            )
-        return self
 
     def starter(self, prompts: list[str], stop: threading.Event) -> Callable[[str], Callable[[], None]]:
         """Hooks.on_router: replay `prompts` through the router at the URL it is given, in a daemon thread,
@@ -387,6 +411,7 @@ class GatewayTarget:
         "--gateway",
         "admin_url",
         default=None,
+        callback=_url_arg(gateway_url),
         metavar="ADMIN_URL",
         help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
         "(its servers and router; no --reuse).",
@@ -415,15 +440,17 @@ def run(
     from quantgate.serving import ServeParams
     from registry import store
 
+    admin_url = gateway.admin_url
+    if admin_url and reuse:
+        raise click.UsageError("--reuse is for a canary with its own servers; the gateway serves every version")
+    if problem := load.usage_problem(admin_url is not None):
+        raise click.UsageError(problem)
     stop, stop_load = threading.Event(), threading.Event()
     restore = operator_stops(stop)
     try:
         with command_errors():
-            admin_url = None if gateway.admin_url is None else gateway_url(gateway.admin_url)
-            if admin_url and reuse:
-                raise QuantgateError("--reuse is for a canary with its own servers; the gateway serves every version")
             prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
-            load = load.on_gateway() if admin_url else load.on_own_router()
+            load = load.on_gateway() if admin_url else load
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
             router = None if admin_url else load_fleet_params().router
             hooks = _hooks(load, prompts, router.shadow_fraction if router else 0.5, stop, stop_load)

@@ -999,11 +999,11 @@ def test_load_and_reuse_urls_are_checked_before_anything_is_sent(tmp_path):
     from cli.main import cli
 
     result = CliRunner().invoke(cli, ["canary", "load", "--url", "localhost:9", "--rps", "1", "--duration", "1"])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert (
-        "--url 'localhost:9': give the router's (or an OpenAI server's) http(s) URL with its host and port, "
-        "e.g. http://127.0.0.1:8080"
-    ) in result.output, result.output
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--url': 'localhost:9': give the router's (or an OpenAI server's) http(s) URL with "
+        "its host and port, e.g. http://127.0.0.1:8080"
+    ), result.output
     run = ["canary", "run", "m", "2", "--by", "t"]
     for reuse, message in (
         (["1=http://127.0.0.1:9/v1", "1=http://127.0.0.1:10/v1"], "v1 is given twice"),
