@@ -457,7 +457,7 @@ def check_bound(layers: dict[str, tuple[int, int]], args, p: SearchParams) -> No
     unit (p.fused) of `layers` kept 16-bit, so every candidate but the base recipe is over it. The message names
     params.yaml's line, the smallest bound that keeps one unit (bits with the fewest weights kept, rounded up
     to 0.01) and what to do. Which unit the ranking puts first is not known yet: a bound above this floor
-    may still keep none (search() says so where that matters)."""
+    may still keep none (search() refuses it after the ranking, naming that unit, with no screen run)."""
     bits = effective_bits(layers, set(), args)
     if p.max_bits_per_weight is None:
         return
@@ -467,13 +467,20 @@ def check_bound(layers: dict[str, tuple[int, int]], args, p: SearchParams) -> No
         raise QuantgateError(f"{where(PARAMS_FILE, 'search.max_bits_per_weight')}: {exc}") from None
     one = min(effective_bits(layers, set(u), args) for u in units(dict.fromkeys(layers, 0.0), p.fused))
     if one > p.max_bits_per_weight:
-        raise QuantgateError(
-            f"{where(PARAMS_FILE, 'search.max_bits_per_weight')}: search.max_bits_per_weight "
-            f"{p.max_bits_per_weight:g} allows no layer kept 16-bit (the base recipe is {bits:.2f} bits per weight, "
-            f"the smallest unit kept makes {one:.2f}), so {p.build} could only be {p.base}'s recipe again; raise "
-            f"it to at least {math.ceil(round(one * 100, 6)) / 100:.2f}, set it to null, or drop {p.build} from "
-            "builds"
-        )
+        raise QuantgateError(no_unit_within(p, bits, one, "the smallest unit"))
+
+
+def no_unit_within(p: SearchParams, base: float, one: float, unit: str) -> str:
+    """The message for a search.max_bits_per_weight that keeps no unit 16-bit: the base recipe's `base` bits per
+    weight and the `one` bits with `unit` (words naming it) kept, both under the bound's params.yaml line, with
+    the least bound that keeps it (`one` rounded up to 0.01)."""
+    return (
+        f"{where(PARAMS_FILE, 'search.max_bits_per_weight')}: search.max_bits_per_weight "
+        f"{p.max_bits_per_weight:g} allows no layer kept 16-bit (the base recipe is {base:.2f} bits per weight, "
+        f"{unit} kept makes {one:.2f}), so {p.build} could only be {p.base}'s recipe again; raise "
+        f"it to at least {math.ceil(round(one * 100, 6)) / 100:.2f}, set it to null, or drop {p.build} from "
+        "builds"
+    )
 
 
 def choose(screens: list[Screen]) -> tuple[Screen | None, bool]:
@@ -652,13 +659,9 @@ def search(
 
     bits = [effective_bits(layers, set(order[:b]), args) for b in bounds]
     top = top_units(bits, p.max_bits_per_weight)
+    if top == 0:  # check_bound passed: a smaller unit fits, but the ranking puts a larger one first
+        raise QuantgateError(no_unit_within(p, bits[0], bits[1], f"the unit ranked first ({'+'.join(ranked[0])})"))
     screens = bisect(len(ranked), screen, top, price.kept_is_cheaper)
-    if not screens and top == 0 and price.kept_is_cheaper:
-        raise QuantgateError(
-            f"search.max_bits_per_weight {p.max_bits_per_weight:g} allows no layer kept 16-bit (the base recipe is "
-            f"{bits[0]:.2f} bits per weight, one unit kept makes {bits[1]:.2f}), so {p.build} could only be "
-            f"{p.base}'s recipe again; raise the bound, set it to null, or drop {p.build} from builds"
-        )
     if not screens:
         raise QuantgateError(
             f"search.doc_budget {p.doc_budget}: too small for one look at every team ({p.looks[0]} documents per "

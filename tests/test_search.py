@@ -635,3 +635,33 @@ def test_the_recipes_imatrix_observer_is_what_candidates_are_quantized_with(tmp_
         assert error["imatrix"] <= error["minmax"] * (1 + 1e-5)  # the observer's own objective (norm 3)
         differs += not torch.equal(q, minmax[name])
     assert differs > 0  # the grid search moved some group's scale off min-max
+
+
+@pytest.mark.parametrize("cheaper", [False, True])
+def test_a_bits_bound_the_top_ranked_unit_is_over_is_refused_after_the_ranking_naming_it(
+    tmp_path, monkeypatch, example_evals, cheaper
+):
+    """A bound above the smallest unit (an o_proj: 4.90 bits) but below the unit the ranking puts first (layer 1's
+    gate+up: 6.86 bits) passes check_bound, since which unit is first is known only after the ranking. The search
+    then screened the base recipe alone and wrote it as int4-mixed ("at most 0 layers kept"), or, kept layers being
+    cheaper, said so without the bound's line or the least bound that would keep that unit."""
+    import pipeline.search as search_stage
+
+    def sensitivity(model, linears, quantized, batches):  # layer 1's MLP most sensitive, then the rest
+        first = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"]
+        return {n: 1.0 for n in first} | {n: 0.01 for n in linears if n not in first}
+
+    price = Pricing(baseline_s=1 / 125, quantized_s=1 / 80, concurrency=8, source="fp16.json and int4.json")
+    monkeypatch.setattr(search_stage, "sensitivity", sensitivity)
+    with pytest.raises(QuantgateError) as err:
+        fake_screened_search(
+            tmp_path, monkeypatch, example_evals, Outcome.FAIL, price if cheaper else None, max_bits_per_weight=5.0
+        )
+    line = next(i for i, t in enumerate((tmp_path / "params.yaml").read_text().splitlines(), 1) if "max_bits" in t)
+    assert str(err.value) == (
+        f"params.yaml:{line}: search.max_bits_per_weight 5 allows no layer kept 16-bit (the base recipe is 4.25 bits "
+        "per weight, the unit ranked first (model.layers.1.mlp.gate_proj+model.layers.1.mlp.up_proj) kept makes "
+        "6.86), so int4-mixed could only be int4's recipe again; raise it to at least 6.87, set it to null, or drop "
+        "int4-mixed from builds"
+    )
+    assert not (tmp_path / "results/search").exists()  # no screen, no recipe written
