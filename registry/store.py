@@ -127,7 +127,8 @@ def check_settings(uri: str) -> None:
     """Raise QuantgateError, one line naming the variable and the fix, when the tracking URI `uri` or
     $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: a blank URI, MLflow's file store (a path or
     file:// URI) unless $MLFLOW_ALLOW_FILE_STORE opts in as MLflow itself asks, a malformed http(s) URL, a
-    database URL SQLAlchemy cannot parse or whose driver is not installed, a sqlite path that is a folder or a
+    database URL SQLAlchemy cannot parse, whose scheme is not in lower case (SQLITE://: MLflow reads http(s) in any
+    case, SQLAlchemy not) or whose driver is not installed, a sqlite path that is a folder or a
     file that is no SQLite database. Checked before anything connects: MLflow, httpx and botocore failed on these
     with tracebacks (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError, ValueError)."""
     if not uri.strip():  # "" is unset (tracking_uri); "  " was called MLflow's file store
@@ -177,13 +178,19 @@ def _http_problem(url: str) -> str | None:
 
 
 def _check_database(uri: str) -> None:
-    """The database URL `uri` parses, its Python driver is installed, and a sqlite file is an SQLite database;
-    else QuantgateError naming MLFLOW_TRACKING_URI."""
+    """The database URL `uri` parses, its scheme is in lower case, its Python driver is installed, and a sqlite file is
+    an SQLite database; else QuantgateError naming MLFLOW_TRACKING_URI."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
     try:
         url = make_url(uri)
+        if url.drivername != url.drivername.lower():  # SQLAlchemy loads "SQLITE" as a plugin: Can't load plugin
+            raise QuantgateError(
+                f"MLFLOW_TRACKING_URI {url.render_as_string(hide_password=True)}: SQLAlchemy (so MLflow's database "
+                f"store) reads the scheme in lower case only; give "
+                f"{url.set(drivername=url.drivername.lower()).render_as_string(hide_password=True)}"
+            )
         dialect = url.get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError) as exc:  # e.g. "postgresql://[::1", "mysql+junk://"
         raise QuantgateError(

@@ -191,6 +191,16 @@ def test_a_server_answering_503_is_reported_quickly_with_its_error(unavailable_u
         ),
         ({"MLFLOW_TRACKING_URI": "http://"}, "MLFLOW_TRACKING_URI 'http://' is not a usable URL (no host)"),
         (
+            {"MLFLOW_TRACKING_URI": "SQLITE:///{tmp}/mlflow.db"},
+            "MLFLOW_TRACKING_URI SQLITE:///{tmp}/mlflow.db: SQLAlchemy (so MLflow's database store) reads the scheme "
+            "in lower case only; give sqlite:///{tmp}/mlflow.db",
+        ),
+        (
+            {"MLFLOW_TRACKING_URI": "PostgreSQL+psycopg://x:secret@127.0.0.1:9/db"},
+            "MLFLOW_TRACKING_URI PostgreSQL+psycopg://x:***@127.0.0.1:9/db: SQLAlchemy (so MLflow's database store) "
+            "reads the scheme in lower case only; give postgresql+psycopg://x:***@127.0.0.1:9/db",
+        ),
+        (
             {"MLFLOW_TRACKING_URI": "file://{tmp}/mlruns"},
             "MLFLOW_TRACKING_URI 'file://{tmp}/mlruns' is MLflow's file store, which its client refuses (in "
             "maintenance mode) unless MLFLOW_ALLOW_FILE_STORE=true; give sqlite:///<path>/mlflow.db",
@@ -214,7 +224,8 @@ def test_a_server_answering_503_is_reported_quickly_with_its_error(unavailable_u
 def test_unusable_registry_settings_are_one_line_naming_the_variable(env, said, reg, tmp_path, monkeypatch):
     """A sqlite file that is no database gave sqlalchemy's DatabaseError traceback (status: with its [SQL: ...] and
     "Background on this error" lines); mysql:// without its driver ModuleNotFoundError; "https://[::1"
-    httpx.InvalidURL; MLFLOW_S3_ENDPOINT_URL=junk botocore's ValueError; "http://" was called not reachable."""
+    httpx.InvalidURL; MLFLOW_S3_ENDPOINT_URL=junk botocore's ValueError; "http://" was called not reachable;
+    SQLITE:///... (HTTP:// works) said SQLAlchemy's "Can't load plugin: sqlalchemy.dialects:SQLITE"."""
     client, model, _ = reg({})  # a working registry first: the setting alone is what fails
     (tmp_path / "notdb").write_text("not a database\n")
     if "_default_db" in env:
