@@ -1,5 +1,5 @@
 """Files written whole: a reader sees the old file or the new one, never half of one; what a path that is
-neither a file nor a folder is."""
+neither a file nor a folder is, or a symlink leads to."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ def special_kind(path: Path) -> str:
     if stat.S_ISFIFO(mode):
         return "a named pipe (FIFO)"
     return "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def linked(path: Path, kind: str) -> str:
+    """`kind` ("a file", special_kind's), what `path` is or leads to, said of `path`: as given, or for a symlink
+    "a symlink to <kind> at <its target>" (the target as the link holds it, as dangling names it)."""
+    return f"a symlink to {kind} at {path.readlink()}" if path.is_symlink() else kind
 
 
 def dangling(link: Path) -> str:

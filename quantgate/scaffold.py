@@ -16,7 +16,7 @@ from pathlib import Path
 
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
-from quantgate.files import dangling, special_kind
+from quantgate.files import dangling, linked, special_kind
 from quantgate.teams import TEAM_NAME, Team, declared_under, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
@@ -80,10 +80,10 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     """Write evals/<name>/ (team.yaml, <name>.yaml, data.jsonl), validate it beside the other teams under
     `root`, and return it as loaded.
 
-    Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists (or is a broken
-    symlink or a symlink loop), another team's folder declares its task `<name>_example`, it cannot be written,
-    or it does not validate; then nothing of it is left under `root` (the files are written in a hidden folder
-    beside it, renamed into place whole, and removed if they do not validate).
+    Raises QuantgateError if the name is not lower_snake_case (2-40 chars), the folder exists (or is a symlink: to
+    a file, FIFO or device, named with its target, broken or a loop), another team's folder declares its task
+    `<name>_example`, it cannot be written, or it does not validate; then nothing of it is left under `root` (the
+    files are written in a hidden folder beside it, renamed into place whole, and removed if they do not validate).
     """
     if not TEAM_NAME.fullmatch(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
@@ -95,7 +95,7 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     if folder.exists():
         if folder.is_dir():
             raise QuantgateError(f"{folder} already exists; pick another name or edit that folder")
-        kind = "a file" if folder.is_file() else special_kind(folder)
+        kind = linked(folder, "a file" if folder.is_file() else special_kind(folder))  # a link: "is a file" misled
         raise QuantgateError(f"{folder} already exists and is {kind}, not a team folder; pick another name or move it")
     if folder.is_symlink():  # to nothing: the rename into place would fail "Not a directory"
         raise QuantgateError(

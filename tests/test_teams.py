@@ -475,6 +475,32 @@ def test_new_team_over_a_symlink_loop_says_it_is_a_loop(tmp_path, target, what):
     )
 
 
+@pytest.mark.parametrize(
+    "make, what",
+    [
+        (lambda p: p.write_text("x"), "a symlink to a file at notes.txt"),
+        (os.mkfifo, "a symlink to a named pipe (FIFO) at notes.txt"),
+    ],
+    ids=["file", "fifo"],
+)
+def test_new_team_over_a_symlink_to_a_file_names_the_link_and_its_target(tmp_path, make, what):
+    """A link to a file was "already exists and is a file": the team folder's name is a link, which it did not say."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    make(tmp_path / "notes.txt")
+    (tmp_path / "ranking").symlink_to("notes.txt")
+    res = CliRunner().invoke(
+        cli, ["evals", "new", "ranking", "--owner", "O", "--contact", "c", "--root", str(tmp_path)]
+    )
+    assert res.exit_code == 1 and res.output == (
+        f"Error: {tmp_path / 'ranking'} already exists and is {what}, not a team folder; pick another name or move it\n"
+    )
+    assert (tmp_path / "ranking").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "ranking"]
+
+
 def test_new_team_whose_task_name_is_taken_says_so_before_writing(example_evals):
     """The clash was found after the scaffold was written and removed, and its advice ("rename one") named the
     removed ranking.yaml."""
