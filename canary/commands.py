@@ -420,8 +420,7 @@ class GatewayTarget:
         "--token-file",
         ".quantgate/serve/admin.token",
         "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset or blank).",
-        read=True,
-    ),
+    ),  # not read=True: checked by read_token, and only when it reads the file
 )
 def run(
     model: str, version: str, by: str, reuse: dict[str, str], load: CanaryLoad, work_dir: Path, gateway: GatewayTarget
@@ -449,6 +448,7 @@ def run(
     restore = operator_stops(stop)
     try:
         with command_errors():
+            token = read_token(gateway.token_file) if admin_url else ""  # the file only without $QUANTGATE_ADMIN_TOKEN
             prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
             load = load.on_gateway() if admin_url else load
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router
@@ -456,7 +456,7 @@ def run(
             hooks = _hooks(load, prompts, router.shadow_fraction if router else 0.5, stop, stop_load)
             client, policy = store.client(existing=True), load_policy()
             if admin_url:
-                admin = Admin(admin_url, read_token(gateway.token_file))
+                admin = Admin(admin_url, token)
                 outcome = run_canary_on_gateway(client, model, version, policy, by, admin, hooks)
             else:
                 local = Local(load_block("evaluate.serve", ServeParams), work_dir, load_topology(), router, reuse or {})

@@ -37,6 +37,7 @@ from starlette.routing import Route
 from gateway.metrics import Sample, ShadowSample
 from gateway.webhook import PATH as WEBHOOK_PATH
 from quantgate.errors import QuantgateError
+from quantgate.files import dangling, linked, special_kind
 
 TOKEN_ENV = "QUANTGATE_ADMIN_TOKEN"
 TOKEN_FILE = "admin.token"  # in the gateway's work dir
@@ -86,8 +87,10 @@ def admin_token(work_dir: Path, log: Callable[[str], None] = print) -> str:
 
 
 def read_token(token_file: Path) -> str:
-    """$QUANTGATE_ADMIN_TOKEN, else (unset or blank) the token in `token_file`. Raises QuantgateError naming where
-    the token came from when neither gives one, or when it cannot be sent (`token_problem`)."""
+    """$QUANTGATE_ADMIN_TOKEN, else (unset or blank) the token in `token_file`, which only then is looked at: a
+    broken symlink, a FIFO, socket or device is refused unread (reading a FIFO nobody writes waits forever).
+    Raises QuantgateError naming where the token came from when neither gives one, or when it cannot be sent
+    (`token_problem`)."""
     given = os.environ.get(TOKEN_ENV)
     if given is not None and (token := given.strip()):
         if (problem := token_problem(token)) is not None:
@@ -95,11 +98,23 @@ def read_token(token_file: Path) -> str:
                 f"${TOKEN_ENV} {problem}; set it to the gateway's admin token, or unset it to read --token-file"
             )
         return token
+    path, unset = Path(token_file), "unset" if given is None else "blank"
+    if path.is_symlink() and not path.exists():
+        raise QuantgateError(
+            f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} is {dangling(path)}; fix the "
+            f"link or give the file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
+        )
+    if path.exists() and not path.is_file() and not path.is_dir():  # a folder: read_text says so below
+        raise QuantgateError(
+            f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} is "
+            f"{linked(path, special_kind(path))}, not a regular file; give the file the gateway wrote "
+            f"(WORK_DIR/{TOKEN_FILE})"
+        )
     try:
         token = Path(token_file).read_text().strip()
     except OSError as exc:
         raise QuantgateError(
-            f"no admin token: ${TOKEN_ENV} is {'unset' if given is None else 'blank'} and {token_file} cannot be "
+            f"no admin token: ${TOKEN_ENV} is {unset} and {token_file} cannot be "
             f"read ({exc.strerror}); give --token-file (the gateway writes WORK_DIR/{TOKEN_FILE})"
         ) from None
     except UnicodeDecodeError:  # no gateway wrote it

@@ -55,7 +55,7 @@ class NonEmptyPath(click.Path):
 
 
 PATH = NonEmptyPath()
-IN_FILE = NonEmptyPath(read=True)  # a file the command reads (--gate-json, --token-file)
+IN_FILE = NonEmptyPath(read=True)  # a file the command always reads (--gate-json; not --token-file: read_token)
 
 
 def path_option(flag: str, default: str, help_text: str, read: bool = False):

@@ -473,6 +473,57 @@ def test_canary_run_gateway_refusals_are_one_line(project, tmp_path, monkeypatch
     assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
 
 
+def _token_files(tmp_path: Path) -> dict[str, str]:
+    """A FIFO (with a thread that, should a regression open it for reading, writes nothing and closes it after 5 s:
+    the test then fails instead of waiting forever), a broken symlink, a loop and a link to the FIFO, under
+    `tmp_path`; each name -> what read_token says it is."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def unblock():
+        time.sleep(5)
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody reads it, as it should be
+        except OSError:
+            pass
+
+    threading.Thread(target=unblock, daemon=True).start()
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "to_fifo").symlink_to("fifo")
+    return {
+        "fifo": "a named pipe (FIFO), not a regular file; give the file",
+        "broken": f"a broken symlink: its target {tmp_path / 'gone'} does not exist; fix the link or give the file",
+        "loop": "a symlink loop: its target loop leads back to it; fix the link or give the file",
+        "to_fifo": "a symlink to a named pipe (FIFO) at fifo, not a regular file; give the file",
+    }
+
+
+def test_a_token_file_is_checked_only_when_it_is_read(project, tmp_path, monkeypatch):  # noqa: F811
+    """With $QUANTGATE_ADMIN_TOKEN set the --token-file is never read, yet a FIFO or broken symlink there (say the
+    default .quantgate/serve/admin.token) was refused at argument parsing ("Invalid value for '--token-file'")."""
+    from canary.commands import run
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    files = _token_files(tmp_path)
+    gw = [MODEL, "2", "--by", "tester", "--gateway", "http://127.0.0.1:9"]
+    for name in files:
+        result = CliRunner().invoke(
+            run, [*gw, "--token-file", str(tmp_path / name)], env={"QUANTGATE_ADMIN_TOKEN": "t" * 32}
+        )
+        assert result.exit_code == 1 and "did not answer" in result.output, result.output  # the gateway's, not F's
+        assert "--token-file" not in result.output and str(tmp_path) not in result.output, result.output
+    for name, what in files.items():  # unset or blank: the file is read, and refused unread in one line
+        for env in ({}, {"QUANTGATE_ADMIN_TOKEN": " "}):
+            result = CliRunner().invoke(run, [*gw, "--token-file", str(tmp_path / name)], env=env)
+            unset = "blank" if env else "unset"
+            assert result.exit_code == 1 and result.output.splitlines() == [
+                f"Error: no admin token: $QUANTGATE_ADMIN_TOKEN is {unset} and --token-file {tmp_path / name} is "
+                f"{what} the gateway wrote (WORK_DIR/admin.token)"
+            ], result.output
+    assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
+
+
 def test_stale_after_must_leave_room_for_the_heartbeat():
     with pytest.raises(ValidationError, match=r"(?s)stale_after_s.*>= 3 x check_interval_s"):
         CanaryPolicy(check_interval_s=5, stale_after_s=1)
