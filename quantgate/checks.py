@@ -457,26 +457,38 @@ def check_data(
                 problems.append(_widening_problem(data_path, n, column, written[column]))
                 flagged.add(n)
     fields = set().union(*(f for _, f, _ in widened))
-    causes = {n for n, written, _ in rows if any(isinstance(written.get(f), float) for f in fields)}
+    causes = {n for n, written, _ in rows if any(_widens(written.get(f)) for f in fields)}
     if widened and not refused and not causes & flagged:  # no line here says why: keep what lm-eval would hit
         for place, _, held in reversed(widened):
             problems[place:place] = held
     return problems, rendered
 
 
+def _widens(value) -> bool:
+    """True for a value that makes the loader read its whole column as floats: a float, or an integer beyond the
+    64-bit ones it keeps as integers (pyarrow reads 2**63 as a float, and then every integer of the column too)."""
+    return type(value) is float or (type(value) is int and not -(2**63) <= value < 2**63)
+
+
 def _widening(rows) -> list[tuple[int, dict, str]]:
-    """(line, written, field) of each line that gives a float in a field other lines give as integers, which the
-    loader then read as floats everywhere: lm-eval renders and compares 12 as "12.0" (a generate_until target
-    then never matches the model's "12", and both builds score 0: a gate that measures nothing)."""
+    """(line, written, field) of each line that gives a float (or an integer beyond 64 bits) in a field other lines
+    give as integers, which the loader then read as floats everywhere: lm-eval renders and compares 12 as "12.0" (a
+    generate_until target then never matches the model's "12", and both builds score 0: a gate that measures
+    nothing)."""
     columns = set().union(*(_floated(written, doc) for _, written, doc in rows))
-    return [(n, written, f) for n, written, _ in rows for f in sorted(columns) if type(written.get(f)) is float]
+    return [(n, written, f) for n, written, _ in rows for f in sorted(columns) if _widens(written.get(f))]
 
 
-def _widening_problem(data_path, n: int, field: str, value: float) -> str:
-    """The line's problem: what its float does to the other lines, and what to write instead."""
-    fix = f"write {int(value)}" if value.is_integer() else "give every line the same kind of number (or text)"
+def _widening_problem(data_path, n: int, field: str, value: float | int) -> str:
+    """The line's problem: what its float (or its integer beyond 64 bits) does to the other lines, and what to
+    write instead."""
+    if isinstance(value, int):
+        what, fix = "an integer beyond 64 bits", f'give it as text ("{value}") or a smaller number'
+    else:
+        what = "a float"
+        fix = f"write {int(value)}" if value.is_integer() else "give every line the same kind of number (or text)"
     return (
-        f"{data_path}:{n}: {field}={value!r} is a float where the other lines give integers: the loader then reads "
+        f"{data_path}:{n}: {field}={value!r} is {what} where the other lines give integers: the loader then reads "
         f"every line's {field!r} as a float, and lm-eval renders and compares 12 as '12.0'; {fix}"
     )
 

@@ -145,6 +145,39 @@ def test_one_float_among_integer_targets_of_a_generated_answer_is_refused(exampl
     assert next(iter(loaded.values()))[0]["answer"] == 12.0  # what lm-eval would have compared
 
 
+def test_an_integer_beyond_64_bits_among_integer_targets_is_refused_at_its_line(example_evals, monkeypatch):
+    """One answer of 10**23 among integers validated: the loader keeps 64-bit integers only, so it read every
+    answer as a float and lm-eval compared the model's "12" with "12.0" (a gate that measured nothing)."""
+    data = example_evals / "billing" / "data.jsonl"
+    docs = [json.loads(line) for line in data.read_text().splitlines()]
+    for doc in docs:
+        doc["answer"] = int(doc["answer"])
+    docs[2]["answer"] = 10**23
+    write_jsonl(data, docs)
+    msg = refusal(example_evals / "billing")
+    assert "1 problem(s)" in msg, msg
+    assert (
+        f"{data}:3: answer={10**23} is an integer beyond 64 bits where the other lines give integers: the loader "
+        f"then reads every line's 'answer' as a float, and lm-eval renders and compares 12 as '12.0'; give it as "
+        f'text ("{10**23}") or a smaller number'
+    ) in msg
+    loaded = lm_eval_docs(example_evals / "billing", monkeypatch)
+    assert next(iter(loaded.values()))[0]["answer"] == 12.0  # what lm-eval would have compared
+
+
+def test_an_integer_beyond_64_bits_is_the_one_multiple_choice_line_refused(example_evals):
+    """The other lines' integer answers, read as floats because of it, are not blamed for a decimal point."""
+    docs = search_docs(example_evals)
+    docs[4]["answer"] = 2**63
+    write_jsonl(example_evals / "search" / "data.jsonl", docs)
+    msg = refusal(example_evals / "search")
+    data = example_evals / "search" / "data.jsonl"
+    assert "1 problem(s)" in msg and f"{data}:5: answer={2**63} is not an index into 4 choices" in msg, msg
+    docs[4]["answer"] = 2**63 - 1  # the largest the loader keeps as an integer: only this line is wrong
+    write_jsonl(example_evals / "search" / "data.jsonl", docs)
+    assert "1 problem(s)" in refusal(example_evals / "search")
+
+
 def test_a_nan_answer_is_refused_at_its_line_only(example_evals):
     data = example_evals / "search" / "data.jsonl"
     lines = data.read_text().splitlines()
