@@ -439,7 +439,8 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
     folder looks like a team that would not be read (task or data files but no team.yaml, a team.yml).
     """
     if not root.is_dir():
-        raise QuantgateError(f"{root}: not a folder of team eval sets; see evals/README.md")
+        state = "not a folder" if root.exists() else "does not exist"
+        raise QuantgateError(f"{root}: {state}; give the folder of team eval sets (evals/); see evals/README.md")
     folders = [p for p in sorted(root.iterdir()) if (p / POLICY_FILE).is_file()]
     if only is not None and not (root / only / POLICY_FILE).is_file():
         why = _unread_team(root / only)
@@ -451,6 +452,11 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
         [_listing(p.name, [why]) for p in sorted(root.iterdir()) if (why := _unread_team(p))] if only is None else []
     )
     if not folders:  # `root` may be one team's folder, or hold only teams, that would not be read: say why
+        if (root / POLICY_FILE).is_file():  # one team's folder where the folder of teams is read: not "no team"
+            raise QuantgateError(
+                f"{root}: one team's folder (it has {POLICY_FILE}); give the folder that holds the team folders, "
+                f"{root.parent}"
+            )
         raise QuantgateError(
             _unread_team(root)
             or "\n".join(unread)

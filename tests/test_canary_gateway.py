@@ -718,7 +718,8 @@ def test_a_dead_reuse_url_or_a_bad_evals_folder_is_refused_before_any_run(projec
     args = ["canary", "run", MODEL, "2", "--by", "t", "--load-rps", "1", "--evals", str(tmp_path / "none")]
     result = CliRunner().invoke(cli, [*args, "--reuse", f"1={dead}"])
     assert result.exit_code == 1 and result.output.splitlines() == [
-        f"Error: --evals: {tmp_path / 'none'}: not a folder of team eval sets; see evals/README.md"
+        f"Error: --evals: {tmp_path / 'none'}: does not exist; give the folder of team eval sets (evals/); see "
+        "evals/README.md"
     ], result.output
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 

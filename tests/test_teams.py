@@ -257,6 +257,21 @@ def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example
         load_teams(example_evals)
 
 
+def test_one_team_folder_or_a_missing_one_given_for_the_eval_sets_is_named_as_such(example_evals, tmp_path):
+    """`quantgate canary load --evals evals/search` said "evals/search: no team folders (a folder with team.yaml)"
+    of a folder with a team.yaml; a missing folder read as "not a folder of team eval sets"."""
+    search = example_evals / "search"
+    with pytest.raises(QuantgateError) as err:
+        load_teams(search)
+    assert str(err.value) == (
+        f"{search}: one team's folder (it has team.yaml); give the folder that holds the team folders, {example_evals}"
+    )
+    with pytest.raises(QuantgateError, match=r"^\S*/none: does not exist; give the folder of team eval sets"):
+        load_teams(tmp_path / "none")
+    with pytest.raises(QuantgateError, match=r"^\S*/team.yaml: not a folder; give the folder of team eval sets"):
+        load_teams(search / "team.yaml")
+
+
 def test_a_team_written_with_yml_files_is_named_not_dropped(example_evals):
     """billing's files renamed to .yml: validate passed and listed only search and support, so billing was not
     gated and nothing said so."""
