@@ -87,10 +87,12 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     """
     if not TEAM_NAME.fullmatch(name):
         raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
-    if not owner.strip() or not contact.strip():
-        raise QuantgateError("--owner and --contact must not be empty: they say whom the gate reports to")
+    if blank := [flag for flag, value in (("--owner", owner), ("--contact", contact)) if not value.strip()]:
+        # name the one left blank: "--owner and --contact" sent a user with a good --contact looking for a fault
+        raise QuantgateError(f"{' and '.join(blank)} must not be empty: they say whom the gate reports to")
     if not root.is_dir():
-        raise QuantgateError(f"{root}: not a folder; --root is the folder that holds the team folders (evals/)")
+        state = "not a folder" if root.exists() else "does not exist"
+        raise QuantgateError(f"{root}: {state}; --root is the folder that holds the team folders (evals/)")
     folder = root / name
     if folder.exists():
         if folder.is_dir():

@@ -111,6 +111,30 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
     assert bad.exit_code == 1 and "lower_snake_case" in bad.output
 
 
+@pytest.mark.parametrize(
+    "owner, contact, said",
+    [
+        ("", "c", "Error: --owner must not be empty: they say whom the gate reports to"),
+        ("O", "  ", "Error: --contact must not be empty: they say whom the gate reports to"),
+        (" ", "", "Error: --owner and --contact must not be empty: they say whom the gate reports to"),
+    ],
+)
+def test_new_team_names_the_option_left_blank_and_a_missing_root(tmp_path, owner, contact, said):
+    """A blank --owner with a good --contact was refused as "--owner and --contact must not be empty"; a --root that
+    does not exist was "not a folder"."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    args = ["evals", "new", "ranking", "--owner", owner, "--contact", contact, "--root", str(tmp_path)]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 1 and res.output.splitlines() == [said] and list(tmp_path.iterdir()) == []
+    res = CliRunner().invoke(cli, [*args[:3], "--owner", "O", "--contact", "c", "--root", str(tmp_path / "none")])
+    assert res.exit_code == 1 and res.output.splitlines() == [
+        f"Error: {tmp_path / 'none'}: does not exist; --root is the folder that holds the team folders (evals/)"
+    ], res.output
+
+
 def test_scaffold_example_documents_are_distinct_and_validate_for_many_names():
     import yaml
 
