@@ -33,7 +33,16 @@ from quantgate.manifest import verify_weights
 from quantgate.params import load_block
 from quantgate.precision import RECORD as PRECISION
 from quantgate.register_params import RegisterParams
-from quantgate.results import SCORES, BuildGate, GateResult, TeamSummary, read_gate, read_scores, read_teams
+from quantgate.results import (
+    SCORES,
+    BuildGate,
+    GateResult,
+    TeamSummary,
+    check_consistent,
+    read_gate,
+    read_scores,
+    read_teams,
+)
 from registry import aliases, audit, runs, store, tags, versions
 
 
@@ -217,9 +226,11 @@ def main() -> None:
     for f in (gate_json, report_md, plot_png, cost_png, teams_json):
         if not f.is_file():
             raise QuantgateError(f"{f} not found: run `dvc repro` (the gate and validate stages write it)")
+    gate = read_gate(gate_json)
+    check_consistent(gate, gate_json)  # a verdict its own evidence does not give is never registered
     result = register(
         models_dir,
-        read_gate(gate_json),
+        gate,
         report_md.read_text(),
         eval_dir,
         load_block("register", RegisterParams),

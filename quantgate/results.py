@@ -16,6 +16,7 @@ evidence digests stay the same.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from quantgate.errors import QuantgateError
 from quantgate.files import write_whole
-from quantgate.stats import BASELINE, SEVERITY, Verdict
+from quantgate.stats import BASELINE, SEVERITY, Verdict, verdict_of
 
 SEARCH_RESULT = Path("results/search/search.json")  # the search stage's metrics (dvc.yaml)
 SCORES = "scores.json"  # the team's status, per-sample scores and aggregates for one build
@@ -279,15 +280,31 @@ def read_gate(path: Path) -> GateResult:
 
 def check_consistent(result: GateResult, path: Path) -> None:
     """Raise QuantgateError naming the build and team when a build's verdict is milder than one of its teams'
-    (PASS with a team FAIL): the gate gives a build its worst team's verdict, or FAIL (pipeline/gate.py), so
-    such a file was not written by the gate as it stands."""
+    (PASS with a team FAIL), or a compared team's verdict is not the one its own drop bounds and margin give
+    (quantgate.stats.verdict_of; a bound that is not a finite number gives none): the gate gives a build its
+    worst team's verdict, or FAIL (pipeline/gate.py), and a team the verdict of its interval, so such a file
+    was not written by the gate as it stands, and its verdicts cannot be shown or registered."""
+    redo = "so this file is not the gate's: re-run `dvc repro gate`"
     for build, b in result.builds.items():
         for team, c in b.teams.items():
             if b.verdict != BASELINE and SEVERITY.index(Verdict(c.verdict)) > SEVERITY.index(Verdict(b.verdict)):
                 raise QuantgateError(
                     f"{path}: build {build} is {b.verdict} but its team {team} is {c.verdict}; the gate gives a "
-                    f"build its worst team's verdict, so this file is not the gate's: re-run `dvc repro gate`"
+                    f"build its worst team's verdict, {redo}"
                 )
+            if c.compared and (found := _interval_verdict(c)) != c.verdict:
+                raise QuantgateError(
+                    f"{path}: build {build}, team {team} is {c.verdict}, but its drop bounds [{c.lower}, {c.upper}] "
+                    f"and margin {c.margin} give {found}; {redo}"
+                )
+
+
+def _interval_verdict(c: TeamComparison) -> str:
+    """The verdict of `c`'s stored drop bounds and margin, or "no verdict" when one is missing or not finite."""
+    bounds = (c.lower, c.upper, c.margin)
+    if any(x is None or not math.isfinite(x) for x in bounds):
+        return "no verdict (a bound or the margin is not a finite number)"
+    return verdict_of(*bounds).value
 
 
 # results/profile/<build>.json

@@ -175,11 +175,17 @@ def verdict(cmp: Comparison, margin: float) -> Verdict:
 
     Comparisons allow TOLERANCE so a drop exactly at the margin is not lost to float rounding.
     """
-    if cmp.lower > margin + TOLERANCE:
+    return verdict_of(cmp.lower, cmp.upper, margin)
+
+
+def verdict_of(lower: float, upper: float, margin: float) -> Verdict:
+    """verdict() from the drop's bounds `lower`, `upper` and the `margin` alone (metric units), as a gate
+    result stores them: a reader re-derives a stored verdict with it."""
+    if lower > margin + TOLERANCE:
         return Verdict.FAIL
-    if cmp.upper < -margin - TOLERANCE:
+    if upper < -margin - TOLERANCE:
         return Verdict.ANOMALOUS
-    if cmp.upper <= margin + TOLERANCE:
+    if upper <= margin + TOLERANCE:
         return Verdict.PASS
     return Verdict.INCONCLUSIVE
 

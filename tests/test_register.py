@@ -23,15 +23,21 @@ from registry import store
 from tests.conftest import safetensors_build, write_scores
 from tests.tiny import tiny_llama_dir
 
+BOUNDS = {"PASS": (-0.01, 0.02), "FAIL": (0.06, 0.09), "INCONCLUSIVE": (-0.01, 0.08)}  # the drop's, margin 0.05
+
 
 def gate_result(verdicts: dict[str, str]) -> GateResult:
+    """A gate result with one team, search, at each build's verdict: bounds and margin that give that verdict."""
+
     def search(verdict: str) -> TeamComparison:
+        lower, upper = BOUNDS[verdict]
         return TeamComparison(
             verdict=verdict,
             metric="acc",
             delta=0.0,
-            lower=-0.01,
-            upper=0.02,
+            margin=0.05,
+            lower=lower,
+            upper=upper,
             recovery_pct=100.0,
             baseline=0.9,
             candidate=0.9,

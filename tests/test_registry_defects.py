@@ -741,6 +741,39 @@ def test_report_refuses_a_build_that_passes_with_a_team_failing(tmp_path, monkey
     assert out.exit_code == 0 and "int8: PASS" in out.output and "int4: FAIL" in out.output, out.output
 
 
+@pytest.mark.parametrize(
+    "update, found",
+    [
+        ({"upper": 0.07}, "give INCONCLUSIVE"),  # over the 0.05 margin
+        ({"upper": float("nan")}, "give no verdict (a bound or the margin is not a finite number)"),
+        ({"margin": float("inf")}, "give no verdict (a bound or the margin is not a finite number)"),
+    ],
+)
+def test_a_pass_its_own_bounds_do_not_give_is_refused_by_report_and_register(tmp_path, monkeypatch, update, found):
+    """A gate.json whose team PASSes with a drop bound over the margin, or NaN (JSON's NaN reads as a float),
+    printed `| +nan | ... | PASS |` and `int8: PASS`, and register would have made the build a model version."""
+    from pipeline import register as register_stage
+    from quantgate.results import write_gate
+
+    monkeypatch.chdir(tmp_path)
+    result = gate_result({"int8": "PASS"})
+    teams = {t: c.model_copy(update=update) for t, c in result.builds["int8"].teams.items()}
+    bad = result.model_copy(update={"builds": {"int8": result.builds["int8"].model_copy(update={"teams": teams})}})
+    write_gate(tmp_path / "bad.json", bad)
+    out = _invoke("report", "--gate-json", str(tmp_path / "bad.json"))
+    _one_line_error(out, "bad.json: build int8, team search is PASS, but its drop bounds [")
+    assert f"{found}; so this file is not the gate's: re-run `dvc repro gate`" in out.output
+    assert "PASS |" not in out.output
+    for name in ("report.md", "plot.png", "cost.png", "teams.json"):
+        (tmp_path / name).write_text("x")
+    args = ["models", "bad.json", "report.md", "plot.png", "cost.png", "teams.json", "eval", "out.json"]
+    monkeypatch.setattr(sys, "argv", ["register", *args])
+    monkeypatch.setattr(register_stage, "register", lambda *a: pytest.fail("registered"))
+    with pytest.raises(QuantgateError, match=rf"bad.json: build int8, team search is PASS, .*{re.escape(found)}"):
+        register_stage.main()
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_an_interrupt_while_the_lock_is_taken_leaves_no_lock(reg, monkeypatch):
     """Ctrl-C landing after MLflow created the lock but before `held` could release it left the lock held until it
     was broken as stale (120 s): every alias change, rollback included, was refused meanwhile."""
