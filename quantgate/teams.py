@@ -235,6 +235,11 @@ def inspect_team(
             f"{path}: team folder name {path.name!r}: use lower_snake_case, 2-40 characters, "
             "starting with a letter (it names the team in tags and reports)"
         )
+    if path.is_symlink():  # git keeps the link, not the files: a fresh clone would not have this team's sets
+        problems.append(
+            f"{path}: is a symlink (to {path.readlink()}); a team folder must be a folder of its own under the "
+            "evals folder, committed with its files: copy it in"
+        )
     policy = None
     if policy_path.is_symlink():
         problems.append(

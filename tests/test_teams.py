@@ -571,3 +571,18 @@ def test_an_owner_with_a_no_break_space_is_read_with_a_plain_space(example_evals
     set_policy_field(example_evals / "search" / "team.yaml", "owner", '"Search\\u2028Relevance"')  # a line break
     with pytest.raises(QuantgateError, match=r"team.yaml:\d+: owner: must be one line of printable characters"):
         load_team(example_evals / "search")
+
+
+def test_a_symlinked_team_folder_is_refused_as_its_files_would_be(example_evals, tmp_path):
+    """evals/linked -> elsewhere validated as team `linked`, while its symlinked files are refused: git keeps the
+    link, not the files, so a fresh clone would have no such team (or a broken link)."""
+    shutil.copytree(example_evals / "search", tmp_path / "elsewhere")
+    for f in (tmp_path / "elsewhere").glob("*.yaml"):  # its own task names: not a clash with search's
+        f.write_text(f.read_text().replace("task: ", "task: linked_"))
+    (example_evals / "linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    assert str(err.value).splitlines()[1:] == [
+        f"  {example_evals / 'linked'}: is a symlink (to {tmp_path / 'elsewhere'}); a team folder must be a folder of "
+        "its own under the evals folder, committed with its files: copy it in"
+    ], str(err.value)
