@@ -440,9 +440,7 @@ def run(
     from registry import store
 
     admin_url = gateway.admin_url
-    if admin_url and reuse:
-        raise click.UsageError("--reuse is for a canary with its own servers; the gateway serves every version")
-    if problem := load.usage_problem(admin_url is not None):
+    if problem := _usage_problem(load, admin_url, reuse):
         raise click.UsageError(problem)
     stop, stop_load = threading.Event(), threading.Event()
     restore = operator_stops(stop)
@@ -483,6 +481,13 @@ def run(
     click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")
     if outcome.decision != "promoted":
         sys.exit(3)
+
+
+def _usage_problem(load: CanaryLoad, admin_url: str | None, reuse: dict[str, str]) -> str | None:
+    """What `canary run`'s options cannot mean together (a usage error, exit 2), before anything is read."""
+    if admin_url and reuse:
+        return "--reuse is for a canary with its own servers; the gateway serves every version"
+    return load.usage_problem(admin_url is not None)
 
 
 def _hooks(
