@@ -147,11 +147,19 @@ def check_length(**values: str | None) -> None:
     registered-model tag column is varchar(5000) on PostgreSQL), so nothing is cut or half-written.
     """
     for name, value in values.items():
-        limit = MAX_NAME if name == "by" else audit.MAX_TEXT
-        if value is not None and len(value) > limit:
-            # a name is shortened; free text can point to where the whole of it lives
-            fix = "give a shorter name, e.g. --by alice" if name == "by" else "shorten it (link to a longer document)"
-            raise QuantgateError(f"--{name} is {len(value)} characters; the registry keeps at most {limit}: {fix}")
+        if (problem := length_problem(name, value)) is not None:
+            raise QuantgateError(f"--{name} is {problem}")
+
+
+def length_problem(name: str, value: str | None) -> str | None:
+    """Why option --`name`'s `value` is longer than the registry keeps, and the fix, worded to follow the option's
+    name (`6000 characters; the registry keeps at most 250: ...`); None when it fits (or is None)."""
+    limit = MAX_NAME if name == "by" else audit.MAX_TEXT
+    if value is None or len(value) <= limit:
+        return None
+    # a name is shortened; free text can point to where the whole of it lives
+    fix = "give a shorter name, e.g. --by alice" if name == "by" else "shorten it (link to a longer document)"
+    return f"{len(value)} characters; the registry keeps at most {limit}: {fix}"
 
 
 def require_text(**values: str | None) -> None:

@@ -107,18 +107,23 @@ def version_arg(ctx, param, value: str) -> str:
 
 
 def by_arg(ctx, param, value: str | None) -> str:
-    """--by: who acts (recorded), stripped. Raises click.ClickException (one line, naming --by) for a
-    blank name, or one with a newline or another control character (it would forge a line of the audit
-    history), before the registry is touched; says when the blank came from $USER, its default."""
+    """--by: who acts (recorded), stripped. Raises click.BadParameter (a usage error, exit 2, naming --by) for a
+    blank name, one with a newline or another control character (it would forge a line of the audit
+    history), or one longer than the registry keeps, before the registry is touched; says when the blank came
+    from $USER, its default."""
+    from registry.approval import length_problem
+
     from_user = ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT
     if from_user and (value is None or not value.strip()):  # e.g. CI: the MLflow user, when one is set
         value = os.environ.get("MLFLOW_TRACKING_USERNAME")
     if value is None or not value.strip():
         default = "its default, $USER (else $MLFLOW_TRACKING_USERNAME), is unset or empty here"
         why = default if from_user else "it is empty"
-        raise click.ClickException(f"--by: {why}; name who is acting (it is recorded), e.g. --by alice")
+        raise click.BadParameter(f"{why}; name who is acting (it is recorded), e.g. --by alice")
     if not value.strip().isprintable():  # a newline in a recorded name would forge a line of `history`
-        raise click.ClickException("--by: must be one line of printable characters (it is recorded), e.g. --by alice")
+        raise click.BadParameter("must be one line of printable characters (it is recorded), e.g. --by alice")
+    if (too_long := length_problem("by", value.strip())) is not None:
+        raise click.BadParameter(too_long)
     return value.strip()
 
 
@@ -140,12 +145,17 @@ _by = by_option()
 def text_arg(ctx, param, value: str | None) -> str | None:
     """Free text that is recorded (--reason, --override, --recommend) as one line: newlines and other
     control characters become spaces, so `history` shows one line per event and none can be forged.
-    Given but blank is refused (click.ClickException naming the option), before the registry is touched."""
+    Given but blank, or longer than the registry keeps, is refused (click.BadParameter: a usage error, exit 2,
+    naming the option), before the registry is touched."""
+    from registry.approval import length_problem
+
     if value is None:
         return None
     text = " ".join("".join(c if c.isprintable() else " " for c in value).split())
     if not text:
-        raise click.ClickException(f"{param.opts[0]} must not be empty; say why (it is recorded)")
+        raise click.BadParameter("it is empty; say why (it is recorded)")
+    if (too_long := length_problem(param.opts[0].removeprefix("--"), text)) is not None:
+        raise click.BadParameter(too_long)
     return text
 
 
@@ -209,8 +219,6 @@ def approve(
     from registry import approval, versions
 
     with _errors():
-        if recommend_reason is not None:  # refused before anything is written
-            approval.require_text(recommend=recommend_reason)
         client, by = _acting(by, model, "approve")
         if recommend_reason is not None:  # the baseline has no recommendation: refused before the approval
             problem = approval.recommend_problem(versions.require_version(client, model, version).tags)

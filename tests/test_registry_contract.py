@@ -770,9 +770,9 @@ def test_an_empty_by_is_refused_in_one_line_before_the_registry(command, tmp_pat
         ([], {"USER": ""}, "its default, $USER (else $MLFLOW_TRACKING_USERNAME), is unset or empty here"),
     ):
         result = CliRunner().invoke(cli, [*command.split(), *args, *by], env=env)
-        assert result.exit_code == 1 and result.output.splitlines() == [
-            f"Error: --by: {why}; name who is acting (it is recorded), e.g. --by alice"
-        ], result.output
+        assert result.exit_code == 2 and result.output.splitlines()[-1] == (  # a usage error, as every bad argument
+            f"Error: Invalid value for '--by': {why}; name who is acting (it is recorded), e.g. --by alice"
+        ), result.output
     assert list(tmp_path.iterdir()) == []
 
 

@@ -77,10 +77,23 @@ def test_overlong_reason_is_refused_before_anything_is_written(reg):
     before = client.get_model_version(model, v).tags
     n_events = len(audit.history(client, model))
     result = _invoke("approve", model, v, "--reason", "x" * 102_400, "--by", "zoë")
-    _one_line_error(result, "--reason is 102400 characters", "at most 5000: shorten it (link to a longer document)")
+    assert result.exit_code == 2, result.output  # a bad argument: click's usage error, before the registry is read
+    assert result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--reason': 102400 characters; the registry keeps at most 5000: shorten it (link to "
+        "a longer document)"
+    )
+    for option in ("--override", "--recommend"):
+        result = _invoke("approve", model, v, "--by", "zoë", "--reason", "r", option, "x" * 5001)
+        assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+            f"Error: Invalid value for '{option}': 5001 characters; the registry keeps at most 5000: shorten it (link "
+            "to a longer document)"
+        ), result.output
     result = _invoke("approve", model, v, "--reason", "fine", "--by", "z" * 6000)
     # a name is not linked to a document: advice that fits the field
-    _one_line_error(result, "--by is 6000 characters; the registry keeps at most 250: give a shorter name, e.g. --by")
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--by': 6000 characters; the registry keeps at most 250: give a shorter name, e.g. "
+        "--by alice"
+    ), result.output
     assert "document" not in result.output
     assert client.get_model_version(model, v).tags == before  # still alice's approval, whole
     assert approval.approval_of(client, model, v).by == "alice"
@@ -100,7 +113,10 @@ def test_recorded_text_is_one_line_and_a_blank_override_is_named(reg):
     assert not any(line.startswith("production=v99") for line in lines) and any("forged !" in x for x in lines)
     # a name is recorded as given: one with a newline is refused, not rewritten
     forged = "alice\n2026-12-03T00:00:00.000+00:00 approve v2 by security-team: ok"
-    _one_line_error(_invoke("revoke", model, v, "--by", forged, "--reason", "r"), "--by: must be one line")
+    result = _invoke("revoke", model, v, "--by", forged, "--reason", "r")
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--by': must be one line of printable characters (it is recorded), e.g. --by alice"
+    ), result.output
     assert not any("security-team" in x for x in _invoke("history", model).output.splitlines())
     n_events = len(audit.history(client, model))
     for args in (
@@ -108,8 +124,15 @@ def test_recorded_text_is_one_line_and_a_blank_override_is_named(reg):
         ["register", out["unregistered"]["int4"]["run_id"], "--by", "a"],
     ):
         for blank in ("", "   ", "\n"):
-            _one_line_error(_invoke(*args, "--override", blank), "--override must not be empty; say why")
-    _one_line_error(_invoke("approve", model, v, "--by", "a", "--reason", " \t"), "--reason must not be empty")
+            result = _invoke(*args, "--override", blank)
+            assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+                "Error: Invalid value for '--override': it is empty; say why (it is recorded)"
+            ), result.output
+    for option in ("--reason", "--recommend"):
+        result = _invoke("approve", model, v, "--by", "a", "--reason", "r", option, " \t")
+        assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+            f"Error: Invalid value for '{option}': it is empty; say why (it is recorded)"
+        ), result.output
     assert len(audit.history(client, model)) == n_events  # nothing written
 
 
@@ -444,7 +467,9 @@ def test_register_refuses_an_overlong_override_before_writing(reg):
     client, model, out = reg({"int4": "FAIL"})
     run_id = out["unregistered"]["int4"]["run_id"]
     result = _invoke("register", run_id, "--override", "o" * 5001, "--by", "rm")
-    _one_line_error(result, "--override is 5001 characters", "at most 5000")
+    assert result.exit_code == 2 and result.output.splitlines()[-1].startswith(
+        "Error: Invalid value for '--override': 5001 characters; the registry keeps at most 5000"
+    ), result.output
     assert len(client.search_model_versions(f"name='{model}'")) == 1  # the baseline only
 
 
