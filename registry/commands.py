@@ -162,8 +162,18 @@ def text_arg(ctx, param, value: str | None) -> str | None:
 _reason = click.option("--reason", required=True, callback=text_arg, help="Why (recorded).")
 
 
+def _run_id(ctx, param, value: str) -> str:
+    """RUN_ID, a build run's id; a blank one (e.g. an unset shell variable) is a usage error (click.BadParameter,
+    exit 2), refused before the registry is read."""
+    if not value.strip():
+        raise click.BadParameter(
+            "it is empty; give the build's run id (`quantgate status` lists the unregistered ones)"
+        )
+    return value
+
+
 @click.command()
-@click.argument("run_id")
+@click.argument("run_id", callback=_run_id)
 @_by
 @click.option(
     "--override",

@@ -701,6 +701,18 @@ def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
     assert "Missing value" not in result.output
 
 
+@pytest.mark.parametrize("run_id", ["", "  "])
+def test_an_empty_run_id_is_a_usage_error_before_the_registry(run_id, tmp_path, monkeypatch):
+    """`quantgate register ""` (an unset shell variable) went to the registry and exited 1."""
+    monkeypatch.chdir(tmp_path)  # no registry here: a refusal that reached it would say so instead
+    result = CliRunner().invoke(cli, ["register", run_id, "--by", "rm", "--override", "o"])
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        "Error: Invalid value for 'RUN_ID': it is empty; give the build's run id (`quantgate status` lists the "
+        "unregistered ones)"
+    ), result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_long_model_name_mlflow_accepts_can_be_read(reg):
     """`status`, `history` and `canary render` take no lock: a 230-character model MLflow registered was refused as
     one it refuses."""
