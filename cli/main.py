@@ -131,8 +131,21 @@ def _one_line(ctx, param, value: str | None) -> str | None:
     return value
 
 
+def _team_name(ctx, param, value: str) -> str:
+    """TEAM: a name a team folder can have (quantgate.teams.TEAM_NAME); any other is a usage error
+    (click.BadParameter, exit 2, naming TEAM) before anything is read or written."""
+    from quantgate.teams import TEAM_NAME
+
+    if not TEAM_NAME.fullmatch(value):
+        raise click.BadParameter(
+            f"{value!r}: use lower_snake_case, 2-40 characters, starting with a letter (it names the team in tags "
+            "and reports)"
+        )
+    return value
+
+
 @evals.command("new")
-@click.argument("team")
+@click.argument("team", callback=_team_name)
 @click.option("--owner", cls=_Asked, prompt=True, callback=_one_line, help="The team that owns the set.")
 @click.option(
     "--contact",

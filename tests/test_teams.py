@@ -108,7 +108,10 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
     bad = CliRunner().invoke(
         cli, ["evals", "new", "Bad-Name", "--owner", "a", "--contact", "b", "--root", str(example_evals)]
     )
-    assert bad.exit_code == 1 and "lower_snake_case" in bad.output
+    assert bad.exit_code == 2 and bad.output.splitlines()[-1] == (  # a usage error, before anything is read
+        "Error: Invalid value for 'TEAM': 'Bad-Name': use lower_snake_case, 2-40 characters, starting with a letter "
+        "(it names the team in tags and reports)"
+    ), bad.output
 
 
 @pytest.mark.parametrize(
