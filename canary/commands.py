@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import click
 
 from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
+from canary.render import label_problem, template_problem
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.options import IN_FILE, PATH, RATE, SECONDS, grouped, path_option
 from registry.commands import by_option, model_arg, version_arg
@@ -516,6 +517,18 @@ def _step(ctx, param, value: str | None) -> str | None:
     raise click.BadParameter(f"{value!r}: give a step number (1, 2, ...) or rollback")
 
 
+def _checked_by(problem: Callable[[str], str | None]):
+    """A click callback refusing a value for which `problem` (canary.render.label_problem, template_problem) says
+    why: a usage error (exit 2) naming the option, before the registry is read."""
+
+    def callback(ctx, param, value: str) -> str:
+        if (why := problem(value)) is not None:
+            raise click.BadParameter(why)
+        return value
+
+    return callback
+
+
 @dataclass(frozen=True)
 class RouteTarget:
     """Where `canary render`'s HTTPRoutes point: the Gateway they attach to, their `namespace` (the Gateway's
@@ -542,16 +555,25 @@ class RouteTarget:
     "target",
     RouteTarget,
     click.option(
-        "--gateway", default="inference-gateway", show_default=True, help="The Gateway the route attaches to."
+        "--gateway",
+        default="inference-gateway",
+        show_default=True,
+        callback=_checked_by(label_problem),  # names an existing object: a DNS label as given
+        help="The Gateway the route attaches to.",
     ),
     click.option(
-        "--namespace", default="default", show_default=True, help="Namespace of the route, Gateway and Services."
+        "--namespace",
+        default="default",
+        show_default=True,
+        callback=_checked_by(label_problem),
+        help="Namespace of the route, Gateway and Services.",
     ),
     click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="The Services' port."),
     click.option(
         "--service",
         default="{model}-v{version}",
         show_default=True,
+        callback=_checked_by(template_problem),
         help="Service name template ({model}, {version}), made a DNS label.",
     ),
 )
@@ -574,7 +596,10 @@ def render(model: str, version: str, fmt: str, target: RouteTarget, step: str | 
     with command_errors():
         steps = load_policy().steps
         if step not in (None, "rollback") and int(step) > len(steps):
-            raise QuantgateError(f"--step {step}: the canary policy has {len(steps)} steps (params.yaml canary.steps)")
+            raise QuantgateError(
+                f"--step {step}: the canary policy has {len(steps)} steps (params.yaml canary.steps); give a step from "
+                f"1 to {len(steps)}, or rollback"
+            )
         stable, _, _ = preflight(store.client(existing=True), model, version)
         routes = http_routes(model, stable, version, steps, **vars(target))
         if step is not None:

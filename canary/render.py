@@ -46,28 +46,46 @@ def dns_label(text: str, what: str) -> str:
     return label
 
 
+def label_problem(name: str) -> str | None:
+    """Why `name` is not an RFC 1123 DNS label (`'Prod' is not a DNS label (...)`), or None when it is one."""
+    if _DNS_LABEL.fullmatch(name):
+        return None
+    return (
+        f"{name!r} is not a DNS label (lowercase [a-z0-9-], a letter or digit first and last, at most 63 characters); "
+        "give the name as the cluster has it"
+    )
+
+
 def require_dns_label(name: str, what: str) -> str:
     """`name` unchanged if it already is an RFC 1123 DNS label (a namespace, a Gateway name);
     QuantgateError otherwise: these name existing objects, so they are checked, not rewritten."""
-    if not _DNS_LABEL.fullmatch(name):
-        raise QuantgateError(f"{what} {name!r} is not a DNS label (lowercase [a-z0-9-], at most 63 characters)")
+    if (problem := label_problem(name)) is not None:
+        raise QuantgateError(f"{what} {problem}")
     return name
 
 
-def service_name(model: str, version: str, template: str = SERVICE_TEMPLATE) -> str:
-    """The Service serving `version` of `model`: `template` with {model} and {version} filled in,
-    as a DNS label (see `dns_label`). Raises QuantgateError for other placeholders."""
+def template_problem(template: str) -> str | None:
+    """Why `template` cannot name the Services (`'{nope}': use only {model} and {version}, ...`: a placeholder
+    other than those, none for the version, or unbalanced braces), or None when it can."""
     import string
 
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:  # unbalanced braces: "{model", "{version}}"
-        raise QuantgateError(f"service template {template!r}: {exc}; e.g. {SERVICE_TEMPLATE}") from None
+        return f"{template!r}: {exc}; e.g. {SERVICE_TEMPLATE}"
     if "version" not in fields or any(f not in ("model", "version") for f in fields):
-        raise QuantgateError(
-            f"service template {template!r}: use only {{model}} and {{version}}, and {{version}} at least "
+        return (
+            f"{template!r}: use only {{model}} and {{version}}, and {{version}} at least "
             f"(stable and candidate need different Services), e.g. {SERVICE_TEMPLATE}"
         )
+    return None
+
+
+def service_name(model: str, version: str, template: str = SERVICE_TEMPLATE) -> str:
+    """The Service serving `version` of `model`: `template` with {model} and {version} filled in,
+    as a DNS label (see `dns_label`). Raises QuantgateError for other placeholders (template_problem)."""
+    if (problem := template_problem(template)) is not None:
+        raise QuantgateError(f"service template {problem}")
     try:
         text = template.format(model=model, version=version)
     except (KeyError, IndexError, ValueError, AttributeError) as exc:

@@ -207,7 +207,7 @@ def test_render_refusals_are_one_line(project, tmp_path):
     project.set_registered_model_alias(MODEL, "fallback", "1")
     one_line_error(
         render("3", "--format", "gateway-api", "--step", "5"),
-        "--step 5: the canary policy has 4 steps (params.yaml canary.steps)",
+        "--step 5: the canary policy has 4 steps (params.yaml canary.steps); give a step from 1 to 4, or rollback",
     )
     result = render("3", "--format", "gateway-api", "--out", str(tmp_path))  # a directory
     one_line_error(result, f"cannot write {tmp_path}: Is a directory; give a writable --out")
@@ -234,12 +234,38 @@ def test_service_templates_that_cannot_tell_the_versions_apart_are_refused(templ
 def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(project, template):
     with pytest.raises(QuantgateError, match=r"service template .*: (expected '\}'|Single '\}')"):
         service_name("smollm2", "2", template)
-    one_line_error(
-        render("2", "--format", "gateway-api", "--service", template),
-        f"service template {template!r}: "
+    result = render("2", "--format", "gateway-api", "--service", template)
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (  # a usage error: the registry is not read
+        f"Error: Invalid value for '--service': {template!r}: "
         + ("expected '}' before end of string" if template == "{model" else "Single '}' encountered in format string")
-        + "; e.g. {model}-v{version}",
-    )
+        + "; e.g. {model}-v{version}"
+    ), result.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [
+        ("--namespace", "BAD NS", "'BAD NS' is not a DNS label"),
+        ("--namespace", "-llm", "'-llm' is not a DNS label"),
+        ("--gateway", "", "'' is not a DNS label"),
+        ("--service", "{nope}", "'{nope}': use only {model} and {version}"),
+        ("--service", "{model}", "'{model}': use only {model} and {version}, and {version} at least"),
+    ],
+)
+def test_a_bad_gateway_namespace_or_service_is_a_usage_error_before_the_registry(
+    tmp_path, monkeypatch, option, value, said
+):
+    """They exited 1, after the registry was read, although no registry can make them right."""
+    monkeypatch.chdir(tmp_path)  # no registry here: a refusal that reached it would say so instead
+    result = render("2", "--format", "gateway-api", option, value)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.output.splitlines()[-1].startswith(f"Error: Invalid value for '{option}': {said}"), result.output
+    if option != "--service":
+        assert result.output.splitlines()[-1].endswith(
+            "(lowercase [a-z0-9-], a letter or digit first and last, at most 63 characters); give the name as the "
+            "cluster has it"
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_routes_are_a_traffic_split_like_the_gateways():
