@@ -132,7 +132,8 @@ def prompts_from_evals(evals_dir: Path, limit: int | None = None) -> list[Prompt
         for task in team.tasks:
             split = task.config.get("test_split") or task.config.get("validation_split")
             path = Path(task.config["dataset_kwargs"]["data_files"][split])
-            docs = [doc for _, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`")]
+            fix = "check the eval sets with `quantgate evals validate`"
+            docs = [doc for _, doc in read_jsonl(path, fix, loader=True)]  # what lm-eval's loader reads
             try:
                 prompts += [Prompt(render(task.config.get("doc_to_text"), d), team.name) for d in docs[:limit]]
             except jinja2.TemplateError as exc:

@@ -65,7 +65,7 @@ def eval_strings(teams: list[Team]) -> dict[str, str]:
             for path in _data_files(task.config):
                 if not path.is_file():  # data files are JSONL whatever their suffix (checks.read_docs)
                     continue
-                for number, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`"):
+                for number, doc in read_jsonl(path, "check the eval sets with `quantgate evals validate`", loader=True):
                     for s in _strings(doc):
                         n = _norm(s)
                         if len(n) >= MIN_OVERLAP_CHARS or len(n.split()) >= MIN_OVERLAP_WORDS:
@@ -103,7 +103,7 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
         if strings is None:
             strings = eval_strings(teams)
         own = []
-        for number, row in read_jsonl(path, f"save it as UTF-8, one {SHAPE} per line"):
+        for number, row in read_jsonl(path, f"write each line as one JSON object, {SHAPE}", by_hand=True):
             where = f"{path}:{number}"
             messages = row.get("messages") if isinstance(row, dict) else None
             if not is_chat(messages):

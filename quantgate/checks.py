@@ -345,7 +345,7 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]], list[
                 problems.append(f"{data_path}:{n}: blank line (quantgate's blank-line rule); remove it")
             continue
         try:
-            doc = parse_line(n, line)
+            doc = parse_line(n, line, loader=True)  # lm-eval reads this file
         except BadLine as exc:
             problems.append(exc.at(data_path))
             continue

@@ -1,8 +1,11 @@
 """JSON Lines files (one JSON value per line, UTF-8): the project's one reader and its line rules.
 
-`read_jsonl` stops at the first bad line with one error, `<path>:<line>: <problem>; <what to do>`, the
-caller saying what to do. Team data files go through checks.read_docs, which applies the same rules
-(`decode`, `parse_line`) but lists every bad line at once.
+`read_jsonl` stops at the first bad line with one error, `<path>:<line>: <problem>; <what to do>`: for a file
+a stage writes, the caller says what to do (re-run the stage); for one people write (`by_hand`), the line says
+its own fix (keep one of a key given twice), the caller's only where the line has none. Team data files go
+through checks.read_docs, which applies the same rules (`decode`, `parse_line`) but lists every bad line at
+once. Only where lm-eval's datasets loader reads the file (`loader`: a team's data files) do the messages
+compare the rules with that loader's.
 """
 
 from __future__ import annotations
@@ -39,41 +42,43 @@ def decode(raw: bytes) -> str:
         raise BadLine(number, f"not UTF-8 (byte 0x{raw[exc.start]:02x})", "save the file as UTF-8") from None
 
 
-def _unique_keys(number: int):
-    """json's object_pairs_hook refusing a key given twice in one object (json keeps the last silently)."""
+def _unique_keys(number: int, loader: bool):
+    """json's object_pairs_hook refusing a key given twice in one object (json keeps the last silently); with
+    `loader`, saying what lm-eval's datasets loader would do with it."""
 
     def pairs(items: list[tuple[str, object]]) -> dict:
         out: dict = {}
         for key, value in items:
             if key in out:
-                raise BadLine(
-                    number,
-                    f"key {key!r} is given twice in one object (the datasets loader lm-eval uses refuses such a "
-                    "file, or in a nested object keeps a wrong value)",
-                    "keep one",
+                why = (
+                    " (the datasets loader lm-eval uses refuses such a file, or in a nested object keeps a wrong value)"
+                    if loader
+                    else ""
                 )
+                raise BadLine(number, f"key {key!r} is given twice in one object{why}", "keep one")
             out[key] = value
         return out
 
     return pairs
 
 
-def parse_line(number: int, line: str) -> object:
+def parse_line(number: int, line: str, loader: bool = False) -> object:
     """The JSON value of line `number`. Raises BadLine if it is not JSON (NaN and Infinity, which Python's json
     reads, are not JSON: RFC 8259 section 6), is nested too deeply for the parser, holds an unpaired
     surrogate (`"\\ud800"`: json reads it, but no UTF-8 writer or dataset loader does), or gives a key twice
-    in one object. Each of these names its rule (evals/README.md)."""
+    in one object. Each of these names its rule (evals/README.md); with `loader` (a file lm-eval's datasets
+    loader reads: a team's data file) the messages say how the rule compares with that loader."""
 
     def not_json(name: str):
+        than = ", stricter than the datasets loader" if loader else ""
         raise BadLine(
             number,
-            f"{name} is not JSON (RFC 8259 has no NaN or Infinity; quantgate's no-NaN rule, stricter than the "
-            "datasets loader)",
+            f"{name} is not JSON (RFC 8259 has no NaN or Infinity; quantgate's no-NaN rule{than})",
             "write a number, a string or null",
         )
 
     try:
-        value = json.loads(line, parse_constant=not_json, object_pairs_hook=_unique_keys(number))
+        value = json.loads(line, parse_constant=not_json, object_pairs_hook=_unique_keys(number, loader))
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except json.JSONDecodeError as exc:
         # "Unterminated string starting at" names its position itself
@@ -95,12 +100,15 @@ def parse_line(number: int, line: str) -> object:
     return value
 
 
-def read_jsonl(path: Path, what_to_do: str) -> list[tuple[int, object]]:
+def read_jsonl(path: Path, what_to_do: str, by_hand: bool = False, loader: bool = False) -> list[tuple[int, object]]:
     """(line number, value) of every line of the JSONL file at `path`; blank lines are skipped.
 
-    Raises QuantgateError in one line, `<path>:<line>: <problem>; <what_to_do>`, at the first byte that is
-    not UTF-8 or the first line that is not JSON (parse_line), and `<path>: cannot read it (<why>)` for a file
-    that cannot be read (permissions, a folder).
+    Raises QuantgateError in one line, `<path>:<line>: <problem>; <fix>`, at the first byte that is not UTF-8
+    or the first line that is not JSON (parse_line, `loader` passed on), and `<path>: cannot read it (<why>);
+    <what_to_do>` for a file that cannot be read (permissions, a folder). The fix is `what_to_do` for a file a
+    stage writes (re-run it: the line's own fix would have the user edit an output); for one people write
+    (`by_hand`, e.g. a team's calibration.jsonl) it is the line's own (BadLine.fix: keep one of a key given
+    twice, write a number for NaN), and `what_to_do` only for a line without one (invalid JSON).
     """
     try:
         data = Path(path).read_bytes()
@@ -108,6 +116,6 @@ def read_jsonl(path: Path, what_to_do: str) -> list[tuple[int, object]]:
         raise QuantgateError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__}); {what_to_do}") from None
     try:
         lines = decode(data).split("\n")
-        return [(number, parse_line(number, line)) for number, line in enumerate(lines, 1) if line.strip()]
+        return [(number, parse_line(number, line, loader)) for number, line in enumerate(lines, 1) if line.strip()]
     except BadLine as exc:
-        raise QuantgateError(exc.at(path, what_to_do)) from None
+        raise QuantgateError(exc.at(path, (exc.fix or what_to_do) if by_hand else what_to_do)) from None

@@ -31,10 +31,20 @@ def first_line(evals, team: str, field: str) -> str:
     [
         (
             b"{'messages': []}",
-            "invalid JSON (Expecting property name enclosed in double quotes at column 2); save it as UTF-8, "
-            f"one {SHAPE} per line",
+            "invalid JSON (Expecting property name enclosed in double quotes at column 2); write each line as one "
+            f"JSON object, {SHAPE}",
         ),
-        (b'{"messages": "caf\xe9"}', f"not UTF-8 (byte 0xe9); save it as UTF-8, one {SHAPE} per line"),
+        (b'{"messages": "caf\xe9"}', "not UTF-8 (byte 0xe9); save the file as UTF-8"),
+        # each line's own cause and fix: not "save it as UTF-8", nor the datasets loader, which never reads this file
+        (
+            b'{"messages": [{"role": "user", "content": "a", "content": "b"}]}',
+            "key 'content' is given twice in one object; keep one",
+        ),
+        (
+            b'{"messages": [{"role": "user", "content": NaN}]}',
+            "NaN is not JSON (RFC 8259 has no NaN or Infinity; quantgate's no-NaN rule); write a number, a string "
+            "or null",
+        ),
         (b'{"messages": "hi"}', "expected " + SHAPE),
         (b'{"messages": []}', "expected " + SHAPE),
         (b'{"messages": [{"role": "bot", "content": "hi"}]}', "expected " + SHAPE),

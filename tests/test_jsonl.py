@@ -38,6 +38,47 @@ def test_bad_line_is_one_line_naming_file_line_problem_and_fix(tmp_path, raw, er
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "raw, by_hand, loader, error",
+    [
+        (b'{"a": 1, "a": 2}\n', False, False, "1: key 'a' is given twice in one object; " + FIX),
+        (b'{"a": 1, "a": 2}\n', True, False, "1: key 'a' is given twice in one object; keep one"),
+        (
+            b'{"a": 1, "a": 2}\n',
+            True,
+            True,
+            "1: key 'a' is given twice in one object (the datasets loader lm-eval uses refuses such a file, or in a "
+            "nested object keeps a wrong value); keep one",
+        ),
+        (
+            b'{"a": NaN}\n',
+            True,
+            False,
+            "1: NaN is not JSON (RFC 8259 has no NaN or Infinity; quantgate's no-NaN rule); write a number, a string "
+            "or null",
+        ),
+        (
+            b'{"a": NaN}\n',
+            False,
+            True,
+            "1: NaN is not JSON (RFC 8259 has no NaN or Infinity; quantgate's no-NaN "
+            "rule, stricter than the datasets loader); " + FIX,
+        ),
+        (b'{"a": \n', True, False, "1: invalid JSON (Expecting value at column 7); " + FIX),  # no fix of its own
+    ],
+)
+def test_a_file_people_write_gets_each_lines_own_fix_and_the_loader_only_where_it_reads(
+    tmp_path, raw, by_hand, loader, error
+):
+    """calibration.jsonl's key given twice said "(the datasets loader lm-eval uses refuses such a file ...); save it
+    as UTF-8": lm-eval never reads that file, and the caller's advice replaced the line's own fix."""
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(raw)
+    with pytest.raises(QuantgateError) as err:
+        read_jsonl(path, FIX, by_hand=by_hand, loader=loader)
+    assert str(err.value) == f"{path}:{error}"
+
+
 def test_a_file_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):
     """A folder where a file should be (as an unreadable file, for a user without root) is named, with why."""
     from quantgate.hashing import sha256_file
