@@ -63,17 +63,8 @@ def current(mlflow_client, model_name: str) -> dict[str, str]:
     except MlflowException as exc:
         if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
             raise
-        raise not_registered(mlflow_client, model_name) from None
+        raise versions.not_registered(mlflow_client, model_name) from None
     return {a: str(v) for a, v in (rm.aliases or {}).items() if a in ALIASES}
-
-
-def not_registered(mlflow_client, model_name: str) -> QuantgateError:
-    """The error for a model that is not registered at the client's tracking URI (named, with what to check)."""
-    where = getattr(mlflow_client, "tracking_uri", None) or "this tracking URI"
-    return QuantgateError(
-        f"model {model_name!r} is not registered at {where}; check the name (params.yaml "
-        "register.model_name) or MLFLOW_TRACKING_URI"
-    )
 
 
 def _apply(

@@ -68,7 +68,7 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
     except MlflowException as exc:
         if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
             raise  # any other answer (a server error, a refusal) is reported as the server said it
-        raise aliases.not_registered(mlflow_client, model_name) from None
+        raise versions.not_registered(mlflow_client, model_name) from None
     by_version: dict[str, list[str]] = {}
     for alias, version in (rm.aliases or {}).items():
         by_version.setdefault(str(version), []).append(alias)

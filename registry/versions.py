@@ -52,15 +52,40 @@ def get_version(mlflow_client, model_name: str, version):
         return None
 
 
+def not_registered(mlflow_client, model_name: str) -> QuantgateError:
+    """The error for a model that is not registered at the client's tracking URI (named, with what to check)."""
+    where = getattr(mlflow_client, "tracking_uri", None) or "this tracking URI"
+    return QuantgateError(
+        f"model {model_name!r} is not registered at {where}; check the name (params.yaml "
+        "register.model_name) or MLFLOW_TRACKING_URI"
+    )
+
+
+def _is_registered(mlflow_client, model_name: str) -> bool:
+    """Whether registered model `model_name` exists; other registry errors propagate."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow_client.get_registered_model(model_name)
+    except MlflowException as exc:
+        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return False
+    return True
+
+
 def require_version(mlflow_client, model_name: str, version):
     """The model version, which must exist and be READY.
 
     Raises QuantgateError when it was never registered, was deleted, or is not READY, so
-    nothing (an alias, an approval) is ever made to point at it.
+    nothing (an alias, an approval) is ever made to point at it; when the model itself is not
+    registered, says that (not_registered), as `quantgate status MODEL` does.
     """
     number = version_number(version)
     mv = get_version(mlflow_client, model_name, number)
     if mv is None:
+        if not _is_registered(mlflow_client, model_name):  # a misspelled model or another registry
+            raise not_registered(mlflow_client, model_name)
         raise QuantgateError(
             f"{model_name} v{number} does not exist (never registered, or deleted); see `quantgate status {model_name}`"
         )

@@ -701,6 +701,28 @@ def test_a_bad_model_name_is_refused_up_front_naming_model(reg, args, said):
     assert "Missing value" not in result.output
 
 
+def test_a_version_of_a_model_not_registered_says_the_model_is_not_registered(reg):
+    """`approve nosuch 1` said `nosuch v1 does not exist (never registered, or deleted)`, sending the user to look for
+    a version of a model that is not in this registry at all (a misspelled name, another MLFLOW_TRACKING_URI)."""
+    client, model, _ = reg({"int4": "PASS"})
+    said = (
+        f"Error: model 'nosuch' is not registered at {store.tracking_uri()}; check the name (params.yaml "
+        "register.model_name) or MLFLOW_TRACKING_URI"
+    )
+    assert _invoke("status", "nosuch").output.splitlines() == [said]  # the wording followed
+    for args in (
+        ("approve", "nosuch", "1", "--by", "rm", "--reason", "r"),
+        ("revoke", "nosuch", "1", "--by", "rm", "--reason", "r"),
+    ):
+        result = _invoke(*args)
+        assert result.exit_code == 1 and result.output.splitlines() == [said], result.output
+    result = _invoke("approve", model, "99", "--by", "rm", "--reason", "r")  # a registered model: the version
+    assert result.output.splitlines() == [
+        f"Error: {model} v99 does not exist (never registered, or deleted); see `quantgate status {model}`"
+    ], result.output
+    assert "nosuch" not in [m.name for m in client.search_registered_models()]  # nothing left behind (a lock)
+
+
 @pytest.mark.parametrize("run_id", ["", "  "])
 def test_an_empty_run_id_is_a_usage_error_before_the_registry(run_id, tmp_path, monkeypatch):
     """`quantgate register ""` (an unset shell variable) went to the registry and exited 1."""
