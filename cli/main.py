@@ -117,16 +117,23 @@ class _Asked(click.Option):
 
 def _one_line(ctx, param, value: str | None) -> str | None:
     """--owner, --contact: written to team.yaml and printed by validate, so one line of printable characters
-    (a newline would print as two lines of the report); a no-break or other Unicode space is written as a plain
-    one (teams.plain_spaces). Raises click.ClickException naming the option."""
-    from quantgate.teams import plain_spaces
+    (a newline would print as two lines of the report) of at most teams.MAX_PERSON, as validate reads team.yaml;
+    a no-break or other Unicode space is written as a plain one (teams.plain_spaces). Raises click.BadParameter
+    (a usage error, exit 2, naming the option) before anything is written."""
+    from quantgate.teams import MAX_PERSON, plain_spaces
 
-    value = None if value is None else plain_spaces(value)
-    if value is not None and not value.isprintable():
-        flag = f"--{param.name}"
-        raise click.ClickException(
-            f"{flag}: must be one line of printable characters (it is written to team.yaml and printed by "
-            f"validate), e.g. {_EXAMPLES[flag]}"
+    if value is None:
+        return None
+    value, example = plain_spaces(value), _EXAMPLES[f"--{param.name}"]
+    if not value.isprintable():
+        raise click.BadParameter(
+            "must be one line of printable characters (it is written to team.yaml and printed by validate), "
+            f"e.g. {example}"
+        )
+    if len(value) > MAX_PERSON:
+        raise click.BadParameter(
+            f"{len(value)} characters; at most {MAX_PERSON} (it is written to team.yaml and printed by validate): "
+            f"give a team's name or an address, e.g. {example}"
         )
     return value
 

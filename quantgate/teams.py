@@ -46,6 +46,9 @@ class Margin(Frozen):
         return self.absolute if self.absolute is not None else abs(baseline) * self.relative / 100.0
 
 
+MAX_PERSON = 250  # characters of an owner or contact: a name or address, bounded as --by is (registry.approval)
+
+
 class TeamPolicy(Frozen):
     """The gate policy a team owns (evals/<team>/team.yaml)."""
 
@@ -66,6 +69,8 @@ class TeamPolicy(Frozen):
             raise ValueError("is blank; name who owns the set and who to tell when the gate fails")
         if not value.isprintable():  # a newline would print as two lines of validate's report
             raise ValueError("must be one line of printable characters (no newline or tab)")
+        if len(value) > MAX_PERSON:  # printed in validate's report and every gate notice
+            raise ValueError(f"is {len(value)} characters; at most {MAX_PERSON}: give a team's name or an address")
         return value
 
 

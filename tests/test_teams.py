@@ -213,11 +213,48 @@ def test_new_team_refuses_an_owner_or_contact_of_more_than_one_line(tmp_path, fl
     res = CliRunner().invoke(
         cli, ["evals", "new", "ranking", *[x for kv in values.items() for x in kv], "--root", str(tmp_path)]
     )
-    assert res.exit_code == 1 and list(tmp_path.iterdir()) == []
-    assert res.output == (
-        f"Error: {flag}: must be one line of printable characters (it is written to team.yaml and printed by "
-        f"validate), e.g. {example}\n"
+    assert res.exit_code == 2 and list(tmp_path.iterdir()) == []  # a usage error, as every bad argument
+    assert res.output.splitlines()[-1] == (
+        f"Error: Invalid value for '{flag}': must be one line of printable characters (it is written to team.yaml "
+        f"and printed by validate), e.g. {example}"
     )
+
+
+@pytest.mark.parametrize("flag", ["--owner", "--contact"])
+def test_new_team_bounds_the_owner_and_contact_as_by_is(tmp_path, flag):
+    """A 100,000-character --owner was written to team.yaml (and printed by validate); --by, the other name
+    quantgate keeps, is bounded at 250."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from quantgate.teams import MAX_PERSON
+    from registry.approval import MAX_NAME
+
+    assert MAX_PERSON == MAX_NAME == 250
+    example = {"--owner": "--owner Ranking", "--contact": "--contact ranking-oncall@example.com"}[flag]
+    for text in ("x" * 251, "x" * 100_000):
+        values = {"--owner": "O", "--contact": "c", flag: text}
+        res = CliRunner().invoke(
+            cli, ["evals", "new", "ranking", *[x for kv in values.items() for x in kv], "--root", str(tmp_path)]
+        )
+        assert res.exit_code == 2 and list(tmp_path.iterdir()) == [], res.output
+        assert res.output.splitlines()[-1] == (
+            f"Error: Invalid value for '{flag}': {len(text)} characters; at most 250 (it is written to team.yaml and "
+            f"printed by validate): give a team's name or an address, e.g. {example}"
+        )
+
+
+@pytest.mark.parametrize("key", ["owner", "contact"])
+def test_an_owner_or_contact_over_the_bound_in_team_yaml_is_refused_at_its_line(example_evals, key):
+    """validate read a team.yaml owner of any length (one `evals new` now refuses)."""
+    policy = example_evals / "support" / "team.yaml"
+    set_policy_field(policy, key, "x" * 250)
+    assert getattr(load_team(example_evals / "support").policy, key) == "x" * 250  # the bound itself is fine
+    set_policy_field(policy, key, "x" * 251)
+    line = next(n for n, ln in enumerate(policy.read_text().splitlines(), 1) if ln.startswith(f"{key}:"))
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    assert f"{policy}:{line}: {key}: is 251 characters; at most 250: give a team's name or an address" in str(err.value)
 
 
 def set_policy_field(policy: Path, key: str, yaml_value: str) -> None:
