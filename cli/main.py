@@ -119,12 +119,14 @@ def _one_line(ctx, param, value: str | None) -> str | None:
     """--owner, --contact: written to team.yaml and printed by validate, so one line of printable characters
     (a newline would print as two lines of the report) of at most teams.MAX_PERSON, as validate reads team.yaml;
     a no-break or other Unicode space is written as a plain one (teams.plain_spaces). Raises click.BadParameter
-    (a usage error, exit 2, naming the option) before anything is written."""
+    (a usage error, exit 2, naming the option) for a blank one too, before anything is written."""
     from quantgate.teams import MAX_PERSON, plain_spaces
 
     if value is None:
         return None
     value, example = plain_spaces(value), _EXAMPLES[f"--{param.name}"]
+    if not value.strip():  # at a prompt, asked again; gate-failure notices would go to nobody
+        raise click.BadParameter(f"it is blank; say whom the gate reports to, e.g. {example}")
     if not value.isprintable():
         raise click.BadParameter(
             "must be one line of printable characters (it is written to team.yaml and printed by validate), "

@@ -117,9 +117,22 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
 @pytest.mark.parametrize(
     "owner, contact, said",
     [
-        ("", "c", "Error: --owner must not be empty: they say whom the gate reports to"),
-        ("O", "  ", "Error: --contact must not be empty: they say whom the gate reports to"),
-        (" ", "", "Error: --owner and --contact must not be empty: they say whom the gate reports to"),
+        (
+            "",
+            "c",
+            "Error: Invalid value for '--owner': it is blank; say whom the gate reports to, e.g. --owner Ranking",
+        ),
+        (
+            "O",
+            "  ",
+            "Error: Invalid value for '--contact': it is blank; say whom the gate reports to, e.g. --contact "
+            "ranking-oncall@example.com",
+        ),
+        (
+            " ",
+            "",
+            "Error: Invalid value for '--owner': it is blank; say whom the gate reports to, e.g. --owner Ranking",
+        ),
     ],
 )
 def test_new_team_names_the_option_left_blank_and_a_missing_root(tmp_path, owner, contact, said):
@@ -131,7 +144,7 @@ def test_new_team_names_the_option_left_blank_and_a_missing_root(tmp_path, owner
 
     args = ["evals", "new", "ranking", "--owner", owner, "--contact", contact, "--root", str(tmp_path)]
     res = CliRunner().invoke(cli, args)
-    assert res.exit_code == 1 and res.output.splitlines() == [said] and list(tmp_path.iterdir()) == []
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == said and list(tmp_path.iterdir()) == []
     res = CliRunner().invoke(cli, [*args[:3], "--owner", "O", "--contact", "c", "--root", str(tmp_path / "none")])
     assert res.exit_code == 1 and res.output.splitlines() == [
         f"Error: {tmp_path / 'none'}: does not exist; --root is the folder that holds the team folders (evals/)"
@@ -293,8 +306,11 @@ def test_new_team_without_input_to_ask_on_says_which_options_to_give(tmp_path, g
     res = CliRunner().invoke(cli, ["evals", "new", "ranking", *given, "--root", str(tmp_path)], input="")
     assert res.exit_code == 1 and f"\nError: {said}\n" in res.output and "Aborted" not in res.output
     assert list(tmp_path.iterdir()) == []
-    asked = CliRunner().invoke(cli, ["evals", "new", "ranking", "--root", str(tmp_path)], input="Ranking\nr@x\n")
+    asked = CliRunner().invoke(cli, ["evals", "new", "ranking", "--root", str(tmp_path)], input=" \nRanking\nr@x\n")
     assert asked.exit_code == 0 and load_team(tmp_path / "ranking").policy.contact == "r@x"  # a terminal still asks
+    # a blank answer is asked again (click names no option at its prompt)
+    assert "Owner:  \nError: it is blank; say whom the gate reports to, e.g. --owner Ranking\nOwner: " in asked.output
+    assert load_team(tmp_path / "ranking").policy.owner == "Ranking"
 
 
 @pytest.mark.parametrize(
