@@ -41,14 +41,15 @@ def paired_arrays(
     """Per-document scores of both builds in the same order, shape (n,) each.
 
     Raises QuantgateError if the document sets differ (ids, count or content hash) or a
-    score is missing, NaN or not a number.
+    score is missing, NaN or infinite (no interval of the drop is finite then: the gate wrote a PASS with
+    lower bound -inf, which `quantgate report` and register rightly refuse as no verdict).
     """
 
     def index(scores: TeamScores, build: str) -> dict[tuple[str, int], Sample]:
         out = {}
         for s in scores.samples:
             key = (s.task, s.doc_id)
-            if s.score is None or math.isnan(s.score):
+            if s.score is None or not math.isfinite(s.score):
                 raise QuantgateError(f"build {build}: score of {key[0]} doc {key[1]} is {s.score!r}")
             if key in out:
                 raise QuantgateError(f"build {build}: {key[0]} doc {key[1]} scored twice")

@@ -100,7 +100,7 @@ class Sample(Document):
     task: str
     doc_id: int
     doc_hash: str | None = None
-    score: float | None = None  # the team metric; the gate fails closed on None or NaN
+    score: float | None = None  # the team metric; the gate fails closed on None, NaN or inf
 
 
 class TaskScore(Document):

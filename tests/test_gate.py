@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.gate import GateParams, gate, load_params, report
 from quantgate.errors import QuantgateError
-from quantgate.results import TeamComparison, read_gate, write_gate
+from quantgate.results import TeamComparison, check_consistent, read_gate, write_gate
 from quantgate.teams import load_teams
 from tests.conftest import REPO, write_scores
 
@@ -59,6 +59,8 @@ def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
         ("fewer_docs", "document sets differ: 10 docs on fp16 vs 9 on int4"),
         ("other_docs", "document content differs"),
         ("nan", "is nan"),
+        ("inf", "is inf"),
+        ("-inf", "is -inf"),
     ],
 )
 def test_fails_closed_with_reason(tmp_path, teams, case, expected):
@@ -71,9 +73,14 @@ def test_fails_closed_with_reason(tmp_path, teams, case, expected):
         write_scores(tmp_path, "int4", "search", [1.0] * 10, hashes={3: "changed"})
     elif case == "nan":
         write_scores(tmp_path, "int4", "search", [1.0] * 9 + [float("nan")])
-    r = row(gate(tmp_path, teams, PARAMS))
+    elif case in ("inf", "-inf"):  # an infinite score: no finite bound of the drop (a PASS with lower -inf was written)
+        write_scores(tmp_path, "int4", "search", [1.0] * 9 + [float(case)])
+    result = gate(tmp_path, teams, PARAMS)
+    r = row(result)
     assert r.verdict == "FAIL" and list(r.dump()) == ["verdict", "metric", "reason"]
     assert expected in r.reason
+    write_gate(tmp_path / "gate.json", result)  # what the gate writes, report and register read
+    check_consistent(read_gate(tmp_path / "gate.json"), tmp_path / "gate.json")
 
 
 def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_evals):
