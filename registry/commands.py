@@ -163,13 +163,14 @@ _reason = click.option("--reason", required=True, callback=text_arg, help="Why (
 
 
 def _run_id(ctx, param, value: str) -> str:
-    """RUN_ID, a build run's id; a blank one (e.g. an unset shell variable) is a usage error (click.BadParameter,
-    exit 2), refused before the registry is read."""
+    """RUN_ID, a build run's id, stripped (one pasted with a space around it was 'does not exist'); a blank one
+    (e.g. an unset shell variable) is a usage error (click.BadParameter, exit 2), refused before the registry is
+    read."""
     if not value.strip():
         raise click.BadParameter(
             "it is empty; give the build's run id (`quantgate status` lists the unregistered ones)"
         )
-    return value
+    return value.strip()
 
 
 @click.command()

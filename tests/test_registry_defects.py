@@ -735,6 +735,16 @@ def test_an_empty_run_id_is_a_usage_error_before_the_registry(run_id, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_id_pasted_with_spaces_around_it_is_found(reg):
+    """RUN_ID's blank check strips it, but the id itself was looked up with its spaces: 'run ' 649b... ' does not
+    exist in this registry' for a run `quantgate status` lists."""
+    client, model, out = reg({"int4": "FAIL"})
+    run_id = out["unregistered"]["int4"]["run_id"]
+    result = _invoke("register", f" {run_id}\t", "--by", "rm", "--override", "ship it")
+    assert result.exit_code == 0, result.output
+    assert any(mv.run_id == run_id for mv in client.search_model_versions(f"name='{model}'"))
+
+
 def test_a_long_model_name_mlflow_accepts_can_be_read(reg):
     """`status`, `history` and `canary render` take no lock: a 230-character model MLflow registered was refused as
     one it refuses."""
