@@ -173,6 +173,16 @@ def _run_id(ctx, param, value: str) -> str:
     return value.strip()
 
 
+def _canary_run_id(ctx, param, value: str | None) -> str | None:
+    """--canary-run-id, stripped; a blank one (an unset shell variable) is a usage error (click.BadParameter, exit
+    2) before the registry is read, as a blank RUN_ID is: it exited 1 with "canary run '' does not exist"."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("it is empty; give the run id `quantgate canary run` printed for this version")
+    return value.strip()
+
+
 @click.command()
 @click.argument("run_id", callback=_run_id)
 @_by
@@ -319,6 +329,7 @@ def _version_or_none(ctx, param, value: str) -> str | None:
 @_reason
 @click.option(
     "--canary-run-id",
+    callback=_canary_run_id,
     help="The MLflow run of this version's canary that passed every step, supporting this promotion (recorded).",
 )
 def promote(

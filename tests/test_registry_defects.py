@@ -735,6 +735,20 @@ def test_an_empty_run_id_is_a_usage_error_before_the_registry(run_id, tmp_path, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("run_id", ["", "  "])
+def test_an_empty_canary_run_id_is_a_usage_error_before_the_registry(run_id, tmp_path, monkeypatch):
+    """`promote --canary-run-id ""` (an unset shell variable) went to the registry and exited 1, "canary run ''
+    does not exist at this tracking URI", where a blank RUN_ID of register is a usage error."""
+    monkeypatch.chdir(tmp_path)  # no registry here: a refusal that reached it would say so instead
+    args = ["promote", "m", "2", "--expect-production", "none", "--by", "rm", "--reason", "r"]
+    result = CliRunner().invoke(cli, [*args, "--canary-run-id", run_id])
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--canary-run-id': it is empty; give the run id `quantgate canary run` printed for "
+        "this version"
+    ), result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_id_pasted_with_spaces_around_it_is_found(reg):
     """RUN_ID's blank check strips it, but the id itself was looked up with its spaces: 'run ' 649b... ' does not
     exist in this registry' for a run `quantgate status` lists."""
