@@ -454,7 +454,8 @@ def check_data(
     if not refused:  # a float among integers changes every line's rendering ("12" becomes "12.0"): name it
         for n, written, column in _widening(rows):
             if n not in flagged:
-                problems.append(_widening_problem(data_path, n, column, written[column]))
+                among = any(type(w.get(column)) is int and not _widens(w.get(column)) for m, w, _ in rows if m != n)
+                problems.append(_widening_problem(data_path, n, column, written[column], among))
                 flagged.add(n)
     fields = set().union(*(f for _, f, _ in widened))
     causes = {n for n, written, _ in rows if any(_widens(written.get(f)) for f in fields)}
@@ -479,11 +480,17 @@ def _widening(rows) -> list[tuple[int, dict, str]]:
     return [(n, written, f) for n, written, _ in rows for f in sorted(columns) if _widens(written.get(f))]
 
 
-def _widening_problem(data_path, n: int, field: str, value: float | int) -> str:
-    """The line's problem: what its float (or its integer beyond 64 bits) does to the other lines, and what to
+def _widening_problem(data_path, n: int, field: str, value: float | int, among: bool = True) -> str:
+    """The line's problem: what its float (or its integer beyond 64 bits) does to the other lines (`among`: some
+    give integers the loader would keep) or, for an integer no other line gives one beside, to itself, and what to
     write instead."""
     if isinstance(value, int):
         what, fix = "an integer beyond 64 bits", f'give it as text ("{value}") or a smaller number'
+        if not among:  # "where the other lines give integers" was said of a column no other line gives
+            return (
+                f"{data_path}:{n}: {field}={value!r} is {what} (the loader keeps integers from -2**63 to 2**63-1): "
+                f"it reads it as the float {float(value)!r}, and lm-eval renders and compares that; {fix}"
+            )
     else:
         what = "a float"
         fix = f"write {int(value)}" if value.is_integer() else "give every line the same kind of number (or text)"

@@ -165,6 +165,22 @@ def test_an_integer_beyond_64_bits_among_integer_targets_is_refused_at_its_line(
     assert next(iter(loaded.values()))[0]["answer"] == 12.0  # what lm-eval would have compared
 
 
+def test_an_integer_beyond_64_bits_no_other_line_gives_is_refused_for_what_it_does_to_itself(example_evals):
+    """A field only one line gives, as 2**64, was refused 'where the other lines give integers: the loader then reads
+    every line's ... as a float', which no other line has: the loader changes this line's own number."""
+    data = example_evals / "billing" / "data.jsonl"
+    docs = [json.loads(line) for line in data.read_text().splitlines()]
+    docs[2]["ticket"] = 2**64
+    write_jsonl(data, docs)
+    msg = refusal(example_evals / "billing")
+    assert "1 problem(s)" in msg and "other lines" not in msg, msg
+    assert (
+        f"{data}:3: ticket={2**64} is an integer beyond 64 bits (the loader keeps integers from -2**63 to 2**63-1): "
+        f"it reads it as the float 1.8446744073709552e+19, and lm-eval renders and compares that; give it as text "
+        f'("{2**64}") or a smaller number'
+    ) in msg
+
+
 def test_an_integer_beyond_64_bits_is_the_one_multiple_choice_line_refused(example_evals):
     """The other lines' integer answers, read as floats because of it, are not blamed for a decimal point."""
     docs = search_docs(example_evals)
