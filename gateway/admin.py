@@ -114,8 +114,8 @@ def read_token(token_file: Path) -> str:
         token = Path(token_file).read_text().strip()
     except OSError as exc:
         raise QuantgateError(
-            f"no admin token: ${TOKEN_ENV} is {unset} and {token_file} cannot be "
-            f"read ({exc.strerror}); give --token-file (the gateway writes WORK_DIR/{TOKEN_FILE})"
+            f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} cannot be read ({exc.strerror}); "
+            f"give the file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
         ) from None
     except UnicodeDecodeError:  # no gateway wrote it
         raise QuantgateError(

@@ -149,6 +149,19 @@ def test_token_from_env_or_a_0600_file(tmp_path, monkeypatch):
         read_token(tmp_path / "none")
 
 
+def test_a_token_file_that_cannot_be_read_is_named_as_the_option(tmp_path, monkeypatch):
+    """A missing --token-file or a folder said '... and /x/none cannot be read (...); give --token-file', to a user
+    who gave it; its siblings (a FIFO, a broken link) name the option and the file to give."""
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    for path, why in ((tmp_path / "none", "No such file or directory"), (tmp_path, "Is a directory")):
+        with pytest.raises(QuantgateError) as exc:
+            read_token(path)
+        assert str(exc.value) == (
+            f"no admin token: $QUANTGATE_ADMIN_TOKEN is unset and --token-file {path} cannot be read ({why}); give "
+            "the file the gateway wrote (WORK_DIR/admin.token)"
+        )
+
+
 def test_a_token_no_header_can_carry_is_refused_naming_where_it_came_from(tmp_path, monkeypatch):
     """$QUANTGATE_ADMIN_TOKEN='ü' reached httpx, which failed with a UnicodeEncodeError traceback; a blank one was
     said to be unset."""
