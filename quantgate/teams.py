@@ -242,8 +242,8 @@ def inspect_team(
         )
     if path.is_symlink():  # git keeps the link, not the files: a fresh clone would not have this team's sets
         problems.append(
-            f"{path}: is a symlink (to {path.readlink()}); a team folder must be a folder of its own under the "
-            "evals folder, committed with its files: copy it in"
+            f"{path}: is a symlink (to {path.readlink()}); a team folder must be a folder itself, committed with "
+            "its files (git keeps a link, not what it points to): copy it in"
         )
     policy = None
     if policy_path.is_symlink():

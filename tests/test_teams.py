@@ -639,6 +639,6 @@ def test_a_symlinked_team_folder_is_refused_as_its_files_would_be(example_evals,
     with pytest.raises(QuantgateError) as err:
         load_teams(example_evals)
     assert str(err.value).splitlines()[1:] == [
-        f"  {example_evals / 'linked'}: is a symlink (to {tmp_path / 'elsewhere'}); a team folder must be a folder of "
-        "its own under the evals folder, committed with its files: copy it in"
+        f"  {example_evals / 'linked'}: is a symlink (to {tmp_path / 'elsewhere'}); a team folder must be a folder "
+        "itself, committed with its files (git keeps a link, not what it points to): copy it in"
     ], str(err.value)
