@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import click
 
 from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
-from canary.render import label_problem, template_problem
+from canary.render import label_problem, subdomain_problem, template_problem
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.options import IN_FILE, PATH, RATE, SECONDS, grouped, path_option
 from registry.commands import by_option, model_arg, version_arg
@@ -518,7 +518,8 @@ def _step(ctx, param, value: str | None) -> str | None:
 
 
 def _checked_by(problem: Callable[[str], str | None]):
-    """A click callback refusing a value for which `problem` (canary.render.label_problem, template_problem) says
+    """A click callback refusing a value for which `problem` (canary.render.label_problem, subdomain_problem,
+    template_problem) says
     why: a usage error (exit 2) naming the option, before the registry is read."""
 
     def callback(ctx, param, value: str) -> str:
@@ -558,7 +559,7 @@ class RouteTarget:
         "--gateway",
         default="inference-gateway",
         show_default=True,
-        callback=_checked_by(label_problem),  # names an existing object: a DNS label as given
+        callback=_checked_by(subdomain_problem),  # names an existing Gateway: a DNS subdomain as given
         help="The Gateway the route attaches to.",
     ),
     click.option(

@@ -29,6 +29,7 @@ SERVICE_TEMPLATE = "{model}-v{version}"
 PATH_PREFIX = "/v1"
 LABEL = "quantgate"  # prefix of the labels and annotations written on each route
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # and at most 253
 _DECIMALS = 2  # a step percent may have this many decimals (weights out of 100 * 10**_DECIMALS)
 
 
@@ -56,11 +57,23 @@ def label_problem(name: str) -> str | None:
     )
 
 
-def require_dns_label(name: str, what: str) -> str:
-    """`name` unchanged if it already is an RFC 1123 DNS label (a namespace, a Gateway name);
-    QuantgateError otherwise: these name existing objects, so they are checked, not rewritten."""
-    if (problem := label_problem(name)) is not None:
-        raise QuantgateError(f"{what} {problem}")
+def subdomain_problem(name: str) -> str | None:
+    """Why `name` is not an RFC 1123 DNS subdomain, what Kubernetes names most objects with (a Gateway's
+    metadata.name: labels joined by dots, at most 253 characters; Kubernetes' IsDNS1123Subdomain), or None."""
+    if len(name) <= 253 and _DNS_SUBDOMAIN.fullmatch(name):
+        return None
+    return (
+        f"{name!r} is not a DNS subdomain (lowercase [a-z0-9-] labels joined by dots, each a letter or digit first "
+        "and last, at most 253 characters); give the name as the cluster has it"
+    )
+
+
+def require_dns_label(name: str, what: str, problem: Callable[[str], str | None] = label_problem) -> str:
+    """`name` unchanged if it already is an RFC 1123 DNS label (a namespace), or what `problem` accepts
+    (subdomain_problem: a Gateway name); QuantgateError otherwise: these name existing objects, so they are
+    checked, not rewritten."""
+    if (why := problem(name)) is not None:
+        raise QuantgateError(f"{what} {why}")
     return name
 
 
@@ -146,7 +159,7 @@ class RouteSplit:
             raise QuantgateError(f"port {self.port}: give a Service port in 1..65535")
         self.name = dns_label(self.model, "model name")
         require_dns_label(self.namespace, "namespace")
-        require_dns_label(self.gateway, "gateway")
+        require_dns_label(self.gateway, "gateway", subdomain_problem)
         self.services = tuple(
             service_name(self.model, v, self.service) for v in (self.stable_version, self.candidate_version)
         )

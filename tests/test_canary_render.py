@@ -88,6 +88,12 @@ def test_service_names_are_dns_labels_or_refused():
         service_name(MODEL, "1", "{name}-{version}")
     with pytest.raises(QuantgateError, match="namespace 'Prod' is not a DNS label"):
         http_routes(MODEL, "1", "2", STEPS, **(ROUTE | {"namespace": "Prod"}))
+    # a Gateway's name is a DNS subdomain, as Kubernetes names it: dots allowed (refused before), 253 at most
+    routes = http_routes(MODEL, "1", "2", STEPS, **(ROUTE | {"gateway": "gw.prod-1"}))
+    assert routes[0]["spec"]["parentRefs"][0]["name"] == "gw.prod-1"
+    for bad in ("gw..prod", "Gw.prod", "gw.", "a" * 254):
+        with pytest.raises(QuantgateError, match="gateway '.*' is not a DNS subdomain"):
+            http_routes(MODEL, "1", "2", STEPS, **(ROUTE | {"gateway": bad}))
     with pytest.raises(QuantgateError, match="v1 is already the stable build"):
         http_routes(MODEL, "1", "1", STEPS, **ROUTE)
 
@@ -247,7 +253,8 @@ def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(projec
     [
         ("--namespace", "BAD NS", "'BAD NS' is not a DNS label"),
         ("--namespace", "-llm", "'-llm' is not a DNS label"),
-        ("--gateway", "", "'' is not a DNS label"),
+        ("--gateway", "", "'' is not a DNS subdomain"),
+        ("--gateway", "gw..prod", "'gw..prod' is not a DNS subdomain"),
         ("--service", "{nope}", "'{nope}': use only {model} and {version}"),
         ("--service", "{model}", "'{model}': use only {model} and {version}, and {version} at least"),
     ],
@@ -260,10 +267,15 @@ def test_a_bad_gateway_namespace_or_service_is_a_usage_error_before_the_registry
     result = render("2", "--format", "gateway-api", option, value)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert result.output.splitlines()[-1].startswith(f"Error: Invalid value for '{option}': {said}"), result.output
-    if option != "--service":
+    if option == "--namespace":
         assert result.output.splitlines()[-1].endswith(
             "(lowercase [a-z0-9-], a letter or digit first and last, at most 63 characters); give the name as the "
             "cluster has it"
+        )
+    if option == "--gateway":
+        assert result.output.splitlines()[-1].endswith(
+            "(lowercase [a-z0-9-] labels joined by dots, each a letter or digit first and last, at most 253 "
+            "characters); give the name as the cluster has it"
         )
     assert list(tmp_path.iterdir()) == []
 
