@@ -161,7 +161,9 @@ def compare_continuous(drops: np.ndarray, margin: float, confidence: float, resa
     p_diff = float(stats.ttest_1samp(drops, 0.0).pvalue) if n >= 2 and np.std(drops) > 0 else 1.0
     sd = float(np.std(drops, ddof=1)) if n >= 2 else 0.0
     gap = margin - est
-    n_req = None if gap <= 0 else max(n, math.ceil((stats.norm.ppf(confidence) * sd / gap) ** 2)) if sd > 0 else n
+    need = (stats.norm.ppf(confidence) * sd / gap) ** 2 if gap > 0 and sd > 0 else 0.0
+    # no finite count (a spread far beyond the gap): as if more documents cannot make it pass
+    n_req = None if gap <= 0 or not math.isfinite(need) else max(n, math.ceil(need))
     return Comparison("paired-bootstrap", n, est, lower, upper, p_ni, p_diff, n_req)
 
 

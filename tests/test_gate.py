@@ -61,6 +61,8 @@ def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
         ("nan", "is nan"),
         ("inf", "is inf"),
         ("-inf", "is -inf"),
+        ("overflowing_drop", "the acc scores are too large to compare (a per-document drop, a mean or their spread"),
+        ("overflowing_spread", "the acc scores are too large to compare"),
     ],
 )
 def test_fails_closed_with_reason(tmp_path, teams, case, expected):
@@ -75,6 +77,11 @@ def test_fails_closed_with_reason(tmp_path, teams, case, expected):
         write_scores(tmp_path, "int4", "search", [1.0] * 9 + [float("nan")])
     elif case in ("inf", "-inf"):  # an infinite score: no finite bound of the drop (a PASS with lower -inf was written)
         write_scores(tmp_path, "int4", "search", [1.0] * 9 + [float(case)])
+    elif case == "overflowing_drop":  # finite scores whose difference is not: a traceback (OverflowError) before
+        write_scores(tmp_path, "fp16", "search", [1.0] * 9 + [1.7e308])
+        write_scores(tmp_path, "int4", "search", [1.0] * 9 + [-1.7e308])
+    elif case == "overflowing_spread":  # a finite drop whose variance is not
+        write_scores(tmp_path, "int4", "search", [1.0] * 9 + [-1e308])
     result = gate(tmp_path, teams, PARAMS)
     r = row(result)
     assert r.verdict == "FAIL" and list(r.dump()) == ["verdict", "metric", "reason"]
