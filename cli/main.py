@@ -98,7 +98,7 @@ _EXAMPLES = {"--owner": "--owner Ranking", "--contact": "--contact ranking-oncal
 
 class _Asked(click.Option):
     """An option asked for when not given; when stdin has no more input to answer with (</dev/null, a CI job)
-    an error naming the options, not click's bare `Aborted!`."""
+    a usage error (exit 2) naming the options, not click's bare `Aborted!`."""
 
     def prompt_for_value(self, ctx: click.Context):
         try:
@@ -109,7 +109,7 @@ class _Asked(click.Option):
             click.echo()  # end the prompt's line
             flag = self.opts[0]
             missing = [k for k in _EXAMPLES if k == flag or ctx.params.get(k[2:]) is None]  # --contact: not yet
-            raise click.ClickException(
+            raise click.UsageError(  # a missing option, as click's own "Missing option": exit 2
                 f"{flag} was not given and stdin ended before it could be asked for; give {' and '.join(missing)} "
                 f"on the command line, e.g. {' '.join(_EXAMPLES[k] for k in missing)}"
             ) from None

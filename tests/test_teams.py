@@ -304,7 +304,7 @@ def test_new_team_without_input_to_ask_on_says_which_options_to_give(tmp_path, g
     from cli.main import cli
 
     res = CliRunner().invoke(cli, ["evals", "new", "ranking", *given, "--root", str(tmp_path)], input="")
-    assert res.exit_code == 1 and f"\nError: {said}\n" in res.output and "Aborted" not in res.output
+    assert res.exit_code == 2 and res.output.endswith(f"\nError: {said}\n") and "Aborted" not in res.output
     assert list(tmp_path.iterdir()) == []
     asked = CliRunner().invoke(cli, ["evals", "new", "ranking", "--root", str(tmp_path)], input=" \nRanking\nr@x\n")
     assert asked.exit_code == 0 and load_team(tmp_path / "ranking").policy.contact == "r@x"  # a terminal still asks
