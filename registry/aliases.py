@@ -169,11 +169,11 @@ def _require_canary_run(
 
     if run_id is None:
         return
+    use = "give the run id `quantgate canary run` printed for this version"
     try:
         run = mlflow_client.get_run(run_id)
     except MlflowException:
-        raise QuantgateError(f"canary run {run_id!r} does not exist at this tracking URI") from None
-    use = "give the run id `quantgate canary run` printed for this version"
+        raise QuantgateError(f"canary run {run_id!r} does not exist at this tracking URI; {use}") from None
     if (kind := _run_kind(mlflow_client, run)) is not None:
         raise QuantgateError(f"canary run {run_id} is {kind}, not a canary run ({CANARY_EXPERIMENT}); {use}")
     t = run.data.tags

@@ -533,10 +533,11 @@ def test_promote_takes_only_a_passed_canary_of_this_version_as_evidence(reg):
 
     untagged = client.create_run(store.experiment_id(client, EXPERIMENT)).info.run_id  # once "canary of None vNone"
     refused[untagged] = "in quantgate-canary has no model and candidate_version tag, so it is no canary"
+    refused["0" * 32] = "does not exist at this tracking URI; give the run id `quantgate canary run` printed for this"
     for run_id, said in refused.items():
         result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "r",
                          "--canary-run-id", run_id)  # fmt: skip
-        _one_line_error(result, f"canary run {run_id} ", said)
+        _one_line_error(result, f"canary run {run_id if run_id != '0' * 32 else repr(run_id)} ", said)
     assert "production" not in aliases.current(client, model)
     passed = _canary_run(client, model, v4, "promoted", "promoted")
     result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "canary clean",
