@@ -472,20 +472,20 @@ def _widens(value) -> bool:
 
 
 def _widening(rows) -> list[tuple[int, dict, str]]:
-    """(line, written, field) of each line that gives a float (or an integer beyond 64 bits) in a field other lines
-    give as integers, which the loader then read as floats everywhere: lm-eval renders and compares 12 as "12.0" (a
-    generate_until target then never matches the model's "12", and both builds score 0: a gate that measures
-    nothing)."""
+    """(line, written, field) of each line that gives a float (or an integer outside the signed 64-bit range) in a
+    field other lines give as integers, which the loader then read as floats everywhere: lm-eval renders and
+    compares 12 as "12.0" (a generate_until target then never matches the model's "12", and both builds score 0: a
+    gate that measures nothing)."""
     columns = set().union(*(_floated(written, doc) for _, written, doc in rows))
     return [(n, written, f) for n, written, _ in rows for f in sorted(columns) if _widens(written.get(f))]
 
 
 def _widening_problem(data_path, n: int, field: str, value: float | int, among: bool = True) -> str:
-    """The line's problem: what its float (or its integer beyond 64 bits) does to the other lines (`among`: some
-    give integers the loader would keep) or, for an integer no other line gives one beside, to itself, and what to
-    write instead."""
+    """The line's problem: what its float (or its integer outside the signed 64-bit range) does to the other lines
+    (`among`: some give integers the loader would keep) or, for an integer no other line gives one beside, to
+    itself, and what to write instead."""
     if isinstance(value, int):
-        what, fix = "an integer beyond 64 bits", f'give it as text ("{value}") or a smaller number'
+        what, fix = "an integer outside the signed 64-bit range", f'give it as text ("{value}") or a smaller number'
         if not among:  # "where the other lines give integers" was said of a column no other line gives
             return (
                 f"{data_path}:{n}: {field}={value!r} is {what} (the loader keeps integers from -2**63 to 2**63-1): "

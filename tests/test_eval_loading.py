@@ -157,9 +157,9 @@ def test_an_integer_beyond_64_bits_among_integer_targets_is_refused_at_its_line(
     msg = refusal(example_evals / "billing")
     assert "1 problem(s)" in msg, msg
     assert (
-        f"{data}:3: answer={10**23} is an integer beyond 64 bits where the other lines give integers: the loader "
-        f"then reads every line's 'answer' as a float, and lm-eval renders and compares 12 as '12.0'; give it as "
-        f'text ("{10**23}") or a smaller number'
+        f"{data}:3: answer={10**23} is an integer outside the signed 64-bit range where the other lines give "
+        f"integers: the loader then reads every line's 'answer' as a float, and lm-eval renders and compares 12 as "
+        f"'12.0'; give it as text (\"{10**23}\") or a smaller number"
     ) in msg
     loaded = lm_eval_docs(example_evals / "billing", monkeypatch)
     assert next(iter(loaded.values()))[0]["answer"] == 12.0  # what lm-eval would have compared
@@ -175,9 +175,9 @@ def test_an_integer_beyond_64_bits_no_other_line_gives_is_refused_for_what_it_do
     msg = refusal(example_evals / "billing")
     assert "1 problem(s)" in msg and "other lines" not in msg, msg
     assert (
-        f"{data}:3: ticket={2**64} is an integer beyond 64 bits (the loader keeps integers from -2**63 to 2**63-1): "
-        f"it reads it as the float 1.8446744073709552e+19, and lm-eval renders and compares that; give it as text "
-        f'("{2**64}") or a smaller number'
+        f"{data}:3: ticket={2**64} is an integer outside the signed 64-bit range (the loader keeps integers from "
+        f"-2**63 to 2**63-1): it reads it as the float 1.8446744073709552e+19, and lm-eval renders and compares "
+        f'that; give it as text ("{2**64}") or a smaller number'
     ) in msg
 
 
