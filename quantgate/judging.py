@@ -78,16 +78,18 @@ def judge(
     """The gate's comparison of one (candidate build, team)."""
     base, cand = paired_arrays(base_scores, cand_scores, params.baseline, build)
     pol = team.policy
-    base_mean, cand_mean = float(base.mean()), float(cand.mean())
-    margin = pol.margin.points(base_mean)
-    drops = base - cand if pol.higher_is_better else cand - base
-    with np.errstate(over="ignore"):  # scores near the float range: their sums overflow to inf, said below
+    # scores near the float range: a sum, a difference or a square overflows to inf, said below (not also as
+    # numpy's RuntimeWarning in the stage log)
+    with np.errstate(over="ignore", invalid="ignore"):
+        base_mean, cand_mean = float(base.mean()), float(cand.mean())
+        drops = base - cand if pol.higher_is_better else cand - base
         spread = float(np.std(drops)) if len(drops) else 0.0
     if not all(map(math.isfinite, (base_mean, cand_mean, spread, *drops))):
         raise QuantgateError(
             f"build {build}: the {pol.metric} scores are too large to compare (a per-document drop, a mean or their "
             "spread overflows a float); check the metric"
         )
+    margin = pol.margin.points(base_mean)
     if is_binary(base, cand):
         cmp = (
             compare_binary(base, cand, margin, pol.confidence)

@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 
 import pytest
 
@@ -88,6 +89,23 @@ def test_fails_closed_with_reason(tmp_path, teams, case, expected):
     assert expected in r.reason
     write_gate(tmp_path / "gate.json", result)  # what the gate writes, report and register read
     check_consistent(read_gate(tmp_path / "gate.json"), tmp_path / "gate.json")
+
+
+@pytest.mark.parametrize(
+    "fp16, int4",
+    [
+        ([1.0] * 9 + [1.7e308], [1.0] * 9 + [-1.7e308]),  # a drop that overflows (numpy: "overflow in subtract")
+        ([1.0] * 8 + [1.7e308] * 2, [1.0] * 8 + [1.7e308] * 2),  # means that overflow ("overflow in reduce")
+    ],
+)
+def test_overflowing_scores_fail_closed_with_the_reason_alone(tmp_path, teams, fp16, int4):
+    """The reason says the scores overflow; numpy's RuntimeWarning was printed into the gate's log beside it."""
+    write_scores(tmp_path, "fp16", "search", fp16)
+    write_scores(tmp_path, "int4", "search", int4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any numpy warning fails the test
+        r = row(gate(tmp_path, teams, PARAMS))
+    assert r.verdict == "FAIL" and "the acc scores are too large to compare" in r.reason
 
 
 def test_one_team_failing_fails_the_build_and_report_names_it(tmp_path, example_evals):
