@@ -172,7 +172,9 @@ def _require_canary_run(
     use = "give the run id `quantgate canary run` printed for this version"
     try:
         run = mlflow_client.get_run(run_id)
-    except MlflowException:
+    except MlflowException as exc:  # the run missing, or no run id at all ('../x'); else the registry failed
+        if getattr(exc, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
         raise QuantgateError(f"canary run {run_id!r} does not exist at this tracking URI; {use}") from None
     if (kind := _run_kind(mlflow_client, run)) is not None:
         raise QuantgateError(f"canary run {run_id} is {kind}, not a canary run ({CANARY_EXPERIMENT}); {use}")

@@ -546,6 +546,35 @@ def test_promote_takes_only_a_passed_canary_of_this_version_as_evidence(reg):
     assert [e.canary_run_id for e in audit.history(client, model) if e.alias == "production"] == [passed]
 
 
+def test_a_canary_run_the_registry_failed_to_read_is_not_called_missing(reg, monkeypatch):
+    """Any MlflowException of reading --canary-run-id was "does not exist at this tracking URI; give the run id
+    `quantgate canary run` printed": a registry that failed (unavailable, locked) sent the user after another id."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client, model, out = reg({"int4": "PASS"})
+    v4 = str(out["builds"]["int4"]["version"])
+    approval.approve(client, model, v4, "rm", "gate PASS")
+    run_id = _canary_run(client, model, v4, "promoted", "promoted")
+    get_run = MlflowClient.get_run
+
+    def unavailable(self, rid):
+        if rid == run_id:
+            raise MlflowException("503: the server is busy", error_code="TEMPORARILY_UNAVAILABLE")
+        return get_run(self, rid)
+
+    monkeypatch.setattr(MlflowClient, "get_run", unavailable)
+    for given in (run_id, "0" * 32, "../x"):  # the last two: no such run, not a run id
+        result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "r",
+                         "--canary-run-id", given)  # fmt: skip
+        if given == run_id:
+            _one_line_error(result, "Error: MLflow at ", "503: the server is busy")
+            assert "does not exist" not in result.output, result.output
+        else:
+            _one_line_error(result, f"canary run {given!r} does not exist at this tracking URI; give the run id")
+    assert "production" not in aliases.current(client, model)
+
+
 def test_registry_names_the_canary_experiment_as_canary_does():
     from canary.status import EXPERIMENT
 
