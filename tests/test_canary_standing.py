@@ -353,6 +353,33 @@ def test_serve_reaps_dead_canaries_first_and_serves_when_the_registry_cannot_say
     assert "could not check for canaries left by a dead controller: ZeroDivisionError" in result.output
 
 
+def test_ctrl_c_stops_serve_with_0_and_another_command_with_clicks_aborted_1(monkeypatch, tmp_path):
+    """The README's exit codes: Ctrl-C in a command is click's `Aborted!`, exit 1 (not 130, as in a DVC stage);
+    `quantgate serve` runs until Ctrl-C or SIGTERM, so that is its normal stop: `serve: stopped`, exit 0."""
+    import signal
+
+    from click.testing import CliRunner
+
+    import canary.status
+    import gateway.serve
+    from cli.main import cli
+    from registry import store
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "client", lambda existing=False: "the registry")
+    monkeypatch.setattr(canary.status, "reap_stale", lambda *a, **k: None)
+    monkeypatch.setattr(gateway.serve, "run_gateway", ctrl_c)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # serve's SIGTERM handler: not this process's
+    result = CliRunner().invoke(cli, ["serve", "m", "--work-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == "serve: stopped (Ctrl-C or SIGTERM)", result.output
+    monkeypatch.setattr(store, "client", ctrl_c)  # Ctrl-C while the registry is read
+    result = CliRunner().invoke(cli, ["status", "m"])
+    assert result.exit_code == 1 and result.output.splitlines()[-1] == "Aborted!", result.output
+
+
 def test_warm_first_passes_a_failing_serving_build_over_at_once(monkeypatch, tmp_path):
     import threading
 
