@@ -68,7 +68,7 @@ def subdomain_problem(name: str) -> str | None:
     )
 
 
-def require_dns_label(name: str, what: str, problem: Callable[[str], str | None] = label_problem) -> str:
+def require_dns_name(name: str, what: str, problem: Callable[[str], str | None] = label_problem) -> str:
     """`name` unchanged if it already is an RFC 1123 DNS label (a namespace), or what `problem` accepts
     (subdomain_problem: a Gateway name); QuantgateError otherwise: these name existing objects, so they are
     checked, not rewritten."""
@@ -135,7 +135,8 @@ class RouteSplit:
     Gateway `gateway` in that namespace, and send path prefix /v1 to the stable and candidate
     Services (`service_name(model, version, service)`) on `port`. Labels and annotations under
     `quantgate/` name the model, both versions, the step (1-based, or "rollback") and its percent.
-    Raises QuantgateError for a name that cannot be a DNS label, a port outside 1..65535, a
+    Raises QuantgateError for a name that cannot be a DNS label (a DNS subdomain for the Gateway), a port
+    outside 1..65535, a
     percent with more than two decimals or that is not one of `steps`, or stable == candidate.
     """
 
@@ -158,8 +159,8 @@ class RouteSplit:
         if not 1 <= self.port <= 65535:
             raise QuantgateError(f"port {self.port}: give a Service port in 1..65535")
         self.name = dns_label(self.model, "model name")
-        require_dns_label(self.namespace, "namespace")
-        require_dns_label(self.gateway, "gateway", subdomain_problem)
+        require_dns_name(self.namespace, "namespace")
+        require_dns_name(self.gateway, "gateway", subdomain_problem)
         self.services = tuple(
             service_name(self.model, v, self.service) for v in (self.stable_version, self.candidate_version)
         )
