@@ -56,14 +56,7 @@ class Change:
 
 def current(mlflow_client, model_name: str) -> dict[str, str]:
     """{alias: version} of quantgate's aliases on `model_name` (QuantgateError if not registered)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        rm = mlflow_client.get_registered_model(model_name)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        raise versions.not_registered(mlflow_client, model_name) from None
+    rm = versions.registered_model(mlflow_client, model_name)
     return {a: str(v) for a, v in (rm.aliases or {}).items() if a in ALIASES}
 
 

@@ -59,16 +59,10 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
 
     Raises QuantgateError if the model is not registered (or is one of quantgate's locks).
     """
-    from mlflow.exceptions import MlflowException
 
     if lock.is_lock(model_name):
         raise QuantgateError(f"{model_name!r} is quantgate's registry lock, not a model")
-    try:
-        rm = mlflow_client.get_registered_model(model_name)
-    except MlflowException as exc:
-        if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
-            raise  # any other answer (a server error, a refusal) is reported as the server said it
-        raise versions.not_registered(mlflow_client, model_name) from None
+    rm = versions.registered_model(mlflow_client, model_name)  # any other answer propagates as the server gave it
     by_version: dict[str, list[str]] = {}
     for alias, version in (rm.aliases or {}).items():
         by_version.setdefault(str(version), []).append(alias)

@@ -61,17 +61,17 @@ def not_registered(mlflow_client, model_name: str) -> QuantgateError:
     )
 
 
-def _is_registered(mlflow_client, model_name: str) -> bool:
-    """Whether registered model `model_name` exists; other registry errors propagate."""
+def registered_model(mlflow_client, model_name: str):
+    """The registered model `model_name` (MLflow's RegisteredModel, with its aliases and tags). Raises
+    QuantgateError (not_registered) when there is none; any other registry answer propagates as MLflow gave it."""
     from mlflow.exceptions import MlflowException
 
     try:
-        mlflow_client.get_registered_model(model_name)
+        return mlflow_client.get_registered_model(model_name)
     except MlflowException as exc:
         if getattr(exc, "error_code", "") != "RESOURCE_DOES_NOT_EXIST":
             raise
-        return False
-    return True
+        raise not_registered(mlflow_client, model_name) from None
 
 
 def require_version(mlflow_client, model_name: str, version):
@@ -84,8 +84,7 @@ def require_version(mlflow_client, model_name: str, version):
     number = version_number(version)
     mv = get_version(mlflow_client, model_name, number)
     if mv is None:
-        if not _is_registered(mlflow_client, model_name):  # a misspelled model or another registry
-            raise not_registered(mlflow_client, model_name)
+        registered_model(mlflow_client, model_name)  # a misspelled model or another registry: said as such
         raise QuantgateError(
             f"{model_name} v{number} does not exist (never registered, or deleted); see `quantgate status {model_name}`"
         )
