@@ -143,13 +143,10 @@ def _one_line(ctx, param, value: str | None) -> str | None:
 def _team_name(ctx, param, value: str) -> str:
     """TEAM: a name a team folder can have (quantgate.teams.TEAM_NAME); any other is a usage error
     (click.BadParameter, exit 2, naming TEAM) before anything is read or written."""
-    from quantgate.teams import TEAM_NAME
+    from quantgate.teams import TEAM_NAME, TEAM_NAME_RULE
 
     if not TEAM_NAME.fullmatch(value):
-        raise click.BadParameter(
-            f"{value!r}: use lower_snake_case, 2-40 characters, starting with a letter (it names the team in tags "
-            "and reports)"
-        )
+        raise click.BadParameter(f"{value!r}: {TEAM_NAME_RULE}")
     return value
 
 

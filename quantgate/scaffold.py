@@ -17,7 +17,7 @@ from pathlib import Path
 from quantgate.checks import min_docs_to_pass
 from quantgate.errors import QuantgateError
 from quantgate.files import dangling, linked, special_kind
-from quantgate.teams import TEAM_NAME, Team, declared_under, load_team
+from quantgate.teams import TEAM_NAME, TEAM_NAME_RULE, Team, declared_under, load_team
 
 DEFAULT_MARGIN, DEFAULT_CONFIDENCE = 0.05, 0.95
 
@@ -86,7 +86,7 @@ def new_team(root: Path, name: str, owner: str, contact: str) -> Team:
     files are written in a hidden folder beside it, renamed into place whole, and removed if they do not validate).
     """
     if not TEAM_NAME.fullmatch(name):
-        raise QuantgateError(f"team name {name!r}: use lower_snake_case, 2-40 characters, starting with a letter")
+        raise QuantgateError(f"team name {name!r}: {TEAM_NAME_RULE}")
     if blank := [flag for flag, value in (("--owner", owner), ("--contact", contact)) if not value.strip()]:
         # name the one left blank: "--owner and --contact" sent a user with a good --contact looking for a fault
         raise QuantgateError(f"{' and '.join(blank)} must not be empty: they say whom the gate reports to")

@@ -221,6 +221,7 @@ def min_docs(policy: TeamPolicy) -> int | None:
 
 # also an MLflow tag key part (gate.<team>.verdict); use fullmatch: `$` also matched before a trailing newline
 TEAM_NAME = re.compile(r"[a-z][a-z0-9_]{1,39}")
+TEAM_NAME_RULE = "use lower_snake_case, 2-40 characters, starting with a letter (it names the team in tags and reports)"
 
 
 def inspect_team(
@@ -236,10 +237,7 @@ def inspect_team(
     policy_path = path / POLICY_FILE
     problems: list[str] = []
     if not TEAM_NAME.fullmatch(path.name):
-        problems.append(
-            f"{path}: team folder name {path.name!r}: use lower_snake_case, 2-40 characters, "
-            "starting with a letter (it names the team in tags and reports)"
-        )
+        problems.append(f"{path}: team folder name {path.name!r}: {TEAM_NAME_RULE}")
     if path.is_symlink():  # git keeps the link, not the files: a fresh clone would not have this team's sets
         problems.append(
             f"{path}: is a symlink (to {path.readlink()}); a team folder must be a folder itself, committed with "
