@@ -37,7 +37,7 @@ from starlette.routing import Route
 from gateway.metrics import Sample, ShadowSample
 from gateway.webhook import PATH as WEBHOOK_PATH
 from quantgate.errors import QuantgateError
-from quantgate.files import dangling, linked, special_kind
+from quantgate.files import not_to_open
 
 TOKEN_ENV = "QUANTGATE_ADMIN_TOKEN"
 TOKEN_FILE = "admin.token"  # in the gateway's work dir
@@ -99,16 +99,10 @@ def read_token(token_file: Path) -> str:
             )
         return token
     path, unset = Path(token_file), "unset" if given is None else "blank"
-    if path.is_symlink() and not path.exists():
+    if (bad := not_to_open(path)) is not None:  # a folder: read_text says so below
         raise QuantgateError(
-            f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} is {dangling(path)}; fix the "
-            f"link or give the file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
-        )
-    if path.exists() and not path.is_file() and not path.is_dir():  # a folder: read_text says so below
-        raise QuantgateError(
-            f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} is "
-            f"{linked(path, special_kind(path))}, not a regular file; give the file the gateway wrote "
-            f"(WORK_DIR/{TOKEN_FILE})"
+            f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} is {bad[0]}; {bad[1]}give the "
+            f"file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
         )
     try:
         token = Path(token_file).read_text().strip()

@@ -42,6 +42,19 @@ def dangling(link: Path) -> str:
     return f"a symlink loop: its target {link.readlink()} leads back to it"
 
 
+def not_to_open(path: Path) -> tuple[str, str] | None:
+    """(what `path` is, the start of what to do) when a reader must not open it, else None (a regular file, a
+    folder, or nothing there: the caller names what it wanted). A symlink to nothing is said in dangling's words,
+    "fix the link or " first; a FIFO, socket or device is refused unread (reading a FIFO nobody writes waits
+    forever), said with linked's words, so a symlink to one names its target. The caller ends the advice with
+    the file it wants, e.g. `f"{path} is {what}; {fix}give the file itself"`."""
+    if path.is_symlink() and not path.exists():
+        return dangling(path), "fix the link or "
+    if path.exists() and not path.is_file() and not path.is_dir():
+        return f"{linked(path, special_kind(path))}, not a regular file", ""
+    return None
+
+
 def _umask() -> int:
     """This process's umask, read from /proc/self/status (Linux 4.7+): os.umask can only read it by setting it,
     which would change it for the threads beside this one for a moment. 0o022 where it cannot be read."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from quantgate.files import dangling, special_kind
+from quantgate.files import not_to_open
 
 
 class Positive(click.FloatRange):
@@ -37,7 +37,8 @@ class NonEmptyPath(click.Path):
     naming it: Path("") is ".", so it would silently mean the working directory. With `read` (a file the command
     reads), one that exists and is neither a regular file nor a folder (a FIFO, socket or device) is refused
     too, never opened: reading a FIFO nobody writes waits forever; so is a symlink to nothing, named as broken or a
-    loop (quantgate.files.dangling). A folder or a missing file is left to the command, which names what it wanted."""
+    loop (quantgate.files.not_to_open, as the gateway's read_token refuses its --token-file). A folder or a
+    missing file is left to the command, which names what it wanted."""
 
     def __init__(self, read: bool = False) -> None:
         super().__init__(path_type=Path)
@@ -47,10 +48,8 @@ class NonEmptyPath(click.Path):
         if value == "":  # a usage error (exit 2, naming the option or argument), as every bad argument is
             self.fail(f"the path is empty; give a {'file' if self.read else 'file or folder'}", param, ctx)
         path = super().convert(value, param, ctx)
-        if self.read and path.is_symlink() and not path.exists():  # DVC's outs may be links into its cache
-            self.fail(f"{path} is {dangling(path)}; fix the link or give the file itself", param, ctx)
-        if self.read and path.exists() and not path.is_file() and not path.is_dir():
-            self.fail(f"{path} is {special_kind(path)}, not a regular file; give the file itself", param, ctx)
+        if self.read and (bad := not_to_open(path)) is not None:  # DVC's outs may be links into its cache
+            self.fail(f"{path} is {bad[0]}; {bad[1]}give the file itself", param, ctx)
         return path
 
 

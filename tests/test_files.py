@@ -1,13 +1,14 @@
-"""quantgate.files.write_whole: the one way quantgate writes a file that others may read meanwhile."""
+"""quantgate.files: write_whole, the one way quantgate writes a file that others may read meanwhile, and not_to_open."""
 
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from quantgate.errors import QuantgateError
-from quantgate.files import write_whole
+from quantgate.files import not_to_open, write_whole
 
 
 def test_writers_in_threads_side_by_side_each_leave_a_whole_file(tmp_path):
@@ -104,3 +105,18 @@ def test_a_probe_answer_whose_cache_cannot_be_written_still_stands(tmp_path, mon
     answer = {"ratio": 8.1, "timings": 1}
     assert precision._keep("py", "{}", answer) is answer
     assert blocker.read_text() == ""
+
+
+def test_not_to_open_names_links_to_nothing_and_special_files_and_passes_the_rest(tmp_path):
+    """What NonEmptyPath(read=True) and the gateway's read_token each refuse unread, in one place."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "to_fifo").symlink_to("fifo")
+    (tmp_path / "gone").symlink_to("nothing")
+    (tmp_path / "to_file").symlink_to("file")
+    assert not_to_open(tmp_path / "fifo") == ("a named pipe (FIFO), not a regular file", "")
+    assert not_to_open(tmp_path / "to_fifo") == ("a symlink to a named pipe (FIFO) at fifo, not a regular file", "")
+    assert not_to_open(tmp_path / "gone") == ("a broken symlink: its target nothing does not exist", "fix the link or ")
+    assert not_to_open(Path("/dev/null")) == ("a device, not a regular file", "")
+    for fine in ("file", "to_file", "missing", "."):
+        assert not_to_open(tmp_path / fine) is None, fine

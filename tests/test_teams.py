@@ -436,6 +436,12 @@ def test_an_input_file_that_is_a_fifo_is_named_not_read_or_called_missing(tmp_pa
     assert res.output.splitlines()[-1] == (
         f"Error: Invalid value for '{flag}': {fifo} is a named pipe (FIFO), not a regular file; give the file itself"
     )
+    (tmp_path / "to_fifo").symlink_to("fifo")  # named with its target, as --token-file's is (files.not_to_open)
+    res = CliRunner().invoke(cli, [*args, str(tmp_path / "to_fifo")])
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == (
+        f"Error: Invalid value for '{flag}': {tmp_path}/to_fifo is a symlink to a named pipe (FIFO) at fifo, not a "
+        "regular file; give the file itself"
+    ), res.output
     (tmp_path / "link").symlink_to(tmp_path / "gone.json")  # DVC's outs may be links into its cache
     (tmp_path / "loop").symlink_to("loop")  # was "a broken symlink (to loop); restore its target"
     (tmp_path / "file").write_text("{}")
