@@ -79,7 +79,8 @@ def require_dns_name(name: str, what: str, problem: Callable[[str], str | None] 
 
 def template_problem(template: str) -> str | None:
     """Why `template` cannot name the Services (`'{nope}': use only {model} and {version}, ...`: a placeholder
-    other than those, none for the version, or unbalanced braces), or None when it can."""
+    other than those, none for the version, unbalanced braces, or a format spec a name cannot take), or None when
+    it can: then `template.format(model=..., version=...)` cannot fail."""
     import string
 
     try:
@@ -91,6 +92,10 @@ def template_problem(template: str) -> str | None:
             f"{template!r}: use only {{model}} and {{version}}, and {{version}} at least "
             f"(stable and candidate need different Services), e.g. {SERVICE_TEMPLATE}"
         )
+    try:  # a format spec no name takes ("{version:d}"): it fails alike for every model and version (str's specs)
+        template.format(model="m", version="1")
+    except ValueError as exc:
+        return f"{template!r}: {exc}; use only {{model}} and {{version}}, e.g. {SERVICE_TEMPLATE}"
     return None
 
 
@@ -99,13 +104,7 @@ def service_name(model: str, version: str, template: str = SERVICE_TEMPLATE) -> 
     as a DNS label (see `dns_label`). Raises QuantgateError for other placeholders (template_problem)."""
     if (problem := template_problem(template)) is not None:
         raise QuantgateError(f"service template {problem}")
-    try:
-        text = template.format(model=model, version=version)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise QuantgateError(
-            f"service template {template!r}: {exc}; use only {{model}} and {{version}}, e.g. {SERVICE_TEMPLATE}"
-        ) from None
-    return dns_label(text, "service name")
+    return dns_label(template.format(model=model, version=version), "service name")
 
 
 def weights(percent: float) -> tuple[int, int]:

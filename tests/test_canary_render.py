@@ -230,10 +230,17 @@ def test_render_refusals_are_one_line(project, tmp_path):
         assert result.output.strip().splitlines()[-1].startswith(f"Error: {message}")
 
 
-@pytest.mark.parametrize("template", ["{model}", "static-name", "{version.real}", "{model[0]}-{version}"])
+@pytest.mark.parametrize(
+    "template", ["{model}", "static-name", "{version.real}", "{model[0]}-{version}", "{model}-{version:x}"]
+)
 def test_service_templates_that_cannot_tell_the_versions_apart_are_refused(template):
     with pytest.raises(QuantgateError, match="use only {model} and {version}"):
         service_name("smollm2", "2", template)
+
+
+def test_a_format_spec_a_name_can_take_is_kept():
+    """`{model:.7}` (a name cut short) is a legitimate template: only specs no string takes are refused."""
+    assert service_name("smollm2-135m", "12", "{model:.7}-v{version:>3}") == "smollm2-v-12"
 
 
 @pytest.mark.parametrize("template", ["{model", "{version}}", "v{version}-}"])
@@ -257,6 +264,13 @@ def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(projec
         ("--gateway", "gw..prod", "'gw..prod' is not a DNS subdomain"),
         ("--service", "{nope}", "'{nope}': use only {model} and {version}"),
         ("--service", "{model}", "'{model}': use only {model} and {version}, and {version} at least"),
+        # exit 1 after the registry read before: str's format specs fail alike for every name
+        (
+            "--service",
+            "{model}-v{version:d}",
+            "'{model}-v{version:d}': Unknown format code 'd' for object of type 'str'",
+        ),
+        ("--service", "{model:=5}-{version}", "'{model:=5}-{version}': '=' alignment not allowed in string format"),
     ],
 )
 def test_a_bad_gateway_namespace_or_service_is_a_usage_error_before_the_registry(
