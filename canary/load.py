@@ -31,6 +31,7 @@ import yaml
 from httpx_sse import aconnect_sse
 
 from gateway.admin import token_problem
+from gateway.router import error_message
 from quantgate.errors import QuantgateError
 from quantgate.jsonl import read_jsonl
 from quantgate.params import key_lines, read_yaml
@@ -58,7 +59,8 @@ class Prompt(str):
 
 @dataclass(frozen=True)
 class Result:
-    """One request: status 0 = no HTTP response; error names what went wrong, None if ok."""
+    """One request: status 0 = no HTTP response; error names what went wrong, None if ok; detail is the
+    server's own message for an answer that was not 200 (an OpenAI-style error body), None if it gave none."""
 
     kind: str
     stream: bool
@@ -66,6 +68,7 @@ class Result:
     latency_s: float
     ttft_s: float | None
     error: str | None
+    detail: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -103,6 +106,11 @@ class LoadReport:
             f"{self.ok} ok, {n - self.ok} failed (success {100 * self.success_rate:.1f} %)",
             "outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(self.outcomes().items())),
         ]
+        said = {}  # the server's words for each failure, once: "HTTP 400" alone does not say why
+        for r in self.results:
+            if r.detail and r.error not in said:
+                said[r.error] = r.detail
+        out += [f"{error}, e.g.: {detail}" for error, detail in sorted(said.items())]
         for what, title in (("latency", "end-to-end"), ("ttft", "TTFT (streaming)")):
             p = self.percentiles(what)
             n_ok = sum(r.ok and getattr(r, f"{what}_s") is not None for r in self.results)
@@ -159,17 +167,21 @@ async def _one(
     client: httpx.AsyncClient, url: str, kind: str, stream: bool, body: dict, timeout_s: float, headers: dict
 ) -> Result:
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    t0, ttft, status = time.perf_counter(), None, 0
+    t0, ttft, status, detail = time.perf_counter(), None, 0, None
     try:
         async with asyncio.timeout(timeout_s):
             if not stream:
                 r = await client.post(url + path, json=body, headers=headers)
                 status = r.status_code
+                if status != 200:
+                    detail = error_message(r.content)
                 err = None if status == 200 and "choices" in r.json() else f"HTTP {status}"
             else:
                 async with aconnect_sse(client, "POST", url + path, json=body, headers=headers) as source:
                     status = source.response.status_code
                     err = f"HTTP {status}" if status != 200 else "no [DONE]"
+                    if status != 200:
+                        detail = error_message(await source.response.aread())
                     if status == 200:
                         async for ev in source.aiter_sse():
                             ttft = ttft if ttft is not None else time.perf_counter() - t0
@@ -182,7 +194,7 @@ async def _one(
         err = "timeout"
     except (httpx.HTTPError, ValueError) as exc:
         err = type(exc).__name__
-    return Result(kind, stream, status, time.perf_counter() - t0, ttft, err)
+    return Result(kind, stream, status, time.perf_counter() - t0, ttft, err, detail)
 
 
 @dataclass(frozen=True)

@@ -724,7 +724,7 @@ class Router:
             await o.upstream.aclose()
         outcome = "server_error" if o.first is not None or o.outcome == "client_error" else o.outcome
         self._record(at, outcome, o.status_seen, stream=True)
-        return _error_message(o.content) or o.what or "sent an error as its first chunk"
+        return error_message(o.content) or o.what or "sent an error as its first chunk"
 
     # --- shadow ---------------------------------------------------------------------
     def _maybe_shadow(self, req: _Request, body: dict, text: str) -> None:
@@ -764,7 +764,7 @@ def _broke(message: str) -> bytes:
     )
 
 
-def _error_message(content: bytes | None) -> str | None:
+def error_message(content: bytes | None) -> str | None:
     """The message of an OpenAI-style error body (first 200 characters), None if there is none."""
     try:
         doc = json.loads(content or b"")

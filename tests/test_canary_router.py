@@ -830,6 +830,21 @@ def test_replay_through_the_router_mixes_kinds_and_reports(fakes):
     assert all(b["temperature"] == 0 and b["max_tokens"] == 16 for b in bodies)
 
 
+def test_a_load_refused_by_the_gateway_reports_the_gateways_reason_once(fakes):
+    """`canary load --max-tokens 64` through a gateway capping output at 32 said only "HTTP 400=8": every request
+    failed and nothing said why. The report now gives the gateway's own words, once per outcome, streaming or not."""
+    from gateway.limits import Limiter, Limits
+
+    with running(fleet(fakes), limits=Limiter(Limits(max_output_tokens=32))) as (router, client):
+        report = replay(str(client.base_url), ["2+2?"], rps=40, duration_s=0.2, arrivals="fixed", max_tokens=64)
+    n = len(report.results)
+    assert report.outcomes() == {"HTTP 400": n} and {(r.kind, r.stream) for r in report.results} == set(KINDS)
+    (reason,) = {r.detail for r in report.results}
+    assert "32" in reason and "64" in reason, reason
+    assert report.lines()[1:3] == [f"outcomes: HTTP 400={n}", f"HTTP 400, e.g.: {reason}"]
+    assert not fakes["stable"].seen  # refused at the gateway, before any backend
+
+
 def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(fakes):
     from gateway.limits import Limiter, Limits
 
