@@ -286,13 +286,20 @@ class CanaryLoad:
         `notes` (_key_notes) where those limits tell teams by key (team_keys_file) and --team-keys is missing or
         holds a key whose digest that file does not list for its team (those prompts would count as anonymous),
         or where they do not and --team-keys is given (the keys change nothing there). Raises
-        QuantgateError naming params.yaml's line for a bad limits block."""
+        QuantgateError naming params.yaml's line for a bad limits block, or for an output cap
+        (limits.max_output_tokens) under --max-tokens: the gateway would refuse every load request (HTTP 400)."""
         if not self.rps:
             return self
         from gateway.limits import Limits
-        from quantgate.params import load_block
+        from quantgate.params import PARAMS_FILE, load_block, where
 
         limits = load_block("limits", Limits)
+        if self.max_tokens > (cap := limits.max_output_tokens):
+            raise QuantgateError(
+                f"--max-tokens {self.max_tokens} is over the gateway's output cap of {cap} tokens "
+                f"({where(PARAMS_FILE, 'limits.max_output_tokens')}): it would refuse every load request (HTTP 400); "
+                f"give --max-tokens {cap} or less"
+            )
         return dataclasses.replace(self, team_header=limits.team_header, notes=_key_notes(limits, self.team_keys))
 
     def starter(self, prompts: list[str], stop: threading.Event) -> Callable[[str], Callable[[], None]]:

@@ -598,7 +598,9 @@ def test_load_on_a_running_gateway_names_teams_by_its_team_header_and_the_team_k
     ) in r.output.splitlines()
 
 
-def _gateway_load(tmp_path, monkeypatch, example_evals, params: str, keys: str | None, gateway: bool = True):
+def _gateway_load(
+    tmp_path, monkeypatch, example_evals, params: str, keys: str | None, gateway: bool = True, max_tokens: int = 8
+):
     """`canary run --load-rps` (on a gateway, or on the canary's own servers) with replay and the controller
     stubbed: (the CliRunner result, what replay was given)."""
     import canary.commands as commands
@@ -621,6 +623,7 @@ def _gateway_load(tmp_path, monkeypatch, example_evals, params: str, keys: str |
     monkeypatch.setattr(controller, "run_canary", lambda *a: pytest.fail("the canary's own servers were started"))
     monkeypatch.setattr("registry.store.client", lambda existing=False: None)
     args = ["canary", "run", "m", "2", "--by", "t", "--load-rps", "1", "--evals", str(example_evals)]
+    args += ["--max-tokens", str(max_tokens)]
     if gateway:
         args += ["--gateway", "http://127.0.0.1:9", "--token-file", "token"]
     if keys is not None:
@@ -666,6 +669,20 @@ def test_a_keyed_gateway_without_team_keys_or_with_a_wrong_key_is_named(tmp_path
     # a digest file this machine cannot read is the gateway's to read: no note either way
     r, _ = _gateway_load(tmp_path, monkeypatch, example_evals, params.replace("digests", "elsewhere"), "billing: x\n")
     assert r.exit_code == 0 and "team_keys_file" not in r.output, r.output
+
+
+def test_a_load_over_the_gateways_output_cap_is_refused_before_the_canary(tmp_path, monkeypatch, example_evals):
+    """`canary run --gateway --load-rps 1 --max-tokens 64` on a gateway whose limits cap output at 32: every load
+    request was refused (HTTP 400) before any server, so the canary ran its steps without load."""
+    params = "canary: {}\nlimits:\n  team_header: x-team\n  max_output_tokens: 32\n"
+    r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, params, None, max_tokens=64)
+    assert r.exit_code == 1 and sent == [], r.output
+    assert r.output.splitlines()[-1] == (
+        "Error: --max-tokens 64 is over the gateway's output cap of 32 tokens (params.yaml:4): it would refuse every "
+        "load request (HTTP 400); give --max-tokens 32 or less"
+    )
+    r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, params, None, max_tokens=32)
+    assert r.exit_code == 0 and sent == [("x-team", None)], r.output
 
 
 def test_a_gateway_url_with_spaces_is_used_stripped():
