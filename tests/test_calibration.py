@@ -7,10 +7,14 @@ import sys
 import pytest
 
 from pipeline import validate
-from quantgate.calibration import SHAPE, TEAM_FILE, eval_strings, team_conversations
+from quantgate.calibration import TEAM_FILE, eval_strings, team_conversations
 from quantgate.errors import QuantgateError
 from quantgate.teams import load_teams
 from tests.conftest import REPO
+
+# the line a team is told to write, as the messages say it (written out, not quantgate.calibration.SHAPE: a test
+# reading the module's own string would pass whatever that string became)
+SHAPE = '{"messages": [{"role": "user"|"assistant"|"system", "content": "..."}, ...]}'
 
 GOOD = {"messages": [{"role": "user", "content": "Where is my parcel?"}, {"role": "assistant", "content": "Hi!"}]}
 
