@@ -80,7 +80,12 @@ def test_bootstrap_ci_matches_normal_closed_form():
 
 def test_bootstrap_is_deterministic_for_a_seed():
     drops = np.random.default_rng(3).normal(0, 0.1, 100)
-    assert compare_continuous(drops, 0.05, 0.95, 2000, 5) == compare_continuous(drops, 0.05, 0.95, 2000, 5)
+    first = compare_continuous(drops, 0.05, 0.95, 2000, 5)
+    assert first == compare_continuous(drops, 0.05, 0.95, 2000, 5)
+    assert first.lower < drops.mean() < first.upper  # a resampled interval, not the point estimate twice
+    # the seed is what fixes it: another seed resamples other documents (a seed ignored made the lines above pass)
+    other = compare_continuous(drops, 0.05, 0.95, 2000, 6)
+    assert (first.lower, first.upper) != (other.lower, other.upper)
 
 
 def simulate(p_base_only, p_cand_only, n, rng):
@@ -131,5 +136,6 @@ def test_docs_for_power_is_the_smallest_n_reaching_the_power():
     # Connor's normal approximation (1.645 + 1.282)^2 * 0.1 / 0.05^2 = 343 is the right size
     assert 250 < n < 450
     assert docs_for_power(0.2, 0.05, 0.95, 0.9) > n  # more disagreement needs more documents
-    with pytest.raises(ValueError):
+    # pass_probability's own refusal: tango_bounds raises a ValueError of its own for n = 0 further in
+    with pytest.raises(ValueError, match=r"^need n > 0, 0 <= discordance <= 1, margin > 0; got 0, 0.1, 0.05$"):
         pass_probability(0, 0.1, 0.05, 0.95)
