@@ -78,6 +78,26 @@ def test_bootstrap_ci_matches_normal_closed_form():
     assert cmp.lower == pytest.approx(drops.mean() - half, abs=0.1 * half)
 
 
+def test_the_non_inferiority_p_value_is_one_minus_the_confidence_at_the_upper_bound():
+    """p_value (the gate report's p column) is the test the bound inverts: at a margin equal to the one-sided
+    upper bound it is 1 - confidence, and the two-sided p_difference of drops is Student's t by hand. Nothing
+    checked either: p_value with its sign flipped, or the bootstrap's `<=` turned round, passed test_stats and
+    test_gate."""
+    base, cand = paired(7, 1, 30, 12)
+    upper = compare_binary(base, cand, 0.05, 0.95).upper
+    assert compare_binary(base, cand, upper, 0.95).p_value == pytest.approx(0.05, abs=1e-9)
+    assert (
+        compare_binary(base, cand, upper + 0.05, 0.95).p_value < 0.05 < compare_binary(base, cand, 0.05, 0.95).p_value
+    )
+    drops = np.random.default_rng(7).normal(0.01, 0.2, size=2000)
+    upper = compare_continuous(drops, 0.05, 0.95, 20000, seed=1).upper
+    assert compare_continuous(drops, upper, 0.95, 20000, seed=1).p_value == pytest.approx(0.05, abs=0.01)
+    t = drops.mean() / (drops.std(ddof=1) / math.sqrt(len(drops)))
+    assert compare_continuous(drops, 0.05, 0.95, 2000, 5).p_difference == pytest.approx(
+        2 * stats.t.sf(abs(t), len(drops) - 1), rel=1e-9
+    )
+
+
 def test_bootstrap_is_deterministic_for_a_seed():
     drops = np.random.default_rng(3).normal(0, 0.1, 100)
     first = compare_continuous(drops, 0.05, 0.95, 2000, 5)
