@@ -93,5 +93,7 @@ def test_bad_inputs_name_the_field(tmp_path):
         check_context(CostParams(context_tokens=9000), SMOLLM2)
     with pytest.raises(QuantgateError, match="no request fits"):
         devices_for(10, 0, 32, 0.8)
-    with pytest.raises(QuantgateError, match="num_key_value_heads|num_hidden_layers missing"):
+    with pytest.raises(
+        QuantgateError, match=r"^config\.json: num_hidden_layers missing or not an integer; cannot size the KV cache$"
+    ):
         KVShape.from_config({"num_attention_heads": 9})
