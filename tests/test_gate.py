@@ -28,8 +28,10 @@ def test_identical_large_set_passes(tmp_path, teams):
     scores = [1.0, 0.0] * 100
     write_scores(tmp_path, "fp16", "search", scores)
     write_scores(tmp_path, "int4", "search", scores)
-    r = row(gate(tmp_path, teams, PARAMS))
+    result = gate(tmp_path, teams, PARAMS)
+    r = row(result)
     assert r.verdict == "PASS"
+    assert (result.builds["int4"].verdict, result.builds["int4"].shippable) == ("PASS", True)
     assert r.n == 200 and r.drop == 0.0 and r.recovery_pct == 100.0
     assert r.upper == pytest.approx(2.7055 / (200 + 2.7055), rel=1e-3)
 
@@ -46,8 +48,11 @@ def test_clear_drop_fails(tmp_path, teams):
 def test_small_set_is_inconclusive_with_needed_n(tmp_path, teams):
     write_scores(tmp_path, "fp16", "search", [1.0, 0.0] * 5)
     write_scores(tmp_path, "int4", "search", [1.0, 0.0] * 5)
-    r = row(gate(tmp_path, teams, PARAMS))
+    result = gate(tmp_path, teams, PARAMS)
+    r = row(result)
     assert r.verdict == "INCONCLUSIVE"
+    # shippable only if every team PASSes: an undecided team is no release (`worst is not FAIL` passed every test)
+    assert (result.builds["int4"].verdict, result.builds["int4"].shippable) == ("INCONCLUSIVE", False)
     assert r.n_required == 52  # z^2 (1 - m) / m for b = c = 0, m = 0.05
     assert "52 docs" in r.reason
 
@@ -145,6 +150,8 @@ def test_recovery_interval_maps_drop_bounds():
     assert recovery_interval(c) == pytest.approx((95.0, 102.5))
     lower_is_better = c.model_copy(update={"baseline": 2.0, "higher_is_better": False})
     assert recovery_interval(lower_is_better) == pytest.approx((100 * 2 / 2.04, 100 * 2 / 1.98))
+    # a lower-is-better candidate whose bound reaches 0 or below (0.01 - 0.02) has no recovery ratio
+    assert recovery_interval(lower_is_better.model_copy(update={"baseline": 0.01})) is None
     assert recovery_interval(TeamComparison(verdict="FAIL", metric="acc", reason="no results")) is None
 
 
