@@ -206,8 +206,12 @@ def test_token_bucket_refills_at_its_rate_up_to_its_capacity():
     bucket = TokenBucket(rate=4, capacity=2, clock=clock)
     assert [bucket.take(), bucket.take()] == [0.0, 0.0]
     assert bucket.take() == pytest.approx(0.25)
+    clock.t += 0.125  # half a token back: the wait is for the other half (a wait of 1 / rate passed before)
+    assert bucket.take() == pytest.approx(0.125)
+    clock.t += 0.125
+    assert bucket.take() == 0.0
     clock.t += 10  # refills to 2, not 40
-    assert [bucket.take(), bucket.take(), bucket.take() > 0] == [0.0, 0.0, True]
+    assert [bucket.take(), bucket.take(), bucket.take()] == [0.0, 0.0, pytest.approx(0.25)]
 
 
 # --- teams by API key -----------------------------------------------------------------------------
