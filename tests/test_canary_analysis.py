@@ -311,6 +311,9 @@ def test_a_vllm_gauge_fails_only_when_held_above_its_max_for_gauge_looks_looks()
     held = gauge_check(engine([0, 5, 6, 9], [0.1] * 4), policy, "vllm_requests_waiting")
     assert held.verdict is Verdict.FAIL and held.value == 5
     assert held.text == "vllm_requests_waiting 5 > 4 (lowest of the last 3 looks, n=4) FAIL"
+    at = gauge_check(engine([0, 4, 4, 4], [0.1] * 4), policy, "vllm_requests_waiting")  # held at the max: not above
+    assert at.verdict is Verdict.PASS
+    assert at.text == "vllm_requests_waiting 4 <= 4 (lowest of the last 3 looks, n=4) PASS"
     full = gauge_check(engine([0] * 3, [0.95, 0.97, 0.99]), policy, "vllm_kv_cache_usage")
     assert full.verdict is Verdict.FAIL and full.value == pytest.approx(0.95)
     few = gauge_check(engine([9, 9], [0.1, 0.1]), policy, "vllm_requests_waiting")
