@@ -73,13 +73,18 @@ def test_recommended_only_when_non_inferior_and_cheaper():
     )
     ok, why = buys.recommend(passing(), dear, base, "fp16")
     assert not ok and why.startswith("PASS, but costs $1.500 per 1M output tokens vs $1.000 for fp16 (1.50x)")
+    same = BuildCost(status="profiled", usd_per_mtok=1.0)  # as dear as the baseline: not cheaper
+    assert buys.recommend(passing(), same, base, "fp16")[0] is False
     assert buys.recommend(passing("INCONCLUSIVE"), cheap, base, "fp16") == (
         False,
         "not non-inferior for every team (gate INCONCLUSIVE)",
     )
     unprofiled = BuildCost(status="unprofiled", reason="vLLM server exited")
     assert buys.recommend(passing(), unprofiled, base, "fp16") == (False, "unprofiled: vLLM server exited")
-    assert not buys.recommend(passing(), cheap, unprofiled, "fp16")[0]
+    assert buys.recommend(passing(), cheap, unprofiled, "fp16") == (
+        False,
+        "fp16 unprofiled, so no cost to compare with: vLLM server exited",
+    )
 
 
 def test_bad_cost_params_name_file_line_and_field(tmp_path):
