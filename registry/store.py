@@ -7,6 +7,7 @@ in the working directory. `MLFLOW_TRACKING_URI` overrides it (e.g. http://host:5
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -237,8 +238,9 @@ def client(uri: str | None = None, existing: bool = False):
     The settings must be usable (`check_settings`); then an http(s) URI must answer (`reachable`), a postgresql://
     database too (`database_reachable`), and the object store at $MLFLOW_S3_ENDPOINT_URL, with the credentials
     given (`object_store_reachable`). existing=True (commands that act on a registry `dvc repro` made): raises
-    QuantgateError when the URI is a sqlite file that does not exist, instead of MLflow creating an empty
-    registry there (the usual cause: running from another folder than the project).
+    QuantgateError when the URI is a sqlite file that does not exist, or holds no registry (an empty file, another
+    SQLite database), instead of MLflow creating an empty registry there (the usual cause: running from another
+    folder than the project).
     """
     from mlflow import MlflowClient
 
@@ -251,12 +253,33 @@ def client(uri: str | None = None, existing: bool = False):
         database_reachable(uri)
     if os.environ.get("MLFLOW_S3_ENDPOINT_URL"):  # artifacts in an S3-compatible store: check it answers
         object_store_reachable(os.environ["MLFLOW_S3_ENDPOINT_URL"])
-    if existing and uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
-        raise QuantgateError(
-            f"no registry at {uri.removeprefix('sqlite:///')}: run from the project folder after "
-            "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI"
-        )
+    if existing and uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise QuantgateError(
+                f"no registry at {path}: run from the project folder after "
+                "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI"
+            )
+        if not _holds_registry(path):
+            raise QuantgateError(
+                f"no registry in {path}: it is an empty file or another SQLite database (MLflow would write its "
+                "tables into it); point MLFLOW_TRACKING_URI at the registry's mlflow.db, or run `dvc repro` (its "
+                "register stage makes it)"
+            )
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _holds_registry(path: Path) -> bool:
+    """Whether the SQLite file `path` has MLflow's model registry table, read without writing to it; True when it
+    cannot be read here (MLflow then says why)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)) as db:
+            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'registered_models'")
+            return found.fetchone() is not None
+    except sqlite3.Error:
+        return True
 
 
 def experiment_id(mlflow_client, name: str, uri: str | None = None) -> str:

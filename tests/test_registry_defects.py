@@ -1,6 +1,7 @@
 """Registry defects found by trying quantgate as a new user would (issue 18, item 7), each against a
 real embedded sqlite registry (the 503 test: a real HTTP server on loopback that answers 503)."""
 
+import contextlib
 import http.server
 import os
 import re
@@ -265,6 +266,29 @@ def test_unusable_registry_settings_are_one_line_naming_the_variable(env, said, 
         assert result.exit_code == 1, result.output
         _one_line_error(result, "Error: " + said.format(tmp=tmp_path))
         assert len(result.output.strip().splitlines()) == 1 and "[SQL:" not in result.output, result.output
+
+
+@pytest.mark.parametrize("kind", ["empty file", "another database"])
+def test_a_sqlite_file_without_a_registry_is_refused_and_left_unwritten(kind, tmp_path, monkeypatch):
+    """MLFLOW_TRACKING_URI at an empty file or another application's SQLite database: status, history and approve
+    (commands that act on a registry `dvc repro` made) had MLflow create its ~30 tables in it ("Creating initial
+    MLflow database tables...") and then said the model is not registered."""
+    import sqlite3
+
+    db = tmp_path / "other.db"
+    db.touch()
+    if kind == "another database":
+        with contextlib.closing(sqlite3.connect(db)) as c:
+            c.execute("CREATE TABLE t (x)")
+            c.commit()
+    before = db.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    for args in (("history", "m"), ("status", "m"), ("approve", "m", "1", "--reason", "r", "--by", "rm")):
+        result = _invoke(*args)
+        assert result.exit_code == 1, result.output
+        _one_line_error(result, f"Error: no registry in {db}: it is an empty file or another SQLite database")
+    assert db.read_bytes() == before
 
 
 def test_a_file_store_mlflow_is_told_to_allow_is_used_and_an_upper_case_http_uri_is_checked(tmp_path, monkeypatch):
