@@ -23,7 +23,7 @@ class GateBlock(Frozen):
 
     baseline: str = BASELINE_BUILD
     bootstrap_resamples: int = Field(default=10000, ge=1000)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)  # the bootstrap's np.random.default_rng refuses a negative one
 
     @field_validator("baseline")
     @classmethod

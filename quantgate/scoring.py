@@ -24,7 +24,7 @@ class HarnessParams(Frozen):
     max_retries: int = Field(default=3, ge=0)
     limit: int | None = Field(default=None, gt=0)  # cap docs per task for every team (smoke runs)
     add_bos_token: bool = False  # SmolLM2's tokenizer adds no BOS; set per model
-    seed: int = 1234
+    seed: int = Field(default=1234, ge=0, le=2**32 - 1)  # lm-eval's np.random.seed takes no other
 
 
 def effective_limit(team: Team, harness: HarnessParams) -> int | None:

@@ -506,11 +506,14 @@ def test_the_build_the_search_writes_cannot_be_served_as_w4a8(params):
         ("serve", "dtype", "bf16", "evaluate.serve.dtype"),
         ("serve", "max_slowdwn", 5, "evaluate.serve.max_slowdwn"),
         ("harness", "num_concurrent", 0, "evaluate.harness.num_concurrent"),
+        ("harness", "seed", -1, "evaluate.harness.seed: Input should be greater than or equal to 0"),
+        ("harness", "seed", 2**32, "evaluate.harness.seed: Input should be less than or equal to 4294967295"),
     ],
 )
 def test_a_bad_serving_field_stops_validate_naming_its_line(params, block, key, value, field):
     """Before, a bad evaluate.serve field passed validate and stopped the run at the first stage that served a
-    build, after prepare and calibrate."""
+    build, after prepare and calibrate; a harness seed outside numpy's [0, 2**32 - 1] stopped every evaluate (and
+    the search) in lm-eval's np.random.seed, with its ValueError traceback."""
     path = params(lambda doc: doc["evaluate"][block].update({key: value}))
     lines = path.read_text().splitlines()
     at = lines.index("evaluate:")
@@ -621,6 +624,7 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ("profile", "concurrency", [], r"profile.concurrency: List should have at least 1 item after validation"),
         ("profile", "concurrency", [1, 0], r"profile.concurrency.1: Input should be greater than or equal to 1"),
         ("profile", "seed", -5, r"profile.seed: Input should be greater than or equal to 0"),
+        ("gate", "seed", -1, r"gate.seed: Input should be greater than or equal to 0"),
         ("profile", "cpu_cores", "abc", r"profile.cpu_cores: 'abc' is not a core list"),
         (
             "profile",
@@ -658,7 +662,8 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
 )
 def test_the_blocks_later_stages_read_are_checked_here(params, block, key, value, message):
     """Each passed validate and stopped the search, gate, an evaluate, profile or the register stage after the
-    builds were made (profile and register: after every build was scored)."""
+    builds were made (profile and register: after every build was scored; a negative gate.seed: numpy's default_rng
+    ValueError in the gate, for a team with a continuous metric)."""
     path = params(lambda doc: doc[block].update({key: value}))
     one_line_error(
         lambda: check_later_blocks(check_evaluate(BUILDS, path), path), rf"^{re.escape(str(path))}:\d+: {message}"
