@@ -455,4 +455,10 @@ def _read(path: Path, adapter: TypeAdapter[T], what: str, stage: str) -> T:
     except ValidationError as exc:
         e = exc.errors()[0]
         where = ".".join(str(p) for p in e["loc"])
-        raise QuantgateError(f"{path}: not a {what} ({where}: {e['msg']}); re-run `dvc repro {stage}`") from None
+        if where:
+            why = f"{where}: {e['msg']}"
+        elif e["type"] in ("model_type", "dict_type"):  # the whole document: "Input should be a valid dictionary"
+            why = f"not a JSON object: {json.dumps(data)[:40]}"
+        else:
+            why = e["msg"]
+        raise QuantgateError(f"{path}: not a {what} ({why}); re-run `dvc repro {stage}`") from None

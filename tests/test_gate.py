@@ -280,6 +280,12 @@ def test_results_documents_refuse_what_they_cannot_read(tmp_path):
     (tmp_path / "scores.json").write_text('{"status": "ok", "samples": [{"task": "t", "doc_id": 0, "scor": 1}]}')
     with pytest.raises(QuantgateError, match=r"not a scores document \(samples.0.scor: Extra inputs"):
         read_scores(tmp_path / "scores.json")
+    for text in ("[]", "null", '"fp16"'):  # said "(: Input should be a valid dictionary or instance of GateResult)"
+        path.write_text(text + "\n")
+        with pytest.raises(
+            QuantgateError, match=rf"gate.json: not a gate result \(not a JSON object: {re.escape(text)}\)"
+        ):
+            read_gate(path)
 
 
 def test_report_says_whether_each_set_decides(tmp_path, teams):
