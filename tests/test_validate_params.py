@@ -625,6 +625,12 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ("profile", "concurrency", [1, 0], r"profile.concurrency.1: Input should be greater than or equal to 1"),
         ("profile", "seed", -5, r"profile.seed: Input should be greater than or equal to 0"),
         ("gate", "seed", -1, r"gate.seed: Input should be greater than or equal to 0"),
+        (
+            "gate",
+            "bootstrap_resamples",
+            10**9,
+            r"gate.bootstrap_resamples: Input should be less than or equal to 100000",
+        ),
         ("profile", "cpu_cores", "abc", r"profile.cpu_cores: 'abc' is not a core list"),
         (
             "profile",
