@@ -25,3 +25,12 @@ class ProfileParams(Frozen):
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the server; None = evaluate.serve's
 
     _cores = field_validator("cpu_cores")(classmethod(lambda cls, value: check_cpu_cores(value)))
+
+    @field_validator("concurrency")
+    @classmethod
+    def _once_each(cls, value: list[int]) -> list[int]:
+        """Each concurrency once: the figures are kept per concurrency, so a repeat ran its benchmark again
+        (up to timeout_s) only to replace the first run's figures."""
+        if twice := sorted({c for c in value if value.count(c) > 1}):
+            raise ValueError(f"{twice[0]} is given twice in {value}; give each concurrency once")
+        return value
