@@ -96,14 +96,19 @@ READ_ONLY = ("status", "history", "render")  # commands that take no registry lo
 def version_arg(ctx, param, value: str) -> str:
     """A model version as MLflow numbers it (versions.version_number): "3", "v3" and "003" all give
     "3" (a zero-padded number would otherwise name Services and labels of a version that does not
-    exist). Raises click.BadParameter for anything else."""
+    exist). Raises click.BadParameter for anything else, and for 0 (MLflow numbers versions from 1)."""
     from registry.versions import version_number
 
+    extra = " or none" if param.name == "expect_production" else ""
     try:
-        return version_number(value)
+        number = version_number(value)
     except QuantgateError:
-        extra = " or none" if param.name == "expect_production" else ""
         raise click.BadParameter(f"{value!r} is not a model version; give its number, e.g. 3 or v3{extra}") from None
+    if number == "0":  # no registry holds it: asking one only said it does not exist
+        raise click.BadParameter(
+            f"{value!r}: MLflow numbers model versions from 1; give its number, e.g. 3 or v3{extra}"
+        )
+    return number
 
 
 def by_arg(ctx, param, value: str | None) -> str:

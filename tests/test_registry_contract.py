@@ -747,6 +747,11 @@ def test_version_argument_rejects_non_numbers():
     assert result.exit_code == 2 and "'latest' is not a model version; give its number, e.g. 3 or v3" in result.output
     result = CliRunner().invoke(promote, ["m", "2", "--expect-production", "garbage", "--reason", "r", "--by", "a"])
     assert result.exit_code == 2 and "e.g. 3 or v3 or none" in result.output
+    for args in (["m", "v0", "--expect-production", "none"], ["m", "2", "--expect-production", "000"]):
+        result = CliRunner().invoke(promote, [*args, "--reason", "r", "--by", "a"])  # went to the registry, exit 1
+        assert result.exit_code == 2 and "MLflow numbers model versions from 1; give its number, e.g. 3 or v3" in (
+            result.output
+        ), result.output
 
 
 @pytest.mark.parametrize("command", ["register", "approve", "revoke", "promote", "rollback", "canary run"])
