@@ -52,7 +52,8 @@ def report(gate_json: Path) -> None:
     with command_errors():
         result = read_gate(gate_json)
         check_consistent(result, gate_json)  # a build milder than its worst team would print as shippable
-        search = search_of(SEARCH_RESULT)  # says why two builds have one set of weights
+        # says why two builds have one set of weights: the search beside the gate's file, not the one here
+        search = search_of(gate_json.parent / SEARCH_RESULT.relative_to(GATE_JSON.parent))
     lines = [table(result), precision_line(result)]
     if result.buys:
         lines.append(buys_table(result))

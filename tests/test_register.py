@@ -16,6 +16,7 @@ from quantgate.results import (
     SearchResult,
     TeamComparison,
     TeamSummary,
+    write_gate,
     write_search,
 )
 from quantgate.teams import load_teams
@@ -228,6 +229,21 @@ def test_a_w4a8_build_of_int4s_weights_is_said_to_be_served_otherwise(registry_d
     # listed the other way round (the W4A8 build first), int4's line says what it is served without
     assert served_apart(registry_dir / "models/int4", registry_dir / "models/int4-mixed") == {"w4a8": "false"}
     assert served_apart(registry_dir / "models/int4", registry_dir / "models/int4") == {}
+
+
+def test_report_of_another_projects_gate_reads_that_projects_search(registry_dir, example_evals):
+    """`quantgate report --gate-json other/results/gate.json` read ./results/search/search.json, the search of the
+    project it ran in (none here), so the note said less than that project's own report."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    other = registry_dir / "other"
+    write_gate(other / "results/gate.json", gate_twins(other, example_evals, KEPT_NONE_FAILED))
+    result = CliRunner().invoke(cli, ["report", "--gate-json", "other/results/gate.json"])
+    assert result.exit_code == 0, result.output
+    assert "same weights as int4 (the search kept no layer 16-bit)" in result.output
+    assert not (registry_dir / "results").exists()
 
 
 def test_two_builds_with_one_set_of_weights_keep_a_run_each_with_their_own_verdict(registry_dir, example_evals):
