@@ -127,6 +127,11 @@ def recommend(gate: BuildGate, cost: BuildCost | None, base: BuildCost | None, b
         return False, f"unprofiled: {cost.reason if cost else 'no profile'}"
     if base is None or base.status != "profiled" or base.usd_per_mtok is None:
         return False, f"{baseline} unprofiled, so no cost to compare with: {base.reason if base else 'no profile'}"
+    if base.usd_per_mtok <= 0:  # rounded to 4 decimals: a device price far below a cent an hour
+        return False, (
+            f"{baseline}'s cost rounds to $0 per 1M output tokens (cost.gpu_hour_usd too small), so no cost to "
+            "compare with"
+        )
     x = cost.usd_per_mtok / base.usd_per_mtok
     if x >= 1:
         return False, (

@@ -36,7 +36,7 @@ KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float1
 class CostParams(Frozen):
     """params.yaml block `cost`: the load and the price a release is judged at."""
 
-    gpu_hour_usd: float = Field(default=2.0, ge=0)  # price of one device (or CPU node) for an hour
+    gpu_hour_usd: float = Field(default=2.0, gt=0)  # price of one device (or CPU node) for an hour; 0 has no ratio
     qps: float = Field(default=50, gt=0)  # requests per second to serve
     context_tokens: int = Field(default=2048, gt=0)  # prompt + output tokens one request holds in KV
     output_tokens: int = Field(default=250, gt=0)  # generated tokens per request

@@ -79,6 +79,11 @@ def test_recommended_only_when_non_inferior_and_cheaper():
         False,
         "not non-inferior for every team (gate INCONCLUSIVE)",
     )
+    free = BuildCost(status="profiled", usd_per_mtok=0.0)  # a price rounded to $0: the gate stopped on 0 / 0
+    assert buys.recommend(passing(), free, free, "fp16") == (
+        False,
+        "fp16's cost rounds to $0 per 1M output tokens (cost.gpu_hour_usd too small), so no cost to compare with",
+    )
     unprofiled = BuildCost(status="unprofiled", reason="vLLM server exited")
     assert buys.recommend(passing(), unprofiled, base, "fp16") == (False, "unprofiled: vLLM server exited")
     assert buys.recommend(passing(), cheap, unprofiled, "fp16") == (
@@ -90,9 +95,10 @@ def test_recommended_only_when_non_inferior_and_cheaper():
 def test_bad_cost_params_name_file_line_and_field(tmp_path):
     p = tmp_path / "params.yaml"
     base = measured("fp16", 46592, 40.0, 1266, 126)
-    p.write_text("cost:\n  gpu_hour_usd: -1\n")
-    with pytest.raises(QuantgateError, match=r"params.yaml:2: cost.gpu_hour_usd: Input should be greater"):
-        buys.load_cost(base, p)
+    for price in (-1, 0):  # 0: every build costs the same $0, and the gate divided by it
+        p.write_text(f"cost:\n  gpu_hour_usd: {price}\n")
+        with pytest.raises(QuantgateError, match=r"params.yaml:2: cost.gpu_hour_usd: Input should be greater than 0"):
+            buys.load_cost(base, p)
     p.write_text("cost:\n  qps: 1\n  context_tokens: 9000\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:3: cost.context_tokens: 9000 tokens is longer than the mo"):
         buys.load_cost(base, p)
