@@ -180,13 +180,19 @@ def w8a8_kernel(torch, amx: bool) -> str:
 
 def w8a8_call(torch, ops, dtype_name: str, kernel: str) -> str:
     """One tiny int8 W8A8 GEMM through `kernel` (w8a8_kernel), step for step as CPUInt8ScaledMMLinearKernel
-    runs it for dynamic per-token symmetric activations: N = K = 32, weights [N, K] all 1 with per-channel
-    scales 1, activations [1, K] all 1 at `dtype_name` (quantized to 127 with scale 1/127), so every output is
-    32. "ok" or what is wrong."""
+    runs it for dynamic per-token symmetric activations: N = K = 32, weights [N, K] all 127 (int8's largest)
+    with per-channel scales 1/127, activations [1, K] all 1 at `dtype_name` (quantized to 127 with scale
+    1/127), so every output is 32. "ok" or what is wrong.
+
+    The largest values on both sides are what a kernel that sums int8 products in 16 bits gets wrong: oneDNN's
+    int8 GEMM below AVX512_VNNI, as vLLM 0.32 calls it (u8 activations shifted by 128, VPMADDUBSW pair sums
+    saturating at 32767), answers about 0.8 % of the exact value for K = 576 and 15 % off on random data
+    (measured on a 2-core AMD EPYC held to AVX2 or AVX512_CORE by ONEDNN_MAX_CPU_ISA, 2026-12-07; exact with
+    AVX512_CORE_VNNI). Weights of 1, as before, never reach the limit."""
     dt = getattr(torch, dtype_name)
     x = torch.ones(1, 32, dtype=dt)
-    w = torch.ones(32, 32, dtype=torch.int8)
-    w_scale = torch.ones(32, 1, dtype=torch.float32)
+    w = torch.full((32, 32), 127, dtype=torch.int8)
+    w_scale = torch.full((32, 1), 1 / 127, dtype=torch.float32)
     if kernel == W8A8_SGL:
         request_amx(torch)
         packed = torch.ops._C.convert_weight_packed(w)

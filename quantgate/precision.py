@@ -51,6 +51,7 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 RECORD = "precision.json"  # results/eval/<build>/precision.json: the precision that build was evaluated at
 OK, MISSING = "ok", "missing"
 CRASHED = ("died with", "no answer in", "exited with code")  # how platform_probe.isolated reports a call's death
+WRONG = "wrong output"  # how platform_probe reports a call that answered, but not the exact value
 
 PROBE_SCRIPT = Path(platform_probe.__file__)  # run by the serving env's python (it has no quantgate installed)
 PROBE_TIMEOUT_S = 300  # the vLLM import takes ~6 s; each kernel call is bounded inside the script
@@ -115,10 +116,15 @@ def _cpu_flags() -> str:
     return ""
 
 
+# Variables that hold a kernel library below what the CPU has: the same CPU then answers otherwise (oneDNN held
+# below AVX512_VNNI computes int8 GEMMs wrongly, platform_probe.w8a8_call; benchmarks/as_avx2.py sets them all)
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def probe_key(python: str) -> str:
     """Cache key of a probe answer (sha256 hex): the probe script, the serving interpreter's real path and
-    its env's installed distributions (dist-info names carry versions), the CPU's flags and the visible GPUs.
-    Any of them changing makes a new probe."""
+    its env's installed distributions (dist-info names carry versions), the CPU's flags, the ISA_ENV variables
+    set and the visible GPUs. Any of them changing makes a new probe."""
 
     real = Path(python).resolve() if Path(python).exists() else Path(python)
     prefix = Path(python).absolute().parent.parent.resolve()  # a linked env (scratch projects) is the same env
@@ -131,6 +137,7 @@ def probe_key(python: str) -> str:
             "prefix": str(prefix),
             "dists": dists,
             "cpu_flags": _cpu_flags(),
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
             "gpus": gpus,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
@@ -636,7 +643,7 @@ def w4a8_problem(platform: Platform, dtype: str) -> str | None:
     return None
 
 
-def w8a8_problem(platform: Platform, dtype: str) -> str | None:
+def w8a8_problem(platform: Platform, dtype: str, inexact_ok: bool = False) -> str | None:
     """Why vLLM on `platform` cannot serve an int8 W8A8 build (is_int8_w8a8) at activation `dtype`, or None if
     it can, or if only a server start can tell (a GPU; a probe without the call; a call that raised at every
     dtype, which proves nothing about the kernel).
@@ -644,15 +651,21 @@ def w8a8_problem(platform: Platform, dtype: str) -> str | None:
     The probe's tiny call runs the kernel vLLM picks here (platform_probe.w8a8_kernel), so a call that died
     (a signal, a hang, an exit), a missing op, or an error at `dtype` where another dtype answered "ok" is
     what a server would meet on its first request: on a Sapphire Rapids Xeon the AMX kernel raises at float32
-    (HTTP 500 on every request, measured 2026-12-06) and aborts the process at float16.
+    (HTTP 500 on every request, measured 2026-12-06) and aborts the process at float16. A call that answered a
+    wrong value is a kernel whose scores would measure its own error (wrong_int8_problem), unless `inexact_ok`
+    (evaluate.serve.inexact_int8).
     """
     if not platform.is_cpu:
         return None
     call = platform.w8a8.get(dtype, "")
     works = [d for d in DTYPES if platform.w8a8.get(d) == OK]
-    if call in ("", OK) or (call != MISSING and not call.startswith(CRASHED) and not works):
+    if call in ("", OK) or (call != MISSING and not call.startswith((*CRASHED, WRONG)) and not works):
+        return None
+    if call.startswith(WRONG) and inexact_ok:  # evaluate.serve.inexact_int8: served, and gated as served
         return None
     kernel = platform.w8a8_kernel or "its int8 kernel"
+    if call.startswith(WRONG):
+        return wrong_int8_problem(platform, dtype, kernel, call, works)
     if call == MISSING:
         return (
             f"this vLLM CPU build has no int8 W8A8 kernel for this processor: {platform.kernel_library} has no ops "
@@ -666,6 +679,28 @@ def w8a8_problem(platform: Platform, dtype: str) -> str | None:
     return (
         f"vLLM CPU's int8 W8A8 kernel ({kernel}, {platform.kernel_library}) at {dtype} in the platform probe: "
         f"{call.rstrip('.')}, so a server would run a kernel that fails on this {platform.kind} CPU; {advice}"
+    )
+
+
+def wrong_int8_problem(platform: Platform, dtype: str, kernel: str, call: str, works: list[str]) -> str:
+    """w8a8_problem's reason for a probe call that answered a wrong value (platform_probe.w8a8_call: 127s on both
+    sides, exact answer 32): the kernel runs, so a server would start and answer, and the gate would judge the
+    kernel's arithmetic error as the build's quality. Measured on a 2-core AMD EPYC with oneDNN held below
+    AVX512_VNNI (ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE), 2026-12-07: 0.253 for 32 at every dtype, and the
+    int8 build's billing score 0.249 (fp16's 0.360 on that path), where the same weights score 0.374 with VNNI."""
+    onednn = kernel == platform_probe.W8A8_ONEDNN
+    why = " (oneDNN's int8 GEMM without VNNI saturates its 16-bit pair sums)" if onednn else ""
+    advice = (
+        f"set evaluate.serve.dtype to {' or '.join(works)}"
+        if works
+        else "serve it on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU (in a pipeline run here: "
+        "drop it from `builds`, or set evaluate.serve.inexact_int8: true to serve and gate it with that error)"
+    )
+    return (
+        f"vLLM CPU's int8 W8A8 kernel ({kernel}, {platform.kernel_library}) computes wrong results on this "
+        f"{platform.kind} CPU: the platform probe's exact int8 GEMM at {dtype} gave "
+        f"{call.removeprefix(WRONG).strip()}{why}, so scores would measure the kernel's error, not the build's; "
+        f"{advice}"
     )
 
 

@@ -143,6 +143,10 @@ class ServeParams(Frozen):
     # None: emulated builds are served however slow; inf reaches the validator below, whose message says what to write
     max_slowdown: float | None = Field(default=3.0, allow_inf_nan=True)
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "1" or "0-3"; None = vLLM's auto (CPU only)
+    # an int8 W8A8 build whose kernel the probe finds inexact here (oneDNN without VNNI) is refused before any
+    # server starts (quantgate.precision.w8a8_problem); true serves it anyway, and the gate judges the kernel's
+    # error with the build (the e2e tests' plumbing needs a served candidate on every CPU kind)
+    inexact_int8: bool = False
     extra_args: list[str] = []
 
     _one_precision = field_validator("extra_args")(classmethod(lambda cls, args: check_extra_args(args)))
@@ -445,7 +449,8 @@ def _servable_problem(params: ServeParams, model_dir: Path, requested: str) -> s
         return f"vLLM would serve {shown(model_dir)} here too slowly to score: {slow} {BEFORE_SERVER}"
     if is_int8_w8a8(model_dir):
         platform = probe(params.python)
-        if takes_probed_int8_kernel(model_dir, platform) and (problem := w8a8_problem(platform, params.dtype)):
+        problem = w8a8_problem(platform, params.dtype, params.inexact_int8)
+        if takes_probed_int8_kernel(model_dir, platform) and problem:
             return f"vLLM cannot serve the int8 W8A8 build {shown(model_dir)} here: {problem} {BEFORE_SERVER}"
     if not is_w4a16(model_dir):
         return None

@@ -1,7 +1,9 @@
 """quantgate.precision and quantgate.serving: the run's precision rule, the true reason a W4A16 build
 cannot be served on each platform (faked here), and the pre-check that fails before any server starts."""
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -205,6 +207,27 @@ def test_int8_w8a8_is_refused_before_a_server_where_its_kernel_fails_at_that_dty
     assert precision.w8a8_problem(Platform("cpu", kernel_library="_C"), "float32") is None
 
 
+def test_an_int8_build_whose_kernel_is_inexact_here_is_refused_unless_the_params_serve_it_anyway(tmp_path, monkeypatch):
+    """oneDNN's int8 GEMM without VNNI answered 0.253 for 32 (2026-12-07): the server started, answered, and the
+    gate judged the kernel's error as the build's quality (INCONCLUSIVE on billing). Now refused before any
+    server, unless evaluate.serve.inexact_int8 says to serve and gate it anyway."""
+    int8 = build(tmp_path, "int8", INT8_W8A8)
+    wrong = "wrong output [0.25, 0.25, 0.25, 0.25] (expected 32)"
+    platform = Platform("cpu", kernel_library="_C_AVX2", w8a8=dict.fromkeys(ONEDNN_OK, wrong), w8a8_kernel=ONEDNN)
+    monkeypatch.setattr(serving, "probe", lambda python: platform)
+    with pytest.raises(ServerStartError) as raised:
+        check_servable(ServeParams(python="py", dtype="float32"), int8, "auto")
+    assert str(raised.value).startswith(
+        f"vLLM cannot serve the int8 W8A8 build {int8} here: vLLM CPU's int8 W8A8 kernel (onednn_scaled_mm "
+        "(oneDNN), _C_AVX2) computes wrong results on this AVX2-only CPU: the platform probe's exact int8 GEMM at "
+        "float32 gave [0.25, 0.25, 0.25, 0.25] (expected 32) (oneDNN's int8 GEMM without VNNI saturates"
+    )
+    check_servable(ServeParams(python="py", dtype="float32", inexact_int8=True), int8, "auto")  # served
+    # wrong at one dtype only: the advice names the dtypes that are right
+    mixed = dataclasses.replace(platform, w8a8={**platform.w8a8, "bfloat16": "ok"})
+    assert precision.w8a8_problem(mixed, "float32").endswith("; set evaluate.serve.dtype to bfloat16")
+
+
 def test_an_int8_build_that_amx_serves_with_onednn_is_left_to_the_server(tmp_path, monkeypatch):
     """vLLM takes AMX's int8 kernel only for symmetric activations and K % 32 == 0, N % 16 == 0; the probe called
     that kernel, so its float32 answer says nothing about a build served by oneDNN."""
@@ -396,6 +419,54 @@ def test_the_probes_w4a8_call_is_right_where_the_kernel_library_has_the_ops():
     if answer == "missing":
         pytest.skip("this kernel library has no int4_scaled_mm_cpu")
     assert answer == "ok"
+
+
+@pytest.mark.skipif(
+    not (REPO / ".venv-serve" / "bin" / "python").exists(), reason="serving env not set up (make setup)"
+)
+@pytest.mark.parametrize("isa", [None, "AVX2"])
+def test_the_probes_int8_call_tells_an_exact_onednn_gemm_from_one_that_is_wrong_on_real_data(isa):
+    """The probe's tiny int8 call (127s, exact answer 32) must say "ok" exactly where vLLM's oneDNN int8 GEMM is
+    right on realistic data (random activations with outliers, random int8 weights, K = 576 as the default
+    model's hidden size, against float64), and a wrong output where it is not. Run as the machine has it and
+    with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA), whichever of the two each gives here: measured 2026-12-07 on
+    an AMD EPYC with AVX512_VNNI, exact natively and 15-32 % off held to AVX2, where the call with weights of 1
+    answered "ok"."""
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import platform_probe as pp\n"
+        "from vllm.platforms import current_platform as p; p.import_kernels()\n"
+        "if not hasattr(torch.ops._C, 'onednn_scaled_mm'): print('missing'); raise SystemExit\n"
+        "from vllm import _custom_ops as ops\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(8, 576) * torch.where(torch.rand(576) < 0.02, 20.0, 1.0)\n"
+        "w, s = torch.randint(-127, 128, (64, 576), dtype=torch.int8), torch.full((64, 1), 0.01)\n"
+        "h = ops.create_onednn_scaled_mm(w.t(), s, torch.float32, True, False, 576)\n"
+        "x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)\n"
+        "y = torch.empty(8, 64)\n"
+        "ops.onednn_scaled_mm(h, x_q, y, x_s, x_zp, None, None)\n"
+        "ref = (x_q.double() * x_s.double()) @ (w.double() * s.double()).t()\n"
+        "print(float((y.double() - ref).abs().max() / ref.abs().max()))\n"
+        "print(pp.w8a8_call(torch, ops, 'float32', pp.W8A8_ONEDNN))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"} | (
+        {"ONEDNN_MAX_CPU_ISA": isa} if isa else {}
+    )
+    out = subprocess.run(
+        [str(REPO / ".venv-serve" / "bin" / "python"), "-c", script, str(REPO / "quantgate")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    if lines == ["missing"]:
+        pytest.skip("this kernel library has no oneDNN int8 GEMM")
+    assert len(lines) == 2, out.stderr[-2000:]
+    error, answer = float(lines[0]), lines[1]
+    if answer == "ok":
+        assert error < 1e-4, error
+    else:
+        assert answer.startswith("wrong output [") and answer.endswith("(expected 32)") and error > 1e-2, (
+            answer,
+            error,
+        )
 
 
 @pytest.mark.parametrize(
