@@ -60,7 +60,8 @@ class Prompt(str):
 @dataclass(frozen=True)
 class Result:
     """One request: status 0 = no HTTP response; error names what went wrong, None if ok; detail is the
-    server's own message for an answer that was not 200 (an OpenAI-style error body), None if it gave none."""
+    server's own message for an answer that was not 200 (an OpenAI-style error body) or for a stream it ended
+    with an `error` event, None if it gave none."""
 
     kind: str
     stream: bool
@@ -185,8 +186,8 @@ async def _one(
                     if status == 200:
                         async for ev in source.aiter_sse():
                             ttft = ttft if ttft is not None else time.perf_counter() - t0
-                            if ev.event == "error":
-                                err = "stream error event"
+                            if ev.event == "error":  # the gateway's words: why it could not finish the stream
+                                err, detail = "stream error event", error_message(ev.data.encode())
                                 break
                             if ev.data == "[DONE]":
                                 err = None

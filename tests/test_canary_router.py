@@ -845,6 +845,25 @@ def test_a_load_refused_by_the_gateway_reports_the_gateways_reason_once(fakes):
     assert not fakes["stable"].seen  # refused at the gateway, before any backend
 
 
+def test_a_stream_that_ends_in_an_error_event_reports_the_servers_words():
+    """A 200 stream the gateway ends with an SSE `error` event (a backend broke and could not be continued) was
+    reported as "stream error event" alone, though the event carries the gateway's message."""
+    from canary.load import _one
+
+    sse = b'data: {"choices": [{"text": "a"}]}\n\nevent: error\n'
+    sse += b'data: {"error": {"message": "stable backend stream broke"}}\n\n'
+
+    async def go():
+        answer = httpx.MockTransport(
+            lambda r: httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+        )
+        async with httpx.AsyncClient(transport=answer) as client:
+            return await _one(client, "http://gw", "completions", True, {"stream": True}, 5.0, {})
+
+    r = asyncio.run(go())
+    assert (r.status, r.error, r.detail) == (200, "stream error event", "stable backend stream broke")
+
+
 def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(fakes):
     from gateway.limits import Limiter, Limits
 
