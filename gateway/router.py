@@ -765,14 +765,15 @@ def _broke(message: str) -> bytes:
 
 
 def error_message(content: bytes | None) -> str | None:
-    """The message of an OpenAI-style error body (first 200 characters), None if there is none."""
+    """The message of an OpenAI-style error body on one line (its runs of whitespace, newlines included, as one
+    space: vLLM's validation errors span lines) and at most 200 characters, None if there is none."""
     try:
         doc = json.loads(content or b"")
     except ValueError:
         return None
     err = doc.get("error") if isinstance(doc, dict) else None
     msg = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
-    return str(msg)[:200] if msg else None
+    return " ".join(str(msg).split())[:200].rstrip() or None if msg else None
 
 
 def _stream_options(body: dict) -> dict:

@@ -845,6 +845,19 @@ def test_a_load_refused_by_the_gateway_reports_the_gateways_reason_once(fakes):
     assert not fakes["stable"].seen  # refused at the gateway, before any backend
 
 
+def test_a_servers_error_message_over_several_lines_is_read_as_one():
+    """vLLM answers a request that fails validation with pydantic's message, several lines long: `canary load`
+    printed it as it came, its second and third lines unlabelled between the outcomes and the latencies."""
+    from gateway.router import error_message
+
+    body = {"error": {"message": "1 validation error for ChatCompletionRequest\nmax_tokens\n  Input should be <= 32"}}
+    assert error_message(json.dumps(body).encode()) == (
+        "1 validation error for ChatCompletionRequest max_tokens Input should be <= 32"
+    )
+    assert error_message(json.dumps({"error": "a\n" * 300}).encode()) == ("a " * 100).rstrip()
+    assert error_message(b"<html>bad gateway</html>") is None and error_message(b'{"error": " \n "}') is None
+
+
 def test_a_stream_that_ends_in_an_error_event_reports_the_servers_words():
     """A 200 stream the gateway ends with an SSE `error` event (a backend broke and could not be continued) was
     reported as "stream error event" alone, though the event carries the gateway's message."""
