@@ -291,13 +291,15 @@ class CanaryLoad:
         if not self.rps:
             return self
         from gateway.limits import Limits
-        from quantgate.params import PARAMS_FILE, load_block, where
+        from quantgate.params import PARAMS_FILE, key_lines, load_block
 
         limits = load_block("limits", Limits)
         if self.max_tokens > (cap := limits.max_output_tokens):
+            line = key_lines(PARAMS_FILE).get(("limits", "max_output_tokens"))
+            at = f"{PARAMS_FILE}:{line}" if line else f"its default: {PARAMS_FILE} does not set it"
             raise QuantgateError(
                 f"--max-tokens {self.max_tokens} is over the gateway's output cap of {cap} tokens "
-                f"({where(PARAMS_FILE, 'limits.max_output_tokens')}): it would refuse every load request (HTTP 400); "
+                f"(limits.max_output_tokens, {at}): it would refuse every load request (HTTP 400); "
                 f"give --max-tokens {cap} or less"
             )
         return dataclasses.replace(self, team_header=limits.team_header, notes=_key_notes(limits, self.team_keys))

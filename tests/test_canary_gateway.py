@@ -678,11 +678,19 @@ def test_a_load_over_the_gateways_output_cap_is_refused_before_the_canary(tmp_pa
     r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, params, None, max_tokens=64)
     assert r.exit_code == 1 and sent == [], r.output
     assert r.output.splitlines()[-1] == (
-        "Error: --max-tokens 64 is over the gateway's output cap of 32 tokens (params.yaml:4): it would refuse every "
-        "load request (HTTP 400); give --max-tokens 32 or less"
+        "Error: --max-tokens 64 is over the gateway's output cap of 32 tokens (limits.max_output_tokens, "
+        "params.yaml:4): it would refuse every load request (HTTP 400); give --max-tokens 32 or less"
     )
     r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, params, None, max_tokens=32)
     assert r.exit_code == 0 and sent == [("x-team", None)], r.output
+    # the cap unset is its default, 512: named as such, not by the line of `limits:` (where it is not written)
+    r, sent = _gateway_load(tmp_path, monkeypatch, example_evals, "canary: {}\nlimits: {}\n", None, max_tokens=600)
+    assert r.exit_code == 1 and sent == [], r.output
+    assert r.output.splitlines()[-1] == (
+        "Error: --max-tokens 600 is over the gateway's output cap of 512 tokens (limits.max_output_tokens, its "
+        "default: params.yaml does not set it): it would refuse every load request (HTTP 400); give --max-tokens "
+        "512 or less"
+    )
 
 
 def test_a_gateway_url_with_spaces_is_used_stripped():
