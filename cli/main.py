@@ -78,7 +78,7 @@ def status(model: str | None) -> None:
             from quantgate.params import PARAMS_FILE, load_block
             from quantgate.register_params import RegisterParams
 
-            if not PARAMS_FILE.exists():  # a folder of that name is named as one by load_block
+            if not PARAMS_FILE.exists() and not PARAMS_FILE.is_symlink():  # load_block names a folder or broken link
                 raise QuantgateError(
                     f"no {PARAMS_FILE} in {Path.cwd()}: run from the project folder, or name the "
                     f"model: quantgate status MODEL"

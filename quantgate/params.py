@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from quantgate.errors import QuantgateError
+from quantgate.files import not_to_open
 
 PARAMS_FILE = Path("params.yaml")
 
@@ -56,8 +57,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _read_text(path: Path) -> str:
-    if path.exists() and not path.is_file() and not path.is_dir():  # never opened: a FIFO would wait forever
-        raise QuantgateError(f"{path}: not a regular file (a device, FIFO or socket); give the YAML file")
+    if (bad := not_to_open(path)) is not None:  # never opened: a FIFO would wait forever
+        raise QuantgateError(f"{path} is {bad[0]}; {bad[1]}give the YAML file")
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -528,6 +528,25 @@ def test_a_params_yaml_that_is_a_folder_is_named_as_one(tmp_path, monkeypatch):
     assert "params.yaml: is a folder, not a file" in res.output, res.output
 
 
+def test_a_params_yaml_that_is_a_broken_link_is_named_as_one(tmp_path, monkeypatch):
+    """A params.yaml linked to a file that is gone said "file not found in <here>; run from the project folder"
+    (status: "no params.yaml in <here>"), though the folder is the project's and its link is what is wrong."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").symlink_to("shared/params.yaml")
+    said = "params.yaml is a broken symlink: its target shared/params.yaml does not exist; fix the link or give the "
+    with pytest.raises(QuantgateError) as exc:
+        load_fleet_params(Path("params.yaml"))
+    assert str(exc.value) == said + "YAML file"
+    res = CliRunner().invoke(cli, ["status"])
+    assert res.exit_code == 1 and res.output.splitlines()[-1] == f"Error: {said}YAML file", res.output
+
+
 @pytest.mark.parametrize(
     "text, key",
     [

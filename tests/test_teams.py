@@ -209,7 +209,9 @@ def test_a_fifo_data_file_or_task_file_is_named_as_one_not_read(example_evals):
     task = next(p for p in (example_evals / "billing").glob("*.yaml") if p.name != "team.yaml")
     task.unlink()
     os.mkfifo(task)
-    with pytest.raises(QuantgateError, match=f"{task}: not a regular file \\(a device, FIFO or socket\\)"):
+    with pytest.raises(
+        QuantgateError, match=f"\n  {task} is a named pipe \\(FIFO\\), not a regular file; give the YAML file$"
+    ):
         load_team(example_evals / "billing")
 
 
