@@ -31,6 +31,7 @@ class ProfileParams(Frozen):
     def _once_each(cls, value: list[int]) -> list[int]:
         """Each concurrency once: the figures are kept per concurrency, so a repeat ran its benchmark again
         (up to timeout_s) only to replace the first run's figures."""
-        if twice := sorted({c for c in value if value.count(c) > 1}):
-            raise ValueError(f"{twice[0]} is given twice in {value}; give each concurrency once")
+        if again := sorted({c for c in value if value.count(c) > 1}):
+            times = "twice" if (n := value.count(again[0])) == 2 else f"{n} times"
+            raise ValueError(f"{again[0]} is given {times} in {value}; give each concurrency once")
         return value
