@@ -79,14 +79,20 @@ def require_dns_name(name: str, what: str, problem: Callable[[str], str | None] 
 
 def template_problem(template: str) -> str | None:
     """Why `template` cannot name the Services (`'{nope}': use only {model} and {version}, ...`: a placeholder
-    other than those, none for the version, unbalanced braces, or a format spec a name cannot take), or None when
-    it can: then `template.format(model=..., version=...)` cannot fail."""
+    other than those, none for the version, unbalanced braces, a placeholder inside a format spec, or a format spec
+    a name cannot take), or None when it can: then `template.format(model=..., version=...)` cannot fail."""
     import string
 
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        parsed = [(f, spec) for _, f, spec, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:  # unbalanced braces: "{model", "{version}}"
         return f"{template!r}: {exc}; e.g. {SERVICE_TEMPLATE}"
+    fields = [f for f, _ in parsed]
+    if any("{" in spec for _, spec in parsed):  # "{version:{nope}}": parse does not list the field in a spec
+        return (
+            f"{template!r}: a placeholder inside a format spec; use only {{model}} and {{version}}, "
+            f"e.g. {SERVICE_TEMPLATE}"
+        )
     if "version" not in fields or any(f not in ("model", "version") for f in fields):
         return (
             f"{template!r}: use only {{model}} and {{version}}, and {{version}} at least "

@@ -271,6 +271,12 @@ def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(projec
             "'{model}-v{version:d}': Unknown format code 'd' for object of type 'str'",
         ),
         ("--service", "{model:=5}-{version}", "'{model:=5}-{version}': '=' alignment not allowed in string format"),
+        # a placeholder inside a spec: {nope} there escaped the name check (a KeyError traceback), and {model} there
+        # was filled with the check's own stand-in ("Unknown format code 'm'")
+        *(
+            ("--service", t, f"'{t}': a placeholder inside a format spec; use only {{model}} and {{version}}")
+            for t in ("{model}-{version:{nope}}", "{version:{0}}", "{version:{model.x}}", "{version:>{model}}")
+        ),
     ],
 )
 def test_a_bad_gateway_namespace_or_service_is_a_usage_error_before_the_registry(
