@@ -133,6 +133,11 @@ def _n_required_binary(pb: float, pc: float, n: int, margin: float, confidence: 
     return hi
 
 
+# Resampled documents held at once by the bootstrap: scipy holds n x batch indices and values, 16 bytes each
+# (measured: 305 MiB for n = 1,000 x 20,000 resamples unbatched), so at most 64 MiB whatever n and resamples
+BOOTSTRAP_ELEMENTS = 1 << 22
+
+
 def compare_continuous(drops: np.ndarray, margin: float, confidence: float, resamples: int, seed: int) -> Comparison:
     """Paired bootstrap of the mean per-document drop (array of shape (n,)).
 
@@ -153,6 +158,7 @@ def compare_continuous(drops: np.ndarray, margin: float, confidence: float, resa
             n_resamples=resamples,
             method="percentile",
             random_state=np.random.default_rng(seed),
+            batch=max(1, BOOTSTRAP_ELEMENTS // n),  # the same draws as all at once (same seed), in bounded memory
         )
         lower, upper = float(res.confidence_interval.low), float(res.confidence_interval.high)
         boot = res.bootstrap_distribution
