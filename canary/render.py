@@ -30,6 +30,7 @@ PATH_PREFIX = "/v1"
 LABEL = "quantgate"  # prefix of the labels and annotations written on each route
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # RFC 1123 label
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # and at most 253
+MAX_LABEL = 63  # characters of an RFC 1035 label, a Kubernetes Service's name
 _DECIMALS = 2  # a step percent may have this many decimals (weights out of 100 * 10**_DECIMALS)
 
 
@@ -38,7 +39,7 @@ def dns_label(text: str, what: str) -> str:
     characters -> `-`, trimmed. Raises QuantgateError (naming `what`) when the result is empty,
     starts with a digit or is over 63 characters."""
     label = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    if not label or not label[0].isalpha() or len(label) > 63:
+    if not label or not label[0].isalpha() or len(label) > MAX_LABEL:
         fix = "another --service template" if what == "service name" else "a shorter name"
         raise QuantgateError(
             f"{what} {text!r} gives {label!r}, not a DNS label (a letter first, [a-z0-9-], at most 63 "
@@ -98,6 +99,10 @@ def template_problem(template: str) -> str | None:
             f"{template!r}: use only {{model}} and {{version}}, and {{version}} at least "
             f"(stable and candidate need different Services), e.g. {SERVICE_TEMPLATE}"
         )
+    for _, spec in parsed:  # "{version:1000000000}" would make a string of that size before dns_label refused it
+        width = re.match(r"(?:.?[<>=^])?[+\- ]?z?#?0?(\d*)", spec, re.DOTALL).group(1)
+        if width and (len(width) > 2 or int(width) > MAX_LABEL):  # int() refuses 4,300 digits and more
+            return f"{template!r}: a width of {width} characters; a Service name has at most {MAX_LABEL}"
     try:  # a format spec no name takes ("{version:d}"): it fails alike for every model and version (str's specs)
         template.format(model="m", version="1")
     except ValueError as exc:

@@ -241,6 +241,7 @@ def test_service_templates_that_cannot_tell_the_versions_apart_are_refused(templ
 def test_a_format_spec_a_name_can_take_is_kept():
     """`{model:.7}` (a name cut short) is a legitimate template: only specs no string takes are refused."""
     assert service_name("smollm2-135m", "12", "{model:.7}-v{version:>3}") == "smollm2-v-12"
+    assert service_name("m", "12", "{model}{version:0>62}") == "m" + "0" * 60 + "12"  # a width up to a label's 63
 
 
 @pytest.mark.parametrize("template", ["{model", "{version}}", "v{version}-}"])
@@ -271,6 +272,14 @@ def test_service_templates_with_unbalanced_braces_are_refused_in_one_line(projec
             "'{model}-v{version:d}': Unknown format code 'd' for object of type 'str'",
         ),
         ("--service", "{model:=5}-{version}", "'{model:=5}-{version}': '=' alignment not allowed in string format"),
+        # it made a string of that size before dns_label refused it (a gigabyte, or int()'s digit limit)
+        (
+            "--service",
+            "{model}-{version:1000000000}",
+            "'{model}-{version:1000000000}': a width of 1000000000 characters",
+        ),
+        ("--service", "{version:>64}", "'{version:>64}': a width of 64 characters; a Service name has at most 63"),
+        ("--service", "{version:" + "9" * 5000 + "}", "'{version:" + "9" * 5000 + "}': a width of " + "9" * 5000),
         # a placeholder inside a spec: {nope} there escaped the name check (a KeyError traceback), and {model} there
         # was filled with the check's own stand-in ("Unknown format code 'm'")
         *(
