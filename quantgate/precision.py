@@ -119,6 +119,8 @@ def _cpu_flags() -> str:
 # Variables that hold a kernel library below what the CPU has: the same CPU then answers otherwise (oneDNN held
 # below AVX512_VNNI computes int8 GEMMs wrongly, platform_probe.w8a8_call; benchmarks/as_avx2.py sets them all)
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+ONEDNN_ISA_ENV = ISA_ENV[:2]  # those that hold oneDNN, vLLM CPU's int8 GEMM where there are no AMX tiles
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # /proc/cpuinfo flags of a CPU whose int8 sums are exact
 
 
 def probe_key(python: str) -> str:
@@ -690,12 +692,24 @@ def wrong_int8_problem(platform: Platform, dtype: str, kernel: str, call: str, w
     int8 build's billing score 0.249 (fp16's 0.360 on that path), where the same weights score 0.374 with VNNI."""
     onednn = kernel == platform_probe.W8A8_ONEDNN
     why = " (oneDNN's int8 GEMM without VNNI saturates its 16-bit pair sums)" if onednn else ""
-    advice = (
-        f"set evaluate.serve.dtype to {' or '.join(works)}"
-        if works
-        else "serve it on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU (in a pipeline run here: "
-        "drop it from `builds`, or set evaluate.serve.inexact_int8: true to serve and gate it with that error)"
+    vnni = [f for f in _cpu_flags().split() if f in VNNI_FLAGS]
+    held = [f"{k}={os.environ[k]}" for k in ONEDNN_ISA_ENV if k in os.environ]
+    elsewhere = (
+        "on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU" if onednn else "on another machine kind"
     )
+    pipeline = (
+        "(in a pipeline run here: drop it from `builds`, or set evaluate.serve.inexact_int8: true to serve and gate "
+        "it with that error)"
+    )
+    if works:
+        advice = f"set evaluate.serve.dtype to {' or '.join(works)}"
+    elif onednn and vnni and held:  # a rehearsal of a CPU without VNNI (benchmarks/as_avx2.py), or a stray setting
+        advice = (
+            f"this CPU has {' and '.join(vnni)}, and {' and '.join(held)} is set, which can hold oneDNN below it: "
+            f"unset it to serve it here, or serve it {elsewhere} {pipeline}"
+        )
+    else:
+        advice = f"serve it {elsewhere} {pipeline}"
     return (
         f"vLLM CPU's int8 W8A8 kernel ({kernel}, {platform.kernel_library}) computes wrong results on this "
         f"{platform.kind} CPU: the platform probe's exact int8 GEMM at {dtype} gave "

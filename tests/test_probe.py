@@ -240,10 +240,12 @@ def test_an_answer_with_a_hung_call_is_not_kept(fake_python, tmp_path, monkeypat
     assert len(list((tmp_path / "probe-cache").glob("*.json"))) == 1
 
 
-def test_an_int8_call_with_a_wrong_result_refuses_the_build_saying_what_it_got(fake_python):
+def test_an_int8_call_with_a_wrong_result_refuses_the_build_saying_what_it_got(fake_python, monkeypatch):
     """A kernel that answers, but wrongly (oneDNN's int8 GEMM below AVX512_VNNI gave 0.253 for 32, 2026-12-07),
     would start a server whose scores measure the kernel's error: the gate called the int8 build INCONCLUSIVE on
     billing (0.249 vs 0.360) for it. It was served, "proving nothing", when every dtype was wrong."""
+    for name in precision.ONEDNN_ISA_ENV:  # as on a real AVX2 CPU (benchmarks/as_avx2.py sets them: below)
+        monkeypatch.delenv(name, raising=False)
     wrong = probe(fake_python("avx2", FAKE_ONEDNN_OUT="0.253"))
     assert wrong.w8a8["float32"] == "wrong output [0.2529999911785126, 0.2529999911785126, 0.2529999911785126, " \
         "0.2529999911785126] (expected 32)"  # fmt: skip
@@ -355,3 +357,41 @@ def test_a_kernel_library_held_below_the_cpu_is_another_probe(fake_python, monke
     assert len(keys) == 1 + len(precision.ISA_ENV) and precision.probe_key(python) == plain
     monkeypatch.setenv("SOME_OTHER_SETTING", "x")  # only those variables: the cache still serves every stage
     assert precision.probe_key(python) == plain
+
+
+def test_a_wrong_int8_answer_advises_what_holds_on_this_cpu(monkeypatch):
+    """The advice to serve int8 "on a CPU with VNNI ... or AMX" was false where the CPU has VNNI and
+    ONEDNN_MAX_CPU_ISA holds oneDNN below it (the AVX2 rehearsal, benchmarks/as_avx2.py: unsetting it is the
+    remedy), and where the wrong kernel is AMX's own (the CPU has AMX)."""
+    wrong = "wrong output [0.25, 0.25, 0.25, 0.25] (expected 32)"
+    onednn = Platform("cpu", kernel_library="_C_AVX2", w8a8=dict.fromkeys(platform_probe.DTYPES, wrong),
+                      w8a8_kernel=platform_probe.W8A8_ONEDNN)  # fmt: skip
+    for name in precision.ONEDNN_ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: "avx avx2 avx512_vnni avx512f fma")
+    plain = precision.w8a8_problem(onednn, "float32")
+    assert "ONEDNN_MAX_CPU_ISA" not in plain and plain.endswith(
+        "; serve it on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU (in a pipeline run here: drop "
+        "it from `builds`, or set evaluate.serve.inexact_int8: true to serve and gate it with that error)"
+    )
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert precision.w8a8_problem(onednn, "float32").endswith(
+        "; this CPU has avx512_vnni, and ONEDNN_MAX_CPU_ISA=AVX2 is set, which can hold oneDNN below it: unset it "
+        "to serve it here, or serve it on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU (in a "
+        "pipeline run here: drop it from `builds`, or set evaluate.serve.inexact_int8: true to serve and gate it "
+        "with that error)"
+    )
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: "avx avx2 fma")  # a real AVX2 CPU: the variable is moot
+    assert precision.w8a8_problem(onednn, "float32") == plain
+    amx = Platform("cpu", kernel_library="_C", w8a8=dict.fromkeys(platform_probe.DTYPES, wrong),
+                   w8a8_kernel=platform_probe.W8A8_SGL, isa={"amx": True})  # fmt: skip
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: "amx_int8 amx_tile avx512_vnni")
+    said = precision.w8a8_problem(amx, "bfloat16")
+    assert (
+        "or AMX" not in said
+        and "ONEDNN" not in said
+        and said.endswith(
+            "; serve it on another machine kind (in a pipeline run here: drop it from `builds`, or set "
+            "evaluate.serve.inexact_int8: true to serve and gate it with that error)"
+        )
+    )
