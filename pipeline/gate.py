@@ -33,7 +33,7 @@ from quantgate.errors import QuantgateError, project_relative, run_main
 from quantgate.judging import GateBlock, judge
 from quantgate.manifest import SERVING_DEFAULTS, read_manifest, serving_settings
 from quantgate.params import PARAMS_FILE, load_block, load_builds
-from quantgate.precision import MACHINE_TABLE
+from quantgate.precision import MACHINE_TABLE, WRONG, is_int8_w8a8
 from quantgate.precision import RECORD as PRECISION
 from quantgate.results import (
     SCORES,
@@ -121,6 +121,20 @@ def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision
             "naming those nodes) and re-run `dvc repro`"
         )
     return base
+
+
+def inexact_kernel(eval_dir: Path, models_dir: Path, build: str) -> str | None:
+    """The platform probe's wrong answer for the int8 kernel `build` (an int8 W8A8 build) was served through at its
+    dtype (results/eval/<build>/precision.json `w8a8`), where evaluate.serve.inexact_int8 served it anyway;
+    None for any other build, an exact kernel, or no record."""
+    if not is_int8_w8a8(models_dir / build):
+        return None
+    try:
+        doc = json.loads((eval_dir / build / PRECISION).read_text())
+        answer = doc["w8a8"][doc["dtype"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return answer if isinstance(answer, str) and answer.startswith(WRONG) else None
 
 
 def search_of(search_file: Path | None) -> SearchResult | None:
@@ -243,6 +257,8 @@ def gate(
         twin = {"same_weights_as": twins[build]} if build in twins else {}  # unset, not null: gate.json keeps its shape
         if twin and (served := served_apart(models_dir / build, models_dir / twins[build])):
             twin["served_with"] = served
+        if models_dir and (wrong := inexact_kernel(eval_dir, models_dir, build)):
+            twin["inexact_kernel"] = wrong
         if why := search_problem(search_file, build):
             builds[build] = BuildGate(verdict=Verdict.FAIL, shippable=False, teams=comparisons, reason=why, **twin)
         else:
@@ -257,6 +273,12 @@ def build_line(build: str, b: BuildGate, search: SearchResult | None = None) -> 
         f"{build}: {b.verdict}"
         + (f" ({b.reason})" if b.reason else "")
         + (f"; {note}" if (note := same_weights_note(build, b, search)) else "")
+        + (
+            f"; served through an int8 kernel the platform probe found inexact here ({b.inexact_kernel}), by "
+            "evaluate.serve.inexact_int8: its scores hold the kernel's error"
+            if b.inexact_kernel
+            else ""
+        )
         + ("" if b.recommended is None else f"; {'' if b.recommended else 'not '}recommended: {b.recommendation}")
     )
 

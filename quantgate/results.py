@@ -223,6 +223,9 @@ class BuildGate(Document):
     reason: str | None = None  # why the build FAILs whatever its teams' verdicts (its search found nothing)
     same_weights_as: str | None = None  # the first build of this run (params.yaml order) with the same weights
     served_with: dict[str, str] | None = None  # serving settings it differs from that build in ({"w4a8": "true"})
+    # the probe's answer for the int8 kernel it was served through, where that kernel is inexact here and
+    # evaluate.serve.inexact_int8 served it anyway: its scores hold the kernel's error (quantgate.precision)
+    inexact_kernel: str | None = None
     recommended: bool | None = None
     recommendation: str | None = None
 

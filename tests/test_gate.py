@@ -385,3 +385,39 @@ def test_the_gate_sets_the_searchs_cost_estimate_beside_the_measured_cost():
     assert f"  - {estimate_line(unprofiled, search)}" in report(unprofiled, search=search)
     assert estimate_line(result, search.model_copy(update={"est_ratio": None})) is None  # priced by bits
     assert estimate_line(result, search.model_copy(update={"chosen": 0})) is None  # the base build's own figure
+
+
+def test_an_int8_build_served_through_an_inexact_kernel_says_so_in_its_line(tmp_path, teams):
+    """evaluate.serve.inexact_int8 serves an int8 build whose kernel the probe found inexact (oneDNN without VNNI:
+    0.253 for 32): its line says its scores hold the kernel's error. Only the int8 W8A8 build at the dtype it was
+    served at; gate.json keeps its shape for the others."""
+    from pipeline.gate import build_line
+    from tests.test_serving import INT8_W8A8, build
+
+    models, evals = tmp_path / "models", tmp_path / "eval"
+    models.mkdir()
+    build(models, "int8", INT8_W8A8)
+    build(models, "int4", None)
+    wrong = "wrong output [0.25, 0.25, 0.25, 0.25] (expected 32)"
+    for b in ("fp16", "int8", "int4"):
+        write_scores(evals, b, "search", [1.0, 0.0] * 100)
+        record = {"dtype": "float32", "why": "auto: test", "w8a8": {"float32": wrong, "bfloat16": "ok"}}
+        (evals / b / "precision.json").write_text(json.dumps(record))
+    result = gate(evals, teams, GateParams(baseline="fp16", candidates=["int8", "int4"], bootstrap_resamples=1000),
+                  models_dir=models)  # fmt: skip
+    int8, int4 = result.builds["int8"], result.builds["int4"]
+    assert int8.inexact_kernel == wrong and int8.verdict == "PASS"  # judged as served: the note is a fact
+    assert "inexact_kernel" not in int4.dump()
+    assert build_line("int8", int8) == (
+        f"int8: PASS; served through an int8 kernel the platform probe found inexact here ({wrong}), by "
+        "evaluate.serve.inexact_int8: its scores hold the kernel's error"
+    )
+    write_gate(tmp_path / "gate.json", result)
+    assert read_gate(tmp_path / "gate.json").builds["int8"].inexact_kernel == wrong
+    (evals / "int8/precision.json").write_text(json.dumps({**record, "dtype": "bfloat16"}))  # an exact kernel there
+    assert (
+        gate(evals, teams, PARAMS.model_copy(update={"candidates": ["int8"]}), models_dir=models)
+        .builds["int8"]
+        .inexact_kernel
+        is None
+    )
