@@ -160,6 +160,7 @@ def w4a8_answer(torch, amx: bool, timeout_s: float = CALL_TIMEOUT_S) -> str:
     return isolated(lambda: w4a8_call(torch, ops), timeout_s)
 
 
+W8A8_ROWS = (1, 64)  # activation rows of the int8 call: a decoding step, a prefill chunk
 W8A8_SGL = "int8_scaled_mm_with_quant (AMX)"  # vLLM CPU's two int8 W8A8 kernels, as the probe names them
 W8A8_ONEDNN = "onednn_scaled_mm (oneDNN)"
 
@@ -188,29 +189,32 @@ def w8a8_call(torch, ops, dtype_name: str, kernel: str) -> str:
     int8 GEMM below AVX512_VNNI, as vLLM 0.32 calls it (u8 activations shifted by 128, VPMADDUBSW pair sums
     saturating at 32767), answers about 0.8 % of the exact value for K = 576 and 15 % off on random data
     (measured on a 2-core AMD EPYC held to AVX2 or AVX512_CORE by ONEDNN_MAX_CPU_ISA, 2026-12-07; exact with
-    AVX512_CORE_VNNI). Weights of 1, as before, never reach the limit."""
+    AVX512_CORE_VNNI). Weights of 1, as before, never reach the limit. The call is made for one row (a decoding
+    step) and for 64 (a prefill chunk), since a library may pick another kernel for each."""
     dt = getattr(torch, dtype_name)
-    x = torch.ones(1, 32, dtype=dt)
     w = torch.full((32, 32), 127, dtype=torch.int8)
     w_scale = torch.full((32, 1), 1 / 127, dtype=torch.float32)
     if kernel == W8A8_SGL:
         request_amx(torch)
         packed = torch.ops._C.convert_weight_packed(w)
-        y = torch.ops._C.int8_scaled_mm_with_quant(x, packed, w_scale, None, dt, True)
     else:
         w_kn = w.t()  # process_weights_for_onednn keeps [K, N]
         azp_adj = w_kn.sum(dim=0, keepdim=True, dtype=torch.float32) * w_scale.squeeze()
         handler = ops.create_onednn_scaled_mm(w_kn, w_scale, dt, True, False, 32)
-        x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
-        y = torch.empty((1, handler.n), dtype=dt)
-        ops.onednn_scaled_mm(handler, x_q, y, x_s, x_zp, azp_adj, None)
-    if tuple(y.shape) != (1, 32):
-        return f"bad output shape {tuple(y.shape)}"
-    return (
-        "ok"
-        if bool((y.float() - 32.0).abs().max() < 0.5)
-        else f"wrong output {y.float()[0, :4].tolist()} (expected 32)"
-    )
+    for rows in W8A8_ROWS:
+        x = torch.ones(rows, 32, dtype=dt)
+        if kernel == W8A8_SGL:
+            y = torch.ops._C.int8_scaled_mm_with_quant(x, packed, w_scale, None, dt, True)
+        else:
+            x_q, x_s, x_zp = ops.onednn_scaled_int8_quant(x, None, None, True)
+            y = torch.empty((rows, handler.n), dtype=dt)
+            ops.onednn_scaled_mm(handler, x_q, y, x_s, x_zp, azp_adj, None)
+        if tuple(y.shape) != (rows, 32):
+            return f"bad output shape {tuple(y.shape)}"
+        if not bool((y.float() - 32.0).abs().max() < 0.5):
+            at = "" if rows == 1 else f", at {rows} rows"
+            return f"wrong output {y.float()[0, :4].tolist()} (expected 32{at})"
+    return "ok"
 
 
 def w8a8_calls(torch, amx: bool, timeout_s: float = CALL_TIMEOUT_S) -> tuple[str, dict[str, str]]:

@@ -73,7 +73,7 @@ FAKE_VLLM = {
                     os.kill(os.getpid(), signal.SIGILL)
                 if x.dtype == torch.float16:
                     os.abort()
-                return torch.full((1, 32), 32.0, dtype=dt)
+                return torch.full((x.shape[0], 32), 32.0, dtype=dt)
 
 
         current_platform = _Cpu()
@@ -395,3 +395,25 @@ def test_a_wrong_int8_answer_advises_what_holds_on_this_cpu(monkeypatch):
             "evaluate.serve.inexact_int8: true to serve and gate it with that error)"
         )
     )
+
+
+def test_the_int8_call_checks_a_prefill_chunk_too():
+    """A library may take another kernel for many rows than for one: a GEMM exact for a decoding step and wrong
+    for a 64-row prefill chunk is a wrong answer, saying at how many rows."""
+    import types
+
+    import torch
+
+    def scaled_mm(handler, x_q, out, x_s, x_zp, azp_adj, bias):
+        out.fill_(32.0 if x_q.shape[0] == 1 else 0.25)
+
+    ops = types.SimpleNamespace(
+        create_onednn_scaled_mm=lambda w, s, dt, sym, azp, k: types.SimpleNamespace(n=w.shape[1]),
+        onednn_scaled_int8_quant=lambda x, s, zp, sym: (x.to(torch.int8), None, None),
+        onednn_scaled_mm=scaled_mm,
+    )
+    got = platform_probe.w8a8_call(torch, ops, "float32", platform_probe.W8A8_ONEDNN)
+    assert got == "wrong output [0.25, 0.25, 0.25, 0.25] (expected 32, at 64 rows)"
+    assert precision.w8a8_problem(
+        precision.Platform("cpu", kernel_library="_C_AVX2", w8a8=dict.fromkeys(platform_probe.DTYPES, got)), "float32"
+    ).startswith("vLLM CPU's int8 W8A8 kernel (its int8 kernel, _C_AVX2) computes wrong results on this AVX2-only CPU")

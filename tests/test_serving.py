@@ -449,7 +449,7 @@ def agrees(answer: str, error: float) -> bool:
     """Whether the probe's int8 `answer` agrees with the kernel's gemm_error on realistic data."""
     if answer == "ok":
         return error < INEXACT
-    return answer.startswith("wrong output [") and answer.endswith("(expected 32)") and error > INEXACT
+    return answer.startswith("wrong output [") and "(expected 32" in answer and error > INEXACT
 
 
 class EmulatedOnednn:
