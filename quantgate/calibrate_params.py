@@ -18,7 +18,7 @@ class CalibrateParams(Frozen):
     min_tokens: int = Field(default=512, gt=0)  # per conversation, chat template included
     max_answer_tokens: int = Field(default=256, gt=0)
     temperature: float = Field(default=0.7, ge=0)  # > 0: varied answers, as traffic is
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)  # prompt i's request seed is seed + i; vLLM takes 64-bit seeds
     concurrency: int = Field(default=16, gt=0)  # requests in flight; vLLM batches them
     recorded: str = "recipes/calibration/recorded"  # the recorded set: <recorded>.jsonl and <recorded>.json
 

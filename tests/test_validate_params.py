@@ -388,6 +388,8 @@ def test_calibrate_samples_above_every_conversation_there_is_is_refused(params):
         ({"temperature": -1}, r"calibrate.temperature: Input should be greater than or equal to 0; got int -1$"),
         ({"sample": 64}, r"calibrate.sample: unknown key \(the keys here: prompts, samples, "),
         ({"samples": -3}, r"calibrate.samples: Input should be greater than 0; got int -3$"),
+        # each prompt's request seed is seed + its index: vLLM refused 2**63 and more on every request
+        ({"seed": 2**63}, r"calibrate.seed: Input should be less than or equal to 4294967295; got int "),
         (
             {"prompts": "nope.yaml"},
             r"calibrate.prompts nope.yaml: no such file; name the prompt set \(recipes/calibration/prompts.yaml "
