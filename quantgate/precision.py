@@ -690,12 +690,14 @@ def wrong_int8_problem(platform: Platform, dtype: str, kernel: str, call: str, w
     kernel's arithmetic error as the build's quality. Measured on a 2-core AMD EPYC with oneDNN held below
     AVX512_VNNI (ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE), 2026-12-07: 0.253 for 32 at every dtype, and the
     int8 build's billing score 0.249 (fp16's 0.360 on that path), where the same weights score 0.374 with VNNI."""
-    onednn = kernel == platform_probe.W8A8_ONEDNN
-    why = " (oneDNN's int8 GEMM without VNNI saturates its 16-bit pair sums)" if onednn else ""
     vnni = [f for f in _cpu_flags().split() if f in VNNI_FLAGS]
     held = [f"{k}={os.environ[k]}" for k in ONEDNN_ISA_ENV if k in os.environ]
+    # the measured cause, said only where it can hold: oneDNN runs without VNNI (none here, or held below it);
+    # a wrong answer with VNNI at hand has another cause, not known here
+    saturating = kernel == platform_probe.W8A8_ONEDNN and (not vnni or bool(held))
+    why = " (oneDNN's int8 GEMM without VNNI saturates its 16-bit pair sums)" if saturating else ""
     elsewhere = (
-        "on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU" if onednn else "on another machine kind"
+        "on a CPU with VNNI (AVX512_VNNI or AVX-VNNI) or AMX, or on a GPU" if saturating else "on another machine kind"
     )
     pipeline = (
         "(in a pipeline run here: drop it from `builds`, or set evaluate.serve.inexact_int8: true to serve and gate "
@@ -703,7 +705,7 @@ def wrong_int8_problem(platform: Platform, dtype: str, kernel: str, call: str, w
     )
     if works:
         advice = f"set evaluate.serve.dtype to {' or '.join(works)}"
-    elif onednn and vnni and held:  # a rehearsal of a CPU without VNNI (benchmarks/as_avx2.py), or a stray setting
+    elif saturating and vnni:  # held below the CPU's VNNI: benchmarks/as_avx2.py, or a stray setting
         advice = (
             f"this CPU has {' and '.join(vnni)}, and {' and '.join(held)} is set, which can hold oneDNN below it: "
             f"unset it to serve it here, or serve it {elsewhere} {pipeline}"

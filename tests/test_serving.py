@@ -214,6 +214,9 @@ def test_an_int8_build_whose_kernel_is_inexact_here_is_refused_unless_the_params
     server, unless evaluate.serve.inexact_int8 says to serve and gate it anyway."""
     int8 = build(tmp_path, "int8", INT8_W8A8)
     wrong = "wrong output [0.25, 0.25, 0.25, 0.25] (expected 32)"
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: "avx avx2 fma")  # the AVX2 CPU the platform stands for
+    for name in precision.ONEDNN_ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
     platform = Platform("cpu", kernel_library="_C_AVX2", w8a8=dict.fromkeys(ONEDNN_OK, wrong), w8a8_kernel=ONEDNN)
     monkeypatch.setattr(serving, "probe", lambda python: platform)
     with pytest.raises(ServerStartError) as raised:
