@@ -53,6 +53,12 @@ def same_weights_cell(t: dict[str, str]) -> str:
     return f" same-weights-as={t[tags.SAME_WEIGHTS]}" if t.get(tags.SAME_WEIGHTS) else ""
 
 
+def inexact_cell(t: dict[str, str]) -> str:
+    """ " inexact-int8-kernel" for a build scored through an int8 kernel the platform probe found inexact
+    (registry/tags.py gate.inexact_kernel), else ""."""
+    return " inexact-int8-kernel" if t.get(tags.INEXACT_KERNEL) else ""
+
+
 def status_lines(mlflow_client, model_name: str) -> list[str]:
     """Lines describing every version of `model_name`, newest first, a held lock if any, then the
     builds of the last register stage that are runs only, with their verdicts and run ids.
@@ -90,7 +96,8 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         lines.append(
             f"  v{mv.version:<3} {t.get(tags.BUILD, '?'):<{w}} {t.get('scheme', '?'):<12} "
             f"gate={t.get(tags.VERDICT, '?'):<12} {buys_cell(t):<29}"
-            f" {cell:<24} {per_team}{same_weights_cell(t)} {('[' + held_by + ']') if held_by else ''}".rstrip()
+            f" {cell:<24} {per_team}{same_weights_cell(t)}{inexact_cell(t)}"
+            f" {('[' + held_by + ']') if held_by else ''}".rstrip()
         )
         if why:
             lines.append(f"        {why}")
@@ -106,6 +113,6 @@ def status_lines(mlflow_client, model_name: str) -> list[str]:
         lines.append(
             f"  -    {t.get(tags.BUILD, '?'):<{w}} {t.get(tags.SCHEME, '?'):<12} "
             f"gate={run.data.params.get(tags.VERDICT, '?'):<12} {buys_cell(t):<29} run {run.info.run_id:<32} "
-            f"{per_team}{same_weights_cell(t)}".rstrip()
+            f"{per_team}{same_weights_cell(t)}{inexact_cell(t)}".rstrip()
         )
     return lines

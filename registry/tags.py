@@ -7,6 +7,8 @@ Tags on every model version (searchable in the UI and with `search_model_version
   sets them: how every server of it runs it), git_commit, dvc_lock_sha256,
   params_sha256, version.<library> for the pipeline stack, version.serving.<library>,
   gate.verdict, gate.<team>.{verdict,metric,delta,ci,recovery_pct,reason,team_sha256},
+  gate.inexact_kernel (an int8 build served through a kernel the platform probe found inexact, by
+  evaluate.serve.inexact_int8: the probe's answer; its scores hold the kernel's error),
   eval.dtype, evidence_sha256, recommended ("yes" | "no" | "baseline") and recommendation (why),
   buys.{status,reason,usd_per_mtok,usd_per_mtok_x,output_tokens_per_s,kv_tokens,kv_tokens_x,
   requests_per_device,devices,devices_x,weights_mib,kv_cache_dtype,concurrency,ttft_ms_p50,tpot_ms_p50}
@@ -38,6 +40,7 @@ VERDICT = "gate.verdict"  # version tag and run param (the run param is the verd
 PASSING = (Verdict.PASS.value, BASELINE)  # gate verdicts that need no override to be approved (quantgate.stats)
 BUILD, SCHEME, WEIGHTS = "build", "scheme", "weights_sha256"
 EVAL_DTYPE, EVIDENCE = "eval.dtype", "evidence_sha256"
+INEXACT_KERNEL = "gate.inexact_kernel"  # gate.json inexact_kernel: the probe's wrong answer it was served through
 MODEL = "quantgate.model"  # on a build run: the registered model it was built for
 SAME_WEIGHTS = "same_weights_as"  # on a build run and version: the build of the same run with these weights
 UNREGISTERED = "quantgate.unregistered_runs"  # registered-model tag, see the module docstring
@@ -127,6 +130,8 @@ def gate_tags(build_gate: BuildGate | None, teams: dict[str, TeamSummary]) -> di
     if build_gate is None:
         return {**tags, VERDICT: BASELINE}
     tags[VERDICT] = build_gate.verdict
+    if build_gate.inexact_kernel:  # a release manager approving in the UI sees what the scores were measured on
+        tags[INEXACT_KERNEL] = build_gate.inexact_kernel[:500]
     for team, c in build_gate.teams.items():
         tags[team_tag(team, "verdict")] = c.verdict
         tags[team_tag(team, "metric")] = c.metric

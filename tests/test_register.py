@@ -137,6 +137,30 @@ def test_registers_passing_builds_and_logs_the_others_as_runs(workdir):
     assert len(client.search_runs([client.get_experiment_by_name("e").experiment_id])) == 3
 
 
+def test_a_build_scored_through_an_inexact_int8_kernel_is_tagged_so_on_its_version_and_in_status(workdir):
+    """gate.json's inexact_kernel was in the gate line and the report only: a release manager approving in the
+    MLflow UI did not see that the scores hold the kernel's error."""
+    from registry.status import status_lines
+
+    wrong = "wrong output [0.2529] (expected 32)"
+    result = gate_result({"int4": "PASS", "fp8": "FAIL"})
+    result.builds["int4"] = result.builds["int4"].model_copy(update={"inexact_kernel": wrong})
+    register(
+        workdir / "models",
+        result,
+        "# r",
+        workdir / "results/eval",
+        RegisterParams(model_name="tiny", experiment="e"),
+        TEAMS,
+    )
+    client = store.client()
+    found = {mv.tags["build"]: mv.tags for mv in client.search_model_versions("name='tiny'")}
+    assert found["int4"]["gate.inexact_kernel"] == wrong and "gate.inexact_kernel" not in found["fp16"]
+    assert found["int4"]["gate.verdict"] == "PASS"  # the note is a fact beside the verdict, not a verdict
+    lines = status_lines(client, "tiny")
+    assert [line.split()[1] for line in lines if "inexact-int8-kernel" in line] == ["int4"]
+
+
 def test_tampered_weights_refused_before_anything_is_written(workdir):
     with open(workdir / "models/int4/model.safetensors", "r+b") as f:
         f.seek(-8, 2)
