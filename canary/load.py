@@ -33,6 +33,7 @@ from httpx_sse import aconnect_sse
 from gateway.admin import token_problem
 from gateway.router import error_message
 from quantgate.errors import QuantgateError
+from quantgate.files import not_a_file
 from quantgate.jsonl import read_jsonl
 from quantgate.params import key_lines, read_yaml
 from quantgate.teams import TEAM_NAME, load_teams
@@ -236,11 +237,11 @@ def unkeyed(prompts: Sequence[str], team_keys: Mapping[str, str] | None) -> list
 def read_team_keys(path: Path) -> dict[str, str]:
     """{team: API key} from a YAML file of plain keys, {billing: sk-..., search: sk-...}: the secrets whose SHA-256
     digests the gateway's limits.team_keys_file holds (keep the file private). Raises QuantgateError naming the
-    file and line: not a file, invalid YAML, not a mapping of team names (an eval set's folder name: TEAM_NAME, so
-    not 1, true or `Billing`) to one non-empty key each, or a key that an HTTP header cannot carry
-    (gateway.admin.token_problem)."""
-    if not path.is_file():
-        raise QuantgateError(f"{path}: not a file; give a YAML file {{team: API key}} for --team-keys")
+    file and line: no file to read (quantgate.files.not_a_file: a broken link, a FIFO, a folder, nothing there),
+    invalid YAML, not a mapping of team names (an eval set's folder name: TEAM_NAME, so not 1, true or `Billing`)
+    to one non-empty key each, or a key that an HTTP header cannot carry (gateway.admin.token_problem)."""
+    if (bad := not_a_file(path)) is not None:
+        raise QuantgateError(f"{path} is {bad[0]}; {bad[1]}give a YAML file {{team: API key}} for --team-keys")
     if (size := path.stat().st_size) > MAX_KEYS_FILE:
         raise QuantgateError(f"{path}: {size:,} bytes; a file of one API key per team is far smaller: give that file")
     data = read_yaml(path)

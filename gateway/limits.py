@@ -40,7 +40,8 @@ from pathlib import Path
 from pydantic import Field, ValidationInfo, field_validator
 
 from quantgate.errors import QuantgateError
-from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, read_yaml
+from quantgate.files import not_a_file
+from quantgate.params import PARAMS_FILE, Frozen, key_lines, load_block, read_yaml, where
 from quantgate.serving import ServeParams
 
 ANONYMOUS = "anonymous"  # the team of requests that name none, or none with its own rate limit
@@ -202,10 +203,13 @@ class Rejection:
 
 def read_team_keys(path: Path, teams: Mapping[str, Rate]) -> dict[str, str]:
     """{sha256 hex digest: team} from a keys file {team: [digest, ...]}; each team must have its own
-    rate limit (rate_limits.teams), each digest one team. Raises QuantgateError naming the file."""
-    if not path.is_file():
+    rate limit (rate_limits.teams), each digest one team. Raises QuantgateError naming the file; where it is no
+    file to read (quantgate.files.not_a_file: a broken link or a FIFO named as one, never opened), naming
+    params.yaml's limits.team_keys_file line too."""
+    if (bad := not_a_file(path)) is not None:
         raise QuantgateError(
-            f"limits.team_keys_file: {path} is not a file; give the YAML of API-key digests per team, or null"
+            f"{where(PARAMS_FILE, 'limits.team_keys_file')}: limits.team_keys_file: {path} is {bad[0]}; {bad[1]}give "
+            "the YAML of API-key digests per team, or null"
         )
     doc = read_yaml(path)
     if not isinstance(doc, dict):

@@ -1,5 +1,5 @@
 """Files written whole: a reader sees the old file or the new one, never half of one; what a path that is
-neither a file nor a folder is, or a symlink leads to."""
+neither a file nor a folder is, or a symlink leads to; why a path is not a file to read (not_to_open, not_a_file)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,20 @@ def not_to_open(path: Path) -> tuple[str, str] | None:
         return dangling(path), "fix the link or "
     if path.exists() and not path.is_file() and not path.is_dir():
         return f"{linked(path, special_kind(path))}, not a regular file", ""
+    return None
+
+
+def not_a_file(path: Path) -> tuple[str, str] | None:
+    """(what `path` is, the start of what to do), in not_to_open's form, when a reader that needs a file cannot
+    read one there: not_to_open's cases (a symlink to nothing, a FIFO, socket or device), a folder (a symlink to
+    one named with its target, linked's words) or nothing there (a relative path: the working directory named);
+    None for a regular file or a symlink to one. The caller ends the advice with the file it wants."""
+    if (bad := not_to_open(path)) is not None:
+        return bad
+    if path.is_dir():
+        return f"{linked(path, 'a folder')}, not a file", ""
+    if not path.exists():
+        return f"missing (no such file{'' if path.is_absolute() else f' in {Path.cwd()}'})", ""
     return None
 
 

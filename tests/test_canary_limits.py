@@ -12,6 +12,7 @@ import yaml
 
 from gateway.limits import ANONYMOUS, Limiter, Limits, TokenBucket, load_limits, tokenizer_counter
 from quantgate.errors import QuantgateError
+from quantgate.params import key_lines
 from tests import test_canary_router as fake_backends
 from tests.test_canary_analysis import write_params
 from tests.test_canary_router import Fake, complete, fleet, metric_values, running
@@ -281,10 +282,36 @@ def test_a_bad_keys_file_is_named(tmp_path, doc, problem):
         limiter(keys_file=str(path))
 
 
-def test_a_keys_file_that_is_not_there_names_the_setting(tmp_path):
-    for path in (tmp_path / "none.yaml", tmp_path):
-        with pytest.raises(QuantgateError, match=re.escape(f"limits.team_keys_file: {path} is not a file; give the")):
-            limiter(keys_file=str(path))
+def no_keys_files(tmp_path: Path) -> dict[str, str]:
+    """Paths under `tmp_path` that are no keys file to read (a FIFO, with a guard should one be opened, a broken
+    symlink, a loop, a link to the FIFO: test_canary_gateway's _token_files; a folder, a link to it, nothing there),
+    each name -> what quantgate.files.not_a_file says it is, and the start of the fix ("fix the link or ")."""
+    from tests.test_canary_gateway import _token_files
+
+    files = {name: what.removesuffix("give the file") for name, what in _token_files(tmp_path).items()}
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to_folder").symlink_to("folder")
+    return files | {
+        "folder": "a folder, not a file; ",
+        "to_folder": "a symlink to a folder at folder, not a file; ",
+        "none.yaml": f"missing (no such file in {tmp_path}); ",
+    }
+
+
+def test_a_keys_file_that_is_no_file_is_named_as_what_it_is_at_its_params_line(tmp_path, monkeypatch):
+    """limits.team_keys_file said only "limits.team_keys_file: <path> is not a file" of a broken symlink, a FIFO, a
+    loop, a folder or nothing there; each is named as --team-keys and --token-file name it (quantgate.files), a
+    FIFO never opened, at the params.yaml line that sets it, as the other params errors are."""
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path, "limits", team_keys_file="keys.yaml")
+    line = key_lines(Path("params.yaml"))[("limits", "team_keys_file")]
+    for name, what in no_keys_files(tmp_path).items():
+        with pytest.raises(QuantgateError) as exc:
+            limiter(keys_file=name)
+        assert str(exc.value) == (
+            f"params.yaml:{line}: limits.team_keys_file: {name} is {what}give the YAML of API-key digests per team, "
+            "or null"
+        )
 
 
 # --- params ---------------------------------------------------------------------------------------

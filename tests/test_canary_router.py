@@ -10,6 +10,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -943,6 +944,28 @@ def test_a_bad_team_keys_file_is_named_at_its_line_before_any_request(tmp_path, 
     result = CliRunner().invoke(load, args)
     assert result.exit_code == 2 and "Invalid value for '--team-keys'" in result.output and problem in result.output
     assert "did not answer" not in result.output and "Traceback" not in result.output
+
+
+def test_a_team_keys_path_that_is_no_file_is_named_as_what_it_is(tmp_path, example_evals, monkeypatch):
+    """read_team_keys said "<path>: not a file" of a broken symlink, a FIFO, a folder or nothing there; it names
+    each (quantgate.files.not_a_file, a FIFO never opened), and `--team-keys` a folder or nothing there, which its
+    option type leaves to it, so (broken links and FIFOs the type refuses first, in the same words)."""
+    from canary.load import read_team_keys
+    from tests.test_canary_limits import no_keys_files
+
+    monkeypatch.chdir(tmp_path)
+    files = no_keys_files(tmp_path)
+    for name, what in files.items():
+        with pytest.raises(QuantgateError) as exc:
+            read_team_keys(Path(name))
+        assert str(exc.value) == f"{name} is {what}give a YAML file {{team: API key}} for --team-keys"
+    url = f"http://127.0.0.1:{free_port()}"  # no server: a request would say it did not answer
+    for name in ("folder", "to_folder", "none.yaml", "broken", "fifo"):
+        args = ["--url", url, "--rps", "1", "--duration", "1", "--evals", str(example_evals), "--team-keys", name]
+        result = CliRunner().invoke(load, args)
+        assert result.exit_code == 2 and result.output.splitlines()[-1].startswith(
+            f"Error: Invalid value for '--team-keys': {name} is {files[name]}"
+        ), result.output
 
 
 def test_team_keys_are_read_and_teams_without_one_are_named(tmp_path, example_evals, fakes):

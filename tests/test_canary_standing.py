@@ -353,6 +353,37 @@ def test_serve_reaps_dead_canaries_first_and_serves_when_the_registry_cannot_say
     assert "could not check for canaries left by a dead controller: ZeroDivisionError" in result.output
 
 
+def test_serve_names_a_team_keys_file_that_is_no_file_at_its_params_line(monkeypatch, tmp_path):
+    """`quantgate serve` with params.yaml limits.team_keys_file a broken symlink, a FIFO, a folder, ... said only
+    "Error: limits.team_keys_file: <path> is not a file"; it names what the path is and params.yaml's line, before
+    any server starts (test_canary_limits.py has every kind of path)."""
+    import signal
+
+    from click.testing import CliRunner
+
+    import canary.status
+    from cli.main import cli
+    from quantgate.params import key_lines
+    from registry import store
+    from tests.test_canary_analysis import write_params
+    from tests.test_canary_limits import no_keys_files
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(store, "client", lambda existing=False: "the registry")
+    monkeypatch.setattr(canary.status, "reap_stale", lambda *a, **k: None)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # serve's SIGTERM handler: not this process's
+    files = no_keys_files(tmp_path)
+    for name in ("broken", "fifo", "to_fifo", "folder"):
+        write_params(tmp_path, "limits", team_keys_file=name)
+        line = key_lines(Path("params.yaml"))[("limits", "team_keys_file")]
+        args = ["serve", "m", "--port", "0", "--admin-port", "0", "--work-dir", str(tmp_path / "work")]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 1 and result.output.splitlines() == [
+            f"Error: params.yaml:{line}: limits.team_keys_file: {name} is {files[name]}give the YAML of API-key "
+            "digests per team, or null"
+        ], result.output
+
+
 def test_ctrl_c_stops_serve_with_0_and_another_command_with_clicks_aborted_1(monkeypatch, tmp_path):
     """The README's exit codes: Ctrl-C in a command is click's `Aborted!`, exit 1 (not 130, as in a DVC stage);
     `quantgate serve` runs until Ctrl-C or SIGTERM, so that is its normal stop: `serve: stopped`, exit 0."""

@@ -120,3 +120,23 @@ def test_not_to_open_names_links_to_nothing_and_special_files_and_passes_the_res
     assert not_to_open(Path("/dev/null")) == ("a device, not a regular file", "")
     for fine in ("file", "to_file", "missing", "."):
         assert not_to_open(tmp_path / fine) is None, fine
+
+
+def test_not_a_file_is_not_to_open_and_folders_and_nothing_there(tmp_path, monkeypatch):
+    """What a reader that needs a file (the team keys files: limits.team_keys_file, --team-keys) refuses."""
+    from quantgate.files import not_a_file
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "to_file").symlink_to("file")
+    (tmp_path / "gone").symlink_to("nothing")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to_folder").symlink_to("folder")
+    monkeypatch.chdir(tmp_path)
+    for name in ("fifo", "gone"):
+        assert not_a_file(Path(name)) == not_to_open(Path(name)), name
+    assert not_a_file(Path("folder")) == ("a folder, not a file", "")
+    assert not_a_file(Path("to_folder")) == ("a symlink to a folder at folder, not a file", "")
+    assert not_a_file(Path("none")) == (f"missing (no such file in {tmp_path})", "")
+    assert not_a_file(tmp_path / "none") == ("missing (no such file)", "")
+    assert not_a_file(Path("file")) is None and not_a_file(Path("to_file")) is None
