@@ -25,12 +25,14 @@ import click
 from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
 from canary.render import label_problem, subdomain_problem, template_problem
 from quantgate.errors import QuantgateError, command_errors
-from quantgate.options import IN_FILE, PATH, RATE, SECONDS, grouped, path_option
+from quantgate.options import IN_FILE, PATH, RATE, SECONDS, SOMETIMES_READ, grouped, path_option
 from registry.commands import by_option, model_arg, version_arg
 from registry.versions import version_number
 
 if TYPE_CHECKING:
     from canary.controller import Hooks
+
+TOKEN_FILE_DEFAULT = ".quantgate/serve/admin.token"  # `quantgate serve`'s WORK_DIR/admin.token: --token-file's default
 
 
 def _api_choice(*decls: str, default: str, help_text: str):
@@ -371,7 +373,25 @@ class GatewayTarget:
     runs its own servers and router) and the file of its token (used when $QUANTGATE_ADMIN_TOKEN is unset or blank)."""
 
     admin_url: str | None
-    token_file: Path
+    token_file: Path | None  # None: given empty (an unset shell variable)
+
+    def token(self) -> str:
+        """The admin token for `admin_url` (gateway.admin.read_token; "" without one: the canary's own router needs
+        none): $QUANTGATE_ADMIN_TOKEN, else the --token-file's. An empty --token-file is refused only where it would
+        be read, as a usage error naming it (exit 2) that says to give the file or leave the option out; with the
+        variable set the file is never read, so never checked, as its help says."""
+        from gateway.admin import EmptyTokenFile, read_token
+
+        if self.admin_url is None:
+            return ""
+        try:
+            return read_token(self.token_file)
+        except EmptyTokenFile as exc:
+            raise click.BadParameter(
+                f"{exc}, or leave --token-file out to read {TOKEN_FILE_DEFAULT}",
+                ctx=click.get_current_context(silent=True),
+                param_hint="'--token-file'",
+            ) from None
 
 
 @click.command("run")
@@ -426,11 +446,13 @@ class GatewayTarget:
         help="Run on a running `quantgate serve` through its admin endpoint, e.g. http://127.0.0.1:8001 "
         "(its servers and router; no --reuse).",
     ),
-    path_option(
+    click.option(  # not IN_FILE: checked by read_token, and only when it reads the file (an empty one included)
         "--token-file",
-        ".quantgate/serve/admin.token",
-        "The gateway's admin token (used when $QUANTGATE_ADMIN_TOKEN is unset or blank).",
-    ),  # not read=True: checked by read_token, and only when it reads the file
+        type=SOMETIMES_READ,
+        default=Path(TOKEN_FILE_DEFAULT),
+        show_default=True,
+        help="The gateway's admin token, read (and checked) only when $QUANTGATE_ADMIN_TOKEN is unset or blank.",
+    ),
 )
 def run(
     model: str, version: str, by: str, reuse: dict[str, str], load: CanaryLoad, work_dir: Path, gateway: GatewayTarget
@@ -443,7 +465,6 @@ def run(
     """
     from canary.controller import Admin, Interrupted, Local, run_canary, run_canary_on_gateway
     from canary.policy import load_policy, load_topology
-    from gateway.admin import read_token
     from gateway.fleet import load_fleet_params
     from quantgate.params import load_block
     from quantgate.serving import ServeParams
@@ -456,7 +477,7 @@ def run(
     restore = operator_stops(stop)
     try:
         with command_errors():
-            token = read_token(gateway.token_file) if admin_url else ""  # the file only without $QUANTGATE_ADMIN_TOKEN
+            token = gateway.token()  # the file only without $QUANTGATE_ADMIN_TOKEN
             prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
             load = load.on_gateway() if admin_url else load
             # a running gateway says what share it shadows; a canary's own router takes params.yaml fleet.router

@@ -86,11 +86,16 @@ def admin_token(work_dir: Path, log: Callable[[str], None] = print) -> str:
     return token
 
 
-def read_token(token_file: Path) -> str:
+class EmptyTokenFile(QuantgateError):
+    """read_token's refusal of a --token-file given empty ('': an unset shell variable) that it had to read:
+    a usage error for the command that took it (click's, exit 2, naming the option)."""
+
+
+def read_token(token_file: Path | None) -> str:
     """$QUANTGATE_ADMIN_TOKEN, else (unset or blank) the token in `token_file`, which only then is looked at: a
-    broken symlink, a FIFO, socket or device is refused unread (reading a FIFO nobody writes waits forever).
-    Raises QuantgateError naming where the token came from when neither gives one, or when it cannot be sent
-    (`token_problem`)."""
+    broken symlink, a FIFO, socket or device is refused unread (reading a FIFO nobody writes waits forever); None
+    (--token-file given empty) is refused then too, as EmptyTokenFile. Raises QuantgateError naming where the
+    token came from when neither gives one, or when it cannot be sent (`token_problem`)."""
     given = os.environ.get(TOKEN_ENV)
     if given is not None and (token := given.strip()):
         if (problem := token_problem(token)) is not None:
@@ -98,7 +103,12 @@ def read_token(token_file: Path) -> str:
                 f"${TOKEN_ENV} {problem}; set it to the gateway's admin token, or unset it to read --token-file"
             )
         return token
-    path, unset = Path(token_file), "unset" if given is None else "blank"
+    unset = "unset" if given is None else "blank"
+    if token_file is None:
+        raise EmptyTokenFile(
+            f"the path is empty and ${TOKEN_ENV} is {unset}; give the file the gateway wrote (WORK_DIR/{TOKEN_FILE})"
+        )
+    path = Path(token_file)
     if (bad := not_to_open(path)) is not None:  # a folder: read_text says so below
         raise QuantgateError(
             f"no admin token: ${TOKEN_ENV} is {unset} and --token-file {token_file} is {bad[0]}; {bad[1]}give the "

@@ -38,13 +38,17 @@ class NonEmptyPath(click.Path):
     reads), one that exists and is neither a regular file nor a folder (a FIFO, socket or device) is refused
     too, never opened: reading a FIFO nobody writes waits forever; so is a symlink to nothing, named as broken or a
     loop (quantgate.files.not_to_open, as the gateway's read_token refuses its --token-file). A folder or a
-    missing file is left to the command, which names what it wanted."""
+    missing file is left to the command, which names what it wanted. With `empty_as_none` (a file the command
+    reads only in some runs, and checks only then: --token-file, unread while $QUANTGATE_ADMIN_TOKEN is set) an
+    empty one is None, for the command to refuse as a usage error only where it would read it."""
 
-    def __init__(self, read: bool = False) -> None:
+    def __init__(self, read: bool = False, empty_as_none: bool = False) -> None:
         super().__init__(path_type=Path)
-        self.read = read
+        self.read, self.empty_as_none = read, empty_as_none
 
     def convert(self, value, param, ctx):
+        if value == "" and self.empty_as_none:
+            return None
         if value == "":  # a usage error (exit 2, naming the option or argument), as every bad argument is
             self.fail(f"the path is empty; give a {'file' if self.read else 'file or folder'}", param, ctx)
         path = super().convert(value, param, ctx)
@@ -55,6 +59,7 @@ class NonEmptyPath(click.Path):
 
 PATH = NonEmptyPath()
 IN_FILE = NonEmptyPath(read=True)  # a file the command always reads (--gate-json; not --token-file: read_token)
+SOMETIMES_READ = NonEmptyPath(empty_as_none=True)  # --token-file: '' is None, refused only where it is read
 
 
 def path_option(flag: str, default: str, help_text: str, read: bool = False):

@@ -537,6 +537,28 @@ def test_a_token_file_is_checked_only_when_it_is_read(project, tmp_path, monkeyp
     assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
 
 
+def test_an_empty_token_file_is_refused_only_where_it_would_be_read(project, tmp_path, monkeypatch):  # noqa: F811
+    """`--token-file ""` (an unset shell variable) was refused at parsing ("the path is empty; give a file or
+    folder") even with $QUANTGATE_ADMIN_TOKEN set, which --help says comes first: the file is then never read, so,
+    like a FIFO there, never checked. Unset or blank, it is a usage error naming the option (exit 2) that says to
+    give the file or leave the option out for its default."""
+    from canary.commands import run
+
+    monkeypatch.delenv("QUANTGATE_ADMIN_TOKEN", raising=False)
+    gw = [MODEL, "2", "--by", "tester", "--gateway", "http://127.0.0.1:9", "--token-file", ""]
+    result = CliRunner().invoke(run, gw, env={"QUANTGATE_ADMIN_TOKEN": "t" * 32})
+    assert result.exit_code == 1 and "did not answer" in result.output, result.output  # the gateway's, not the option's
+    assert "--token-file" not in result.output, result.output
+    for env, unset in (({}, "unset"), ({"QUANTGATE_ADMIN_TOKEN": " "}, "blank")):
+        result = CliRunner().invoke(run, gw, env=env)
+        assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+            f"Error: Invalid value for '--token-file': the path is empty and $QUANTGATE_ADMIN_TOKEN is {unset}; give "
+            "the file the gateway wrote (WORK_DIR/admin.token), or leave --token-file out to read "
+            ".quantgate/serve/admin.token"
+        ), result.output
+    assert "candidate" not in aliases.current(project, MODEL)  # nothing changed
+
+
 def test_stale_after_must_leave_room_for_the_heartbeat():
     with pytest.raises(ValidationError, match=r"(?s)stale_after_s.*>= 3 x check_interval_s"):
         CanaryPolicy(check_interval_s=5, stale_after_s=1)
