@@ -16,7 +16,9 @@ End-to-end latency = request sent to last byte; TTFT (streaming only) = to the f
 from __future__ import annotations
 
 import asyncio
+import html
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -45,6 +47,10 @@ APIS = {"both": KINDS, "chat": KINDS[2:], "completions": KINDS[:2]}
 PERCENTILES = (50, 95, 99)
 MAX_KEYS_FILE = 1 << 20  # bytes of a --team-keys file: a key per team is a few KB
 MAX_KEY = 4096  # characters of an API key: servers refuse headers much past 8-16 KB (h11: 16 KB in all)
+EXCERPT = 200  # characters of a body in a report line (body_excerpt)
+EXCERPT_READ = 1 << 16  # bytes of a body read for it: an HTML page's <title> is near its top
+TITLE = re.compile(r"<title[^>]*>(.*?)</title", re.I | re.S)
+TAGS = re.compile(r"<(script|style)\b.*?</\1\s*>|<!--.*?-->|<[^>]*>", re.I | re.S)
 
 
 class Prompt(str):
@@ -61,8 +67,8 @@ class Prompt(str):
 @dataclass(frozen=True)
 class Result:
     """One request: status 0 = no HTTP response; error names what went wrong, None if ok; detail is the
-    server's own message for an answer that was not 200 (an OpenAI-style error body) or for a stream it ended
-    with an `error` event, None if it gave none."""
+    server's own message for an answer that was not 200 (an OpenAI-style error body, else a short excerpt of the
+    body: body_excerpt) or for a stream it ended with an `error` event, None if it gave none."""
 
     kind: str
     stream: bool
@@ -165,6 +171,24 @@ def request_body(kind: str, stream: bool, prompt: str, model: str, max_tokens: i
     return {**body, "prompt": prompt}
 
 
+def body_excerpt(content: bytes | None) -> str | None:
+    """A body on one short line for a report: an HTML page's <title> (else its text, tags dropped), anything else as
+    it is; runs of whitespace as one space, at most EXCERPT characters; None when that leaves nothing. A proxy's
+    `502 Bad Gateway` page reads "502 Bad Gateway", never the page."""
+    text = (content or b"")[:EXCERPT_READ].decode("utf-8", "replace")
+    if (title := TITLE.search(text)) and title.group(1).strip():
+        text = html.unescape(title.group(1))
+    elif text.lstrip().startswith("<"):
+        text = html.unescape(TAGS.sub(" ", text))
+    return " ".join(text.split())[:EXCERPT].rstrip() or None
+
+
+def error_detail(content: bytes | None) -> str | None:
+    """What a server said in an error body: its OpenAI-style message (gateway.router.error_message), else an
+    excerpt of the body (body_excerpt: a proxy's HTML page, plain text, JSON of another shape); None if empty."""
+    return error_message(content) or body_excerpt(content)
+
+
 async def _one(
     client: httpx.AsyncClient, url: str, kind: str, stream: bool, body: dict, timeout_s: float, headers: dict
 ) -> Result:
@@ -176,19 +200,19 @@ async def _one(
                 r = await client.post(url + path, json=body, headers=headers)
                 status = r.status_code
                 if status != 200:
-                    detail = error_message(r.content)
+                    detail = error_detail(r.content)
                 err = None if status == 200 and "choices" in r.json() else f"HTTP {status}"
             else:
                 async with aconnect_sse(client, "POST", url + path, json=body, headers=headers) as source:
                     status = source.response.status_code
                     err = f"HTTP {status}" if status != 200 else "no [DONE]"
                     if status != 200:
-                        detail = error_message(await source.response.aread())
+                        detail = error_detail(await source.response.aread())
                     if status == 200:
                         async for ev in source.aiter_sse():
                             ttft = ttft if ttft is not None else time.perf_counter() - t0
                             if ev.event == "error":  # the gateway's words: why it could not finish the stream
-                                err, detail = "stream error event", error_message(ev.data.encode())
+                                err, detail = "stream error event", error_detail(ev.data.encode())
                                 break
                             if ev.data == "[DONE]":
                                 err = None

@@ -19,7 +19,7 @@ from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 from scipy import stats
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from canary.commands import COMMANDS, load
@@ -876,6 +876,70 @@ def test_a_stream_that_ends_in_an_error_event_reports_the_servers_words():
 
     r = asyncio.run(go())
     assert (r.status, r.error, r.detail) == (200, "stream error event", "stable backend stream broke")
+
+
+CHAT_AND_COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+
+
+@contextmanager
+def answering(status: int, body: bytes, chunks: list[bytes] = (), media_type: str = "application/json"):
+    """A tiny server (a proxy in front of the gateway, or a broken one) whose completions and chat endpoints answer
+    every request with `status` and `body`, or, a 200 to a streaming request, with the SSE `chunks` and [DONE]."""
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def answer(request):
+        if status == 200 and (await request.json()).get("stream"):
+            events = [b"data: " + c + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+            return StreamingResponse(iter(events), media_type="text/event-stream")
+        return Response(body, status, media_type=media_type)
+
+    routes = [Route("/v1/models", models), *(Route(p, answer, methods=["POST"]) for p in CHAT_AND_COMPLETIONS)]
+    server = AppServer(Starlette(routes=routes), grace_s=1).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+NGINX_502 = (
+    b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1></center>\r\n"
+    b"<hr><center>nginx/1.25.3</center>\r\n</body>\r\n</html>\r\n" + b"<!-- a padding comment -->\r\n" * 2000
+)
+
+
+@pytest.mark.parametrize(
+    "status, body, media_type, said",
+    [
+        (502, NGINX_502, "text/html", "502 Bad Gateway"),
+        (
+            503,
+            b"<html><body><h1>Service\n Unavailable</h1><p>try &amp; again</p></body></html>",
+            "text/html",
+            "Service Unavailable try & again",
+        ),
+        (
+            503,
+            b"\n  upstream connect error or disconnect/reset before headers.\n reset reason: overflow\n",
+            "text/plain",
+            "upstream connect error or disconnect/reset before headers. reset reason: overflow",
+        ),
+        (500, b"Internal Server Error " + b"x" * 5000, "text/plain", ("Internal Server Error " + "x" * 200)[:200]),
+        (404, b'{\n  "detail": "Not Found"\n}', "application/json", '{ "detail": "Not Found" }'),
+    ],
+    ids=["nginx-html", "html-without-title", "plain-text", "long-text", "json-without-error"],
+)
+def test_an_error_answered_in_html_or_text_reports_a_short_excerpt_of_it(status, body, media_type, said):
+    """A proxy in front of the gateway answers `502 Bad Gateway` with an HTML page, an envoy with plain text: `canary
+    load` said only "HTTP 502=4", having no OpenAI-style message to give. It now gives one short line of the body (an
+    HTML page's title, else its text), never the page, streaming or not."""
+    with answering(status, body, media_type=media_type) as url:
+        report = replay(url, ["2+2?"], rps=40, duration_s=0.1, arrivals="fixed")
+    n = len(report.results)
+    assert report.outcomes() == {f"HTTP {status}": n} and {(r.kind, r.stream) for r in report.results} == set(KINDS)
+    assert {r.detail for r in report.results} == {said}
+    assert report.lines()[1:3] == [f"outcomes: HTTP {status}={n}", f"HTTP {status}, e.g.: {said}"]
 
 
 def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(fakes):
