@@ -11,12 +11,16 @@ agreement per team (canary/analysis.py shadow_check). A gateway that tells teams
 (limits.team_keys_file) ignores that header: `team_keys` (read_team_keys: a YAML file {team: key}, the keys
 whose SHA-256 digests that file holds) sends each team's prompts with `Authorization: Bearer <its key>`.
 End-to-end latency = request sent to last byte; TTFT (streaming only) = to the first SSE event.
+A request fails on an HTTP error, a timeout, a stream without [DONE] or with an `error` event, and a 200 that
+is no answer (NO_ANSWER: no choice with text or a finish_reason); the report names each failure's count and, once,
+the server's words or what was missing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
+import json
 import random
 import re
 import threading
@@ -33,6 +37,7 @@ import yaml
 from httpx_sse import aconnect_sse
 
 from gateway.admin import token_problem
+from gateway.payloads import chunk_text, first_choice, response_text
 from gateway.router import error_message
 from quantgate.errors import QuantgateError
 from quantgate.files import not_a_file
@@ -47,6 +52,7 @@ APIS = {"both": KINDS, "chat": KINDS[2:], "completions": KINDS[:2]}
 PERCENTILES = (50, 95, 99)
 MAX_KEYS_FILE = 1 << 20  # bytes of a --team-keys file: a key per team is a few KB
 MAX_KEY = 4096  # characters of an API key: servers refuse headers much past 8-16 KB (h11: 16 KB in all)
+NO_ANSWER = "200 without an answer"  # the outcome of a 200 with no choice of text or a finish_reason (missing_answer)
 EXCERPT = 200  # characters of a body in a report line (body_excerpt)
 EXCERPT_READ = 1 << 16  # bytes of a body read for it: an HTML page's <title> is near its top
 TITLE = re.compile(r"<title[^>]*>(.*?)</title", re.I | re.S)
@@ -68,7 +74,8 @@ class Prompt(str):
 class Result:
     """One request: status 0 = no HTTP response; error names what went wrong, None if ok; detail is the
     server's own message for an answer that was not 200 (an OpenAI-style error body, else a short excerpt of the
-    body: body_excerpt) or for a stream it ended with an `error` event, None if it gave none."""
+    body: body_excerpt) or for a stream it ended with an `error` event, or what a 200 without an answer lacked
+    (NO_ANSWER), None if it gave none."""
 
     kind: str
     stream: bool
@@ -189,6 +196,22 @@ def error_detail(content: bytes | None) -> str | None:
     return error_message(content) or body_excerpt(content)
 
 
+def missing_answer(content: bytes, stream: bool = False) -> str | None:
+    """What a 200's body (`stream`: one stream chunk's data) lacks to be an answer, None when its first choice has
+    text or a finish_reason (gateway.payloads): "not JSON", 'no "choices"', '"choices" empty' (or not a list of
+    objects) or "no text and no finish_reason in choices[0]"."""
+    try:
+        doc = json.loads(content)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(doc, dict) or "choices" not in doc:
+        return 'no "choices"'
+    if not (choice := first_choice(doc)):
+        return '"choices" empty'
+    text = chunk_text(doc) if stream else response_text(doc)
+    return None if text or choice.get("finish_reason") else "no text and no finish_reason in choices[0]"
+
+
 async def _one(
     client: httpx.AsyncClient, url: str, kind: str, stream: bool, body: dict, timeout_s: float, headers: dict
 ) -> Result:
@@ -199,9 +222,11 @@ async def _one(
             if not stream:
                 r = await client.post(url + path, json=body, headers=headers)
                 status = r.status_code
+                err = None if status == 200 else f"HTTP {status}"
                 if status != 200:
                     detail = error_detail(r.content)
-                err = None if status == 200 and "choices" in r.json() else f"HTTP {status}"
+                elif missing := missing_answer(r.content):
+                    err, detail = NO_ANSWER, f"{missing}: {body_excerpt(r.content) or '(empty)'}"
             else:
                 async with aconnect_sse(client, "POST", url + path, json=body, headers=headers) as source:
                     status = source.response.status_code
@@ -209,6 +234,7 @@ async def _one(
                     if status != 200:
                         detail = error_detail(await source.response.aread())
                     if status == 200:
+                        first, answered = None, False  # the first chunk's data; whether any chunk answered
                         async for ev in source.aiter_sse():
                             ttft = ttft if ttft is not None else time.perf_counter() - t0
                             if ev.event == "error":  # the gateway's words: why it could not finish the stream
@@ -216,11 +242,24 @@ async def _one(
                                 break
                             if ev.data == "[DONE]":
                                 err = None
+                            elif not answered:
+                                first = ev.data if first is None else first
+                                answered = missing_answer(ev.data.encode(), stream=True) is None
+                        if err is None and not answered:
+                            err, detail = NO_ANSWER, _unanswered_stream(first)
     except TimeoutError:
         err = "timeout"
     except (httpx.HTTPError, ValueError) as exc:
         err = type(exc).__name__
     return Result(kind, stream, status, time.perf_counter() - t0, ttft, err, detail)
+
+
+def _unanswered_stream(first: str | None) -> str:
+    """The detail of a stream that ended with [DONE] but no chunk with text or a finish_reason; `first`: the first
+    chunk's data, None if none came."""
+    if first is None:
+        return "no chunk before [DONE]"
+    return f"no text and no finish_reason in any chunk: {body_excerpt(first.encode()) or '(empty)'}"
 
 
 @dataclass(frozen=True)

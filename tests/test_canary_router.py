@@ -942,6 +942,56 @@ def test_an_error_answered_in_html_or_text_reports_a_short_excerpt_of_it(status,
     assert report.lines()[1:3] == [f"outcomes: HTTP {status}={n}", f"HTTP {status}, e.g.: {said}"]
 
 
+NO_CHOICES = {"id": "cmpl-1", "object": "text_completion", "usage": {"prompt_tokens": 3, "completion_tokens": 0}}
+EMPTY = {"id": "cmpl-2", "object": "text_completion", "choices": []}
+BLANK = {"id": "cmpl-3", "object": "chat.completion", "choices": [{"index": 0, "message": {"content": ""}}]}
+
+
+@pytest.mark.parametrize(
+    "body, said",
+    [
+        (NO_CHOICES, f'no "choices": {json.dumps(NO_CHOICES)}'),  # was "HTTP 200", and no detail
+        (EMPTY, f'"choices" empty: {json.dumps(EMPTY)}'),  # was ok
+        (BLANK, f"no text and no finish_reason in choices[0]: {json.dumps(BLANK)}"),  # was ok
+        (None, 'no "choices": null'),  # was a TypeError out of replay: no report at all
+        ({"object": "x" * 500}, 'no "choices": {"object": "' + "x" * 188),  # the body's first 200 characters
+        ("<html><title>Sign in</title>...</html>", "not JSON: Sign in"),  # was JSONDecodeError, and no detail
+    ],
+    ids=["no-choices", "empty-choices", "blank-choice", "null", "long", "not-json"],
+)
+def test_a_200_without_an_answer_is_an_outcome_of_its_own_naming_what_is_missing(body, said):
+    """A 200 whose body had no choices counted as "HTTP 200" (as if that were an error), one with empty choices or a
+    choice of no text and no finish_reason as ok, and a `null` body ended `canary load` with a traceback."""
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    with answering(200, raw) as url:
+        report = replay(url, ["2+2?"], rps=40, duration_s=0.1, arrivals="fixed", api="completions")
+    plain = [r for r in report.results if not r.stream]
+    assert plain and {(r.status, r.error, r.detail) for r in plain} == {(200, "200 without an answer", said)}
+    assert f"200 without an answer, e.g.: {said}" in report.lines()
+
+
+@pytest.mark.parametrize(
+    "chunks, said",
+    [
+        ([json.dumps(NO_CHOICES)], f"no text and no finish_reason in any chunk: {json.dumps(NO_CHOICES)}"),
+        (
+            ['{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}', '{"choices": []}'],
+            'no text and no finish_reason in any chunk: {"choices": [{"index": 0, "delta": {"role": "assistant", '
+            '"content": ""}}]}',
+        ),
+        ([], "no chunk before [DONE]"),
+    ],
+    ids=["usage-only", "role-only", "none"],
+)
+def test_a_200_stream_without_an_answer_is_an_outcome_of_its_own(chunks, said):
+    """A stream that ended with [DONE] counted as ok whatever came before it: no chunk at all, or chunks with no
+    text and no finish_reason (a role chunk, a usage chunk)."""
+    with answering(200, b"{}", [c.encode() for c in chunks]) as url:
+        report = replay(url, ["2+2?"], rps=40, duration_s=0.1, arrivals="fixed", api="chat")
+    streamed = [r for r in report.results if r.stream]
+    assert streamed and {(r.status, r.error, r.detail) for r in streamed} == {(200, "200 without an answer", said)}
+
+
 def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(fakes):
     from gateway.limits import Limiter, Limits
 
