@@ -206,8 +206,47 @@ def _check_database(uri: str) -> None:
             f"{exc.name or exc} is not installed here; install it, or use a sqlite:///, postgresql:// or "
             "http(s):// registry"
         ) from None
-    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
-        _check_sqlite_file(Path(url.database))
+    if (path := sqlite_file(uri)) is not None:
+        _check_sqlite_file(path)
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file SQLAlchemy's sqlite driver, so MLflow's database store, opens for tracking URI `uri`: an
+    absolute Path, or None when `uri` is no sqlite URL or an in-memory database (sqlite://, sqlite:///:memory:).
+
+    Read as SQLAlchemy reads it (the path it hands sqlite3.connect): the query string holds options, not part of the
+    path (sqlite:////p/mlflow.db?timeout=30 is /p/mlflow.db), %XX escapes are decoded once (a%20b.db is "a b.db",
+    a%3Fb.db "a?b.db"), a relative path is from the working folder. Every check of a sqlite registry file goes
+    through this, so it looks at the file MLflow writes. Raises QuantgateError naming MLFLOW_TRACKING_URI when
+    SQLAlchemy cannot read `uri` as a sqlite URL (a host in it, an option of the wrong type), or when it asks for
+    SQLite's own URI filenames (uri=true): SQLite then reads the path by its own rules (file: URIs, ?mode=, %XX
+    decoded a second time; a plain path gets the other options glued to its name) and MLflow makes folders named
+    after the raw text, so no file can be checked for it.
+    """
+    import warnings
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        url = make_url(uri)
+        if url.get_backend_name() != "sqlite":
+            return None
+        with warnings.catch_warnings():  # options pysqlite ignores (?mode=ro): SQLAlchemy warns when MLflow connects
+            warnings.simplefilter("ignore")
+            (filename, *_), options = url.get_dialect()().create_connect_args(url)
+    except (ArgumentError, NoSuchModuleError, ValueError) as exc:  # sqlite://host/x.db, ?timeout=soon
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI is not a usable sqlite URL ({' '.join(str(exc).split())}); give "
+            "sqlite:////abs/path/mlflow.db"
+        ) from None
+    if options.get("uri"):
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI {uri}: SQLite URI filenames (uri=true) are not supported (SQLite reads the path by "
+            "its own rules, so quantgate cannot check the file MLflow opens); give sqlite:////abs/path/mlflow.db, "
+            "with ?timeout=SECONDS if wanted"
+        )
+    return None if filename == ":memory:" else Path(filename)
 
 
 def _check_sqlite_file(path: Path) -> None:
@@ -253,11 +292,10 @@ def client(uri: str | None = None, existing: bool = False):
         database_reachable(uri)
     if os.environ.get("MLFLOW_S3_ENDPOINT_URL"):  # artifacts in an S3-compatible store: check it answers
         object_store_reachable(os.environ["MLFLOW_S3_ENDPOINT_URL"])
-    if existing and uri.startswith("sqlite:///"):
-        path = Path(uri.removeprefix("sqlite:///"))
-        if not path.is_file():
+    if existing and uri_scheme(uri) == "sqlite":  # the file SQLAlchemy opens, not the URI's text after sqlite:///
+        if (path := sqlite_file(uri)) is None or not path.is_file():
             raise QuantgateError(
-                f"no registry at {path}: run from the project folder after "
+                f"no registry at {path or 'an in-memory database'}: run from the project folder after "
                 "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI"
             )
         if not _holds_registry(path):

@@ -291,6 +291,62 @@ def test_a_sqlite_file_without_a_registry_is_refused_and_left_unwritten(kind, tm
     assert db.read_bytes() == before
 
 
+# (URI after sqlite:///{tmp}/, the file SQLAlchemy and so MLflow opens): measured with MLflow 3.17 / SQLAlchemy 2.1
+SQLITE_FORMS = [("mlflow.db?mode=ro", "mlflow.db"), ("a%20b.db", "a b.db"), ("a%3Fb.db", "a?b.db")]
+
+
+@pytest.mark.parametrize(("given", "opened"), [*SQLITE_FORMS, ("mlflow.db?timeout=30", "mlflow.db")])
+def test_a_sqlite_uri_with_a_query_or_percent_escapes_finds_the_registry_mlflow_made(given, opened, tmp_path):
+    """client(existing=True) looked for the URI's text after sqlite:/// (mlflow.db?mode=ro, a%20b.db) while MLflow,
+    through SQLAlchemy, drops the query and decodes %XX: a registry MLflow made was "no registry at"."""
+    uri = f"sqlite:///{tmp_path}/{given}"
+    store.client(uri).create_registered_model("m")
+    assert [p.name for p in tmp_path.iterdir()] == [opened]  # the one file MLflow made
+    assert store.client(uri, existing=True).get_registered_model("m").name == "m"
+    assert store.sqlite_file(uri) == tmp_path / opened
+
+
+@pytest.mark.parametrize(("given", "opened"), SQLITE_FORMS)
+def test_an_empty_file_where_mlflow_opens_is_refused_though_the_uri_text_names_a_registry(given, opened, tmp_path):
+    """With a registry at the URI's literal text (a file named mlflow.db?mode=ro or a%20b.db) and an empty file where
+    SQLAlchemy opens, client(existing=True) checked the first and let MLflow write its tables into the second."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(tmp_path / given)) as decoy:
+        decoy.execute("CREATE TABLE registered_models (name)")
+        decoy.commit()
+    (tmp_path / opened).touch()
+    with pytest.raises(QuantgateError, match=f"^no registry in {re.escape(str(tmp_path / opened))}: it is an empty"):
+        store.client(f"sqlite:///{tmp_path}/{given}", existing=True)
+    assert (tmp_path / opened).read_bytes() == b""
+
+
+@pytest.mark.parametrize("given", ["{tmp}/m.db?uri=true&mode=ro", "file:{tmp}/m.db?mode=ro&uri=true"])
+def test_sqlite_uri_filenames_are_refused_before_mlflow_makes_files_named_after_the_text(given, tmp_path, monkeypatch):
+    """uri=true hands SQLite the path to read by its own rules: MLflow made a file named "m.db?mode=ro" for the first,
+    and folders file:/tmp/... under the working folder for the second, then retried "unable to open" for minutes."""
+    monkeypatch.chdir(tmp_path)
+    uri = "sqlite:///" + given.format(tmp=tmp_path)
+    for existing in (False, True):
+        with pytest.raises(
+            QuantgateError, match=r"^MLFLOW_TRACKING_URI .*uri=true\) are not supported .* give sqlite:////"
+        ):
+            store.client(uri, existing=existing)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sqlite_file_is_the_path_sqlalchemy_opens(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert store.sqlite_file("sqlite:///rel/m.db?timeout=5") == tmp_path / "rel/m.db"
+    assert store.sqlite_file(f"sqlite+pysqlite:///{tmp_path}/a%2520b.db") == tmp_path / "a%20b.db"  # decoded once
+    for uri in ("sqlite://", "sqlite:///:memory:", "http://127.0.0.1:5000", "postgresql://u@h/db"):
+        assert store.sqlite_file(uri) is None, uri
+    with pytest.raises(QuantgateError, match="^no registry at an in-memory database: run from the project folder"):
+        store.client("sqlite:///:memory:", existing=True)
+    with pytest.raises(QuantgateError, match="^MLFLOW_TRACKING_URI is not a usable sqlite URL .*Invalid SQLite URL"):
+        store.sqlite_file("sqlite://host/m.db")
+
+
 def test_a_file_store_mlflow_is_told_to_allow_is_used_and_an_upper_case_http_uri_is_checked(tmp_path, monkeypatch):
     """MLFLOW_ALLOW_FILE_STORE=true is MLflow's own opt-in to its file store: status worked there, then was refused as
     "refused by its client". HTTP://HOST:PORT (MLflow reads schemes in any case) skipped the reachability check, and
