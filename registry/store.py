@@ -221,7 +221,9 @@ def sqlite_file(uri: str) -> Path | None:
     SQLAlchemy cannot read `uri` as a sqlite URL (a host in it, an option of the wrong type), or when it asks for
     SQLite's own URI filenames (uri=true): SQLite then reads the path by its own rules (file: URIs, ?mode=, %XX
     decoded a second time; a plain path gets the other options glued to its name) and MLflow makes folders named
-    after the raw text, so no file can be checked for it.
+    after the raw text, so no file can be checked for it. Refused too: %XX or ? in a folder of a sqlite:/// path,
+    the default's working folder too (MLflow makes the folder of the text as written, say sp%20dir; SQLite then found
+    no "sp dir" and MLflow retried for minutes; in a folder q?x the default registry was a file q beside it).
     """
     import warnings
 
@@ -246,7 +248,24 @@ def sqlite_file(uri: str) -> Path | None:
             "its own rules, so quantgate cannot check the file MLflow opens); give sqlite:////abs/path/mlflow.db, "
             "with ?timeout=SECONDS if wanted"
         )
-    return None if filename == ":memory:" else Path(filename)
+    if filename == ":memory:":
+        return None
+    path = Path(filename)
+    made = Path(os.path.abspath(uri.removeprefix("sqlite:///"))).parent if uri.startswith("sqlite:///") else path.parent
+    if made != path.parent:  # mlflow.store.db.utils._make_parent_dirs_if_sqlite: the URI's text, %XX kept
+        named, fix = (
+            (f"MLFLOW_TRACKING_URI {uri}", "give a path with no %XX or ? in its folders")
+            if os.environ.get("MLFLOW_TRACKING_URI")
+            else (
+                f"the default registry {uri} (MLFLOW_TRACKING_URI is unset)",
+                "run from a folder whose path has no %XX or ?, or set MLFLOW_TRACKING_URI",
+            )
+        )
+        raise QuantgateError(
+            f"{named}: MLflow makes the folder {made} (the URI's text as written) but SQLAlchemy opens {path} "
+            f"(query cut off, %XX decoded); {fix}"
+        )
+    return path
 
 
 def _check_sqlite_file(path: Path) -> None:

@@ -335,6 +335,26 @@ def test_sqlite_uri_filenames_are_refused_before_mlflow_makes_files_named_after_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_percent_escapes_in_a_sqlite_folder_are_refused_before_mlflow_makes_the_undecoded_folder(tmp_path, monkeypatch):
+    """MLflow makes the folder of the URI's text (sp%20dir) while SQLAlchemy opens sp dir/m.db: with no "sp dir" it
+    retried "unable to open database file" for about 100 s and left the stray sp%20dir. The default URI of a working
+    folder q?x opened a file q beside it."""
+    uri = f"sqlite:///{tmp_path}/sp%20dir/m.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for existing in (False, True):
+        with pytest.raises(QuantgateError, match=rf"^MLFLOW_TRACKING_URI {re.escape(uri)}: MLflow makes the folder "):
+            store.client(existing=existing)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    (tmp_path / "q?x").mkdir()
+    monkeypatch.chdir(tmp_path / "q?x")
+    with pytest.raises(
+        QuantgateError, match=r"^the default registry .* opens \S+/q \(query cut off.*run from a folder"
+    ):
+        store.client()
+    assert [p.name for p in tmp_path.iterdir()] == ["q?x"] and not any((tmp_path / "q?x").iterdir())
+
+
 def test_sqlite_file_is_the_path_sqlalchemy_opens(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert store.sqlite_file("sqlite:///rel/m.db?timeout=5") == tmp_path / "rel/m.db"
