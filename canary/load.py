@@ -11,7 +11,8 @@ agreement per team (canary/analysis.py shadow_check). A gateway that tells teams
 (limits.team_keys_file) ignores that header: `team_keys` (read_team_keys: a YAML file {team: key}, the keys
 whose SHA-256 digests that file holds) sends each team's prompts with `Authorization: Bearer <its key>`.
 End-to-end latency = request sent to last byte; TTFT (streaming only) = to the first SSE event.
-A request fails on an HTTP error, a timeout, a stream without [DONE] or with an `error` event, and a 200 that
+A request fails on an HTTP error, a timeout, a stream without [DONE] or with an error (the gateway's `error` event, or
+vLLM's in-stream `{"error": ...}` chunk, which it follows with [DONE]), and a 200 that
 is no answer (NO_ANSWER: no choice with text or a finish_reason); the report names each failure's count and, once,
 the server's words or what was missing.
 """
@@ -239,6 +240,9 @@ async def _one(
                             ttft = ttft if ttft is not None else time.perf_counter() - t0
                             if ev.event == "error":  # the gateway's words: why it could not finish the stream
                                 err, detail = "stream error event", error_detail(ev.data.encode())
+                                break
+                            if '"error"' in ev.data and (said := error_message(ev.data.encode())):
+                                err, detail = "stream error event", said  # vLLM's engine error, sent in-stream
                                 break
                             if ev.data == "[DONE]":
                                 err = None

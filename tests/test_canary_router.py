@@ -992,6 +992,21 @@ def test_a_200_stream_without_an_answer_is_an_outcome_of_its_own(chunks, said):
     assert streamed and {(r.status, r.error, r.detail) for r in streamed} == {(200, "200 without an answer", said)}
 
 
+def test_an_engine_error_that_vllm_sends_in_its_stream_is_a_failed_request_with_its_message():
+    """vLLM reports an engine error mid-stream as a `data: {"error": ...}` chunk, then [DONE]: a load sent straight to
+    a vLLM server counted that stream as ok, after its text chunks or before them (then "200 without an answer")."""
+    error = (
+        b'{"error": {"object": "error", "message": "EngineCore encountered an issue", "type": "InternalServerError"}}'
+    )
+    for chunks in ([b'{"choices": [{"index": 0, "text": "4", "finish_reason": null}]}', error], [error]):
+        with answering(200, b"{}", chunks) as url:
+            report = replay(url, ["2+2?"], rps=40, duration_s=0.1, arrivals="fixed", api="completions")
+        streamed = [r for r in report.results if r.stream]
+        assert streamed and {(r.status, r.error, r.detail) for r in streamed} == {
+            (200, "stream error event", "EngineCore encountered an issue")
+        }
+
+
 def test_replayed_prompts_name_their_team_and_the_gateway_shadows_them_per_team(fakes):
     from gateway.limits import Limiter, Limits
 
