@@ -351,7 +351,7 @@ def experiment_id(mlflow_client, name: str, uri: str | None = None) -> str:
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    local = (uri or tracking_uri()).startswith(("sqlite:", "file:", "/"))
+    local = uri_scheme(uri or tracking_uri()) in ("sqlite", "file", "")  # sqlite+pysqlite:// too; "": a path
     location = DEFAULT_ARTIFACTS.resolve().as_uri() if local else None
     try:
         return mlflow_client.create_experiment(name, artifact_location=location)

@@ -1004,3 +1004,13 @@ def test_an_interrupt_while_the_lock_is_taken_leaves_no_lock(reg, monkeypatch):
     monkeypatch.setattr(client, "create_registered_model", create)
     with lock.held(client, model, "promote v1 by rm", wait_s=1):  # at once: nothing left behind
         assert lock.holder_of(client, model)["lock.holder"] == "promote v1 by rm"
+
+
+def test_a_sqlite_registry_named_with_its_driver_keeps_its_artifacts_in_the_project(tmp_path, monkeypatch):
+    """sqlite+pysqlite:/// is the same embedded store, but only "sqlite:" was read as local: its experiments got
+    MLflow's default artifact root, relative to whichever folder a command ran in."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite+pysqlite:///{tmp_path / 'mlflow.db'}"
+    client = store.client(uri)
+    exp = client.get_experiment(store.experiment_id(client, "e", uri))
+    assert exp.artifact_location == (tmp_path / "mlartifacts").as_uri()
