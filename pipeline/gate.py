@@ -123,11 +123,12 @@ def same_precision(eval_dir: Path, baseline: str, build: str) -> ServedPrecision
     return base
 
 
-def inexact_kernel(eval_dir: Path, models_dir: Path, build: str) -> str | None:
+def inexact_kernel(eval_dir: Path, models_dir: Path, build: str, teams: list[Team]) -> str | None:
     """The platform probe's wrong answer for the int8 kernel `build` (an int8 W8A8 build) was served through at its
     dtype (results/eval/<build>/precision.json `w8a8`), where evaluate.serve.inexact_int8 served it anyway;
-    None for any other build, an exact kernel, or no record."""
-    if not is_int8_w8a8(models_dir / build):
+    None for any other build, an exact kernel, no record, or a build none of whose `teams` was scored (refused
+    before any server: precision.json is written for it too, and nothing was served through that kernel)."""
+    if not is_int8_w8a8(models_dir / build) or not any(scored(eval_dir, build, t.name) for t in teams):
         return None
     try:
         doc = json.loads((eval_dir / build / PRECISION).read_text())
@@ -135,6 +136,15 @@ def inexact_kernel(eval_dir: Path, models_dir: Path, build: str) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return answer if isinstance(answer, str) and answer.startswith(WRONG) else None
+
+
+def scored(eval_dir: Path, build: str, team: str) -> bool:
+    """Whether (build, team) has usable scores (usable_scores): it was served, here or in the evaluate cache."""
+    try:
+        usable_scores(eval_dir, build, team)
+    except QuantgateError:
+        return False
+    return True
 
 
 def search_of(search_file: Path | None) -> SearchResult | None:
@@ -232,7 +242,7 @@ def gate(
 ) -> GateResult:
     """Verdicts for every candidate build, per team.
 
-    `precision` is the baseline's precision record (None if no candidate could be compared);
+    `precision` is the baseline's precision record (None if it has none);
     a candidate evaluated at another dtype FAILs every team. A build whose search (`search_file`,
     the search stage's result) found no passing candidate FAILs, with that reason, whatever its teams say.
     With `models_dir`, a build with the weights of one before it (baseline first, then params order) has
@@ -257,12 +267,17 @@ def gate(
         twin = {"same_weights_as": twins[build]} if build in twins else {}  # unset, not null: gate.json keeps its shape
         if twin and (served := served_apart(models_dir / build, models_dir / twins[build])):
             twin["served_with"] = served
-        if models_dir and (wrong := inexact_kernel(eval_dir, models_dir, build)):
+        if models_dir and (wrong := inexact_kernel(eval_dir, models_dir, build, teams)):
             twin["inexact_kernel"] = wrong
         if why := search_problem(search_file, build):
             builds[build] = BuildGate(verdict=Verdict.FAIL, shippable=False, teams=comparisons, reason=why, **twin)
         else:
             builds[build] = BuildGate(verdict=worst, shippable=worst is Verdict.PASS, teams=comparisons, **twin)
+    if precision is None:  # no candidate scored: the baseline's record still names what it was served at, and where
+        try:
+            precision = read_precision(eval_dir, params.baseline)
+        except QuantgateError:
+            pass
     return GateResult(baseline=params.baseline, precision=precision, builds=builds)
 
 
@@ -304,16 +319,19 @@ def estimate_line(result: GateResult, search: SearchResult | None) -> str | None
 
 
 def precision_line(result: GateResult) -> str:
-    """One line naming the activation precision every build was served at, and why."""
+    """One line naming the activation precision every build was served at, and why; where no candidate was scored
+    (each refused or failed: its reasons in the report), the baseline's alone."""
     p = result.precision
     if not p:
         return "Served precision: unknown (no build was evaluated)."
+    scored = any(c.compared for b in result.builds.values() for c in b.teams.values())
+    who = "every build" if scored or not result.builds else f"{result.baseline} (no candidate was scored)"
     where = (
         f" on a{'n' if (p.machine_kind or ' ')[0] in 'AEIOU' else ''} {p.machine_kind} machine"
         if p.machine_kind
         else ""
     )
-    return f"Served precision: **{p.dtype}** for every build{where} ({p.why}); kinds: {MACHINE_TABLE}."
+    return f"Served precision: **{p.dtype}** for {who}{where} ({p.why}); kinds: {MACHINE_TABLE}."
 
 
 def power_lines(result: GateResult, power: float = 0.9) -> list[str]:

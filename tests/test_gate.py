@@ -169,6 +169,29 @@ def test_plot_and_report_written_for_pass_and_missing_build(tmp_path, teams):
     assert "![recovery per team and build](gate_recovery.png)" in report(result, png.name)
 
 
+def test_with_every_candidate_refused_the_precision_line_names_the_baselines_and_where_it_ran(tmp_path, teams):
+    """An AVX2-only machine refuses every candidate before any server (int4: no W4A16 kernel, int8: an inexact
+    kernel): the report said "Served precision: unknown (no build was evaluated)", though fp16 was served, at
+    float32, and the profile's figures come from that machine kind."""
+    write_scores(tmp_path, "fp16", "search", [1.0, 0.0] * 100)
+    record = {
+        "dtype": "float32",
+        "requested": "auto",
+        "why": "auto: CPU without native bf16",
+        "machine_kind": "AVX2-only",
+    }
+    (tmp_path / "fp16/precision.json").write_text(json.dumps(record))
+    write_scores(tmp_path, "int4", "search", [], status="error", reason="vLLM cannot serve the W4A16 build here")
+    result = gate(tmp_path, teams, PARAMS)
+    assert row(result).verdict == "FAIL" and result.precision.dtype == "float32"
+    assert (
+        "Served precision: **float32** for fp16 (no candidate was scored) on an AVX2-only machine (auto: CPU without "
+        "native bf16); kinds: docs/machines.md." in report(result)
+    )
+    (tmp_path / "fp16/precision.json").unlink()  # no record at all: still said, not guessed
+    assert "Served precision: unknown (no build was evaluated)." in report(gate(tmp_path, teams, PARAMS))
+
+
 def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_the_precision(tmp_path, teams):
     scores = [1.0, 0.0] * 100
     write_scores(tmp_path, "fp16", "search", scores)
@@ -414,6 +437,12 @@ def test_an_int8_build_served_through_an_inexact_kernel_says_so_in_its_line(tmp_
     )
     write_gate(tmp_path / "gate.json", result)
     assert read_gate(tmp_path / "gate.json").builds["int8"].inexact_kernel == wrong
+    # refused before any server (inexact_int8 false): precision.json is there, but nothing was served through it
+    int8_search = (evals / "int8/search/scores.json").read_text()
+    write_scores(evals, "int8", "search", [], status="error", reason="vLLM cannot serve the int8 W8A8 build ...")
+    refused = gate(evals, teams, PARAMS.model_copy(update={"candidates": ["int8"]}), models_dir=models).builds["int8"]
+    assert refused.inexact_kernel is None and build_line("int8", refused) == "int8: FAIL"
+    (evals / "int8/search/scores.json").write_text(int8_search)
     (evals / "int8/precision.json").write_text(json.dumps({**record, "dtype": "bfloat16"}))  # an exact kernel there
     assert (
         gate(evals, teams, PARAMS.model_copy(update={"candidates": ["int8"]}), models_dir=models)
