@@ -151,7 +151,13 @@ def register(
         build_tags = tags_of(build, manifests[build], build_gate, teams, eval_dir, params.model_name)
         buys = tags.buys_tags(gate_result.buys.get(build), build_gate)  # not evidence: updated on reuse
         twin = build_gate.same_weights_as if build_gate else None  # nor is the build with the same weights
-        notes = buys | ({tags.SAME_WEIGHTS: twin} if twin else {})
+        # a release manager approving in the UI sees what its scores were measured through (gate.json inexact_kernel)
+        inexact = build_gate.inexact_kernel if build_gate else None
+        notes = (
+            buys
+            | ({tags.SAME_WEIGHTS: twin} if twin else {})
+            | ({tags.INEXACT_KERNEL: inexact[:500]} if inexact else {})
+        )
         build_tags |= notes
         verdict = build_tags[tags.VERDICT]
         key = (build_tags[tags.BUILD], build_tags[tags.WEIGHTS], build_tags[tags.EVIDENCE])
@@ -169,7 +175,7 @@ def register(
                 notes,
                 params.model_name,
                 existing.version if existing else None,
-                drop=() if twin else (tags.SAME_WEIGHTS,),  # its twin's weights changed since
+                drop=(() if twin else (tags.SAME_WEIGHTS,)) + (() if inexact else (tags.INEXACT_KERNEL,)),  # gone since
             )
             versions.log_report(client, run_id, report_md, evidence_files)  # the plots the description links
         else:

@@ -130,8 +130,6 @@ def gate_tags(build_gate: BuildGate | None, teams: dict[str, TeamSummary]) -> di
     if build_gate is None:
         return {**tags, VERDICT: BASELINE}
     tags[VERDICT] = build_gate.verdict
-    if build_gate.inexact_kernel:  # a release manager approving in the UI sees what the scores were measured on
-        tags[INEXACT_KERNEL] = build_gate.inexact_kernel[:500]
     for team, c in build_gate.teams.items():
         tags[team_tag(team, "verdict")] = c.verdict
         tags[team_tag(team, "metric")] = c.metric

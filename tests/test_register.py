@@ -159,6 +159,20 @@ def test_a_build_scored_through_an_inexact_int8_kernel_is_tagged_so_on_its_versi
     assert found["int4"]["gate.verdict"] == "PASS"  # the note is a fact beside the verdict, not a verdict
     lines = status_lines(client, "tiny")
     assert [line.split()[1] for line in lines if "inexact-int8-kernel" in line] == ["int4"]
+    # a note, not evidence: brought up to date on the reused version (a gate that no longer finds it drops it)
+    result.builds["int4"] = result.builds["int4"].model_copy(update={"inexact_kernel": None})
+    again = register(
+        workdir / "models",
+        result,
+        "# r",
+        workdir / "results/eval",
+        RegisterParams(model_name="tiny", experiment="e"),
+        TEAMS,
+    )
+    assert again["builds"]["int4"]["reused"]
+    mv = client.get_model_version("tiny", again["builds"]["int4"]["version"])
+    assert "gate.inexact_kernel" not in mv.tags
+    assert "gate.inexact_kernel" not in client.get_run(again["builds"]["int4"]["run_id"]).data.tags
 
 
 def test_tampered_weights_refused_before_anything_is_written(workdir):
