@@ -223,7 +223,8 @@ def sqlite_file(uri: str) -> Path | None:
     decoded a second time; a plain path gets the other options glued to its name) and MLflow makes folders named
     after the raw text, so no file can be checked for it. Refused too: %XX or ? in a folder of a sqlite:/// path,
     the default's working folder too (MLflow makes the folder of the text as written, say sp%20dir; SQLite then found
-    no "sp dir" and MLflow retried for minutes; in a folder q?x the default registry was a file q beside it).
+    no "sp dir" and MLflow retried for minutes; in a folder q?x the default registry was a file q beside it), and a
+    sqlite+DRIVER:/// path whose folder is missing (MLflow makes the folder for sqlite:/// alone).
     """
     import warnings
 
@@ -251,6 +252,12 @@ def sqlite_file(uri: str) -> Path | None:
     if filename == ":memory:":
         return None
     path = Path(filename)
+    if not uri.startswith("sqlite:///") and not path.parent.is_dir():  # sqlite+pysqlite:///: MLflow makes no folder
+        raise QuantgateError(
+            f"MLFLOW_TRACKING_URI {uri}: there is no folder {path.parent}, and MLflow makes one only for a sqlite:/// "
+            "URI (SQLite could not open the file, and MLflow retried for minutes); create it, or give "
+            f"sqlite:///{path}"
+        )
     made = Path(os.path.abspath(uri.removeprefix("sqlite:///"))).parent if uri.startswith("sqlite:///") else path.parent
     if made != path.parent:  # mlflow.store.db.utils._make_parent_dirs_if_sqlite: the URI's text, %XX kept
         named, fix = (

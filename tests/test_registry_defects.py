@@ -355,6 +355,21 @@ def test_percent_escapes_in_a_sqlite_folder_are_refused_before_mlflow_makes_the_
     assert [p.name for p in tmp_path.iterdir()] == ["q?x"] and not any((tmp_path / "q?x").iterdir())
 
 
+@pytest.mark.parametrize("folder", ["new", "sp%20dir"])
+def test_a_sqlite_driver_uri_whose_folder_is_missing_is_refused_at_once(folder, tmp_path):
+    """MLflow makes the database's folder for sqlite:/// alone: with sqlite+pysqlite:/// and no such folder (none
+    yet, or "sp dir" for sp%20dir) SQLite could not open the file and MLflow retried for about 100 s, then raised
+    OperationalError. The same URI with the folder there is used as it is."""
+    uri = f"sqlite+pysqlite:///{tmp_path}/{folder}/m.db"
+    for existing in (False, True):
+        with pytest.raises(QuantgateError, match=rf"^MLFLOW_TRACKING_URI {re.escape(uri)}: there is no folder "):
+            store.client(uri, existing=existing)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "new").mkdir()
+    store.client(f"sqlite+pysqlite:///{tmp_path}/new/m.db").create_registered_model("m")
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["m.db"]
+
+
 def test_sqlite_file_is_the_path_sqlalchemy_opens(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert store.sqlite_file("sqlite:///rel/m.db?timeout=5") == tmp_path / "rel/m.db"
