@@ -47,11 +47,15 @@ def not_to_open(path: Path) -> tuple[str, str] | None:
     folder, or nothing there: the caller names what it wanted). A symlink to nothing is said in dangling's words,
     "fix the link or " first; a FIFO, socket or device is refused unread (reading a FIFO nobody writes waits
     forever), said with linked's words, so a symlink to one names its target. The caller ends the advice with
-    the file it wants, e.g. `f"{path} is {what}; {fix}give the file itself"`."""
-    if path.is_symlink() and not path.exists():
-        return dangling(path), "fix the link or "
-    if path.exists() and not path.is_file() and not path.is_dir():
-        return f"{linked(path, special_kind(path))}, not a regular file", ""
+    the file it wants, e.g. `f"{path} is {what}; {fix}give the file itself"`. A path that cannot be looked up (a
+    name too long, a folder on the way this user cannot search) is said with the system's words."""
+    try:
+        if path.is_symlink() and not path.exists():
+            return dangling(path), "fix the link or "
+        if path.exists() and not path.is_file() and not path.is_dir():
+            return f"{linked(path, special_kind(path))}, not a regular file", ""
+    except OSError as exc:  # ENAMETOOLONG, EACCES: pathlib's exists() raises them (a traceback)
+        return f"a path that cannot be looked up ({exc.strerror or type(exc).__name__})", ""
     return None
 
 

@@ -140,3 +140,26 @@ def test_not_a_file_is_not_to_open_and_folders_and_nothing_there(tmp_path, monke
     assert not_a_file(Path("none")) == (f"missing (no such file in {tmp_path})", "")
     assert not_a_file(tmp_path / "none") == ("missing (no such file)", "")
     assert not_a_file(Path("file")) is None and not_a_file(Path("to_file")) is None
+
+
+def test_a_path_that_cannot_be_looked_up_is_named_not_raised(tmp_path, monkeypatch):
+    """A name too long for the file system, or a folder on the way that this user cannot search: pathlib's exists()
+    raised OSError out of not_to_open and not_a_file, a traceback from `canary load --team-keys`, --token-file and
+    params.yaml limits.team_keys_file (as root no folder is unsearchable: stat is made to say so)."""
+    import errno
+
+    from quantgate.files import not_a_file
+
+    long = tmp_path / ("k" * 300 + ".yaml")
+    for check in (not_to_open, not_a_file):
+        assert check(long) == ("a path that cannot be looked up (File name too long)", ""), check
+    stat = os.stat
+
+    def locked(path, *args, **kwargs):
+        if "locked" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", locked)
+    for check in (not_to_open, not_a_file):
+        assert check(tmp_path / "locked/keys.yaml") == ("a path that cannot be looked up (Permission denied)", "")
