@@ -129,9 +129,11 @@ def check_settings(uri: str) -> None:
     $MLFLOW_S3_ENDPOINT_URL cannot work however the servers behave: a blank URI, MLflow's file store (a path or
     file:// URI) unless $MLFLOW_ALLOW_FILE_STORE opts in as MLflow itself asks, a malformed http(s) URL, a
     database URL SQLAlchemy cannot parse, whose scheme is not in lower case (SQLITE://: MLflow reads http(s) in any
-    case, SQLAlchemy not) or whose driver is not installed, a sqlite path that is a folder or a
-    file that is no SQLite database. Checked before anything connects: MLflow, httpx and botocore failed on these
-    with tracebacks (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError, ValueError)."""
+    case, SQLAlchemy not) or whose driver is not installed, a sqlite URL whose file cannot be checked as the one MLflow
+    opens (sqlite_file: uri=true, %XX or ? in its folders, a sqlite+DRIVER path in a missing folder), a sqlite path
+    that is a folder or a file that is no SQLite database. Checked before anything connects: MLflow, httpx and
+    botocore failed on these with tracebacks (httpx.InvalidURL, ModuleNotFoundError, sqlalchemy's DatabaseError,
+    ValueError)."""
     if not uri.strip():  # "" is unset (tracking_uri); "  " was called MLflow's file store
         raise QuantgateError(
             f"MLFLOW_TRACKING_URI {uri!r} is blank; unset it for the default registry ./mlflow.db, or give "
