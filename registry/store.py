@@ -321,9 +321,14 @@ def client(uri: str | None = None, existing: bool = False):
     if os.environ.get("MLFLOW_S3_ENDPOINT_URL"):  # artifacts in an S3-compatible store: check it answers
         object_store_reachable(os.environ["MLFLOW_S3_ENDPOINT_URL"])
     if existing and uri_scheme(uri) == "sqlite":  # the file SQLAlchemy opens, not the URI's text after sqlite:///
-        if (path := sqlite_file(uri)) is None or not path.is_file():
+        if (path := sqlite_file(uri)) is None:
             raise QuantgateError(
-                f"no registry at {path or 'an in-memory database'}: run from the project folder after "
+                f"no registry in MLFLOW_TRACKING_URI {uri}: an in-memory database lasts one process, so no command "
+                "finds what `dvc repro` registered; point it at the registry's mlflow.db (sqlite:////abs/path/mlflow.db)"
+            )
+        if not path.is_file():
+            raise QuantgateError(
+                f"no registry at {path}: run from the project folder after "
                 "`dvc repro` (its register stage makes it), or set MLFLOW_TRACKING_URI"
             )
         if not _holds_registry(path):
