@@ -199,16 +199,17 @@ def error_detail(content: bytes | None) -> str | None:
 
 def missing_answer(content: bytes, stream: bool = False) -> str | None:
     """What a 200's body (`stream`: one stream chunk's data) lacks to be an answer, None when its first choice has
-    text or a finish_reason (gateway.payloads): "not JSON", 'no "choices"', '"choices" empty' (or not a list of
-    objects) or "no text and no finish_reason in choices[0]"."""
+    text or a finish_reason (gateway.payloads): "not JSON", 'no "choices"', '"choices" empty', '"choices" not a
+    list' or "no text and no finish_reason in choices[0]" (an empty object or a non-object there too)."""
     try:
         doc = json.loads(content)
     except ValueError:
         return "not JSON"
     if not isinstance(doc, dict) or "choices" not in doc:
         return 'no "choices"'
-    if not (choice := first_choice(doc)):
-        return '"choices" empty'
+    if not isinstance(choices := doc["choices"], list) or not choices:
+        return '"choices" empty' if choices == [] else '"choices" not a list'
+    choice = first_choice(doc)  # {} for a choice that is no object: then it has neither text nor a finish_reason
     text = chunk_text(doc) if stream else response_text(doc)
     return None if text or choice.get("finish_reason") else "no text and no finish_reason in choices[0]"
 

@@ -970,6 +970,19 @@ def test_a_200_without_an_answer_is_an_outcome_of_its_own_naming_what_is_missing
     assert f"200 without an answer, e.g.: {said}" in report.lines()
 
 
+def test_what_a_200_lacks_is_named_for_choices_of_every_shape():
+    from canary.load import missing_answer
+
+    said = {
+        b'{"choices": [{}]}': "no text and no finish_reason in choices[0]",  # was '"choices" empty'
+        b'{"choices": [1]}': "no text and no finish_reason in choices[0]",
+        b'{"choices": "4"}': '"choices" not a list',
+        b'{"choices": []}': '"choices" empty',
+        b'{"choices": [{"finish_reason": "length", "text": ""}]}': None,  # an answer: it ended at once
+    }
+    assert {body: missing_answer(body) for body in said} == said
+
+
 @pytest.mark.parametrize(
     "chunks, said",
     [
