@@ -233,9 +233,13 @@ async def _one(
                 async with aconnect_sse(client, "POST", url + path, json=body, headers=headers) as source:
                     status = source.response.status_code
                     err = f"HTTP {status}" if status != 200 else "no [DONE]"
+                    ctype = source.response.headers.get("content-type", "")
                     if status != 200:
                         detail = error_detail(await source.response.aread())
-                    if status == 200:
+                    elif not ctype.startswith("text/event-stream"):  # httpx_sse raised a bare SSEError on it
+                        said = body_excerpt(await source.response.aread()) or "(empty)"
+                        err, detail = NO_ANSWER, f"not an event stream ({ctype or 'no content-type'}): {said}"
+                    else:
                         first, answered = None, False  # the first chunk's data; whether any chunk answered
                         async for ev in source.aiter_sse():
                             ttft = ttft if ttft is not None else time.perf_counter() - t0

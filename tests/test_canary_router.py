@@ -882,15 +882,18 @@ CHAT_AND_COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 
 
 @contextmanager
-def answering(status: int, body: bytes, chunks: list[bytes] = (), media_type: str = "application/json"):
+def answering(
+    status: int, body: bytes, chunks: list[bytes] = (), media_type: str = "application/json", no_stream: bool = False
+):
     """A tiny server (a proxy in front of the gateway, or a broken one) whose completions and chat endpoints answer
-    every request with `status` and `body`, or, a 200 to a streaming request, with the SSE `chunks` and [DONE]."""
+    every request with `status` and `body`, or, a 200 to a streaming request, with the SSE `chunks` and [DONE]
+    (`no_stream`: with `body` too)."""
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
     async def answer(request):
-        if status == 200 and (await request.json()).get("stream"):
+        if status == 200 and (await request.json()).get("stream") and not no_stream:
             events = [b"data: " + c + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
             return StreamingResponse(iter(events), media_type="text/event-stream")
         return Response(body, status, media_type=media_type)
@@ -968,6 +971,18 @@ def test_a_200_without_an_answer_is_an_outcome_of_its_own_naming_what_is_missing
     plain = [r for r in report.results if not r.stream]
     assert plain and {(r.status, r.error, r.detail) for r in plain} == {(200, "200 without an answer", said)}
     assert f"200 without an answer, e.g.: {said}" in report.lines()
+
+
+def test_a_streaming_request_answered_with_no_event_stream_names_what_came():
+    """A proxy that answers a streaming request with a JSON or HTML 200 was a bare SSEError, with no detail."""
+    with answering(
+        200, b"<html><title>Sign in - Corp SSO</title></html>", media_type="text/html", no_stream=True
+    ) as url:
+        report = replay(url, ["2+2?"], rps=40, duration_s=0.1, arrivals="fixed", api="completions")
+    streamed = [r for r in report.results if r.stream]
+    assert streamed and {(r.status, r.error, r.detail) for r in streamed} == {
+        (200, "200 without an answer", "not an event stream (text/html; charset=utf-8): Sign in - Corp SSO")
+    }
 
 
 def test_what_a_200_lacks_is_named_for_choices_of_every_shape():
