@@ -145,14 +145,14 @@ def test_a_build_scored_through_an_inexact_int8_kernel_is_tagged_so_on_its_versi
     wrong = "wrong output [0.2529] (expected 32)"
     result = gate_result({"int4": "PASS", "fp8": "FAIL"})
     result.builds["int4"] = result.builds["int4"].model_copy(update={"inexact_kernel": wrong})
-    register(
+    args = (
         workdir / "models",
         result,
         "# r",
         workdir / "results/eval",
         RegisterParams(model_name="tiny", experiment="e"),
-        TEAMS,
     )
+    register(*args, TEAMS)
     client = store.client()
     found = {mv.tags["build"]: mv.tags for mv in client.search_model_versions("name='tiny'")}
     assert found["int4"]["gate.inexact_kernel"] == wrong and "gate.inexact_kernel" not in found["fp16"]
@@ -161,14 +161,7 @@ def test_a_build_scored_through_an_inexact_int8_kernel_is_tagged_so_on_its_versi
     assert [line.split()[1] for line in lines if "inexact-int8-kernel" in line] == ["int4"]
     # a note, not evidence: brought up to date on the reused version (a gate that no longer finds it drops it)
     result.builds["int4"] = result.builds["int4"].model_copy(update={"inexact_kernel": None})
-    again = register(
-        workdir / "models",
-        result,
-        "# r",
-        workdir / "results/eval",
-        RegisterParams(model_name="tiny", experiment="e"),
-        TEAMS,
-    )
+    again = register(*args, TEAMS)  # the same result object, its int4 gate now without the note
     assert again["builds"]["int4"]["reused"]
     mv = client.get_model_version("tiny", again["builds"]["int4"]["version"])
     assert "gate.inexact_kernel" not in mv.tags
