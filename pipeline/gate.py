@@ -319,13 +319,19 @@ def estimate_line(result: GateResult, search: SearchResult | None) -> str | None
 
 
 def precision_line(result: GateResult) -> str:
-    """One line naming the activation precision every build was served at, and why; where no candidate was scored
-    (each refused or failed: its reasons in the report), the baseline's alone."""
+    """One line naming the activation precision the baseline and every candidate compared with it were served at,
+    and why: "every build" when each candidate was, else the baseline and those that were (a candidate refused, or
+    scored at another dtype or on another machine kind, was not served at it: its reason is in the report)."""
     p = result.precision
     if not p:
         return "Served precision: unknown (no build was evaluated)."
-    scored = any(c.compared for b in result.builds.values() for c in b.teams.values())
-    who = "every build" if scored or not result.builds else f"{result.baseline} (no candidate was scored)"
+    compared = [b for b, g in result.builds.items() if any(c.compared for c in g.teams.values())]
+    if len(compared) == len(result.builds):
+        who = "every build"
+    elif compared:
+        who = f"{result.baseline} and the candidates compared with it ({', '.join(compared)})"
+    else:
+        who = f"{result.baseline} (no candidate was compared with it)"
     where = (
         f" on a{'n' if (p.machine_kind or ' ')[0] in 'AEIOU' else ''} {p.machine_kind} machine"
         if p.machine_kind

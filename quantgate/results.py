@@ -266,7 +266,7 @@ class GateResult(Document):
     each build (the baseline too) buys when served (`buys`, empty when the gate ran without profiles)."""
 
     baseline: str
-    precision: ServedPrecision | None  # None when no build could be compared
+    precision: ServedPrecision | None  # the baseline's record (the compared builds' too); None when it has none
     builds: dict[str, BuildGate]
     buys: dict[str, BuildCost] = {}
 

@@ -185,8 +185,14 @@ def test_with_every_candidate_refused_the_precision_line_names_the_baselines_and
     result = gate(tmp_path, teams, PARAMS)
     assert row(result).verdict == "FAIL" and result.precision.dtype == "float32"
     assert (
-        "Served precision: **float32** for fp16 (no candidate was scored) on an AVX2-only machine (auto: CPU without "
-        "native bf16); kinds: docs/machines.md." in report(result)
+        "Served precision: **float32** for fp16 (no candidate was compared with it) on an AVX2-only machine (auto: "
+        "CPU without native bf16); kinds: docs/machines.md." in report(result)
+    )
+    # int4 scored, at another dtype: not "no candidate was scored", and not served at float32
+    write_scores(tmp_path, "int4", "search", [1.0, 0.0] * 100)
+    (tmp_path / "int4/precision.json").write_text(json.dumps({**record, "dtype": "bfloat16"}))
+    assert "**float32** for fp16 (no candidate was compared with it) on an AVX2-only" in report(
+        gate(tmp_path, teams, PARAMS)
     )
     (tmp_path / "fp16/precision.json").unlink()  # no record at all: still said, not guessed
     assert "Served precision: unknown (no build was evaluated)." in report(gate(tmp_path, teams, PARAMS))
@@ -210,6 +216,15 @@ def test_builds_served_at_different_precisions_fail_closed_and_the_report_names_
         record = {"dtype": "float32", "requested": "auto", "why": "auto: test", "machine_kind": "AVX2-only"}
         (tmp_path / build / "precision.json").write_text(json.dumps(record))
     assert "**float32** for every build on an AVX2-only machine (auto: test)" in report(gate(tmp_path, teams, PARAMS))
+    # a second candidate scored at another dtype: it was not served at float32, so "every build" would be false
+    write_scores(tmp_path, "int8", "search", scores)
+    (tmp_path / "int8" / "precision.json").write_text(json.dumps({**record, "dtype": "bfloat16"}))
+    two = gate(tmp_path, teams, PARAMS.model_copy(update={"candidates": ["int4", "int8"]}))
+    assert two.builds["int8"].verdict == "FAIL" and two.builds["int4"].verdict == "PASS"
+    assert (
+        "Served precision: **float32** for fp16 and the candidates compared with it (int4) on an AVX2-only machine "
+        "(auto: test)" in report(two)
+    )
     # scored on another kind of device (a Ray node of another group): the kernels differ, so do the scores
     record = {"dtype": "float32", "requested": "auto", "why": "auto: test", "machine_kind": "GPU (NVIDIA H200)"}
     (tmp_path / "int4" / "precision.json").write_text(json.dumps({**record, "executor": "ray"}))
