@@ -254,14 +254,15 @@ def sqlite_file(uri: str) -> Path | None:
     if filename == ":memory:":
         return None
     path = Path(filename)
-    if not uri.startswith("sqlite:///") and not path.parent.is_dir():  # sqlite+pysqlite:///: MLflow makes no folder
-        raise QuantgateError(
-            f"MLFLOW_TRACKING_URI {uri}: there is no folder {path.parent}, and MLflow makes one only for a sqlite:/// "
-            "URI (SQLite could not open the file, and MLflow retried for minutes); create it, or give "
-            f"sqlite:///{path}"
-        )
-    made = Path(os.path.abspath(uri.removeprefix("sqlite:///"))).parent if uri.startswith("sqlite:///") else path.parent
-    if made != path.parent:  # mlflow.store.db.utils._make_parent_dirs_if_sqlite: the URI's text, %XX kept
+    if not uri.startswith("sqlite:///"):  # sqlite+pysqlite:///: MLflow makes no folder
+        if not path.parent.is_dir():
+            raise QuantgateError(
+                f"MLFLOW_TRACKING_URI {uri}: there is no folder {path.parent}, and MLflow makes one only for a "
+                "sqlite:/// URI (SQLite could not open the file, and MLflow retried for minutes); create it, or give "
+                f"sqlite:///{path}"
+            )
+    elif (made := Path(os.path.abspath(uri.removeprefix("sqlite:///"))).parent) != path.parent:
+        # mlflow.store.db.utils._make_parent_dirs_if_sqlite: the URI's text, %XX kept
         named, fix = (
             (f"MLFLOW_TRACKING_URI {uri}", "give a path with no %XX or ? in its folders")
             if os.environ.get("MLFLOW_TRACKING_URI")
