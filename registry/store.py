@@ -271,6 +271,8 @@ def sqlite_file(uri: str) -> Path | None:
                 "run from a folder whose path has no %XX or ?, or set MLFLOW_TRACKING_URI",
             )
         )
+        if "=" in (query := uri.partition("?")[2]).split("/")[0] and "/" in query:  # options, not a folder q?x
+            fix = "give the options after ? with no / in them"  # MLflow's folder ended inside them
         raise QuantgateError(
             f"{named}: MLflow makes the folder {made} (the URI's text as written) but SQLAlchemy opens {path} "
             f"(query cut off, %XX decoded); {fix}"

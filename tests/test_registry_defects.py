@@ -383,6 +383,21 @@ def test_sqlite_file_is_the_path_sqlalchemy_opens(tmp_path, monkeypatch):
         store.sqlite_file("sqlite://host/m.db")
 
 
+def test_a_slash_in_the_options_of_a_sqlite_uri_is_named_not_the_folders(tmp_path, monkeypatch):
+    """sqlite:////p/m.db?timeout=30&x=a/b: MLflow makes the folder /p/m.db?timeout=30&x=a; the refusal said "give a
+    path with no %XX or ? in its folders", though the path's folders had neither."""
+    uri = f"sqlite:///{tmp_path}/m.db?timeout=30&x=a/b"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(QuantgateError) as err:
+        store.sqlite_file(uri)
+    assert str(err.value) == (
+        f"MLFLOW_TRACKING_URI {uri}: MLflow makes the folder {tmp_path}/m.db?timeout=30&x=a (the URI's text as "
+        f"written) but SQLAlchemy opens {tmp_path}/m.db (query cut off, %XX decoded); give the options after ? with "
+        "no / in them"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_file_store_mlflow_is_told_to_allow_is_used_and_an_upper_case_http_uri_is_checked(tmp_path, monkeypatch):
     """MLFLOW_ALLOW_FILE_STORE=true is MLflow's own opt-in to its file store: status worked there, then was refused as
     "refused by its client". HTTP://HOST:PORT (MLflow reads schemes in any case) skipped the reachability check, and
