@@ -268,7 +268,10 @@ def _unanswered_stream(first: str | None) -> str:
     chunk's data, None if none came."""
     if first is None:
         return "no chunk before [DONE]"
-    return f"no text and no finish_reason in any chunk: {body_excerpt(first.encode()) or '(empty)'}"
+    said = body_excerpt(first.encode()) or "(empty)"
+    if missing_answer(first.encode(), stream=True) == "not JSON":  # a proxy's text as events: not an empty answer
+        return f"the first chunk is not JSON: {said}"
+    return f"no text and no finish_reason in any chunk: {said}"
 
 
 @dataclass(frozen=True)

@@ -1008,8 +1008,9 @@ def test_what_a_200_lacks_is_named_for_choices_of_every_shape():
             '"content": ""}}]}',
         ),
         ([], "no chunk before [DONE]"),
+        (["upstream busy", "retry later"], "the first chunk is not JSON: upstream busy"),  # said "no text and no ..."
     ],
-    ids=["usage-only", "role-only", "none"],
+    ids=["usage-only", "role-only", "none", "not-json"],
 )
 def test_a_200_stream_without_an_answer_is_an_outcome_of_its_own(chunks, said):
     """A stream that ended with [DONE] counted as ok whatever came before it: no chunk at all, or chunks with no
