@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -113,7 +114,9 @@ def measure(cmd: list[str] | str, cwd: Path, *, interval: float = 0.2, timeout: 
     """Run `cmd` in `cwd` with project_env() and measure it (see Measured).
 
     Peak RSS is sampled, so a spike shorter than `interval` can be missed; the vLLM server,
-    a child of the stage, is included while it runs. Raises subprocess.TimeoutExpired.
+    a child of the stage, is included while it runs. Raises subprocess.TimeoutExpired. On any exit
+    before `cmd` ends (the timeout, Ctrl-C, SIGTERM under run_main) its whole process group is stopped:
+    it runs in a session of its own, which a terminal's Ctrl-C does not reach.
     """
     started = time.monotonic()
     log = (cwd / ".bench-cmd.log").open("w+")
@@ -127,19 +130,37 @@ def measure(cmd: list[str] | str, cwd: Path, *, interval: float = 0.2, timeout: 
         start_new_session=True,
     )
     ps, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        if time.monotonic() - started > timeout:
-            os.killpg(proc.pid, 9)
-            raise subprocess.TimeoutExpired(cmd, timeout)
-        try:
-            procs = [ps, *ps.children(recursive=True)]
-            peak = max(peak, sum(p.memory_info().rss for p in procs if p.is_running()))
-        except psutil.Error:
-            pass  # a process ended between listing and reading it
-        time.sleep(interval)
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - started > timeout:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            try:
+                procs = [ps, *ps.children(recursive=True)]
+                peak = max(peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+            except psutil.Error:
+                pass  # a process ended between listing and reading it
+            time.sleep(interval)
+    except BaseException:  # a timeout, Ctrl-C or SIGTERM (run_main): its own session hears neither signal
+        _stop_group(proc)
+        raise
     wall = time.monotonic() - started
     log.seek(0)
     return Measured(round(wall, 1), round(peak / 2**30, 2), proc.returncode, log.read())
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop `proc`'s process group (a measured command started in its own session, with every child it
+    started: DVC's stage, a vLLM server): SIGTERM, then SIGKILL after 10 s; reaps `proc`."""
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break  # the group is gone
+        try:
+            proc.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def machine() -> dict:

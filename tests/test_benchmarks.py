@@ -28,6 +28,29 @@ def test_measure_reports_the_exit_code(tmp_path):
     assert measure([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path).rc == 3
 
 
+def test_an_interrupted_measure_stops_the_command_and_its_children(tmp_path, monkeypatch):
+    # the command runs in a session of its own: Ctrl-C at the terminal (or run_main's SIGTERM) reaches only the
+    # benchmark, so measure itself must stop `dvc repro` and the vLLM server under it
+    import psutil
+
+    import benchmarks.common as common
+
+    pidfile = tmp_path / "child.pid"
+    real_sleep = common.time.sleep
+
+    def interrupted(seconds):
+        if pidfile.is_file() and pidfile.read_text().strip():
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(common.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measure(f"sleep 60 & echo $! > {pidfile}; wait", tmp_path, interval=0.05)
+    child = int(pidfile.read_text())
+    real_sleep(0.2)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
 def test_stages_are_dvcs_own_order_with_foreach_expanded(tmp_path):
     # the repo's dvc.yaml and params.yaml in a project of their own: DVC takes a project's lock to plan
     for name in ("dvc.yaml", "params.yaml", ".dvc/config"):
