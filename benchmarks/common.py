@@ -7,6 +7,7 @@ Every script runs from the repository root after `make setup`:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -30,6 +31,7 @@ from rich.table import Table
 from quantgate.errors import QuantgateError
 from quantgate.precision import model_config, model_context
 from quantgate.results import rounded  # noqa: F401 (the benchmarks' own name for it)
+from quantgate.serving import check_cpu_cores
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -45,6 +47,23 @@ def project_env() -> dict[str, str]:
     env = dict(os.environ, PATH=f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}", DVC_NO_ANALYTICS="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
+
+
+def path_arg(text: str) -> Path:
+    """argparse type of a folder or file option: a Path, refused when empty ('', e.g. an unset shell variable),
+    which Path would read as "." (a scratch project, a build or a server log made in the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty; give a path (or drop the option for its default)")
+    return Path(text)
+
+
+def cpu_cores_arg(text: str) -> str:
+    """argparse type of --cpu-cores: a core list this process may use (quantgate.serving.check_cpu_cores), checked
+    before any work; the benchmarks set it with model_copy, which runs no validator, so vLLM met a typo at start."""
+    try:
+        return check_cpu_cores(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def scratch_project(root: Path, *, limit: int | None = None, params: dict | None = None) -> Path:

@@ -33,7 +33,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, hf_lm, report, rounded
+from benchmarks.common import REPO, cpu_cores_arg, hf_lm, path_arg, report, rounded
 from pipeline.evaluate import EvaluateParams
 from pipeline.team_scores import make_lm
 from quantgate.errors import QuantgateError, run_main
@@ -114,13 +114,15 @@ def agreement(a: dict, b: dict) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.eval_engine", description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="fp16", help="build folder name under --models (default fp16)")
-    ap.add_argument("--models", type=Path, default=Path("models"))
-    ap.add_argument("--evals", type=Path, default=Path("evals"), help="team eval sets (default evals)")
+    ap.add_argument("--models", type=path_arg, default=Path("models"))
+    ap.add_argument("--evals", type=path_arg, default=Path("evals"), help="team eval sets (default evals)")
     ap.add_argument(
-        "--work", type=Path, default=WORK, help="folder for the server log (default .quantgate/bench/eval_engine)"
+        "--work", type=path_arg, default=WORK, help="folder for the server log (default .quantgate/bench/eval_engine)"
     )
     ap.add_argument("--limit", type=int, default=12, help="docs per task (default 12)")
-    ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
+    ap.add_argument(
+        "--cpu-cores", type=cpu_cores_arg, default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)'
+    )
     ap.add_argument("--batch-size", type=int, default=None, help="hf batch size (default evaluate.harness.batch_size)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import REPO, commit, is_scratch_project, measure, report, scratch_project, stage_timing
+from benchmarks.common import REPO, commit, is_scratch_project, measure, path_arg, report, scratch_project, stage_timing
 from quantgate.errors import QuantgateError, run_main
 
 TEMPLATE = "search"  # team copied for synthetic teams
@@ -140,10 +140,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.incremental", description=__doc__.splitlines()[0])
     ap.add_argument("--teams", default="3,12", help="team counts, comma-separated, each >= the project's teams")
     where = ap.add_mutually_exclusive_group()
-    where.add_argument("--work", type=Path, default=None, help="folder for a new scratch project (default: a temp dir)")
+    where.add_argument(
+        "--work", type=path_arg, default=None, help="folder for a new scratch project (default: a temp dir)"
+    )
     where.add_argument(
         "--project",
-        type=Path,
+        type=path_arg,
         default=None,
         help="reuse a scratch project (e.g. the one benchmarks.pipeline_cost made) instead of a new one",
     )

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import measure, report, scratch_project, stage_timing, stages
+from benchmarks.common import measure, path_arg, report, scratch_project, stage_timing, stages
 from quantgate.errors import QuantgateError, run_main
 
 
@@ -53,7 +53,7 @@ def run_stage(project: Path, stage: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=12, help="docs per task (evaluate.harness.limit); 0 = all")
-    ap.add_argument("--work", type=Path, default=None, help="folder for the scratch project (default: a temp dir)")
+    ap.add_argument("--work", type=path_arg, default=None, help="folder for the scratch project (default: a temp dir)")
     args = ap.parse_args()
     if args.limit < 0:
         raise QuantgateError(f"--limit must be >= 0 (0 = every doc), got {args.limit}")

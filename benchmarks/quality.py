@@ -42,7 +42,7 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, hf_lm, report, rounded
+from benchmarks.common import REPO, cpu_cores_arg, hf_lm, path_arg, report, rounded
 from pipeline.evaluate import EvaluateParams
 from pipeline.gate import load_params
 from pipeline.plot import recovery_interval
@@ -161,24 +161,24 @@ def scored(build_dir: Path, teams) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", default="auto", help="auto | vllm | hf (default auto)")
+    ap.add_argument("--engine", default="auto", choices=("auto", "vllm", "hf"), help="scoring engine (default auto)")
     ap.add_argument(
         "--limit",
         type=int,
         default=None,
         help="docs per task (default: every doc; the gate needs about 50+ per team to decide at 5-point margins)",
     )
-    ap.add_argument("--models", type=Path, default=Path("models"), help="holds fp16 and reusable builds")
-    ap.add_argument("--evals", type=Path, default=Path("evals"), help="team eval sets (default evals)")
+    ap.add_argument("--models", type=path_arg, default=Path("models"), help="holds fp16 and reusable builds")
+    ap.add_argument("--evals", type=path_arg, default=Path("evals"), help="team eval sets (default evals)")
     ap.add_argument(
         "--work",
-        type=Path,
+        type=path_arg,
         default=REPO / ".quantgate" / "bench" / "quality",
         help="builds made here and kept for reuse; WORK/scores is replaced on every run",
     )
     ap.add_argument(
         "--calibration",
-        type=Path,
+        type=path_arg,
         default=REPO / "results" / "calibration.jsonl",
         help="the calibrate stage's conversations (default results/calibration.jsonl)",
     )
@@ -188,7 +188,9 @@ def main() -> None:
         action="store_true",
         help="keep WORK/scores and score only builds without them (re-judge, e.g. after a margin change)",
     )
-    ap.add_argument("--cpu-cores", default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)')
+    ap.add_argument(
+        "--cpu-cores", type=cpu_cores_arg, default=None, help='vLLM CPU cores to bind, e.g. "0" (default: vLLM auto)'
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -19,7 +19,7 @@ import argparse
 import time
 from pathlib import Path
 
-from benchmarks.common import report, rounded
+from benchmarks.common import path_arg, report, rounded
 from pipeline.profile import ProfileParams, measured
 from pipeline.quantize import QuantizeParams, quantize
 from pipeline.search import SearchParams, mixed_recipe
@@ -42,7 +42,7 @@ def usd(profile, price: float) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.search_estimate", description=__doc__.splitlines()[0])
     ap.add_argument("--kept", type=int, default=None, help="layers kept 16-bit of the screen to check")
-    ap.add_argument("--work", type=Path, default=Path(".bench/search_estimate"), help="where the build goes")
+    ap.add_argument("--work", type=path_arg, default=Path(".bench/search_estimate"), help="where the build goes")
     args = ap.parse_args()
     p = load_block("search", SearchParams)
     r = read_search(Path("results/search/search.json"))

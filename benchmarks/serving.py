@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, report
+from benchmarks.common import REPO, cpu_cores_arg, path_arg, report
 from pipeline.evaluate import EvaluateParams
 from quantgate.errors import QuantgateError, run_main
 from quantgate.loadgen import Load, bench_loads, disk_mib, pcts, startup_report, tree_rss_gib
@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
             raise argparse.ArgumentTypeError(f"{s!r}: give whole numbers separated by commas, e.g. 1,8,32") from None
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
-    p.add_argument("--models", type=Path, default=Path("models"), help="dir with one subdir per build")
+    p.add_argument("--models", type=path_arg, default=Path("models"), help="dir with one subdir per build")
     p.add_argument("--builds", default="fp16,fp8,int4", help=f"comma-separated, of {', '.join(KNOWN_BUILDS)}")
     p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="max in-flight requests, comma-separated")
     p.add_argument(
@@ -85,7 +85,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=16, help="generated tokens per request")
     p.add_argument("--seed", type=int, default=1234, help="seed of the random prompt set")
-    p.add_argument("--cpu-cores", default=None, help='VLLM_CPU_OMP_THREADS_BIND, e.g. "1"; default: vLLM auto')
+    p.add_argument(
+        "--cpu-cores", type=cpu_cores_arg, default=None, help='VLLM_CPU_OMP_THREADS_BIND, e.g. "1"; default: vLLM auto'
+    )
     p.add_argument("--bench-timeout-s", type=int, default=1200, help="limit per benchmark run, s")
     return p.parse_args()
 

@@ -248,3 +248,37 @@ def test_stage_timing_reads_the_stage_that_started_the_builds_server(tmp_path):
     assert stage_timing(tmp_path, "evaluate@int8") == evaluate
     assert stage_timing(tmp_path, "profile@fp16") == profile
     assert stage_timing(tmp_path, "profile@int8") is None and stage_timing(tmp_path, "gate") is None
+
+
+def _no_work(*args, **kwargs):
+    raise AssertionError("the benchmark went past its arguments into work")
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "said"),
+    [
+        ("pipeline_cost", ["--work", ""], "argument --work: empty; give a path"),
+        ("incremental", ["--work", ""], "argument --work: empty; give a path"),
+        ("quality", ["--work", " "], "argument --work: empty; give a path"),
+        ("eval_engine", ["--models", ""], "argument --models: empty; give a path"),
+        ("search_estimate", ["--work", ""], "argument --work: empty; give a path"),
+        ("serving", ["--cpu-cores", "abc"], "argument --cpu-cores: 'abc' is not a core list"),
+        ("eval_engine", ["--cpu-cores", "1-0"], "argument --cpu-cores: '1-0': the range '1-0' is empty"),
+        ("quality", ["--cpu-cores", "4096"], "argument --cpu-cores: '4096': core 4096 is not one this machine"),
+        ("quality", ["--engine", "vlm"], "argument --engine: invalid choice: 'vlm'"),
+    ],
+)
+def test_benchmark_options_are_refused_by_argparse_before_any_work(module, argv, said, monkeypatch, capsys):
+    # an empty path ('', an unset shell variable) is Path("."): pipeline_cost made its scratch project in the
+    # working directory and ran the pipeline there; a --cpu-cores typo reached vLLM only (model_copy runs no
+    # validator), where eval_engine went on without vLLM and wrote a result with its columns empty
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+    for name in ("scratch_project", "load_teams", "stages", "read_search", "load_block"):
+        if hasattr(bench, name):
+            monkeypatch.setattr(bench, name, _no_work)
+    monkeypatch.setattr("sys.argv", [module, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
