@@ -24,7 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import SERVING_RESOURCE, local_ray, report
+from benchmarks.common import SERVING_RESOURCE, local_ray, path_arg, report
+from quantgate.errors import QuantgateError, run_main
 
 
 def run_once(project: Path, build: str, replicas: int, ray, work: Path) -> dict:
@@ -57,17 +58,40 @@ def run_once(project: Path, build: str, replicas: int, ray, work: Path) -> dict:
     return {"wall_s": round(wall, 1), "timing": timing, "docs": n, "ok": all(d.status == "ok" for d in docs.values())}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--project", type=Path, required=True)
-    ap.add_argument("--build", default="int8")
-    ap.add_argument("--replicas", default="1,2")
-    ap.add_argument("--nodes", default="1,2,4,8,16", help="N for the cost model")
+def counts(text: str) -> list[int]:
+    """argparse type: whole numbers >= 1, comma-separated ("1,2")."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1 separated by commas, e.g. 1,2")
+    return values
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options, checked before any Ray process starts: argparse exits 2 on bad syntax, and a
+    QuantgateError names a project without the build's model, evals/ or params.yaml."""
+    ap = argparse.ArgumentParser(prog="benchmarks.ray_evaluate", description=__doc__.splitlines()[0])
+    ap.add_argument("--project", type=path_arg, required=True, help="a project after `dvc repro evaluate@BUILD`")
+    ap.add_argument("--build", default="int8", help="the build to evaluate (default int8)")
+    ap.add_argument("--replicas", type=counts, default=[1, 2], help="vLLM servers per run, comma-separated (1,2)")
+    ap.add_argument("--nodes", type=counts, default=[1, 2, 4, 8, 16], help="N for the cost model (1,2,4,8,16)")
     a = ap.parse_args()
+    for need in (f"models/{a.build}/config.json", "evals", "params.yaml"):
+        if not (a.project / need).exists():
+            raise QuantgateError(
+                f"--project {a.project}: no {need}; give a project after `dvc repro evaluate@{a.build}`"
+            )
+    return a
+
+
+def main() -> None:
+    a = parse_args()
     project = a.project.resolve()
     rows, runs = [], {}
     with tempfile.TemporaryDirectory(prefix="ray-bench-") as tmp, local_ray(Path(tmp) / "ray") as ray:
-        for r in (int(x) for x in a.replicas.split(",")):
+        for r in a.replicas:
             runs[r] = run = run_once(project, a.build, r, ray, Path(tmp))
             starts = [x["server_start_s"] for x in run["timing"]["replicas"]]
             rows.append(
@@ -91,7 +115,7 @@ def main() -> None:
             f"cost model T(N) = {overhead:.0f} s publish+probe + {start:.0f} s start"
             f" + D / ({throughput:.2f} docs/s x N)"
         )
-        for n in (int(x) for x in a.nodes.split(",")):
+        for n in a.nodes:
             for docs in (one["docs"], 20 * 500):
                 rows.append(
                     {
@@ -113,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -282,3 +282,19 @@ def test_benchmark_options_are_refused_by_argparse_before_any_work(module, argv,
     with pytest.raises(SystemExit) as exit_:
         bench.main()
     assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_ray_evaluate_checks_its_options_and_project_before_starting_ray(tmp_path, monkeypatch, capsys):
+    # it started a Ray cluster first: --replicas x failed after the start, --nodes 0 divided by zero after the runs
+    from benchmarks import ray_evaluate
+    from quantgate.errors import QuantgateError
+
+    monkeypatch.setattr(ray_evaluate, "local_ray", _no_work)
+    for bad, said in (("--nodes=0", "argument --nodes: '0': give whole numbers >= 1"), ("--replicas=x", "'x'")):
+        monkeypatch.setattr("sys.argv", ["ray_evaluate", "--project", str(tmp_path), bad])
+        with pytest.raises(SystemExit) as exit_:
+            ray_evaluate.main()
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["ray_evaluate", "--project", str(tmp_path)])
+    with pytest.raises(QuantgateError, match=r"no models/int8/config.json; give a project after `dvc repro evaluate"):
+        ray_evaluate.main()
