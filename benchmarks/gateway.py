@@ -46,7 +46,8 @@ def one(client: httpx.Client, base: str, model: str, stream: bool, max_tokens: i
             if first is None and chunk:
                 first = time.perf_counter() - t0
         if r.status_code != 200:
-            raise QuantgateError(f"{base}: HTTP {r.status_code}")
+            said = r.read().decode(errors="replace").strip()[:300]
+            raise QuantgateError(f"{base}/chat/completions: HTTP {r.status_code}: {said or 'no body'}")
     return time.perf_counter() - t0, first if stream else None
 
 
@@ -67,24 +68,45 @@ def group_rss(pid: int) -> int:
     return total
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.gateway", description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the running gateway (no /v1)")
-    ap.add_argument("--n", type=int, default=40, help="requests per path and kind (default 40)")
-    ap.add_argument("--max-tokens", type=int, default=8)
-    args = ap.parse_args()
-    if args.n < 2:
-        raise QuantgateError(f"--n must be >= 2, got {args.n}")
+def process_rss(pid: int | None) -> str:
+    """ "X.XX GiB RSS" of process `pid` on this machine, or why not (a gateway on another machine)."""
     try:
-        health = httpx.get(f"{args.url}/health", timeout=10).json()
+        return f"{psutil.Process(int(pid)).memory_info().rss / 2**30:.2f} GiB RSS"
+    except (TypeError, ValueError, psutil.Error):
+        return f"RSS unknown (pid {pid} is no process here)"
+
+
+def failed_url(exc: httpx.HTTPError, default: str) -> str:
+    """The URL of the request `exc` failed on (`default` for an error raised before one was sent)."""
+    try:
+        return str(exc.request.url)
+    except RuntimeError:  # httpx raises it for an error without a request
+        return default
+
+
+def read_health(url: str) -> tuple[dict, dict, dict]:
+    """(health, fleet, the serving build's entry) from the gateway's /health.
+    Raises QuantgateError when nothing answers there or the answer names no warm serving build."""
+    try:
+        health = httpx.get(f"{url}/health", timeout=10).json()
     except (httpx.HTTPError, ValueError) as exc:
-        raise QuantgateError(f"no gateway answers {args.url}/health ({exc}); start `quantgate serve MODEL`") from None
-    fleet = health.get("fleet") or {}
+        raise QuantgateError(f"no gateway answers {url}/health ({exc}); start `quantgate serve MODEL`") from None
+    fleet = health.get("fleet") if isinstance(health, dict) else None
+    fleet = fleet if isinstance(fleet, dict) else {}
     serving = next((s for v, s in fleet.items() if f"v{v}" == health.get("stable")), None)
-    if serving is None:
-        raise QuantgateError(f"{args.url}/health names no warm serving build: {health}")
+    if not isinstance(serving, dict) or not serving.get("url"):
+        raise QuantgateError(f"{url}/health names no warm serving build: {str(health)[:300]}")
+    return health, fleet, serving
+
+
+def measure_paths(args: argparse.Namespace, serving: dict) -> dict[tuple[str, bool], list[tuple[float, float | None]]]:
+    """{(path, stream): [(whole s, first chunk s)]}: `args.n` requests of each kind straight to the serving
+    vLLM server and through the gateway, alternately, after one warm-up request per path."""
     with httpx.Client(timeout=300, trust_env=False) as client:
-        model = client.get(f"{serving['url']}/models").json()["data"][0]["id"]
+        try:
+            model = client.get(f"{serving['url']}/models").json()["data"][0]["id"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise QuantgateError(f"{serving['url']}/models: no model listed; is it a vLLM server?") from None
         paths = {"direct": (serving["url"], model), "gateway": (f"{args.url}/v1", "any")}
         one(client, *paths["direct"], False, args.max_tokens)  # warm both paths once
         one(client, *paths["gateway"], False, args.max_tokens)
@@ -93,6 +115,24 @@ def main() -> None:
             for stream in (False, True):
                 for path in ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct"):
                     times.setdefault((path, stream), []).append(one(client, *paths[path], stream, args.max_tokens))
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="benchmarks.gateway", description=__doc__.splitlines()[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="the running gateway (no /v1)")
+    ap.add_argument("--n", type=int, default=40, help="requests per path and kind (default 40)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")
+    args = ap.parse_args()
+    if args.n < 2:
+        raise QuantgateError(f"--n must be >= 2, got {args.n}")
+    if args.max_tokens < 1:
+        raise QuantgateError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    health, fleet, serving = read_health(args.url)
+    try:
+        times = measure_paths(args, serving)
+    except httpx.HTTPError as exc:  # a server that died, a timeout: named with the URL it was asked
+        raise QuantgateError(f"{failed_url(exc, args.url)}: {type(exc).__name__}: {exc}; is every server up?") from None
     rows = []
     for (path, stream), ts in times.items():
         total = [t for t, _ in ts]
@@ -119,8 +159,7 @@ def main() -> None:
         f"gateway adds {added['whole'] * 1000:.1f} ms (whole answers) and {added['stream'] * 1000:.1f} ms (streams) "
         f"at the median; serving build {health.get('stable')} at {serving['url']}",
         "memory (GiB RSS per warm server): " + ", ".join(f"v{v} ({fleet[v]['why']}) {m}" for v, m in memory.items()),
-        f"gateway process {psutil.Process(gateway_pid).memory_info().rss / 2**30:.2f} GiB RSS; "
-        f"machine memory {psutil.virtual_memory().total / 2**30:.0f} GiB",
+        f"gateway process {process_rss(gateway_pid)}; machine memory {psutil.virtual_memory().total / 2**30:.0f} GiB",
     ]
     report(
         "gateway",

@@ -298,3 +298,29 @@ def test_ray_evaluate_checks_its_options_and_project_before_starting_ray(tmp_pat
     monkeypatch.setattr("sys.argv", ["ray_evaluate", "--project", str(tmp_path)])
     with pytest.raises(QuantgateError, match=r"no models/int8/config.json; give a project after `dvc repro evaluate"):
         ray_evaluate.main()
+
+
+@pytest.mark.parametrize(
+    ("health", "said"),
+    [
+        ([1, 2], r"http://gw/health names no warm serving build: \[1, 2\]"),
+        (
+            {"stable": "v2", "pid": 1, "fleet": {"2": {"url": "http://127.0.0.1:9/v1", "pid": 1, "why": "serving"}}},
+            r"http://127.0.0.1:9/v1/models: ConnectError: .*; is every server up\?",
+        ),
+    ],
+)
+def test_gateway_benchmark_names_a_bad_health_answer_or_a_dead_server_in_one_line(health, said, monkeypatch):
+    # a /health that is no object, or a warm server that does not answer, ended in a traceback
+    from benchmarks import gateway
+    from quantgate.errors import QuantgateError
+
+    class Answer:
+        def json(self):
+            return health
+
+    monkeypatch.setattr(gateway.httpx, "get", lambda *a, **kw: Answer())
+    monkeypatch.setattr(gateway, "report", _no_work)
+    monkeypatch.setattr("sys.argv", ["gateway", "--url", "http://gw", "--n", "2"])
+    with pytest.raises(QuantgateError, match=said):
+        gateway.main()
