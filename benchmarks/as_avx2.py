@@ -57,7 +57,7 @@ def hide_avx512(venv: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.as_avx2", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.as_avx2", description=__doc__.split("\n\n")[0])
     ap.add_argument("target", choices=["demo", "test"], help="the make target to rehearse")
     ap.add_argument("--keep", action="store_true", help="keep the clone (its results/, logs and environments)")
     args = ap.parse_args()

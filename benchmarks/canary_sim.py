@@ -12,7 +12,7 @@ error rate, and a streamed one has a TTFT and a TPOT drawn from a lognormal (TTF
 candidate request is shadowed with probability the router's shadow_fraction (fleet.router) and
 agrees with the fp16 build with probability `agreement`. The candidate's vLLM gauges (vllm_requests_waiting,
 vllm_kv_cache_usage) read as an idle server's at every look: they are thresholds, not tests,
-and spend none of alpha. Seeded; runs in about a minute:
+and spend none of alpha. Seeded; about 3 minutes on 2 cores at the default 300 (results/canary_sim.json, wall_s):
 
     .venv/bin/python -m benchmarks.canary_sim [--canaries 300] [--seed 0]
 """
@@ -34,6 +34,7 @@ from canary.plan import Traffic, plan
 from canary.policy import CanaryPolicy, load_policy
 from gateway.fleet import load_fleet_params
 from gateway.metrics import Sample, ShadowSample
+from quantgate.errors import run_main
 from quantgate.stats import Verdict
 from tests.policies import FAST, FAST_BOUNDS, FAST_ROUTER  # the e2e tests' canary, simulated here
 
@@ -197,10 +198,26 @@ def pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+def at_least_1(text: str) -> int:
+    """argparse type of --canaries: a whole number >= 1 (0 or less ran 20 per scenario and recorded the number)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of canaries >= 1, e.g. 300")
+    return value
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--canaries", type=int, default=300, help="A/A canaries (other scenarios: a share of them)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="benchmarks.canary_sim", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--canaries",
+        type=at_least_1,
+        default=300,
+        help="A/A canaries simulated (default 300); other scenarios: a share of them, at least 20 each",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic (default 0)")
     args = ap.parse_args()
     base, shadowed = load_policy(), load_fleet_params().router.shadow_fraction
     rows, started = [], time.monotonic()
@@ -265,4 +282,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -112,7 +112,7 @@ def agreement(a: dict, b: dict) -> tuple[int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.eval_engine", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.eval_engine", description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default="fp16", help="build folder name under --models (default fp16)")
     ap.add_argument("--models", type=path_arg, default=Path("models"))
     ap.add_argument("--evals", type=path_arg, default=Path("evals"), help="team eval sets (default evals)")

@@ -119,7 +119,7 @@ def measure_paths(args: argparse.Namespace, serving: dict) -> dict[tuple[str, bo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.gateway", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.gateway", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000", help="the running gateway (no /v1)")
     ap.add_argument("--n", type=int, default=40, help="requests per path and kind (default 40)")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (default 8)")

@@ -137,7 +137,7 @@ def n_teams(project: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.incremental", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.incremental", description=__doc__.split("\n\n")[0])
     ap.add_argument("--teams", default="3,12", help="team counts, comma-separated, each >= the project's teams")
     where = ap.add_mutually_exclusive_group()
     where.add_argument(

@@ -168,7 +168,7 @@ def file_args(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.numbers", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.numbers", description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(ORDER)} (default: all)")
     ap.add_argument("--out", default=None, help="write the Markdown to this file instead of stdout")
     ap.add_argument("--readme", default=None, help="replace the Numbers section of this README")

@@ -51,7 +51,7 @@ def run_stage(project: Path, stage: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.pipeline_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--limit", type=int, default=12, help="docs per task (evaluate.harness.limit); 0 = all")
     ap.add_argument("--work", type=path_arg, default=None, help="folder for the scratch project (default: a temp dir)")
     args = ap.parse_args()

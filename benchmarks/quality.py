@@ -160,7 +160,7 @@ def scored(build_dir: Path, teams) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="auto", choices=("auto", "vllm", "hf"), help="scoring engine (default auto)")
     ap.add_argument(
         "--limit",

@@ -72,7 +72,7 @@ def counts(text: str) -> list[int]:
 def parse_args() -> argparse.Namespace:
     """Command-line options, checked before any Ray process starts: argparse exits 2 on bad syntax, and a
     QuantgateError names a project without the build's model, evals/ or params.yaml."""
-    ap = argparse.ArgumentParser(prog="benchmarks.ray_evaluate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.ray_evaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--project", type=path_arg, required=True, help="a project after `dvc repro evaluate@BUILD`")
     ap.add_argument("--build", default="int8", help="the build to evaluate (default int8)")
     ap.add_argument("--replicas", type=counts, default=[1, 2], help="vLLM servers per run, comma-separated (1,2)")

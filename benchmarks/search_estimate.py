@@ -40,7 +40,7 @@ def usd(profile, price: float) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="benchmarks.search_estimate", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="benchmarks.search_estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kept", type=int, default=None, help="layers kept 16-bit of the screen to check")
     ap.add_argument("--work", type=path_arg, default=Path(".bench/search_estimate"), help="where the build goes")
     args = ap.parse_args()

@@ -72,7 +72,7 @@ def parse_args() -> argparse.Namespace:
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r}: give whole numbers separated by commas, e.g. 1,8,32") from None
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=path_arg, default=Path("models"), help="dir with one subdir per build")
     p.add_argument("--builds", default="fp16,fp8,int4", help=f"comma-separated, of {', '.join(KNOWN_BUILDS)}")
     p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="max in-flight requests, comma-separated")

@@ -324,3 +324,38 @@ def test_gateway_benchmark_names_a_bad_health_answer_or_a_dead_server_in_one_lin
     monkeypatch.setattr("sys.argv", ["gateway", "--url", "http://gw", "--n", "2"])
     with pytest.raises(QuantgateError, match=said):
         gateway.main()
+
+
+BENCHMARKS = sorted(
+    p.stem
+    for p in (REPO / "benchmarks").glob("*.py")
+    if p.stem not in ("__init__", "common") and "main" in p.read_text()
+)
+
+
+@pytest.mark.parametrize("module", BENCHMARKS)
+def test_every_benchmark_help_says_what_it_measures_in_whole_sentences(module, monkeypatch, capsys):
+    # the description was the docstring's first line: serving's ended "KV-cache capacity, and", canary_sim's
+    # "how often does an identical build"; pipeline_cost's and canary_sim's usage named pipeline_cost.py, not -m
+    import importlib
+
+    bench = importlib.import_module(f"benchmarks.{module}")
+    monkeypatch.setattr("sys.argv", [module, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    out = capsys.readouterr().out
+    description = " ".join(out.split("\n\n")[1].split())
+    assert exit_.value.code == 0 and out.startswith(f"usage: {'python -m ' * (module == 'serving')}benchmarks.{module}")
+    assert description.endswith((".", "?")), description
+
+
+def test_canary_sim_refuses_a_number_of_canaries_below_1(monkeypatch, capsys):
+    # --canaries 0 or -5 ran 20 canaries per scenario and recorded the number given
+    from benchmarks import canary_sim
+
+    monkeypatch.setattr(canary_sim, "simulate", _no_work)
+    for bad in ("0", "-5", "x"):
+        monkeypatch.setattr("sys.argv", ["canary_sim", "--canaries", bad])
+        with pytest.raises(SystemExit) as exit_:
+            canary_sim.main()
+        assert exit_.value.code == 2 and f"argument --canaries: '{bad}': give a whole number" in capsys.readouterr().err
