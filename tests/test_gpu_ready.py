@@ -231,3 +231,21 @@ def test_gpu_check_fails_clearly_without_a_gpu(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "gpu_check: torch 2.13.0+cpu sees no GPU (CUDA build: None); run it on a GPU machine"
     ]
+
+
+def test_gpu_check_refuses_bad_arguments_in_one_line_with_exit_2(tmp_path):
+    # OUT_DIR a file and QUANTGATE_GPU_CHECK_SAMPLES not a number were tracebacks with exit 1 ("a check failed"),
+    # and --help was taken for OUT_DIR (the script behind it would have made a folder named --help)
+    (tmp_path / "a-file").write_text("")
+    script = str(REPO / "scripts/gpu_check.py")
+    cpu = dict(os.environ, QUANTGATE_GPU_CHECK_DEVICE="cpu")
+    for argv, env, said in (
+        ([script, str(tmp_path / "a-file")], cpu, f"OUT_DIR {tmp_path / 'a-file'}: not a folder; give a folder path"),
+        ([script, str(tmp_path / "o")], dict(cpu, QUANTGATE_GPU_CHECK_SAMPLES="abc"), "SAMPLES='abc': give a whole"),
+        ([script, str(tmp_path / "o")], dict(cpu, QUANTGATE_GPU_CHECK_SAMPLES="0"), "SAMPLES='0': give a whole"),
+    ):
+        out = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and said in out.stderr, out.stderr
+    out = subprocess.run([str(REPO / "scripts/gpu_check.sh"), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "scripts/gpu_check.sh [OUT_DIR [MODEL_DIR]]" in out.stdout and not out.stderr
+    assert not (REPO / "--help").exists() and not (tmp_path / "o").exists()
