@@ -8,6 +8,7 @@ The data are written by the repo so that a fresh clone needs nothing from a hub:
 - support: customer-message sentiment, 2-way classification scored by loglikelihood.
 """
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -224,6 +225,8 @@ def support_rows(rng: random.Random) -> list[dict]:
 
 
 def main() -> None:
+    # no options: argparse answers --help and refuses anything else (both rewrote evals/ before)
+    argparse.ArgumentParser(prog="scripts/make_example_evals.py", description=__doc__.split("\n\n")[0]).parse_args()
     rng = random.Random(1234)
     write_jsonl(ROOT / "search" / "data.jsonl", search_rows(rng))
     write_jsonl(ROOT / "billing" / "data.jsonl", billing_rows(rng))

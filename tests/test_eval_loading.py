@@ -301,3 +301,25 @@ def test_a_file_the_loader_refuses_is_said_once_with_nothing_of_the_loaders_own_
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.stdout.strip() == "refused"
     assert "Failed to load JSON" not in p.stderr and "ArrowInvalid" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["evals/extra"]])
+def test_make_example_evals_answers_help_and_refuses_arguments_without_writing(argv, tmp_path):
+    # it took no options and ignored them: --help (or a folder meant as its output) rewrote evals/*/data.jsonl
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "make_example_evals.py", tmp_path / "scripts")
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "scripts" / "make_example_evals.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert not (tmp_path / "evals").exists()
+    if argv == ["--help"]:
+        assert out.returncode == 0 and "Write the three example team eval sets" in out.stdout
+    else:
+        assert out.returncode == 2 and "unrecognized arguments: evals/extra" in out.stderr
