@@ -108,6 +108,8 @@ def write_whole(path: Path | str, text: str) -> None:
         if exc.errno == errno.ELOOP:
             raise QuantgateError(f"{path}: a symlink loop; give a file path") from None
         raise QuantgateError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    if not folder_ok and path.parent.exists():  # said 'does not exist' of a file in the way
+        raise QuantgateError(f"{path}: {path.parent} is a file, not a folder; give another path")
     if not folder_ok:
         raise QuantgateError(f"{path}: folder {path.parent} does not exist; create it or give another path")
     if is_dir:

@@ -47,6 +47,10 @@ def test_bad_paths_are_one_line_errors_and_leave_nothing_behind(tmp_path):
     with pytest.raises(QuantgateError, match=r"missing/a.json: folder .*missing does not exist; create it"):
         write_whole(tmp_path / "missing" / "a.json", "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir"]
+    (tmp_path / "afile").write_text("kept\n")
+    with pytest.raises(QuantgateError, match=r"afile/a.json: .*afile is a file, not a folder; give another path"):
+        write_whole(tmp_path / "afile" / "a.json", "x")
+    assert (tmp_path / "afile").read_text() == "kept\n"
 
 
 def test_a_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
