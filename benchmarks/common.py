@@ -57,6 +57,17 @@ def path_arg(text: str) -> Path:
     return Path(text)
 
 
+def counts_arg(text: str) -> list[int]:
+    """argparse type of a list of counts: whole numbers >= 1, comma-separated ("1,8,32")."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1 separated by commas, e.g. 1,8,32")
+    return values
+
+
 def cpu_cores_arg(text: str) -> str:
     """argparse type of --cpu-cores: a core list this process may use (quantgate.serving.check_cpu_cores), checked
     before any work; the benchmarks set it with model_copy, which runs no validator, so vLLM met a typo at start."""

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import SERVING_RESOURCE, local_ray, path_arg, report
+from benchmarks.common import SERVING_RESOURCE, counts_arg, local_ray, path_arg, report
 from quantgate.errors import QuantgateError, run_main
 
 
@@ -58,25 +58,14 @@ def run_once(project: Path, build: str, replicas: int, ray, work: Path) -> dict:
     return {"wall_s": round(wall, 1), "timing": timing, "docs": n, "ok": all(d.status == "ok" for d in docs.values())}
 
 
-def counts(text: str) -> list[int]:
-    """argparse type: whole numbers >= 1, comma-separated ("1,2")."""
-    try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1 separated by commas, e.g. 1,2")
-    return values
-
-
 def parse_args() -> argparse.Namespace:
     """Command-line options, checked before any Ray process starts: argparse exits 2 on bad syntax, and a
     QuantgateError names a project without the build's model, evals/ or params.yaml."""
     ap = argparse.ArgumentParser(prog="benchmarks.ray_evaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--project", type=path_arg, required=True, help="a project after `dvc repro evaluate@BUILD`")
     ap.add_argument("--build", default="int8", help="the build to evaluate (default int8)")
-    ap.add_argument("--replicas", type=counts, default=[1, 2], help="vLLM servers per run, comma-separated (1,2)")
-    ap.add_argument("--nodes", type=counts, default=[1, 2, 4, 8, 16], help="N for the cost model (1,2,4,8,16)")
+    ap.add_argument("--replicas", type=counts_arg, default=[1, 2], help="vLLM servers per run, comma-separated (1,2)")
+    ap.add_argument("--nodes", type=counts_arg, default=[1, 2, 4, 8, 16], help="N for the cost model (1,2,4,8,16)")
     a = ap.parse_args()
     for need in (f"models/{a.build}/config.json", "evals", "params.yaml"):
         if not (a.project / need).exists():

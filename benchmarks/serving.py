@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, cpu_cores_arg, path_arg, report
+from benchmarks.common import REPO, counts_arg, cpu_cores_arg, path_arg, report
 from pipeline.evaluate import EvaluateParams
 from quantgate.errors import QuantgateError, run_main
 from quantgate.loadgen import Load, bench_loads, disk_mib, pcts, startup_report, tree_rss_gib
@@ -66,16 +66,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def parse_args() -> argparse.Namespace:
     """Command-line options (see --help); argparse exits 2 with a usage line on bad syntax."""
 
-    def ints(s: str) -> list[int]:
-        try:
-            return [int(x) for x in s.split(",") if x]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r}: give whole numbers separated by commas, e.g. 1,8,32") from None
-
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", type=path_arg, default=Path("models"), help="dir with one subdir per build")
     p.add_argument("--builds", default="fp16,fp8,int4", help=f"comma-separated, of {', '.join(KNOWN_BUILDS)}")
-    p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="max in-flight requests, comma-separated")
+    p.add_argument("--concurrency", type=counts_arg, default=[1, 8, 32], help="max in-flight requests, comma-separated")
     p.add_argument(
         "--prompts-per-concurrency",
         type=int,
