@@ -8,6 +8,7 @@ files relative to the folder. Files starting with "_" are shared templates, not 
 from __future__ import annotations
 
 import copy
+import json
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -84,7 +85,9 @@ def plain_spaces(value: str) -> str:
 class Task:
     """One lm-eval task: `config` is the task YAML with data paths made absolute; `docs` the scored split's
     documents as lm-eval's datasets loader returns them (quantgate/loader.py), all of them, in file order;
-    `costs` each one's share of the team's cost per build (quantgate/budget.py)."""
+    `costs` each one's share of the team's cost per build (quantgate/budget.py); `renders` (line, what the
+    templates render under the task's scoring settings) of each scored document (after the team's limit), for
+    the rule that no two tasks of a team score the same document (_repeats_across)."""
 
     name: str
     path: Path
@@ -92,6 +95,7 @@ class Task:
     n_docs: int  # documents the gate will see (test split, after the team's limit)
     docs: tuple[dict, ...] = ()
     costs: tuple[DocCost, ...] = ()
+    renders: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,12 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     config["dataset_kwargs"]["data_files"] = {name: str(f) for name, f in resolved.items()}
     n_docs = len(scored) if policy is None or not policy.limit else min(len(scored), policy.limit)
     costs = doc_costs(config, [v for v, _ in rendered.get(split, [])], examples)
+    settings = _scoring_settings(config, split)
+    renders = [
+        (n, json.dumps([settings, main], sort_keys=True, ensure_ascii=False, default=str))
+        for (n, _, _), (main, _) in zip(scored[:n_docs], rendered.get(split, []), strict=False)
+        if main
+    ]
     return Task(
         name=str(config["task"]),
         path=path,
@@ -208,7 +218,41 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
         n_docs=n_docs,
         docs=tuple(doc for _, _, doc in scored),
         costs=tuple(costs),
+        renders=tuple(renders),
     )
+
+
+# task keys that name a task or its scored file, not how a document is scored
+_NAMING_KEYS = ("task", "task_alias", "tag", "metadata", "dataset_name", "test_split", "validation_split")
+
+
+def _scoring_settings(config: dict, split: str | None) -> dict:
+    """The task YAML `config` without what only names it or its scored split's file (`split`): two tasks with the
+    same settings score a document that renders the same alike (the few-shot files stay: they change the prompt)."""
+    settings = {k: v for k, v in config.items() if k not in _NAMING_KEYS}
+    files = {k: v for k, v in config["dataset_kwargs"]["data_files"].items() if k != split}
+    return {**settings, "dataset_kwargs": {"data_files": files}}
+
+
+def _repeats_across(tasks: list[Task]) -> list[str]:
+    """A scored document that a task renders as an earlier task of the team does, with the same settings (the same
+    data file read by two copies of a task, or a copy of it): the gate pools every task's documents in one paired
+    test, where that document would count twice, as if it were two pieces of evidence."""
+    problems, seen = [], {}
+    for t in tasks:
+        file = Path(t.config["dataset_kwargs"]["data_files"][scored_split(t.config)])
+        found = []
+        for n, key in t.renders:
+            task, other, line = seen.setdefault(key, (t.name, file, n))
+            if task != t.name:
+                at = f"line {line}" if other == file else f"{other}:{line}"
+                found.append(
+                    f"{file}:{n}: renders in task {t.name!r} the same prompt and answer, with the same settings, as "
+                    f"{at} in task {task!r}, so the gate would count one document twice; remove the repeat or one "
+                    "of the two tasks"
+                )
+        problems += capped(file, found)
+    return problems
 
 
 def min_docs(policy: TeamPolicy) -> int | None:
@@ -269,6 +313,7 @@ def inspect_team(
     ]
     tasks = [t for p in task_files(path) if (t := _load_task(p, policy, problems)) is not None]
     problems += _name_clashes(tasks, taken or {})
+    problems += _repeats_across(tasks)
     if not tasks and not problems:
         problems.append(f"{path}: no lm-eval task YAML (a *.yaml with `task:`); see evals/README.md")
     if policy is None or problems:

@@ -498,6 +498,28 @@ def test_repeats_lm_eval_never_scores_are_accepted(example_evals):
     assert {t.name: t.tasks[0].n_docs for t in load_teams(example_evals)}["billing"] == 200
 
 
+def test_a_second_task_scores_the_same_documents_only_with_other_settings(example_evals):
+    """The gate pools a team's tasks in one paired test: a copy of a task (the same file, or a copy of it) counted
+    every document twice and passed validation. A second task that prompts otherwise, or scores fewer documents by
+    the team's limit, is a measurement of its own."""
+    search = example_evals / "search"
+    task = (search / "capitals.yaml").read_text()
+    shutil.copyfile(search / "data.jsonl", search / "copy.jsonl")
+    (search / "capitals_again.yaml").write_text(
+        task.replace("task: search_capitals", "task: search_again").replace("test: data.jsonl", "test: copy.jsonl")
+    )
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    assert f"{search / 'copy.jsonl'}:1: renders in task 'search_again' the same prompt and answer" in str(err.value)
+    assert f"as {search / 'data.jsonl'}:1 in task 'search_capitals'" in str(err.value)
+    assert "team search: 216 problem(s)" in str(err.value)
+    (search / "capitals_again.yaml").write_text(
+        task.replace("task: search_capitals", "task: search_again").replace("Question: ", "Q: ")
+    )
+    search_team = next(t for t in load_teams(example_evals) if t.name == "search")
+    assert [t.n_docs for t in search_team.tasks] == [216, 216]
+
+
 def test_a_contact_of_invisible_characters_is_blank(example_evals):
     set_policy_field(example_evals / "support" / "team.yaml", "contact", '"\\u00a0\\u200b"')
     with pytest.raises(QuantgateError, match=r"team.yaml:\d+: contact: is blank; name who owns the set"):
