@@ -198,7 +198,12 @@ def check_task(task_path: Path, config: dict) -> list[str]:
         problems.append(f"{where('generation_kwargs')}: generation_kwargs must be a mapping ({', '.join(GEN_KEYS)})")
     elif config.get("output_type", "generate_until") == "generate_until":
         until = gen.get("until")
-        if not (isinstance(until, list) and until and all(isinstance(u, str) and u for u in until)):
+        if isinstance(until, str) and until:  # one stop string, not a list: say that, not that none was given
+            problems.append(
+                f"{where('generation_kwargs')}: generation_kwargs.until must be a list of stop strings, got the "
+                f"string {until!r}; write it as a list: until: {json.dumps([until], ensure_ascii=False)}"
+            )
+        elif not (isinstance(until, list) and until and all(isinstance(u, str) and u for u in until)):
             problems.append(
                 f"{where('generation_kwargs')}: a generation task "
                 f'needs explicit stop strings, generation_kwargs.until (e.g. until: ["\\n\\n"]), got {until!r}: '
