@@ -67,6 +67,11 @@ class RenderTimeout(Exception):
     """A template took longer than its time limit to render."""
 
 
+class TooLong(SecurityError):
+    """A template rendered more than MAX_SIZE characters for one document: a long document (or a template that
+    repeats one) is that document's problem, not an unsafe template."""
+
+
 _deadline = threading.local()
 
 
@@ -292,7 +297,7 @@ def render(source: str, doc: dict) -> str:
     """
     text = compile_template(source).render(**doc)
     if len(text) > MAX_SIZE:
-        raise SecurityError(f"renders {len(text)} characters, over the sandbox's {MAX_SIZE}")
+        raise TooLong(f"renders {len(text):,} characters, over the {MAX_SIZE:,} a rendered text may have")
     return text
 
 

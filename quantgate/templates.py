@@ -149,6 +149,12 @@ def check_document(
                     continue
                 try:
                     values[key] = lm_eval_value(config, key, doc, features)
+                except sandbox.TooLong as exc:  # this document's problem: the key is still checked on the others
+                    values[key] = exc
+                    problems.append(
+                        f"{at}: {key}: `{sandbox.expression(config[key])}` cannot be rendered for this document: "
+                        f"it {exc}; shorten the document's fields or the template"
+                    )
                 except SecurityError as exc:
                     skip.add(key)
                     problems.append(

@@ -498,6 +498,26 @@ def test_repeats_lm_eval_never_scores_are_accepted(example_evals):
     assert {t.name: t.tasks[0].n_docs for t in load_teams(example_evals)}["billing"] == 200
 
 
+def test_a_document_too_long_to_render_is_its_own_problem_not_an_unsafe_template(example_evals):
+    """A document whose prompt renders over the sandbox's 1,000,000 characters was reported as `unsafe template`
+    (`a template may use the document's fields, filters and tests only`) at the task's line, and the template was
+    then not checked on the other documents."""
+    data = example_evals / "search" / "data.jsonl"
+    long = {"question": "x" * 1_000_001, "choices": ["a", "b"], "answer": 0}
+    again = {**long, "question": "y" * 1_000_001}
+    data.write_text(data.read_text() + json.dumps(long) + "\n" + json.dumps(again) + "\n")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    message = str(err.value)
+    assert "team search: 2 problem(s)" in message and "unsafe template" not in message
+    for line in (217, 218):
+        assert (
+            f"data.jsonl:{line}: doc_to_text: `Question: {{{{question}}}} Answer:` cannot be rendered for this "
+            "document: it renders 1,000,019 characters, over the 1,000,000 a rendered text may have; shorten the "
+            "document's fields or the template"
+        ) in message
+
+
 def test_a_second_task_scores_the_same_documents_only_with_other_settings(example_evals):
     """The gate pools a team's tasks in one paired test: a copy of a task (the same file, or a copy of it) counted
     every document twice and passed validation. A second task that prompts otherwise, or scores fewer documents by
