@@ -361,6 +361,17 @@ def _unread_team(path: Path) -> str | None:
     return None
 
 
+def _stray_files(root: Path) -> list[str]:
+    """Task or data files (*.yaml, *.yml, *.jsonl; not hidden, not _shared) directly in the folder of team eval sets
+    `root`: no team reads them, so a set put there would drop out of the gate without a word."""
+    return [
+        f"{p}: a task or data file beside the team folders is read by no team; move it into its team's folder "
+        f"({root / '<team>'}, with a {POLICY_FILE}) or out of the eval sets"
+        for p in sorted(root.iterdir())
+        if p.suffix in (".yaml", ".yml", ".jsonl") and not p.name.startswith(("_", ".")) and not p.is_dir()
+    ]
+
+
 def task_files(path: Path) -> list[Path]:
     """A team folder's task YAMLs: every *.yaml but team.yaml, shared templates (a leading _) and hidden files
     (a leading .: an editor's backup, macOS's ._ resource forks, which are not YAML), sorted."""
@@ -502,7 +513,9 @@ def load_teams(root: Path, only: str | None = None, budgets: ValidateParams | No
         )
     # task or data files without a policy would drop a team (checking all; `only` has its team.yaml by now)
     unread = (
-        [_listing(p.name, [why]) for p in sorted(root.iterdir()) if (why := _unread_team(p))] if only is None else []
+        [_listing(p.name, [why]) for p in sorted(root.iterdir()) if (why := _unread_team(p))] + _stray_files(root)
+        if only is None
+        else []
     )
     if not folders:  # `root` may be one team's folder, or hold only teams, that would not be read: say why
         if (root / POLICY_FILE).is_file():  # one team's folder where the folder of teams is read: not "no team"

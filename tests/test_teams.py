@@ -339,6 +339,27 @@ def test_a_team_folder_without_its_policy_is_an_error_not_a_missing_team(example
         load_teams(example_evals)
 
 
+def test_a_task_or_data_file_beside_the_team_folders_is_an_error_not_a_silent_pass(example_evals):
+    """A task YAML or data file put in evals/ itself, not in a team's folder, was read by no team and validate said
+    ok: the set it meant to gate dropped out without a word. Shared (_) and hidden (.) files stay ignored."""
+    shutil.copyfile(example_evals / "search" / "capitals.yaml", example_evals / "ranking.yaml")
+    shutil.copyfile(example_evals / "search" / "data.jsonl", example_evals / "data.jsonl")
+    (example_evals / "_shared.yaml").write_text("output_type: multiple_choice\n")
+    (example_evals / ".backup.yaml").write_text("x: [\n")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    lines = str(err.value).splitlines()
+    assert lines == [
+        f"{example_evals / name}: a task or data file beside the team folders is read by no team; move it into its "
+        f"team's folder ({example_evals / '<team>'}, with a team.yaml) or out of the eval sets"
+        for name in ("data.jsonl", "ranking.yaml")
+    ]
+    assert load_team(example_evals / "search").name == "search"  # one team's folder: its own files only
+    (example_evals / "ranking.yaml").unlink()
+    (example_evals / "data.jsonl").unlink()
+    assert len(load_teams(example_evals)) == 3
+
+
 def test_one_team_folder_or_a_missing_one_given_for_the_eval_sets_is_named_as_such(example_evals, tmp_path):
     """`quantgate canary load --evals evals/search` said "evals/search: no team folders (a folder with team.yaml)"
     of a folder with a team.yaml; a missing folder read as "not a folder of team eval sets"."""
