@@ -68,8 +68,11 @@ def _read_text(path: Path) -> str:
         raise QuantgateError(f"{path}: is a folder, not a file; give the YAML file (move the folder away)") from None
     except PermissionError:
         raise QuantgateError(f"{path}: not readable by this user; fix its permissions") from None
-    except UnicodeDecodeError as exc:
-        raise QuantgateError(f"{path}: not UTF-8 (byte {exc.start}); save it as UTF-8") from None
+    except UnicodeDecodeError as exc:  # named as the JSONL reader names one: its line and the byte's value
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise QuantgateError(
+            f"{path}:{line}: not UTF-8 (byte 0x{exc.object[exc.start]:02x}); save the file as UTF-8"
+        ) from None
 
 
 def read_yaml(path: Path) -> object:
