@@ -205,9 +205,9 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     config["dataset_kwargs"]["data_files"] = {name: str(f) for name, f in resolved.items()}
     n_docs = len(scored) if policy is None or not policy.limit else min(len(scored), policy.limit)
     costs = doc_costs(config, [v for v, _ in rendered.get(split, [])], examples)
-    settings = _scoring_settings(config, split)
-    renders = [
-        (n, json.dumps([settings, main], sort_keys=True, ensure_ascii=False, default=str))
+    settings = json.dumps(_scoring_settings(config, split), sort_keys=True, ensure_ascii=False, default=str)
+    renders = [  # the settings once per task, not once per document: one key is settings + a document's renders
+        (n, settings + "\n" + json.dumps(main, sort_keys=True, ensure_ascii=False, default=str))
         for (n, _, _), (main, _) in zip(scored[:n_docs], rendered.get(split, []), strict=False)
         if main
     ]
