@@ -3,10 +3,11 @@
     .venv/bin/python -m benchmarks.numbers [NAME ...] [--out FILE] [--readme README.md]
 
 Renders, per result: its title, the command that produced it, the machine and date, the
-table and its notes; to stdout, or to FILE (written whole or not at all). A missing result is
-named on stderr and skipped. --readme FILE replaces the text between `<!-- numbers:start -->`
-and `<!-- numbers:end -->` in FILE with a shorter view of every result (README_VIEW: the
-columns and notes a reader needs), written whole or not at all.
+table and its notes; to stdout, or to FILE (written whole or not at all). NAME is a result's file name without
+.json; by default every result, ORDER's first (a missing one named on stderr and skipped), then the others
+(gateway, search_estimate, ray_evaluate, the quality_* sweeps). --readme FILE replaces the text between
+`<!-- numbers:start -->` and `<!-- numbers:end -->` in FILE with a shorter view of ORDER's results (README_VIEW:
+the columns and notes a reader needs), written whole or not at all.
 """
 
 from __future__ import annotations
@@ -123,11 +124,17 @@ def load(name: str, required: bool) -> dict | None:
         ) from None
 
 
+def available() -> list[str]:
+    """Every result's name: ORDER's, then those of the other results in RESULTS (their file names without .json),
+    sorted."""
+    return [*ORDER, *sorted(p.stem for p in RESULTS.glob("*.json") if p.stem not in ORDER)]
+
+
 def render(names: list[str], readme: bool = False) -> str:
-    """Markdown of the named results (default: every one in ORDER that exists); the README
-    view (README_VIEW, numbered headings) if `readme`."""
+    """Markdown of the named results (default: every result, `available()`); the README view (README_VIEW, numbered
+    headings: ORDER's results only) if `readme`."""
     blocks = []
-    for name in names or ORDER:
+    for name in names or (ORDER if readme else available()):
         doc = load(name, required=bool(names))
         if doc is None:
             continue
@@ -169,14 +176,14 @@ def file_args(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.numbers", description=__doc__.split("\n\n")[0])
-    ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(ORDER)} (default: all)")
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(available())} (default: all)")
     ap.add_argument("--out", default=None, help="write the Markdown to this file instead of stdout")
     ap.add_argument("--readme", default=None, help="replace the Numbers section of this README")
     args = ap.parse_args()
     file_args(args)
-    unknown = [n for n in args.names if n not in ORDER]
+    unknown = [n for n in args.names if n not in available()]
     if unknown:
-        raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(ORDER)}")
+        raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(available())}")
     if args.readme is not None and args.names:
         raise QuantgateError("--readme renders every result (the README section is replaced whole); name no results")
     text = render(args.names)

@@ -169,6 +169,37 @@ def test_numbers_names_a_malformed_result_in_one_line(tmp_path, monkeypatch):
         numbers.render(["quality"])
 
 
+def test_numbers_renders_every_result_it_holds_not_only_the_readme_ones(tmp_path, monkeypatch, capsys):
+    """`benchmarks.numbers search_estimate` said "unknown result" of the results gateway, search_estimate,
+    ray_evaluate and quality_*_avx512, though its docstring says it renders results/*.json."""
+    import benchmarks.numbers as numbers
+    from quantgate.errors import QuantgateError
+
+    doc = {
+        "title": "Search estimate",
+        "command": "python -m benchmarks.search_estimate",
+        "measured_at": "2026-12-03T10:00:00+00:00",
+        "machine": {"cpu": "CPU X", "cores": 2, "isa": "avx2", "memory_gib": 24.0},
+        "rows": [{"screens": 2, "s": 91.5}],
+        "notes": [],
+    }
+    monkeypatch.setattr(numbers, "RESULTS", tmp_path)
+    (tmp_path / "search_estimate.json").write_text(json.dumps(doc))
+    assert numbers.available() == [*numbers.ORDER, "search_estimate"]
+    monkeypatch.setattr(sys, "argv", ["benchmarks.numbers", "search_estimate"])
+    numbers.main()
+    out = capsys.readouterr().out
+    assert out.startswith("**Search estimate**\n") and "| screens | s |\n|---|---|\n| 2 | 91.5 |" in out
+    assert numbers.render([]).startswith("**Search estimate**")  # the ORDER ones missing: skipped, named on stderr
+    with pytest.raises(QuantgateError, match="no results in"):
+        numbers.render([], readme=True)  # the README view holds ORDER's results only
+    monkeypatch.setattr(sys, "argv", ["benchmarks.numbers", "nope"])
+    with pytest.raises(
+        QuantgateError, match=r"^unknown result 'nope'; give one of pipeline_cost, .*, search_estimate$"
+    ):
+        numbers.main()
+
+
 @pytest.mark.parametrize("flag, example", [("--out", "benchmarks/results/numbers.md"), ("--readme", "README.md")])
 def test_numbers_refuses_an_empty_file_option_naming_it(tmp_path, monkeypatch, flag, example):
     """`--out ''` said ".: is a folder" (Path("") is the working directory); `--readme ''` "cannot read"."""
