@@ -56,12 +56,17 @@ def hide_avx512(venv: Path) -> Path:
     return found[0]
 
 
+def cpuinfo() -> str:
+    """/proc/cpuinfo's text ("" where there is none): its flags lines name the CPU's ISA extensions."""
+    return Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.as_avx2", description=__doc__.split("\n\n")[0])
     ap.add_argument("target", choices=["demo", "test"], help="the make target to rehearse")
     ap.add_argument("--keep", action="store_true", help="keep the clone (its results/, logs and environments)")
     args = ap.parse_args()
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = cpuinfo()
     if " avx2" not in flags:
         raise QuantgateError("this CPU has no AVX2: there is nothing to rehearse (the AVX2 kind needs AVX2)")
     if " avx512f" not in flags:
@@ -70,7 +75,8 @@ def main() -> None:
     clone = work / "q"
     started = time.monotonic()
     try:
-        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+        if subprocess.run(["git", "clone", "-q", str(REPO), str(clone)]).returncode != 0:  # git said why, above
+            raise QuantgateError(f"git clone of {REPO} into {clone} failed; see git's message above")
         if subprocess.run(["make", "setup"], cwd=clone).returncode != 0:
             raise QuantgateError(f"make setup failed in {clone}")
         for venv in (".venv", ".venv-serve"):

@@ -1,5 +1,6 @@
 """benchmarks/as_avx2.py: torch.cpu rewritten to report an AVX2-only CPU (the AVX2 rehearsal on a bigger CPU)."""
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,3 +58,18 @@ def test_the_installed_torch_is_the_one_it_rewrites():
             pytest.skip(f"{venv} has no torch")
         text = found.read_text()
         assert text.count(as_avx2.ORIGINAL) + text.count(as_avx2.PATCHED) == 1, venv
+
+
+def test_a_clone_that_fails_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """A failed `git clone` was a CalledProcessError traceback."""
+    import tempfile
+
+    monkeypatch.setattr(as_avx2, "cpuinfo", lambda: "flags : sse avx2 avx512f")
+    monkeypatch.setattr(as_avx2, "REPO", tmp_path / "no-repo")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["benchmarks.as_avx2", "test"])
+    with pytest.raises(QuantgateError) as err:
+        as_avx2.main()
+    work = str(err.value).split(" into ")[1].split(" failed")[0]
+    assert str(err.value) == f"git clone of {tmp_path / 'no-repo'} into {work} failed; see git's message above"
+    assert list(tmp_path.iterdir()) == []  # the scratch folder went with it
