@@ -10,6 +10,10 @@
 set -euo pipefail
 case "${1:-}" in -h | --help) sed -n '2,9s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
+if ! [[ "${GPU_CHECK_TIMEOUT_S:-480}" =~ ^[0-9]+$ ]] || [ "${GPU_CHECK_TIMEOUT_S:-480}" -lt 1 ]; then  # 0: no limit
+  echo "gpu_check: GPU_CHECK_TIMEOUT_S='${GPU_CHECK_TIMEOUT_S}': give whole seconds >= 1 (default 480)" >&2
+  exit 2
+fi
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 if [ "${QUANTGATE_GPU_CHECK_DEVICE:-cuda}" = cuda ]; then
   if ! command -v nvidia-smi >/dev/null 2>&1; then
