@@ -159,6 +159,20 @@ def scored(build_dir: Path, teams) -> bool:
     return all((build_dir / t.name / "scores.json").is_file() for t in teams)
 
 
+def check_inputs(work: Path, calibration: Path, plan: dict[str, QuantizeParams]) -> None:
+    """Raises QuantgateError before any build or score when --work is no folder, or when a build of `plan` calibrates
+    and --calibration is no file: each such build failed at its quantization, recorded as a note, and the sweep
+    wrote its result without it (a --work file failed the scores' write after fp16 was scored)."""
+    if work.exists() and not work.is_dir():
+        raise QuantgateError(f"--work {work}: not a folder; give a folder (made when missing)")
+    if not calibration.is_file() and (need := [b for b, p in plan.items() if p.calibration is not None]):
+        raise QuantgateError(
+            f"--calibration {calibration}: no such file, and {', '.join(need)} "
+            f"{'calibrates' if len(need) == 1 else 'calibrate'} on it; run "
+            "`dvc repro calibrate` (it writes results/calibration.jsonl), give the file, or --only builds without it"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.quality", description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", default="auto", choices=("auto", "vllm", "hf"), help="scoring engine (default auto)")
@@ -201,6 +215,8 @@ def main() -> None:
         raise QuantgateError(
             f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)"
         )
+    plan = build_params(args.only.split(",") if args.only else None)
+    check_inputs(args.work, args.calibration, plan)
     teams = load_teams(args.evals)
     params = load_block("evaluate", EvaluateParams)
     requested = params.serve.dtype
@@ -213,7 +229,6 @@ def main() -> None:
     )
     engine, why = choose_engine(args.engine, params.serve.python, requested)
     builds = {"fp16": (src, None)}
-    plan = build_params(args.only.split(",") if args.only else None)
     failed: dict[str, str] = {}  # build -> why quantization failed (the sweep goes on without it)
     for build, p in plan.items():
         try:

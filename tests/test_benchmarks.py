@@ -390,3 +390,27 @@ def test_canary_sim_refuses_a_number_of_canaries_below_1(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_:
             canary_sim.main()
         assert exit_.value.code == 2 and f"argument --canaries: '{bad}': give a whole number" in capsys.readouterr().err
+
+
+def test_quality_refuses_a_work_file_and_a_missing_calibration_before_any_build(tmp_path, monkeypatch):
+    """A --work file and a missing --calibration failed each build that calibrates at its quantization (recorded as
+    a note) or the scores' write after fp16 was scored; the sweep then wrote its result without those builds."""
+    from benchmarks import quality
+    from quantgate.errors import QuantgateError
+
+    (tmp_path / "models/fp16").mkdir(parents=True)
+    (tmp_path / "models/fp16/config.json").write_text("{}")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(quality, "load_teams", _no_work)
+    common = ["quality", "--models", str(tmp_path / "models")]
+    monkeypatch.setattr("sys.argv", [*common, "--work", str(tmp_path / "a-file")])
+    with pytest.raises(QuantgateError, match=r"^--work .*a-file: not a folder; give a folder \(made when missing\)$"):
+        quality.main()
+    missing = tmp_path / "none.jsonl"
+    monkeypatch.setattr("sys.argv", [*common, "--calibration", str(missing), "--only", "int8,fp8"])
+    with pytest.raises(QuantgateError) as err:
+        quality.main()
+    assert str(err.value).startswith(f"--calibration {missing}: no such file, and int8 calibrates on it; run `dvc")
+    monkeypatch.setattr("sys.argv", [*common, "--calibration", str(missing), "--only", "fp8"])
+    with pytest.raises(AssertionError, match="went past its arguments"):  # fp8 calibrates on nothing: it goes on
+        quality.main()
