@@ -14,7 +14,7 @@ from pathlib import Path
 from scipy import stats
 
 from quantgate import sandbox
-from quantgate.jsonl import BadLine, decode, parse_line
+from quantgate.jsonl import BadLine, lines_of, parse_line
 from quantgate.templates import RENDERED, check_document, key_locator
 
 MAX_DATA_BYTES = 50 * 1024 * 1024  # a team set larger than this is almost surely a mistake
@@ -327,7 +327,8 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]], list[
     These are quantgate's own rules, each stricter than the datasets loader that lm-eval reads the file with
     (quantgate/loader.py) and named in its message: the size rule, the blank-line rule, one JSON object per
     line, and the JSONL rules of quantgate/jsonl.py (UTF-8, no NaN, nesting, unpaired surrogates, a key
-    given twice). A leading byte-order mark and CRLF line ends are accepted, as the loader accepts them.
+    given twice). A leading byte-order mark and CRLF line ends are accepted, as the loader accepts them; CR-only
+    line ends (old Mac style), which the loader reads too, are refused (jsonl.lines_of: they would read as one line).
     """
     raw = data_path.read_bytes()
     if len(raw) > MAX_DATA_BYTES:
@@ -340,7 +341,7 @@ def read_docs(data_path: Path) -> tuple[list[str], list[tuple[int, dict]], list[
             [],
         )
     try:
-        lines = decode(raw).split("\n")
+        lines = lines_of(raw, loader=True)  # lm-eval reads this file
     except BadLine as exc:
         return [exc.at(data_path)], [], []
     problems, docs = [], []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import unicodedata
 from pathlib import Path
 
 from quantgate.errors import QuantgateError
@@ -40,6 +41,72 @@ def decode(raw: bytes) -> str:
     except UnicodeDecodeError as exc:
         number = raw[: exc.start].count(b"\n") + 1
         raise BadLine(number, f"not UTF-8 (byte 0x{raw[exc.start]:02x})", "save the file as UTF-8") from None
+
+
+def lines_of(raw: bytes, loader: bool = False) -> list[str]:
+    """The lines of a JSONL file's bytes `raw` (decode), split at LF: a CRLF's CR is JSON whitespace, left for the
+    parser. Raises BadLine at line 1 for a file whose line ends are CR only (old Mac style), which would read as
+    one line; with `loader`, saying that lm-eval's datasets loader reads CR as a line end (quantgate does not)."""
+    text = decode(raw)
+    if "\n" not in text and "\r" in text.strip():
+        than = "; the datasets loader lm-eval uses reads them, quantgate's line rules do not" if loader else ""
+        raise BadLine(
+            1,
+            f"the file's line ends are CR only (old Mac style{than})",
+            "save the file with LF or CRLF line ends",
+        )
+    return text.split("\n")
+
+
+_CHAR_NAMES = {"\x0b": "a vertical tab", "\x0c": "a form feed", "\x85": "a next-line control (NEL)"}
+
+
+def _stray(ch: str) -> str | None:
+    """`ch` named with its code point (`a form feed (U+000C)`) if it is a space, line end or invisible character
+    that JSON does not take for whitespace (JSON's are space, tab, CR and LF only); None for any other."""
+    if (
+        len(ch) != 1
+        or ch in " \t\r\n"
+        or not (ch.isspace() or unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp"))
+    ):
+        return None
+    name = _CHAR_NAMES.get(ch) or unicodedata.name(ch, "control character").lower()
+    article = "" if name.startswith("a ") else ("an " if name[0] in "aeiou" else "a ")
+    return f"{article}{name} (U+{ord(ch):04X})"
+
+
+def _decode_error(number: int, line: str, exc: json.JSONDecodeError, loader: bool) -> BadLine:
+    """The BadLine for json's error `exc` on line `number`: a character JSON does not take for whitespace named
+    (a form feed after the value), a bare CR inside the line named as a line end, two values on the line, or
+    json's own words."""
+    at, rest = line[exc.pos : exc.pos + 1], line[exc.pos :]
+    too = ": the datasets loader lm-eval uses refuses it too" if loader else ""
+    if exc.msg == "Extra data" and (name := _stray(at)) and all(_stray(c) or c.isspace() for c in rest):
+        return BadLine(
+            number, f"{name} after the JSON value (at column {exc.colno}; not JSON whitespace{too})", "remove it"
+        )
+    if exc.msg != "Extra data" and (name := _stray(at)):
+        where = "before" if not line[: exc.pos].strip(" \t\r\n") else "inside"
+        return BadLine(
+            number, f"{name} {where} the JSON value (at column {exc.colno}; not JSON whitespace{too})", "remove it"
+        )
+    gap = line[: exc.pos]
+    if exc.msg == "Extra data" and "\r" in gap[len(gap.rstrip(" \t\r\n")) :]:
+        # `{...}\r{...}`: an old Mac line end inside an LF-ended line, which the datasets loader reads as a line end
+        return BadLine(
+            number,
+            f"a CR line end (U+000D, old Mac style) before column {exc.colno} starts a second JSON value on the line "
+            "(quantgate's one-object-per-line rule reads LF or CRLF line ends)",
+            "end the line with LF or CRLF",
+        )
+    if exc.msg == "Extra data":  # `{...}{...}`: the datasets loader would read two documents from one line
+        return BadLine(
+            number,
+            f"more than one JSON value on the line (at column {exc.colno}; quantgate's one-object-per-line rule)",
+            "put each document on its own line",
+        )
+    # "Unterminated string starting at" names its position itself
+    return BadLine(number, f"invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
 
 
 def _unique_keys(number: int, loader: bool):
@@ -81,14 +148,7 @@ def parse_line(number: int, line: str, loader: bool = False) -> object:
         value = json.loads(line, parse_constant=not_json, object_pairs_hook=_unique_keys(number, loader))
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except json.JSONDecodeError as exc:
-        # "Unterminated string starting at" names its position itself
-        if exc.msg == "Extra data":  # `{...}{...}`: the datasets loader would read two documents from one line
-            raise BadLine(
-                number,
-                f"more than one JSON value on the line (at column {exc.colno}; quantgate's one-object-per-line rule)",
-                "put each document on its own line",
-            ) from None
-        raise BadLine(number, f"invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})") from None
+        raise _decode_error(number, line, exc, loader) from None
     except RecursionError:
         raise BadLine(number, "JSON nested too deeply (quantgate's nesting rule)", "flatten the document") from None
     except UnicodeEncodeError as exc:
@@ -115,7 +175,7 @@ def read_jsonl(path: Path, what_to_do: str, by_hand: bool = False, loader: bool 
     except OSError as exc:
         raise QuantgateError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__}); {what_to_do}") from None
     try:
-        lines = decode(data).split("\n")
+        lines = lines_of(data, loader)
         return [(number, parse_line(number, line, loader)) for number, line in enumerate(lines, 1) if line.strip()]
     except BadLine as exc:
         raise QuantgateError(exc.at(path, (exc.fix or what_to_do) if by_hand else what_to_do)) from None

@@ -91,3 +91,60 @@ def test_a_file_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):
     with pytest.raises(QuantgateError) as err:
         sha256_file(folder)
     assert str(err.value) == f"{folder}: cannot read it (Is a directory); check that it is a file you can read"
+
+
+@pytest.mark.parametrize(
+    "raw, loader, error",
+    [
+        (
+            b'{"a": 1}\r{"a": 2}\r',
+            False,
+            "1: the file's line ends are CR only (old Mac style); save the file with LF or CRLF line ends",
+        ),
+        (
+            b'{"a": 1}\r{"a": 2}\r',
+            True,
+            "1: the file's line ends are CR only (old Mac style; the datasets loader lm-eval uses reads them, "
+            "quantgate's line rules do not); save the file with LF or CRLF line ends",
+        ),
+        (
+            b'{"a": 1}\n{"a": 2}\r{"a": 3}\n',
+            False,
+            "2: a CR line end (U+000D, old Mac style) before column 10 starts a second JSON value on the line "
+            "(quantgate's one-object-per-line rule reads LF or CRLF line ends); end the line with LF or CRLF",
+        ),
+        (
+            b'{"a": 1}\x0c\n',
+            True,
+            "1: a form feed (U+000C) after the JSON value (at column 9; not JSON whitespace: the datasets loader "
+            "lm-eval uses refuses it too); remove it",
+        ),
+        (
+            b'{"a": 1}\n\xe2\x80\xa8 {"a": 2}\n',
+            False,
+            "2: a line separator (U+2028) before the JSON value (at column 1; not JSON whitespace); remove it",
+        ),
+        (
+            b'{"a":\xc2\xa01}\n',
+            False,
+            "1: a no-break space (U+00A0) inside the JSON value (at column 6; not JSON whitespace); remove it",
+        ),
+        (b'{"a": 1}\x0c{"a": 2}\n', False, "1: more than one JSON value on the line (at column 9; quantgate's"),
+    ],
+)
+def test_cr_only_line_ends_and_stray_spaces_are_named_not_taken_for_two_values(tmp_path, raw, loader, error):
+    """A file with old-Mac CR-only line ends, and a form feed after a line's value, were both told "more than one
+    JSON value on the line": the file's line ends, and the character (it is no JSON whitespace), are named now."""
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(raw)
+    with pytest.raises(QuantgateError) as err:
+        read_jsonl(path, FIX, by_hand=True, loader=loader)
+    assert str(err.value).startswith(f"{path}:{error}")
+
+
+def test_crlf_line_ends_and_a_last_line_ending_in_cr_are_still_read(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b'{"a": 1}\r\n{"a": 2}\r\n')
+    assert read_jsonl(path, FIX) == [(1, {"a": 1}), (2, {"a": 2})]
+    path.write_bytes(b'{"a": 1}\r')  # one line, ended in CR: nothing to split
+    assert read_jsonl(path, FIX) == [(1, {"a": 1})]
