@@ -136,6 +136,28 @@ def _size(value, budget: int = MAX_NODES + 1) -> int:
     return count
 
 
+def _not_a_task(path: Path, config: object) -> str | None:
+    """Why the YAML `config` read from the task file `path` is not one lm-eval task (a mapping whose `task:` is its
+    name), or None: an empty file, another kind of value, a `task:` that is not a name."""
+    if config is None:
+        return (
+            f"{path}: is empty (no YAML in it, or comments only); a task YAML is a mapping (task:, dataset_path:, "
+            "...): write the task in it, or delete the file"
+        )
+    if not isinstance(config, dict):
+        return (
+            f"{path}: a task YAML must be a mapping (task:, dataset_path:, ...), got a {type(config).__name__}; "
+            "name shared templates with a leading _"
+        )
+    task = config.get("task")
+    if not isinstance(task, str):
+        return (
+            f"{key_locator(path)('task')}: `task:` must be the task's name (a string), got {task!r}; name shared "
+            "templates with a leading _"
+        )
+    return None
+
+
 def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Task | None:
     """One task YAML, data paths made absolute; appends every problem found to `problems`."""
     if path.is_symlink():  # its digest and the sandbox's checks cover only the folder's own files
@@ -152,17 +174,8 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     if _size(config) > MAX_NODES:
         problems.append(f"{path}: expands to over {MAX_NODES} YAML values (aliases of aliases?); write it out plainly")
         return None
-    if not isinstance(config, dict):
-        problems.append(
-            f"{path}: a task YAML must be a mapping (task:, dataset_path:, ...), got a "
-            f"{type(config).__name__}; name shared templates with a leading _"
-        )
-        return None
-    if not isinstance(config.get("task"), str):
-        problems.append(
-            f"{key_locator(path)('task')}: `task:` must be the task's name (a string), got {config.get('task')!r}; "
-            "name shared templates with a leading _"
-        )
+    if (why := _not_a_task(path, config)) is not None:
+        problems.append(why)
         return None
     config = copy.deepcopy(config)
     where = key_locator(path)

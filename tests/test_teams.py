@@ -57,6 +57,14 @@ def test_bad_input_is_named_with_file_line_and_fix(example_evals, case):
     assert f"team {team}:" in str(err.value)
 
 
+def test_an_empty_task_yaml_is_named_as_empty(tmp_path):
+    """An empty task YAML (or one of comments only) was told "a task YAML must be a mapping ..., got a NoneType"."""
+    from quantgate.teams import _not_a_task
+
+    path = tmp_path / "t.yaml"
+    assert _not_a_task(path, None).startswith(f"{path}: is empty (no YAML in it, or comments only); ")
+
+
 def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
     from click.testing import CliRunner
 
