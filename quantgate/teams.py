@@ -138,7 +138,8 @@ def _size(value, budget: int = MAX_NODES + 1) -> int:
 
 def _not_a_task(path: Path, config: object) -> str | None:
     """Why the YAML `config` read from the task file `path` is not one lm-eval task (a mapping whose `task:` is its
-    name), or None: an empty file, another kind of value, a `task:` that is not a name."""
+    name), or None: an empty file, another kind of value, an lm-eval group (`group:`, a `task:` list: lm-eval 0.4.13
+    reads any YAML with `group:` as one), a `task:` that is not a name (shown only when short)."""
     if config is None:
         return (
             f"{path}: is empty (no YAML in it, or comments only); a task YAML is a mapping (task:, dataset_path:, "
@@ -150,9 +151,16 @@ def _not_a_task(path: Path, config: object) -> str | None:
             "name shared templates with a leading _"
         )
     task = config.get("task")
-    if not isinstance(task, str):
+    if "group" in config or isinstance(task, list):
         return (
-            f"{key_locator(path)('task')}: `task:` must be the task's name (a string), got {task!r}; name shared "
+            f"{key_locator(path)('group' if 'group' in config else 'task')}: an lm-eval group (`group:` with a "
+            "`task:` list) is not supported here: one task per YAML; write each task in a YAML of its own, with "
+            "`task: <its name>`"
+        )
+    if not isinstance(task, str):
+        shown_task = repr(task) if len(repr(task)) <= 60 else f"a {type(task).__name__}"
+        return (
+            f"{key_locator(path)('task')}: `task:` must be the task's name (a string), got {shown_task}; name shared "
             "templates with a leading _"
         )
     return None

@@ -57,11 +57,21 @@ def test_bad_input_is_named_with_file_line_and_fix(example_evals, case):
     assert f"team {team}:" in str(err.value)
 
 
-def test_an_empty_task_yaml_is_named_as_empty(tmp_path):
-    """An empty task YAML (or one of comments only) was told "a task YAML must be a mapping ..., got a NoneType"."""
+def test_a_group_yaml_or_an_empty_one_is_named_as_such_in_one_short_line(example_evals, tmp_path):
+    """A group YAML (`group:` with a `task:` list) was told "`task:` must be the task's name (a string), got [...]"
+    with the whole inline list printed, and an empty task YAML "got a NoneType"; each is now one short line saying
+    what the file is."""
     from quantgate.teams import _not_a_task
 
+    expected = overlay(example_evals, "task_group")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    assert [line for line in str(err.value).splitlines() if "all.yaml" in line] == [f"  {example_evals}/{expected}"]
     path = tmp_path / "t.yaml"
+    path.write_text("task:\n  - a\n  - b\n")
+    assert _not_a_task(path, {"task": ["a", "b"]}).startswith(f"{path}:1: an lm-eval group (`group:` with a `task:`")
+    long_task = {"task": {"name": "x" * 100}}
+    assert _not_a_task(path, long_task).endswith("got a dict; name shared templates with a leading _")
     assert _not_a_task(path, None).startswith(f"{path}: is empty (no YAML in it, or comments only); ")
 
 
