@@ -86,10 +86,14 @@ def leaks(
     for n, values in scored:
         if (text := _prompt(values)) is not None:
             lines.setdefault(text, n)
+    fix = (
+        f"remove it from {example_path.name} or from {scored_path.name}"
+        if example_path != scored_path
+        else "put the few-shot examples in a file of their own"  # one file: removing the line removes both
+    )
     return [
         f"{example_path}:{n}: this few-shot example ({setting}) renders the prompt of the scored document "
-        f"{scored_path}:{lines[text]} ({text[:60]!r}): that document would be shown with its answer; remove it "
-        f"from {example_path.name} or from {scored_path.name}"
+        f"{scored_path}:{lines[text]} ({text[:60]!r}): that document would be shown with its answer; {fix}"
         for n, values in examples
         if (text := _prompt(values)) is not None and text in lines
     ]
@@ -106,7 +110,8 @@ def check_examples(
     """(problems, the few-shot examples as rendered) of a task with `num_fewshot` (none: ([], [])).
 
     Problems: where the examples come from (check_source), fewer examples than num_fewshot, and, with `compare`
-    (every document rendered without a problem), examples whose rendered prompt is a scored document's (leaks).
+    (every document rendered without a problem), examples whose rendered prompt is a scored document's (leaks,
+    at most 20 listed: taskdata.capped), unless the examples are the scored file's (check_source says it once).
     `files`, `rows` and `rendered` are by split: the resolved data files, their (line, as written, as loaded)
     rows and what checks.check_data rendered for each row (scored, few-shot).
     """
@@ -122,7 +127,7 @@ def check_examples(
     if split == scored or split not in rendered or scored not in rendered:
         return problems, []
     examples = [shot for _, shot in rendered[split]]
-    if compare:
+    if compare and files[split] != files[scored]:  # the scored file itself: check_source's one line says so
         found = leaks(
             [(n, main) for (n, _, _), (main, _) in zip(rows[scored], rendered[scored], strict=True)],
             [(n, shot) for (n, _, _), shot in zip(rows[split], examples, strict=True)],

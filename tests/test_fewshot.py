@@ -41,7 +41,39 @@ def test_a_fewshot_split_reading_the_scored_file_is_refused_naming_the_setting(e
         fewshot_split="train",
         dataset_kwargs={"data_files": {"test": "data.jsonl", "train": "data.jsonl"}},
     )
-    assert "fewshot_split 'train' reads data.jsonl, the scored file (split 'test')" in refusal(search)
+    msg = refusal(search)
+    assert "fewshot_split 'train' reads data.jsonl, the scored file (split 'test')" in msg
+    # that line says it once: each of the 216 examples was listed too (20, and "... and 196 more"), told to be
+    # removed "from data.jsonl or from data.jsonl"
+    assert msg.startswith("team search: 1 problem(s):\n") and len(msg.splitlines()) == 2, msg
+
+
+def test_a_copy_of_the_scored_file_as_fewshot_file_is_listed_capped_and_a_shared_file_worded_as_one(
+    example_evals, tmp_path
+):
+    from quantgate.fewshot import leaks
+
+    search = example_evals / "search"
+    (search / "shots.jsonl").write_bytes((search / "data.jsonl").read_bytes())
+    edit_task(
+        search / "capitals.yaml",
+        num_fewshot=2,
+        fewshot_split="train",
+        dataset_kwargs={"data_files": {"test": "data.jsonl", "train": "shots.jsonl"}},
+    )
+    lines = refusal(search).splitlines()
+    assert len(lines) == 22 and lines[-1] == f"  {search / 'shots.jsonl'}: ... and 196 more", lines[-2:]
+    assert lines[1].endswith(
+        "that document would be shown with its answer; remove it from shots.jsonl or from data.jsonl"
+    )
+    same = leaks(
+        [(1, {"doc_to_text": "Q"})], [(1, {"doc_to_text": "Q"})], tmp_path / "d.jsonl", tmp_path / "d.jsonl", "x"
+    )
+    assert same == [
+        f"{tmp_path / 'd.jsonl'}:1: this few-shot example (x) renders the prompt of the scored document "
+        f"{tmp_path / 'd.jsonl'}:1 ('Q'): that document would be shown with its answer; put the few-shot examples "
+        "in a file of their own"
+    ]
 
 
 def test_a_fewshot_example_equal_to_a_scored_document_after_rendering_is_refused_at_its_line(
