@@ -102,17 +102,36 @@ def team_conversations(teams: list[Team], strings: dict[str, str] | None = None)
             continue
         if strings is None:
             strings = eval_strings(teams)
-        own = []
-        for number, row in read_jsonl(path, f"write each line as one JSON object, {SHAPE}", by_hand=True):
-            where = f"{path}:{number}"
-            messages = row.get("messages") if isinstance(row, dict) else None
-            if not is_chat(messages):
-                raise QuantgateError(f"{where}: expected {SHAPE}")
-            if found := overlap(" ".join(m["content"] for m in messages), strings):
-                raise QuantgateError(
-                    f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
-                    "eval data leaks the test into the build: remove it"
-                )
-            own.append((where, messages))
-        per_team.append(own)
+        per_team.append(_read_team_file(path, strings))
     return [row for turn in itertools.zip_longest(*per_team) for row in turn if row is not None]
+
+
+def _read_team_file(path: Path, strings: dict[str, str]) -> list[tuple[str, list[dict]]]:
+    """(source `<file>:<line>`, messages) of each conversation of one team's TEAM_FILE at `path`. Raises
+    QuantgateError naming the file (and line) of a file with no conversation (empty, or blank lines only: a team
+    that adds the file means to add some), a line not in the chat shape, a conversation with no text (every
+    content blank: it would calibrate on the chat template alone) or one that quotes an eval document
+    (`strings`: eval_strings)."""
+    own = []
+    for number, row in read_jsonl(path, f"write each line as one JSON object, {SHAPE}", by_hand=True):
+        where = f"{path}:{number}"
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not is_chat(messages):
+            raise QuantgateError(f"{where}: expected {SHAPE}")
+        if not any(m["content"].strip() for m in messages):
+            raise QuantgateError(
+                f"{where}: this calibration conversation has no text (every content is blank), so it would "
+                "calibrate on the chat template alone; write what was said, or remove the line"
+            )
+        if found := overlap(" ".join(m["content"] for m in messages), strings):
+            raise QuantgateError(
+                f"{where}: this calibration conversation contains the eval document at {found}; calibrating on "
+                "eval data leaks the test into the build: remove it"
+            )
+        own.append((where, messages))
+    if not own:
+        raise QuantgateError(
+            f"{path}: no conversations (the file is empty, or blank lines only); write one per line, {SHAPE}, or "
+            f"delete the file ({TEAM_FILE} is optional)"
+        )
+    return own

@@ -129,6 +129,41 @@ def test_validate_command_checks_the_file_too(example_evals):
     assert res.exit_code == 1 and f"{path}:1: expected {SHAPE}" in res.output, res.output
 
 
+NO_CONVERSATIONS = (
+    "{path}: no conversations (the file is empty, or blank lines only); write one per line, " + SHAPE + ", or delete "
+    "the file (calibration.jsonl is optional)"
+)
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("", NO_CONVERSATIONS),
+        ("\n  \n", NO_CONVERSATIONS),
+        (
+            json.dumps(GOOD) + '\n{"messages": [{"role": "assistant", "content": ""}]}\n',
+            "{path}:2: this calibration conversation has no text (every content is blank), so it would calibrate on "
+            "the chat template alone; write what was said, or remove the line",
+        ),
+    ],
+)
+def test_an_empty_file_or_a_conversation_without_text_is_refused(example_evals, text, error):
+    """An empty calibration.jsonl passed validate without a word (and without its `ok:` line), and a conversation
+    of one empty assistant message was taken as calibration data: the chat template alone."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    path = example_evals / "support" / TEAM_FILE
+    path.write_text(text)
+    res = CliRunner().invoke(cli, ["evals", "validate", str(example_evals / "support")])
+    said = "Error: " + error.replace("{path}", str(path))
+    assert res.exit_code == 1 and res.output.splitlines()[-1] == said, res.output
+    answered = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": ""}]  # text: fine
+    path.write_text(json.dumps({"messages": answered}) + "\n")
+    assert [w for w, _ in team_conversations(load_teams(example_evals)) if "support" in w] == [f"{path}:1"]
+
+
 def test_a_folder_named_calibration_jsonl_is_refused(example_evals, tmp_path, monkeypatch):
     path = example_evals / "support" / TEAM_FILE
     path.unlink()  # the shipped one
