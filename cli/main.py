@@ -151,6 +151,15 @@ def _team_name(ctx, param, value: str) -> str:
     return value
 
 
+def _root(ctx, param, value: Path) -> Path:
+    """--root: the folder that holds the team folders; one that is not a folder (missing, a file) is a usage error
+    (click.BadParameter, exit 2, naming --root) before anything is written, as every bad argument is."""
+    if not value.is_dir():
+        state = "is not a folder" if value.exists() else "does not exist"
+        raise click.BadParameter(f"{value} {state}; give the folder that holds the team folders (evals/)")
+    return value
+
+
 @evals.command("new")
 @click.argument("team", callback=_team_name)
 @click.option("--owner", cls=_Asked, prompt=True, callback=_one_line, help="The team that owns the set.")
@@ -161,7 +170,7 @@ def _team_name(ctx, param, value: str) -> str:
     callback=_one_line,
     help="Who to tell when the gate fails (e-mail, channel).",
 )
-@click.option("--root", type=PATH, default=Path("evals"), show_default=True)
+@click.option("--root", type=PATH, default=Path("evals"), show_default=True, callback=_root)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
     from quantgate.scaffold import new_team

@@ -155,7 +155,7 @@ def test_new_team_scaffold_validates_with_the_others(example_evals):
 )
 def test_new_team_names_the_option_left_blank_and_a_missing_root(tmp_path, owner, contact, said):
     """A blank --owner with a good --contact was refused as "--owner and --contact must not be empty"; a --root that
-    does not exist was "not a folder"."""
+    does not exist was "not a folder", then an error (exit 1), not the usage error (exit 2) of a bad argument."""
     from click.testing import CliRunner
 
     from cli.main import cli
@@ -164,9 +164,16 @@ def test_new_team_names_the_option_left_blank_and_a_missing_root(tmp_path, owner
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 2 and res.output.splitlines()[-1] == said and list(tmp_path.iterdir()) == []
     res = CliRunner().invoke(cli, [*args[:3], "--owner", "O", "--contact", "c", "--root", str(tmp_path / "none")])
-    assert res.exit_code == 1 and res.output.splitlines() == [
-        f"Error: {tmp_path / 'none'}: does not exist; --root is the folder that holds the team folders (evals/)"
-    ], res.output
+    # exit 1 (an error) where README's convention gives 2 for a bad argument: a usage error naming --root now
+    assert res.exit_code == 2 and res.output.splitlines()[-1] == (
+        f"Error: Invalid value for '--root': {tmp_path / 'none'} does not exist; give the folder that holds the "
+        "team folders (evals/)"
+    ), res.output
+    (tmp_path / "a-file").write_text("")
+    res = CliRunner().invoke(cli, [*args[:3], "--owner", "O", "--contact", "c", "--root", str(tmp_path / "a-file")])
+    assert res.exit_code == 2 and res.output.splitlines()[-1].endswith(
+        "a-file is not a folder; give the folder that holds the team folders (evals/)"
+    ), res.output
 
 
 def test_scaffold_example_documents_are_distinct_and_validate_for_many_names():
