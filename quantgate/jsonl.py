@@ -3,7 +3,7 @@
 `read_jsonl` stops at the first bad line with one error, `<path>:<line>: <problem>; <what to do>`: for a file
 a stage writes, the caller says what to do (re-run the stage); for one people write (`by_hand`), the line says
 its own fix (keep one of a key given twice), the caller's only where the line has none. Team data files go
-through checks.read_docs, which applies the same rules (`decode`, `parse_line`) but lists every bad line at
+through checks.read_docs, which applies the same rules (`lines_of`, `parse_line`) but lists every bad line at
 once. Only where lm-eval's datasets loader reads the file (`loader`: a team's data files) do the messages
 compare the rules with that loader's.
 """
