@@ -271,7 +271,8 @@ def sqlite_file(uri: str) -> Path | None:
                 "run from a folder whose path has no %XX or ?, or set MLFLOW_TRACKING_URI",
             )
         )
-        if "=" in (query := uri.partition("?")[2]).split("/")[0] and "/" in query:  # options, not a folder q?x
+        given = os.environ.get("MLFLOW_TRACKING_URI")  # the default has no options: its ? is the working folder's
+        if given and "=" in (query := uri.partition("?")[2]).split("/")[0] and "/" in query:  # options, not q?x
             fix = "give the options after ? with no / in them"  # MLflow's folder ended inside them
         raise QuantgateError(
             f"{named}: MLflow makes the folder {made} (the URI's text as written) but SQLAlchemy opens {path} "

@@ -398,6 +398,16 @@ def test_a_slash_in_the_options_of_a_sqlite_uri_is_named_not_the_folders(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_default_registry_in_a_folder_like_an_option_is_told_to_move_not_to_fix_options(tmp_path, monkeypatch):
+    """With MLFLOW_TRACKING_URI unset, a working folder q?x=1/sub makes the default sqlite:////.../q?x=1/sub/mlflow.db;
+    the refusal told the user to 'give the options after ? with no / in them', options the user never gave."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "q?x=1" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "q?x=1" / "sub")
+    with pytest.raises(QuantgateError, match=r"^the default registry .*; run from a folder whose path has no %XX"):
+        store.sqlite_file(store.tracking_uri())
+
+
 def test_a_file_store_mlflow_is_told_to_allow_is_used_and_an_upper_case_http_uri_is_checked(tmp_path, monkeypatch):
     """MLFLOW_ALLOW_FILE_STORE=true is MLflow's own opt-in to its file store: status worked there, then was refused as
     "refused by its client". HTTP://HOST:PORT (MLflow reads schemes in any case) skipped the reachability check, and
