@@ -10,8 +10,9 @@
 set -euo pipefail
 case "${1:-}" in -h | --help) sed -n '2,9s/^# \{0,1\}//p' "$0"; exit 0 ;; esac
 cd "$(dirname "$0")/.."
-if ! [[ "${GPU_CHECK_TIMEOUT_S:-480}" =~ ^[0-9]+$ ]] || [ "${GPU_CHECK_TIMEOUT_S:-480}" -lt 1 ]; then  # 0: no limit
-  echo "gpu_check: GPU_CHECK_TIMEOUT_S='${GPU_CHECK_TIMEOUT_S}': give whole seconds >= 1 (default 480)" >&2
+# 0 is no limit to timeout(1); past bash's 64-bit integers [ -lt ] failed and the check ran without a limit
+if ! [[ "${GPU_CHECK_TIMEOUT_S:-480}" =~ ^[0-9]{1,9}$ ]] || [ "${GPU_CHECK_TIMEOUT_S:-480}" -lt 1 ]; then
+  echo "gpu_check: GPU_CHECK_TIMEOUT_S='${GPU_CHECK_TIMEOUT_S}': give whole seconds, 1 to 999999999 (default 480)" >&2
   exit 2
 fi
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}

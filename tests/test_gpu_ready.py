@@ -248,7 +248,8 @@ def test_gpu_check_refuses_bad_arguments_in_one_line_with_exit_2(tmp_path):
         assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and said in out.stderr, out.stderr
     out = subprocess.run([str(REPO / "scripts/gpu_check.sh"), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "scripts/gpu_check.sh [OUT_DIR [MODEL_DIR]]" in out.stdout and not out.stderr
-    for limit in ("0", "8m", "-5"):  # timeout(1) reads 0 as no limit at all, 8m as 8 minutes
+    # timeout(1) reads 0 as no limit at all, 8m as 8 minutes; 20 digits failed bash's [ -lt ] and ran with no limit
+    for limit in ("0", "8m", "-5", "99999999999999999999"):
         out = subprocess.run(
             [str(REPO / "scripts/gpu_check.sh"), str(tmp_path / "o")],
             env=dict(cpu, GPU_CHECK_TIMEOUT_S=limit, PYTHON="/bin/false"),
@@ -258,6 +259,6 @@ def test_gpu_check_refuses_bad_arguments_in_one_line_with_exit_2(tmp_path):
         )
         assert (out.returncode, out.stderr) == (
             2,
-            f"gpu_check: GPU_CHECK_TIMEOUT_S='{limit}': give whole seconds >= 1 (default 480)\n",
+            f"gpu_check: GPU_CHECK_TIMEOUT_S='{limit}': give whole seconds, 1 to 999999999 (default 480)\n",
         )
     assert not (REPO / "--help").exists() and not (tmp_path / "o").exists()
