@@ -226,7 +226,8 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
     config["dataset_kwargs"]["data_files"] = {name: str(f) for name, f in resolved.items()}
     n_docs = len(scored) if policy is None or not policy.limit else min(len(scored), policy.limit)
     costs = doc_costs(config, [v for v, _ in rendered.get(split, [])], examples)
-    settings = json.dumps(_scoring_settings(config, split), sort_keys=True, ensure_ascii=False, default=str)
+    metric = policy.metric if policy is not None else None
+    settings = json.dumps(_scoring_settings(config, split, metric), sort_keys=True, ensure_ascii=False, default=str)
     renders = [  # the settings once per task, not once per document: one key is settings + a document's renders
         (n, settings + "\n" + json.dumps(main, sort_keys=True, ensure_ascii=False, default=str))
         for (n, _, _), (main, _) in zip(scored[:n_docs], rendered.get(split, []), strict=False)
@@ -247,11 +248,17 @@ def _load_task(path: Path, policy: TeamPolicy | None, problems: list[str]) -> Ta
 _NAMING_KEYS = ("task", "task_alias", "tag", "metadata", "dataset_name", "test_split", "validation_split")
 
 
-def _scoring_settings(config: dict, split: str | None) -> dict:
+def _scoring_settings(config: dict, split: str | None, metric: str | None) -> dict:
     """The task YAML `config` without what only names it or its scored split's file (`split`): two tasks with the
-    same settings score a document that renders the same alike (the few-shot files stay: they change the prompt)."""
+    same settings score a document that renders the same alike. The few-shot files stay, by content (they change
+    the prompt; a copy under another name does not); of `metric_list`, only the entries of the gate's `metric` (the
+    team's) stay: the gate reads no other metric, so a copy that adds one scores each document alike too."""
     settings = {k: v for k, v in config.items() if k not in _NAMING_KEYS}
-    files = {k: v for k, v in config["dataset_kwargs"]["data_files"].items() if k != split}
+    if metric is not None and isinstance(settings.get("metric_list"), list):
+        settings["metric_list"] = [
+            m for m in settings["metric_list"] if isinstance(m, dict) and m.get("metric") == metric
+        ]
+    files = {k: sha256_file(Path(v)) for k, v in config["dataset_kwargs"]["data_files"].items() if k != split}
     return {**settings, "dataset_kwargs": {"data_files": files}}
 
 

@@ -586,6 +586,29 @@ def test_a_second_task_scores_the_same_documents_only_with_other_settings(exampl
     assert [t.n_docs for t in search_team.tasks] == [216, 216]
 
 
+def test_a_copied_task_with_its_few_shot_file_copied_or_a_metric_added_still_repeats(example_evals):
+    """The repeat rule compared few-shot files by path and every metric_list entry: a copy of a task whose few-shot
+    file was copied under another name, or which added a metric the gate never reads, scored each document as the
+    first task does, counted twice in the paired test, and passed. Another num_fewshot is a measurement of its own."""
+    support = example_evals / "support"
+    task = (support / "sentiment.yaml").read_text().replace("task: support_sentiment", "task: support_again")
+    shutil.copyfile(support / "fewshot.jsonl", support / "shots_copy.jsonl")
+    added = "metric_list:\n  - metric: brier_score\n    aggregation: brier_score\n    higher_is_better: false\n"
+    for copy in (
+        task.replace("train: fewshot.jsonl", "train: shots_copy.jsonl"),
+        task.replace("metric_list:\n", added),
+    ):
+        assert copy != task
+        (support / "again.yaml").write_text(copy)
+        with pytest.raises(
+            QuantgateError, match=r"(?s)^team support: 304 .*in task 'support_sentiment' the same prompt"
+        ):
+            load_teams(example_evals)
+    (support / "again.yaml").write_text(task.replace("num_fewshot: 4", "num_fewshot: 2"))
+    team = next(t for t in load_teams(example_evals) if t.name == "support")
+    assert [t.name for t in team.tasks] == ["support_again", "support_sentiment"]
+
+
 def test_a_contact_of_invisible_characters_is_blank(example_evals):
     set_policy_field(example_evals / "support" / "team.yaml", "contact", '"\\u00a0\\u200b"')
     with pytest.raises(QuantgateError, match=r"team.yaml:\d+: contact: is blank; name who owns the set"):
