@@ -153,9 +153,12 @@ def _team_name(ctx, param, value: str) -> str:
 
 def _root(ctx, param, value: Path) -> Path:
     """--root: the folder that holds the team folders; one that is not a folder (missing, a file) is a usage error
-    (click.BadParameter, exit 2, naming --root) before anything is written, as every bad argument is."""
+    (click.BadParameter, exit 2, naming --root) before anything is written, as every bad argument is, and before
+    --owner and --contact are asked for (is_eager). The default (evals) missing says that it is the default."""
     if not value.is_dir():
         state = "is not a folder" if value.exists() else "does not exist"
+        if ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
+            state += " (the default: run this in the project folder, or give --root)"
         raise click.BadParameter(f"{value} {state}; give the folder that holds the team folders (evals/)")
     return value
 
@@ -170,7 +173,7 @@ def _root(ctx, param, value: Path) -> Path:
     callback=_one_line,
     help="Who to tell when the gate fails (e-mail, channel).",
 )
-@click.option("--root", type=PATH, default=Path("evals"), show_default=True, callback=_root)
+@click.option("--root", type=PATH, default=Path("evals"), show_default=True, callback=_root, is_eager=True)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
     from quantgate.scaffold import new_team

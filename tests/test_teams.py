@@ -176,6 +176,23 @@ def test_new_team_names_the_option_left_blank_and_a_missing_root(tmp_path, owner
     ), res.output
 
 
+def test_new_team_without_evals_here_says_so_before_asking_owner_and_contact(tmp_path, monkeypatch):
+    """`evals new ranking` outside the project folder (no evals/ there) asked for the owner and the contact, then
+    refused the default --root, not named as the default."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["evals", "new", "ranking"], input="O\nc@example.com\n")
+    assert res.exit_code == 2 and "Owner" not in res.output, res.output
+    assert res.output.splitlines()[-1] == (
+        "Error: Invalid value for '--root': evals does not exist (the default: run this in the project folder, or "
+        "give --root); give the folder that holds the team folders (evals/)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_scaffold_example_documents_are_distinct_and_validate_for_many_names():
     import yaml
 
