@@ -215,7 +215,10 @@ def main() -> None:
         raise QuantgateError(
             f"{src}/config.json not found: --models must hold the fp16 build (run `dvc repro prepare`)"
         )
-    plan = build_params(args.only.split(",") if args.only else None)
+    only = [b for b in args.only.split(",") if b] if args.only is not None else None  # "int8," names int8 alone
+    if only == []:
+        raise QuantgateError(f"--only {args.only!r}: name at least one build, comma-separated (e.g. int8,fp8)")
+    plan = build_params(only)
     check_inputs(args.work, args.calibration, plan)
     teams = load_teams(args.evals)
     params = load_block("evaluate", EvaluateParams)

@@ -414,3 +414,11 @@ def test_quality_refuses_a_work_file_and_a_missing_calibration_before_any_build(
     monkeypatch.setattr("sys.argv", [*common, "--calibration", str(missing), "--only", "fp8"])
     with pytest.raises(AssertionError, match="went past its arguments"):  # fp8 calibrates on nothing: it goes on
         quality.main()
+    # a trailing comma was a build named '' ("--only : not a build"); a list of commas alone, no build at all
+    monkeypatch.setattr("sys.argv", [*common, "--calibration", str(missing), "--only", "fp8,"])
+    with pytest.raises(AssertionError, match="went past its arguments"):
+        quality.main()
+    for bad in (",", ""):
+        monkeypatch.setattr("sys.argv", [*common, "--only", bad])
+        with pytest.raises(QuantgateError, match=rf"^--only '{bad}': name at least one build, comma-separated"):
+            quality.main()
