@@ -26,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.common import SERVING_RESOURCE, counts_arg, local_ray, path_arg, report
 from quantgate.errors import QuantgateError, run_main
+from quantgate.params import BUILD_NAME
 
 
 def run_once(project: Path, build: str, replicas: int, ray, work: Path) -> dict:
@@ -67,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--replicas", type=counts_arg, default=[1, 2], help="vLLM servers per run, comma-separated (1,2)")
     ap.add_argument("--nodes", type=counts_arg, default=[1, 2, 4, 8, 16], help="N for the cost model (1,2,4,8,16)")
     a = ap.parse_args()
+    if not BUILD_NAME.fullmatch(a.build):  # '' read models//config.json; ../x a folder outside models/
+        raise QuantgateError(f"--build {a.build!r}: give a build of the project's params.yaml `builds`, e.g. int8")
     for need in (f"models/{a.build}/config.json", "evals", "params.yaml"):
         if not (a.project / need).exists():
             raise QuantgateError(

@@ -276,6 +276,7 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 
 BASELINE_BUILD = "fp16"  # prepare's 16-bit build (models/fp16 in dvc.yaml)
+BUILD_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")  # a build's name: it names folders and stages
 # the top-level keys of params.yaml some module reads (tests/test_layout.py keeps this equal to the blocks read
 # with load_block, `builds` and the shipped params.yaml); a key starting with _ is free (YAML anchors to share)
 BLOCKS = (
@@ -317,7 +318,7 @@ def load_builds(path: Path = PARAMS_FILE) -> list[str]:
         raise QuantgateError(f"{path}: `builds` must be a list of build names, e.g. [fp16, fp8, int4]; got {builds!r}")
     if len(set(builds)) != len(builds):
         raise QuantgateError(f"{path}: `builds` {builds} names a build twice; list each once")
-    if bad := [b for b in builds if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", b)]:
+    if bad := [b for b in builds if not BUILD_NAME.fullmatch(b)]:
         raise QuantgateError(
             f"{path}: `builds` {bad}: a build name is lowercase letters, digits, _ and - (it names folders and stages)"
         )

@@ -1,6 +1,7 @@
 """Unit tests of the benchmark helpers (the benchmarks themselves print figures; see benchmarks/)."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -329,6 +330,13 @@ def test_ray_evaluate_checks_its_options_and_project_before_starting_ray(tmp_pat
     monkeypatch.setattr("sys.argv", ["ray_evaluate", "--project", str(tmp_path)])
     with pytest.raises(QuantgateError, match=r"no models/int8/config.json; give a project after `dvc repro evaluate"):
         ray_evaluate.main()
+    # --build '' was told "no models//config.json; give a project after `dvc repro evaluate@`"
+    for build in ("", "../int8"):
+        (tmp_path / "models" / build / "config.json").parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "models" / build / "config.json").write_text("{}")
+        monkeypatch.setattr("sys.argv", ["ray_evaluate", "--project", str(tmp_path), "--build", build])
+        with pytest.raises(QuantgateError, match=rf"^--build '{re.escape(build)}': give a build of the project's"):
+            ray_evaluate.main()
 
 
 @pytest.mark.parametrize(
