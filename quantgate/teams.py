@@ -330,8 +330,8 @@ def inspect_team(
         f"{p}: a second policy file beside {POLICY_FILE}; delete the one you do not mean"
         if p.name == "team.yml"
         else f"{p}: task files end in .yaml, and this one would not be scored; rename it {p.with_suffix('.yaml').name}"
-        for p in sorted(path.glob("*.yml"))
-        if not p.name.startswith(("_", "."))
+        for p in sorted(path.iterdir())
+        if _yaml_named(p) and p.suffix != ".yaml" and not p.name.startswith(("_", ".")) and not p.is_dir()
     ]
     problems += [
         f"{p}: task files are read from the team folder itself, and this one in a subfolder would not be scored; "
@@ -374,14 +374,14 @@ def inspect_team(
 def _unread_team(path: Path) -> str | None:
     """Why the folder `path` under the eval sets looks like a team that would not be read (and so not gated), or
     None: a folder (not hidden, not _shared) without a regular team.yaml that holds a team.yml, a team.yaml that
-    is no file, or task or data files (*.yaml, *.yml, *.jsonl)."""
+    is no file, or task or data files (*.yaml, *.yml, *.jsonl, in any case)."""
     if not path.is_dir() or path.name.startswith(("_", ".")) or (path / POLICY_FILE).is_file():
         return None
     if (path / "team.yml").exists():
         return f"{path / 'team.yml'}: the policy file is {POLICY_FILE}; rename it, or this team is not gated"
     if (path / POLICY_FILE).exists():
         return f"{path / POLICY_FILE}: not a file; a team's policy is a YAML file (see `quantgate evals new`)"
-    if any(path.glob("*.yaml")) or any(path.glob("*.yml")) or any(path.glob("*.jsonl")):
+    if any(_yaml_named(p) or p.suffix.lower() == ".jsonl" for p in path.iterdir()):
         return (
             f"{path}: has task or data files but no {POLICY_FILE}; add one (see `quantgate evals new`) or move the "
             "folder out of the eval sets"
@@ -390,14 +390,20 @@ def _unread_team(path: Path) -> str | None:
 
 
 def _stray_files(root: Path) -> list[str]:
-    """Task or data files (*.yaml, *.yml, *.jsonl; not hidden, not _shared) directly in the folder of team eval sets
-    `root`: no team reads them, so a set put there would drop out of the gate without a word."""
+    """Task or data files (*.yaml, *.yml, *.jsonl in any case; not hidden, not _shared) directly in the folder of
+    team eval sets `root`: no team reads them, so a set put there would drop out of the gate without a word."""
     return [
         f"{p}: a task or data file beside the team folders is read by no team; move it into its team's folder "
         f"({root / '<team>'}, with a {POLICY_FILE}) or out of the eval sets"
         for p in sorted(root.iterdir())
-        if p.suffix in (".yaml", ".yml", ".jsonl") and not p.name.startswith(("_", ".")) and not p.is_dir()
+        if (_yaml_named(p) or p.suffix.lower() == ".jsonl") and not p.name.startswith(("_", ".")) and not p.is_dir()
     ]
+
+
+def _yaml_named(path: Path) -> bool:
+    """Whether `path`'s name ends as a YAML file's in any case (.yaml, .yml, .YAML): lm-eval reads *.yaml alone, so
+    the others are named, not skipped without a word."""
+    return path.suffix.lower() in (".yaml", ".yml")
 
 
 def task_files(path: Path) -> list[Path]:

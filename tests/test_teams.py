@@ -778,3 +778,23 @@ def test_a_symlinked_team_folder_is_refused_as_its_files_would_be(example_evals,
         f"  {example_evals / 'linked'}: is a symlink (to {tmp_path / 'elsewhere'}); a team folder must be a folder "
         "itself, committed with its files (git keeps a link, not what it points to): copy it in"
     ], str(err.value)
+
+
+def test_yaml_files_named_in_another_case_are_named_not_skipped(example_evals):
+    """billing/arithmetic.YAML and evals/x.YAML were neither read (lm-eval reads *.yaml alone) nor reported: billing
+    had no task read, and the stray file dropped out without a word."""
+    billing = example_evals / "billing"
+    (billing / "arithmetic.yaml").rename(billing / "arithmetic.YAML")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    assert (
+        f"{billing / 'arithmetic.YAML'}: task files end in .yaml, and this one would not be scored; rename it "
+        "arithmetic.yaml" in str(err.value)
+    )
+    (billing / "arithmetic.YAML").rename(billing / "arithmetic.yaml")
+    (example_evals / "x.YAML").write_text("task: x\n")
+    with pytest.raises(QuantgateError) as err:
+        load_teams(example_evals)
+    assert f"{example_evals / 'x.YAML'}: a task or data file beside the team folders is read by no team" in str(
+        err.value
+    )
