@@ -48,7 +48,7 @@ def lines_of(raw: bytes, loader: bool = False) -> list[str]:
     parser. Raises BadLine at line 1 for a file whose line ends are CR only (old Mac style), which would read as
     one line; with `loader`, saying that lm-eval's datasets loader reads CR as a line end (quantgate does not)."""
     text = decode(raw)
-    if "\n" not in text and "\r" in text.strip():
+    if "\n" not in text and "\r" in text.strip() and not _one_value(text):  # CR as JSON whitespace: one document
         than = "; the datasets loader lm-eval uses reads them, quantgate's line rules do not" if loader else ""
         raise BadLine(
             1,
@@ -56,6 +56,15 @@ def lines_of(raw: bytes, loader: bool = False) -> list[str]:
             "save the file with LF or CRLF line ends",
         )
     return text.split("\n")
+
+
+def _one_value(text: str) -> bool:
+    """Whether `text` is one JSON value (its CRs JSON whitespace inside or around it), not several lines."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 _CHAR_NAMES = {"\x0b": "a vertical tab", "\x0c": "a form feed", "\x85": "a next-line control (NEL)"}

@@ -148,3 +148,5 @@ def test_crlf_line_ends_and_a_last_line_ending_in_cr_are_still_read(tmp_path):
     assert read_jsonl(path, FIX) == [(1, {"a": 1}), (2, {"a": 2})]
     path.write_bytes(b'{"a": 1}\r')  # one line, ended in CR: nothing to split
     assert read_jsonl(path, FIX) == [(1, {"a": 1})]
+    path.write_bytes(b'{"q":\r"a", "n": 1}')  # one document, a CR as JSON whitespace in it: no CR line ends
+    assert read_jsonl(path, FIX) == [(1, {"q": "a", "n": 1})]
