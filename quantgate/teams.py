@@ -142,8 +142,8 @@ def _not_a_task(path: Path, config: object) -> str | None:
     reads any YAML with `group:` as one), a `task:` that is not a name (shown only when short)."""
     if config is None:
         return (
-            f"{path}: is empty (no YAML in it, or comments only); a task YAML is a mapping (task:, dataset_path:, "
-            "...): write the task in it, or delete the file"
+            f"{path}: holds no task (no YAML in it, comments only, or null); a task YAML is a mapping (task:, "
+            "dataset_path:, ...): write the task in it, or delete the file"
         )
     if not isinstance(config, dict):
         return (
@@ -153,8 +153,9 @@ def _not_a_task(path: Path, config: object) -> str | None:
     task = config.get("task")
     if "group" in config or isinstance(task, list):
         return (
-            f"{key_locator(path)('group' if 'group' in config else 'task')}: an lm-eval group (`group:` with a "
-            "`task:` list) is not supported here: one task per YAML; write each task in a YAML of its own, with "
+            f"{key_locator(path)('group' if 'group' in config else 'task')}: an lm-eval group (lm-eval reads a YAML "
+            "with `group:`, or a `task:` list, as one) is not supported here: one task per YAML; write each task in "
+            "a YAML of its own, with "
             "`task: <its name>`"
         )
     if not isinstance(task, str):

@@ -69,10 +69,10 @@ def test_a_group_yaml_or_an_empty_one_is_named_as_such_in_one_short_line(example
     assert [line for line in str(err.value).splitlines() if "all.yaml" in line] == [f"  {example_evals}/{expected}"]
     path = tmp_path / "t.yaml"
     path.write_text("task:\n  - a\n  - b\n")
-    assert _not_a_task(path, {"task": ["a", "b"]}).startswith(f"{path}:1: an lm-eval group (`group:` with a `task:`")
+    assert _not_a_task(path, {"task": ["a", "b"]}).startswith(f"{path}:1: an lm-eval group (lm-eval reads a YAML")
     long_task = {"task": {"name": "x" * 100}}
     assert _not_a_task(path, long_task).endswith("got a dict; name shared templates with a leading _")
-    assert _not_a_task(path, None).startswith(f"{path}: is empty (no YAML in it, or comments only); ")
+    assert _not_a_task(path, None).startswith(f"{path}: holds no task (no YAML in it, comments only, or null); ")
 
 
 def test_validate_cli_prints_every_problem_and_exits_nonzero(example_evals):
