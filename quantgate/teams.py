@@ -268,7 +268,7 @@ def _repeats_across(tasks: list[Task]) -> list[str]:
     data file read by two copies of a task, or a copy of it): the gate pools every task's documents in one paired
     test, where that document would count twice, as if it were two pieces of evidence."""
     problems, seen = [], {}
-    for t in tasks:
+    for t in (t for t in tasks if t.renders):  # none for a task without a scored split: that is its own problem
         file = Path(t.config["dataset_kwargs"]["data_files"][scored_split(t.config)])
         found = []
         for n, key in t.renders:

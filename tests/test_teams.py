@@ -798,3 +798,12 @@ def test_yaml_files_named_in_another_case_are_named_not_skipped(example_evals):
     assert f"{example_evals / 'x.YAML'}: a task or data file beside the team folders is read by no team" in str(
         err.value
     )
+
+
+def test_a_task_without_a_scored_split_is_named_beside_another_task(example_evals):
+    """A task YAML without test_split ended `evals validate` with a KeyError traceback (the rule that no two tasks
+    score one document looked up the scored split's file)."""
+    capitals = example_evals / "search" / "capitals.yaml"
+    capitals.write_text(capitals.read_text().replace("test_split: test\n", ""))
+    with pytest.raises(QuantgateError, match=r"capitals.yaml:\d+: no test_split \(nor validation_split\)"):
+        load_teams(example_evals)
