@@ -62,7 +62,7 @@ def _one_value(text: str) -> bool:
     """Whether `text` is one JSON value (its CRs JSON whitespace inside or around it), not several lines."""
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting: parse_line names it on the line
         return False
     return True
 

@@ -130,6 +130,11 @@ def test_a_file_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path):
             "1: a no-break space (U+00A0) inside the JSON value (at column 6; not JSON whitespace); remove it",
         ),
         (b'{"a": 1}\x0c{"a": 2}\n', False, "1: more than one JSON value on the line (at column 9; quantgate's"),
+        (  # too deep for json to tell whether it is one value: a RecursionError traceback before
+            b"[" * 100_000 + b"\r" + b"]" * 100_000,
+            False,
+            "1: the file's line ends are CR only (old Mac style); save the file with LF or CRLF line ends",
+        ),
     ],
 )
 def test_cr_only_line_ends_and_stray_spaces_are_named_not_taken_for_two_values(tmp_path, raw, loader, error):
