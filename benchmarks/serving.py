@@ -91,9 +91,8 @@ def main() -> None:
     builds = list(dict.fromkeys(b for b in args.builds.split(",") if b))  # in order, once each
     if not builds:
         raise QuantgateError(f"--builds {args.builds!r}: name at least one of {', '.join(KNOWN_BUILDS)}")
-    for name in ("concurrency", "prompts_per_concurrency", "input_len", "output_len", "bench_timeout_s"):
-        value = getattr(args, name)
-        if min(value, default=0) < 1 if isinstance(value, list) else value < 1:
+    for name in ("prompts_per_concurrency", "input_len", "output_len", "bench_timeout_s"):  # --concurrency: argparse
+        if (value := getattr(args, name)) < 1:
             raise QuantgateError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if unknown := [b for b in builds if b not in KNOWN_BUILDS]:
         raise QuantgateError(f"unknown build(s) {', '.join(unknown)} in --builds; known: {', '.join(KNOWN_BUILDS)}")
