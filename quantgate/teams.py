@@ -382,7 +382,7 @@ def _unread_team(path: Path) -> str | None:
         return f"{path / 'team.yml'}: the policy file is {POLICY_FILE}; rename it, or this team is not gated"
     if (path / POLICY_FILE).exists():
         return f"{path / POLICY_FILE}: not a file; a team's policy is a YAML file (see `quantgate evals new`)"
-    if any(_yaml_named(p) or p.suffix.lower() == ".jsonl" for p in path.iterdir()):
+    if any(_task_or_data_named(p) for p in path.iterdir()):
         return (
             f"{path}: has task or data files but no {POLICY_FILE}; add one (see `quantgate evals new`) or move the "
             "folder out of the eval sets"
@@ -397,7 +397,7 @@ def _stray_files(root: Path) -> list[str]:
         f"{p}: a task or data file beside the team folders is read by no team; move it into its team's folder "
         f"({root / '<team>'}, with a {POLICY_FILE}) or out of the eval sets"
         for p in sorted(root.iterdir())
-        if (_yaml_named(p) or p.suffix.lower() == ".jsonl") and not p.name.startswith(("_", ".")) and not p.is_dir()
+        if _task_or_data_named(p) and not p.name.startswith(("_", ".")) and not p.is_dir()
     ]
 
 
@@ -405,6 +405,11 @@ def _yaml_named(path: Path) -> bool:
     """Whether `path`'s name ends as a YAML file's in any case (.yaml, .yml, .YAML): lm-eval reads *.yaml alone, so
     the others are named, not skipped without a word."""
     return path.suffix.lower() in (".yaml", ".yml")
+
+
+def _task_or_data_named(path: Path) -> bool:
+    """Whether `path`'s name ends as a task or data file's in any case (_yaml_named, or .jsonl)."""
+    return _yaml_named(path) or path.suffix.lower() == ".jsonl"
 
 
 def task_files(path: Path) -> list[Path]:
