@@ -176,14 +176,15 @@ def file_args(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="benchmarks.numbers", description=__doc__.split("\n\n")[0])
-    ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(available())} (default: all)")
+    known = available()  # one listing of RESULTS for the help, the check and its message
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"of {', '.join(known)} (default: all)")
     ap.add_argument("--out", default=None, help="write the Markdown to this file instead of stdout")
     ap.add_argument("--readme", default=None, help="replace the Numbers section of this README")
     args = ap.parse_args()
     file_args(args)
-    unknown = [n for n in args.names if n not in available()]
+    unknown = [n for n in args.names if n not in known]
     if unknown:
-        raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(available())}")
+        raise QuantgateError(f"unknown result {unknown[0]!r}; give one of {', '.join(known)}")
     if args.readme is not None and args.names:
         raise QuantgateError("--readme renders every result (the README section is replaced whole); name no results")
     text = render(args.names)
