@@ -263,17 +263,14 @@ def sqlite_file(uri: str) -> Path | None:
             )
     elif (made := Path(os.path.abspath(uri.removeprefix("sqlite:///"))).parent) != path.parent:
         # mlflow.store.db.utils._make_parent_dirs_if_sqlite: the URI's text, %XX kept
-        named, fix = (
-            (f"MLFLOW_TRACKING_URI {uri}", "give a path with no %XX or ? in its folders")
-            if os.environ.get("MLFLOW_TRACKING_URI")
-            else (
-                f"the default registry {uri} (MLFLOW_TRACKING_URI is unset)",
-                "run from a folder whose path has no %XX or ?, or set MLFLOW_TRACKING_URI",
-            )
-        )
-        given = os.environ.get("MLFLOW_TRACKING_URI")  # the default has no options: its ? is the working folder's
-        if given and "=" in (query := uri.partition("?")[2]).split("/")[0] and "/" in query:  # options, not q?x
-            fix = "give the options after ? with no / in them"  # MLflow's folder ended inside them
+        query = uri.partition("?")[2]
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # the default has no options: its ? is the working folder's
+            named = f"the default registry {uri} (MLFLOW_TRACKING_URI is unset)"
+            fix = "run from a folder whose path has no %XX or ?, or set MLFLOW_TRACKING_URI"
+        elif "=" in query.split("/")[0] and "/" in query:  # options, not a folder q?x: MLflow's folder ended in them
+            named, fix = f"MLFLOW_TRACKING_URI {uri}", "give the options after ? with no / in them"
+        else:
+            named, fix = f"MLFLOW_TRACKING_URI {uri}", "give a path with no %XX or ? in its folders"
         raise QuantgateError(
             f"{named}: MLflow makes the folder {made} (the URI's text as written) but SQLAlchemy opens {path} "
             f"(query cut off, %XX decoded); {fix}"
