@@ -92,8 +92,8 @@ def main() -> None:
     if not builds:
         raise QuantgateError(f"--builds {args.builds!r}: name at least one of {', '.join(KNOWN_BUILDS)}")
     for name in ("prompts_per_concurrency", "input_len", "output_len", "bench_timeout_s"):  # --concurrency: argparse
-        if (value := getattr(args, name)) < 1:
-            raise QuantgateError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if (value := getattr(args, name)) < (least := 2 if name == "output_len" else 1):  # TPOT: 2 tokens or more
+            raise QuantgateError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if unknown := [b for b in builds if b not in KNOWN_BUILDS]:
         raise QuantgateError(f"unknown build(s) {', '.join(unknown)} in --builds; known: {', '.join(KNOWN_BUILDS)}")
     models = args.models.resolve()

@@ -32,7 +32,7 @@ from quantgate.serving import ServeParams, Server, kv_cache_dtype, resolved
 
 CACHE_DIR = Path(".quantgate/cache/profile")
 # bump when what a profile measures or records changes (this module, quantgate/loadgen.py): older entries then miss
-CODE_VERSION = 2  # 2: records name the server they were measured on (measured_on)
+CODE_VERSION = 3  # 2: records name the server they were measured on (measured_on); 3: no TPOT of 0 (loadgen)
 MEASURE_ERRORS = (QuantgateError, subprocess.TimeoutExpired, OSError, ValueError)  # what unprofiles a build
 
 

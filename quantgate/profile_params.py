@@ -19,7 +19,8 @@ class ProfileParams(Frozen):
     concurrency: list[Annotated[int, Field(ge=1)]] = Field(default=[1, 8], min_length=1)
     prompts_per_concurrency: int = Field(default=2, ge=1)  # N: each concurrency C sends max(N, C) prompts
     input_len: int = Field(default=32, ge=1)  # prompt tokens (random, fixed by seed)
-    output_len: int = Field(default=16, ge=1)  # generated tokens per request (ignore_eos)
+    # generated tokens per request (ignore_eos); TPOT = (last token's time - first's) / (output_len - 1) needs 2
+    output_len: int = Field(default=16, ge=2)
     seed: int = Field(default=1234, ge=0, le=2**32 - 1)  # the prompt set: every build gets the same (np.random.seed)
     timeout_s: int = Field(default=600, ge=1)  # per benchmark run, seconds
     cpu_cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for the server; None = evaluate.serve's

@@ -316,6 +316,17 @@ def test_benchmark_options_are_refused_by_argparse_before_any_work(module, argv,
     assert exit_.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_serving_refuses_a_load_with_no_tpot_to_measure(monkeypatch):
+    # one generated token has no time per output token: vLLM's benchmark reports TPOT 0 for it
+    from benchmarks import serving
+    from quantgate.errors import QuantgateError
+
+    monkeypatch.setattr(serving, "load_block", _no_work)
+    monkeypatch.setattr("sys.argv", ["serving", "--output-len", "1"])
+    with pytest.raises(QuantgateError, match=r"^--output-len must be >= 2, got 1$"):
+        serving.main()
+
+
 def test_ray_evaluate_checks_its_options_and_project_before_starting_ray(tmp_path, monkeypatch, capsys):
     # it started a Ray cluster first: --replicas x failed after the start, --nodes 0 divided by zero after the runs
     from benchmarks import ray_evaluate

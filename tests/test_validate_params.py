@@ -628,6 +628,7 @@ def test_a_bad_value_is_one_problem_saying_what_was_given(params, key, value, me
         ("profile", "concurrency", [8, 1, 8], r"profile.concurrency: 8 is given twice in \[8, 1, 8\]; give each"),
         ("profile", "concurrency", [4, 4, 4], r"profile.concurrency: 4 is given 3 times in \[4, 4, 4\]; give each"),
         ("profile", "seed", -5, r"profile.seed: Input should be greater than or equal to 0"),
+        ("profile", "output_len", 1, r"profile.output_len: Input should be greater than or equal to 2"),  # no TPOT
         ("gate", "seed", -1, r"gate.seed: Input should be greater than or equal to 0"),
         (
             "gate",
