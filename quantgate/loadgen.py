@@ -5,9 +5,10 @@ one server) and benchmarks/serving.py, so the release record and the benchmark m
 
 - `bench_loads(...)` runs vLLM's serving benchmark (vllm.benchmarks.serve, i.e.
   `vllm bench serve`) in the serving env against a server started by quantgate.serving, every load in one
-  process: `--backend openai --dataset-name random`, a fixed prompt set of exactly `input_len` random tokens
-  each (fixed seed: every build gets the same prompts), each generating exactly `output_len` tokens
-  (`--ignore-eos`, greedy), at most `concurrency` requests in flight. Its result JSON holds
+  process (a load whose tokens reached the client at once runs again, in another): `--backend openai
+  --dataset-name random`, a fixed prompt set of exactly `input_len` random tokens each (fixed seed: every
+  build gets the same prompts), each generating exactly `output_len` tokens (`--ignore-eos`, greedy), at most
+  `concurrency` requests in flight. Its result JSON holds
   output_throughput (tokens/s), request_throughput (requests/s) and p50/p90/p99 of TTFT and TPOT in ms
   (`p50_ttft_ms`, ...).
 - `startup_report(log)` reads vLLM's own start-up lines from the server log: the KV-cache capacity
@@ -181,7 +182,7 @@ def bench_loads(
     """
     results = dict(zip(points, bench_once(python, base_url, name, tokenizer, points, load, out_dir), strict=True))
     for _ in range(STREAM_TRIES - 1):
-        if not (again := [p for p in points if unstreamed(results[p], load)]):
+        if not (again := [p for p, r in results.items() if unstreamed(r, load)]):  # once each: --concurrency 8,8
             break
         at = ", ".join(str(c) for c, _ in again)
         print(f"vllm bench serve at concurrency {at}: the tokens came at once; measuring again", flush=True)

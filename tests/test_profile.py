@@ -290,7 +290,10 @@ def main(args):
     if mode == "crash" and c == 8:
         raise RuntimeError("the server went away")
     failed = 1 if mode == "failed" else 0
-    lumped = c == 8 and (mode == "lumped" or (mode == "lumped-once" and runs_at_c == 1))  # the tokens in one chunk
+    if mode == "lumped-then-crash" and c == 8 and runs_at_c == 2:
+        raise RuntimeError("the server went away")
+    once = mode in ("lumped-once", "lumped-then-crash") and runs_at_c == 1
+    lumped = c == 8 and (mode == "lumped" or once)  # the tokens in one chunk
     result = {"output_throughput": 10.0 * c, "failed": failed, "errors": ["HTTP 500: boom"] * failed}
     result["p50_tpot_ms"] = 0.004 if lumped else 40.0 + runs_at_c
     (pathlib.Path(args.result_dir) / args.result_filename).write_text(json.dumps(result))
@@ -318,7 +321,7 @@ def stub_vllm_bench(tmp_path, monkeypatch):
     monkeypatch.setenv("STUB_LOG", str(tmp_path / "runs.log"))
     (tmp_path / "out").mkdir()
 
-    def run(mode: str, timeout_s: int = 60):
+    def run(mode: str, timeout_s: int = 60, points=((1, 2), (8, 8))):
         import sys
 
         from quantgate.loadgen import bench_loads
@@ -326,7 +329,7 @@ def stub_vllm_bench(tmp_path, monkeypatch):
         monkeypatch.setenv("STUB_MODE", mode)
         load = Load(input_len=32, output_len=16, seed=1234, timeout_s=timeout_s)
         return bench_loads(
-            sys.executable, "http://127.0.0.1:1/v1", "fp16", tmp_path, [(1, 2), (8, 8)], load, tmp_path / "out"
+            sys.executable, "http://127.0.0.1:1/v1", "fp16", tmp_path, list(points), load, tmp_path / "out"
         )
 
     return run, tmp_path / "runs.log"
@@ -355,6 +358,20 @@ def test_a_load_whose_tokens_arrived_in_one_piece_is_measured_again_and_never_re
         "starved of CPU; profile again with fewer processes running on the machine"
     )
     assert [line.split()[1] for line in log.read_text().splitlines()] == ["c1", "c8", "c8", "c8"]
+
+
+def test_a_rerun_that_fails_is_named_not_read_from_the_first_runs_result(stub_vllm_bench):
+    run, _ = stub_vllm_bench  # c8's first run lumped, its rerun crashed: the first run's c8.json is not its result
+    with pytest.raises(QuantgateError, match=r"failed at concurrency 8 \(exit 1\): RuntimeError: the server went"):
+        run("lumped-then-crash")
+
+
+def test_a_concurrency_given_twice_is_measured_again_once(stub_vllm_bench):
+    # benchmarks.serving --concurrency 8,8 (counts_arg keeps both): the rerun removed c8.json twice, FileNotFoundError
+    run, log = stub_vllm_bench
+    with pytest.raises(QuantgateError, match=r"^vllm bench serve at concurrency 8: .* in one piece in 3 runs"):
+        run("lumped", points=((8, 8), (8, 8)))
+    assert [line.split()[1] for line in log.read_text().splitlines()] == ["c8", "c8", "c8", "c8"]  # 2, then 1, 1
 
 
 def test_a_load_past_its_limit_is_a_timeout_and_a_failed_run_is_named(stub_vllm_bench):
