@@ -65,7 +65,7 @@ def add_served(record: dict, model_dir: Path, serve: ServeParams) -> ServeParams
 
 def measure(server: Server, model_dir: Path, serve: ServeParams, params: ProfileParams, record: dict) -> BuildProfile:
     """Measure the build `server` serves (started with `serve`, resolved; `record` from first_record and
-    add_served): its start-up report and vLLM's benchmark at each of `params.concurrency` (one process),
+    add_served): its start-up report and vLLM's benchmark at each of `params.concurrency` (bench_loads),
     printing each load point. Returns the "profiled" BuildProfile. Raises what bench_loads raises (QuantgateError,
     subprocess.TimeoutExpired) and quantgate.serving.ServerDied when the server dies under the benchmark."""
     load = Load(params.input_len, params.output_len, params.seed, params.timeout_s)

@@ -353,7 +353,7 @@ def test_a_load_whose_tokens_arrived_in_one_piece_is_measured_again_and_never_re
     with pytest.raises(QuantgateError) as err:  # never a TPOT of 0 priced as a free decode
         run("lumped")
     assert str(err.value) == (
-        "vllm bench serve at concurrency 8: the requests' 16 tokens reached the client in one piece in 3 runs "
+        "vllm bench serve at concurrency 8: half the requests or more got their 16 tokens at once in each of 3 runs "
         "(TPOT p50 0.004 ms), so TPOT was not measured: the benchmark client or the server's API process was "
         "starved of CPU; profile again with fewer processes running on the machine"
     )
@@ -369,7 +369,7 @@ def test_a_rerun_that_fails_is_named_not_read_from_the_first_runs_result(stub_vl
 def test_a_concurrency_given_twice_is_measured_again_once(stub_vllm_bench):
     # benchmarks.serving --concurrency 8,8 (counts_arg keeps both): the rerun removed c8.json twice, FileNotFoundError
     run, log = stub_vllm_bench
-    with pytest.raises(QuantgateError, match=r"^vllm bench serve at concurrency 8: .* in one piece in 3 runs"):
+    with pytest.raises(QuantgateError, match=r"^vllm bench serve at concurrency 8: .* at once in each of 3 runs"):
         run("lumped", points=((8, 8), (8, 8)))
     assert [line.split()[1] for line in log.read_text().splitlines()] == ["c8", "c8", "c8", "c8"]  # 2, then 1, 1
 
