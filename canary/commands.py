@@ -25,7 +25,7 @@ import click
 from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, replay, unkeyed
 from canary.render import label_problem, subdomain_problem, template_problem
 from quantgate.errors import QuantgateError, command_errors
-from quantgate.options import IN_FILE, PATH, RATE, SECONDS, SOMETIMES_READ, grouped, path_option
+from quantgate.options import EVALS, IN_FILE, PATH, RATE, SECONDS, SOMETIMES_READ, grouped, path_option
 from registry.commands import by_option, model_arg, version_arg
 from registry.versions import version_number
 
@@ -128,7 +128,7 @@ def _router_url(value: str) -> str:
 @click.option(
     "--evals",
     "evals_dir",
-    type=PATH,
+    type=EVALS,
     default=Path("evals"),
     show_default=True,
     help="Team eval sets whose documents become prompts.",
@@ -427,7 +427,7 @@ class GatewayTarget:
     click.option(
         "--evals",
         "evals_dir",
-        type=PATH,
+        type=EVALS,
         default=None,
         help="Team eval sets whose documents become the --load-rps prompts (default: evals).",
     ),

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from quantgate.errors import QuantgateError, command_errors
-from quantgate.options import IN_FILE, PATH, path_option
+from quantgate.options import IN_FILE, TEAM_FOLDERS, TEAMS_ROOT, path_option
 from registry.commands import model_arg, one_line
 
 
@@ -151,18 +151,6 @@ def _team_name(ctx, param, value: str) -> str:
     return value
 
 
-def _root(ctx, param, value: Path) -> Path:
-    """--root: the folder that holds the team folders; one that is not a folder (missing, a file) is a usage error
-    (click.BadParameter, exit 2, naming --root) before anything is written, as every bad argument is, and before
-    --owner and --contact are asked for (is_eager). The default (evals) missing says that it is the default."""
-    if not value.is_dir():
-        state = "is not a folder" if value.exists() else "does not exist"
-        if ctx.get_parameter_source(param.name) is click.core.ParameterSource.DEFAULT:
-            state += " (the default: run this in the project folder, or give --root)"
-        raise click.BadParameter(f"{value} {state}; give the folder that holds the team folders (evals/)")
-    return value
-
-
 @evals.command("new")
 @click.argument("team", callback=_team_name)
 @click.option("--owner", cls=_Asked, prompt=True, callback=_one_line, help="The team that owns the set.")
@@ -173,7 +161,7 @@ def _root(ctx, param, value: Path) -> Path:
     callback=_one_line,
     help="Who to tell when the gate fails (e-mail, channel).",
 )
-@click.option("--root", type=PATH, default=Path("evals"), show_default=True, callback=_root, is_eager=True)
+@click.option("--root", type=TEAMS_ROOT, default=Path("evals"), show_default=True, is_eager=True)  # before the asking
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
     from quantgate.scaffold import new_team
@@ -191,7 +179,7 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
 
 
 @evals.command()
-@click.argument("path", type=PATH, default=Path("evals"))
+@click.argument("path", type=TEAM_FOLDERS, default=Path("evals"))
 def validate(path: Path) -> None:
     """Check the team eval sets under PATH (or one team folder) without running a model.
 

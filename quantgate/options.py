@@ -1,5 +1,5 @@
 """The option types the `quantgate` commands share (cli/main.py, canary/commands.py): a finite positive number
-(RATE, SECONDS), a non-empty path (PATH; IN_FILE for a file a command reads), an option naming one
+(RATE, SECONDS), a non-empty path (PATH; IN_FILE for a file a command reads; Folder, EVALS), an option naming one
 (path_option), and options that travel as one typed object (grouped). Click's usage errors (exit 2, naming the
 option or argument) for bad values."""
 
@@ -11,8 +11,11 @@ import math
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from quantgate.files import not_to_open
+
+DEFAULT = ParameterSource.DEFAULT
 
 
 class Positive(click.FloatRange):
@@ -57,7 +60,31 @@ class NonEmptyPath(click.Path):
         return path
 
 
+class Folder(NonEmptyPath):
+    """A folder the command reads (a non-empty path, NonEmptyPath); one that is missing or not a folder is a usage
+    error naming it, and saying `advice` (which folder to give); one missing as the default says so: the command
+    runs outside the project folder."""
+
+    def __init__(self, advice: str) -> None:
+        super().__init__()
+        self.advice = advice
+
+    def convert(self, value, param, ctx):
+        path = super().convert(value, param, ctx)
+        if not path.is_dir():
+            state = "is not a folder" if path.exists() else "does not exist"
+            if ctx is not None and param is not None and ctx.get_parameter_source(param.name) is DEFAULT:
+                given = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
+                state += f" (the default: run this in the project folder, or give {given})"
+            self.fail(f"{path} {state}; {self.advice}", param, ctx)
+        return path
+
+
 PATH = NonEmptyPath()
+# the folders of team eval sets: --evals of canary load and canary run; evals new --root; evals validate PATH
+EVALS = Folder("give the folder of team eval sets (evals/); see evals/README.md")
+TEAMS_ROOT = Folder("give the folder that holds the team folders (evals/)")
+TEAM_FOLDERS = Folder("give the folder of team eval sets (evals/) or a team's folder; see evals/README.md")
 IN_FILE = NonEmptyPath(read=True)  # a file the command always reads (--gate-json; not --token-file: read_token)
 SOMETIMES_READ = NonEmptyPath(empty_as_none=True)  # --token-file: '' is None, refused only where it is read
 

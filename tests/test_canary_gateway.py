@@ -777,10 +777,10 @@ def test_a_dead_reuse_url_or_a_bad_evals_folder_is_refused_before_any_run(projec
         run_canary(project, MODEL, "2", FAST, "t", local)
     args = ["canary", "run", MODEL, "2", "--by", "t", "--load-rps", "1", "--evals", str(tmp_path / "none")]
     result = CliRunner().invoke(cli, [*args, "--reuse", f"1={dead}"])
-    assert result.exit_code == 1 and result.output.splitlines() == [
-        f"Error: --evals: {tmp_path / 'none'}: does not exist; give the folder of team eval sets (evals/); see "
-        "evals/README.md"
-    ], result.output
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (  # a bad argument: click's usage error
+        f"Error: Invalid value for '--evals': {tmp_path / 'none'} does not exist; give the folder of team eval sets "
+        "(evals/); see evals/README.md"
+    ), result.output
     assert canary_runs(project) == before and "candidate" not in aliases.current(project, MODEL)
 
 

@@ -807,3 +807,24 @@ def test_a_task_without_a_scored_split_is_named_beside_another_task(example_eval
     capitals.write_text(capitals.read_text().replace("test_split: test\n", ""))
     with pytest.raises(QuantgateError, match=r"capitals.yaml:\d+: no test_split \(nor validation_split\)"):
         load_teams(example_evals)
+
+
+def test_validate_and_canary_load_refuse_a_folder_that_is_not_one_as_a_bad_argument(tmp_path, monkeypatch):
+    """`evals validate /missing` and `canary load --evals /missing` exited 1, an error, where the README's
+    convention gives 2 for a bad argument (as `evals new --root` did already)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.chdir(tmp_path)  # no evals/ here: the default is missing too
+    load = ["canary", "load", "--url", "http://127.0.0.1:9", "--rps", "1", "--duration", "1"]
+    for args, said in (
+        (["evals", "validate", "none"], "Invalid value for '[PATH]': none does not exist; give the folder of team"),
+        (["evals", "validate", "a-file"], "'[PATH]': a-file is not a folder; give the folder of team eval sets"),
+        (["evals", "validate"], "evals does not exist (the default: run this in the project folder, or give PATH)"),
+        ([*load, "--evals", "none"], "Invalid value for '--evals': none does not exist; give the folder of team"),
+        (load, "evals does not exist (the default: run this in the project folder, or give --evals); give the"),
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2 and said in result.output.splitlines()[-1], (args, result.output)
