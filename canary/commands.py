@@ -7,7 +7,8 @@
                                                            the same steps as HTTPRoutes for a cluster
 
 Thin: parse, call canary/, print; errors take the CLI's one path, quantgate.errors.command_errors (one line,
-exit 1), never a traceback. `canary load` exits 1 when any request failed; `canary run` 3 on abort.
+exit 1; registry.commands.registry_errors where the registry is read, MLflow's errors too), never a traceback.
+`canary load` exits 1 when any request failed; `canary run` 3 on abort.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from canary.load import APIS, LoadOptions, prompts_from_evals, read_team_keys, r
 from canary.render import label_problem, subdomain_problem, template_problem
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.options import EVALS, IN_FILE, PATH, RATE, SECONDS, SOMETIMES_READ, grouped, path_option
-from registry.commands import by_option, model_arg, version_arg
+from registry.commands import by_option, model_arg, registry_errors, version_arg
 from registry.versions import version_number
 
 if TYPE_CHECKING:
@@ -476,7 +477,7 @@ def run(
     stop, stop_load = threading.Event(), threading.Event()
     restore = operator_stops(stop)
     try:
-        with command_errors():
+        with registry_errors():
             token = gateway.token()  # the file only without $QUANTGATE_ADMIN_TOKEN
             prompts = load.prompts()  # a bad --evals is refused before any run, alias or server
             load = load.on_gateway() if admin_url else load
@@ -624,7 +625,7 @@ def render(model: str, version: str, fmt: str, target: RouteTarget, step: str | 
     from canary.render import http_routes
     from registry import store
 
-    with command_errors():
+    with registry_errors():
         steps = load_policy().steps
         if step not in (None, "rollback") and int(step) > len(steps):
             raise QuantgateError(

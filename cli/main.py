@@ -21,7 +21,7 @@ import click
 
 from quantgate.errors import QuantgateError, command_errors
 from quantgate.options import IN_FILE, TEAM_FOLDERS, TEAMS_ROOT, path_option
-from registry.commands import model_arg, one_line
+from registry.commands import model_arg, one_line, registry_errors
 
 
 @click.group()
@@ -257,7 +257,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
 
     sigterm_as_ctrl_c()
     try:
-        with command_errors():
+        with registry_errors():
             params = load_fleet_params()
             params = params.model_copy(update={k: v for k, v in {"host": host, "port": port}.items() if v is not None})
             if admin_port is not None:

@@ -28,7 +28,9 @@ from quantgate.errors import QuantgateError, command_errors
 
 
 @contextmanager
-def _errors() -> Iterator[None]:
+def registry_errors() -> Iterator[None]:
+    """command_errors for a command that reads the registry: an MlflowException too is one line naming the tracking
+    URI (exit 1), not a traceback (here, canary/commands.py, `quantgate serve`)."""
     from mlflow.exceptions import MlflowException
 
     from registry import store
@@ -202,7 +204,7 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
     """Make build run RUN_ID (from `quantgate status`) a model version; a build that did not PASS needs --override."""
     from registry import runs, tags
 
-    with _errors():
+    with registry_errors():
         client, by = _acting(by, None, "register")  # the server checks EDIT on the model itself
         mv = runs.register_run(client, run_id, by, override_reason)
     override = mv.tags.get(tags.REGISTERED_OVERRIDE)
@@ -244,7 +246,7 @@ def approve(
     """Approve MODEL VERSION for serving (needed before promote and candidate); shows its recommendation."""
     from registry import approval, versions
 
-    with _errors():
+    with registry_errors():
         client, by = _acting(by, model, "approve")
         if recommend_reason is not None:  # the baseline has no recommendation: refused before the approval
             problem = approval.recommend_problem(versions.require_version(client, model, version).tags)
@@ -279,7 +281,7 @@ def revoke(model: str, version: str, by: str, reason: str) -> None:
         f"rollback goes to it now (`rollback --to fallback` is refused until `quantgate approve {model} "
         f"{version}`); a build to replace it comes from `dvc repro`",
     }
-    with _errors():
+    with registry_errors():
         client, by = _acting(by, model, "revoke")
         a = approval.revoke(client, model, version, by, reason)
         serving = sorted(
@@ -343,7 +345,7 @@ def promote(
     """Make MODEL VERSION production (it must be approved; its weights are verified first)."""
     from registry import aliases
 
-    with _errors():
+    with registry_errors():
         client, by = _acting(by, model, "promote")
         changes = aliases.promote(client, model, version, expect_production, by, reason, canary_run_id)
     for c in changes:
@@ -361,7 +363,7 @@ def rollback(model: str, by: str, reason: str, to: str) -> None:
     """Point MODEL's production alias back at `previous` (or the 16-bit `fallback`)."""
     from registry import aliases
 
-    with _errors():
+    with registry_errors():
         client, by = _acting(by, model, "rollback")
         changes = aliases.rollback(client, model, by, reason, to)
     for c in changes:
@@ -405,7 +407,7 @@ def history(model: str, at: datetime | None) -> None:
     """The audited alias and approval changes of MODEL, oldest first."""
     from registry import aliases, audit
 
-    with _errors():
+    with registry_errors():
         client = _client()
         aliases.current(client, model)  # QuantgateError if the model is not registered here
         if at is not None:

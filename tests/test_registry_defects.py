@@ -447,6 +447,26 @@ def test_an_mlflow_error_of_several_lines_is_one_line_in_status_as_in_history(mo
 @pytest.mark.parametrize(
     "args",
     [
+        ("canary", "render", "m", "2", "--format", "gateway-api"),
+        ("canary", "run", "m", "2", "--by", "rm"),
+        ("serve", "m"),
+    ],
+)
+def test_a_registry_mlflow_refuses_is_one_line_in_canary_and_serve_as_in_approve(args, tmp_path, monkeypatch):
+    """A tracking URI MLflow has no store for (nonsense://x: UnsupportedModelRegistryStoreURIException), or
+    `databricks` without credentials, gave `canary render`, `canary run` and `serve` MLflow's traceback; the
+    registry commands said it in one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text((REPO / "params.yaml").read_text())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nonsense://x")
+    result = _invoke(*args)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    _one_line_error(result, "Error: MLflow at nonsense://x: ", "unsupported URI 'nonsense://x'")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
         ("approve", "m", "²", "--reason", "r", "--by", "a"),
         ("promote", "m", "²", "--expect-production", "none", "--reason", "r", "--by", "a"),
         ("promote", "m", "1", "--expect-production", "²", "--reason", "r", "--by", "a"),
