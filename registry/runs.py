@@ -77,12 +77,15 @@ def registered_as(mlflow_client, run_id: str):
 
 def build_run(mlflow_client, run_id: str):
     """Run `run_id`, which must be an active, finished quantgate build run of some model that is
-    not a version yet; raise QuantgateError saying which of these it is not."""
+    not a version yet; raise QuantgateError saying which of these it is not. An MlflowException other than the
+    run's absence (the registry failed to answer) is raised as it is, for the command to say."""
     from mlflow.exceptions import MlflowException
 
     try:
         run = mlflow_client.get_run(run_id)
-    except MlflowException:
+    except MlflowException as exc:  # the run missing, or no run id at all ('../x'); else the registry failed
+        if getattr(exc, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
         raise QuantgateError(
             f"run {run_id!r} does not exist in this registry; `quantgate status` lists the unregistered "
             f"builds with their run ids"

@@ -736,6 +736,32 @@ def test_a_canary_run_the_registry_failed_to_read_is_not_called_missing(reg, mon
     assert "production" not in aliases.current(client, model)
 
 
+def test_a_build_run_the_registry_failed_to_read_is_not_called_missing(reg, monkeypatch):
+    """Any MlflowException of reading `register RUN_ID` was "run ... does not exist in this registry": a registry
+    that failed (unavailable; databricks without credentials) sent the user to `quantgate status` for another id."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client, model, out = reg({"int4": "FAIL"})
+    run_id = out["unregistered"]["int4"]["run_id"]
+    get_run = MlflowClient.get_run
+
+    def unavailable(self, rid):
+        if rid == run_id:
+            raise MlflowException("503: the server is busy", error_code="TEMPORARILY_UNAVAILABLE")
+        return get_run(self, rid)
+
+    monkeypatch.setattr(MlflowClient, "get_run", unavailable)
+    for given in (run_id, "0" * 32, "../x"):  # the last two: no such run, not a run id
+        result = _invoke("register", given, "--by", "rm", "--override", "ship it")
+        if given == run_id:
+            _one_line_error(result, "Error: MLflow at ", "503: the server is busy")
+            assert "does not exist" not in result.output, result.output
+        else:
+            _one_line_error(result, f"run {given!r} does not exist in this registry; `quantgate status` lists")
+    assert runs.registered_as(client, run_id) is None
+
+
 def test_registry_names_the_canary_experiment_as_canary_does():
     from canary.status import EXPERIMENT
 
