@@ -214,9 +214,35 @@ def validate(path: Path) -> None:
     click.echo(f"budget: {budget_source()}")
 
 
+def _host(ctx, param, value: str | None) -> str | None:
+    """--host: an address to listen on (gateway.fleet.check_host); a blank one (every interface, said as
+    http://:PORT) is a usage error (click.BadParameter, exit 2, naming --host) before params.yaml or the registry
+    is read."""
+    from gateway.fleet import check_host
+
+    if value is None:
+        return None
+    try:
+        return check_host(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _own_ports(port: int | None, admin_port: int | None) -> None:
+    """--port and --admin-port given as one port (not 0, a free one each): a usage error (exit 2) before params.yaml
+    or the registry is read; a clash with params.yaml's ports is the fleet block's to refuse (gateway/serve.py)."""
+    if port and port == admin_port:
+        raise click.UsageError(
+            f"--port and --admin-port are both {port}: the gateway and its admin endpoint need a port each; give "
+            "each its own (0: a free one)"
+        )
+
+
 @cli.command("serve")
 @click.argument("model", callback=model_arg)
-@click.option("--host", default=None, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1).")
+@click.option(
+    "--host", default=None, callback=_host, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1)."
+)
 @click.option(
     "--port", type=click.IntRange(0, 65535), default=None, help="Gateway port (default: fleet.port; 0: free)."
 )
@@ -255,6 +281,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
     from quantgate.serving import ServeParams
     from registry import store
 
+    _own_ports(port, admin_port)
     sigterm_as_ctrl_c()
     try:
         with registry_errors():

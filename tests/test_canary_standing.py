@@ -384,6 +384,30 @@ def test_serve_names_a_team_keys_file_that_is_no_file_at_its_params_line(monkeyp
         ], result.output
 
 
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--host", ""], "Invalid value for '--host': must not be empty or blank: give an address, e.g. 127.0.0.1"),
+        (["--host", " "], "Invalid value for '--host': must not be empty or blank"),
+        (
+            ["--port", "18555", "--admin-port", "18555"],
+            "--port and --admin-port are both 18555: the gateway and its admin endpoint need a port each",
+        ),
+    ],
+)
+def test_serve_options_that_cannot_work_are_usage_errors_before_params_or_registry(args, said, monkeypatch, tmp_path):
+    """The README's exit 2: `serve --host ''` and `--port P --admin-port P` exited 1, after params.yaml and the
+    registry were read (a folder without them said "params.yaml: file not found" instead)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.chdir(tmp_path)  # no params.yaml, no registry: neither is read
+    result = CliRunner().invoke(cli, ["serve", "m", *args])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert "params.yaml" not in result.output, result.output
+
+
 def test_ctrl_c_stops_serve_with_0_and_another_command_with_clicks_aborted_1(monkeypatch, tmp_path):
     """The README's exit codes: Ctrl-C in a command is click's `Aborted!`, exit 1 (not 130, as in a DVC stage);
     `quantgate serve` runs until Ctrl-C or SIGTERM, so that is its normal stop: `serve: stopped`, exit 0."""
