@@ -892,6 +892,8 @@ def test_a_local_canary_runs_through_its_own_in_process_gateway(project, fake_fl
         warm = next(line for line in lines if line.startswith(f"canary: v{version} is warm on the gateway "))
         assert warm.split()[-1] == router_line.split()[3]  # the admin state names the gateway's public URL
         assert fake_fleet[version].seen  # the candidate got traffic through the in-process router
+        idle = "3" if version == "2" else "2"  # reused but not this canary's: said, never silently dropped
+        assert f"canary: --reuse {idle} not used: this canary serves only v1, v{version}" in lines
         if decision == "aborted":
             assert outcome.step == 1 and "error_rate" in outcome.reason
     finally:
