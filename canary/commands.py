@@ -117,7 +117,7 @@ def _router_url(value: str) -> str:
     return http_url(value, "--url", "the router's (or an OpenAI server's)", "http://127.0.0.1:8080")
 
 
-@click.command("load")
+@click.command("load", short_help="Replay eval prompts through a router at --rps; report latencies.")
 @click.option(
     "--url",
     required=True,
@@ -395,7 +395,7 @@ class GatewayTarget:
             ) from None
 
 
-@click.command("run")
+@click.command("run", short_help="Canary MODEL VERSION through the policy steps; promote or abort.")
 @click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @by_option("Who runs the canary (recorded in the audit).")
@@ -573,7 +573,7 @@ class RouteTarget:
     service: str
 
 
-@click.command("render")
+@click.command("render", short_help="Write the canary of MODEL VERSION as HTTPRoutes for a cluster.")
 @click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @click.option(

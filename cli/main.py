@@ -62,7 +62,7 @@ def report(gate_json: Path) -> None:
     click.echo("\n".join(lines))
 
 
-@cli.command()
+@cli.command(short_help="Registered versions, verdicts and aliases; unregistered builds.")
 @click.argument("model", required=False, callback=model_arg)
 def status(model: str | None) -> None:
     """Registered versions with verdicts and aliases, then the builds left unregistered (MODEL defaults to
@@ -89,7 +89,7 @@ def status(model: str | None) -> None:
         click.echo(line)
 
 
-@cli.group()
+@cli.group(short_help="Team eval sets: scaffold a team folder, check the sets.")
 def evals() -> None:
     """Team eval sets."""
 
@@ -151,7 +151,7 @@ def _team_name(ctx, param, value: str) -> str:
     return value
 
 
-@evals.command("new")
+@evals.command("new", short_help="Scaffold a valid team folder evals/TEAM with example documents.")
 @click.argument("team", callback=_team_name)
 @click.option("--owner", cls=_Asked, prompt=True, callback=_one_line, help="The team that owns the set.")
 @click.option(
@@ -178,10 +178,10 @@ def new(team: str, owner: str, contact: str, root: Path) -> None:
     )
 
 
-@evals.command()
+@evals.command(short_help="Check the team eval sets under PATH without running a model.")
 @click.argument("path", type=TEAM_FOLDERS, default=Path("evals"))
 def validate(path: Path) -> None:
-    """Check the team eval sets under PATH (or one team folder) without running a model.
+    """Check the team eval sets under PATH (default: evals; or one team folder) without running a model.
 
     A team's calibration.jsonl is checked too, against every team's eval documents (for one team folder: its
     own and those of the team folders beside it that validate)."""
@@ -238,7 +238,7 @@ def _own_ports(port: int | None, admin_port: int | None) -> None:
         )
 
 
-@cli.command("serve")
+@cli.command("serve", short_help="Serve MODEL's registry aliases behind one OpenAI endpoint.")
 @click.argument("model", callback=model_arg)
 @click.option(
     "--host", default=None, callback=_host, help="Gateway address (default: params.yaml fleet.host, 127.0.0.1)."
@@ -306,7 +306,7 @@ def serve(model: str, host: str | None, port: int | None, work_dir: Path, admin_
         click.echo("serve: stopped (Ctrl-C or SIGTERM)")
 
 
-@cli.group()
+@cli.group(short_help="The release canary: traffic in steps, then promote or abort.")
 def canary() -> None:
     """The release canary: traffic in steps through a gateway, live analysis, promotion or abort."""
 

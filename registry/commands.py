@@ -190,7 +190,7 @@ def _canary_run_id(ctx, param, value: str | None) -> str | None:
     return value.strip()
 
 
-@click.command()
+@click.command(short_help="Register build RUN_ID (from `quantgate status`) as a version.")
 @click.argument("run_id", callback=_run_id)
 @_by
 @click.option(
@@ -221,7 +221,7 @@ def register(run_id: str, by: str, override_reason: str | None) -> None:
         click.echo("note: the build passes its gate; --override was not needed and is not recorded")
 
 
-@click.command()
+@click.command(short_help="Approve MODEL VERSION for serving; promote and canary need it.")
 @click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @_by
@@ -266,7 +266,7 @@ def approve(
         click.echo("note: the version passes its gate; --override was not needed and is not recorded")
 
 
-@click.command()
+@click.command(short_help="Revoke MODEL VERSION's approval: it can no longer be promoted.")
 @click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @_by
@@ -322,7 +322,7 @@ def _version_or_none(ctx, param, value: str) -> str | None:
     return None if value.strip().lower() == "none" else version_arg(ctx, param, value)
 
 
-@click.command()
+@click.command(short_help="Make MODEL VERSION production (approved; weights verified).")
 @click.argument("model", callback=model_arg)
 @click.argument("version", callback=version_arg)
 @click.option(
@@ -354,7 +354,7 @@ def promote(
         click.echo(f"{model}: v{version} already is production; nothing changed")
 
 
-@click.command()
+@click.command(short_help="Point MODEL's production back at previous (or --to fallback).")
 @click.argument("model", callback=model_arg)
 @_by
 @_reason
