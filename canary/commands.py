@@ -138,8 +138,21 @@ def _router_url(value: str) -> str:
 @grouped(
     "options",
     LoadOptions,
-    click.option("--max-tokens", type=click.IntRange(min=1), default=16, show_default=True),
-    click.option("--arrivals", type=click.Choice(["poisson", "fixed"]), default="poisson", show_default=True),
+    click.option(
+        "--max-tokens",
+        type=click.IntRange(min=1),
+        default=16,
+        show_default=True,
+        help="max_tokens of each request (greedy: temperature 0).",
+    ),
+    click.option(
+        "--arrivals",
+        type=click.Choice(["poisson", "fixed"]),
+        default="poisson",
+        show_default=True,
+        help="When requests are sent: poisson (random gaps, 1/--rps seconds on average) or fixed (every 1/--rps "
+        "seconds).",
+    ),
     click.option(
         "--timeout",
         "timeout_s",
@@ -148,7 +161,13 @@ def _router_url(value: str) -> str:
         show_default=True,
         help="Seconds per request.",
     ),
-    click.option("--seed", type=int, default=0, show_default=True),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        show_default=True,
+        help="Seed of the random choices: each request's prompt and the poisson gaps.",
+    ),
     _api_choice("--api", default="both", help_text="Endpoints: /v1/chat/completions, /v1/completions or both in turn."),
     click.option(
         "--team-header",
@@ -417,7 +436,11 @@ class GatewayTarget:
         help="Also replay eval-set prompts through the router at this rate (demos, tests).",
     ),
     click.option(
-        "--max-tokens", type=click.IntRange(min=1), default=8, show_default=True, help="Per --load-rps request."
+        "--max-tokens",
+        type=click.IntRange(min=1),
+        default=8,
+        show_default=True,
+        help="max_tokens of each --load-rps request.",
     ),
     _api_choice(
         "--load-api",

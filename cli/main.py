@@ -33,7 +33,14 @@ GATE_JSON = Path("results/gate.json")  # what the gate stage of `dvc repro` writ
 
 
 @cli.command()
-@click.option("--gate-json", type=IN_FILE, default=GATE_JSON, show_default=True)
+@click.option(
+    "--gate-json",
+    type=IN_FILE,
+    default=GATE_JSON,
+    show_default=True,
+    help="The gate's result to print, as the gate stage of `dvc repro` writes it (the search result beside it "
+    "is read too).",
+)
 def report(gate_json: Path) -> None:
     """Print the gate table of the last pipeline run."""
     from pipeline.buys import buys_table
@@ -161,7 +168,14 @@ def _team_name(ctx, param, value: str) -> str:
     callback=_one_line,
     help="Who to tell when the gate fails (e-mail, channel).",
 )
-@click.option("--root", type=TEAMS_ROOT, default=Path("evals"), show_default=True, is_eager=True)  # before the asking
+@click.option(
+    "--root",
+    type=TEAMS_ROOT,
+    default=Path("evals"),
+    show_default=True,
+    is_eager=True,  # checked before --owner and --contact are asked for
+    help="The existing folder that holds the team folders; TEAM's folder is created in it.",
+)
 def new(team: str, owner: str, contact: str, root: Path) -> None:
     """Scaffold a valid team folder evals/TEAM with example documents to replace."""
     from quantgate.scaffold import new_team

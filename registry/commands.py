@@ -358,7 +358,15 @@ def promote(
 @click.argument("model", callback=model_arg)
 @_by
 @_reason
-@click.option("--to", "to", type=click.Choice(["previous", "fallback"]), default="previous", show_default=True)
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["previous", "fallback"]),
+    default="previous",
+    show_default=True,
+    help="The alias production goes back to: previous (the version production had before) or fallback (the "
+    "16-bit baseline build).",
+)
 def rollback(model: str, by: str, reason: str, to: str) -> None:
     """Point MODEL's production alias back at `previous` (or the 16-bit `fallback`)."""
     from registry import aliases

@@ -1,6 +1,7 @@
 """`quantgate --help` and each group's --help read whole to a new user: a group lists each command on one line
 of a terminal 80 columns wide, its description never cut with "..." (click's shortening of a first docstring
-sentence that does not fit; each such command says a short_help instead)."""
+sentence that does not fit; each such command says a short_help instead); and every option of every command says
+what it is in its --help."""
 
 import click
 import pytest
@@ -39,3 +40,10 @@ def test_a_group_lists_each_command_whole_on_one_line(path, columns):
     cut = [line for line in lines if "..." in line or line.rstrip().endswith("…")]
     assert not cut, f"descriptions cut short: {cut}"
     assert all(len(line) <= 80 for line in lines), lines
+
+
+@pytest.mark.parametrize("path", [p for p, _ in EVERY], ids=lambda p: " ".join(("quantgate", *p)))
+def test_every_option_says_what_it_is(path):
+    command = dict(EVERY)[path]
+    silent = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not (p.help or "").strip()]
+    assert not silent, f"quantgate {' '.join(path)}: options without help text: {silent}"
