@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from quantgate.files import not_to_open
+from quantgate.files import dangling, not_to_open
 
 DEFAULT = ParameterSource.DEFAULT
 
@@ -62,8 +62,9 @@ class NonEmptyPath(click.Path):
 
 class Folder(NonEmptyPath):
     """A folder the command reads (a non-empty path, NonEmptyPath); one that is missing or not a folder is a usage
-    error naming it, and saying `advice` (which folder to give); one missing as the default says so: the command
-    runs outside the project folder."""
+    error naming it, and saying `advice` (which folder to give); so is a symlink to nothing (broken or a loop, as
+    quantgate.files.dangling says) and a path that cannot be looked up (a name too long); one missing as the default
+    says so: the command runs outside the project folder."""
 
     def __init__(self, advice: str) -> None:
         super().__init__()
@@ -71,12 +72,20 @@ class Folder(NonEmptyPath):
 
     def convert(self, value, param, ctx):
         path = super().convert(value, param, ctx)
-        if not path.is_dir():
-            state = "is not a folder" if path.exists() else "does not exist"
+        try:
+            folder, there, link = path.is_dir(), path.exists(), path.is_symlink()
+        except OSError as exc:  # ENAMETOOLONG, EACCES: pathlib raises them (a traceback), as not_to_open says
+            self.fail(f"{path} cannot be looked up ({exc.strerror or type(exc).__name__}); {self.advice}", param, ctx)
+        if not folder:
+            fix = ""
+            if link and not there:  # there is a link, to nothing: broken or a loop, as NonEmptyPath(read) says
+                state, fix = f"is {dangling(path)}", "fix the link or "
+            else:
+                state = "is not a folder" if there else "does not exist"
             if ctx is not None and param is not None and ctx.get_parameter_source(param.name) is DEFAULT:
                 given = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name
                 state += f" (the default: run this in the project folder, or give {given})"
-            self.fail(f"{path} {state}; {self.advice}", param, ctx)
+            self.fail(f"{path} {state}; {fix}{self.advice}", param, ctx)
         return path
 
 

@@ -828,3 +828,24 @@ def test_validate_and_canary_load_refuse_a_folder_that_is_not_one_as_a_bad_argum
     ):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 2 and said in result.output.splitlines()[-1], (args, result.output)
+
+
+def test_a_folder_of_eval_sets_that_is_a_dangling_link_or_cannot_be_looked_up_is_a_bad_argument(tmp_path, monkeypatch):
+    """quantgate.options.Folder said a symlink to nothing "does not exist" (the link does), and a name too long
+    for the system (ENAMETOOLONG, which pathlib's is_dir raises) was OSError's traceback, exit 1."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken").symlink_to("nowhere")
+    (tmp_path / "loop").symlink_to("loop")
+    load = ["canary", "load", "--url", "http://127.0.0.1:9", "--rps", "1", "--duration", "1", "--evals"]
+    for args, said in (
+        (["evals", "validate", "broken"], "broken is a broken symlink: its target nowhere does not exist; fix the"),
+        ([*load, "loop"], "'--evals': loop is a symlink loop: its target loop leads back to it; fix the link or give"),
+        (["evals", "validate", "x" * 300], f"{'x' * 300} cannot be looked up (File name too long); give the folder"),
+        ([*load, "x" * 300], "cannot be looked up (File name too long); give the folder of team eval sets"),
+    ):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2 and said in result.output.splitlines()[-1], (args, result.output)
