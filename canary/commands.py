@@ -497,6 +497,8 @@ def run(
     admin_url = gateway.admin_url
     if problem := _usage_problem(load, admin_url, reuse):
         raise click.UsageError(problem)
+    if load.rps and load.evals_dir is None:  # the default, refused as `canary load` refuses it (exit 2)
+        load = dataclasses.replace(load, evals_dir=_default_evals())
     stop, stop_load = threading.Event(), threading.Event()
     restore = operator_stops(stop)
     try:
@@ -536,6 +538,15 @@ def run(
     click.echo(f"canary run {outcome.run_id}: {outcome.decision} at step {outcome.step} ({outcome.percent:g}%)")
     if outcome.decision != "promoted":
         sys.exit(3)
+
+
+def _default_evals() -> Path:
+    """--evals left out with --load-rps: evals, checked as a given --evals is (EVALS, naming it as the default): a
+    usage error (exit 2) when it is not a folder (the command runs outside the project folder), before anything
+    is read."""
+    ctx = click.get_current_context()
+    param = next(p for p in ctx.command.params if p.name == "evals_dir")
+    return EVALS.convert(Path("evals"), param, ctx)
 
 
 def _usage_problem(load: CanaryLoad, admin_url: str | None, reuse: dict[str, str]) -> str | None:

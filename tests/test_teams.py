@@ -849,3 +849,21 @@ def test_a_folder_of_eval_sets_that_is_a_dangling_link_or_cannot_be_looked_up_is
     ):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 2 and said in result.output.splitlines()[-1], (args, result.output)
+
+
+def test_canary_run_refuses_its_default_evals_folder_missing_as_canary_load_does(tmp_path, monkeypatch):
+    """`canary run --load-rps 1` without --evals, outside the project: exit 1 naming --evals, which was not given,
+    where `canary load` says the default is missing as a bad argument (exit 2); without --load-rps no evals is read."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    monkeypatch.chdir(tmp_path)  # no evals/, no params.yaml, no registry
+    run = ["canary", "run", "m", "2", "--by", "t"]
+    result = CliRunner().invoke(cli, [*run, "--load-rps", "1"])
+    assert result.exit_code == 2 and result.output.splitlines()[-1] == (
+        "Error: Invalid value for '--evals': evals does not exist (the default: run this in the project folder, or "
+        "give --evals); give the folder of team eval sets (evals/); see evals/README.md"
+    ), result.output
+    result = CliRunner().invoke(cli, run)
+    assert result.exit_code == 1 and "evals" not in result.output, result.output
