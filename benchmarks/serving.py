@@ -150,7 +150,9 @@ def main() -> None:
                 with vllm_server(serve, model_dir, build, Path(tmp) / f"{build}.server.log") as server:
                     mem, kv = server_facts(server.log_path, server.pid)
                     points = [(c, max(args.prompts_per_concurrency, c)) for c in args.concurrency]
-                    print(f"[serving] {build}: (C, prompts) {points}, in one benchmark process", flush=True)
+                    print(
+                        f"[serving] {build}: (C, prompts) {points}, in one benchmark process (+1 a rerun)", flush=True
+                    )
                     out = Path(tmp) / build
                     found = bench_loads(serve.python, server.base_url, build, model_dir, points, load, out)
                     for (c, n), r in zip(points, found, strict=True):

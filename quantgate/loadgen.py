@@ -170,9 +170,9 @@ def bench_loads(
     python: str, base_url: str, name: str, tokenizer: Path, points: list[tuple[int, int]], load: Load, out_dir: Path
 ) -> list[dict]:
     """Run vLLM's serving benchmark once per (concurrency, prompts) of `points`, in turn and in one process of
-    the serving env `python` (BENCH), against the server at `base_url` (http://host:port/v1) serving model
-    `name`; return their result JSONs in that order. `tokenizer` is the build's model dir; results are written
-    under `out_dir` as c<concurrency>.json.
+    the serving env `python` (BENCH; reruns, below, in one more each), against the server at `base_url`
+    (http://host:port/v1) serving model `name`; return their result JSONs in that order. `tokenizer` is the
+    build's model dir; results are written under `out_dir` as c<concurrency>.json.
 
     A run whose tokens reached the client in one piece (unstreamed) measured no TPOT, and is run again, in one
     more process for those runs, up to STREAM_TRIES runs in all. Raises QuantgateError naming the concurrency
