@@ -710,21 +710,12 @@ def test_promote_takes_only_a_passed_canary_of_this_version_as_evidence(reg):
 def test_a_canary_run_the_registry_failed_to_read_is_not_called_missing(reg, monkeypatch):
     """Any MlflowException of reading --canary-run-id was "does not exist at this tracking URI; give the run id
     `quantgate canary run` printed": a registry that failed (unavailable, locked) sent the user after another id."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
 
     client, model, out = reg({"int4": "PASS"})
     v4 = str(out["builds"]["int4"]["version"])
     approval.approve(client, model, v4, "rm", "gate PASS")
     run_id = _canary_run(client, model, v4, "promoted", "promoted")
-    get_run = MlflowClient.get_run
-
-    def unavailable(self, rid):
-        if rid == run_id:
-            raise MlflowException("503: the server is busy", error_code="TEMPORARILY_UNAVAILABLE")
-        return get_run(self, rid)
-
-    monkeypatch.setattr(MlflowClient, "get_run", unavailable)
+    _registry_busy_for(monkeypatch, run_id)
     for given in (run_id, "0" * 32, "../x"):  # the last two: no such run, not a run id
         result = _invoke("promote", model, v4, "--expect-production", "none", "--by", "rm", "--reason", "r",
                          "--canary-run-id", given)  # fmt: skip
@@ -736,14 +727,12 @@ def test_a_canary_run_the_registry_failed_to_read_is_not_called_missing(reg, mon
     assert "production" not in aliases.current(client, model)
 
 
-def test_a_build_run_the_registry_failed_to_read_is_not_called_missing(reg, monkeypatch):
-    """Any MlflowException of reading `register RUN_ID` was "run ... does not exist in this registry": a registry
-    that failed (unavailable; databricks without credentials) sent the user to `quantgate status` for another id."""
+def _registry_busy_for(monkeypatch, run_id: str) -> None:
+    """MlflowClient.get_run of `run_id` fails as a registry that cannot answer (TEMPORARILY_UNAVAILABLE); other
+    runs are read as before."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client, model, out = reg({"int4": "FAIL"})
-    run_id = out["unregistered"]["int4"]["run_id"]
     get_run = MlflowClient.get_run
 
     def unavailable(self, rid):
@@ -752,6 +741,15 @@ def test_a_build_run_the_registry_failed_to_read_is_not_called_missing(reg, monk
         return get_run(self, rid)
 
     monkeypatch.setattr(MlflowClient, "get_run", unavailable)
+
+
+def test_a_build_run_the_registry_failed_to_read_is_not_called_missing(reg, monkeypatch):
+    """Any MlflowException of reading `register RUN_ID` was "run ... does not exist in this registry": a registry
+    that failed (unavailable; databricks without credentials) sent the user to `quantgate status` for another id."""
+
+    client, model, out = reg({"int4": "FAIL"})
+    run_id = out["unregistered"]["int4"]["run_id"]
+    _registry_busy_for(monkeypatch, run_id)
     for given in (run_id, "0" * 32, "../x"):  # the last two: no such run, not a run id
         result = _invoke("register", given, "--by", "rm", "--override", "ship it")
         if given == run_id:
