@@ -299,7 +299,7 @@ class CanaryLoad:
         if not self.rps:
             return []
         try:
-            return prompts_from_evals(self.evals_dir or Path("evals"))
+            return prompts_from_evals(self.evals_dir)  # run() gives the default with --load-rps (_default_evals)
         except QuantgateError as exc:
             raise QuantgateError(f"--evals: {exc}") from None
 
