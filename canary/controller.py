@@ -577,15 +577,15 @@ def run_canary(
     version = versions.version_number(version)
     builds = preflight(mlflow_client, model_name, version)
     steps = require_feasible(policy, hooks.traffic) if hooks.traffic is not None else None
-    served = {builds[0], builds[2], version}
+    served = dict.fromkeys((builds[0], builds[2], version))  # stable, fallback, candidate: in order, once each
     # a --reuse URL that does not answer is refused before any run, alias or server
     reused = {versions.version_number(v): reused_backend(v, url) for v, url in local.reuse.items()}
-    if not served <= set(reused):
+    if not served.keys() <= reused.keys():
         serving_versions(local.serve.python)  # a server will start: its env must work before the run is opened
     reap_stale(mlflow_client, model_name, policy.stale_after_s, by, hooks.log)  # runs whose controller died
     spec, status = _open_run(mlflow_client, model_name, version, builds, policy, by, hooks.log)
-    if idle := sorted(set(reused) - served, key=int):  # a pool of running servers, or a typo: said, not used
-        serves = ", ".join(f"v{v}" for v in dict.fromkeys((builds[0], builds[2], version)))
+    if idle := sorted(reused.keys() - served.keys(), key=int):  # a pool of running servers, or a typo: said, not used
+        serves = ", ".join(f"v{v}" for v in served)
         hooks.log(f"canary: --reuse {', '.join(idle)} not used: this canary serves only {serves}")
     if steps is not None:
         hooks.log(plan_line(policy, hooks.traffic, steps))
