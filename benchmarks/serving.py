@@ -91,8 +91,9 @@ def main() -> None:
     builds = list(dict.fromkeys(b for b in args.builds.split(",") if b))  # in order, once each
     if not builds:
         raise QuantgateError(f"--builds {args.builds!r}: name at least one of {', '.join(KNOWN_BUILDS)}")
-    for name in ("prompts_per_concurrency", "input_len", "output_len", "bench_timeout_s"):  # --concurrency: argparse
-        if (value := getattr(args, name)) < (least := 2 if name == "output_len" else 1):  # TPOT: 2 tokens or more
+    # --concurrency: argparse; --output-len: TPOT needs 2 tokens or more
+    for name, least in (("prompts_per_concurrency", 1), ("input_len", 1), ("output_len", 2), ("bench_timeout_s", 1)):
+        if (value := getattr(args, name)) < least:
             raise QuantgateError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if unknown := [b for b in builds if b not in KNOWN_BUILDS]:
         raise QuantgateError(f"unknown build(s) {', '.join(unknown)} in --builds; known: {', '.join(KNOWN_BUILDS)}")
