@@ -194,8 +194,9 @@ def bench_loads(
         raise QuantgateError(
             f"vllm bench serve at concurrency {c}: half the requests or more got their {load.output_len} tokens at "
             f"once in each of {STREAM_TRIES} runs (TPOT p50 {r['p50_tpot_ms']:.3f} ms), so TPOT was not measured: the "
-            "benchmark client or the server's API process was starved of CPU; profile again with fewer processes "
-            "running on the machine"
+            "benchmark client or the server's API process fell behind the tokens (too busy to read each as it came: "
+            "on a CPU, the server's threads take the cores they share); profile again with fewer processes running "
+            "on the machine"
         )
     return [results[p] for p in points]
 

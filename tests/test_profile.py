@@ -354,8 +354,9 @@ def test_a_load_whose_tokens_arrived_in_one_piece_is_measured_again_and_never_re
         run("lumped")
     assert str(err.value) == (
         "vllm bench serve at concurrency 8: half the requests or more got their 16 tokens at once in each of 3 runs "
-        "(TPOT p50 0.004 ms), so TPOT was not measured: the benchmark client or the server's API process was "
-        "starved of CPU; profile again with fewer processes running on the machine"
+        "(TPOT p50 0.004 ms), so TPOT was not measured: the benchmark client or the server's API process fell "
+        "behind the tokens (too busy to read each as it came: on a CPU, the server's threads take the cores they "
+        "share); profile again with fewer processes running on the machine"
     )
     assert [line.split()[1] for line in log.read_text().splitlines()] == ["c1", "c8", "c8", "c8"]
 
